@@ -1,0 +1,64 @@
+"""`localmoe run PROMPT`: answer one prompt, streaming to stdout; speed to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from localmoe.commands.base import Command
+from localmoe.commands.options import engine_config, model_options
+
+
+@click.command("run", cls=Command)
+@click.argument("prompt")
+@model_options
+@click.option("--system", default=None, help="System message.")
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--no-stream", is_flag=True, help="Print the answer only when it is complete.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
+def command(prompt, model, dtype, threads, max_context, system, max_tokens, temperature, top_p, top_k, min_p,
+            repetition_penalty, seed, stop, no_stream, as_json):
+    """Answer PROMPT (use - to read it from stdin)."""
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.load import load_model
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
+    loaded = load_model(model, engine_config(dtype, threads, max_context))
+    stream = not (no_stream or as_json)
+    parts, final = [], None
+    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system):
+        parts.append(chunk.text)
+        if stream and chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.finish_reason:
+            final = chunk
+    text = "".join(parts)
+    stats = final.stats
+    if as_json:
+        click.echo(json.dumps({"model": str(loaded.source), "text": text, "finish_reason": final.finish_reason,
+                               "stats": stats.to_dict()}, ensure_ascii=False))
+    else:
+        if not stream:
+            sys.stdout.write(text)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    click.echo(f"[{stats.prompt_tokens} prompt tokens, time to first token {stats.time_to_first_token:.2f} s; "
+               f"{stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tokens/s; "
+               f"finish: {final.finish_reason}]", err=True)
+
+
+def main() -> None:
+    command(prog_name="localmoe run")

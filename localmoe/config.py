@@ -1,0 +1,127 @@
+"""Architecture facts (`ModelSpec`) and runtime settings (`EngineConfig`).
+
+`ModelSpec` is one architecture-neutral description that every family's parser fills in
+from an HF `config.json` or GGUF metadata; the engine builds layers from it alone.
+`EngineConfig` holds what the user chooses at run time (dtype, threads, context size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from localmoe.errors import LocalMoEError
+
+ATTENTION_KINDS = ("attention",)  # later: "mla", "dsa", "kda", "gated_delta"
+MLP_KINDS = ("dense",)  # later: "moe", "latent_moe"
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """What a checkpoint is: dimensions and per-layer kinds. Built by `localmoe/models/<family>.py`."""
+
+    model_type: str  # HF model_type or GGUF general.architecture
+    family: str  # registry key of the family module that parsed it
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    # GGUF llama files store q/k rows permuted for GPT-J style RoPE (rotate adjacent
+    # pairs); HF checkpoints use NeoX style (rotate the two halves).
+    rope_interleaved: bool = False
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    hidden_act: str = "silu"
+    layer_kinds: tuple[str, ...] = ()  # one entry per layer, from ATTENTION_KINDS
+    mlp_kinds: tuple[str, ...] = ()  # one entry per layer, from MLP_KINDS
+    name: str = ""  # human-readable model name when the checkpoint gives one
+
+    def __post_init__(self) -> None:
+        if not self.layer_kinds:
+            self.layer_kinds = ("attention",) * self.num_layers
+        if not self.mlp_kinds:
+            self.mlp_kinds = ("dense",) * self.num_layers
+        self.layer_kinds, self.mlp_kinds = tuple(self.layer_kinds), tuple(self.mlp_kinds)
+        if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
+            raise LocalMoEError(f"{self.model_type}: layer kind lists must have num_layers={self.num_layers} entries")
+        if self.num_heads % self.num_kv_heads:
+            raise LocalMoEError(f"{self.model_type}: num_heads={self.num_heads} is not a multiple of "
+                                f"num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+        """Build from a dict, ignoring keys that are not fields (e.g. from a newer manifest)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["layer_kinds"], data["mlp_kinds"] = list(self.layer_kinds), list(self.mlp_kinds)
+        return data
+
+    # ---- derived sizes (used by `inspect` and the planner) ----
+
+    def attention_params(self) -> int:
+        q = self.hidden_size * self.num_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        return q + kv + q + bias + norms  # q, k, v, o
+
+    def mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total and per-token active parameters (equal for dense models)."""
+        per_layer = self.attention_params() + self.mlp_params() + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        total = embed + head + self.num_layers * per_layer + self.hidden_size
+        return {"total": total, "active": total, "embedding": embed, "lm_head": head}
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
+        """KV-cache bytes one token costs across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * bytes_per_value
+
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Runtime choices; independent of the checkpoint."""
+
+    dtype: str = "auto"  # weights for GEMV; "auto" picks by measurement (see engine/weights.py)
+    threads: int = 0  # 0 = all physical cores
+    max_context: int = 0  # KV cache length; 0 = min(model max, 8192)
+    device: str = "cpu"
+    max_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise LocalMoEError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.threads < 0 or self.max_context < 0 or self.max_batch < 1:
+            raise LocalMoEError("threads and max_context must be >= 0 and max_batch >= 1")
+
+    def resolved_threads(self) -> int:
+        if self.threads:
+            return self.threads
+        try:
+            import psutil
+
+            return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+        except Exception:
+            return os.cpu_count() or 1
+
+    def context_for(self, spec: ModelSpec) -> int:
+        return self.max_context or min(spec.max_position_embeddings, 8192)

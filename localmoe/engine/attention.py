@@ -1,0 +1,42 @@
+"""Grouped-query attention with RoPE over a preallocated KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.config import ModelSpec
+from localmoe.engine.cache import KVCache
+from localmoe.engine.linear import Linear
+from localmoe.engine.rope import apply_rope
+
+
+class GQAttention:
+    """q/k/v from one fused projection; H query heads share H_kv key/value heads."""
+
+    def __init__(self, spec: ModelSpec, qkv: Linear, o_proj: Linear,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.group = self.heads // self.kv_heads
+        self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.qkv, self.o_proj = qkv, o_proj
+        self.q_norm, self.k_norm, self.eps = q_norm, k_norm, spec.rms_norm_eps
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, T, hidden]; mask [B|1, 1, G*T, S] bool (True = attend) or None for 'see everything'."""
+        B, T, _ = x.shape
+        H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.group
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (D,), self.q_norm, self.eps)
+            k = F.rms_norm(k, (D,), self.k_norm, self.eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.update(start, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        # Fold the G query heads of each KV head into the query axis, so K/V are never
+        # repeated: q [B, Hkv, G*T, D] with row g*T + t.
+        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return self.o_proj(out)

@@ -1,0 +1,71 @@
+"""Rotary position embeddings: inverse frequencies (plain, linear, llama3, YaRN) and application.
+
+Convention: NeoX / HF style, rotating the two halves of each head (`rotate_half`).
+Checkpoints in GPT-J (adjacent-pair) order are permuted to this order when loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim/2] in float64 and the attention scale factor YaRN asks for (1.0 otherwise)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind in (None, "default"):
+        return inv_freq, 1.0
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((original / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        between = (wavelen <= original / low) & (wavelen >= original / high)
+        return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
+    if kind == "yarn":
+        original = float(scaling.get("original_max_position_embeddings", 4096))
+        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+
+        def correction_dim(rotations: float) -> float:
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        extrapolation = 1 - ramp  # 1 where we keep the original frequency
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+        return inv, mscale
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+class RotaryTable:
+    """cos/sin for every position up to `max_positions`, [P, head_dim] float32, computed once."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
+                 freq_factors: torch.Tensor | None = None):
+        inv_freq, mscale = inverse_frequencies(head_dim, theta, scaling)
+        if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.1 scaling)
+            inv_freq = inv_freq / freq_factors.double()
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = (angles.cos() * mscale).float()
+        self.sin = (angles.sin() * mscale).float()
+
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by cos/sin [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+Every error a user can cause (a bad path, a corrupt file, an unknown architecture, a bad
+option) is a `LocalMoEError`: the CLI prints its message without a traceback. Messages
+name the file, tensor or field at fault and say what to do.
+"""
+
+
+class LocalMoEError(Exception):
+    """An error with a message meant for the user; shown without a traceback."""
+
+
+class CheckpointError(LocalMoEError):
+    """A weight file is missing, truncated, corrupt or not in the expected layout."""
+
+
+class UnsupportedModelError(LocalMoEError):
+    """The checkpoint's architecture (model_type / general.architecture) is not supported."""
+
+
+class TokenizerError(LocalMoEError):
+    """The tokenizer or chat template cannot be built or rendered."""

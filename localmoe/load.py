@@ -1,0 +1,169 @@
+"""The one loader: a path (GGUF file, HF directory, or nothing = the embedded default)
+becomes a ready model, its tokenizer and chat formatting.
+
+Every family goes through the same steps: parse the config into a ModelSpec, rename each
+checkpoint tensor through the family's TensorMap, assert its shape, build the model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from localmoe.config import EngineConfig, ModelSpec
+from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.models import family_for_gguf, family_for_model_type
+from localmoe.models.base import Family, TensorMap
+
+
+def _progress(items: list, description: str, enabled: bool):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=description, unit="tensor", file=sys.stderr, leave=False,
+                disable=not sys.stderr.isatty())
+
+
+def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family: Family, spec: ModelSpec,
+                       source: str, progress: bool) -> dict[str, torch.Tensor]:
+    """Read, rename, transform and shape-check every tensor; fail naming the tensor at fault."""
+    weights: dict[str, torch.Tensor] = {}
+    for name in _progress(list(names), f"loading {Path(source).name}", progress):
+        try:
+            resolved = tensor_map.resolve(name)
+        except KeyError:
+            raise CheckpointError(f"{source}: tensor {name!r} is not part of a {family.name}-family checkpoint "
+                                  f"(model type {spec.model_type}); the file may be of another architecture")
+        if resolved is None:
+            continue
+        canonical, transform = resolved
+        tensor = read(name).float()
+        if transform is not None:
+            tensor = transform(tensor, spec)
+        weights[canonical] = tensor
+    expected = family.expected_shapes(spec)
+    for canonical, shape in expected.items():
+        if canonical not in weights:
+            raise CheckpointError(f"{source}: tensor {canonical!r} is missing (required by {spec.model_type} "
+                                  f"with {spec.num_layers} layers)")
+        if tuple(weights[canonical].shape) != shape:
+            raise CheckpointError(f"{source}: tensor {canonical!r} has shape {tuple(weights[canonical].shape)}, "
+                                  f"expected {shape} from the model config")
+    optional = [re.compile(p) for p in family.optional_tensors]
+    for canonical in weights.keys() - expected.keys():
+        if not any(p.search(canonical) for p in optional):
+            raise CheckpointError(f"{source}: tensor {canonical!r} is not used by this configuration "
+                                  f"(model type {spec.model_type}); the config and weights disagree")
+    return weights
+
+
+def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch.Tensor], tensor_map: TensorMap,
+                       config: EngineConfig, source: str = "<tensors>"):
+    """Build a model from checkpoint-named tensors already in memory (tests, conversions)."""
+    weights = _canonical_weights(list(tensors), tensors.__getitem__, tensor_map, family, spec, source, False)
+    return family.build(spec, weights, config)
+
+
+def _read_gguf(path: Path, progress: bool):
+    from localmoe.store.gguf import GGUFFile
+    from localmoe.tokenizer import tokenizer_from_gguf_metadata
+
+    gguf = GGUFFile(path)
+    family = family_for_gguf(gguf.architecture, str(path))
+    names = gguf.tensor_names()
+    spec = family.spec_from_gguf(gguf.metadata, set(names))
+    weights = _canonical_weights(names, gguf.tensor, family.gguf_tensors(gguf.architecture), family, spec,
+                                 str(path), progress)
+    tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, str(path))
+    return family, spec, weights, tokenizer
+
+
+def _read_hf_dir(path: Path, progress: bool):
+    from localmoe.store.safetensors import SafetensorsCheckpoint
+    from localmoe.tokenizer import tokenizer_from_hf_dir
+
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if "model_type" not in config:
+        raise CheckpointError(f"{config_path}: has no model_type field")
+    family = family_for_model_type(config["model_type"], str(config_path))
+    spec = family.spec_from_hf(config)
+    checkpoint = SafetensorsCheckpoint(path)
+    weights = _canonical_weights(list(checkpoint.keys()), checkpoint.tensor, family.hf_tensors, family, spec,
+                                 str(path), progress)
+    return family, spec, weights, tokenizer_from_hf_dir(path)
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """None -> the embedded default model (fetched on first use); otherwise an existing path."""
+    if path is None:
+        from localmoe.default_model import default_model_path
+
+        return default_model_path()
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise LocalMoEError(f"{path}: no such file or directory (expected a .gguf file or a model directory)")
+    return path
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: spec, engine model, tokenizer, and where it came from."""
+
+    spec: ModelSpec
+    model: object
+    tokenizer: object
+    source: Path
+    config: EngineConfig
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: str | list[dict], params=None, max_tokens: int = 256, stop: Sequence[str] = (),
+               system: str | None = None) -> Iterator:
+        """Stream GenerationChunks for a user message (str) or a list of chat messages."""
+        from localmoe.engine.generate import stream_generate
+        from localmoe.engine.sampler import SamplingParams
+
+        if isinstance(prompt, str):
+            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
+                                                                                      "content": prompt}]
+        ids = self.chat_prompt(prompt)
+        return stream_generate(self.model, self.tokenizer, ids, params or SamplingParams(), max_tokens, stop)
+
+    def generate(self, prompt: str | list[dict], params=None, max_tokens: int = 256, stop: Sequence[str] = (),
+                 system: str | None = None):
+        """Whole answer as a GenerationResult."""
+        from localmoe.engine.generate import collect
+
+        return collect(self.stream(prompt, params, max_tokens, stop, system))
+
+
+def load_model(path: str | Path | None = None, config: EngineConfig | None = None, progress: bool = True,
+               **options) -> LoadedModel:
+    """Load a GGUF file or an HF safetensors directory (None = the embedded default model)."""
+    config = config or EngineConfig(**options)
+    torch.set_num_threads(config.resolved_threads())
+    path = resolve_model_path(path)
+    if path.is_dir():
+        if (path / "manifest.json").exists():
+            raise LocalMoEError(f"{path}: localmoe stores are not supported by this version yet")
+        if not (path / "config.json").exists():
+            raise LocalMoEError(f"{path}: a model directory needs config.json (HF layout) or manifest.json")
+        family, spec, weights, tokenizer = _read_hf_dir(path, progress)
+    else:
+        family, spec, weights, tokenizer = _read_gguf(path, progress)
+    model = family.build(spec, weights, config)
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)

@@ -1,0 +1,47 @@
+"""Registry of model families, keyed by HF `model_type` and GGUF `general.architecture`."""
+
+from __future__ import annotations
+
+from localmoe.errors import UnsupportedModelError
+from localmoe.models.base import Family
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _load_builtin() -> None:
+    if not _FAMILIES:
+        from localmoe.models import llama  # noqa: F401  (registers itself)
+
+
+def families() -> list[Family]:
+    _load_builtin()
+    return list(_FAMILIES.values())
+
+
+def supported_model_types() -> list[str]:
+    return sorted({t for f in families() for t in f.model_types})
+
+
+def supported_gguf_architectures() -> list[str]:
+    return sorted({a for f in families() for a in f.gguf_architectures})
+
+
+def family_for_model_type(model_type: str, source: str = "config.json") -> Family:
+    for family in families():
+        if model_type in family.model_types:
+            return family
+    raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported; supported model types: "
+                                f"{', '.join(supported_model_types())}")
+
+
+def family_for_gguf(architecture: str, source: str = "GGUF file") -> Family:
+    for family in families():
+        if architecture in family.gguf_architectures:
+            return family
+    raise UnsupportedModelError(f"{source}: GGUF architecture {architecture!r} is not supported; supported: "
+                                f"{', '.join(supported_gguf_architectures())}")
