@@ -27,12 +27,12 @@ class GQAttention:
         """x [B, T, hidden]; mask [B|1, 1, G*T, S] bool (True = attend) or None for 'see everything'."""
         B, T, _ = x.shape
         H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.group
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        qk, v = self.qkv(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
+        qk, v = qk.view(B, T, H + Hkv, D), v.view(B, T, Hkv, D)
         if self.q_norm is not None:
-            q = F.rms_norm(q, (D,), self.q_norm, self.eps)
-            k = F.rms_norm(k, (D,), self.k_norm, self.eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
+                            F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)], dim=2)
+        q, k = apply_rope(qk, cos, sin).split((H, Hkv), dim=2)  # one rotation for q and k together
         keys, values = cache.update(start, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         # Fold the G query heads of each KV head into the query axis, so K/V are never
         # repeated: q [B, Hkv, G*T, D] with row g*T + t.

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+COLD_BYTES = 96 << 20  # more than any desktop CPU's last-level cache
 GEMV_MAX_ROWS = 8  # above this many input rows a call is a GEMM: always compute in fp32
 
 _choice_cache: dict[tuple[int, int, int], torch.dtype] = {}
@@ -29,15 +30,25 @@ def _time(fn, repeats: int) -> float:
 
 
 def measured_gemv_dtype(out_features: int, in_features: int) -> torch.dtype:
-    """The faster weight dtype (fp32 or bf16) for a one-row F.linear of this shape here."""
+    """The faster weight dtype (fp32 or bf16) for a one-row F.linear of this shape here.
+
+    Decode streams every weight from RAM once per token, so the timing rotates over
+    enough copies to overflow the last-level cache: a single hot matrix would make fp32
+    look fast because it never leaves L2/L3.
+    """
     key = (out_features, in_features, torch.get_num_threads())
     if key not in _choice_cache:
-        repeats = 3 if out_features * in_features > 1 << 24 else 10
+        copies = max(2, (COLD_BYTES // (4 * out_features * in_features)) + 1)
         timings = {}
         for dtype in (torch.float32, torch.bfloat16):
-            w = torch.randn(out_features, in_features).to(dtype)
+            weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
             x = torch.randn(1, in_features).to(dtype)
-            timings[dtype] = _time(lambda: F.linear(x, w), repeats)
+
+            def sweep():
+                for w in weights:
+                    F.linear(x, w)
+
+            timings[dtype] = _time(sweep, 5)
         # bf16 must win clearly: it also costs precision and a cast per call.
         _choice_cache[key] = torch.bfloat16 if timings[torch.bfloat16] < 0.8 * timings[torch.float32] else torch.float32
     return _choice_cache[key]

@@ -57,15 +57,17 @@ class RotaryTable:
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = (angles.cos() * mscale).float()
-        self.sin = (angles.sin() * mscale).float()
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: fold the sign into the table
+        half = head_dim // 2
+        sin = angles.sin() * mscale
+        sin[:, :half] = -sin[:, :half]
+        self.sin = sin.float()
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, 1, D] to broadcast over heads."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D] rotated by cos/sin [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] rotated by the tables' cos / signed sin [B, T, 1, D] (three ops: decode is op-bound)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -1,0 +1,136 @@
+"""Decode speed of the embedded dense model: localmoe vs transformers (and llama.cpp if installed).
+
+All peers run in this process, on the same GGUF, with the same thread count, greedy,
+after the same prompt. Prints tokens/s, ratios, the fraction of the memory-bandwidth
+limit reached, and localmoe's Python/dispatch overhead per token (measured by running
+the same layer graph with tiny matrices, so that nearly all remaining time is overhead).
+
+    python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--skip-transformers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from common import memory_read_bandwidth, report
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def time_localmoe(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    from localmoe.engine.generate import prefill
+    from localmoe.engine.sampler import SamplingParams, sample
+
+    model = loaded.model
+    cache = model.new_cache(1, len(prompt_ids) + tokens + 8)
+    logits = prefill(model, prompt_ids, cache)
+    greedy = SamplingParams(temperature=0)
+    out = []
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = sample(logits, greedy)
+        out.append(int(token))
+        logits = model.forward(token.view(1, 1), cache)[:, -1]
+    return tokens / (time.perf_counter() - start), out
+
+
+def overhead_per_token(loaded, tokens: int) -> float:
+    """Seconds per decode step of the same layer graph with 16-wide matrices (≈ pure overhead)."""
+    from localmoe.config import EngineConfig
+    from localmoe.engine.transformer import DenseTransformer
+    from localmoe.models import family_for_model_type
+
+    spec = dataclasses.replace(loaded.spec, hidden_size=16, num_heads=loaded.spec.num_heads // loaded.spec.num_kv_heads,
+                               num_kv_heads=1, head_dim=16, intermediate_size=16, vocab_size=64)
+    family = family_for_model_type("llama")
+    weights = {name: torch.randn(shape) * 0.1 for name, shape in family.expected_shapes(spec).items()}
+    tiny = DenseTransformer(spec, weights, EngineConfig(dtype="float32"))
+    rate, _ = time_localmoe(type("L", (), {"model": tiny})(), [1, 2, 3], tokens)
+    return 1.0 / rate
+
+
+def time_transformers(gguf_path, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1]
+        generated = []
+        start = time.perf_counter()
+        for _ in range(tokens):
+            token = logits.argmax(-1, keepdim=True)
+            generated.append(int(token))
+            out = model(token, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1]
+        elapsed = time.perf_counter() - start
+    return tokens / elapsed, generated
+
+
+def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) -> tuple[float, list[int]] | None:
+    try:
+        import llama_cpp
+        import numpy as np
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                          logits_all=False, verbose=False)
+    llm.eval(prompt_ids)
+    generated = []
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        generated.append(token)
+        llm.eval([token])
+    return tokens / (time.perf_counter() - start), generated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from localmoe.default_model import default_model_path
+    from localmoe.load import load_model
+
+    gguf_path = default_model_path()
+    print(f"decode_dense: {gguf_path.name}, {args.tokens} greedy tokens, {args.threads} threads", flush=True)
+    loaded = load_model(gguf_path, threads=args.threads, dtype=args.dtype, progress=False)
+    prompt_ids = loaded.chat_prompt([{"role": "user", "content": PROMPT}])
+    time_localmoe(loaded, prompt_ids, 8)  # warm up
+    ours, our_tokens = time_localmoe(loaded, prompt_ids, args.tokens)
+    overhead = overhead_per_token(loaded, args.tokens)
+    bandwidth = memory_read_bandwidth()
+    weight_bytes = loaded.model.weight_bytes() - loaded.model.embed.nbytes  # the embedding is gathered, not read
+    limit = bandwidth / weight_bytes
+    rows = [("localmoe", f"{ours:.1f} tokens/s ({args.dtype} weights, {weight_bytes / 2**20:.0f} MiB read per token)"),
+            ("memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s -> limit {limit:.1f} tokens/s; localmoe at "
+                                 f"{ours / limit:.2f} of it"),
+            ("python overhead", f"{overhead * 1e3:.2f} ms/token = {overhead * ours:.0%} of a localmoe step")]
+    if not args.skip_transformers:
+        print("loading transformers on the same GGUF (about a minute) ...", flush=True)
+        theirs, their_tokens = time_transformers(gguf_path, prompt_ids, args.tokens)
+        same = sum(a == b for a, b in zip(our_tokens, their_tokens))
+        rows += [("transformers", f"{theirs:.1f} tokens/s"),
+                 ("localmoe / transformers", f"{ours / theirs:.2f}x (goal >= 3x); greedy tokens equal: "
+                                             f"{same}/{args.tokens}")]
+    cpp = time_llama_cpp(gguf_path, prompt_ids, args.tokens, args.threads)
+    if cpp is None:
+        rows.append(("llama.cpp", "not installed (pip install llama-cpp-python to compare)"))
+    else:
+        rows += [("llama.cpp", f"{cpp[0]:.1f} tokens/s"), ("localmoe / llama.cpp", f"{ours / cpp[0]:.2f}x")]
+    report(rows)
+
+
+if __name__ == "__main__":
+    main()

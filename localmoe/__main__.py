@@ -1,0 +1,3 @@
+from localmoe.cli import main
+
+main()

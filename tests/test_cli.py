@@ -1,0 +1,99 @@
+"""The `localmoe` command line, run as a real subprocess."""
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+
+def localmoe(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "localmoe", *args], capture_output=True, text=True, input=stdin,
+                          timeout=300)
+
+
+def assert_clean_error(done, *fragments):
+    """Exit 1, one `localmoe: error:` line naming the problem, and no traceback."""
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("localmoe: error:")]
+    assert len(lines) == 1, done.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_model_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    assert_clean_error(localmoe("run", "hi", "--model", str(missing)), str(missing), "no such file")
+
+
+def test_truncated_gguf(tmp_path, smollm2_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(smollm2_gguf.read_bytes()[: 40 << 20])
+    assert_clean_error(localmoe("run", "hi", "--model", str(cut)), "cut.gguf", "truncated")
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(np.random.default_rng(0).bytes(4096))
+    assert_clean_error(localmoe("inspect", str(junk)), "junk.gguf", "GGUF")
+
+
+def test_corrupt_safetensors_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8, "hidden_size": 4,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 1,
+                                                      "intermediate_size": 8}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x40\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert_clean_error(localmoe("run", "hi", "--model", str(tmp_path)), "model.safetensors")
+
+
+def test_unknown_hf_architecture_lists_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "perceiver9"}))
+    assert_clean_error(localmoe("inspect", str(tmp_path)), "perceiver9", "llama", "qwen3")
+
+
+def test_unknown_gguf_architecture_lists_supported(tmp_path):
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba9")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_clean_error(localmoe("run", "hi", "--model", str(path)), "mamba9", "llama")
+
+
+def test_bad_option_value():
+    done = localmoe("run", "hi", "--temperature", "-1")
+    assert_clean_error(done, "temperature")
+
+
+@pytest.mark.slow
+def test_run_json_answers(smollm2_gguf):
+    done = localmoe("run", "What is the capital of France?", "--temperature", "0", "--max-tokens", "32", "--json",
+                    "--model", str(smollm2_gguf))
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert "Paris" in answer["text"] and answer["finish_reason"] == "stop"
+    assert answer["stats"]["generated_tokens"] >= 1 and "tokens/s" in done.stderr
+
+
+def test_run_reads_prompt_from_stdin(smollm2_gguf):
+    done = localmoe("run", "-", "--temperature", "0", "--max-tokens", "4", "--model", str(smollm2_gguf),
+                    stdin="Say hello.")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+def test_inspect_default_model(smollm2_gguf):
+    done = localmoe("inspect", str(smollm2_gguf), "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert (info["model_type"], info["layers"], info["hidden_size"], info["heads"], info["kv_heads"]) == \
+        ("llama", 30, 576, 9, 3)
+    assert 134e6 < info["parameters_total"] < 136e6  # SmolLM2-135M with tied embeddings
+    assert info["tensor_dtypes"]["Q4_1"]["tensors"] == 210
+    text = localmoe("inspect", str(smollm2_gguf)).stdout
+    assert "parameters" in text and "kv cache" in text
