@@ -1,0 +1,11 @@
+"""The test-checkpoint families, by name (the config's `model_type`)."""
+
+from __future__ import annotations
+
+from localmoe.testing.families import deepseek_v32, glm5_next, gpt_oss, kimi_k3, kimi_linear, qwen3_next
+from localmoe.testing.plan import Family
+
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (kimi_linear.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, deepseek_v32.FAMILY, glm5_next.FAMILY,
+                        kimi_k3.FAMILY)
+}
