@@ -14,8 +14,10 @@ from typing import Any
 
 from localmoe.errors import LocalMoEError
 
-ATTENTION_KINDS = ("attention",)  # later: "mla", "dsa", "kda", "gated_delta"
-MLP_KINDS = ("dense",)  # later: "moe", "latent_moe"
+# "attention": GQA; "sliding_attention": GQA over a window; "mla": DeepSeek latent attention;
+# "dsa": MLA + lightning indexer; "kda": Kimi delta attention; "gated_delta": Gated DeltaNet
+ATTENTION_KINDS = ("attention", "sliding_attention", "mla", "dsa", "kda", "gated_delta")
+MLP_KINDS = ("dense", "moe", "latent_moe")
 
 
 @dataclass(slots=True)
@@ -45,6 +47,11 @@ class ModelSpec:
     layer_kinds: tuple[str, ...] = ()  # one entry per layer, from ATTENTION_KINDS
     mlp_kinds: tuple[str, ...] = ()  # one entry per layer, from MLP_KINDS
     name: str = ""  # human-readable model name when the checkpoint gives one
+    # Mixture of experts (0 for dense models); per-layer placement is in mlp_kinds.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -54,6 +61,9 @@ class ModelSpec:
         self.layer_kinds, self.mlp_kinds = tuple(self.layer_kinds), tuple(self.mlp_kinds)
         if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
             raise LocalMoEError(f"{self.model_type}: layer kind lists must have num_layers={self.num_layers} entries")
+        unknown = (set(self.layer_kinds) - set(ATTENTION_KINDS)) | (set(self.mlp_kinds) - set(MLP_KINDS))
+        if unknown:
+            raise LocalMoEError(f"{self.model_type}: unknown layer kinds {sorted(unknown)}")
         if self.num_heads % self.num_kv_heads:
             raise LocalMoEError(f"{self.model_type}: num_heads={self.num_heads} is not a multiple of "
                                 f"num_kv_heads={self.num_kv_heads}")
@@ -88,6 +98,10 @@ class ModelSpec:
         head = 0 if self.tie_word_embeddings else embed
         total = embed + head + self.num_layers * per_layer + self.hidden_size
         return {"total": total, "active": total, "embedding": embed, "lm_head": head}
+
+    def moe_layers(self) -> list[int]:
+        """0-based indices of the layers whose MLP is a routed-expert block."""
+        return [i for i, kind in enumerate(self.mlp_kinds) if kind in ("moe", "latent_moe")]
 
     def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
         """KV-cache bytes one token costs across all layers."""

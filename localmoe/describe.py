@@ -14,7 +14,19 @@ from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.models import family_for_gguf, family_for_model_type
 
 
-def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict]:
+def _parameters(name: str, dtype, shape) -> int:
+    """Parameters a stored tensor holds: a packed MXFP4 byte holds two, its scales none."""
+    count = 1
+    for n in shape:
+        count *= n
+    if name.endswith(("weight_scale", "_scales")):
+        return 0
+    if name.endswith(("weight_packed", "_blocks")):
+        return 2 * count
+    return count
+
+
+def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     from localmoe.store.gguf import GGUFFile
 
     gguf = GGUFFile(path)
@@ -27,10 +39,10 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict]:
         kind = info.ggml_type.name
         counts[kind] += 1
         nbytes[kind] += info.nbytes
-    return spec, dict(counts), dict(nbytes)
+    return spec, dict(counts), dict(nbytes), None
 
 
-def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict]:
+def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     from localmoe.store.safetensors import SafetensorsCheckpoint
 
     config_path = path / "config.json"
@@ -42,12 +54,21 @@ def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict]:
     spec = family.spec_from_hf(config)
     checkpoint = SafetensorsCheckpoint(path)
     counts, nbytes = Counter(), Counter()
+    expert = family.experts.matcher() if family.experts else None
+    routed = other = 0
     for name in checkpoint.keys():
-        dtype, _shape, size, _offset = checkpoint.info(name)
+        dtype, shape, size, _offset = checkpoint.info(name)
         kind = str(dtype).removeprefix("torch.")
         counts[kind] += 1
         nbytes[kind] += size
-    return spec, dict(counts), dict(nbytes)
+        if expert is not None and expert.match(name):
+            routed += _parameters(name, dtype, shape)
+        else:
+            other += _parameters(name, dtype, shape)
+    if expert is not None:  # MoE: count from the tensors; a token uses k of E routed experts
+        share = spec.num_experts_per_tok / spec.num_experts
+        return spec, dict(counts), dict(nbytes), {"total": other + routed, "active": other + round(routed * share)}
+    return spec, dict(counts), dict(nbytes), None
 
 
 def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict:
@@ -56,10 +77,12 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
     path = Path(path)
     if not path.exists():
         raise LocalMoEError(f"{path}: no such file or directory")
-    spec, counts, nbytes = _from_hf(path) if path.is_dir() else _from_gguf(path)
-    params = spec.parameter_counts()
+    spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() else _from_gguf(path)
+    params = counted or spec.parameter_counts()
     context = config.context_for(spec)
-    kv_per_token = spec.kv_bytes_per_token(4)
+    # Only GQA layers are sized here; MLA latent and delta-rule state sizes come with their engine.
+    gqa_only = set(spec.layer_kinds) <= {"attention", "sliding_attention"}
+    kv_per_token = spec.kv_bytes_per_token(4) if gqa_only else None
     layer_kinds = Counter(zip(spec.layer_kinds, spec.mlp_kinds))
     return {
         "path": str(path),
@@ -73,6 +96,8 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
         "kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
         "intermediate_size": spec.intermediate_size,
+        "experts": {"routed": spec.num_experts, "per_token": spec.num_experts_per_tok,
+                    "shared": spec.num_shared_experts, "moe_layers": len(spec.moe_layers())},
         "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
@@ -85,7 +110,7 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
             "weights_bf16_bytes": params["total"] * 2,
             "kv_cache_bytes_per_token": kv_per_token,
             "context": context,
-            "kv_cache_bytes_at_context": kv_per_token * context,
+            "kv_cache_bytes_at_context": kv_per_token * context if kv_per_token is not None else None,
         },
     }
 
@@ -114,6 +139,9 @@ def format_description(d: dict) -> str:
         f"layers         {d['layers']}: " + ", ".join(f"{n} x {k}" for k, n in d["layer_kinds"].items()),
         f"dimensions     hidden {d['hidden_size']}, heads {d['heads']} (kv {d['kv_heads']}) x {d['head_dim']}, "
         f"mlp {d['intermediate_size']}, vocab {d['vocab_size']}",
+        *([f"experts        {d['experts']['routed']} routed ({d['experts']['per_token']} per token) + "
+           f"{d['experts']['shared']} shared, in {d['experts']['moe_layers']} MoE layers"]
+          if d["experts"]["routed"] else []),
         f"context        {d['max_position_embeddings']} tokens (model max)",
         f"parameters     {_count(d['parameters_total'])} total, {_count(d['parameters_active'])} active per token"
         + (" (embedding tied to lm_head)" if d["tie_word_embeddings"] else ""),
@@ -122,6 +150,8 @@ def format_description(d: dict) -> str:
         f"memory         file {_size(m['file_bytes'])}; weights in RAM {_size(m['weights_fp32_bytes'])} fp32 / "
         f"{_size(m['weights_bf16_bytes'])} bf16",
         f"kv cache       {_size(m['kv_cache_bytes_per_token'])} per token (fp32); "
-        f"{_size(m['kv_cache_bytes_at_context'])} at {m['context']} tokens",
+        f"{_size(m['kv_cache_bytes_at_context'])} at {m['context']} tokens"
+        if m["kv_cache_bytes_per_token"] is not None else
+        "kv cache       not estimated yet for MLA / delta-rule layers",
     ]
     return "\n".join(lines)

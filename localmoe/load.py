@@ -17,8 +17,8 @@ from typing import Iterator, Sequence
 import torch
 
 from localmoe.config import EngineConfig, ModelSpec
-from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.models import family_for_gguf, family_for_model_type
+from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
+from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import Family, TensorMap
 
 
@@ -98,6 +98,10 @@ def _read_hf_dir(path: Path, progress: bool):
         raise CheckpointError(f"{config_path}: has no model_type field")
     family = family_for_model_type(config["model_type"], str(config_path))
     spec = family.spec_from_hf(config)
+    if not family.runnable:
+        raise UnsupportedModelError(f"{path}: {spec.model_type} checkpoints can be inspected and converted "
+                                    f"(localmoe inspect / convert), but this version cannot run them yet; "
+                                    f"runnable families: {', '.join(runnable_model_types())}")
     checkpoint = SafetensorsCheckpoint(path)
     weights = _canonical_weights(list(checkpoint.keys()), checkpoint.tensor, family.hf_tensors, family, spec,
                                  str(path), progress)

@@ -15,7 +15,8 @@ def register(family: Family) -> Family:
 
 def _load_builtin() -> None:
     if not _FAMILIES:
-        from localmoe.models import llama  # noqa: F401  (registers itself)
+        # each module registers its family when imported
+        from localmoe.models import deepseek_v32, gpt_oss, kimi_k3, kimi_linear, llama, qwen3_next  # noqa: F401
 
 
 def families() -> list[Family]:
@@ -25,6 +26,10 @@ def families() -> list[Family]:
 
 def supported_model_types() -> list[str]:
     return sorted({t for f in families() for t in f.model_types})
+
+
+def runnable_model_types() -> list[str]:
+    return sorted({t for f in families() if f.runnable for t in f.model_types})
 
 
 def supported_gguf_architectures() -> list[str]:

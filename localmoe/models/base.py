@@ -55,6 +55,48 @@ class TensorMap:
         raise KeyError(name)
 
 
+EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4")
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Where a family's routed experts live in its HF checkpoint (what `convert` packs).
+
+    `patterns` maps a projection ("gate", "up", "down"; gpt-oss: "gate_up" with gate and
+    up rows interleaved) to a checkpoint name with `{i}` (layer) and, unless `stacked`,
+    `{e}` (expert). What the name denotes depends on `format`:
+    - "bf16": the weight itself, e.g. `...experts.{e}.gate_proj.weight` [I, D]
+    - "compressed_tensors_mxfp4": a stem; `{stem}.weight_packed` U8 [out, in/2] and
+      `{stem}.weight_scale` U8 [out, in/32] (Kimi K3)
+    - "gpt_oss_mxfp4": a stem of stacked tensors; `{stem}_blocks` U8 [E, out, in/32, 16],
+      `{stem}_scales` U8 [E, out, in/32] and `{stem}_bias` [E, out]
+    With `stacked`, dim 0 of each tensor indexes the expert.
+    """
+
+    format: str
+    patterns: dict[str, str]
+    stacked: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.format in EXPERT_FORMATS, self.format
+
+    def tensor_names(self, layer: int, expert: int, projection: str) -> list[str]:
+        """Checkpoint tensors holding one projection of one expert (stacked: of all experts)."""
+        stem = self.patterns[projection].replace("{i}", str(layer)).replace("{e}", str(expert))
+        if self.format == "compressed_tensors_mxfp4":
+            return [f"{stem}.weight_packed", f"{stem}.weight_scale"]
+        if self.format == "gpt_oss_mxfp4":
+            return [f"{stem}_blocks", f"{stem}_scales", f"{stem}_bias"]
+        return [stem]
+
+    def matcher(self) -> re.Pattern:
+        """A regex matching every routed-expert tensor name of the checkpoint."""
+        suffix = {"bf16": "", "compressed_tensors_mxfp4": r"\.weight_(?:packed|scale)",
+                  "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)"}[self.format]
+        stems = [re.escape(p).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for p in self.patterns.values()]
+        return re.compile("^(?:" + "|".join(stems) + ")" + suffix + "$")
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: how to read its configs and tensors, and how to build it."""
@@ -63,9 +105,14 @@ class Family:
     model_types: tuple[str, ...]  # HF config.json `model_type` values
     gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
     spec_from_hf: Callable[[dict], ModelSpec]
-    spec_from_gguf: Callable[[dict, set], ModelSpec] | None  # (metadata, tensor names)
-    hf_tensors: TensorMap
-    gguf_tensors: Callable[[str], TensorMap] | None  # by GGUF architecture (permutations differ)
-    expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+    spec_from_gguf: Callable[[dict, set], ModelSpec] | None = None  # (metadata, tensor names)
+    hf_tensors: TensorMap | None = None  # None: the engine cannot run this family yet
+    gguf_tensors: Callable[[str], TensorMap] | None = None  # by GGUF architecture (permutations differ)
+    expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None
     optional_tensors: tuple[str, ...] = ()  # canonical-name regexes that may be absent (e.g. a tied lm_head)
     build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config) -> model
+    experts: ExpertTensors | None = None  # routed experts in the HF checkpoint (MoE families)
+
+    @property
+    def runnable(self) -> bool:
+        return self.build is not None
