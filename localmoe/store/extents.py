@@ -11,9 +11,7 @@ tensor. See docs/store-format.md.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -23,6 +21,7 @@ import torch
 import xxhash
 
 from localmoe.store.safetensors import DTYPES
+from localmoe.store.safetensors_writer import TensorEntry, alignment_order, header_bytes
 
 ALIGN = 4096  # extent alignment and slot granularity: the block size O_DIRECT reads need
 PART_ALIGN = 256  # each tensor inside an extent: cudaMalloc's alignment, enough for any vector load
@@ -177,18 +176,11 @@ def dense_shard_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) 
     itemsize without gaps (the official reader rejects gaps); the JSON is padded with
     spaces so the data starts on an ALIGN boundary.
     """
-    ordered = sorted(entries, key=lambda e: -e[1].itemsize)
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    begin = 0
-    spans = []
-    for name, dtype, shape in ordered:
-        n = nbytes_of(dtype, shape)
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [begin, begin + n]}
-        spans.append((begin, n))
-        begin += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (align_up(8 + len(blob)) - 8 - len(blob))
-    start = 8 + len(blob)
-    placed = [DenseEntry(name, dtype, tuple(shape), start + b, n)
-              for (name, dtype, shape), (b, n) in zip(ordered, spans, strict=True)]
-    return struct.pack("<Q", len(blob)) + blob, placed
+    ordered = alignment_order([TensorEntry(name, DTYPE_NAMES[dtype], tuple(shape)) for name, dtype, shape in entries])
+    head = header_bytes(ordered, {"format": "pt"}, align=ALIGN)
+    dtypes = {name: dtype for name, dtype, _ in entries}
+    placed, offset = [], len(head)
+    for entry in ordered:
+        placed.append(DenseEntry(entry.name, dtypes[entry.name], entry.shape, offset, entry.nbytes))
+        offset += entry.nbytes
+    return head, placed

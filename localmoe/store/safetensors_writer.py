@@ -55,8 +55,12 @@ def alignment_order(entries: Iterable[_E]) -> list[_E]:
     return sorted(entries, key=lambda e: -DTYPE_SIZES[e.dtype])
 
 
-def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
-    """The preamble and JSON header for `entries` laid out in the given order."""
+def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None, align: int = 8) -> bytes:
+    """The preamble and JSON header for `entries` laid out in the given order.
+
+    The JSON is padded with spaces so the data starts at a multiple of `align` (8 like
+    the reference writer; the packed store uses 4096 so tensors can be read O_DIRECT).
+    """
     header: dict[str, object] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -73,7 +77,7 @@ def header_bytes(entries: Sequence[TensorEntry], metadata: dict[str, str] | None
         header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(8 + len(text)) % align)
     return struct.pack("<Q", len(text)) + text
 
 
