@@ -31,10 +31,10 @@ class KVCache:
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, H_kv, T, D] at positions start.. and return views of all filled positions."""
-        end = start + k.shape[2]
-        self.keys[:, :, start:end] = k
-        self.values[:, :, start:end] = v
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        T = k.shape[2]
+        self.keys.narrow(2, start, T).copy_(k)  # narrow + copy_: two cheap ops (decode is op-bound)
+        self.values.narrow(2, start, T).copy_(v)
+        return self.keys.narrow(2, 0, start + T), self.values.narrow(2, 0, start + T)
 
     def trim(self, offset: int) -> None:
         pass  # slots past the offset are simply overwritten

@@ -92,7 +92,7 @@ class DenseTransformer:
         for i, (attn_norm, attention, mlp_norm, mlp) in enumerate(self.layers):
             x = x + attention(F.rms_norm(x, (hidden,), attn_norm, self.eps), cos, sin, cache.layers[i], start,
                               attn_mask)
-            x = x + mlp(F.rms_norm(x, (hidden,), mlp_norm, self.eps))
+            x += mlp(F.rms_norm(x, (hidden,), mlp_norm, self.eps))
         cache.advance(T)
         if not all_logits:
             x = x[:, -1:]
