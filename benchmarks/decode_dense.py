@@ -41,14 +41,14 @@ def time_localmoe(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, li
 def overhead_per_token(loaded, tokens: int) -> float:
     """Seconds per decode step of the same layer graph with 16-wide matrices (≈ pure overhead)."""
     from localmoe.config import EngineConfig
-    from localmoe.engine.transformer import DenseTransformer
+    from localmoe.engine.transformer import Transformer
     from localmoe.models import family_for_model_type
 
     spec = dataclasses.replace(loaded.spec, hidden_size=16, num_heads=loaded.spec.num_heads // loaded.spec.num_kv_heads,
                                num_kv_heads=1, head_dim=16, intermediate_size=16, vocab_size=64)
     family = family_for_model_type("llama")
     weights = {name: torch.randn(shape) * 0.1 for name, shape in family.expected_shapes(spec).items()}
-    tiny = DenseTransformer(spec, weights, EngineConfig(dtype="float32"))
+    tiny = Transformer(spec, weights, EngineConfig(dtype="float32"))
     rate, _ = time_localmoe(type("L", (), {"model": tiny})(), [1, 2, 3], tokens)
     return 1.0 / rate
 

@@ -9,6 +9,7 @@ from localmoe.config import ModelSpec
 from localmoe.engine.cache import KVCache
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
+from localmoe.engine.step import Step
 
 
 class GQAttention:
@@ -22,9 +23,26 @@ class GQAttention:
         self.qkv, self.o_proj = qkv, o_proj
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, spec.rms_norm_eps
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, start: int,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, hidden]; mask [B|1, 1, G*T, S] bool (True = attend) or None for 'see everything'."""
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str):
+        """From canonical `{prefix}self_attn.{q,k,v,o}_proj.*` (+ optional biases and q/k norms)."""
+        p = prefix + "self_attn."
+        bias = None
+        if spec.attention_bias:
+            bias = torch.cat([weights[p + "q_proj.bias"], weights[p + "k_proj.bias"], weights[p + "v_proj.bias"]])
+        qkv = Linear(torch.cat([weights[p + "q_proj.weight"], weights[p + "k_proj.weight"],
+                                weights[p + "v_proj.weight"]]), bias, dtype)
+        return cls(spec, qkv, Linear(weights[p + "o_proj.weight"], None, dtype),
+                   weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache(batch, self.kv_heads, max_len, self.head_dim)
+
+    def nbytes(self) -> int:
+        return self.qkv.nbytes() + self.o_proj.nbytes()
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; appends this step's keys/values to `cache`."""
         B, T, _ = x.shape
         H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.group
         qk, v = self.qkv(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
@@ -32,11 +50,12 @@ class GQAttention:
         if self.q_norm is not None:
             qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
                             F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)], dim=2)
-        q, k = apply_rope(qk, cos, sin).split((H, Hkv), dim=2)  # one rotation for q and k together
-        keys, values = cache.update(start, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        q, k = apply_rope(qk, step.cos, step.sin).split((H, Hkv), dim=2)  # one rotation for q and k together
+        keys, values = cache.update(step.start, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
         # Fold the G query heads of each KV head into the query axis, so K/V are never
-        # repeated: q [B, Hkv, G*T, D] with row g*T + t.
+        # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.o_proj(out)

@@ -18,6 +18,16 @@ class GatedMLP:
         self.act = ACTIVATIONS[activation]
         self.intermediate = gate_up.out_features // 2
 
+    @classmethod
+    def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> "GatedMLP":
+        """From canonical `{prefix}mlp.{gate,up,down}_proj.weight`."""
+        p = prefix + "mlp."
+        gate_up = Linear(torch.cat([weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]]), None, dtype)
+        return cls(gate_up, Linear(weights[p + "down_proj.weight"], None, dtype), spec.hidden_act)
+
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes() + self.down.nbytes()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.act(gate) * up)

@@ -182,9 +182,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def build(spec: ModelSpec, weights: dict, engine_config):
-    from localmoe.engine.transformer import DenseTransformer
+    from localmoe.engine.transformer import Transformer
 
-    return DenseTransformer(spec, weights, engine_config)
+    return Transformer(spec, weights, engine_config)
 
 
 FAMILY = register(Family(

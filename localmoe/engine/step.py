@@ -1,0 +1,35 @@
+"""What one forward call shares across its layers: positions, RoPE tables, the mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localmoe.engine.cache import ModelCache
+from localmoe.engine.rope import RotaryTable
+
+
+@dataclass(slots=True)
+class Step:
+    start: int  # cache position of the first new token
+    positions: torch.Tensor  # [B|1, T] token positions (per row when the batch is left-padded)
+    cos: torch.Tensor | None  # [B|1, T, 1, D] RoPE tables at those positions (None without RoPE)
+    sin: torch.Tensor | None
+    mask: torch.Tensor | None  # [B|1, T, S] bool, True = may attend; None = every cached key is visible
+
+
+def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None) -> Step:
+    """Positions, causal/padding mask and RoPE tables for T new tokens at cache position `start`."""
+    S = start + T
+    if cache.key_mask is None:
+        positions = torch.arange(start, S).unsqueeze(0)
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None]
+    else:
+        valid = cache.key_mask[:, :S]  # [B, S]
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None] & valid[:, None, :]
+        # A padding query sees no key; let it see itself so its (ignored) output stays finite.
+        mask[:, torch.arange(T), torch.arange(start, S)] = True
+    cos, sin = rope.at(positions) if rope is not None else (None, None)
+    return Step(start, positions, cos, sin, mask)
