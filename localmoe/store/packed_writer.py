@@ -77,7 +77,7 @@ class PackedStoreWriter:
         self.dst.mkdir(parents=True, exist_ok=True)
         if (self.dst / MANIFEST).exists():
             if not overwrite:
-                raise CheckpointError(f"{self.dst} already holds a packed store; delete it or convert with --force")
+                raise CheckpointError(f"{self.dst} already holds a packed store; delete it or convert with --overwrite")
             (self.dst / MANIFEST).unlink()  # first, so no manifest ever points at half-rewritten files
             (self.dst / PROGRESS).unlink(missing_ok=True)
             fsync_dir(self.dst)

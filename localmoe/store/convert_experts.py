@@ -1,0 +1,198 @@
+"""Routed experts for `localmoe convert`: which checkpoint tensors hold one expert, and the
+parts of its extent.
+
+Parts, in extent order, for each projection P of gate, up, down:
+- MXFP4 (`--experts mxfp4`; always for MXFP4 sources): `P.packed` U8 [out, in/2] and
+  `P.scales` U8 [out, in/32] in the canonical layout (docs/mxfp4.md), then `P.bias` for
+  gpt-oss (split from its interleaved gate_up bias).
+- kept (`--experts keep`, bf16/f16/fp8 sources): `P.weight` as stored, plus
+  `P.weight_scale_inv` for block-scaled FP8.
+MXFP4 sources are repacked (bytes moved, never requantised); other sources are quantised
+with `mxfp4.quantize` and every tensor's error is measured (`quantization_error`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from localmoe.errors import CheckpointError
+from localmoe.store import mxfp4
+from localmoe.store.convert_sources import Source, TensorRef
+
+EXPERT_MODES = ("mxfp4", "keep")
+PROJECTIONS = ("gate", "up", "down")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# |x_hat - x| per element under the default (midpoint) scale rule; amax is the 32-value block's max |x|
+ERROR_BOUND = "max(|x| / 5, amax / 14, 2^-129)"
+
+
+class ExpertSource:
+    """The routed experts of `source` (per its family's `experts` declaration), read for `mode`."""
+
+    def __init__(self, source: Source, mode: str) -> None:
+        if mode not in EXPERT_MODES:
+            raise CheckpointError(f"--experts must be one of {', '.join(EXPERT_MODES)}, not {mode!r}")
+        self.source, self.mode, self.decl = source, mode, source.family.experts
+        self.layers = source.spec.moe_layers() if self.decl is not None and source.kind == "safetensors" else []
+        self.num_experts = source.spec.num_experts
+        self.mxfp4_source = self.decl is not None and self.decl.format != "bf16"
+        self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4"
+        quant = source.config.get("quantization_config") or {}
+        self._fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
+        self.names: set[str] = set()  # every checkpoint tensor read as an expert
+        for layer in self.layers:
+            for e in range(1 if self.decl.stacked else self.num_experts):
+                for names in self._names(layer, e).values():
+                    for name in names:
+                        ref = source.ref(name, f"routed-expert tensor (layer {layer}, expert {e})")
+                        if self.decl.stacked and (not ref.shape or ref.shape[0] != self.num_experts):
+                            raise CheckpointError(f"{source.path}: stacked expert tensor {name!r} has shape "
+                                                  f"{list(ref.shape)}; config.json says {self.num_experts} experts")
+                        self.names.add(name)
+
+    @property
+    def stored_format(self) -> str:
+        if not self.layers:
+            return "none"
+        return "mxfp4-repacked" if self.mxfp4_source else ("mxfp4-quantized" if self.quantises else "kept")
+
+    def _names(self, layer: int, e: int) -> dict[str, list[str]]:
+        out = {}
+        for proj in self.decl.patterns:
+            names = self.decl.tensor_names(layer, e, proj)
+            if self.decl.format == "bf16" and names[0] + "_scale_inv" in self.source.tensors:
+                names.append(names[0] + "_scale_inv")  # block-scaled FP8 (DeepSeek's `weight_scale_inv`)
+            out[proj] = names
+        return out
+
+    def refs(self, layer: int, e: int) -> dict[str, list[TensorRef]]:
+        """The checkpoint tensors of one expert, per declared projection, in read order."""
+        out = {}
+        for proj, names in self._names(layer, e).items():
+            refs = [self.source.tensors[n] for n in names]
+            out[proj] = [r.index0(e) for r in refs] if self.decl.stacked else refs
+        return out
+
+    def parts(self, layer: int, e: int, tensors: dict[str, list[torch.Tensor]]
+              ) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+        """(the extent's parts, per-projection quantisation error) from the tensors of `refs`."""
+        try:
+            errors: dict[str, dict] = {}
+            if self.decl.format == "compressed_tensors_mxfp4":
+                out = {f"{p}.{k}": t for p in PROJECTIONS for k, t in zip(("packed", "scales"), tensors[p])}
+                for p in PROJECTIONS:
+                    _check_mxfp4(p, out[f"{p}.packed"], out[f"{p}.scales"])
+            elif self.decl.format == "gpt_oss_mxfp4":
+                out = self._gpt_oss(tensors)
+            else:
+                out, errors = self._dense_experts(tensors)
+            _check_shapes(out)
+            return out, errors
+        except CheckpointError as err:
+            names = [r.name for rs in self.refs(layer, e).values() for r in rs]
+            hint = "; try --experts keep" if self.quantises else ""
+            raise CheckpointError(f"{self.source.path}: layer {layer} expert {e} ({', '.join(names)}): "
+                                  f"{err}{hint}") from None
+
+    def _gpt_oss(self, tensors: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        out = {}
+        for proj, (blocks, scales, bias) in tensors.items():
+            packed, scales = mxfp4.gpt_oss_to_canonical(blocks, scales)
+            if proj == "gate_up":  # rows interleave gate (even) and up (odd); so does the bias
+                (gp, gs), (up, us) = mxfp4.split_gate_up_interleaved(packed, scales)
+                out |= {"gate.packed": gp, "gate.scales": gs, "gate.bias": bias[0::2].contiguous(),
+                        "up.packed": up, "up.scales": us, "up.bias": bias[1::2].contiguous()}
+            else:
+                out |= {f"{proj}.packed": packed, f"{proj}.scales": scales, f"{proj}.bias": bias}
+        return out
+
+    def _dense_experts(self, tensors: dict[str, list[torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict]:
+        out, errors = {}, {}
+        for proj in PROJECTIONS:
+            w, *scale_inv = tensors[proj]
+            if w.dim() != 2 or not (w.is_floating_point()):
+                raise CheckpointError(f"{proj} is {w.dtype} {list(w.shape)}, not a float matrix")
+            if self.mode == "keep":
+                out[f"{proj}.weight"] = w
+                if scale_inv:
+                    out[f"{proj}.weight_scale_inv"] = scale_inv[0]
+                continue
+            x = self._fp8_dequantize(w, scale_inv[0]) if scale_inv else w
+            packed, scales = mxfp4.quantize(x)
+            out |= {f"{proj}.packed": packed, f"{proj}.scales": scales}
+            errors[proj] = {**mxfp4.quantization_error(x, packed, scales), "numel": x.numel()}
+        return out, errors
+
+    def _fp8_dequantize(self, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+        """FP8 weights with one float scale per (bo x bi) block -> float32."""
+        bo, bi = self._fp8_block
+        rows, cols = w.shape
+        if w.dtype not in _FP8 or tuple(scale_inv.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
+            raise CheckpointError(f"weight {w.dtype} {list(w.shape)} with weight_scale_inv {list(scale_inv.shape)} "
+                                  f"is not FP8 with {bo}x{bi} block scales")
+        s = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+        return w.float() * s
+
+
+def _check_mxfp4(proj: str, packed: torch.Tensor, scales: torch.Tensor) -> None:
+    if (packed.dtype != torch.uint8 or scales.dtype != torch.uint8 or packed.dim() != 2
+            or packed.shape[0] != scales.shape[0] or packed.shape[1] != 16 * scales.shape[1]):
+        raise CheckpointError(f"{proj} is not MXFP4: codes {packed.dtype} {list(packed.shape)} with scales "
+                              f"{scales.dtype} {list(scales.shape)} (expected uint8 [out, in/2] and [out, in/32])")
+
+
+def _logical(parts: dict[str, torch.Tensor], proj: str) -> tuple[int, int] | None:
+    if f"{proj}.packed" in parts:
+        r, half = parts[f"{proj}.packed"].shape
+        return r, 2 * half
+    w = parts.get(f"{proj}.weight")
+    return None if w is None else tuple(w.shape)
+
+
+def _check_shapes(parts: dict[str, torch.Tensor]) -> None:
+    """gate and up are [I, D]; down is [D, I]."""
+    gate, up, down = (_logical(parts, p) for p in PROJECTIONS)
+    if gate != up or down != (gate[1], gate[0]):
+        raise CheckpointError(f"projection shapes gate {list(gate)}, up {list(up)}, down {list(down)} do not "
+                              f"fit an expert (gate and up [I, D], down [D, I])")
+
+
+# ---- quantisation error records: one per layer, JSON-ready ----
+
+def new_record(layer: int) -> dict:
+    return {"layer": layer, "experts": [], "tensors": {}}
+
+
+def add_to_record(record: dict, expert: int, errors: dict[str, dict]) -> None:
+    record["experts"].append(expert)
+    for proj, err in errors.items():
+        t = record["tensors"].setdefault(proj, {"numel": err["numel"], "rmse": [], "max_abs": [],
+                                                "relative_rmse": []})
+        for key in ("rmse", "max_abs", "relative_rmse"):
+            t[key].append(err[key])
+
+
+def summarize(records: list[dict]) -> dict:
+    """Pooled RMSE (over all elements), mean and max relative RMSE, max |error|, worst tensor."""
+    sq = n = 0.0
+    rel: list[float] = []
+    max_abs, worst = 0.0, None
+    for rec in records:
+        for proj, t in rec["tensors"].items():
+            for i, (rmse, rrel, mabs) in enumerate(zip(t["rmse"], t["relative_rmse"], t["max_abs"])):
+                sq, n = sq + rmse * rmse * t["numel"], n + t["numel"]
+                rel.append(rrel)
+                max_abs = max(max_abs, mabs)
+                if worst is None or rrel > worst["relative_rmse"]:
+                    worst = {"layer": rec["layer"], "expert": rec["experts"][i], "projection": proj,
+                             "relative_rmse": rrel}
+    return {"num_tensors": len(rel), "rmse": math.sqrt(sq / n) if n else 0.0,
+            "mean_relative_rmse": sum(rel) / len(rel) if rel else 0.0,
+            "max_relative_rmse": max(rel, default=0.0), "max_abs": max_abs, "worst": worst}
+
+
+def describe(summary: dict) -> str:
+    return (f"relative RMSE mean {summary['mean_relative_rmse']:.4f} (max {summary['max_relative_rmse']:.4f}), "
+            f"RMSE {summary['rmse']:.3g}, max |error| {summary['max_abs']:.3g}")
