@@ -19,6 +19,7 @@ import torch
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
+from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, int4_kernel_available
 from localmoe.models.base import Family, TensorMap
 
 
@@ -44,9 +45,15 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         if resolved is None:
             continue
         canonical, transform = resolved
-        tensor = read(name).float()
-        if transform is not None:
-            tensor = transform(tensor, spec)
+        tensor = read(name)
+        if isinstance(tensor, BlockQuantized):  # kept in its 4-bit blocks; transforms only reorder rows
+            if transform is not None:
+                tensor = tensor.map_rows(lambda rows: transform(rows, spec))
+        else:
+            if tensor.is_floating_point():  # integer tensors (MXFP4 codes and scales) stay bytes
+                tensor = tensor.float()
+            if transform is not None:
+                tensor = transform(tensor, spec)
         weights[canonical] = tensor
     expected = family.expected_shapes(spec)
     for canonical, shape in expected.items():
@@ -71,7 +78,7 @@ def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch
     return family.build(spec, weights, config)
 
 
-def _read_gguf(path: Path, progress: bool):
+def _read_gguf(path: Path, config: EngineConfig, progress: bool):
     from localmoe.store.gguf import GGUFFile
     from localmoe.tokenizer import tokenizer_from_gguf_metadata
 
@@ -79,7 +86,16 @@ def _read_gguf(path: Path, progress: bool):
     family = family_for_gguf(gguf.architecture, str(path))
     names = gguf.tensor_names()
     spec = family.spec_from_gguf(gguf.metadata, set(names))
-    weights = _canonical_weights(names, gguf.tensor, family.gguf_tensors(gguf.architecture), family, spec,
+    keep_int4 = config.dtype == "auto" and int4_kernel_available()
+
+    def read(name: str):
+        """4-bit matrices stay in their blocks under --dtype auto; everything else is dequantised."""
+        info = gguf.info(name)
+        if keep_int4 and info.ggml_type in INT4_TYPES and len(info.shape) == 2:
+            return BlockQuantized(gguf.raw(name), info.ggml_type, info.shape)
+        return gguf.tensor(name)
+
+    weights = _canonical_weights(names, read, family.gguf_tensors(gguf.architecture), family, spec,
                                  str(path), progress)
     tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, str(path))
     return family, spec, weights, tokenizer
@@ -168,6 +184,6 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
             raise LocalMoEError(f"{path}: a model directory needs config.json (HF layout) or manifest.json")
         family, spec, weights, tokenizer = _read_hf_dir(path, progress)
     else:
-        family, spec, weights, tokenizer = _read_gguf(path, progress)
+        family, spec, weights, tokenizer = _read_gguf(path, config, progress)
     model = family.build(spec, weights, config)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from localmoe.config import ModelSpec
 from localmoe.engine.cache import KVCache
-from localmoe.engine.linear import Linear
+from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import Step
 
@@ -30,9 +30,9 @@ class GQAttention:
         bias = None
         if spec.attention_bias:
             bias = torch.cat([weights[p + "q_proj.bias"], weights[p + "k_proj.bias"], weights[p + "v_proj.bias"]])
-        qkv = Linear(torch.cat([weights[p + "q_proj.weight"], weights[p + "k_proj.weight"],
-                                weights[p + "v_proj.weight"]]), bias, dtype)
-        return cls(spec, qkv, Linear(weights[p + "o_proj.weight"], None, dtype),
+        qkv = make_linear([weights[p + "q_proj.weight"], weights[p + "k_proj.weight"], weights[p + "v_proj.weight"]],
+                          bias, dtype)
+        return cls(spec, qkv, make_linear([weights[p + "o_proj.weight"]], None, dtype),
                    weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -118,3 +118,19 @@ class Linear:
 
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+def make_linear(parts: list, bias: torch.Tensor | None, dtype: str):
+    """One linear layer from weight parts stacked as rows (e.g. [q, k, v]).
+
+    Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and
+    every part in a 4-bit block format, the weight stays 4-bit (`Int4Linear`); otherwise
+    the parts are dequantised and concatenated into a `Linear`.
+    """
+    from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, Int4Linear, int4_kernel_available
+
+    quantized = all(isinstance(p, BlockQuantized) and p.ggml_type in INT4_TYPES for p in parts)
+    if quantized and dtype == "auto" and int4_kernel_available():
+        return Int4Linear(parts, bias)
+    tensors = [p.float() if isinstance(p, BlockQuantized) else p for p in parts]
+    return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), bias, dtype)

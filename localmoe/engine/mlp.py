@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from localmoe.engine.linear import Linear
+from localmoe.engine.linear import Linear, make_linear
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -22,8 +22,8 @@ class GatedMLP:
     def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> "GatedMLP":
         """From canonical `{prefix}mlp.{gate,up,down}_proj.weight`."""
         p = prefix + "mlp."
-        gate_up = Linear(torch.cat([weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]]), None, dtype)
-        return cls(gate_up, Linear(weights[p + "down_proj.weight"], None, dtype), spec.hidden_act)
+        gate_up = make_linear([weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]], None, dtype)
+        return cls(gate_up, make_linear([weights[p + "down_proj.weight"]], None, dtype), spec.hidden_act)
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.linear import Linear
+from localmoe.engine.linear import make_linear
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
@@ -36,7 +36,7 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = weights["embed_tokens.weight"].float()
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed), None, config.dtype)
+        self.lm_head = make_linear([weights.get("lm_head.weight", self.embed)], None, config.dtype)
         self.norm = weights["norm.weight"].float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")
