@@ -42,6 +42,36 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     return spec, dict(counts), dict(nbytes), None
 
 
+def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
+    from localmoe.store.packed import PackedStore
+
+    store = PackedStore(path)
+    spec = store.spec
+    counts, nbytes = Counter(), Counter()
+    dense_params = routed = 0
+    for name in store.dense_names():
+        tensor = store.dense(name)
+        kind = str(tensor.dtype).removeprefix("torch.")
+        counts[kind] += 1
+        nbytes[kind] += tensor.nbytes
+        dense_params += tensor.numel()
+    for layer in store.layers():
+        layout, experts = store.layout(layer), len(store.experts_in(layer))
+        for part in layout.parts:
+            kind = str(part.dtype).removeprefix("torch.")
+            counts[kind] += experts
+            nbytes[kind] += experts * part.nbytes
+            n = 1
+            for d in part.shape:
+                n *= d
+            routed += experts * (0 if part.name.endswith(".scales") else 2 * n if part.name.endswith(".packed") else n)
+    if not spec.num_experts:  # dense (e.g. from a GGUF, whose blocks are stored as bytes): count from the spec
+        return spec, dict(counts), dict(nbytes), None
+    share = spec.num_experts_per_tok / spec.num_experts
+    return spec, dict(counts), dict(nbytes), {"total": dense_params + routed,
+                                              "active": dense_params + round(routed * share)}
+
+
 def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     from localmoe.store.safetensors import SafetensorsCheckpoint
 
@@ -77,7 +107,10 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
     path = Path(path)
     if not path.exists():
         raise LocalMoEError(f"{path}: no such file or directory")
-    spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() else _from_gguf(path)
+    if (path / "manifest.json").is_file():
+        spec, counts, nbytes, counted = _from_store(path)
+    else:
+        spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() else _from_gguf(path)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
     # Only GQA layers are sized here; MLA latent and delta-rule state sizes come with their engine.
