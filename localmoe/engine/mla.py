@@ -1,0 +1,195 @@
+"""DeepSeek-style multi-head latent attention (MLA), NoPE as in Kimi-Linear and Kimi K3.
+
+Per token the cache holds only c = RMSNorm(latent) [kv_lora_rank] and the shared key part
+k_r [qk_rope_head_dim] (kv_a_proj_with_mqa's two outputs). Per head h, kv_b_proj's rows
+give W_uk[h] [nope, r] and W_uv[h] [v, r]: k_h = [W_uk[h] c, k_r], v_h = W_uv[h] c.
+- expanded (prefill): build k_h, v_h for every cached token, then ordinary attention.
+- absorbed (decode): q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_rope_h . k_r, and
+  sum_s p_s v_h(s) = W_uv[h] (sum_s p_s c_s): attend over the cached rows directly, then
+  apply W_uv. Which is cheaper depends on T against the cached length; `absorb` decides.
+No rotary is applied to the "rope" part (`mla_use_nope`). K3 gates the output:
+o_proj(attn * sigmoid(g_proj(x))). Softmax scale (qk_nope + qk_rope)^-0.5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.config import ModelSpec
+from localmoe.engine.linear import Linear
+from localmoe.engine.state_cache import LatentCache
+from localmoe.engine.step import Step
+from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
+
+EXPAND_MAX_BYTES = 1 << 30  # above this, prefill attends over the latent rows too (no per-head K/V copies)
+SCORES_MAX_BYTES = 256 << 20  # absorbed attention materialises its scores below this, else uses SDPA
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """MLA dimensions and flags."""
+
+    num_heads: int  # H
+    q_lora_rank: int | None  # None: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int  # r
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
+    use_nope: bool = True  # Kimi: no rotary on the "rope" part
+    norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm epsilon (DeepSeek's and Kimi's RMSNorm default)
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> MLAConfig:
+        """From a DeepSeek/Kimi-style (text) config.json dict."""
+        return cls(num_heads=config["num_attention_heads"], q_lora_rank=config.get("q_lora_rank") or None,
+                   kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
+                   qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
+                   output_gate=bool(config.get("mla_use_output_gate", False)),
+                   use_nope=bool(config.get("mla_use_nope", False)))
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The ModelSpec fields that carry this config (`from_spec` reads them back; num_heads is spec.num_heads)."""
+        return {"q_lora_rank": self.q_lora_rank or 0, "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim, "mla_output_gate": self.output_gate, "mla_use_nope": self.use_nope}
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> MLAConfig:
+        """From the MLA fields of a ModelSpec (`q_lora_rank` 0 = no q LoRA)."""
+        try:
+            return cls(num_heads=spec.num_heads, q_lora_rank=spec.q_lora_rank or None,
+                       kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
+                       qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
+                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope)
+        except AttributeError as e:
+            raise LocalMoEError(f"{spec.model_type}: ModelSpec lacks the MLA fields ({e})") from None
+
+    @property
+    def row_dim(self) -> int:
+        """Values cached per token: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class MLAttention:
+    """MLA over a `LatentCache`; kv_b_proj kept once, in fp32, as W_uk / W_uv per head."""
+
+    def __init__(self, config: MLAConfig, q_a_proj: Linear | None, q_a_norm: torch.Tensor | None, q_proj: Linear,
+                 kv_a_proj: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: Linear,
+                 g_proj: Linear | None = None):
+        if not config.use_nope:
+            raise UnsupportedModelError("MLA with rotary on the rope part is not implemented yet (only NoPE)")
+        self.config = config
+        H, nope, v = config.num_heads, config.qk_nope_head_dim, config.v_head_dim
+        self.q_a_proj, self.q_a_norm, self.q_proj = q_a_proj, q_a_norm, q_proj  # q_proj is q_b_proj under LoRA
+        self.kv_a_proj, self.kv_a_norm, self.o_proj, self.g_proj = kv_a_proj, kv_a_norm.float(), o_proj, g_proj
+        w_uk, w_uv = kv_b.float().view(H, nope + v, config.kv_lora_rank).split((nope, v), dim=1)
+        self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [H, nope, r], [H, v, r]
+        self.scale = (nope + config.qk_rope_head_dim) ** -0.5
+        self.absorb: bool | None = None  # None: by cost; True / False force a path (tests, benchmarks)
+
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
+                     config: MLAConfig | None = None) -> MLAttention:
+        """From canonical `{prefix}self_attn.*` (DeepSeek names, kv_b_proj not absorbed)."""
+        c = config or MLAConfig.from_spec(spec)
+        H, D, r = c.num_heads, spec.hidden_size, c.kv_lora_rank
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        p = prefix + "self_attn."
+
+        def get(name: str, *shape: int) -> torch.Tensor:
+            t = weights[p + name]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{p}{name}: shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        def lin(name: str, *shape: int) -> Linear:
+            return Linear(get(name + ".weight", *shape), None, dtype)
+
+        if c.q_lora_rank is None:
+            q_a, q_norm, q = None, None, lin("q_proj", H * qk, D)
+        else:
+            q_a, q_norm = lin("q_a_proj", c.q_lora_rank, D), get("q_a_layernorm.weight", c.q_lora_rank).float()
+            q = lin("q_b_proj", H * qk, c.q_lora_rank)
+        return cls(c, q_a, q_norm, q, lin("kv_a_proj_with_mqa", c.row_dim, D), get("kv_a_layernorm.weight", r),
+                   get("kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), r),
+                   lin("o_proj", D, H * c.v_head_dim), lin("g_proj", H * c.v_head_dim, D) if c.output_gate else None)
+
+    def new_cache(self, batch: int, max_len: int) -> LatentCache:
+        return LatentCache(batch, max_len, self.config.row_dim)
+
+    def nbytes(self) -> int:
+        linears = [self.q_a_proj, self.q_proj, self.kv_a_proj, self.o_proj, self.g_proj]
+        tensors = [self.q_a_norm, self.kv_a_norm, self.w_uk, self.w_uv]
+        return sum(m.nbytes() for m in linears if m is not None) + sum(t.nbytes for t in tensors if t is not None)
+
+    def use_absorbed(self, T: int, S: int = 0) -> bool:
+        """Absorbed attention costs ~T*S*H*(2r + rope) per call, expanded ~S*H*r*(nope + v) +
+        T*S*H*(nope + rope + v): absorb while T*(2r - nope - v) < r*(nope + v), and whenever
+        expanding the S cached rows would take more than EXPAND_MAX_BYTES."""
+        if self.absorb is not None:
+            return self.absorb
+        c = self.config
+        r, nope, v = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+        if 4 * S * c.num_heads * (nope + c.qk_rope_head_dim + v) > EXPAND_MAX_BYTES:
+            return True
+        return T * (2 * r - nope - v) < r * (nope + v)
+
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q_nope [B, H, T, nope], q_rope [B, H, T, rope]."""
+        B, T, _ = x.shape
+        c = self.config
+        if self.q_a_proj is not None:
+            x = F.rms_norm(self.q_a_proj(x), (c.q_lora_rank,), self.q_a_norm, c.norm_eps)
+        q = self.q_proj(x).view(B, T, c.num_heads, -1).transpose(1, 2)
+        return q.split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
+
+    def latent_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> cache rows [B, T, r + rope]: RMSNorm(latent) then the rope key part."""
+        c = self.config
+        latent, k_rope = self.kv_a_proj(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
+        return torch.cat([F.rms_norm(latent, (c.kv_lora_rank,), self.kv_a_norm, c.norm_eps), k_rope], dim=-1)
+
+    def attend_expanded(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+        """q_* [B, H, T, *], rows [B, S, r + rope], mask [B|1, T, S] | None -> [B, H, T, v]."""
+        r = self.config.kv_lora_rank
+        latent, k_rope = rows[..., :r], rows[..., r:]
+        k_nope = torch.einsum("bsr,hnr->bhsn", latent, self.w_uk)
+        values = torch.einsum("bsr,hvr->bhsv", latent, self.w_uv)
+        keys = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
+                                              scale=self.scale)
+
+    def attend_absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+        """Same contract as `attend_expanded`, attending over the cached rows directly."""
+        B, H, T, _ = q_nope.shape
+        r = self.config.kv_lora_rank
+        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, self.w_uk), q_rope], dim=-1)
+        # All heads share one key/value row per token: fold H into the query axis (row h*T + t).
+        q = q.reshape(B, 1, H * T, -1)
+        rows = rows[:, None]
+        mask = None if mask is None else mask.repeat(1, H, 1)[:, None]
+        if 4 * B * H * T * rows.shape[2] <= SCORES_MAX_BYTES:  # decode: one GEMM beats SDPA's one-head kernel
+            scores = (q @ rows.transpose(-1, -2)).mul_(self.scale)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            out = scores.softmax(-1) @ rows[..., :r]
+        else:
+            out = F.scaled_dot_product_attention(q, rows, rows[..., :r], attn_mask=mask, scale=self.scale)
+        return torch.einsum("bhtr,hvr->bhtv", out.view(B, H, T, r), self.w_uv)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: LatentCache) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; appends this step's latent rows to `cache`."""
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x)
+        rows = cache.update(step.start, self.latent_rows(x))  # [B, S, r + rope]
+        attend = self.attend_absorbed if self.use_absorbed(T, rows.shape[1]) else self.attend_expanded
+        out = attend(q_nope, q_rope, rows, step.mask).transpose(1, 2).reshape(B, T, -1)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

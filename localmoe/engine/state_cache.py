@@ -1,0 +1,100 @@
+"""Caches for the layer kinds that are not plain K/V: MLA's latent rows and delta-rule state.
+
+Both follow the `LayerCache` protocol of engine/cache.py (`trim(offset)`, `nbytes()`).
+
+- `LatentCache` (MLA): one row per token holding the normalised KV latent and the shared
+  "rope" key part, [B, S_max, kv_lora_rank + qk_rope_head_dim]. Like `KVCache`, trimming
+  is free: rows past the offset are overwritten.
+- `DeltaStateCache` (KDA / Gated DeltaNet): the fp32 recurrent state [B, H, K, V] and the
+  short-conv tails (the last kernel-1 conv inputs) [B, kernel-1, C]. Its size does not
+  grow with the context.
+
+Trim semantics of `DeltaStateCache`: the state is a running sum in which every token's
+contribution is mixed into every later one, so it cannot be rolled back by subtraction.
+`trim(offset)` therefore succeeds only when
+  - `offset >= self.offset` (nothing to forget: a no-op),
+  - `offset == 0` (reset to the empty state), or
+  - a snapshot taken with `snapshot()` at exactly `offset` exists (restored by copy);
+otherwise it raises `StateRollbackError`. A caller that wants to reuse a shared prompt
+prefix takes a snapshot after prefilling that prefix (one copy of the state per snapshot).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.errors import LocalMoEError
+
+
+class StateRollbackError(LocalMoEError):
+    """A recurrent-state cache was asked to forget tokens it cannot forget."""
+
+
+class LatentCache:
+    """Preallocated MLA rows of one layer: [B, S_max, D] with D = kv_lora_rank + qk_rope_head_dim."""
+
+    def __init__(self, batch: int, max_len: int, dim: int, dtype=torch.float32):
+        self.rows = torch.empty(batch, max_len, dim, dtype=dtype)  # pages committed as the context grows
+
+    def update(self, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Write rows [B, T, D] at positions start.. and return a view of all filled rows [B, start+T, D]."""
+        T = rows.shape[1]
+        self.rows.narrow(1, start, T).copy_(rows)
+        return self.rows.narrow(1, 0, start + T)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in one sequence of this layer."""
+        return self.rows.shape[-1] * self.rows.element_size()
+
+    def trim(self, offset: int) -> None:
+        pass  # rows past the offset are simply overwritten
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+
+class DeltaStateCache:
+    """Recurrent state [B, H, K, V] (fp32) + conv tails [B, kernel-1, C] of one delta-rule layer."""
+
+    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int):
+        self.state = torch.zeros(batch, heads, key_dim, value_dim, dtype=torch.float32)
+        self.conv_tail = torch.zeros(batch, conv_kernel - 1, conv_channels, dtype=torch.float32)
+        self.offset = 0  # tokens folded into the state
+        self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def advance(self, state: torch.Tensor, conv_tail: torch.Tensor, tokens: int) -> None:
+        """Take the state [B, H, K, V] and conv tail after `tokens` more tokens (held, not copied)."""
+        if state.shape != self.state.shape or conv_tail.shape != self.conv_tail.shape:
+            raise ValueError(f"state {tuple(state.shape)} / conv tail {tuple(conv_tail.shape)} do not match the "
+                             f"cache's {tuple(self.state.shape)} / {tuple(self.conv_tail.shape)}")
+        self.state = state.float()
+        self.conv_tail = conv_tail.float()
+        self.offset += tokens
+
+    def snapshot(self) -> int:
+        """Remember the current state so that `trim(offset)` can return to it; returns that offset."""
+        self._snapshots[self.offset] = (self.state.clone(), self.conv_tail.clone())
+        return self.offset
+
+    def trim(self, offset: int) -> None:
+        """Forget tokens at or after `offset`: a no-op, a reset to 0, or a snapshot restore (see module doc)."""
+        if offset >= self.offset:
+            return
+        if offset == 0:
+            self.state.zero_()
+            self.conv_tail.zero_()
+        elif offset in self._snapshots:
+            state, tail = self._snapshots[offset]
+            self.state.copy_(state)
+            self.conv_tail.copy_(tail)
+        else:
+            raise StateRollbackError(
+                f"cannot roll a delta-rule state back from {self.offset} to {offset} tokens: the recurrent state "
+                f"has no per-token history (snapshots at {sorted(self._snapshots) or 'none'}); re-run the prompt "
+                "from the start, or snapshot() the cache at the prefix you mean to reuse")
+        self.offset = offset
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k <= offset}
+
+    def nbytes(self) -> int:
+        snapshots = sum(s.nbytes + t.nbytes for s, t in self._snapshots.values())
+        return self.state.nbytes + self.conv_tail.nbytes + snapshots
