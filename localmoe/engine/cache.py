@@ -75,10 +75,15 @@ class ModelCache:
         self.offset += new_tokens
 
     def trim(self, offset: int) -> None:
-        """Roll back to `offset` positions (e.g. to reuse a shared prompt prefix)."""
-        self.offset = min(self.offset, offset)
+        """Roll back to `offset` positions (e.g. to reuse a shared prompt prefix).
+
+        Layers are trimmed before the offset moves, so a layer that refuses (a delta-rule
+        state cannot be rolled back to an arbitrary position) leaves the offset unchanged.
+        """
+        target = min(self.offset, offset)
         for layer in self.layers:
-            layer.trim(self.offset)
+            layer.trim(target)
+        self.offset = target
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
