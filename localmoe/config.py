@@ -52,6 +52,16 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
+    # Routing and expert activation (engine/moe.py), named after the HF config keys
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: top-k logits, then softmax)
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1  # group-limited top-k: keep the topk_group best of n_group expert groups
+    topk_group: int = 1
+    expert_act: str = "swiglu"  # "swiglu" | "gpt_oss_swiglu" (clamped, biased) | "situ" (Kimi K3)
+    swiglu_limit: float = 7.0  # gpt_oss_swiglu clamp
+    swiglu_alpha: float = 1.702  # gpt_oss_swiglu sigmoid slope
+    sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:

@@ -1,4 +1,10 @@
-"""Grouped-query attention with RoPE over a preallocated KV cache."""
+"""Grouped-query attention with RoPE over a preallocated KV cache.
+
+Options (gpt-oss): an output bias, per-head learned `sinks` (one extra logit column in the
+softmax whose value row is zero) and a sliding window (a query at position t sees keys
+t - window + 1 .. t). Without sinks and window the fused SDPA path runs; with them an
+explicit softmax does.
+"""
 
 from __future__ import annotations
 
@@ -16,24 +22,31 @@ class GQAttention:
     """q/k/v from one fused projection; H query heads share H_kv key/value heads."""
 
     def __init__(self, spec: ModelSpec, qkv: Linear, o_proj: Linear,
-                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None):
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None, window: int = 0):
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.group = self.heads // self.kv_heads
         self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.qkv, self.o_proj = qkv, o_proj
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, spec.rms_norm_eps
+        self.window = window  # 0 = full attention
+        self.scale = self.head_dim ** -0.5
+        # sinks [H] -> [Hkv, G, 1, 1] to match the folded query axis below
+        self.sinks = None if sinks is None else sinks.float().view(self.kv_heads, self.group, 1, 1)
 
     @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str):
-        """From canonical `{prefix}self_attn.{q,k,v,o}_proj.*` (+ optional biases and q/k norms)."""
+    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
+                     window: int = 0):
+        """From canonical `{prefix}self_attn.{q,k,v,o}_proj.*` (+ optional biases, q/k norms, sinks)."""
         p = prefix + "self_attn."
         bias = None
         if spec.attention_bias:
             bias = torch.cat([weights[p + "q_proj.bias"], weights[p + "k_proj.bias"], weights[p + "v_proj.bias"]])
         qkv = make_linear([weights[p + "q_proj.weight"], weights[p + "k_proj.weight"], weights[p + "v_proj.weight"]],
                           bias, dtype)
-        return cls(spec, qkv, make_linear([weights[p + "o_proj.weight"]], None, dtype),
-                   weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"))
+        return cls(spec, qkv, make_linear([weights[p + "o_proj.weight"]], weights.get(p + "o_proj.bias"), dtype),
+                   weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"), weights.get(p + "sinks"),
+                   window)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch, self.kv_heads, max_len, self.head_dim)
@@ -55,7 +68,45 @@ class GQAttention:
         # Fold the G query heads of each KV head into the query axis, so K/V are never
         # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if self.sinks is None and not self.window:
+            mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        else:
+            out = self._explicit(q, keys, values, step, T)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         return self.o_proj(out)
+
+    def _explicit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step, T: int) -> torch.Tensor:
+        """q [B, Hkv, G*T, D], keys/values [B, Hkv, S, D] -> [B, Hkv, G*T, D] with window and sinks."""
+        S = keys.shape[2]
+        mask = step.mask if step.mask is not None else torch.ones(1, T, S, dtype=torch.bool).tril(S - T)
+        first = 0
+        if self.window:
+            first = max(0, step.start + 1 - self.window)  # no query of this step sees a key before it
+            keys, values, mask = keys[:, :, first:], values[:, :, first:], mask[..., first:]
+            query_pos = torch.arange(step.start, step.start + T)[:, None]
+            mask = mask & (torch.arange(first, S)[None, :] > query_pos - self.window)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, S']
+        scores = scores.masked_fill(~mask.repeat(1, self.group, 1)[:, None], float("-inf"))
+        if self.sinks is not None:
+            B, Hkv = q.shape[:2]
+            sink = self.sinks.expand(Hkv, self.group, T, 1).reshape(1, Hkv, self.group * T, 1)
+            scores = torch.cat([scores, sink.expand(B, -1, -1, -1)], dim=-1)
+            probs = scores.softmax(dim=-1)[..., :-1]  # the sink takes probability mass, adds no value
+        else:
+            probs = scores.softmax(dim=-1)
+        return torch.matmul(probs, values)
+
+
+class SlidingAttention(GQAttention):
+    """GQAttention over the last `spec.sliding_window` positions (gpt-oss `sliding_attention` layers)."""
+
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
+                     window: int = 0):
+        window = window or spec.sliding_window
+        if not window:
+            from localmoe.errors import CheckpointError
+
+            raise CheckpointError(f"{spec.model_type}: a sliding_attention layer needs a sliding_window size")
+        return super().from_weights(spec, weights, prefix, dtype, window)

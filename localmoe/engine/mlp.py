@@ -19,9 +19,10 @@ class GatedMLP:
         self.intermediate = gate_up.out_features // 2
 
     @classmethod
-    def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> "GatedMLP":
-        """From canonical `{prefix}mlp.{gate,up,down}_proj.weight`."""
-        p = prefix + "mlp."
+    def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
+                     stem: str = "mlp.") -> GatedMLP:
+        """From canonical `{prefix}{stem}{gate,up,down}_proj.weight` (stem "mlp." by default)."""
+        p = prefix + stem
         gate_up = make_linear([weights[p + "gate_proj.weight"], weights[p + "up_proj.weight"]], None, dtype)
         return cls(gate_up, make_linear([weights[p + "down_proj.weight"]], None, dtype), spec.hidden_act)
 

@@ -29,21 +29,39 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tu
         scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
         between = (wavelen <= original / low) & (wavelen >= original / high)
         return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled), 1.0
-    if kind == "yarn":
+    if kind == "yarn":  # as transformers 5.23 `_compute_yarn_parameters`
         original = float(scaling.get("original_max_position_embeddings", 4096))
-        beta_fast, beta_slow = float(scaling.get("beta_fast", 32)), float(scaling.get("beta_slow", 1))
+        beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
 
         def correction_dim(rotations: float) -> float:
             return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        low = max(math.floor(correction_dim(beta_fast)), 0)
-        high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):  # gpt-oss sets truncate=False: a fractional ramp
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
         extrapolation = 1 - ramp  # 1 where we keep the original frequency
         inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
-        mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
-        return inv, mscale
+        return inv, _yarn_attention_factor(scaling, factor)
     raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_attention_factor(scaling: dict, factor: float) -> float:
+    """cos/sin multiplier: `attention_factor`, else 0.1 ln(factor) + 1 (DeepSeek: the ratio of
+    that with `mscale` over that with `mscale_all_dim`)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 class RotaryTable:

@@ -12,16 +12,18 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import EngineConfig, ModelSpec
-from localmoe.engine.attention import GQAttention
+from localmoe.engine.attention import GQAttention, SlidingAttention
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.experts import ExpertProvider
 from localmoe.engine.linear import make_linear
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
+from localmoe.engine.moe import MoEBlock
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
 
-MIXERS = {"attention": GQAttention}
-MLPS = {"dense": GatedMLP}
+MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention}
+MLPS = {"dense": GatedMLP, "moe": MoEBlock, "latent_moe": MoEBlock}  # latent: from its projection weights
 
 
 class Transformer:
@@ -76,7 +78,19 @@ class Transformer:
             x = x[:, -1:]
         return self.lm_head(F.rms_norm(x, (hidden,), self.norm, self.eps))
 
+    def moe_blocks(self) -> list[MoEBlock]:
+        return [mlp for _, _, _, mlp in self.layers if isinstance(mlp, MoEBlock)]
+
+    def use_experts(self, provider: ExpertProvider) -> None:
+        """Route every MoE layer's expert requests to `provider` (e.g. a pager), replacing the
+        resident experts the model was built with."""
+        for block in self.moe_blocks():
+            block.experts = provider
+
     def weight_bytes(self) -> int:
-        """Bytes of weights held (embedding, head, norms excluded from layers, layer matrices)."""
+        """Bytes of weights held (embedding, head, norms excluded from layers, layer matrices,
+        routed experts as their providers hold them now)."""
         total = self.embed.nbytes + self.lm_head.nbytes() + self.norm.nbytes
+        providers = {id(b.experts): b.experts for b in self.moe_blocks()}
+        total += sum(p.nbytes() for p in providers.values())
         return total + sum(mixer.nbytes() + mlp.nbytes() for _, mixer, _, mlp in self.layers)

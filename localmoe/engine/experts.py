@@ -1,0 +1,137 @@
+"""Routed experts, addressed by (layer, expert id): the `ExpertProvider` protocol.
+
+The MoE block never owns expert weights. It asks a provider for one expert at a time,
+`provider.get(layer, expert) -> ExpertWeights`, and computes it with `expert_forward`,
+which dequantises that ONE expert on the fly (MXFP4 stays bytes between calls; there is
+never a whole-model float copy). Where an expert lives (RAM, a disk extent, a GPU slot)
+is the provider's business: `ResidentExperts` holds the loader's canonical tensors in
+memory; the pager adds providers behind the same interface and is swapped in after the
+model is built (`Transformer.use_experts`).
+
+`ExpertWeights.from_parts` takes the packed store's extent parts unchanged
+(`{gate,up,down}.{packed,scales,bias}` or `{gate,up,down}.weight`, see
+store/convert_experts.py), so a paging provider can return what `PackedStore.expert` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.errors import CheckpointError
+from localmoe.store.mxfp4 import dequantize
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class Projection:
+    """One matrix of one expert, y = x W^T (+ b): MXFP4 `packed` U8 [out, in/2] + `scales`
+    U8 [out, in/32] (canonical layout, store/mxfp4.py), or a float `weight` [out, in]."""
+
+    packed: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # [out]
+
+    def __post_init__(self) -> None:
+        if (self.weight is None) == (self.packed is None or self.scales is None):
+            raise CheckpointError("an expert projection needs either MXFP4 packed+scales or a weight")
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] as `dtype`, dequantised now if MXFP4 (a per-call temporary)."""
+        if self.weight is not None:
+            return self.weight.to(dtype)
+        return dequantize(self.packed, self.scales, dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] fp32 -> [N, out] fp32."""
+        return F.linear(x, self.dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.packed, self.scales, self.weight, self.bias) if t is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """One routed expert: down( act(gate x, up x) )."""
+
+    gate: Projection
+    up: Projection
+    down: Projection
+
+    @classmethod
+    def from_parts(cls, parts: Mapping[str, torch.Tensor]) -> ExpertWeights:
+        """From `{proj}.{packed,scales,weight,bias}` tensors (the packed store's extent parts)."""
+        try:
+            return cls(*(Projection(**{k: parts.get(f"{p}.{k}") for k in ("packed", "scales", "weight", "bias")})
+                         for p in PROJECTIONS))
+        except CheckpointError as e:
+            raise CheckpointError(f"expert parts {sorted(parts)}: {e}") from None
+
+    def nbytes(self) -> int:
+        return self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) [N, I] -> [N, I]
+
+
+def expert_forward(w: ExpertWeights, x: torch.Tensor, act: Activation) -> torch.Tensor:
+    """x [N, in] fp32 -> [N, out] fp32 through one expert, dequantising only its matrices."""
+    return w.down(act(w.gate(x), w.up(x)))
+
+
+class ExpertProvider(Protocol):
+    """Where routed experts come from. `get` may block (a pager reading from disk) and the
+    returned weights are only valid until the next `get` on the same provider."""
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        """Expert `expert` of layer `layer` (0-based layer index of the whole model)."""
+
+    def nbytes(self) -> int:
+        """Bytes of expert weights this provider holds in memory now."""
+
+
+class ResidentExperts:
+    """Every expert in memory, as loaded: MXFP4 kept as bytes, dequantised per call."""
+
+    def __init__(self, experts: dict[int, list[ExpertWeights]]):
+        self.experts = experts  # layer -> experts by id
+
+    @classmethod
+    def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, layer: int,
+                     num_experts: int) -> ResidentExperts:
+        """One layer's experts from canonical names under `{prefix}mlp.experts.`, either stacked
+        (dim 0 = expert): `gate_up_proj.{packed,scales,weight,bias}` with gate rows first, then
+        up rows, and `down_proj.*`; or per expert: `{e}.{gate,up,down}.{packed,scales,weight,bias}`."""
+        p = prefix + "mlp.experts."
+        kinds = ("packed", "scales", "weight", "bias")
+        if any(p + f"gate_up_proj.{k}" in weights for k in kinds):
+            gate_up = {k: weights[p + f"gate_up_proj.{k}"] for k in kinds if p + f"gate_up_proj.{k}" in weights}
+            down = {k: weights[p + f"down_proj.{k}"] for k in kinds if p + f"down_proj.{k}" in weights}
+            rows = next(iter(gate_up.values())).shape[1] // 2
+            experts = []
+            for e in range(num_experts):
+                parts = {f"gate.{k}": t[e, :rows] for k, t in gate_up.items()}
+                parts |= {f"up.{k}": t[e, rows:] for k, t in gate_up.items()}
+                parts |= {f"down.{k}": t[e] for k, t in down.items()}
+                experts.append(ExpertWeights.from_parts(parts))
+        else:
+            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: t for name, t in weights.items()
+                                                 if name.startswith(f"{p}{e}.")}) for e in range(num_experts)]
+        return cls({layer: experts})
+
+    def merge(self, other: ResidentExperts) -> ResidentExperts:
+        self.experts |= other.experts
+        return self
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        return self.experts[layer][expert]
+
+    def nbytes(self) -> int:
+        # stacked checkpoints give each expert disjoint views of one tensor: the sum is exact
+        return sum(w.nbytes() for layer in self.experts.values() for w in layer)

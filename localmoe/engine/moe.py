@@ -1,0 +1,208 @@
+"""Mixture-of-experts block: router, grouped token -> expert dispatch, shared experts, latent MoE.
+
+Routing is a pure function of the router logits (`route`), parametrised by `RoutingRule`:
+- "softmax": softmax over all experts, then top-k (Mixtral, Qwen-MoE; renormalise optional)
+- "sigmoid": sigmoid scores; `e_score_correction_bias` is added for SELECTION only, the
+  weights are the raw scores (DeepSeek-V3, Kimi); optional group-limited top-k (n_group
+  groups scored by the sum of their top-2, keep topk_group of them)
+- "topk_softmax": top-k on the logits, softmax over the selected (gpt-oss)
+then weights are renormalised (optional) and multiplied by `routed_scaling_factor`.
+
+The block asks its `ExpertProvider` for experts by (layer, expert id); see experts.py.
+Families describe their routing and expert activation with ModelSpec fields named after
+their HF config keys (`scoring_func`, `norm_topk_prob`, `routed_scaling_factor`, `n_group`,
+`topk_group`, `expert_act`, `swiglu_limit`, `swiglu_alpha`), read in `MoEBlock.from_weights`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.engine.experts import (
+    Activation,
+    ExpertProvider,
+    ResidentExperts,
+    expert_forward,
+)
+from localmoe.engine.linear import Linear, make_linear
+from localmoe.engine.mlp import GatedMLP
+from localmoe.errors import LocalMoEError
+
+SCORING = ("softmax", "sigmoid", "topk_softmax")
+
+
+# ---- expert activations: (gate, up) [N, I] -> [N, I] ----
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss: gate clamped above at `limit`, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """Kimi K3 SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
+
+
+def expert_activation(spec) -> Activation:
+    kind = spec.expert_act
+    if kind == "swiglu":
+        return swiglu
+    if kind == "gpt_oss_swiglu":
+        return functools.partial(gpt_oss_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+    if kind == "situ":  # K3's activation_situ_beta 4 / activation_situ_linear_beta 25 (the function defaults)
+        return situ_glu
+    raise LocalMoEError(f"{spec.model_type}: expert activation {kind!r} is not supported")
+
+
+# ---- routing ----
+
+@dataclass(frozen=True, slots=True)
+class RoutingRule:
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = False
+    scaling: float = 1.0  # routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORING:
+            raise LocalMoEError(f"router scoring {self.scoring!r} is not one of {', '.join(SCORING)}")
+
+
+def route(logits: torch.Tensor, rule: RoutingRule, correction_bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] fp32 -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+    if rule.scoring == "topk_softmax":
+        top, ids = logits.topk(rule.top_k, dim=-1)
+        weights = top.softmax(dim=-1)
+    else:
+        scores = logits.softmax(dim=-1) if rule.scoring == "softmax" else logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias
+        if rule.n_group > 1:
+            N, E = choice.shape
+            groups = choice.view(N, rule.n_group, E // rule.n_group)
+            group_scores = groups.topk(min(2, E // rule.n_group), dim=-1).values.sum(-1)  # [N, n_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(rule.topk_group, dim=-1).indices, True)
+            choice = groups.masked_fill(~keep[..., None], float("-inf")).view(N, E)
+        ids = choice.topk(rule.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if rule.renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * rule.scaling if rule.scaling != 1.0 else weights, ids
+
+
+class Router:
+    """logits = x W^T (+ b) in fp32; `correction_bias` only biases which experts are chosen."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rule: RoutingRule,
+                 correction_bias: torch.Tensor | None = None):
+        self.linear = Linear(weight, bias, "float32")
+        self.rule = rule
+        self.correction_bias = None if correction_bias is None else correction_bias.float()
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self.linear(x), self.rule, self.correction_bias)
+
+    def nbytes(self) -> int:
+        return self.linear.nbytes() + (0 if self.correction_bias is None else self.correction_bias.nbytes)
+
+
+# ---- dispatch ----
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider, layer: int,
+             act: Activation) -> torch.Tensor:
+    """x [N, D], weights/ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [N, D].
+
+    Tokens are grouped per expert (one stable sort + bincount), so each chosen expert is
+    fetched and dequantised once per call and run on all of its tokens as one matrix.
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=1).tolist()
+    token = order // k  # [N*k] token of each sorted assignment
+    w = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token[start:start + n]
+        y = expert_forward(provider.get(layer, expert), x.index_select(0, rows), act)
+        out.index_add_(0, rows, y * w[start:start + n, None])
+        start += n
+    return out
+
+
+class LatentProjection:
+    """Kimi K3 latent MoE: experts run at width L < D: x_lat = down(x); out = up(RMSNorm(sum))."""
+
+    def __init__(self, down, norm: torch.Tensor, up, eps: float):  # down/up: Linear-like [L, D] / [D, L]
+        self.down, self.norm, self.up, self.eps = down, norm.float(), up, eps
+
+    def nbytes(self) -> int:
+        return self.down.nbytes() + self.norm.nbytes + self.up.nbytes()
+
+
+class MoEBlock:
+    """sum over the k chosen experts of weight * expert(x), plus shared experts if any."""
+
+    def __init__(self, router: Router, experts: ExpertProvider, layer: int, act: Activation,
+                 shared: GatedMLP | None = None, latent: LatentProjection | None = None):
+        self.router, self.experts, self.layer, self.act = router, experts, layer, act
+        self.shared, self.latent = shared, latent
+
+    @classmethod
+    def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
+        """From canonical `{prefix}mlp.router.{weight,bias,e_score_correction_bias}`, routed experts
+        under `{prefix}mlp.experts.` (see ResidentExperts), optional `mlp.shared_experts.*` and,
+        for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`."""
+        p = prefix + "mlp."
+        layer = int(prefix.split(".")[1])
+        rule = RoutingRule(top_k=spec.num_experts_per_tok, scoring=spec.scoring_func,
+                           renormalize=spec.norm_topk_prob, scaling=spec.routed_scaling_factor,
+                           n_group=spec.n_group, topk_group=spec.topk_group)
+        router = Router(weights[p + "router.weight"], weights.get(p + "router.bias"), rule,
+                        weights.get(p + "router.e_score_correction_bias"))
+        experts = ResidentExperts.from_weights(weights, prefix, layer, spec.num_experts)
+        shared = None
+        if p + "shared_experts.gate_proj.weight" in weights:
+            shared = GatedMLP.from_weights(spec, weights, p + "shared_experts.", dtype, stem="")
+        latent = None
+        if p + "routed_expert_down_proj.weight" in weights:
+            latent = LatentProjection(make_linear([weights[p + "routed_expert_down_proj.weight"]], None, dtype),
+                                      weights[p + "routed_expert_norm.weight"],
+                                      make_linear([weights[p + "routed_expert_up_proj.weight"]], None, dtype),
+                                      spec.rms_norm_eps)
+        return cls(router, experts, layer, expert_activation(spec), shared, latent)
+
+    def nbytes(self) -> int:
+        """Bytes of the router, shared experts and latent projections (routed experts are the
+        provider's: `Transformer.weight_bytes` counts each provider once)."""
+        own = self.router.nbytes() + (self.shared.nbytes() if self.shared else 0)
+        return own + (self.latent.nbytes() if self.latent else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] fp32 -> [B, T, D]."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.router(flat)
+        h = flat if self.latent is None else self.latent.down(flat)
+        y = dispatch(h, weights, ids, self.experts, self.layer, self.act)
+        if self.latent is not None:
+            y = self.latent.up(F.rms_norm(y, (y.shape[-1],), self.latent.norm, self.latent.eps))
+        if self.shared is not None:
+            y = y + self.shared(flat)
+        return y.view(shape)

@@ -1,0 +1,192 @@
+"""gpt-oss on the tiny generated checkpoint (real layout: MXFP4 experts + biases, sinks,
+sliding-window layers, YaRN) against transformers 5.23 `GptOssForCausalLM`, MXFP4
+dequantised on CPU in fp32; plus cached decode, left-padded batches and expert providers."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from localmoe.config import EngineConfig
+from localmoe.engine.experts import ResidentExperts
+from localmoe.engine.rope import inverse_frequencies
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+PREFILL, DECODE = 64, 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = write_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), "tiny", seed=0)
+    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    return ours, reference
+
+
+def _tokens(n: int, seed: int, vocab: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max abs diff, max abs diff relative to b's largest magnitude)."""
+    err = (a - b).abs().max().item()
+    return err, err / b.abs().max().clamp(min=1e-6).item()
+
+
+def test_spec_reads_the_gpt_oss_facts(models):
+    ours, _ = models
+    spec = ours.spec
+    assert spec.layer_kinds == ("sliding_attention", "attention") * 2
+    assert spec.sliding_window == 4 and spec.rope_scaling["truncate"] is False
+    assert (spec.swiglu_limit, spec.swiglu_alpha, spec.scoring_func) == (7.0, 1.702, "topk_softmax")
+
+
+def test_prefill_and_cached_greedy_decode_match_transformers(models):
+    ours, reference = models
+    model, vocab = ours.model, ours.spec.vocab_size
+    prompt = _tokens(PREFILL, 1, vocab)
+    with torch.no_grad():
+        out = reference(prompt, use_cache=True)
+    expected, past = out.logits, out.past_key_values
+    got = model.forward(prompt, cache := model.new_cache(1, PREFILL + DECODE), all_logits=True)
+    err, rel = _diff(got, expected)
+    assert rel < 1e-3, f"prefill logits: max abs {err:.2e}, rel {rel:.2e}"
+    ours_next = ref_next = got[:, -1].argmax(-1, keepdim=True)
+    for step in range(DECODE):
+        with torch.no_grad():
+            out = reference(ref_next, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = model.forward(ours_next, cache)
+        err, rel = _diff(logits[:, -1], out.logits[:, -1])
+        assert rel < 1e-3, f"decode step {step}: max abs {err:.2e}, rel {rel:.2e}"
+        ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), out.logits[:, -1].argmax(-1, keepdim=True)
+        assert ours_next.item() == ref_next.item(), f"greedy token differs at decode step {step}"
+
+
+def test_prefill_then_decode_equals_full_forward(models):
+    model, vocab = models[0].model, models[0].spec.vocab_size
+    tokens = _tokens(24, 2, vocab)
+    full = model.forward(tokens, model.new_cache(1, 32), all_logits=True)
+    cache = model.new_cache(1, 32)
+    parts = [model.forward(tokens[:, :10], cache, all_logits=True),  # chunked prefill crosses the window
+             model.forward(tokens[:, 10:17], cache, all_logits=True)]
+    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(17, 24)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_left_padded_batch_equals_single_runs(models):
+    model, vocab = models[0].model, models[0].spec.vocab_size
+    long, short = _tokens(13, 3, vocab)[0], _tokens(6, 4, vocab)[0]  # window 4 < both lengths
+    pad = len(long) - len(short)
+    batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=torch.long), short])])
+    mask = torch.ones_like(batch, dtype=torch.bool)
+    mask[1, :pad] = False
+    cache = model.new_cache(2, 24)
+    first = model.forward(batch, cache, mask=mask)
+    steps = [first] + [model.forward(torch.tensor([[5 + t], [9 + t]]), cache) for t in range(5)]
+    for row, seq, nxt in ((0, long, 5), (1, short, 9)):
+        single_cache = model.new_cache(1, 24)
+        expected = [model.forward(seq[None], single_cache)]
+        expected += [model.forward(torch.tensor([[nxt + t]]), single_cache) for t in range(5)]
+        for got, exp in zip(steps, expected):
+            torch.testing.assert_close(got[row:row + 1], exp, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_stay_mxfp4_bytes_and_come_through_the_provider(models):
+    model, spec = models[0].model, models[0].spec
+    blocks = model.moe_blocks()
+    assert len(blocks) == spec.num_layers
+    expert = blocks[1].experts.get(1, 3)
+    assert expert.gate.packed.dtype == torch.uint8 and expert.gate.weight is None
+    assert expert.gate.packed.shape == (spec.moe_intermediate_size, spec.hidden_size // 2)
+    assert expert.down.scales.shape == (spec.hidden_size, spec.moe_intermediate_size // 32)
+    dense_experts = spec.num_layers * spec.num_experts * 3 * spec.hidden_size * spec.moe_intermediate_size * 4
+    resident = sum(b.experts.nbytes() for b in blocks)
+    assert resident < dense_experts / 6  # ~4.25 bits per weight (+ biases), never a float copy
+
+    class Counting:  # a provider wrapper, as a pager would sit behind the same interface
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def get(self, layer, e):
+            self.calls.append((layer, e))
+            return self.inner.get(layer, e)
+
+        def nbytes(self):
+            return self.inner.nbytes()
+
+    tokens = _tokens(9, 5, spec.vocab_size)
+    before = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
+    merged = ResidentExperts({})
+    for b in blocks:
+        merged.merge(b.experts)
+    counting = Counting(merged)
+    originals = [b.experts for b in blocks]
+    try:
+        model.use_experts(counting)
+        after = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
+    finally:
+        for b, provider in zip(blocks, originals):
+            b.experts = provider
+    assert torch.equal(before, after)
+    layers = {layer for layer, _ in counting.calls}
+    assert layers == set(range(spec.num_layers))
+    per_layer = [sum(1 for layer, _ in counting.calls if layer == i) for i in layers]
+    assert all(n <= spec.num_experts for n in per_layer)  # each chosen expert fetched once per call
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_yarn_frequencies_match_transformers(truncate):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+               "original_max_position_embeddings": 4096, "truncate": truncate}
+    config = transformers.GptOssConfig(head_dim=64, num_attention_heads=4, hidden_size=256,
+                                       rope_parameters={**scaling, "rope_theta": 150000.0})
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours, mscale = inverse_frequencies(64, 150000.0, scaling)
+    torch.testing.assert_close(ours.float(), expected, rtol=1e-5, atol=0)
+    assert math.isclose(mscale, factor, rel_tol=1e-12)
+
+
+def test_experts_from_the_packed_store_give_bit_identical_logits(models, tmp_path):
+    """A provider over `PackedStore.expert` extents (what the pager will read) needs no
+    conversion step: `ExpertWeights.from_parts` takes the extent's parts as they are."""
+    from localmoe.engine.experts import ExpertWeights
+    from localmoe.store.convert import convert
+    from localmoe.store.packed import PackedStore
+
+    ours, _ = models
+    model = ours.model
+    convert(ours.source, tmp_path / "store")
+
+    class StoreExperts:
+        def __init__(self, store):
+            self.store = store
+
+        def get(self, layer, expert):
+            return ExpertWeights.from_parts(self.store.expert(layer, expert, verify=True))
+
+        def nbytes(self):
+            return 0
+
+    tokens = _tokens(11, 6, ours.spec.vocab_size)
+    before = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
+    originals = [b.experts for b in model.moe_blocks()]
+    with PackedStore(tmp_path / "store") as store:
+        try:
+            model.use_experts(StoreExperts(store))
+            after = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
+        finally:
+            for b, provider in zip(model.moe_blocks(), originals):
+                b.experts = provider
+    assert torch.equal(before, after)
