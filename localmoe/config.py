@@ -62,6 +62,21 @@ class ModelSpec:
     swiglu_limit: float = 7.0  # gpt_oss_swiglu clamp
     swiglu_alpha: float = 1.702  # gpt_oss_swiglu sigmoid slope
     sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
+    # KDA layers (engine/kda.py: KDAConfig.spec_fields / from_spec)
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv_kernel: int = 4
+    kda_bounded_gate: bool = False  # K3: lower_bound * sigmoid(...); Kimi-Linear: -exp(A) * softplus(...)
+    kda_gate_lower_bound: float = -5.0
+    kda_full_rank_gate: bool = False  # K3: g_proj; Kimi-Linear: low-rank g_b(g_a(x))
+    # MLA layers (engine/mla.py: MLAConfig.spec_fields / from_spec)
+    q_lora_rank: int = 0  # 0 = q projected directly
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
+    mla_use_nope: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -114,8 +129,16 @@ class ModelSpec:
         return [i for i, kind in enumerate(self.mlp_kinds) if kind in ("moe", "latent_moe")]
 
     def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
-        """KV-cache bytes one token costs across all layers."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * bytes_per_value
+        """Cache bytes one more token costs across all layers: K and V for GQA layers, the
+        latent + rope part for MLA layers; delta-rule layers keep a constant-size state."""
+        per_kind = {"attention": 2 * self.num_kv_heads * self.head_dim,
+                    "sliding_attention": 2 * self.num_kv_heads * self.head_dim,
+                    "mla": self.kv_lora_rank + self.qk_rope_head_dim, "kda": 0, "gated_delta": 0}
+        return sum(per_kind[kind] for kind in self.layer_kinds) * bytes_per_value
+
+    def sizes_cache(self) -> bool:
+        """Whether kv_bytes_per_token knows every layer kind of this model (DSA indexer keys: not yet)."""
+        return "dsa" not in self.layer_kinds
 
 
 DTYPES = ("auto", "float32", "bfloat16")

@@ -113,9 +113,7 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
         spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() else _from_gguf(path)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
-    # Only GQA layers are sized here; MLA latent and delta-rule state sizes come with their engine.
-    gqa_only = set(spec.layer_kinds) <= {"attention", "sliding_attention"}
-    kv_per_token = spec.kv_bytes_per_token(4) if gqa_only else None
+    kv_per_token = spec.kv_bytes_per_token(4) if spec.sizes_cache() else None
     layer_kinds = Counter(zip(spec.layer_kinds, spec.mlp_kinds))
     return {
         "path": str(path),
@@ -185,6 +183,6 @@ def format_description(d: dict) -> str:
         f"kv cache       {_size(m['kv_cache_bytes_per_token'])} per token (fp32); "
         f"{_size(m['kv_cache_bytes_at_context'])} at {m['context']} tokens"
         if m["kv_cache_bytes_per_token"] is not None else
-        "kv cache       not estimated yet for MLA / delta-rule layers",
+        "kv cache       not estimated yet for DSA layers",
     ]
     return "\n".join(lines)

@@ -15,14 +15,17 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.experts import ExpertProvider
+from localmoe.engine.kda import KimiDeltaAttention
 from localmoe.engine.linear import make_linear
+from localmoe.engine.mla import MLAttention
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
 from localmoe.engine.moe import MoEBlock
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
 
-MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention}
+MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention, "kda": KimiDeltaAttention,
+          "mla": MLAttention}
 MLPS = {"dense": GatedMLP, "moe": MoEBlock, "latent_moe": MoEBlock}  # latent: from its projection weights
 
 

@@ -8,6 +8,8 @@ this family lands with the MoE engine; today checkpoints convert and inspect.
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
+from localmoe.engine.kda import KDAConfig
+from localmoe.engine.mla import MLAConfig
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, Family
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
@@ -41,6 +43,8 @@ def text_spec(config: dict, model_type: str, family: str, source: str = "config.
         num_experts_per_tok=require(config, "num_experts_per_token", source),
         moe_intermediate_size=require(config, "moe_intermediate_size", source),
         num_shared_experts=config.get("num_shared_experts", 0),
+        **KDAConfig.from_hf(config, family).spec_fields(),
+        **MLAConfig.from_hf(config).spec_fields(),
     )
 
 

@@ -65,3 +65,22 @@ def test_one_indexed_lists_are_checked():
         kinds_from_one_indexed(3, {"kda": [0, 1, 2], "mla": [3]}, "c")
     with pytest.raises(CheckpointError, match="both"):
         kinds_from_one_indexed(2, {"kda": [1, 2], "mla": [2]}, "c")
+
+
+def test_kda_and_mla_settings_survive_the_spec(checkpoint):
+    """The Kimi families carry KDA/MLA settings through ModelSpec (and so through a store manifest)."""
+    from localmoe.config import ModelSpec
+    from localmoe.engine.kda import KDAConfig
+    from localmoe.engine.mla import MLAConfig
+
+    name, _, config = checkpoint
+    if name not in ("kimi_linear", "kimi_k3"):
+        pytest.skip("no KDA/MLA layers")
+    spec = ModelSpec.from_dict(family_for_model_type(config["model_type"]).spec_from_hf(config).to_dict())
+    text = config.get("text_config", config)
+    assert KDAConfig.from_spec(spec) == KDAConfig.from_hf(text, name)
+    assert MLAConfig.from_spec(spec) == MLAConfig.from_hf(text)
+    assert spec.kda_bounded_gate == spec.kda_full_rank_gate == (name == "kimi_k3")
+    # cache per token: MLA latent + rope part only; KDA layers hold a constant state
+    mla_layers = spec.layer_kinds.count("mla")
+    assert spec.kv_bytes_per_token(4) == mla_layers * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * 4
