@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import (
     GGML_QUANT_SIZES,
@@ -30,6 +29,7 @@ from gguf import (
 
 from localmoe.errors import CheckpointError
 from localmoe.store.ggml_quants import dequantize
+from localmoe.store.mapped import MappedFile
 
 V = GGUFValueType
 _SCALAR_FORMATS = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",
@@ -194,7 +194,7 @@ def _tensor_infos(path: Path, tensors: list[tuple[str, tuple[int, ...], int, int
     return infos
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """A GGUF file: metadata as Python values, tensors as zero-copy views or dequantised tensors."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -227,36 +227,18 @@ class GGUFFile:
 
     def tensor_names(self) -> list[str]:
         """Tensor names, in file order."""
-        return list(self._infos)
-
-    keys = tensor_names
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._infos
-
-    def __len__(self) -> int:
-        return len(self._infos)
+        return self.keys()
 
     def info(self, name: str) -> GGUFTensorInfo:
         """Name, ggml type, PyTorch-order shape, stored byte count and absolute offset of one tensor."""
-        try:
-            return self._infos[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
+        return super().info(name)
 
     def raw(self, name: str) -> torch.Tensor:
         """The stored bytes as a zero-copy uint8 view, shape `[*outer dims, bytes per row]`."""
         info = self.info(name)
-        if self._map is None:
-            raise CheckpointError(f"{self.path} is closed; open it again to read {name!r}")
         block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
         shape = (*info.shape[:-1], info.shape[-1] // block_size * type_size) if info.shape else (info.nbytes,)
-        if info.nbytes == 0:
-            return torch.empty(shape, dtype=torch.uint8)  # frombuffer rejects empty ranges
-        # via numpy, not torch.frombuffer: numpy holds a buffer export on the map, so the map
-        # cannot be unmapped under a live tensor (torch.frombuffer holds only a reference)
-        data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return torch.from_numpy(data).reshape(shape)
+        return self._bytes(name).reshape(shape)
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor dequantised to `dtype`, in PyTorch shape (F32 to float32 stays a zero-copy view)."""
@@ -265,21 +247,3 @@ class GGUFFile:
             return dequantize(self.raw(name), info.ggml_type, info.shape, dtype)
         except CheckpointError as e:
             raise CheckpointError(f"{self.path}: tensor {name!r}: {e}") from None
-
-    def close(self) -> None:
-        """Release the map now if no tensor views it; otherwise when the last such tensor is freed."""
-        m, self._map = self._map, None
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:
-                pass  # live views hold exports; the map is unmapped with the last of them
-
-    def __enter__(self) -> GGUFFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"GGUFFile({str(self.path)!r}, {len(self._infos)} tensors)"

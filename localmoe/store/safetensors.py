@@ -18,10 +18,10 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from localmoe.errors import CheckpointError
+from localmoe.store.mapped import MappedFile
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -99,7 +99,7 @@ def _parse_header(path: Path, header: dict, data_start: int,
     return metadata, tensors
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One `.safetensors` file, memory-mapped; tensors are zero-copy views of the map."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -124,56 +124,18 @@ class SafetensorsFile:
             except (UnicodeDecodeError, ValueError) as e:
                 raise CheckpointError(f"{self.path}: the safetensors header is not valid JSON ({e}); "
                                       f"the file is corrupt") from None
-            self.metadata, self._tensors = _parse_header(self.path, header, _PREAMBLE + header_len, file_size)
+            self.metadata, self._infos = _parse_header(self.path, header, _PREAMBLE + header_len, file_size)
             # ACCESS_COPY: writable (torch.from_numpy warns on read-only arrays), writes stay private
             self._map: mmap.mmap | None = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
-    def keys(self) -> list[str]:
-        """Tensor names, in header order."""
-        return list(self._tensors)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tensors
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
     def info(self, name: str) -> TensorInfo:
         """(dtype, shape, nbytes, absolute offset) of one tensor."""
-        try:
-            return self._tensors[name]
-        except KeyError:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}") from None
+        return super().info(name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor as a zero-copy view of the file map (copy-on-write: writes never reach the file)."""
         info = self.info(name)
-        if self._map is None:
-            raise CheckpointError(f"{self.path} is closed; open it again to read {name!r}")
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.dtype)  # frombuffer rejects empty ranges
-        # via numpy, not torch.frombuffer: numpy holds a buffer export on the map, so the map
-        # cannot be unmapped under a live tensor (torch.frombuffer holds only a reference)
-        data = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return torch.from_numpy(data).view(info.dtype).reshape(info.shape)
-
-    def close(self) -> None:
-        """Release the map now if no tensor views it; otherwise when the last such tensor is freed."""
-        m, self._map = self._map, None
-        if m is not None:
-            try:
-                m.close()
-            except BufferError:
-                pass  # live views hold exports; the map is unmapped with the last of them
-
-    def __enter__(self) -> SafetensorsFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"SafetensorsFile({str(self.path)!r}, {len(self._tensors)} tensors)"
+        return self._bytes(name).view(info.dtype).reshape(info.shape)
 
 
 INDEX_NAME = "model.safetensors.index.json"
