@@ -1,17 +1,27 @@
 """Kimi-Linear (`kimi_linear`): KDA delta-rule layers + MLA every few layers, sigmoid-routed MoE.
 
 Checkpoint facts: layer lists in `linear_attn_config` are 1-indexed; routed experts are
-per-expert bf16 `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down). The engine for
-this family lands with the MoE engine; today checkpoints convert and inspect.
+per-expert bf16 `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down).
+
+Quirks, each covered by tests/models/test_kimi_linear.py:
+- `block_sparse_moe.*` is renamed to the canonical `mlp.*`: `gate.weight` -> `mlp.router.weight`,
+  `gate.e_score_correction_bias` -> `mlp.router.e_score_correction_bias`, `w1/w3/w2` -> gate/up/down.
+- router: sigmoid scores, correction bias for selection only, renormalised (`moe_renormalize`),
+  times `routed_scaling_factor` (2.446); shared experts added unscaled.
+- KDA layers use the Kimi-Linear gate (-exp(A_log) * softplus); MLA layers are NoPE without q LoRA.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 from localmoe.config import ModelSpec
+from localmoe.errors import UnsupportedModelError
 from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family
+from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
 
 
@@ -49,7 +59,102 @@ def text_spec(config: dict, model_type: str, family: str, source: str = "config.
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
-    return text_spec(config, "kimi_linear", "kimi_linear")
+    spec = text_spec(config, "kimi_linear", "kimi_linear")
+    act = config.get("moe_router_activation_func", "sigmoid")
+    if act != "sigmoid":
+        raise UnsupportedModelError(f"kimi_linear: moe_router_activation_func {act!r} is not supported (sigmoid only)")
+    return dataclasses.replace(
+        spec, scoring_func="sigmoid", expert_act="swiglu",
+        norm_topk_prob=bool(config.get("moe_renormalize", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=int(config.get("num_expert_group") or 1) if config.get("use_grouped_topk", True) else 1,
+        topk_group=int(config.get("topk_group") or 1) if config.get("use_grouped_topk", True) else 1)
+
+
+_KDA = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+        "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight", "g_a_proj.weight",
+        "g_b_proj.weight", "A_log", "dt_bias", "o_norm.weight", "o_proj.weight"]
+_MLA = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight"]  # + q_proj, o_proj above
+_MOE = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.e_score_correction_bias"),
+        ("experts.{e}.w1.weight", "experts.{e}.gate.weight"), ("experts.{e}.w3.weight", "experts.{e}.up.weight"),
+        ("experts.{e}.w2.weight", "experts.{e}.down.weight"),
+        *((f"shared_experts.{n}_proj.weight",) * 2 for n in ("gate", "up", "down"))]
+
+
+class _ExpertRule(TensorRule):
+    """A TensorRule whose source and target also carry `{e}` (the expert id)."""
+
+    def compile(self):
+        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(?P<i>\d+)")
+                          .replace(r"\{e\}", r"(?P<e>\d+)") + "$")
+
+
+class _KimiTensorMap(TensorMap):
+    def resolve(self, name: str):
+        resolved = super().resolve(name)
+        if resolved is not None and "{e}" in resolved[0]:
+            e = re.search(r"\.experts\.(\d+)\.", name).group(1)
+            return resolved[0].replace("{e}", e), resolved[1]
+        return resolved
+
+
+HF_TENSORS = _KimiTensorMap(
+    rules=(
+        TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
+        TensorRule("model.norm.weight", "norm.weight"),
+        TensorRule("lm_head.weight", "lm_head.weight"),
+        *(TensorRule(f"model.layers.{{i}}.{n}", f"layers.{{i}}.{n}")
+          for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                    *(f"self_attn.{t}" for t in _KDA + _MLA),
+                    *(f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")))),
+        *(_ExpertRule(f"model.layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
+    ),
+    ignore=(r"rotary_emb\.inv_freq$",),
+)
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    D, E, Im = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+    H, K, W = spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
+    Hm, r, n, rope, v = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    S = spec.num_shared_experts * Im
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        if spec.layer_kinds[i] == "kda":
+            shapes |= {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
+                       **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
+                       a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1),
+                       a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "g_a_proj.weight": (K, D),
+                       a + "g_b_proj.weight": (H * K, K), a + "o_norm.weight": (K,), a + "o_proj.weight": (D, H * K)}
+        else:
+            if spec.q_lora_rank:
+                raise UnsupportedModelError("kimi_linear: MLA with q_lora_rank is not supported (Kimi-Linear has none)")
+            shapes |= {a + "q_proj.weight": (Hm * (n + rope), D), a + "kv_a_proj_with_mqa.weight": (r + rope, D),
+                       a + "kv_a_layernorm.weight": (r,), a + "kv_b_proj.weight": (Hm * (n + v), r),
+                       a + "o_proj.weight": (D, Hm * v)}
+        if spec.mlp_kinds[i] == "dense":
+            I = spec.intermediate_size
+            shapes |= {m + "gate_proj.weight": (I, D), m + "up_proj.weight": (I, D), m + "down_proj.weight": (D, I)}
+            continue
+        shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)}
+        for e in range(E):
+            x = f"{m}experts.{e}."
+            shapes |= {x + "gate.weight": (Im, D), x + "up.weight": (Im, D), x + "down.weight": (D, Im)}
+        if S:
+            x = m + "shared_experts."
+            shapes |= {x + "gate_proj.weight": (S, D), x + "up_proj.weight": (S, D), x + "down_proj.weight": (D, S)}
+    return shapes
+
+
+def build(spec: ModelSpec, weights: dict, engine_config):
+    from localmoe.engine.transformer import Transformer
+
+    return Transformer(spec, weights, engine_config)
 
 
 _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
@@ -59,6 +164,10 @@ FAMILY = register(Family(
     model_types=("kimi_linear",),
     gguf_architectures=(),
     spec_from_hf=spec_from_hf,
+    hf_tensors=HF_TENSORS,
+    expected_shapes=expected_shapes,
+    optional_tensors=(r"^lm_head\.weight$",),
+    build=build,
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.w1.weight", "up": f"{_EXPERT}.w3.weight",
                                    "down": f"{_EXPERT}.w2.weight"}),
 ))
