@@ -16,18 +16,23 @@ import torch
 from localmoe.config import ModelSpec
 
 Transform = Callable[[torch.Tensor, ModelSpec], torch.Tensor]
+PLACEHOLDERS = ("i", "e")  # layer index, expert id
 
 
 @dataclass(frozen=True)
 class TensorRule:
-    """Checkpoint name pattern (with `{i}` for the layer index) -> canonical name, optional transform."""
+    """Checkpoint name pattern -> canonical name, optional transform. The pattern may hold
+    `{i}` (layer index) and `{e}` (expert id); the target takes the same placeholders."""
 
     source: str
     target: str
     transform: Transform | None = None
 
     def compile(self) -> re.Pattern:
-        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+        pattern = re.escape(self.source)
+        for key in PLACEHOLDERS:
+            pattern = pattern.replace(re.escape("{" + key + "}"), rf"(?P<{key}>\d+)")
+        return re.compile("^" + pattern + "$")
 
 
 @dataclass
@@ -48,7 +53,9 @@ class TensorMap:
         for pattern, rule in self._compiled:
             match = pattern.match(name)
             if match:
-                target = rule.target.replace("{i}", match.group("i")) if "i" in match.groupdict() else rule.target
+                target = rule.target
+                for key, value in match.groupdict().items():
+                    target = target.replace("{" + key + "}", value)
                 return target, rule.transform
         if any(re.search(p, name) for p in self.ignore):
             return None

@@ -14,7 +14,6 @@ Quirks, each covered by tests/models/test_kimi_linear.py:
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
@@ -81,24 +80,7 @@ _MOE = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "rout
         *((f"shared_experts.{n}_proj.weight",) * 2 for n in ("gate", "up", "down"))]
 
 
-class _ExpertRule(TensorRule):
-    """A TensorRule whose source and target also carry `{e}` (the expert id)."""
-
-    def compile(self):
-        return re.compile("^" + re.escape(self.source).replace(r"\{i\}", r"(?P<i>\d+)")
-                          .replace(r"\{e\}", r"(?P<e>\d+)") + "$")
-
-
-class _KimiTensorMap(TensorMap):
-    def resolve(self, name: str):
-        resolved = super().resolve(name)
-        if resolved is not None and "{e}" in resolved[0]:
-            e = re.search(r"\.experts\.(\d+)\.", name).group(1)
-            return resolved[0].replace("{e}", e), resolved[1]
-        return resolved
-
-
-HF_TENSORS = _KimiTensorMap(
+HF_TENSORS = TensorMap(
     rules=(
         TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
         TensorRule("model.norm.weight", "norm.weight"),
@@ -107,7 +89,7 @@ HF_TENSORS = _KimiTensorMap(
           for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                     *(f"self_attn.{t}" for t in _KDA + _MLA),
                     *(f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")))),
-        *(_ExpertRule(f"model.layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
+        *(TensorRule(f"model.layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
     ),
     ignore=(r"rotary_emb\.inv_freq$",),
 )
