@@ -62,6 +62,15 @@ class TensorMap:
         raise KeyError(name)
 
 
+def build_transformer(spec: ModelSpec, weights: dict, engine_config):
+    """The `build` of every family whose layers the shared Transformer assembles from its kinds."""
+    from localmoe.engine.transformer import (
+        Transformer,  # engine imports stay lazy: models is the lower layer
+    )
+
+    return Transformer(spec, weights, engine_config)
+
+
 EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4")
 
 

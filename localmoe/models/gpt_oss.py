@@ -19,7 +19,13 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule
+from localmoe.models.base import (
+    ExpertTensors,
+    Family,
+    TensorMap,
+    TensorRule,
+    build_transformer,
+)
 from localmoe.models.moe_config import require
 
 
@@ -124,12 +130,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(spec: ModelSpec, weights: dict, engine_config):
-    from localmoe.engine.transformer import Transformer
-
-    return Transformer(spec, weights, engine_config)
-
-
 FAMILY = register(Family(
     name="gpt_oss",
     model_types=("gpt_oss",),
@@ -138,7 +138,7 @@ FAMILY = register(Family(
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
     optional_tensors=(r"^lm_head\.weight$",),
-    build=build,
+    build=build_transformer,
     experts=ExpertTensors("gpt_oss_mxfp4", {"gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
                                             "down": "model.layers.{i}.mlp.experts.down_proj"}, stacked=True),
 ))

@@ -16,11 +16,17 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.errors import UnsupportedModelError
 from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
+from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule
+from localmoe.models.base import (
+    ExpertTensors,
+    Family,
+    TensorMap,
+    TensorRule,
+    build_transformer,
+)
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
 
 
@@ -133,12 +139,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(spec: ModelSpec, weights: dict, engine_config):
-    from localmoe.engine.transformer import Transformer
-
-    return Transformer(spec, weights, engine_config)
-
-
 _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
 
 FAMILY = register(Family(
@@ -149,7 +149,7 @@ FAMILY = register(Family(
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
     optional_tensors=(r"^lm_head\.weight$",),
-    build=build,
+    build=build_transformer,
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.w1.weight", "up": f"{_EXPERT}.w3.weight",
                                    "down": f"{_EXPERT}.w2.weight"}),
 ))

@@ -13,7 +13,7 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.models import register
-from localmoe.models.base import Family, TensorMap, TensorRule
+from localmoe.models.base import Family, TensorMap, TensorRule, build_transformer
 
 
 def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
@@ -181,12 +181,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build(spec: ModelSpec, weights: dict, engine_config):
-    from localmoe.engine.transformer import Transformer
-
-    return Transformer(spec, weights, engine_config)
-
-
 FAMILY = register(Family(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3", "smollm"),
@@ -197,5 +191,5 @@ FAMILY = register(Family(
     gguf_tensors=gguf_tensors,
     expected_shapes=expected_shapes,
     optional_tensors=(r"^lm_head\.weight$", r"^rope_freqs\.weight$"),
-    build=build,
+    build=build_transformer,
 ))
