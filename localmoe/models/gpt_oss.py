@@ -19,13 +19,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import (
-    ExpertTensors,
-    Family,
-    TensorMap,
-    TensorRule,
-    build_transformer,
-)
+from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
 from localmoe.models.moe_config import require
 
 

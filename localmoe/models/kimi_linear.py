@@ -20,13 +20,7 @@ from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import (
-    ExpertTensors,
-    Family,
-    TensorMap,
-    TensorRule,
-    build_transformer,
-)
+from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
 
 
