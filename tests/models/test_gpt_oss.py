@@ -15,6 +15,7 @@ from localmoe.engine.experts import ResidentExperts
 from localmoe.engine.rope import inverse_frequencies
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,16 +33,6 @@ def models(tmp_path_factory):
     return ours, reference
 
 
-def _tokens(n: int, seed: int, vocab: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(max abs diff, max abs diff relative to b's largest magnitude)."""
-    err = (a - b).abs().max().item()
-    return err, err / b.abs().max().clamp(min=1e-6).item()
-
-
 def test_spec_reads_the_gpt_oss_facts(models):
     ours, _ = models
     spec = ours.spec
@@ -52,29 +43,13 @@ def test_spec_reads_the_gpt_oss_facts(models):
 
 def test_prefill_and_cached_greedy_decode_match_transformers(models):
     ours, reference = models
-    model, vocab = ours.model, ours.spec.vocab_size
-    prompt = _tokens(PREFILL, 1, vocab)
-    with torch.no_grad():
-        out = reference(prompt, use_cache=True)
-    expected, past = out.logits, out.past_key_values
-    got = model.forward(prompt, cache := model.new_cache(1, PREFILL + DECODE), all_logits=True)
-    err, rel = _diff(got, expected)
-    assert rel < 1e-3, f"prefill logits: max abs {err:.2e}, rel {rel:.2e}"
-    ours_next = ref_next = got[:, -1].argmax(-1, keepdim=True)
-    for step in range(DECODE):
-        with torch.no_grad():
-            out = reference(ref_next, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = model.forward(ours_next, cache)
-        err, rel = _diff(logits[:, -1], out.logits[:, -1])
-        assert rel < 1e-3, f"decode step {step}: max abs {err:.2e}, rel {rel:.2e}"
-        ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), out.logits[:, -1].argmax(-1, keepdim=True)
-        assert ours_next.item() == ref_next.item(), f"greedy token differs at decode step {step}"
+    prompt = random_tokens(PREFILL, 1, ours.spec.vocab_size)
+    assert_prefill_and_greedy_decode_match(ours.model, reference, prompt, DECODE)
 
 
 def test_prefill_then_decode_equals_full_forward(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    tokens = _tokens(24, 2, vocab)
+    tokens = random_tokens(24, 2, vocab)
     full = model.forward(tokens, model.new_cache(1, 32), all_logits=True)
     cache = model.new_cache(1, 32)
     parts = [model.forward(tokens[:, :10], cache, all_logits=True),  # chunked prefill crosses the window
@@ -85,7 +60,7 @@ def test_prefill_then_decode_equals_full_forward(models):
 
 def test_left_padded_batch_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    long, short = _tokens(13, 3, vocab)[0], _tokens(6, 4, vocab)[0]  # window 4 < both lengths
+    long, short = random_tokens(13, 3, vocab)[0], random_tokens(6, 4, vocab)[0]  # window 4 < both lengths
     pad = len(long) - len(short)
     batch = torch.stack([long, torch.cat([torch.zeros(pad, dtype=torch.long), short])])
     mask = torch.ones_like(batch, dtype=torch.bool)
@@ -124,7 +99,7 @@ def test_experts_stay_mxfp4_bytes_and_come_through_the_provider(models):
         def nbytes(self):
             return self.inner.nbytes()
 
-    tokens = _tokens(9, 5, spec.vocab_size)
+    tokens = random_tokens(9, 5, spec.vocab_size)
     before = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
     merged = ResidentExperts({})
     for b in blocks:
@@ -179,7 +154,7 @@ def test_experts_from_the_packed_store_give_bit_identical_logits(models, tmp_pat
         def nbytes(self):
             return 0
 
-    tokens = _tokens(11, 6, ours.spec.vocab_size)
+    tokens = random_tokens(11, 6, ours.spec.vocab_size)
     before = model.forward(tokens, model.new_cache(1, 16), all_logits=True)
     originals = [b.experts for b in model.moe_blocks()]
     with PackedStore(tmp_path / "store") as store:

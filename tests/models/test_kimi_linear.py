@@ -15,6 +15,7 @@ from localmoe.engine.moe import MoEBlock
 from localmoe.load import load_model
 from localmoe.models import family_for_model_type
 from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,16 +32,6 @@ def models(tmp_path_factory):
         warnings.simplefilter("ignore")
         reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return ours, reference
-
-
-def _tokens(n: int, seed: int, vocab: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(max abs diff, max abs diff relative to b's largest magnitude)."""
-    err = (a - b).abs().max().item()
-    return err, err / b.abs().max().clamp(min=1e-6).item()
 
 
 def test_spec_reads_the_kimi_linear_facts(models):
@@ -76,29 +67,13 @@ def test_router_correction_bias_and_shared_experts_are_loaded(models):
 
 def test_prefill_and_cached_greedy_decode_match_transformers(models):
     ours, reference = models
-    model, vocab = ours.model, ours.spec.vocab_size
-    prompt = _tokens(PREFILL, 1, vocab)
-    with torch.no_grad():
-        out = reference(prompt, use_cache=True)
-    expected, past = out.logits, out.past_key_values
-    got = model.forward(prompt, cache := model.new_cache(1, PREFILL + DECODE), all_logits=True)
-    err, rel = _diff(got, expected)
-    assert rel < 1e-3, f"prefill logits: max abs {err:.2e}, rel {rel:.2e}"
-    ours_next = ref_next = got[:, -1].argmax(-1, keepdim=True)
-    for step in range(DECODE):
-        with torch.no_grad():
-            out = reference(ref_next, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = model.forward(ours_next, cache)
-        err, rel = _diff(logits[:, -1], out.logits[:, -1])
-        assert rel < 1e-3, f"decode step {step}: max abs {err:.2e}, rel {rel:.2e}"
-        ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), out.logits[:, -1].argmax(-1, keepdim=True)
-        assert ours_next.item() == ref_next.item(), f"greedy token differs at decode step {step}"
+    prompt = random_tokens(PREFILL, 1, ours.spec.vocab_size)
+    assert_prefill_and_greedy_decode_match(ours.model, reference, prompt, DECODE)
 
 
 def test_prefill_then_decode_equals_full_forward(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    tokens = _tokens(80, 2, vocab)  # > one 64-token KDA chunk
+    tokens = random_tokens(80, 2, vocab)  # > one 64-token KDA chunk
     full = model.forward(tokens, model.new_cache(1, 96), all_logits=True)
     cache = model.new_cache(1, 96)
     parts = [model.forward(tokens[:, :37], cache, all_logits=True),  # chunked form, then a second prefill
@@ -109,7 +84,7 @@ def test_prefill_then_decode_equals_full_forward(models):
 
 def test_batch_of_two_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    batch = _tokens(20, 3, vocab, batch=2)
+    batch = random_tokens(20, 3, vocab, batch=2)
     both = model.forward(batch, model.new_cache(2, 24), all_logits=True)
     for row in range(2):
         single = model.forward(batch[row:row + 1], model.new_cache(1, 24), all_logits=True)
