@@ -6,6 +6,7 @@ Used by `localmoe inspect` and later by the server's /v1/models and the UIs' inf
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -14,16 +15,13 @@ from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.models import family_for_gguf, family_for_model_type
 
 
-def _parameters(name: str, dtype, shape) -> int:
-    """Parameters a stored tensor holds: a packed MXFP4 byte holds two, its scales none."""
-    count = 1
-    for n in shape:
-        count *= n
-    if name.endswith(("weight_scale", "_scales")):
+def _parameters(name: str, shape) -> int:
+    """Parameters a stored tensor holds: a packed MXFP4 byte holds two, its scales none.
+    Checkpoint names (`weight_packed`, `_blocks`) and store part names (`.packed`) alike."""
+    if name.endswith(("weight_scale", "_scales", ".scales")):
         return 0
-    if name.endswith(("weight_packed", "_blocks")):
-        return 2 * count
-    return count
+    count = math.prod(shape)
+    return 2 * count if name.endswith(("weight_packed", "_blocks", ".packed")) else count
 
 
 def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
@@ -61,10 +59,7 @@ def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
             kind = str(part.dtype).removeprefix("torch.")
             counts[kind] += experts
             nbytes[kind] += experts * part.nbytes
-            n = 1
-            for d in part.shape:
-                n *= d
-            routed += experts * (0 if part.name.endswith(".scales") else 2 * n if part.name.endswith(".packed") else n)
+            routed += experts * _parameters(part.name, part.shape)
     if not spec.num_experts:  # dense (e.g. from a GGUF, whose blocks are stored as bytes): count from the spec
         return spec, dict(counts), dict(nbytes), None
     share = spec.num_experts_per_tok / spec.num_experts
@@ -92,9 +87,9 @@ def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
         counts[kind] += 1
         nbytes[kind] += size
         if expert is not None and expert.match(name):
-            routed += _parameters(name, dtype, shape)
+            routed += _parameters(name, shape)
         else:
-            other += _parameters(name, dtype, shape)
+            other += _parameters(name, shape)
     if expert is not None:  # MoE: count from the tensors; a token uses k of E routed experts
         share = spec.num_experts_per_tok / spec.num_experts
         return spec, dict(counts), dict(nbytes), {"total": other + routed, "active": other + round(routed * share)}
