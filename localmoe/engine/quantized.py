@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from localmoe.engine.linear import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
 from localmoe.store.ggml_quants import dequantize
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
-GEMV_MAX_ROWS = 8  # above this many input rows, dequantise to fp32 and run a GEMM
 
 
 def int4_kernel_available() -> bool:
