@@ -52,6 +52,7 @@ class ModelSpec:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
+    latent_moe_size: int = 0  # K3 latent MoE: experts run at this width (routed_expert_hidden_size); 0 = hidden
     # Routing and expert activation (engine/moe.py), named after the HF config keys
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: top-k logits, then softmax)
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
@@ -61,6 +62,10 @@ class ModelSpec:
     expert_act: str = "swiglu"  # "swiglu" | "gpt_oss_swiglu" (clamped, biased) | "situ" (Kimi K3)
     swiglu_limit: float = 7.0  # gpt_oss_swiglu clamp
     swiglu_alpha: float = 1.702  # gpt_oss_swiglu sigmoid slope
+    situ_beta: float = 4.0  # K3 SiTU-GLU: situ_beta*tanh(g/situ_beta)*sigmoid(g) * ... (activation_situ_beta)
+    situ_linear_beta: float = 25.0  # ... * situ_linear_beta*tanh(u/situ_linear_beta) (activation_situ_linear_beta)
+    # K3 attention residuals (engine/attn_res.py): layers per stored block; 0 = plain residual adds
+    attn_res_block_size: int = 0
     sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
     # KDA layers (engine/kda.py: KDAConfig.spec_fields / from_spec)
     kda_num_heads: int = 0

@@ -32,9 +32,14 @@ def _progress(items: list, description: str, enabled: bool):
                 disable=not sys.stderr.isatty())
 
 
+ROUTED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")  # canonical names a packed store keeps apart
+
+
 def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family: Family, spec: ModelSpec,
-                       source: str, progress: bool) -> dict[str, torch.Tensor]:
-    """Read, rename, transform and shape-check every tensor; fail naming the tensor at fault."""
+                       source: str, progress: bool, elsewhere: re.Pattern | None = None) -> dict[str, torch.Tensor]:
+    """Read, rename, transform and shape-check every tensor; fail naming the tensor at fault.
+
+    Expected tensors matching `elsewhere` (a store's routed experts) are not required here."""
     weights: dict[str, torch.Tensor] = {}
     for name in _progress(list(names), f"loading {Path(source).name}", progress):
         try:
@@ -57,6 +62,8 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         weights[canonical] = tensor
     expected = family.expected_shapes(spec)
     for canonical, shape in expected.items():
+        if canonical not in weights and elsewhere is not None and elsewhere.search(canonical):
+            continue
         if canonical not in weights:
             raise CheckpointError(f"{source}: tensor {canonical!r} is missing (required by {spec.model_type} "
                                   f"with {spec.num_layers} layers)")
@@ -124,6 +131,29 @@ def _read_hf_dir(path: Path, progress: bool):
     return family, spec, weights, tokenizer_from_hf_dir(path)
 
 
+def _read_store(path: Path, config: EngineConfig, progress: bool):
+    """A packed store: dense tensors from its shards (checkpoint names, renamed as for the source),
+    routed experts left in the store for the provider `localmoe.paging` builds."""
+    from localmoe.paging import provider_for_store
+    from localmoe.store.packed import PackedStore
+    from localmoe.tokenizer import tokenizer_from_hf_dir
+
+    store = PackedStore(path)
+    spec = store.spec
+    family = family_for_model_type(spec.model_type, str(path / "manifest.json"))
+    if store.file("config") is None:
+        raise UnsupportedModelError(f"{path}: this store was converted from a GGUF file; run that file directly "
+                                    "(stores converted from GGUF cannot be run yet)")
+    if not family.runnable:
+        raise UnsupportedModelError(f"{path}: {spec.model_type} stores can be inspected and verified, but this "
+                                    f"version cannot run them yet; runnable families: "
+                                    f"{', '.join(runnable_model_types())}")
+    weights = _canonical_weights(store.dense_names(), store.dense, family.hf_tensors, family, spec, str(path),
+                                 progress, elsewhere=ROUTED_EXPERTS)
+    experts = provider_for_store(store, spec, config) if spec.moe_layers() else None
+    return family, spec, weights, tokenizer_from_hf_dir(path), experts
+
+
 def resolve_model_path(path: str | Path | None) -> Path:
     """None -> the embedded default model (fetched on first use); otherwise an existing path."""
     if path is None:
@@ -173,17 +203,23 @@ class LoadedModel:
 
 def load_model(path: str | Path | None = None, config: EngineConfig | None = None, progress: bool = True,
                **options) -> LoadedModel:
-    """Load a GGUF file or an HF safetensors directory (None = the embedded default model)."""
+    """Load a GGUF file, an HF safetensors directory or a packed store (None = the embedded default model)."""
     config = config or EngineConfig(**options)
     torch.set_num_threads(config.resolved_threads())
     path = resolve_model_path(path)
+    experts = None
     if path.is_dir():
-        if (path / "manifest.json").exists():
-            raise LocalMoEError(f"{path}: localmoe stores are not supported by this version yet")
-        if not (path / "config.json").exists():
-            raise LocalMoEError(f"{path}: a model directory needs config.json (HF layout) or manifest.json")
-        family, spec, weights, tokenizer = _read_hf_dir(path, progress)
+        from localmoe.store.manifest import MANIFEST, PROGRESS
+
+        if (path / MANIFEST).exists() or (path / PROGRESS).exists():
+            family, spec, weights, tokenizer, experts = _read_store(path, config, progress)
+        elif not (path / "config.json").exists():
+            raise LocalMoEError(f"{path}: a model directory needs config.json (HF layout) or manifest.json "
+                                "(a localmoe packed store)")
+        else:
+            family, spec, weights, tokenizer = _read_hf_dir(path, progress)
     else:
         family, spec, weights, tokenizer = _read_gguf(path, config, progress)
-    model = family.build(spec, weights, config)
+    model = family.build(spec, weights, config, experts) if experts is not None else family.build(spec, weights,
+                                                                                                  config)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)

@@ -29,7 +29,7 @@ from localmoe.engine.experts import (
     expert_forward,
 )
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.mlp import GatedMLP
+from localmoe.engine.mlp import GatedMLP, glu_for, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.errors import LocalMoEError
 
 SCORING = ("softmax", "sigmoid", "topk_softmax")
@@ -48,19 +48,14 @@ def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alp
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """Kimi K3 SiTU-GLU: beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)."""
-    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
-
-
 def expert_activation(spec) -> Activation:
     kind = spec.expert_act
     if kind == "swiglu":
         return swiglu
     if kind == "gpt_oss_swiglu":
         return functools.partial(gpt_oss_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
-    if kind == "situ":  # K3's activation_situ_beta 4 / activation_situ_linear_beta 25 (the function defaults)
-        return situ_glu
+    if kind == "situ":
+        return glu_for(spec, "situ")
     raise LocalMoEError(f"{spec.model_type}: expert activation {kind!r} is not supported")
 
 
@@ -159,7 +154,7 @@ class LatentProjection:
 class MoEBlock:
     """sum over the k chosen experts of weight * expert(x), plus shared experts if any."""
 
-    def __init__(self, router: Router, experts: ExpertProvider, layer: int, act: Activation,
+    def __init__(self, router: Router, experts: ExpertProvider | None, layer: int, act: Activation,
                  shared: GatedMLP | None = None, latent: LatentProjection | None = None):
         self.router, self.experts, self.layer, self.act = router, experts, layer, act
         self.shared, self.latent = shared, latent
@@ -167,7 +162,8 @@ class MoEBlock:
     @classmethod
     def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
         """From canonical `{prefix}mlp.router.{weight,bias,e_score_correction_bias}`, routed experts
-        under `{prefix}mlp.experts.` (see ResidentExperts), optional `mlp.shared_experts.*` and,
+        under `{prefix}mlp.experts.` (see ResidentExperts; none: the block waits for a provider from
+        `Transformer.use_experts`, e.g. a packed store's pager), optional `mlp.shared_experts.*` and,
         for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`."""
         p = prefix + "mlp."
         layer = int(prefix.split(".")[1])
@@ -176,7 +172,9 @@ class MoEBlock:
                            n_group=spec.n_group, topk_group=spec.topk_group)
         router = Router(weights[p + "router.weight"], weights.get(p + "router.bias"), rule,
                         weights.get(p + "router.e_score_correction_bias"))
-        experts = ResidentExperts.from_weights(weights, prefix, layer, spec.num_experts)
+        has_experts = any(p + f"experts.{stem}.{kind}" in weights for stem in ("0.gate", "gate_up_proj")
+                          for kind in ("packed", "weight"))
+        experts = ResidentExperts.from_weights(weights, prefix, layer, spec.num_experts) if has_experts else None
         shared = None
         if p + "shared_experts.gate_proj.weight" in weights:
             shared = GatedMLP.from_weights(spec, weights, p + "shared_experts.", dtype, stem="")

@@ -1,6 +1,7 @@
 """The decoder-only transformer, assembled per layer from the kinds a ModelSpec lists.
 
-Each layer is (norm, mixer, norm, MLP) with plain residual adds; the mixer is chosen by
+Each layer is (norm, mixer, norm, MLP) with plain residual adds (Kimi K3: attention
+residuals instead, engine/attn_res.py, when `spec.attn_res_block_size` is set); the mixer is chosen by
 `spec.layer_kinds[i]` from MIXERS and the MLP by `spec.mlp_kinds[i]` from MLPS. A new
 layer kind is a class with `from_weights(spec, weights, prefix, dtype)`, `new_cache(batch,
 max_len)`, `nbytes()` and `__call__(x, step, cache)`, registered here.
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
+from localmoe.engine.attn_res import AttentionResiduals
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.experts import ExpertProvider
 from localmoe.engine.kda import KimiDeltaAttention
@@ -32,7 +34,9 @@ MLPS = {"dense": GatedMLP, "moe": MoEBlock, "latent_moe": MoEBlock}  # latent: f
 class Transformer:
     """Embedding -> N x (RMSNorm, mixer, RMSNorm, MLP) -> RMSNorm -> lm_head. fp32 activations."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], config: EngineConfig):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], config: EngineConfig,
+                 experts: ExpertProvider | None = None):
+        """`experts`: where routed experts come from when `weights` holds none (a packed store)."""
         if spec.hidden_act not in ACTIVATIONS:
             raise LocalMoEError(f"hidden_act {spec.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         for kind in set(spec.layer_kinds) - MIXERS.keys() | set(spec.mlp_kinds) - MLPS.keys():
@@ -54,6 +58,12 @@ class Transformer:
                                 MIXERS[spec.layer_kinds[i]].from_weights(spec, weights, p, config.dtype),
                                 weights[p + "post_attention_layernorm.weight"].float(),
                                 MLPS[spec.mlp_kinds[i]].from_weights(spec, weights, p, config.dtype)))
+        self.residuals = AttentionResiduals.from_weights(spec, weights) if spec.attn_res_block_size else None
+        if experts is not None:
+            self.use_experts(experts)
+        if any(block.experts is None for block in self.moe_blocks()):
+            raise LocalMoEError(f"{spec.model_type}: the weights hold no routed experts and no expert provider "
+                                "was given")
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> ModelCache:
         """A preallocated cache for `batch` sequences of up to `max_len` tokens."""
@@ -73,9 +83,20 @@ class Transformer:
         step = make_step(cache, start, T, self.rope)
         hidden = self.spec.hidden_size
         x = F.embedding(tokens, self.embed)
-        for i, (mixer_norm, mixer, mlp_norm, mlp) in enumerate(self.layers):
-            x = x + mixer(F.rms_norm(x, (hidden,), mixer_norm, self.eps), step, cache.layers[i])
-            x += mlp(F.rms_norm(x, (hidden,), mlp_norm, self.eps))
+        if self.residuals is None:
+            for i, (mixer_norm, mixer, mlp_norm, mlp) in enumerate(self.layers):
+                x = x + mixer(F.rms_norm(x, (hidden,), mixer_norm, self.eps), step, cache.layers[i])
+                x += mlp(F.rms_norm(x, (hidden,), mlp_norm, self.eps))
+        else:
+            def attn(i: int, h: torch.Tensor) -> torch.Tensor:
+                norm, mixer, _, _ = self.layers[i]
+                return mixer(F.rms_norm(h, (hidden,), norm, self.eps), step, cache.layers[i])
+
+            def mlp(i: int, h: torch.Tensor) -> torch.Tensor:
+                _, _, norm, block = self.layers[i]
+                return block(F.rms_norm(h, (hidden,), norm, self.eps))
+
+            x = self.residuals.run(x, attn, mlp)
         cache.advance(T)
         if not all_logits:
             x = x[:, -1:]
@@ -94,6 +115,7 @@ class Transformer:
         """Bytes of weights held (embedding, head, norms excluded from layers, layer matrices,
         routed experts as their providers hold them now)."""
         total = self.embed.nbytes + self.lm_head.nbytes() + self.norm.nbytes
-        providers = {id(b.experts): b.experts for b in self.moe_blocks()}
+        total += self.residuals.nbytes() if self.residuals is not None else 0
+        providers = {id(b.experts): b.experts for b in self.moe_blocks() if b.experts is not None}
         total += sum(p.nbytes() for p in providers.values())
         return total + sum(mixer.nbytes() + mlp.nbytes() for _, mixer, _, mlp in self.layers)

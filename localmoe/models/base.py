@@ -62,13 +62,14 @@ class TensorMap:
         raise KeyError(name)
 
 
-def build_transformer(spec: ModelSpec, weights: dict, engine_config):
-    """The `build` of every family whose layers the shared Transformer assembles from its kinds."""
+def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=None):
+    """The `build` of every family whose layers the shared Transformer assembles from its kinds;
+    `experts`: an ExpertProvider when `weights` holds no routed experts (packed stores)."""
     from localmoe.engine.transformer import (
         Transformer,  # engine imports stay lazy: models is the lower layer
     )
 
-    return Transformer(spec, weights, engine_config)
+    return Transformer(spec, weights, engine_config, experts)
 
 
 EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4")
@@ -126,7 +127,7 @@ class Family:
     gguf_tensors: Callable[[str], TensorMap] | None = None  # by GGUF architecture (permutations differ)
     expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None
     optional_tensors: tuple[str, ...] = ()  # canonical-name regexes that may be absent (e.g. a tied lm_head)
-    build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config) -> model
+    build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config, experts=None) -> model
     experts: ExpertTensors | None = None  # routed experts in the HF checkpoint (MoE families)
 
     @property

@@ -2,20 +2,101 @@
 
 Checkpoint facts: config under `text_config`; tensors prefixed `language_model.`; routed
 experts in compressed-tensors `mxfp4-pack-quantized` (`w1/w3/w2.weight_packed` +
-`weight_scale`, element 2i in the low nibble) over the latent width; layer lists 1-indexed.
+`weight_scale`, element 2i in the low nibble = our canonical MXFP4 layout, so they load
+as they are) over the latent width; layer lists 1-indexed.
+
+Quirks, each covered by tests/models/test_kimi_k3.py:
+- KDA: bounded decay gate (`gate_lower_bound` * sigmoid), full-rank `g_proj` output gate,
+  `A_log` stored padded to max(H, K) (first H live).
+- MLA: q LoRA (`q_a_proj` -> `q_a_layernorm` -> `q_b_proj`), NoPE, sigmoid output gate `g_proj`.
+- latent MoE: `routed_expert_down_proj` -> experts (SiTU-GLU) -> `routed_expert_norm` ->
+  `routed_expert_up_proj`; sigmoid router with correction bias; 2 shared experts fused.
+- attention residuals (`attn_res_block_size`): `self_attention_res_*`, `mlp_res_*`,
+  `model.output_attn_res_*` (engine/attn_res.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from localmoe.config import ModelSpec
+from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family
+from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.kimi_linear import expected_shapes as kimi_linear_shapes
 from localmoe.models.kimi_linear import text_spec
 from localmoe.models.moe_config import require
 
+SOURCE = "config.json text_config"
+
 
 def spec_from_hf(config: dict) -> ModelSpec:
-    return text_spec(require(config, "text_config"), "kimi_k3", "kimi_k3", "config.json text_config")
+    text = require(config, "text_config")
+    spec = text_spec(text, "kimi_k3", "kimi_k3", SOURCE)
+    act = text.get("moe_router_activation_func", "sigmoid")
+    if act != "sigmoid":
+        raise UnsupportedModelError(f"kimi_k3: moe_router_activation_func {act!r} is not supported (sigmoid only)")
+    if not text.get("latent_moe_use_norm", True):
+        raise UnsupportedModelError("kimi_k3: latent MoE without routed_expert_norm is not supported")
+    return dataclasses.replace(
+        spec, scoring_func="sigmoid",
+        # hidden_act (situ) drives the dense layer-0 MLP and the shared experts, as HF's Kimi MLPs
+        # read it; the routed experts are SiTU-GLU too (MODELS.md)
+        expert_act="situ",
+        situ_beta=float(text.get("activation_situ_beta", 4.0)),
+        situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
+        norm_topk_prob=bool(text.get("moe_renormalize", True)),
+        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        n_group=int(text.get("num_expert_group") or 1), topk_group=int(text.get("topk_group") or 1),
+        attn_res_block_size=int(require(text, "attn_res_block_size", SOURCE)))
+
+
+_P = "language_model.model."
+_ATTN = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+         "v_conv1d.weight", "f_a_proj.weight", "f_b_proj.weight", "b_proj.weight", "g_proj.weight", "A_log",
+         "dt_bias", "o_norm.weight", "o_proj.weight",  # KDA (g_proj: its full-rank gate)
+         "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+         "kv_a_layernorm.weight", "kv_b_proj.weight"]  # MLA (+ o_proj, g_proj: its output gate)
+_LAYER = ["input_layernorm.weight", "post_attention_layernorm.weight",
+          *(f"{s}_res_{t}.weight" for s in ("self_attention", "mlp") for t in ("norm", "proj")),
+          *(f"self_attn.{t}" for t in _ATTN), *(f"mlp.{m}_proj.weight" for m in ("gate", "up", "down"))]
+_MOE = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "router.e_score_correction_bias"),
+        *((f"{n}.weight",) * 2 for n in ("routed_expert_down_proj", "routed_expert_norm", "routed_expert_up_proj")),
+        *((f"shared_experts.{n}_proj.weight",) * 2 for n in ("gate", "up", "down")),
+        *((f"experts.{{e}}.{w}.weight_{kind}", f"experts.{{e}}.{proj}.{part}")
+          for w, proj in (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+          for kind, part in (("packed", "packed"), ("scale", "scales")))]
+
+HF_TENSORS = TensorMap(
+    rules=(
+        TensorRule(_P + "embed_tokens.weight", "embed_tokens.weight"),
+        TensorRule(_P + "norm.weight", "norm.weight"),
+        *(TensorRule(f"{_P}output_attn_res_{t}.weight", f"output_attn_res_{t}.weight") for t in ("norm", "proj")),
+        TensorRule("language_model.lm_head.weight", "lm_head.weight"),
+        *(TensorRule(f"{_P}layers.{{i}}.{n}", f"layers.{{i}}.{n}") for n in _LAYER),
+        *(TensorRule(f"{_P}layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
+    ),
+    ignore=(r"rotary_emb\.inv_freq$", r"^(vision_tower|mm_projector|multi_modal_projector)\."),
+)
+
+
+def mxfp4_expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
+    """Routed experts as MXFP4 parts: packed U8 [out, in/2] and scales U8 [out, in/32]."""
+    Im, shapes = spec.moe_intermediate_size, {}
+    for e in range(spec.num_experts):
+        x = f"{m}experts.{e}."
+        for proj, (out, inp) in (("gate", (Im, width)), ("up", (Im, width)), ("down", (width, Im))):
+            shapes |= {f"{x}{proj}.packed": (out, inp // 2), f"{x}{proj}.scales": (out, inp // 32)}
+    return shapes
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    D = spec.hidden_size
+    shapes = kimi_linear_shapes(spec, mxfp4_expert_shapes)
+    for stem in [*(f"layers.{i}.{s}" for i in range(spec.num_layers) for s in ("self_attention", "mlp")),
+                 "output_attn"]:
+        shapes |= {f"{stem}_res_norm.weight": (D,), f"{stem}_res_proj.weight": (1, D)}
+    return shapes
 
 
 _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"
@@ -25,6 +106,9 @@ FAMILY = register(Family(
     model_types=("kimi_k3",),
     gguf_architectures=(),
     spec_from_hf=spec_from_hf,
+    hf_tensors=HF_TENSORS,
+    expected_shapes=expected_shapes,
+    build=build_transformer,
     experts=ExpertTensors("compressed_tensors_mxfp4", {"gate": f"{_EXPERT}.w1", "up": f"{_EXPERT}.w3",
                                                        "down": f"{_EXPERT}.w2"}),
 ))

@@ -30,7 +30,6 @@ def text_spec(config: dict, model_type: str, family: str, source: str = "config.
     linear = require(config, "linear_attn_config", source)
     kinds = kinds_from_one_indexed(layers, {"kda": linear.get("kda_layers", []),
                                             "mla": linear.get("full_attn_layers", [])}, source)
-    latent = config.get("routed_expert_hidden_size") is not None
     heads = require(config, "num_attention_heads", source)
     return ModelSpec(
         model_type=model_type, family=family,
@@ -47,11 +46,12 @@ def text_spec(config: dict, model_type: str, family: str, source: str = "config.
         hidden_act=config.get("hidden_act", "silu"),
         layer_kinds=kinds,
         mlp_kinds=moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1),
-                                "latent_moe" if latent else "moe"),
+                                "latent_moe" if config.get("routed_expert_hidden_size") else "moe"),
         num_experts=require(config, "num_experts", source),
         num_experts_per_tok=require(config, "num_experts_per_token", source),
         moe_intermediate_size=require(config, "moe_intermediate_size", source),
         num_shared_experts=config.get("num_shared_experts", 0),
+        latent_moe_size=config.get("routed_expert_hidden_size") or 0,
         **KDAConfig.from_hf(config, family).spec_fields(),
         **MLAConfig.from_hf(config).spec_fields(),
     )
@@ -95,11 +95,54 @@ HF_TENSORS = TensorMap(
 )
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    D, E, Im = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
-    H, K, W = spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
-    Hm, r, n, rope, v = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
-    S = spec.num_shared_experts * Im
+def kda_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """A KDA layer's `self_attn.*` shapes (prefix `a`); K3's full-rank gate and padded A_log by spec."""
+    D, H, K, W = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
+    shapes = {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
+              **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
+              a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K),
+              a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "o_norm.weight": (K,),
+              a + "o_proj.weight": (D, H * K)}
+    if spec.kda_full_rank_gate:  # K3: g_proj, A_log stored padded to max(H, K)
+        return shapes | {a + "g_proj.weight": (H * K, D), a + "A_log": (max(H, K),)}
+    return shapes | {a + "g_a_proj.weight": (K, D), a + "g_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1)}
+
+
+def mla_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's `self_attn.*` shapes: q directly or through q LoRA, optional output gate."""
+    D, H, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
+    n, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, D), a + "kv_a_layernorm.weight": (r,),
+              a + "kv_b_proj.weight": (H * (n + v), r), a + "o_proj.weight": (D, H * v)}
+    if spec.q_lora_rank:
+        q = spec.q_lora_rank
+        shapes |= {a + "q_a_proj.weight": (q, D), a + "q_a_layernorm.weight": (q,),
+                   a + "q_b_proj.weight": (H * (n + rope), q)}
+    else:
+        shapes[a + "q_proj.weight"] = (H * (n + rope), D)
+    if spec.mla_output_gate:
+        shapes[a + "g_proj.weight"] = (H * v, D)
+    return shapes
+
+
+def gated_mlp_shapes(m: str, width: int, inner: int) -> dict[str, tuple[int, ...]]:
+    return {m + "gate_proj.weight": (inner, width), m + "up_proj.weight": (inner, width),
+            m + "down_proj.weight": (width, inner)}
+
+
+def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
+    """bf16 routed experts `{m}experts.{e}.{gate,up,down}.weight` at `width` (the hidden or latent size)."""
+    Im, shapes = spec.moe_intermediate_size, {}
+    for e in range(spec.num_experts):
+        x = f"{m}experts.{e}."
+        shapes |= {x + "gate.weight": (Im, width), x + "up.weight": (Im, width), x + "down.weight": (width, Im)}
+    return shapes
+
+
+def expected_shapes(spec: ModelSpec, experts=expert_shapes) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor shapes of a Kimi-Linear-style model; `experts(spec, prefix, width)` gives the
+    routed experts' (K3 passes its MXFP4 parts)."""
+    D, E = spec.hidden_size, spec.num_experts
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, D)
@@ -108,28 +151,23 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         a, m = p + "self_attn.", p + "mlp."
         shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
         if spec.layer_kinds[i] == "kda":
-            shapes |= {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
-                       **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
-                       a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1),
-                       a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "g_a_proj.weight": (K, D),
-                       a + "g_b_proj.weight": (H * K, K), a + "o_norm.weight": (K,), a + "o_proj.weight": (D, H * K)}
+            shapes |= kda_shapes(spec, a)
         else:
-            if spec.q_lora_rank:
+            if spec.q_lora_rank and spec.family == "kimi_linear":
                 raise UnsupportedModelError("kimi_linear: MLA with q_lora_rank is not supported (Kimi-Linear has none)")
-            shapes |= {a + "q_proj.weight": (Hm * (n + rope), D), a + "kv_a_proj_with_mqa.weight": (r + rope, D),
-                       a + "kv_a_layernorm.weight": (r,), a + "kv_b_proj.weight": (Hm * (n + v), r),
-                       a + "o_proj.weight": (D, Hm * v)}
+            shapes |= mla_shapes(spec, a)
         if spec.mlp_kinds[i] == "dense":
-            I = spec.intermediate_size
-            shapes |= {m + "gate_proj.weight": (I, D), m + "up_proj.weight": (I, D), m + "down_proj.weight": (D, I)}
+            shapes |= gated_mlp_shapes(m, D, spec.intermediate_size)
             continue
         shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)}
-        for e in range(E):
-            x = f"{m}experts.{e}."
-            shapes |= {x + "gate.weight": (Im, D), x + "up.weight": (Im, D), x + "down.weight": (D, Im)}
-        if S:
-            x = m + "shared_experts."
-            shapes |= {x + "gate_proj.weight": (S, D), x + "up_proj.weight": (S, D), x + "down_proj.weight": (D, S)}
+        width = D
+        if spec.mlp_kinds[i] == "latent_moe":
+            width = spec.latent_moe_size
+            shapes |= {m + "routed_expert_down_proj.weight": (width, D), m + "routed_expert_norm.weight": (width,),
+                       m + "routed_expert_up_proj.weight": (D, width)}
+        shapes |= experts(spec, m, width)
+        if spec.num_shared_experts:
+            shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
     return shapes
 
 

@@ -207,7 +207,7 @@ def test_shared_experts_and_latent_moe_match_float64_rederivation():
     sg, su, sd = (torch.randn(48, D, generator=g) * 0.2, torch.randn(48, D, generator=g) * 0.2,
                   torch.randn(D, 48, generator=g) * 0.2)
     rule = RoutingRule(top_k=4, scoring="sigmoid", renormalize=True, scaling=1.5, n_group=2, topk_group=1)
-    shared = GatedMLP(Linear(torch.cat([sg, su]), None, "float32"), Linear(sd, None, "float32"))
+    shared = GatedMLP(Linear(torch.cat([sg, su]), None, "float32"), Linear(sd, None, "float32"), swiglu)
     latent = LatentProjection(Linear(down, None, "float32"), norm, Linear(up, None, "float32"), 1e-6)
     block = MoEBlock(Router(router_w, None, rule, correction), ResidentExperts({2: experts}), 2, situ_glu,
                      shared=shared, latent=latent)

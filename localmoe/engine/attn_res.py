@@ -1,0 +1,70 @@
+"""Kimi K3 attention residuals: a learned mix over depth replaces the plain residual stream.
+
+The stream is kept as stored block representations plus a running partial sum `ps` of
+the current block. Before each sublayer its input is a softmax-weighted mix of
+V = [blocks..., ps] (per token, over depth):
+    k = V * rsqrt(mean(V^2) + eps);  score = k . (res_norm.weight * res_proj.weight);
+    mix = softmax(score over V) . V
+Per layer L (0-based): x = mix(self_attention_res) if blocks exist else ps; every
+`block_size` layers (L % block_size == 0) ps is stored as a block and restarted;
+ps += attn(input_layernorm(x)); x = mix(mlp_res); ps += mlp(post_attention_layernorm(x)).
+The model's output is mix(output_attn_res) -> norm -> lm_head. All of it in fp32: the mix
+is sensitive to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Sublayer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, normalised-input source x) -> output
+
+
+def residual_query(weights: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
+    """The pseudo-query [D] of one mix: `{stem}_res_norm.weight` * `{stem}_res_proj.weight` ([1, D])."""
+    return (weights[f"{stem}_res_norm.weight"].float() * weights[f"{stem}_res_proj.weight"].float()[0]).contiguous()
+
+
+def depth_mix(values: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    """values: N tensors [B, T, D] fp32, query [D] -> [B, T, D], softmax over the N entries."""
+    V = torch.stack(values)  # [N, B, T, D]
+    scores = (V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)) @ query  # [N, B, T]
+    return torch.einsum("nbt,nbtd->btd", scores.softmax(dim=0), V)
+
+
+class AttentionResiduals:
+    """The per-layer queries of K3's block attention residuals and the loop that uses them."""
+
+    def __init__(self, block_size: int, attn_queries: list[torch.Tensor], mlp_queries: list[torch.Tensor],
+                 output_query: torch.Tensor, eps: float):
+        self.block_size, self.eps = block_size, eps
+        self.attn_queries, self.mlp_queries, self.output_query = attn_queries, mlp_queries, output_query
+
+    @classmethod
+    def from_weights(cls, spec, weights: dict[str, torch.Tensor]) -> AttentionResiduals:
+        """From canonical `layers.{i}.{self_attention,mlp}_res_{norm,proj}.weight` and
+        `output_attn_res_{norm,proj}.weight`."""
+        n = spec.num_layers
+        return cls(spec.attn_res_block_size,
+                   [residual_query(weights, f"layers.{i}.self_attention") for i in range(n)],
+                   [residual_query(weights, f"layers.{i}.mlp") for i in range(n)],
+                   residual_query(weights, "output_attn"), spec.rms_norm_eps)
+
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in (*self.attn_queries, *self.mlp_queries, self.output_query))
+
+    def run(self, x: torch.Tensor, attn: Sublayer, mlp: Sublayer) -> torch.Tensor:
+        """x: embeddings [B, T, D]; attn/mlp(i, x) run layer i's normed sublayer -> the mixed output [B, T, D]."""
+        blocks: list[torch.Tensor] = []
+        partial = x
+        for i in range(len(self.attn_queries)):
+            h = depth_mix([*blocks, partial], self.attn_queries[i], self.eps) if blocks else partial
+            restart = i % self.block_size == 0
+            if restart:
+                blocks.append(partial)
+            a = attn(i, h)
+            partial = a if restart else partial + a
+            h = depth_mix([*blocks, partial], self.mlp_queries[i], self.eps)
+            partial = partial + mlp(i, h)
+        return depth_mix([*blocks, partial], self.output_query, self.eps)
