@@ -7,6 +7,7 @@ checkpoint tensor through the family's TensorMap, assert its shape, build the mo
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -176,10 +177,20 @@ class LoadedModel:
     source: Path
     config: EngineConfig
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    @functools.cached_property
+    def chat_format(self):
+        """The family's ChatFormat (K3 XTML, gpt-oss harmony, else the Jinja template): localmoe.chat."""
+        from localmoe.chat import chat_format_for
+
+        return chat_format_for(self.spec, self.tokenizer)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    reasoning_effort: str | None = None) -> list[int]:
+        """Token ids of an OpenAI-style conversation rendered in the model's chat format."""
+        from localmoe.chat import messages_from_openai
+
+        return self.chat_format.render(messages_from_openai(messages), tools=tools, reasoning_effort=reasoning_effort,
+                                       add_generation_prompt=add_generation_prompt)
 
     def stream(self, prompt: str | list[dict], params=None, max_tokens: int = 256, stop: Sequence[str] = (),
                system: str | None = None) -> Iterator:
