@@ -16,4 +16,5 @@ packages = find_packages(include=["localmoe", "localmoe.*"])
 for target, folder in MAPPED.items():
     packages += mapped_packages(target, folder)
 
-setup(packages=packages, package_dir=MAPPED, package_data={"localmoe": ["py.typed"]})
+setup(packages=packages, package_dir=MAPPED,
+      package_data={"localmoe": ["py.typed"], "localmoe.testing": ["configs/*.json", "configs/*.md"]})

@@ -133,13 +133,25 @@ class ModelSpec:
         """0-based indices of the layers whose MLP is a routed-expert block."""
         return [i for i, kind in enumerate(self.mlp_kinds) if kind in ("moe", "latent_moe")]
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
-        """Cache bytes one more token costs across all layers: K and V for GQA layers, the
-        latent + rope part for MLA layers; delta-rule layers keep a constant-size state."""
-        per_kind = {"attention": 2 * self.num_kv_heads * self.head_dim,
-                    "sliding_attention": 2 * self.num_kv_heads * self.head_dim,
-                    "mla": self.kv_lora_rank + self.qk_rope_head_dim, "kda": 0, "gated_delta": 0}
-        return sum(per_kind[kind] for kind in self.layer_kinds) * bytes_per_value
+    def kv_bytes_per_token(self, cache_dtype: str | int = "float32") -> int:
+        """Cache bytes one more token costs one sequence across all layers: K and V for GQA layers,
+        the latent + rope row for MLA layers; delta-rule layers keep a constant-size state.
+
+        `cache_dtype` is a KV_CACHE_DTYPES name ("fp8": 1 byte per value plus one fp32 scale per
+        token and KV head, or per MLA row, as engine/cache.py stores them) or a byte count per value.
+        Sliding-window layers are counted at full length (the cache keeps every position).
+        """
+        gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
+        per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": (self.kv_lora_rank + self.qk_rope_head_dim, 1),
+                    "kda": (0, 0), "gated_delta": (0, 0)}
+        values = sum(per_kind[kind][0] for kind in self.layer_kinds)
+        if isinstance(cache_dtype, int):
+            return values * cache_dtype
+        if cache_dtype not in KV_CACHE_DTYPES:
+            raise LocalMoEError(f"cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {cache_dtype!r}")
+        if cache_dtype == "fp8":
+            return values + 4 * sum(per_kind[kind][1] for kind in self.layer_kinds)
+        return values * (4 if cache_dtype == "float32" else 2)
 
     def sizes_cache(self) -> bool:
         """Whether kv_bytes_per_token knows every layer kind of this model (DSA indexer keys: not yet)."""
@@ -147,6 +159,7 @@ class ModelSpec:
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("float32", "bfloat16", "fp8")  # engine/cache.py; fp8 = e4m3 + one fp32 scale per head/row
 
 
 @dataclass(slots=True)
@@ -156,12 +169,24 @@ class EngineConfig:
     dtype: str = "auto"  # weights for GEMV; "auto" picks by measurement (see engine/weights.py)
     threads: int = 0  # 0 = all physical cores
     max_context: int = 0  # KV cache length; 0 = min(model max, 8192)
+    kv_cache_dtype: str = "float32"  # K/V and MLA latent rows: KV_CACHE_DTYPES; delta-rule state stays fp32
     device: str = "cpu"
     max_batch: int = 1
+    # paging (localmoe/paging; checked by paging.PagingConfig.from_engine)
+    ram_budget: int = 0  # bytes of host RAM for routed-expert slots; 0 = no pager (the page cache decides)
+    gpu_budget: int = 0  # bytes per GPU for device expert slots; 0 = no GPU tier
+    paging_policy: str = "lfru"  # "lru" | "lfu" | "lfru" | "belady" (needs paging_trace)
+    paging_io: str = "odirect"  # "odirect" | "mmap"
+    prefetch: bool = True  # router lookahead + parallel loads of each layer's chosen experts
+    paging_profile: str = ""  # calibration profile (localmoe calibrate): hot experts pinned in RAM
+    paging_trace: str = ""  # routing trace (localmoe trace): the future the Belady oracle sees
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise LocalMoEError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise LocalMoEError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                f"not {self.kv_cache_dtype!r}")
         if self.threads < 0 or self.max_context < 0 or self.max_batch < 1:
             raise LocalMoEError("threads and max_context must be >= 0 and max_batch >= 1")
 

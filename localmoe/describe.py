@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from localmoe.config import EngineConfig, ModelSpec
+from localmoe.config import KV_CACHE_DTYPES, EngineConfig, ModelSpec
 from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.models import family_for_gguf, family_for_model_type
 
@@ -67,16 +67,31 @@ def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
                                               "active": dense_params + round(routed * share)}
 
 
+def _from_config(family, spec: ModelSpec) -> tuple[ModelSpec, dict, dict, dict | None]:
+    """No weights: parameters from the shapes the family expects (routed experts: `.experts.{e}.` names)."""
+    routed = other = 0
+    for name, shape in family.expected_shapes(spec).items():
+        if ".experts." in name:
+            routed += _parameters(name, shape)
+        else:
+            other += _parameters(name, shape)
+    share = spec.num_experts_per_tok / spec.num_experts if spec.num_experts else 1.0
+    return spec, {}, {}, {"total": other + routed, "active": other + round(routed * share)}
+
+
 def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
+    """An HF directory, or only its config (a directory holding just config.json, or a .json file)."""
     from localmoe.store.safetensors import SafetensorsCheckpoint
 
-    config_path = path / "config.json"
+    config_path = path if path.is_file() else path / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{config_path}: cannot read the model config ({e})") from None
     family = family_for_model_type(config.get("model_type", "<missing>"), str(config_path))
     spec = family.spec_from_hf(config)
+    if path.is_file() or not any(path.glob("*.safetensors")):
+        return _from_config(family, spec)
     checkpoint = SafetensorsCheckpoint(path)
     counts, nbytes = Counter(), Counter()
     expert = family.experts.matcher() if family.experts else None
@@ -105,10 +120,12 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
     if (path / "manifest.json").is_file():
         spec, counts, nbytes, counted = _from_store(path)
     else:
-        spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() else _from_gguf(path)
+        spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() or path.suffix == ".json" else _from_gguf(path)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
-    kv_per_token = spec.kv_bytes_per_token(4) if spec.sizes_cache() else None
+    state = delta_state_bytes(spec)
+    cache = cache_sizes(spec, context, state or 0)
+    kv_per_token = cache[config.kv_cache_dtype]["bytes_per_token"] if cache else None
     layer_kinds = Counter(zip(spec.layer_kinds, spec.mlp_kinds))
     return {
         "path": str(path),
@@ -134,11 +151,44 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
             "file_bytes": sum(nbytes.values()),
             "weights_fp32_bytes": params["total"] * 4,
             "weights_bf16_bytes": params["total"] * 2,
+            "kv_cache_dtype": config.kv_cache_dtype,
             "kv_cache_bytes_per_token": kv_per_token,
             "context": context,
             "kv_cache_bytes_at_context": kv_per_token * context if kv_per_token is not None else None,
+            "kv_cache": cache,  # per cache dtype; None for layer kinds not sized yet (DSA)
+            "delta_state_bytes": state,
         },
     }
+
+
+MILLION = 1 << 20  # "1M tokens": K3's context of 1,048,576
+
+
+def cache_sizes(spec: ModelSpec, context: int, state: int = 0) -> dict | None:
+    """Cache bytes of one sequence per KV cache dtype: per token, at `context` and at 1M tokens, and
+    at 1M tokens with the constant delta-rule `state` added (engine/cache.py's layout: fp8 adds one
+    fp32 scale per token and KV head, or per MLA row)."""
+    if not spec.sizes_cache():
+        return None
+    sizes = {}
+    for dtype in KV_CACHE_DTYPES:
+        per_token = spec.kv_bytes_per_token(dtype)
+        sizes[dtype] = {"bytes_per_token": per_token, "bytes_at_context": per_token * context,
+                        "bytes_at_1m_tokens": per_token * MILLION, "total_at_1m_tokens": per_token * MILLION + state}
+    return sizes
+
+
+def delta_state_bytes(spec: ModelSpec, batch: int = 1) -> int | None:
+    """Constant cache bytes of the delta-rule layers (fp32 state + conv tails, any context length);
+    None where a kind's state is not sized yet (Gated DeltaNet)."""
+    if "gated_delta" in spec.layer_kinds:
+        return None
+    kda = spec.layer_kinds.count("kda")
+    if not kda:
+        return 0
+    from localmoe.engine.kda import KDAConfig, state_bytes
+
+    return kda * state_bytes(KDAConfig.from_spec(spec), batch)
 
 
 def _size(n: float) -> str:
@@ -171,13 +221,30 @@ def format_description(d: dict) -> str:
         f"context        {d['max_position_embeddings']} tokens (model max)",
         f"parameters     {_count(d['parameters_total'])} total, {_count(d['parameters_active'])} active per token"
         + (" (embedding tied to lm_head)" if d["tie_word_embeddings"] else ""),
-        "tensor dtypes  " + ", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}"
-                                      for k, v in sorted(d["tensor_dtypes"].items())),
-        f"memory         file {_size(m['file_bytes'])}; weights in RAM {_size(m['weights_fp32_bytes'])} fp32 / "
-        f"{_size(m['weights_bf16_bytes'])} bf16",
-        f"kv cache       {_size(m['kv_cache_bytes_per_token'])} per token (fp32); "
-        f"{_size(m['kv_cache_bytes_at_context'])} at {m['context']} tokens"
-        if m["kv_cache_bytes_per_token"] is not None else
-        "kv cache       not estimated yet for DSA layers",
+        "tensor dtypes  " + (", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}"
+                                       for k, v in sorted(d["tensor_dtypes"].items())) or "none (config only)"),
+        f"memory         file {_size(m['file_bytes']) if m['file_bytes'] else 'none (config only)'}; weights in RAM "
+        f"{_size(m['weights_fp32_bytes'])} fp32 / {_size(m['weights_bf16_bytes'])} bf16",
+        *_cache_lines(m),
     ]
     return "\n".join(lines)
+
+
+def _cache_lines(m: dict) -> list[str]:
+    """One line per cache dtype (the chosen one marked) and the constant delta-rule state."""
+    if m["kv_cache"] is None:
+        return ["kv cache       not estimated yet for DSA layers"]
+    lines = []
+    for i, (dtype, s) in enumerate(m["kv_cache"].items()):
+        mark = " (selected)" if dtype == m["kv_cache_dtype"] else ""
+        lines.append(f"{'kv cache' if i == 0 else '':<15}{dtype + mark + ':':<20} {_size(s['bytes_per_token'])} per "
+                     f"token; {_size(s['bytes_at_context'])} at {m['context']} tokens; "
+                     f"{_size(s['bytes_at_1m_tokens'])} at 1M tokens"
+                     + (f" ({_size(s['total_at_1m_tokens'])} with the delta state)" if m["delta_state_bytes"]
+                        else ""))
+    state = m["delta_state_bytes"]
+    if state is None:
+        lines.append("delta state    not estimated yet for Gated DeltaNet layers")
+    elif state:
+        lines.append(f"delta state    {_size(state)} per sequence, constant in the context (fp32 state + conv tails)")
+    return lines

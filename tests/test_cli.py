@@ -97,3 +97,48 @@ def test_inspect_default_model(smollm2_gguf):
     assert info["tensor_dtypes"]["Q4_1"]["tensors"] == 210
     text = localmoe("inspect", str(smollm2_gguf)).stdout
     assert "parameters" in text and "kv cache" in text
+
+
+MILLION = 1 << 20
+
+
+def _k3_real_path():
+    from pathlib import Path
+
+    import localmoe.testing
+
+    return Path(localmoe.testing.__file__).parent / "configs" / "kimi_k3_real.json"
+
+
+def test_inspect_config_only_directory(tmp_path):
+    (tmp_path / "config.json").write_text(_k3_real_path().read_text())
+    done = localmoe("inspect", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert (info["model_type"], info["layers"], info["hidden_size"], info["vocab_size"]) == ("kimi_k3", 93, 7168,
+                                                                                               163840)
+    # published: ~2.8T parameters in all, ~104B active per token (MODELS.md); counted from the expected shapes
+    assert 2.7e12 < info["parameters_total"] < 2.9e12 and 100e9 < info["parameters_active"] < 110e9
+    assert info["memory"]["file_bytes"] == 0 and info["tensor_dtypes"] == {}
+
+
+def test_inspect_k3_real_config_sizes_the_million_token_fp8_cache():
+    done = localmoe("inspect", str(_k3_real_path()), "--kv-cache-dtype", "fp8", "--json")
+    assert done.returncode == 0, done.stderr
+    m = json.loads(done.stdout)["memory"]
+    state = 69 * 4 * (96 * 128 * 128 + 3 * 3 * 96 * 128)  # 69 KDA layers: fp32 state [96, 128, 128] + conv tails
+    fp8 = 24 * (512 + 64 + 4)  # 24 MLA layers: 576 e4m3 values + one fp32 scale per token
+    assert m["delta_state_bytes"] == state
+    assert m["kv_cache"]["fp8"]["bytes_per_token"] == m["kv_cache_bytes_per_token"] == fp8
+    assert m["kv_cache"]["float32"]["bytes_per_token"] == 24 * 576 * 4
+    assert m["kv_cache"]["fp8"]["total_at_1m_tokens"] == fp8 * MILLION + state <= 32e9
+    text = localmoe("inspect", str(_k3_real_path()), "--kv-cache-dtype", "fp8").stdout
+    line = next(line for line in text.splitlines() if "fp8 (selected)" in line)
+    assert "13.6 KiB per token" in line and "13.6 GiB at 1M tokens" in line  # 13920 B; 13920 * 2^20 B
+    assert "14.0 GiB with the delta state" in line  # (13920 * 2^20 + 464633856) / 2^30 = 14.03
+    assert "delta state    443.1 MiB per sequence" in text
+
+
+def test_inspect_rejects_an_unknown_cache_dtype():
+    done = localmoe("inspect", str(_k3_real_path()), "--kv-cache-dtype", "int2")
+    assert done.returncode == 2 and "int2" in done.stderr

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import click
 
-from localmoe.config import DTYPES, EngineConfig
+from localmoe.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+
+kv_cache_dtype_option = click.option(
+    "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="float32", show_default=True,
+    help="Storage of attention K/V and MLA latent rows; fp8 = e4m3 with one fp32 scale per token and head "
+         "(about 1/4 of float32). Delta-rule state stays float32.")
 
 
 def model_options(function):
-    """--model, --dtype, --threads, --max-context."""
+    """--model, --dtype, --threads, --max-context (commands add `kv_cache_dtype_option` themselves)."""
     options = [
         click.option("--model", "-m", "model", default=None, metavar="PATH",
                      help="GGUF file or HF model directory (default: the embedded SmolLM2-135M-Instruct)."),
@@ -23,5 +28,5 @@ def model_options(function):
     return function
 
 
-def engine_config(dtype: str, threads: int, max_context: int) -> EngineConfig:
-    return EngineConfig(dtype=dtype, threads=threads, max_context=max_context)
+def engine_config(dtype: str, threads: int, max_context: int, kv_cache_dtype: str = "float32") -> EngineConfig:
+    return EngineConfig(dtype=dtype, threads=threads, max_context=max_context, kv_cache_dtype=kv_cache_dtype)

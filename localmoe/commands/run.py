@@ -8,12 +8,13 @@ import sys
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, model_options
+from localmoe.commands.options import engine_config, kv_cache_dtype_option, model_options
 
 
 @click.command("run", cls=Command)
 @click.argument("prompt")
 @model_options
+@kv_cache_dtype_option
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.7, show_default=True, help="0 = greedy.")
@@ -25,7 +26,7 @@ from localmoe.commands.options import engine_config, model_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Print the answer only when it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
-def command(prompt, model, dtype, threads, max_context, system, max_tokens, temperature, top_p, top_k, min_p,
+def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, max_tokens, temperature, top_p, top_k, min_p,
             repetition_penalty, seed, stop, no_stream, as_json):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
@@ -35,7 +36,7 @@ def command(prompt, model, dtype, threads, max_context, system, max_tokens, temp
         prompt = sys.stdin.read()
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
-    loaded = load_model(model, engine_config(dtype, threads, max_context))
+    loaded = load_model(model, engine_config(dtype, threads, max_context, kv_cache_dtype))
     stream = not (no_stream or as_json)
     parts, final = [], None
     for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system):

@@ -1,4 +1,4 @@
-"""Grouped-query attention with RoPE over a preallocated KV cache.
+"""Grouped-query attention with RoPE over a paged KV cache (engine/cache.py).
 
 Options (gpt-oss): an output bias, per-head learned `sinks` (one extra logit column in the
 softmax whose value row is zero) and a sliding window (a query at position t sees keys
@@ -48,8 +48,9 @@ class GQAttention:
                    weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"), weights.get(p + "sinks"),
                    window)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(batch, self.kv_heads, max_len, self.head_dim)
+    def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> KVCache:
+        """A paged K/V cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
+        return KVCache(batch, self.kv_heads, max_len, self.head_dim, dtype)
 
     def nbytes(self) -> int:
         return self.qkv.nbytes() + self.o_proj.nbytes()
@@ -64,7 +65,7 @@ class GQAttention:
             qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
                             F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)], dim=2)
         q, k = apply_rope(qk, step.cos, step.sin).split((H, Hkv), dim=2)  # one rotation for q and k together
-        keys, values = cache.update(step.start, k.transpose(1, 2), v.transpose(1, 2))  # [B, Hkv, S, D]
+        keys, values = cache.update(step.start, k, v)  # [B, T, Hkv, D] in, [B, Hkv, S, D] out
         # Fold the G query heads of each KV head into the query axis, so K/V are never
         # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)

@@ -1,16 +1,29 @@
-"""One cache protocol for every layer kind (state, offset, trim), preallocated up front.
+"""One cache protocol for every layer kind (state, offset, trim), with paged storage for attention.
 
 `ModelCache` owns one per-layer cache object and the shared bookkeeping: how many
 positions are filled (`offset`) and, for left-padded batches, which slots hold real
-tokens (`key_mask`). Attention layers use `KVCache`; later layer kinds (MLA latent,
-delta-rule state) implement the same `LayerCache` protocol.
+tokens (`key_mask`). Attention layers use `KVCache`, MLA layers `LatentCache`
+(state_cache.py), delta-rule layers `DeltaStateCache`; all implement `LayerCache`.
+
+Attention-type caches store token rows in a `PagedBuffer`: fixed blocks of `BLOCK_TOKENS`
+tokens allocated as the context grows (a 1M-token `max_len` costs nothing up front) and
+a block table per sequence mapping its logical blocks to physical blocks of one pool.
+Rows are stored as "float32", "bfloat16" or "fp8" (float8_e4m3fn with one fp32 scale per
+token and head, `quantize_fp8`) and dequantised to fp32 on read, filled positions only.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import Protocol
 
 import torch
+
+from localmoe.config import KV_CACHE_DTYPES
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+BLOCK_TOKENS = 256  # tokens per physical block (read at construction, so tests can shrink it)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
 class LayerCache(Protocol):
@@ -21,26 +34,175 @@ class LayerCache(Protocol):
         """Bytes this layer's cache holds (allocated)."""
 
 
-class KVCache:
-    """Preallocated keys/values of one attention layer: [B, H_kv, S_max, D] each."""
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], fp32 scale [...]) with one scale per row of D values.
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype=torch.float32):
-        # torch.empty does not touch the pages: the OS commits memory only as the context grows.
-        self.keys = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype)
-        self.values = torch.empty(batch, kv_heads, max_len, head_dim, dtype=dtype)
+    scale = amax / 448 maps the row's largest magnitude to e4m3's largest finite value, so
+    nothing saturates; an all-zero row gets scale 1. Round trip: |x - q * scale| <= 2^-4 |x|
+    (3 mantissa bits, round to nearest) where x / scale is normal (>= 2^-6), and <= 2^-10 * scale
+    (half the subnormal spacing 2^-9) below that.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
 
-    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, H_kv, T, D] at positions start.. and return views of all filled positions."""
-        T = k.shape[2]
-        self.keys.narrow(2, start, T).copy_(k)  # narrow + copy_: two cheap ops (decode is op-bound)
-        self.values.narrow(2, start, T).copy_(v)
-        return self.keys.narrow(2, 0, start + T), self.values.narrow(2, 0, start + T)
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_fp8`: fp32 [..., D]."""
+    return q.float().mul_(scale.unsqueeze(-1))
+
+
+class PagedBuffer:
+    """Rows of H x D values per token for `batch` sequences of up to `max_len` tokens, in fixed blocks.
+
+    The pool is one tensor [H, P, block, D] (head-major, so one head's positions are contiguous
+    rows, as attention kernels read them) that grows (doubling, capped at what `max_len` needs)
+    when a block is needed and none is free; `table[b]` lists sequence b's physical blocks in
+    order; the first block is allocated at construction. `trim` returns whole blocks past the
+    offset to a free list (smallest id reused first). While the table is the identity (batch 1,
+    blocks 0, 1, 2, ...) a read is a view of the pool, so an fp32 decode step copies nothing;
+    otherwise a read gathers the blocks (one `index_select`).
+    """
+
+    def __init__(self, batch: int, max_len: int, heads: int, dim: int, dtype: str = "float32"):
+        if dtype not in STORAGE_DTYPES:
+            raise ValueError(f"cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {dtype!r}")
+        self.batch, self.max_len, self.heads, self.dim, self.dtype = batch, max_len, heads, dim, dtype
+        self.block = max(1, min(BLOCK_TOKENS, max_len))
+        self.max_blocks = batch * -(-max_len // self.block)
+        self.fp8 = dtype == "fp8"
+        self.pool = torch.empty(heads, 0, self.block, dim, dtype=STORAGE_DTYPES[dtype])
+        self.scales = torch.empty(heads, 0, self.block) if self.fp8 else None  # fp8: [H, P, block] fp32
+        self.table: list[list[int]] = [[] for _ in range(batch)]
+        self.free: list[int] = []  # heap of released physical blocks
+        self.used = 0  # physical blocks ever handed out (ids 0 .. used-1)
+        self.capacity = 0  # positions every sequence can hold without allocating
+        self._index: torch.Tensor | None = None  # the table as [B, n] long, for gathers
+        self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None  # identity table: [1, H, P*block, *]
+        self._allocate(1)  # one block per sequence up front (at most BLOCK_TOKENS positions), the rest on demand
+
+    def _allocate(self, tokens: int) -> None:
+        """Give every sequence enough blocks for `tokens` positions."""
+        need = -(-tokens // self.block) - len(self.table[0])
+        new = max(0, need * self.batch - len(self.free))
+        if self.used + new > self.pool.shape[1]:
+            size = min(self.max_blocks, max(self.used + new, 2 * self.pool.shape[1]))
+            self.pool = self._grow(self.pool, size)
+            if self.fp8:
+                self.scales = self._grow(self.scales, size)
+        for _ in range(need):
+            for row in self.table:
+                if self.free:
+                    row.append(heapq.heappop(self.free))
+                else:
+                    row.append(self.used)
+                    self.used += 1
+        self._reindex()
+
+    @staticmethod
+    def _grow(old: torch.Tensor, blocks: int) -> torch.Tensor:
+        new = torch.empty(old.shape[0], blocks, *old.shape[2:], dtype=old.dtype)
+        new[:, :old.shape[1]].copy_(old)
+        return new
+
+    def _reindex(self) -> None:
+        n = len(self.table[0])
+        self.capacity = n * self.block
+        self._index = torch.tensor(self.table, dtype=torch.long)
+        if self.batch == 1 and self.table[0] == list(range(n)):
+            H, P = self.heads, self.pool.shape[1]
+            self._flat = (self.pool.view(1, H, P * self.block, self.dim),
+                          self.scales.view(1, H, P * self.block) if self.fp8 else None)
+        else:
+            self._flat = None
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """Store rows [B, H, T, D] at positions start .. start+T-1 of every sequence."""
+        T = rows.shape[2]
+        end = start + T
+        if end > self.capacity:
+            if end > self.max_len:
+                raise ValueError(f"positions up to {end} do not fit a cache of {self.max_len}")
+            self._allocate(end)
+        scale = None
+        if self.fp8:
+            rows, scale = quantize_fp8(rows)
+        if self._flat is not None:
+            self._flat[0].narrow(2, start, T).copy_(rows)  # narrow + copy_: two cheap ops (decode is op-bound)
+            if scale is not None:
+                self._flat[1].narrow(2, start, T).copy_(scale)
+            return
+        for logical in range(start // self.block, (end - 1) // self.block + 1):
+            lo, hi = max(start, logical * self.block), min(end, (logical + 1) * self.block)
+            blocks, within = self._index[:, logical], slice(lo - logical * self.block, hi - logical * self.block)
+            self.pool[:, blocks, within] = rows[:, :, lo - start:hi - start].transpose(0, 1).to(self.pool.dtype)
+            if scale is not None:
+                self.scales[:, blocks, within] = scale[:, :, lo - start:hi - start].transpose(0, 1)
+
+    def read(self, length: int) -> torch.Tensor:
+        """Positions 0 .. length-1 of every sequence as fp32 [B, H, length, D]."""
+        if self._flat is not None:
+            data = self._flat[0].narrow(2, 0, length)
+            scale = self._flat[1].narrow(2, 0, length) if self.fp8 else None
+        else:
+            n = -(-length // self.block)
+            index = self._index[:, :n].reshape(-1)
+            data = self.pool.index_select(1, index).view(self.heads, self.batch, n * self.block, self.dim)
+            data = data.transpose(0, 1).narrow(2, 0, length)
+            if self.fp8:
+                scale = self.scales.index_select(1, index).view(self.heads, self.batch, n * self.block)
+                scale = scale.transpose(0, 1).narrow(2, 0, length)
+        if self.fp8:
+            return dequantize_fp8(data, scale)
+        return data if self.dtype == "float32" else data.float()
 
     def trim(self, offset: int) -> None:
-        pass  # slots past the offset are simply overwritten
+        """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten)."""
+        keep = -(-offset // self.block)
+        if keep >= len(self.table[0]):
+            return
+        for row in self.table:
+            for block in row[keep:]:
+                heapq.heappush(self.free, block)
+            del row[keep:]
+        self._reindex()
+
+    def bytes_per_token(self) -> int:
+        """Bytes one more position costs one sequence: values plus, for fp8, one fp32 scale per head."""
+        return self.heads * (self.dim * self.pool.element_size() + (4 if self.fp8 else 0))
 
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the blocks allocated so far (not of `max_len`)."""
+        return self.pool.nbytes + (self.scales.nbytes if self.fp8 else 0)
+
+
+class KVCache:
+    """Keys/values of one attention layer, paged: H_kv rows of D values per token."""
+
+    paged = True  # releases blocks on trim: ModelCache trims it after the layers that may refuse
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: str = "float32"):
+        # fp8: one scale per token and KV head (a head's D values share a magnitude; heads differ)
+        self.keys = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype)
+        self.values = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype)
+
+    def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, T, H_kv, D] at positions start.. and return all filled positions as
+        fp32 [B, H_kv, start+T, D] (for an fp32 cache of one sequence: views of the pool)."""
+        T = k.shape[1]
+        self.keys.write(start, k.transpose(1, 2))
+        self.values.write(start, v.transpose(1, 2))
+        return self.keys.read(start + T), self.values.read(start + T)
+
+    def trim(self, offset: int) -> None:
+        self.keys.trim(offset)
+        self.values.trim(offset)
+
+    def bytes_per_token(self) -> int:
+        return self.keys.bytes_per_token() + self.values.bytes_per_token()
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes() + self.values.nbytes()
 
 
 class ModelCache:
@@ -81,7 +243,7 @@ class ModelCache:
         state cannot be rolled back to an arbitrary position) leaves the offset unchanged.
         """
         target = min(self.offset, offset)
-        for layer in self.layers:
+        for layer in sorted(self.layers, key=lambda layer: getattr(layer, "paged", False)):  # paged ones last
             layer.trim(target)
         self.offset = target
 

@@ -191,13 +191,10 @@ def chunk_kda(q, k, v, g, beta, state, chunk_size: int = CHUNK):
 def valid_tokens(step: Step, T: int) -> torch.Tensor | None:
     """[B, T] bool, False at left-padding slots of this call; None when no row is padded.
 
-    Uses `step.valid` where Step has one; else the last query row of the mask (for a
-    real last token that row is exactly the padding mask of the keys).
+    From `step.valid` (engine/step.py), not from the mask: when a whole prefill chunk of a
+    row is padding, its last query row sees only itself and would pass for a real token.
     """
-    valid = getattr(step, "valid", None)
-    if valid is not None or step.mask is None or step.mask.shape[0] == 1:
-        return valid
-    return step.mask[:, -1, step.start:step.start + T]
+    return step.valid
 
 
 class KimiDeltaAttention:
@@ -244,7 +241,8 @@ class KimiDeltaAttention:
                    A_log[:H],  # K3 stores A_log padded to max(H, K); the first H are live
                    get("dt_bias", H * K), get("o_norm.weight", K))
 
-    def new_cache(self, batch: int, max_len: int) -> DeltaStateCache:
+    def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
+        """The recurrent state; it stays fp32 whatever the K/V cache `dtype` (state_cache.py says why)."""
         H, K = self.config.num_heads, self.config.head_dim
         return DeltaStateCache(batch, H, K, K, 3 * H * K, self.config.conv_kernel)
 

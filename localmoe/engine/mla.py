@@ -119,8 +119,9 @@ class MLAttention:
                    get("kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), r),
                    lin("o_proj", D, H * c.v_head_dim), lin("g_proj", H * c.v_head_dim, D) if c.output_gate else None)
 
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        return LatentCache(batch, max_len, self.config.row_dim)
+    def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> LatentCache:
+        """A paged latent cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
+        return LatentCache(batch, max_len, self.config.row_dim, dtype)
 
     def nbytes(self) -> int:
         linears = [self.q_a_proj, self.q_proj, self.kv_a_proj, self.o_proj, self.g_proj]

@@ -3,11 +3,14 @@
 Both follow the `LayerCache` protocol of engine/cache.py (`trim(offset)`, `nbytes()`).
 
 - `LatentCache` (MLA): one row per token holding the normalised KV latent and the shared
-  "rope" key part, [B, S_max, kv_lora_rank + qk_rope_head_dim]. Like `KVCache`, trimming
-  is free: rows past the offset are overwritten.
+  "rope" key part, kv_lora_rank + qk_rope_head_dim values, in a `PagedBuffer` (blocks
+  allocated as the context grows; float32, bfloat16 or fp8 rows) like `KVCache`.
 - `DeltaStateCache` (KDA / Gated DeltaNet): the fp32 recurrent state [B, H, K, V] and the
   short-conv tails (the last kernel-1 conv inputs) [B, kernel-1, C]. Its size does not
-  grow with the context.
+  grow with the context. It stays fp32 whatever the cache dtype: every token's update is
+  decayed and added into the same state, so a rounding error per step would accumulate
+  over the whole context instead of staying with one token's row, and the state is a
+  constant, small part of the cache (K3: 0.46 GB in all at any length).
 
 Trim semantics of `DeltaStateCache`: the state is a running sum in which every token's
 contribution is mixed into every later one, so it cannot be rolled back by subtraction.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.engine.cache import PagedBuffer
 from localmoe.errors import LocalMoEError
 
 
@@ -31,26 +35,30 @@ class StateRollbackError(LocalMoEError):
 
 
 class LatentCache:
-    """Preallocated MLA rows of one layer: [B, S_max, D] with D = kv_lora_rank + qk_rope_head_dim."""
+    """MLA rows of one layer, paged: [B, S, D] with D = kv_lora_rank + qk_rope_head_dim per token."""
 
-    def __init__(self, batch: int, max_len: int, dim: int, dtype=torch.float32):
-        self.rows = torch.empty(batch, max_len, dim, dtype=dtype)  # pages committed as the context grows
+    paged = True  # releases blocks on trim: ModelCache trims it after the layers that may refuse
+
+    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32"):
+        # fp8: one scale per row (K3: 4 bytes on 576, 0.7 %). e4m3 keeps 3 significant bits for
+        # values down to amax * 2^-6 / 448, so the rope part keeps its precision unless it is
+        # ~10^4 times smaller than the latent's largest value.
+        self.rows = PagedBuffer(batch, max_len, 1, dim, dtype)
 
     def update(self, start: int, rows: torch.Tensor) -> torch.Tensor:
-        """Write rows [B, T, D] at positions start.. and return a view of all filled rows [B, start+T, D]."""
-        T = rows.shape[1]
-        self.rows.narrow(1, start, T).copy_(rows)
-        return self.rows.narrow(1, 0, start + T)
+        """Write rows [B, T, D] at positions start.. and return all filled rows as fp32 [B, start+T, D]."""
+        self.rows.write(start, rows.unsqueeze(1))
+        return self.rows.read(start + rows.shape[1]).squeeze(1)
 
     def bytes_per_token(self) -> int:
-        """Bytes one token costs in one sequence of this layer."""
-        return self.rows.shape[-1] * self.rows.element_size()
+        """Bytes one token costs in one sequence of this layer (fp8: values + the fp32 scale)."""
+        return self.rows.bytes_per_token()
 
     def trim(self, offset: int) -> None:
-        pass  # rows past the offset are simply overwritten
+        self.rows.trim(offset)
 
     def nbytes(self) -> int:
-        return self.rows.nbytes
+        return self.rows.nbytes()
 
 
 class DeltaStateCache:

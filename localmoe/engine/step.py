@@ -17,19 +17,25 @@ class Step:
     cos: torch.Tensor | None  # [B|1, T, 1, D] RoPE tables at those positions (None without RoPE)
     sin: torch.Tensor | None
     mask: torch.Tensor | None  # [B|1, T, S] bool, True = may attend; None = every cached key is visible
+    # [B, T] bool, False at this call's left-padding slots; None when no row is padded. Recurrent
+    # layers (KDA's state and conv tail) must skip those tokens; the mask cannot tell them apart
+    # when a whole prefill chunk of a row is padding.
+    valid: torch.Tensor | None = None
 
 
 def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None) -> Step:
     """Positions, causal/padding mask and RoPE tables for T new tokens at cache position `start`."""
     S = start + T
+    valid = None
     if cache.key_mask is None:
         positions = torch.arange(start, S).unsqueeze(0)
         mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None]
     else:
-        valid = cache.key_mask[:, :S]  # [B, S]
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None] & valid[:, None, :]
+        keys = cache.key_mask[:, :S]  # [B, S]
+        positions = (keys.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None] & keys[:, None, :]
         # A padding query sees no key; let it see itself so its (ignored) output stays finite.
         mask[:, torch.arange(T), torch.arange(start, S)] = True
+        valid = keys[:, start:]
     cos, sin = rope.at(positions) if rope is not None else (None, None)
-    return Step(start, positions, cos, sin, mask)
+    return Step(start, positions, cos, sin, mask, valid)

@@ -66,9 +66,11 @@ class Transformer:
                                 "was given")
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> ModelCache:
-        """A preallocated cache for `batch` sequences of up to `max_len` tokens."""
+        """A cache for `batch` sequences of up to `max_len` tokens (blocks allocated as they fill), in the
+        engine config's `kv_cache_dtype`."""
         max_len = max_len or self.max_context
-        return ModelCache([mixer.new_cache(batch, max_len) for _, mixer, _, _ in self.layers], batch, max_len)
+        dtype = self.config.kv_cache_dtype
+        return ModelCache([mixer.new_cache(batch, max_len, dtype) for _, mixer, _, _ in self.layers], batch, max_len)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None = None,
