@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.errors import CheckpointError
+from localmoe.kernels.mxfp4_moe import mxfp4_linear
 from localmoe.store.mxfp4 import dequantize
 
 PROJECTIONS = ("gate", "up", "down")
@@ -49,8 +50,10 @@ class Projection:
         return dequantize(self.packed, self.scales, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] fp32 -> [N, out] fp32."""
-        return F.linear(x, self.dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        """x [N, in] fp32 -> [N, out] fp32; MXFP4 goes straight from its bytes (kernels/mxfp4_moe)."""
+        if self.weight is None:
+            return mxfp4_linear(x, self.packed, self.scales, self.bias)
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.packed, self.scales, self.weight, self.bias) if t is not None)
@@ -81,7 +84,8 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) 
 
 
 def expert_forward(w: ExpertWeights, x: torch.Tensor, act: Activation) -> torch.Tensor:
-    """x [N, in] fp32 -> [N, out] fp32 through one expert, dequantising only its matrices."""
+    """x [N, in] fp32 -> [N, out] fp32 through one expert; MXFP4 matrices are used from their bytes
+    by the `mxfp4_linear` dispatcher (CPU kernel, Triton on GPU, or the dequantising reference)."""
     return w.down(act(w.gate(x), w.up(x)))
 
 

@@ -2,11 +2,42 @@
 
 `provider_for_store(store, spec, config)` is what the loader calls for a packed store: an
 `ExpertProvider` (engine/experts.py) that serves (layer, expert) requests from the store.
+With `config.ram_budget` 0 that is `StoreExperts` (maps of the store; the page cache
+decides); otherwise a `Pager` over a RAM slab of that many bytes. See docs/paging.md.
+
+    pager = make_pager(store, PagingConfig(ram_budget=2 << 30, policy="lfru"))
+    model.use_experts(pager)
+    attach(model, pager)          # routing hints: parallel loads + router lookahead
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 from localmoe.engine.experts import ExpertWeights
+from localmoe.paging.disk import BACKENDS, make_backend
+from localmoe.paging.errors import PagingError
+from localmoe.paging.hooks import attach, detach
+from localmoe.paging.pager import Pager
+from localmoe.paging.policy import POLICIES, make_policy
+from localmoe.paging.slab import slots_for_budget
+from localmoe.paging.stats import PagingStats
+from localmoe.paging.trace import RoutingTrace
+
+__all__ = [
+    "Pager",
+    "PagingConfig",
+    "PagingStats",
+    "RoutingTrace",
+    "StoreExperts",
+    "attach",
+    "detach",
+    "expert_bytes",
+    "make_pager",
+    "provider_for_store",
+]
 
 
 class StoreExperts:
@@ -22,6 +53,72 @@ class StoreExperts:
         return 0  # nothing held beyond the OS page cache
 
 
+@dataclass(slots=True)
+class PagingConfig:
+    ram_budget: int = 0  # bytes; 0 = no pager
+    policy: str = "lfru"
+    io: str = "odirect"
+    prefetch: bool = True
+    profile: str = ""  # calibration profile: hot experts pinned
+    trace: str = ""  # routing trace for the Belady oracle
+    io_threads: int = 4  # ~0.9 GB/s with 4 parallel reads vs ~0.5 GB/s with one on the dev machine
+    timeout: float = 30.0  # seconds before a read is declared hung
+    verify: bool = True  # check each extent's xxh3 after reading it
+
+    def __post_init__(self) -> None:
+        if self.ram_budget < 0:
+            raise PagingError(f"--ram must be >= 0 bytes, not {self.ram_budget}")
+        if self.policy not in POLICIES:
+            raise PagingError(f"unknown paging policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.io not in BACKENDS:
+            raise PagingError(f"unknown paging I/O backend {self.io!r}; choose one of {', '.join(BACKENDS)}")
+        if self.policy == "belady" and not self.trace:
+            raise PagingError("the belady policy needs --trace (a routing trace from `localmoe trace`)")
+        if self.timeout <= 0 or self.io_threads < 1:
+            raise PagingError("the I/O timeout must be > 0 s and io_threads >= 1")
+
+    @classmethod
+    def from_engine(cls, config) -> PagingConfig:
+        """From EngineConfig's `# paging` fields."""
+        return cls(ram_budget=config.ram_budget, policy=config.paging_policy, io=config.paging_io,
+                   prefetch=config.prefetch, profile=config.paging_profile, trace=config.paging_trace)
+
+
+def expert_bytes(store) -> int:
+    """Bytes of every routed-expert extent in `store`."""
+    return sum(len(store.experts_in(layer)) * store.layout(layer).slot_bytes for layer in store.layers())
+
+
+def load_profile(path: str | Path) -> list[tuple[int, int]]:
+    """The hot experts of a calibration profile (localmoe calibrate), hottest first."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return [(int(layer), int(e)) for layer, e, _ in data["ranking"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PagingError(f"{path}: not a localmoe calibration profile ({e}); write one with "
+                          f"`localmoe calibrate`") from None
+
+
+def make_pager(store, config: PagingConfig) -> Pager:
+    """A Pager over `store` (a PackedStore) within `config.ram_budget` bytes."""
+    slot_bytes = max(store.layout(layer).slot_bytes for layer in store.layers())
+    slots = slots_for_budget(config.ram_budget, slot_bytes)
+    if slots < 1:
+        raise PagingError(f"--ram {config.ram_budget} bytes holds no expert slot: one expert of this model takes "
+                          f"{slot_bytes} bytes ({slot_bytes / 2**20:.1f} MiB)")
+    trace = RoutingTrace.load(config.trace).keys() if config.trace else None
+    policy = make_policy(config.policy, trace=trace)
+    pinned = load_profile(config.profile) if config.profile else ()
+    return Pager(store, slots, policy, make_backend(config.io, store, config.verify), io_threads=config.io_threads,
+                 timeout=config.timeout, pinned=pinned, prefetch=config.prefetch)
+
+
 def provider_for_store(store, spec, config):
-    """The ExpertProvider the engine config asks for over `store` (a PackedStore)."""
-    return StoreExperts(store)
+    """The ExpertProvider the engine config asks for over `store` (a PackedStore).
+
+    The loader should also call `attach(model, provider)` once the model is built when the
+    provider is a Pager (parallel loads and router lookahead; see docs/paging.md)."""
+    paging = PagingConfig.from_engine(config)
+    if paging.ram_budget == 0:
+        return StoreExperts(store)
+    return make_pager(store, paging)

@@ -1,0 +1,21 @@
+"""Gated DeltaNet dispatcher: Triton on GPU tensors, else the reference."""
+
+from __future__ import annotations
+
+from localmoe.kernels._triton import usable
+from localmoe.kernels.gated_delta.reference import naive_recurrent_gated_delta
+
+RECURRENT_MAX_T = 8
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; state: [B, H, K, V] -> (o, state) fp32."""
+    if usable(q):
+        from localmoe.kernels.gated_delta import triton as tk
+
+        fn = tk.fused_recurrent_gated_delta if q.shape[1] <= RECURRENT_MAX_T else tk.chunk_gated_delta
+        return fn(q, k, v, g, beta, state)
+    return naive_recurrent_gated_delta(q, k, v, g, beta, state)
+
+
+__all__ = ["gated_delta", "naive_recurrent_gated_delta"]

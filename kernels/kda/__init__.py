@@ -1,0 +1,35 @@
+"""KDA dispatcher: Triton on GPU tensors (recurrent for a few tokens, chunked for prefill),
+else the reference (the engine's own vectorised chunked form stays in engine/kda.py)."""
+
+from __future__ import annotations
+
+from localmoe.kernels._triton import usable
+from localmoe.kernels.kda.reference import naive_recurrent_kda
+
+RECURRENT_MAX_T = 8  # calls of at most this many tokens use the recurrent kernel
+
+
+def recurrent_kda(q, k, v, g, beta, state):
+    """q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; state: [B, H, K, V] -> (o, state) fp32."""
+    if usable(q):
+        from localmoe.kernels.kda.triton import fused_recurrent_kda
+
+        return fused_recurrent_kda(q, k, v, g, beta, state)
+    return naive_recurrent_kda(q, k, v, g, beta, state)
+
+
+def chunk_kda(q, k, v, g, beta, state):
+    """The chunked form (prefill) on GPU; the reference elsewhere. Same contract as `recurrent_kda`."""
+    if usable(q):
+        from localmoe.kernels.kda import triton as tk
+
+        return tk.chunk_kda(q, k, v, g, beta, state)
+    return naive_recurrent_kda(q, k, v, g, beta, state)
+
+
+def kda(q, k, v, g, beta, state):
+    """Recurrent for T <= RECURRENT_MAX_T, chunked above."""
+    return (recurrent_kda if q.shape[1] <= RECURRENT_MAX_T else chunk_kda)(q, k, v, g, beta, state)
+
+
+__all__ = ["chunk_kda", "kda", "naive_recurrent_kda", "recurrent_kda"]

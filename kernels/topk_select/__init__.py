@@ -1,0 +1,18 @@
+"""DSA indexer top-k dispatcher: Triton scoring on GPU tensors, else the reference."""
+
+from __future__ import annotations
+
+from localmoe.kernels._triton import usable
+from localmoe.kernels.topk_select.reference import naive_indexer_scores, naive_topk_select, select_topk
+
+
+def topk_select(q, w, k, positions, top_k: int):
+    """q [B, T, H, D], w [B, T, H], k [B, S, D], positions [B, T] -> indices [B, T, top_k] (-1 pads)."""
+    if usable(q):
+        from localmoe.kernels.topk_select import triton as tk
+
+        return tk.topk_select(q, w, k, positions, top_k)
+    return naive_topk_select(q, w, k, positions, top_k)
+
+
+__all__ = ["naive_indexer_scores", "naive_topk_select", "select_topk", "topk_select"]

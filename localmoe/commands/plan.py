@@ -1,0 +1,63 @@
+"""`localmoe plan STORE [--ram] [--gpu-mem]`: placement on this machine and predicted decode speed."""
+
+from __future__ import annotations
+
+import click
+
+from localmoe.commands.base import Command
+
+
+@click.command("plan", cls=Command)
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--ram", default="25%", show_default=True, help="Expert RAM budget: bytes (8G) or % of the experts.")
+@click.option("--gpu-mem", default="0", show_default=True, help="Expert slots per GPU, bytes (0 = no GPU tier).")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Routing trace to predict hit rates.")
+def command(store, ram, gpu_mem, trace_path):
+    """Measure disk, CPU and PCIe bandwidths, show how the packed store STORE would be placed
+    (slots per tier), the hit rate each policy would reach (on --trace, else on a SYNTHETIC trace
+    with published locality and on uniform routing) and the predicted decode tokens/s."""
+    from localmoe.paging import expert_bytes
+    from localmoe.paging.cli_support import parse_size
+    from localmoe.paging.placement import measure, place, predict_decode
+    from localmoe.paging.simulate import compare
+    from localmoe.paging.trace import RoutingTrace, synthetic_trace
+    from localmoe.store.packed import PackedStore
+
+    packed = PackedStore(store)
+    spec = packed.spec
+    total = expert_bytes(packed)
+    slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
+    budget = parse_size(ram, total)
+    gpu_budget = parse_size(gpu_mem, total)
+    slots = budget // slot
+    bw = measure(packed)
+    click.echo(f"{packed.path.name}: {total / 1e9:.2f} GB of experts, {total // slot} x {slot / 2**20:.2f} MiB; "
+               f"{len(packed.layers())} MoE layers, top-{spec.num_experts_per_tok} of {spec.num_experts}")
+    click.echo(f"RAM tier: {slots} slots = {slots * slot / 1e9:.2f} GB ({slots * slot / total:.0%} of the experts)")
+    if gpu_budget and bw.pcie:
+        click.echo(f"GPU tier: {gpu_budget // slot} slots per GPU")
+    elif gpu_budget:
+        click.echo("GPU tier: none (no CUDA device)")
+    click.echo(f"measured: disk {bw.disk / 1e9:.2f} GB/s (4 parallel O_DIRECT reads), CPU expert compute "
+               f"{bw.cpu_expert / 1e9:.2f} GB/s" + (f", PCIe {bw.pcie / 1e9:.1f} GB/s" if bw.pcie else ""))
+    where = place(slot, 1, bw)
+    click.echo(f"host-resident experts at decode: computed on the {where.where.upper()} "
+               f"(cpu {where.cpu_seconds * 1e3:.1f} ms vs gpu {where.gpu_seconds * 1e3:.1f} ms per expert)")
+    active = len(packed.layers()) * spec.num_experts_per_tok
+    traces = []
+    if trace_path:
+        traces.append(("recorded", RoutingTrace.load(trace_path)))
+    else:
+        traces.append(("SYNTHETIC locality", synthetic_trace(packed.layers(), spec.num_experts,
+                                                             spec.num_experts_per_tok, 300)))
+        traces.append(("SYNTHETIC uniform", synthetic_trace(packed.layers(), spec.num_experts,
+                                                            spec.num_experts_per_tok, 300, reuse=0.0, zipf=0.0)))
+    for label, trace in traces:
+        r = compare(trace, max(slots, 1))
+        rates = ", ".join(f"{p} {x.hit_rate:.0%}" for p, x in r.items())
+        tps = predict_decode(active, slot, r["lfru"].hit_rate, bw, overlap=0.5)
+        click.echo(f"{label}: hit rates {rates}; predicted decode {tps:.2f} tok/s (lfru, half the reads overlapped)")
+
+
+def main() -> None:
+    command(prog_name="localmoe plan")

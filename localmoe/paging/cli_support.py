@@ -1,0 +1,69 @@
+"""What the paging commands (trace, calibrate, plan) share: sizes, opening a paged model, prompts."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from localmoe.errors import LocalMoEError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int, total: int | None = None) -> int:
+    """Bytes from "8G", "512M", "123456" or "25%" (of `total`)."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if s.endswith("%"):
+        if total is None:
+            raise LocalMoEError(f"{text!r}: a percentage needs a total to be a fraction of")
+        return int(total * float(s[:-1]) / 100)
+    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)", s)
+    if not m:
+        raise LocalMoEError(f"{text!r} is not a size (examples: 8G, 512M, 25%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def open_paged(store_path: str, ram: str, policy: str = "lfru", io: str = "odirect", prefetch: bool = True,
+               threads: int = 0, trace=None):
+    """(model, pager, store) for a packed store with experts paged within `ram`."""
+    from localmoe.config import EngineConfig
+    from localmoe.paging import PagingConfig, expert_bytes
+    from localmoe.paging.standalone import build_paged
+    from localmoe.store.packed import PackedStore
+
+    store = PackedStore(store_path)
+    budget = parse_size(ram, expert_bytes(store))
+    config = EngineConfig(dtype="float32", threads=threads)
+    torch.set_num_threads(config.resolved_threads())
+    model, pager = build_paged(store, PagingConfig(ram_budget=budget, policy=policy, io=io, prefetch=prefetch), config)
+    if trace is not None:
+        for block in model.moe_blocks():
+            block.router.trace = trace
+    return model, pager, store
+
+
+def prompt_ids(store, prompt: str) -> list[int]:
+    """Token ids of `prompt`: "ids:1,2,3" literally, else the store's tokenizer."""
+    if prompt.startswith("ids:"):
+        return [int(x) for x in prompt[4:].split(",") if x.strip()]
+    from localmoe.tokenizer.hf import tokenizer_from_hf_dir
+
+    ids = tokenizer_from_hf_dir(store.path).encode(prompt)
+    if not ids:
+        raise LocalMoEError("the prompt is empty")
+    return ids
+
+
+def greedy(model, ids: list[int], max_tokens: int) -> list[int]:
+    """Prefill `ids`, then `max_tokens` greedy decode steps; the new tokens."""
+    cache = model.new_cache(1, len(ids) + max_tokens + 1)
+    logits = model.forward(torch.tensor([ids]), cache)
+    out = []
+    for _ in range(max_tokens):
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        logits = model.forward(torch.tensor([[token]]), cache)
+    return out

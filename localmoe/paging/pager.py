@@ -1,0 +1,256 @@
+"""The pager: an ExpertProvider that keeps experts in a fixed RAM slab and reads misses from disk.
+
+`get(layer, expert)` returns the expert's weights as zero-copy views of its slot (valid
+until the next `get`, as the ExpertProvider protocol says). A miss evicts the victim the
+policy picks and reads the extent on an I/O thread (timeout: `ReadTimeoutError`).
+Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
+dispatch (`begin_layer`: their loads start together, in parallel) and the next layer's
+likely ones (`prefetch`: router lookahead); loads run while compute continues.
+
+Never evicted: the expert last returned (the caller is computing it), pinned experts (a
+calibration profile), and loads in flight. Prefetches never evict the current layer's
+chosen experts or an unused prefetch, and hold at most a quarter of the slots unused.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from localmoe.engine.experts import ExpertWeights
+from localmoe.paging.disk import DiskBackend
+from localmoe.paging.errors import PagingError, ReadTimeoutError
+from localmoe.paging.policy import Key, Policy
+from localmoe.paging.slab import HostSlab
+from localmoe.paging.stats import PagingStats
+
+EMPTY, LOADING, READY, DEAD = "empty", "loading", "ready", "dead"
+DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
+
+
+class _Slot:
+    __slots__ = ("future", "gen", "index", "key", "origin", "state", "used", "weights")
+
+    def __init__(self, index: int):
+        self.index, self.key, self.state, self.future, self.weights = index, None, EMPTY, None, None
+        self.origin, self.used, self.gen = DEMAND, True, 0
+
+
+class Pager:
+    """Experts of `store` (a PackedStore) paged through `num_slots` RAM slots."""
+
+    def __init__(self, store, num_slots: int, policy: Policy, backend: DiskBackend, *, io_threads: int = 4,
+                 timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True):
+        self.store, self.policy, self.backend, self.timeout = store, policy, backend, timeout
+        self.layouts = {layer: store.layout(layer) for layer in store.layers()}
+        slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
+        self.slab = HostSlab(num_slots, slot_bytes)
+        self.slots = [_Slot(i) for i in range(num_slots)]
+        self.free = list(reversed(range(num_slots)))
+        self.where: dict[Key, _Slot] = {}
+        self.lock = threading.Condition()
+        self.pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="localmoe-io")
+        self.prefetch_enabled = prefetch
+        self.current: _Slot | None = None
+        self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
+        self.step, self._last_layer = 0, None
+        self._inflight, self._busy_since = 0, 0.0
+        self.lost_slots = 0  # slots given up to reads that timed out
+        self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
+        self.pinned: set[Key] = set()
+        for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
+            self.get(*key)
+            self.pinned.add(key)
+        self.current = None
+        self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
+
+    # ---- the ExpertProvider protocol ----
+
+    def get(self, layer: int, expert: int) -> ExpertWeights:
+        key = (layer, expert)
+        ram, pf = self.stats.ram, self.stats.prefetch
+        with self.lock:
+            if self._last_layer is not None and layer < self._last_layer:
+                self._new_step()
+            self._last_layer = layer
+            self.stats.steps = self.step + 1
+            self.current = None
+            self.protected.discard(key)
+            slot = self.where.get(key)
+            if slot is None:
+                ram.misses += 1
+                pf.uncovered += 1
+                slot = self._allocate(demand=True)
+                self._start(slot, key, DEMAND)
+            elif not slot.used:  # first request of a load started before it
+                slot.used = True
+                if slot.origin == LOOKAHEAD:
+                    ram.hits += 1
+                    pf.used += 1
+                    pf.covered += 1
+                    pf.late += slot.state == LOADING
+                # EARLY: begin_layer counted the miss already
+            else:
+                ram.hits += 1
+            self.policy.access(key, self.step)
+            self.current = slot
+            state, future, gen = slot.state, slot.future, slot.gen
+        if state != READY:
+            self._wait(slot, key, future, gen)
+        return slot.weights
+
+    def nbytes(self) -> int:
+        return self.slab.nbytes
+
+    # ---- hints from the wrapped routers (paging/hooks.py) ----
+
+    def begin_layer(self, layer: int, experts: Iterable[int]) -> None:
+        """`experts` of `layer` are about to be requested (routing is known): load the missing ones now."""
+        with self.lock:
+            if self._last_layer is not None and layer <= self._last_layer:
+                self._new_step()
+            self._last_layer = layer
+            self.stats.steps = self.step + 1
+            if not self.prefetch_enabled:
+                return
+            keys = [(layer, e) for e in sorted(set(experts))]
+            self.protected = set(keys)
+            for key in keys:
+                if key in self.where:
+                    continue
+                slot = self._allocate(demand=False)
+                if slot is None:
+                    return
+                self.stats.ram.misses += 1
+                self.stats.prefetch.uncovered += 1
+                self._start(slot, key, EARLY)
+
+    def prefetch(self, layer: int, experts: Iterable[int]) -> int:
+        """Guess: `experts` of `layer` will be requested soon. Loads what fits; returns loads started."""
+        if not self.prefetch_enabled or layer not in self.layouts:
+            return 0
+        started = 0
+        with self.lock:
+            for e in experts:
+                key = (layer, int(e))
+                if key in self.where:
+                    continue
+                unused = sum(1 for s in self.slots if s.origin == LOOKAHEAD and not s.used and s.key is not None)
+                if unused >= max(1, len(self.slots) // 4):
+                    break
+                slot = self._allocate(demand=False)
+                if slot is None:
+                    break
+                self.stats.prefetch.issued += 1
+                self._start(slot, key, LOOKAHEAD)
+                started += 1
+        return started
+
+    # ---- slots ----
+
+    def _new_step(self) -> None:
+        self.step += 1
+        self.stats.steps = self.step + 1
+
+    def _allocate(self, demand: bool) -> _Slot | None:
+        """A free slot, or the policy's victim among the evictable ones (lock held)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self.free:
+                return self.slots[self.free.pop()]
+            ready = [s for s in self.slots if s.state == READY and s is not self.current and s.key not in self.pinned]
+            soft = [s for s in ready if s.key not in self.protected and s.used]
+            pool = soft or (ready if demand else [])
+            if pool:
+                by_key = {s.key: s for s in pool}
+                victim = by_key[self.policy.victim(list(by_key), self.step)]
+                self._evict(victim)
+                return victim
+            if not demand:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0 or not any(s.state == LOADING for s in self.slots):
+                raise PagingError(f"no expert slot can be freed ({len(self.slots)} slots, {len(self.pinned)} "
+                                  f"pinned, {self.lost_slots} lost to timed-out reads); raise --ram")
+            self.lock.wait(left)
+
+    def _evict(self, slot: _Slot) -> None:
+        if not slot.used:
+            self.stats.prefetch.wasted += 1
+        del self.where[slot.key]
+        self.policy.evict(slot.key)
+        self.stats.ram.evictions += 1
+        slot.key, slot.state, slot.weights, slot.future = None, EMPTY, None, None
+
+    def _start(self, slot: _Slot, key: Key, origin: str) -> None:
+        slot.gen += 1
+        slot.key, slot.state, slot.origin, slot.used, slot.weights = key, LOADING, origin, origin == DEMAND, None
+        self.where[key] = slot
+        self.policy.insert(key, self.step)
+        slot.future = self.pool.submit(self._load, slot, key, slot.gen)
+
+    def _load(self, slot: _Slot, key: Key, gen: int) -> None:
+        """On an I/O thread: read the extent into the slot, make the tensors."""
+        with self.lock:
+            if self._inflight == 0:
+                self._busy_since = time.perf_counter()
+            self._inflight += 1
+        error = weights = None
+        try:
+            buf = self.slab.slot(slot.index)
+            nbytes = self.backend.read(key[0], key[1], buf)
+            weights = ExpertWeights.from_parts(self.layouts[key[0]].views(buf))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            error = e
+        with self.lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self.stats.ram.read_seconds += time.perf_counter() - self._busy_since
+            if slot.gen == gen and slot.state == LOADING:
+                if error is None:
+                    slot.state, slot.weights = READY, weights
+                    self.stats.ram.bytes_read += nbytes
+                    self.stats.ram.loads += 1
+                else:  # a failed guess costs nothing more; a demanded one raises in `get`
+                    if not slot.used:
+                        self.stats.prefetch.wasted += 1
+                    del self.where[key]
+                    self.policy.evict(key)
+                    slot.key, slot.state, slot.future = None, EMPTY, None
+                    self.free.append(slot.index)
+            self.lock.notify_all()
+        if error is not None:
+            raise error
+
+    def _wait(self, slot: _Slot, key: Key, future: Future, gen: int) -> None:
+        started = time.perf_counter()
+        try:
+            future.result(timeout=self.timeout)
+        except FutureTimeout:
+            with self.lock:
+                if slot.gen == gen and slot.state == LOADING:  # the thread may still write into it: retire it
+                    slot.gen += 1
+                    slot.state, slot.key = DEAD, None
+                    self.where.pop(key, None)
+                    self.policy.evict(key)
+                    self.lost_slots += 1
+                    self.current = None
+            ext = self.store.expert_extent(*key)
+            raise ReadTimeoutError(f"layer {key[0]} expert {key[1]}: reading {ext.path} at offset {ext.offset} did "
+                                   f"not finish within {self.timeout:g} s; check the disk (dmesg) or raise the "
+                                   f"I/O timeout") from None
+        finally:
+            waited = time.perf_counter() - started
+            with self.lock:
+                self.stats.ram.stall_seconds += waited
+
+    def resident(self) -> set[Key]:
+        with self.lock:
+            return {s.key for s in self.slots if s.state == READY}
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.backend.close()

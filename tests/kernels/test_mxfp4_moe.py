@@ -1,0 +1,152 @@
+"""MXFP4 expert matmul: the CPU kernel, the Triton kernel (interpreter / CUDA) and the dispatcher
+against the plain-torch reference (fp32 dequantise + fp32 matmul), and the reference against a
+float64 matmul of the store's own dequantisation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels import mxfp4_moe
+from localmoe.kernels.mxfp4_moe import cpu
+from localmoe.kernels.mxfp4_moe.reference import naive_mxfp4_grouped, naive_mxfp4_linear
+
+from localmoe.store.mxfp4 import dequantize, quantize
+
+from .conftest import TRITON_DEVICES
+
+needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
+
+
+def _weights(O: int, K: int, seed: int, special: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(O, K, generator=g) * torch.logspace(-3, 1, O).unsqueeze(1)  # rows of very different scales
+    packed, scales = quantize(w)
+    if special:  # extreme scale bytes: the smallest (2^-127), large, and NaN blocks
+        scales = scales.clone()
+        scales[0, 0], scales[1 % O, -1], scales[2 % O, 0] = 0, 200, 255
+    return packed, scales
+
+
+SHAPES = [pytest.param(96, 64, id="O96xK64"), pytest.param(67, 320, id="O67xK320"),
+          pytest.param(5, 32, id="O5xK32"), pytest.param(300, 3584 // 7, id="O300xK512")]
+TOKENS = [1, 2, 3, 4, 5, 8, 13, 33, 63, 100]  # 100 > GEMV_MAX_TOKENS: the dequantise + sgemm path
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", TOKENS, ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("O,K", SHAPES)
+def test_cpu_kernel_matches_reference(O, K, N, close):
+    packed, scales = _weights(O, K, seed=O * K + N)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    want = naive_mxfp4_linear(x, packed, scales)
+    close(cpu.gemv(x, packed, scales), want, 1e-5, "gemv")
+    close(mxfp4_moe.mxfp4_linear(x, packed, scales), want, 1e-5, "dispatcher")
+
+
+def test_grid_covers_both_cpu_paths():
+    assert min(TOKENS) <= mxfp4_moe.GEMV_MAX_TOKENS < max(TOKENS)
+
+
+@needs_cpu_kernel
+def test_reference_matches_float64():
+    packed, scales = _weights(40, 256, seed=1)
+    x = torch.randn(7, 256, dtype=torch.float64)
+    want = x @ dequantize(packed, scales, torch.float64).T
+    assert (naive_mxfp4_linear(x.float(), packed, scales).double() - want).norm() / want.norm() < 1e-6
+    assert (cpu.gemv(x.float(), packed, scales).double() - want).norm() / want.norm() < 1e-6
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 3, 100], ids=lambda n: f"N{n}")
+def test_cpu_special_scales_and_bias(N, close):
+    """Scale byte 0 (2^-127), large scales and NaN blocks (0xFF) behave as the reference, bias added."""
+    packed, scales = _weights(9, 96, seed=3, special=True)
+    bias = torch.randn(9)
+    x = torch.randn(N, 96)
+    got, want = mxfp4_moe.mxfp4_linear(x, packed, scales, bias), naive_mxfp4_linear(x, packed, scales, bias)
+    assert got[:, 2].isnan().all() and not got[:, 0].isnan().any()
+    close(got, want, 1e-5, "special")
+
+
+@needs_cpu_kernel
+def test_cpu_dequantize_is_exact():
+    packed, scales = _weights(33, 160, seed=4, special=True)
+    got, want = cpu.dequantize(packed, scales), dequantize(packed, scales)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())  # == also holds for -0 against +0
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_independent_of_threads():
+    """A row is computed by one thread: the bits do not depend on the thread count (paging relies on it)."""
+    packed, scales = _weights(130, 256, seed=5)
+    x = torch.randn(6, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.gemv(x, packed, scales)
+        torch.set_num_threads(max(2, threads))
+        many = cpu.gemv(x, packed, scales)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_cpu_kernel
+def test_cpu_strided_weights():
+    """Views of a stacked [E, 2I, K/2] tensor (gate rows, then up rows) give the contiguous result."""
+    packed, scales = _weights(64, 128, seed=6)
+    x = torch.randn(2, 128)
+    up_p, up_s = packed.view(2, 32, 64)[:, 16:].reshape(32, 64), scales.view(2, 32, 4)[:, 16:].reshape(32, 4)
+    view_p, view_s = packed.T.contiguous().T, scales.T.contiguous().T  # non-contiguous views
+    assert torch.equal(cpu.gemv(x, view_p, view_s), cpu.gemv(x, packed, scales))
+    assert torch.equal(cpu.gemv(x, up_p, up_s), cpu.gemv(x, up_p.contiguous(), up_s.contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_inputs(dtype, close):
+    """bf16/fp16 x: fp32 accumulate, rounded once to x's dtype: bounded by the output rounding
+    (relative 2^-8 for bf16, 2^-11 for fp16) against the fp32 reference on the same rounded x."""
+    packed, scales = _weights(48, 128, seed=7)
+    x = torch.randn(3, 128).to(dtype)
+    got = mxfp4_moe.mxfp4_linear(x, packed, scales)
+    assert got.dtype == dtype
+    close(got, naive_mxfp4_linear(x.float(), packed, scales), 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11)
+
+
+def test_fallback_without_cpu_kernel(monkeypatch, close):
+    packed, scales = _weights(20, 64, seed=8)
+    x = torch.randn(2, 64)
+    monkeypatch.setitem(cpu._state, "lib", None)
+    close(mxfp4_moe.mxfp4_linear(x, packed, scales), naive_mxfp4_linear(x, packed, scales), 0.0)
+
+
+# ---- Triton (interpreter on CPU tensors; CUDA where present) ----
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("M", [1, 63, 200], ids=lambda m: f"M{m}")
+def test_triton_grouped_matches_reference(M, dtype, device, close):
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    E, O, K = 5, 72, 96  # O not a multiple of the 64-row tile; K = 1.5 tiles of 64
+    g = torch.Generator().manual_seed(M)
+    w = torch.randn(E, O, K, generator=g) * 0.1
+    packed, scales = quantize(w)
+    ids = torch.randint(0, E - 1, (M,), generator=g)  # expert E-1 unused
+    bias = torch.randn(E, O, generator=g)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    want = naive_mxfp4_grouped(x.float(), packed, scales, ids, bias)
+    got = tk.mxfp4_grouped(x.to(device), packed.to(device), scales.to(device), ids.to(device), bias.to(device))
+    close(got.float(), want, 1e-5 if dtype == torch.float32 else 2.0 ** -10, "grouped")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_triton_nan_scale(device):
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    packed, scales = _weights(8, 64, seed=9, special=True)
+    x = torch.randn(2, 64)
+    got = tk.mxfp4_linear(x.to(device), packed.to(device), scales.to(device)).cpu()
+    want = naive_mxfp4_linear(x, packed, scales)
+    assert torch.equal(got.isnan(), want.isnan())

@@ -1,0 +1,76 @@
+"""Pager behaviour: prefetch accounting, pinning, Belady divergence, the CLI commands."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from localmoe.cli import cli
+from localmoe.paging import PagingConfig, attach, make_pager
+from localmoe.paging.errors import PagingError
+from localmoe.paging.trace import RoutingTrace
+
+from .conftest import run_greedy
+
+
+def _slot(store):
+    return max(store.layout(layer).slot_bytes for layer in store.layers())
+
+
+def test_prefetch_counts_are_consistent(gpt_oss):
+    store = gpt_oss.store()
+    pager = make_pager(store, PagingConfig(ram_budget=12 * _slot(store)))
+    gpt_oss.model.use_experts(pager)
+    attach(gpt_oss.model, pager)
+    run_greedy(gpt_oss.model)
+    pager.close()
+    s, p = pager.stats, pager.stats.prefetch
+    assert p.issued > 0 and 0 <= p.used <= p.issued and p.wasted <= p.issued
+    assert p.covered == p.used and p.uncovered == s.ram.misses
+    assert 0.0 <= p.precision <= 1.0 and 0.0 <= p.recall <= 1.0
+    assert s.ram.misses <= s.ram.loads <= s.ram.misses + p.issued
+    assert s.steps == 1 + 12  # one prefill forward + 12 decode forwards
+
+
+def test_pinned_experts_stay(gpt_oss, tmp_path):
+    store = gpt_oss.store()
+    hot = [[1, 0, 9], [2, 3, 5]]
+    (tmp_path / "p.json").write_text(json.dumps({"format": "localmoe-profile", "ranking": hot}))
+    pager = make_pager(store, PagingConfig(ram_budget=6 * _slot(store), profile=str(tmp_path / "p.json")))
+    gpt_oss.model.use_experts(pager)
+    attach(gpt_oss.model, pager)
+    run_greedy(gpt_oss.model)
+    assert {(1, 0), (2, 3)} <= pager.resident() and pager.pinned == {(1, 0), (2, 3)}
+    pager.close()
+
+
+def test_belady_refuses_a_diverging_run(gpt_oss, tmp_path):
+    trace = RoutingTrace(8, 2, steps=[{1: [[0, 1]]}])
+    trace.save(tmp_path / "t.json")
+    pager = make_pager(gpt_oss.store(), PagingConfig(ram_budget=1 << 20, policy="belady", trace=str(tmp_path / "t.json"),
+                                                     prefetch=False))
+    pager.get(1, 0)
+    with pytest.raises(PagingError, match="does not match this run at access 1"):
+        pager.get(1, 5)
+    pager.close()
+
+
+def test_commands(gpt_oss, tmp_path):
+    runner = CliRunner()
+    store = str(gpt_oss.store_path)
+    out = runner.invoke(cli, ["trace", store, "ids:5,17,3", "-o", str(tmp_path / "t.json"), "--max-tokens", "3"])
+    assert out.exit_code == 0, out.output
+    t = RoutingTrace.load(tmp_path / "t.json")
+    assert t.tokens == 3 + 3 - 1 + 1 and not t.synthetic
+    out = runner.invoke(cli, ["trace", store, "--synthetic", "-o", str(tmp_path / "s.json"), "--tokens", "20"])
+    assert out.exit_code == 0 and RoutingTrace.load(tmp_path / "s.json").synthetic
+    out = runner.invoke(cli, ["calibrate", store, "-p", "ids:1,2,3", "-o", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    ranking = json.loads((tmp_path / "p.json").read_text())["ranking"]
+    assert ranking and all(a[2] >= b[2] for a, b in itertools.pairwise(ranking))
+    out = runner.invoke(cli, ["plan", store, "--ram", "25%", "--trace", str(tmp_path / "t.json")])
+    assert out.exit_code == 0, out.output
+    assert "RAM tier: 8 slots" in out.output and "predicted decode" in out.output
