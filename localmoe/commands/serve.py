@@ -1,0 +1,68 @@
+"""`localmoe serve`: the OpenAI- and Anthropic-compatible HTTP API (docs/api.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from localmoe.commands.base import Command
+from localmoe.commands.options import engine_config, model_options
+from localmoe.errors import LocalMoEError
+
+
+def default_sessions_path() -> Path:
+    cache = os.environ.get("LOCALMOE_CACHE") or Path.home() / ".cache" / "localmoe"
+    return Path(cache) / "sessions.db"
+
+
+@click.command("serve", cls=Command)
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; 0.0.0.0 exposes the API to the network.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", default=None, envvar="LOCALMOE_API_KEY",
+              help="Require this key (Authorization: Bearer KEY or x-api-key) on every request but /health.")
+@click.option("--model-id", default=None, help="Name the model is served under (default: the file name).")
+@click.option("--max-tokens", "max_tokens_default", type=int, default=512, show_default=True,
+              help="max_tokens of a request that gives none.")
+@click.option("--max-tokens-limit", type=int, default=None, help="The most max_tokens a request may ask for "
+              "(default: the context).")
+@click.option("--max-concurrency", type=int, default=16, show_default=True,
+              help="Generations interleaved at once; more requests wait in the queue.")
+@click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")
+@click.option("--thinking-budgets", default="low=256,high=4096,max=none", show_default=True,
+              help="Reasoning-token limit of each reasoning_effort tier.")
+@click.option("--sessions", "sessions_path", default=None, metavar="PATH",
+              help="SQLite file for persisted sessions (default: sessions.db in the localmoe cache).")
+@click.option("--no-sessions", is_flag=True, help="Store no sessions.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def command(model, dtype, threads, max_context, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
+            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, log_level):
+    """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
+    /health and /metrics."""
+    try:
+        from localmoe.server import ServerConfig, serve
+    except ImportError as e:
+        raise LocalMoEError(f"the server needs its extra: pip install 'localmoe[server]' ({e})") from None
+    from localmoe.chat.budget import ThinkingBudgets
+    from localmoe.load import load_model
+
+    if max_tokens_default < 1 or (max_tokens_limit is not None and max_tokens_limit < 1) or max_concurrency < 1:
+        raise LocalMoEError("--max-tokens, --max-tokens-limit and --max-concurrency must be at least 1")
+    config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
+                          max_active=max_concurrency, max_body_bytes=max_body, api_key=api_key or None,
+                          sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
+                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads)
+    loaded = load_model(model, engine_config(dtype, threads, max_context))
+    config.threads = loaded.config.resolved_threads()
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        click.echo(f"localmoe: warning: serving on {host} without --api-key: anyone who can reach it can use it",
+                   err=True)
+    serve(loaded, config, host=host, port=port, log_level=log_level)
+
+
+def main() -> None:
+    command(prog_name="localmoe serve")

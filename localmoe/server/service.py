@@ -1,0 +1,320 @@
+"""What the HTTP handlers call: the served model, request preparation (render, context fit,
+limits, budgets, forced tool calls), job submission and session storage.
+
+Handlers stay thin: they turn their API's body into a `ChatRequest`, call `prepare`, and
+read the job's events through a `Stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from localmoe.chat.budget import Budget, ThinkingBudgets
+from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.engine.sampler import SamplingParams
+from localmoe.errors import LocalMoEError
+from localmoe.server.context import fit_messages
+from localmoe.server.errors import APIError
+from localmoe.server.forced import plan_forced_call
+from localmoe.server.metrics import Metrics, paging_tiers
+from localmoe.server.turn import Prepared, TurnResult, run_chat, run_completion
+from localmoe.server.worker import CancelledError, EngineWorker, Job
+
+MODEL_ALIASES = ("default", "localmoe")
+
+
+@dataclass
+class ServerConfig:
+    max_tokens_default: int = 512  # when a request gives none
+    max_tokens_limit: int | None = None  # the most a request may ask for (None: the context)
+    max_active: int = 16  # generations interleaved at once; more wait in the queue
+    max_body_bytes: int = 8 << 20
+    api_key: str | None = None
+    sessions_path: Path | None = None
+    budgets: ThinkingBudgets = field(default_factory=ThinkingBudgets)
+    threads: int = 0
+
+
+@dataclass
+class ChatRequest:
+    """A chat request in API-neutral form."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None
+    params: SamplingParams
+    tools: list[dict] = field(default_factory=list)
+    tool_mode: str = "auto"  # auto | none | required | named
+    tool_names: list[str] = field(default_factory=list)  # the forced function (named) / all tools
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    reasoning_tokens: int | None = None  # an explicit reasoning limit (Anthropic budget_tokens)
+    stop: list[str] = field(default_factory=list)
+    seconds: float | None = None
+    bytes_read: int | None = None
+    session_id: str | None = None
+
+
+class Stream:
+    """The events of one job, read from the event loop; cancels the job when abandoned."""
+
+    def __init__(self, service: Service, work, on_done=None):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.service = service
+        self.on_done = on_done
+        self.job = Job(work, self._put)
+        self.finished = False
+        self.prompt: list[int] = []
+
+    def _put(self, kind: str, payload) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
+            pass
+
+    def start(self) -> Stream:
+        self.service.worker.submit(self.job)
+        return self
+
+    async def events(self):
+        """("delta", Delta) ... then ("done", TurnResult); raises the job's error."""
+        try:
+            while True:
+                kind, payload = await self.queue.get()
+                if kind == "error":
+                    self.finished = True
+                    if isinstance(payload, LocalMoEError):
+                        raise APIError(400, str(payload))
+                    raise payload
+                if kind == "done":
+                    self.finished = True
+                    self.service.record(payload)
+                    if self.on_done is not None:
+                        self.on_done(payload)
+                yield kind, payload
+                if kind == "done":
+                    return
+        finally:
+            if not self.finished:
+                self.cancel()
+
+    def cancel(self) -> None:
+        if not self.job.cancelled:
+            self.job.cancel()
+            self.service.metrics.cancel()
+
+    async def result(self, is_disconnected=None) -> TurnResult:
+        """Wait for the whole result; cancel the job if the client disconnects meanwhile."""
+        collect = asyncio.ensure_future(self._collect())
+        if is_disconnected is None:
+            return await collect
+        watcher = asyncio.ensure_future(_watch(is_disconnected))
+        done, _ = await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collect in done:
+            watcher.cancel()
+            return collect.result()
+        collect.cancel()
+        self.cancel()
+        raise CancelledError()
+
+    async def _collect(self) -> TurnResult:
+        async for kind, payload in self.events():
+            if kind == "done":
+                return payload
+        raise CancelledError()
+
+
+async def _watch(is_disconnected) -> None:
+    while not await is_disconnected():
+        await asyncio.sleep(0.2)
+
+
+class Service:
+    """The served model and everything the handlers share."""
+
+    def __init__(self, loaded, config: ServerConfig, chat_format=None, model_id: str | None = None):
+        self.loaded = loaded
+        self.config = config
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        if chat_format is None:
+            from localmoe.chat import chat_format_for
+
+            chat_format = chat_format_for(loaded.spec, loaded.tokenizer)
+        self.format = chat_format
+        source = Path(str(loaded.source))
+        self.model_id = model_id or (source.name if source.is_dir() else source.stem)
+        self.context = int(self.model.max_context)
+        self.metrics = Metrics()
+        self.worker = EngineWorker(config.max_active, config.threads or None)
+        self.created = int(time.time())
+        self._token_texts = None
+        self.sessions = None
+        if config.sessions_path is not None:
+            from localmoe.chat.sessions import SessionStore
+
+            self.sessions = SessionStore(config.sessions_path)
+
+    def start(self) -> None:
+        _ = self.token_texts  # built once, before the first forced tool call needs it
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+        if self.sessions is not None:
+            self.sessions.close()
+
+    @property
+    def token_texts(self):
+        if self._token_texts is None:
+            from localmoe.chat.constrain import TokenTexts
+
+            self._token_texts = TokenTexts.for_tokenizer(self.tokenizer)
+        return self._token_texts
+
+    # ---- checks shared by the endpoints ----
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id and name not in MODEL_ALIASES:
+            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_id!r} "
+                                f"(GET /v1/models)", param="model", code="model_not_found")
+
+    def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
+        limit = self.config.max_tokens_limit or (self.context - 1)
+        if requested is not None and requested > limit:
+            raise APIError(400, f"max_tokens is {requested} but this server allows at most {limit} "
+                                f"(context {self.context}); ask for fewer tokens", param="max_tokens")
+        room = self.context - prompt_tokens - 1
+        if requested is None:
+            return max(1, min(self.config.max_tokens_default, limit, room))
+        return requested
+
+    def record(self, result: TurnResult) -> None:
+        self.metrics.finished(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens,
+                              result.time_to_first_token)
+
+    def metrics_text(self) -> str:
+        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model))
+
+    # ---- chat ----
+
+    def history(self, session_id: str | None) -> list[ChatMessage]:
+        if session_id is None:
+            return []
+        if self.sessions is None:
+            raise APIError(400, "session_id given but this server stores no sessions (start it with --sessions)",
+                           param="session_id")
+        if not self.sessions.exists(session_id):
+            return []
+        return self.sessions.messages(session_id)
+
+    def prepare_chat(self, req: ChatRequest) -> tuple[Prepared, list[ChatMessage]]:
+        """Prompt ids and settings for `req` (history of its session included); raises APIError."""
+        fmt = self.format
+        messages = self.history(req.session_id) + req.messages
+        tools = req.tools if req.tool_mode != "none" else []
+        names = [t["function"]["name"] for t in req.tools]
+        if req.tool_mode in ("required", "named") and not req.tools:
+            raise APIError(400, f"tool_choice is {req.tool_mode!r} but no tools are given", param="tool_choice")
+        if req.tool_mode == "named" and req.tool_names[0] not in names:
+            raise APIError(400, f"tool_choice names {req.tool_names[0]!r}, which is not among the tools "
+                                f"({', '.join(names)})", param="tool_choice")
+
+        def render(msgs: list[ChatMessage]) -> list[int]:
+            return fmt.render(msgs, tools=tools or None, reasoning_effort=req.reasoning_effort)
+
+        try:
+            prompt = render(messages)
+            max_tokens = self.max_tokens(req.max_tokens, len(prompt))
+            prompt, messages = fit_messages(messages, render, self.context - max_tokens - 2)
+        except LocalMoEError as e:
+            raise APIError(400, str(e), param="messages") from None
+        reasoning_limit = req.reasoning_tokens
+        if reasoning_limit is None and fmt.thinks:
+            reasoning_limit = self.config.budgets.limit_for(req.reasoning_effort)
+        budget = Budget(reasoning_tokens=reasoning_limit, seconds=req.seconds, bytes_read=req.bytes_read)
+        forced = None
+        if req.tool_mode in ("required", "named"):
+            forced_names = req.tool_names if req.tool_mode == "named" else names
+            forced = plan_forced_call(fmt, self.tokenizer, messages, tools, forced_names, prompt, req.reasoning_effort)
+        prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
+                        forced=forced, parallel_tool_calls=req.parallel_tool_calls,
+                        keep_tool_calls=req.tool_mode != "none")
+        return prep, messages
+
+    def store_request(self, req: ChatRequest) -> None:
+        """Store the request's new messages in its session, durably, before generating."""
+        if req.session_id is not None and self.sessions is not None:
+            self.sessions.ensure(req.session_id, model=self.model_id)
+            if req.messages:
+                self.sessions.append(req.session_id, *req.messages)
+
+    async def chat(self, req: ChatRequest) -> Stream:
+        """Prepare `req` (off the event loop), store its messages, start generating."""
+        from starlette.concurrency import run_in_threadpool
+
+        prep, _ = await run_in_threadpool(self.prepare_chat, req)
+        await run_in_threadpool(self.store_request, req)
+        on_done = None
+        if req.session_id is not None and self.sessions is not None:
+            session_id = req.session_id
+
+            def on_done(result: TurnResult) -> None:
+                if result.finish_reason != "cancelled":
+                    self.sessions.append(session_id, ChatMessage("assistant", result.content,
+                                                                 reasoning=result.reasoning or None,
+                                                                 tool_calls=list(result.tool_calls)))
+
+        fmt, texts = self.format, (self.token_texts if prep.forced is not None else None)
+        stream = Stream(self, lambda job: run_chat(fmt, texts, self.model, prep, job.emit, lambda: job.cancelled),
+                        on_done)
+        stream.prompt = prep.prompt
+        return stream.start()
+
+    # ---- completions ----
+
+    def completion_stream(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
+                          stop: list[str]) -> Stream:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
+        max_tokens = self.max_tokens(max_tokens, len(ids))
+        if len(ids) + max_tokens + 2 > self.context:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
+                                f"holds {self.context}; shorten the prompt or lower max_tokens", param="prompt",
+                           code="context_length_exceeded")
+        prep = Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop)
+        tokenizer = self.tokenizer
+        return Stream(self, lambda job: run_completion(tokenizer, self.model, prep, job.emit,
+                                                       lambda: job.cancelled)).start()
+
+
+def sampling_params(temperature, top_p, top_k, min_p, repetition_penalty, seed, default_temperature=1.0):
+    try:
+        return SamplingParams(temperature=default_temperature if temperature is None else temperature,
+                              top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
+                              repetition_penalty=repetition_penalty or 1.0, seed=seed)
+    except LocalMoEError as e:
+        raise APIError(400, str(e)) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_dict(call: ToolCall) -> dict:
+    import json
+
+    arguments = call.raw_arguments if call.raw_arguments is not None else json.dumps(call.arguments,
+                                                                                        ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}

@@ -1,0 +1,299 @@
+"""One request's generation, written as a generator the engine worker advances one forward
+pass at a time: chat turns (reasoning budget, tool calls, stop strings) and plain completions.
+
+Each job calls `emit(kind, payload)` with ("delta", Delta) while it runs and ("done",
+TurnResult) at the end; the HTTP layer turns those into SSE chunks or one response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from localmoe.chat import constrain
+from localmoe.chat.budget import Action, Budget, BudgetTracker
+from localmoe.chat.format import Delta, ToolCall
+from localmoe.engine.sampler import SamplingParams
+from localmoe.server.decoder import Decoder
+from localmoe.server.forced import ForcedPlan
+
+Emit = Callable[[str, object], None]
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class Prepared:
+    """A request resolved to prompt ids and generation settings (built by the HTTP layer)."""
+
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    budget: Budget = field(default_factory=Budget)
+    forced: ForcedPlan | None = None
+    parallel_tool_calls: bool = True
+    keep_tool_calls: bool = True  # False under tool_choice "none"
+
+
+@dataclass
+class TurnResult:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    time_to_first_token: float = 0.0
+    seconds: float = 0.0
+    reasoning_closed_by: str | None = None  # the budget that ended the reasoning, if one did
+    stop_sequence: str | None = None  # the stop string that ended the content, if one did
+
+
+class StopFilter:
+    """Streams text, holding back what could begin a stop string and cutting at the first one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.text = ""  # everything emitted
+        self.hit = False
+        self.matched: str | None = None  # the stop string that ended the text
+
+    def feed(self, text: str) -> str:
+        if self.hit:
+            return ""
+        self.pending += text
+        cuts = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
+        if cuts:
+            at, self.matched = min(cuts)
+            out, self.pending, self.hit = self.pending[:at], "", True
+        else:
+            hold = 0
+            for stop in self.stops:
+                for n in range(min(len(stop) - 1, len(self.pending)), hold, -1):
+                    if self.pending.endswith(stop[:n]):
+                        hold = n
+                        break
+            out, self.pending = self.pending[:len(self.pending) - hold], self.pending[len(self.pending) - hold:]
+        self.text += out
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.hit else self.pending), ""
+        self.text += out
+        return out
+
+
+def _max_len(prep: Prepared, extra: int) -> int:
+    return len(prep.prompt) + prep.max_tokens + extra + 2
+
+
+def run_chat(fmt, token_texts, model, prep: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> Iterator[None]:
+    """A chat turn: forced tool call (constrained) or free generation with the reasoning budget."""
+    if prep.forced is not None:
+        yield from _run_forced(token_texts, model, prep, emit, cancelled)
+    else:
+        yield from _run_free(fmt, model, prep, emit, cancelled)
+
+
+def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
+    started = time.perf_counter()
+    eot = list(fmt.end_of_thinking_ids()) if fmt.thinks else []
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)))
+    parser = fmt.stream_parser()
+    stop_ids = fmt.stop_token_ids()
+    tracker = BudgetTracker(prep.budget)
+    result = TurnResult(prompt_tokens=len(prep.prompt))
+    content = StopFilter(prep.stop)
+    raw = {"content": "", "reasoning": ""}
+    streamed_calls: list[ToolCall] = []
+    generated: list[int] = []
+    reasoning_open = fmt.thinks
+    finish = "length"
+
+    def publish(deltas: list[Delta]) -> bool:
+        """Emit deltas; True when a stop string ended the content."""
+        nonlocal reasoning_open
+        for d in deltas:
+            if d.tool_call is not None:
+                reasoning_open = False
+                if prep.keep_tool_calls and (prep.parallel_tool_calls or not streamed_calls):
+                    call = ToolCall(d.tool_call.name, d.tool_call.arguments, new_call_id(), d.tool_call.raw_arguments)
+                    streamed_calls.append(call)
+                    emit("delta", Delta("tool_call", tool_call=call))
+                continue
+            raw[d.channel] = raw.get(d.channel, "") + d.text
+            if d.channel == "content":
+                if d.text.strip():
+                    reasoning_open = False
+                text = content.feed(d.text)
+                if text:
+                    emit("delta", Delta("content", text))
+                if content.hit:
+                    return True
+            elif d.text:
+                emit("delta", Delta(d.channel, d.text))
+        return False
+
+    while True:
+        if cancelled():
+            finish = "cancelled"
+            break
+        logits = dec.logits()
+        if logits is None:
+            yield
+            continue
+        token = dec.sample(logits)
+        if result.completion_tokens == 0:
+            result.time_to_first_token = time.perf_counter() - started
+        if token in stop_ids:
+            finish = "stop"
+            break
+        result.completion_tokens += 1
+        generated.append(token)
+        was_reasoning = reasoning_open
+        if publish(parser.feed(token)):
+            finish = "stop"
+            break
+        if eot and generated[-len(eot):] == eot:
+            reasoning_open = False
+        if was_reasoning:
+            result.reasoning_tokens += 1
+        action = tracker.check(was_reasoning)
+        dec.feed([token])
+        if action is Action.CLOSE_THINKING and reasoning_open:
+            result.reasoning_closed_by = tracker.closed_by
+            dec.feed(eot)
+            generated.extend(eot)
+            reasoning_open = False
+            stopped = False
+            for t in eot:
+                stopped = publish(parser.feed(t)) or stopped
+            if stopped:
+                finish = "stop"
+                break
+        elif action is Action.STOP:
+            break
+        if result.completion_tokens >= prep.max_tokens or dec.room <= 0:
+            break
+        yield
+    reply = parser.finish()
+    if finish != "stop" or not content.hit:  # what the parser still held back
+        extra = reply.reasoning[len(raw["reasoning"]):] if reply.reasoning.startswith(raw["reasoning"]) else ""
+        if extra:
+            emit("delta", Delta("reasoning", extra))
+        raw["reasoning"] += extra
+        tail = reply.content[len(raw["content"]):] if reply.content.startswith(raw["content"]) else ""
+        text = content.feed(tail) + content.flush()
+        if text:
+            emit("delta", Delta("content", text))
+        if content.hit:
+            finish = "stop"
+        for call in reply.tool_calls[len(streamed_calls):]:
+            if prep.keep_tool_calls and (prep.parallel_tool_calls or not streamed_calls):
+                call = ToolCall(call.name, call.arguments, new_call_id(), call.raw_arguments)
+                streamed_calls.append(call)
+                emit("delta", Delta("tool_call", tool_call=call))
+    result.content = content.text
+    result.stop_sequence = content.matched
+    result.reasoning = raw["reasoning"] or reply.reasoning
+    result.tool_calls = streamed_calls
+    if streamed_calls and finish == "stop":
+        finish = "tool_calls"
+    result.finish_reason = finish
+    result.seconds = time.perf_counter() - started
+    emit("done", result)
+
+
+def _run_forced(token_texts, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
+    started = time.perf_counter()
+    plan = prep.forced
+    dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)))
+    state = plan.initial_state()
+    result = TurnResult(prompt_tokens=len(prep.prompt))
+    text = ""
+    finish = "length"
+    while result.completion_tokens < prep.max_tokens and dec.room > 0:
+        if cancelled():
+            finish = "cancelled"
+            break
+        logits = dec.logits()
+        if logits is None:
+            yield
+            continue
+        choice = constrain.choose_token(logits, state, token_texts, prep.params.temperature, dec.generator)
+        if result.completion_tokens == 0:
+            result.time_to_first_token = time.perf_counter() - started
+        if choice is None:
+            break
+        token, state = choice
+        result.completion_tokens += 1
+        text += token_texts.texts[token]
+        if constrain.is_complete(state):
+            finish = "tool_calls"
+            break
+        dec.feed([token])
+        yield
+    split = plan.split(text)
+    if split is not None:
+        name, arguments = split
+        try:
+            call = ToolCall(name, json.loads(arguments), new_call_id())
+        except json.JSONDecodeError:
+            call = ToolCall(name, {}, new_call_id(), raw_arguments=arguments)
+        result.tool_calls = [call]
+        emit("delta", Delta("tool_call", tool_call=call))
+    result.finish_reason = finish
+    result.seconds = time.perf_counter() - started
+    emit("done", result)
+
+
+def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
+    """Plain text continuation of `prep.prompt` (/v1/completions)."""
+    started = time.perf_counter()
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, 0))
+    decoder = tokenizer.stream_decoder()
+    stops = StopFilter(prep.stop)
+    result = TurnResult(prompt_tokens=len(prep.prompt))
+    finish = "length"
+    while True:
+        if cancelled():
+            finish = "cancelled"
+            break
+        logits = dec.logits()
+        if logits is None:
+            yield
+            continue
+        token = dec.sample(logits)
+        if result.completion_tokens == 0:
+            result.time_to_first_token = time.perf_counter() - started
+        if token in tokenizer.stop_token_ids:
+            finish = "stop"
+            break
+        result.completion_tokens += 1
+        last = result.completion_tokens >= prep.max_tokens or dec.room <= 1
+        text = stops.feed(decoder.feed(token) + (decoder.flush() if last else ""))
+        if text:
+            emit("delta", Delta("content", text))
+        if stops.hit:
+            finish = "stop"
+            break
+        if last:
+            break
+        dec.feed([token])
+        yield
+    text = stops.feed(decoder.flush()) + stops.flush() if not stops.hit else ""
+    if text:
+        emit("delta", Delta("content", text))
+    result.content = stops.text
+    result.stop_sequence = stops.matched
+    result.finish_reason = finish
+    result.seconds = time.perf_counter() - started
+    emit("done", result)
