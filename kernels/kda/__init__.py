@@ -1,9 +1,10 @@
-"""KDA dispatcher: Triton on GPU tensors (recurrent for a few tokens, chunked for prefill),
-else the reference (the engine's own vectorised chunked form stays in engine/kda.py)."""
+"""KDA dispatcher: Triton on GPU tensors, the vectorised PyTorch forms of cpu.py elsewhere; the
+recurrent form for a few tokens (decode), the chunked one for prefill."""
 
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
+from localmoe.kernels.kda import cpu
 from localmoe.kernels.kda.reference import naive_recurrent_kda
 
 RECURRENT_MAX_T = 8  # calls of at most this many tokens use the recurrent kernel
@@ -15,16 +16,16 @@ def recurrent_kda(q, k, v, g, beta, state):
         from localmoe.kernels.kda.triton import fused_recurrent_kda
 
         return fused_recurrent_kda(q, k, v, g, beta, state)
-    return naive_recurrent_kda(q, k, v, g, beta, state)
+    return cpu.recurrent_kda(q, k, v, g, beta, state)
 
 
 def chunk_kda(q, k, v, g, beta, state):
-    """The chunked form (prefill) on GPU; the reference elsewhere. Same contract as `recurrent_kda`."""
+    """The chunked form (prefill). Same contract as `recurrent_kda`."""
     if usable(q):
         from localmoe.kernels.kda import triton as tk
 
         return tk.chunk_kda(q, k, v, g, beta, state)
-    return naive_recurrent_kda(q, k, v, g, beta, state)
+    return cpu.chunk_kda(q, k, v, g, beta, state)
 
 
 def kda(q, k, v, g, beta, state):

@@ -10,6 +10,9 @@ tokens allocated as the context grows (a 1M-token `max_len` costs nothing up fro
 a block table per sequence mapping its logical blocks to physical blocks of one pool.
 Rows are stored as "float32", "bfloat16" or "fp8" (float8_e4m3fn with one fp32 scale per
 token and head, `quantize_fp8`) and dequantised to fp32 on read, filled positions only.
+A bf16 or fp8 buffer also keeps its last `EXACT_RECENT` positions exactly (fp32, a ring of
+constant size): the newest tokens draw most of the attention (sliding-window layers see
+nothing else), so rounding them costs the most; a 1M-token context pays 32 rows per layer.
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from typing import Protocol
 import torch
 
 from localmoe.config import KV_CACHE_DTYPES
+from localmoe.kernels.fp8_cache import dequantize_fp8, quantize_fp8
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BLOCK_TOKENS = 256  # tokens per physical block (read at construction, so tests can shrink it)
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# Positions a bf16/fp8 buffer also keeps in fp32. Measured on the tiny gpt-oss (sliding window 4):
+# fp8 everywhere moves the logits by up to 59% of their range and flips 5 of 64 greedy tokens;
+# keeping the last 16 exact brings it to 0.02% and 0 flips (32 gives margin for longer windows).
+EXACT_RECENT = 32
 
 
 class LayerCache(Protocol):
@@ -32,24 +39,6 @@ class LayerCache(Protocol):
 
     def nbytes(self) -> int:
         """Bytes this layer's cache holds (allocated)."""
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (float8_e4m3fn [..., D], fp32 scale [...]) with one scale per row of D values.
-
-    scale = amax / 448 maps the row's largest magnitude to e4m3's largest finite value, so
-    nothing saturates; an all-zero row gets scale 1. Round trip: |x - q * scale| <= 2^-4 |x|
-    (3 mantissa bits, round to nearest) where x / scale is normal (>= 2^-6), and <= 2^-10 * scale
-    (half the subnormal spacing 2^-9) below that.
-    """
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize_fp8`: fp32 [..., D]."""
-    return q.float().mul_(scale.unsqueeze(-1))
 
 
 class PagedBuffer:
@@ -73,6 +62,12 @@ class PagedBuffer:
         self.fp8 = dtype == "fp8"
         self.pool = torch.empty(heads, 0, self.block, dim, dtype=STORAGE_DTYPES[dtype])
         self.scales = torch.empty(heads, 0, self.block) if self.fp8 else None  # fp8: [H, P, block] fp32
+        # bf16/fp8: the newest positions also in fp32, ring slot = position % R; recent_pos[slot] = the
+        # position the slot holds (-1: none), shared by the batch (every sequence writes the same positions)
+        self.lossy = dtype != "float32"
+        ring = min(EXACT_RECENT, max_len) if self.lossy else 0
+        self.recent = torch.zeros(batch, heads, ring, dim)
+        self.recent_pos = torch.full((ring,), -1, dtype=torch.long)
         self.table: list[list[int]] = [[] for _ in range(batch)]
         self.free: list[int] = []  # heap of released physical blocks
         self.used = 0  # physical blocks ever handed out (ids 0 .. used-1)
@@ -125,6 +120,8 @@ class PagedBuffer:
                 raise ValueError(f"positions up to {end} do not fit a cache of {self.max_len}")
             self._allocate(end)
         scale = None
+        if self.lossy:
+            self._keep_recent(start, rows)
         if self.fp8:
             rows, scale = quantize_fp8(rows)
         if self._flat is not None:
@@ -138,6 +135,22 @@ class PagedBuffer:
             self.pool[:, blocks, within] = rows[:, :, lo - start:hi - start].transpose(0, 1).to(self.pool.dtype)
             if scale is not None:
                 self.scales[:, blocks, within] = scale[:, :, lo - start:hi - start].transpose(0, 1)
+
+    def _keep_recent(self, start: int, rows: torch.Tensor) -> None:
+        """Copy the last rows of this write (at most the ring's size) into the exact ring."""
+        ring, T = self.recent_pos.numel(), rows.shape[2]
+        keep = min(T, ring)
+        positions = torch.arange(start + T - keep, start + T)
+        self.recent[:, :, positions % ring] = rows[:, :, T - keep:].float()
+        self.recent_pos[positions % ring] = positions
+
+    def _exact_recent(self, out: torch.Tensor, length: int) -> torch.Tensor:
+        """out [B, H, length, D] dequantised, with the positions the ring still holds put back exactly."""
+        ring = self.recent_pos.numel()
+        positions = torch.arange(max(0, length - ring), length)
+        held = positions[self.recent_pos[positions % ring] == positions]
+        out[:, :, held] = self.recent[:, :, held % ring]
+        return out
 
     def read(self, length: int) -> torch.Tensor:
         """Positions 0 .. length-1 of every sequence as fp32 [B, H, length, D]."""
@@ -153,11 +166,12 @@ class PagedBuffer:
                 scale = self.scales.index_select(1, index).view(self.heads, self.batch, n * self.block)
                 scale = scale.transpose(0, 1).narrow(2, 0, length)
         if self.fp8:
-            return dequantize_fp8(data, scale)
-        return data if self.dtype == "float32" else data.float()
+            return self._exact_recent(dequantize_fp8(data, scale), length)
+        return self._exact_recent(data.float(), length) if self.lossy else data
 
     def trim(self, offset: int) -> None:
         """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten)."""
+        self.recent_pos[self.recent_pos >= offset] = -1
         keep = -(-offset // self.block)
         if keep >= len(self.table[0]):
             return
@@ -168,12 +182,13 @@ class PagedBuffer:
         self._reindex()
 
     def bytes_per_token(self) -> int:
-        """Bytes one more position costs one sequence: values plus, for fp8, one fp32 scale per head."""
+        """Bytes one more position costs one sequence: values plus, for fp8, one fp32 scale per head
+        (the exact ring of a bf16/fp8 buffer's newest positions is a constant, in `nbytes`)."""
         return self.heads * (self.dim * self.pool.element_size() + (4 if self.fp8 else 0))
 
     def nbytes(self) -> int:
-        """Bytes of the blocks allocated so far (not of `max_len`)."""
-        return self.pool.nbytes + (self.scales.nbytes if self.fp8 else 0)
+        """Bytes of the blocks allocated so far (not of `max_len`), plus fp8's scales and the exact ring."""
+        return self.pool.nbytes + self.recent.nbytes + (self.scales.nbytes if self.fp8 else 0)
 
 
 class KVCache:

@@ -5,8 +5,8 @@ Kimi K3), with the paged caches shrunk to 16-token blocks so every run crosses b
 (b) a left-padded batch of two prompts of different lengths, prefilled in chunks (whole chunks
     of one row are padding), then decoded, equals two batch-1 runs: padding must not reach
     attention keys, KDA's recurrent state or its short-conv tail;
-(c) the FP8 cache keeps the decisive greedy tokens of a 64-token run and its logits stay
-    within a bound of the fp32 cache's (see the test for what random tiny models allow).
+(c) the FP8 cache keeps the greedy tokens of a 64-token run (after a short and a long prompt) and
+    its logits stay within a bound of the fp32 cache's (see the test for the dense Llama's near-ties).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def small_blocks(monkeypatch):
 
 
 def new_cache(model, batch: int, max_len: int, dtype: str = "float32") -> ModelCache:
-    """model.new_cache with every layer cache in `dtype` (Transformer.new_cache does not pass
-    EngineConfig.kv_cache_dtype to the layers yet)."""
+    """model.new_cache with every layer cache in `dtype`: one loaded model compared across cache dtypes
+    (Transformer.new_cache takes the one EngineConfig.kv_cache_dtype)."""
     return ModelCache([mixer.new_cache(batch, max_len, dtype) for _, mixer, _, _ in model.layers], batch, max_len)
 
 
@@ -137,19 +137,22 @@ def teacher_forced(model, prompt: torch.Tensor, tokens: list[int], dtype: str) -
 # e4m3 rounds each cached value by at most 2^-4 of itself (6.25 %, random sign); attention averages
 # those errors over keys, heads and channels, so a step's logits move by less: BOUND of their range.
 BOUND = 0.05
+MOE_FAMILIES = ("gpt_oss", "kimi_linear", "kimi_k3")  # the generated checkpoints of localmoe.testing
 
 
-def test_fp8_cache_keeps_the_greedy_tokens(model):
+@pytest.mark.parametrize("prompt_len", [12, 160], ids=["short-prompt", "long-prompt"])
+def test_fp8_cache_keeps_the_greedy_tokens(model, prompt_len):
     """fp8 against the fp32 cache on the same 64 greedy tokens (teacher forced, so every step compares
-    like with like), plus the free-running fp8 run.
+    like with like), plus the free-running fp8 run. The fp8 buffers keep their newest
+    EXACT_RECENT positions exact, so the 160-token prompt makes most of what attention reads fp8.
 
-    On random tiny models two effects are not the cache's precision: near-ties (top-2 logits within
-    ~0.1 % of the range: any perturbation, bf16 included, may flip them) and MoE routing (a top-k
-    expert choice flips and that step's logits move by tens of %). So: a decisive step (top-2 margin
-    > 2 x BOUND of the range) must keep its token, the median step must be within BOUND and 90 % of
-    the steps too; the max is printed.
+    The MoE families' generated checkpoints must keep every greedy token. The dense Llama here is
+    transformers' init with perturbed norms over a 97-token vocabulary, whose greedy steps include
+    near-ties (top-2 logits within 0.1 % of the range) that any perturbation may flip: there a
+    decisive step (top-2 margin > 2 x BOUND of the range) must keep its token; the median step must
+    be within BOUND and 90 % of the steps too; the max is printed.
     """
-    prompt = random_tokens(12, 30, model.spec.vocab_size)
+    prompt = random_tokens(prompt_len, 30, model.spec.vocab_size)
     ref_tokens, ref = greedy(model, prompt, 64, "float32")
     fp8 = teacher_forced(model, prompt, ref_tokens, "fp8")
     bf16 = teacher_forced(model, prompt, ref_tokens, "bfloat16")
@@ -160,12 +163,14 @@ def test_fp8_cache_keeps_the_greedy_tokens(model):
     margin = (top2[:, 0] - top2[:, 1]) / span
     flips = fp8.argmax(-1) != ref.argmax(-1)
     agree = next((i for i, (a, b) in enumerate(zip(free_tokens, ref_tokens)) if a != b), len(ref_tokens))
-    print(f"\n{model.spec.model_type}: fp8 cache |logit diff| / logit range: max {rel8.max():.2%}, median "
-          f"{rel8.median():.2%}, steps over {BOUND:.0%}: {int((rel8 > BOUND).sum())}/64; bf16 max {rel16.max():.3%}; "
-          f"greedy flips {int(flips.sum())}/64 (fp32 margins {[round(m, 4) for m in margin[flips].tolist()]}); "
-          f"free-running fp8 run equal for {agree}/64 tokens")
+    print(f"\n{model.spec.model_type} ({prompt_len}-token prompt): fp8 cache |logit diff| / logit range: max "
+          f"{rel8.max():.2%}, median {rel8.median():.2%}, steps over {BOUND:.0%}: {int((rel8 > BOUND).sum())}/64; "
+          f"bf16 max {rel16.max():.3%}; greedy flips {int(flips.sum())}/64 (fp32 margins "
+          f"{[round(m, 4) for m in margin[flips].tolist()]}); free-running fp8 run equal for {agree}/64 tokens")
+    assert rel8.max() > 0  # the cache really was fp8
+    if model.spec.model_type in MOE_FAMILIES:
+        assert not flips.any() and agree == 64, "an fp8 cache changed a greedy token"
+        return
     assert not (flips & (margin > 2 * BOUND)).any(), "a decisive greedy token changed"
     assert agree == 64 or margin[agree] <= 2 * BOUND
     assert rel8.median() <= BOUND and (rel8 <= BOUND).float().mean() >= 0.9
-    assert rel16.median() <= rel8.median()  # bf16 (8 significant bits) beats fp8 (4)
-    assert rel8.max() > 0  # the cache really was fp8

@@ -99,7 +99,7 @@ def test_chunk_equals_recurrence(variant, T):
 def test_chunk_sub_block_paths(path, monkeypatch):
     """Steep decays (here -30 per token, beyond fp32's exp range over a sub-block) take the
     pairwise path; the default data takes the factorised one; forcing either is exact."""
-    from localmoe.engine import kda
+    from localmoe.kernels.kda import cpu as kda
 
     q, k, v, g, beta, state = kernel_inputs("kimi_linear", 2, 70)
     if path == "pairwise":

@@ -65,11 +65,43 @@ def test_paged_buffer_reads_back_what_was_written_across_blocks(small_blocks, dt
         got = buf.read(hi)
         assert got.shape == (batch, 3, hi, 8) and got.dtype == torch.float32
         assert torch.equal(got[:, :, :lo], buf.read(lo)) if lo else True  # earlier positions are left alone
-    want = {"float32": x, "bfloat16": x.bfloat16().float(), "fp8": dequantize_fp8(*quantize_fp8(x))}[dtype]
+    want = x if dtype == "float32" else with_exact_tail(x, ROUND_TRIP[dtype](x), 70)
     assert torch.equal(buf.read(70), want)
     assert len(buf.table[0]) == 5 and all(len(t) == 5 for t in buf.table)  # ceil(70 / 16) blocks per sequence
     # batch 2 interleaves the two sequences' blocks in the pool: a gather, not a view
     assert (buf._flat is not None) == (batch == 1)
+
+
+ROUND_TRIP = {"bfloat16": lambda x: x.bfloat16().float(), "fp8": lambda x: dequantize_fp8(*quantize_fp8(x))}
+
+
+def with_exact_tail(x: torch.Tensor, rounded: torch.Tensor, exact_from: int) -> torch.Tensor:
+    """What a bf16/fp8 buffer holding x [B, H, T, D] reads: `rounded` (x's round trip), except positions
+    from `exact_from` that are among the last EXACT_RECENT written, which are exact (at the end of x,
+    `exact_from` = T means "the ring's whole span")."""
+    want = rounded.clone()
+    lo = max(exact_from - cache_module.EXACT_RECENT, 0) if exact_from == x.shape[2] else exact_from
+    want[:, :, lo:] = x[:, :, lo:]
+    return want
+
+
+def test_fp8_keeps_the_newest_positions_exact_until_they_are_trimmed(small_blocks):
+    ring = cache_module.EXACT_RECENT
+    buf = PagedBuffer(1, 200, 2, 8, "fp8")
+    x = rows(1, 2, 100, 8, seed=4)
+    buf.write(0, x)
+    got = buf.read(100)
+    assert torch.equal(got[:, :, 100 - ring:], x[:, :, 100 - ring:])  # the ring: exact
+    assert torch.equal(got[:, :, :100 - ring], dequantize_fp8(*quantize_fp8(x[:, :, :100 - ring])))
+    assert not torch.equal(got[:, :, :100 - ring], x[:, :, :100 - ring])  # older positions really are fp8
+    buf.trim(90)  # the ring still holds 68..89 exactly; 90..99 are gone
+    got = buf.read(90)
+    assert torch.equal(got[:, :, 68:], x[:, :, 68:90])
+    assert torch.equal(got[:, :, :68], dequantize_fp8(*quantize_fp8(x[:, :, :68])))
+    y = rows(1, 2, 1, 8, seed=5)
+    buf.write(90, y)  # one decode step: its slot (90 % ring) held position 58, which stays fp8
+    assert torch.equal(buf.read(91)[:, :, 90:], y)
+    assert torch.equal(buf.read(91)[:, :, 68:90], x[:, :, 68:90])
 
 
 def test_allocation_grows_with_the_context_not_max_len(small_blocks):
@@ -83,7 +115,8 @@ def test_allocation_grows_with_the_context_not_max_len(small_blocks):
 
 def test_a_million_token_context_costs_one_block_up_front():
     cache = LatentCache(1, MILLION, 576, "fp8")
-    assert cache.nbytes() == cache_module.BLOCK_TOKENS * (576 + 4)
+    ring = cache_module.EXACT_RECENT * 576 * 4  # the newest positions, exact (fp32)
+    assert cache.nbytes() == cache_module.BLOCK_TOKENS * (576 + 4) + ring
     assert cache.bytes_per_token() == 576 + 4
 
 
@@ -107,7 +140,8 @@ def test_trim_after_batch_gather_reads_correctly(small_blocks):
     y = torch.randn(2, 3, 30, 5)
     buf.write(17, y)
     want = torch.cat([x[:, :, :17], y], dim=2)
-    assert torch.equal(buf.read(47), dequantize_fp8(*quantize_fp8(want)))
+    # x's positions 18..49 were in the exact ring, but the trim dropped them: only y's 17..46 are exact
+    assert torch.equal(buf.read(47), with_exact_tail(want, ROUND_TRIP["fp8"](want), 17))
 
 
 def test_model_cache_trims_paged_layers_only_after_the_state_layers_agree(small_blocks):
