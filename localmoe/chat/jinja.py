@@ -11,6 +11,9 @@ Reading is by text: Hermes-style calls `<tool_call>{"name": ..., "arguments": {.
 `<think>...</think>` is reasoning; when the generation prompt already opened `<think>`,
 the reply starts in reasoning. Reasoning and content are stripped of surrounding
 whitespace. A `<tool_call>` block that is not a JSON object with a name stays content.
+A template that shows no tools, tool calls or tool results (`native_tools` False, e.g.
+SmolLM2-Instruct's) gets the conversation rewritten into that Hermes convention first
+(chat/hermes_tools.py), so the model still sees its tools, calls and results.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 from collections.abc import Iterable
 
 from localmoe.chat.format import ChatMessage, Delta, ParsedReply, StreamParser, ToolCall
+from localmoe.chat.hermes_tools import template_knows_tools, with_hermes_tools
 from localmoe.chat.validate import check_effort, check_messages, check_tools
 
 THINK, END_THINK = "<think>", "</think>"
@@ -53,6 +57,8 @@ class JinjaFormat:
         self.tokenizer = tokenizer
         self.thinks = THINK in (tokenizer.chat_template or "")
         self.opens_thinking = self.thinks and self._prompt_opens_thinking()
+        self.native_tools = template_knows_tools(
+            lambda messages, tools: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
 
     def _prompt_opens_thinking(self) -> bool:
         """Whether the generation prompt ends inside `<think>` (DeepSeek-R1, Qwen3-Thinking templates)."""
@@ -69,6 +75,8 @@ class JinjaFormat:
         """Prompt ids of the template's text (tools and reasoning_effort passed as variables)."""
         messages = check_messages(messages)
         tools = check_tools(tools) or None
+        if not self.native_tools and (tools or any(m.role == "tool" or m.tool_calls for m in messages)):
+            messages, tools = with_hermes_tools(messages, tools), None
         extra = {"reasoning_effort": check_effort(reasoning_effort)} if reasoning_effort else {}
         text = self.tokenizer.apply_chat_template([template_message(m) for m in messages],
                                                   add_generation_prompt=add_generation_prompt, tools=tools, **extra)

@@ -59,7 +59,7 @@ def reply_ids(fmt, text):
 def test_smollm2_render(smol, smollm2_tokenizer):
     assert chat_format_for("llama", smollm2_tokenizer).name == "jinja"
     assert not smol.thinks and smol.end_of_thinking_ids() == []
-    ids = smol.render([ChatMessage("user", "Hi")], tools=[{"type": "function", "function": {"name": "f"}}])
+    ids = smol.render([ChatMessage("user", "Hi")])
     # SmolLM2-Instruct's template adds its default system prompt when there is none.
     text = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
@@ -107,6 +107,33 @@ def test_hermes_render_by_hand(hermes):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": [1, 2]}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_without_tools_gets_them_in_the_hermes_convention(smol, hermes, stream):
+    """SmolLM2's template drops tools, calls and results: the conversation is rewritten first, so the
+    model sees them, and what it rendered of an assistant turn parses back to that turn."""
+    assert hermes.native_tools and not smol.native_tools
+    tok = smol.tokenizer
+    text = tok.decode(smol.render(HISTORY[1:5], tools=TOOLS))
+    assert text.startswith("<|im_start|>system\nYou can call functions")  # declarations make a system message
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}' \
+           '\n</tools>' in text
+    assert ('<|im_start|>assistant\nChecking both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call>\n<tool_call>') in text
+    assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # one user turn per run of results
+    with_system = tok.decode(smol.render(HISTORY[:2], tools=TOOLS))
+    assert with_system.startswith("<|im_start|>system\nYou help.\n\nYou can call functions")
+    for i, m in enumerate(HISTORY):
+        if m.role != "assistant":
+            continue
+        prompt = tok.decode(smol.render(HISTORY[:i], tools=TOOLS))
+        full = tok.decode(smol.render(HISTORY[:i + 1], tools=TOOLS, add_generation_prompt=False))
+        assert full.startswith(prompt)
+        ids = tok.encode(full[len(prompt):], add_special_tokens=False)
+        expected = ParsedReply(content=m.content, tool_calls=m.tool_calls)  # SmolLM2 shows no reasoning
+        assert smol.parse(ids) == expected, i
+        assert stream(smol, ids)[1] == expected
 
 
 def test_template_output_parses_back(hermes, stream):

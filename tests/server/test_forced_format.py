@@ -1,0 +1,34 @@
+"""A forced tool call is written in the model's own format, also for a template without tools."""
+
+from __future__ import annotations
+
+import json
+
+from localmoe.chat import ChatMessage, JinjaFormat
+from localmoe.server.forced import plan_forced_call
+from localmoe.tokenizer import tokenizer_from_gguf
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def test_forced_call_on_smollm2_opens_a_hermes_tool_call(smollm2_gguf):
+    tokenizer = tokenizer_from_gguf(smollm2_gguf)
+    fmt = JinjaFormat(tokenizer)
+    assert not fmt.native_tools  # SmolLM2's own template drops tools: the Hermes rewrite applies
+    messages = [ChatMessage("user", "Weather in Paris?")]
+    tools = [WEATHER, TIME]
+    prompt = fmt.render(messages, tools=tools)
+    plan = plan_forced_call(fmt, tokenizer, messages, tools, ["get_weather", "get_time"], prompt, None)
+    # the constrained text is the call's opening as the conversation renders it, then the name slot
+    literal = tokenizer.decode(plan.inject) + "".join(s for s in plan.segments if isinstance(s, str))
+    assert literal.startswith("<tool_call>") and '"name": "' in literal
+    assert ("get_weather", "get_time") in plan.segments
+    # what the constraint allows parses back, with the format's own parser, as that call
+    constrained = "".join(s if isinstance(s, str) else "get_weather" for s in plan.segments) + \
+        json.dumps({"city": "Paris"})
+    assert plan.split(constrained) == ("get_weather", json.dumps({"city": "Paris"}))
+    text = tokenizer.decode(plan.inject) + constrained + "}\n</tool_call>"
+    reply = fmt.parse(tokenizer.encode(text, add_special_tokens=False))
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
