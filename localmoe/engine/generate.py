@@ -1,14 +1,17 @@
 """Generation: `generate_step` (token ids) -> `stream_generate` (text chunks) -> `generate` (result).
 
-`generate_step` owns prefill (in chunks) and the decode loop and knows nothing about
-text. `stream_generate` adds detokenisation, stop tokens, stop strings and timing.
+`Decoder` is one sequence's state a forward pass at a time (prefill in chunks, then one
+token per step; the caller sees the logits and may inject tokens); `generate_step` is the
+closed loop over it and knows nothing about text. `stream_generate` adds detokenisation,
+stop tokens, stop strings and timing.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -36,26 +39,74 @@ def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: in
     return logits[:, -1]
 
 
+class Decoder:
+    """One batch-1 sequence's decode state, advanced one forward pass at a time.
+
+    Tokens not yet in the cache are `pending`; `logits()` runs them through the model (a prompt
+    in chunks, one chunk per call) and `feed()` queues the next: a sampled token, or injected
+    ones (a thinking budget appends the end-of-thinking marker). The caller sees the logits, so
+    it may rank the vocabulary itself (constrained tool-call arguments), and a server worker can
+    interleave many sequences a step at a time. `generate_step` is the closed loop over it.
+    """
+
+    def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
+                 cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        if not prompt:
+            raise LocalMoEError("the prompt is empty: there is nothing to continue")
+        if cache is None:
+            cache = model.new_cache(1, min(max_len or model.max_context, model.max_context))
+        if cache.offset + len(prompt) >= cache.max_len:
+            raise LocalMoEError(f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len}; "
+                                f"shorten it or raise --max-context")
+        self.model = model
+        self.params = params
+        self.cache = cache
+        self.pending: list[int] = list(prompt)
+        self.generator = params.make_generator()
+        self.history: list[int] | None = list(prompt) if params.repetition_penalty != 1.0 else None
+        self.chunk = prefill_chunk
+        self.forwards = 0
+
+    @property
+    def room(self) -> int:
+        """Positions still free in the cache once pending tokens are in."""
+        return self.cache.max_len - self.cache.offset - len(self.pending)
+
+    def logits(self) -> torch.Tensor | None:
+        """Run pending tokens; logits [1, V] of the last one, or None while prompt chunks remain."""
+        if not self.pending:
+            raise RuntimeError("nothing pending: feed a token first")
+        batch, self.pending = self.pending[:self.chunk], self.pending[self.chunk:]
+        with torch.inference_mode():
+            out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
+        self.forwards += 1
+        return None if self.pending else out[:, -1]
+
+    def sample(self, logits: torch.Tensor) -> int:
+        history = torch.tensor([self.history], dtype=torch.long) if self.history is not None else None
+        return int(sample(logits, self.params, self.generator, history))
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """Queue tokens (a sampled one, or injected ones) to be run by the next `logits()`."""
+        self.pending.extend(tokens)
+        if self.history is not None:
+            self.history.extend(tokens)
+
+
 def generate_step(model: CausalLM, prompt: Sequence[int], params: SamplingParams,
                   cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[int]:
-    """Yield sampled token ids forever (the caller decides when to stop). Batch 1."""
-    if not prompt:
-        raise LocalMoEError("the prompt is empty: there is nothing to continue")
-    cache = cache or model.new_cache(1)
-    if cache.offset + len(prompt) >= cache.max_len:
-        raise LocalMoEError(f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len}; "
-                            f"shorten it or raise --max-context")
-    generator = params.make_generator()
-    history = torch.tensor([list(prompt)], dtype=torch.long) if params.repetition_penalty != 1.0 else None
-    logits = prefill(model, prompt, cache, prefill_chunk)
+    """Yield sampled token ids forever (the caller decides when to stop; it ends when the context is full).
+    Batch 1."""
+    decoder = Decoder(model, prompt, params, cache=cache, prefill_chunk=prefill_chunk)
     while True:
-        token = sample(logits, params, generator, history)
-        if history is not None:
-            history = torch.cat([history, token[:, None]], dim=1)
-        yield int(token)
-        if cache.offset >= cache.max_len:
+        logits = decoder.logits()
+        if logits is None:
+            continue  # a prompt chunk ran; more remain
+        token = decoder.sample(logits)
+        yield token
+        if decoder.room <= 0:
             return  # context full: nothing more can be generated
-        logits = model.forward(token.view(1, 1), cache)[:, -1]
+        decoder.feed([token])
 
 
 @dataclass(slots=True)

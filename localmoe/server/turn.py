@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from localmoe.chat import constrain
 from localmoe.chat.budget import Action, Budget, BudgetTracker
 from localmoe.chat.format import Delta, ToolCall
+from localmoe.engine.generate import Decoder
 from localmoe.engine.sampler import SamplingParams
-from localmoe.server.decoder import Decoder
 from localmoe.server.forced import ForcedPlan
 
 Emit = Callable[[str, object], None]
