@@ -6,8 +6,12 @@ placeholder call appended (`SENTINEL_NAME` with `{SENTINEL_KEY: ...}` as argumen
 the assistant-turn tokens before the placeholder's name are injected as they are. From
 there the output is constrained to the rendered text between name and arguments, with the
 name chosen among the allowed tools, and then one JSON object of the chosen tool's
-schema. Where the placeholder cannot be found (a format that does not write JSON
-arguments), the object is generated right after the generation prompt.
+schema. With one allowed name, everything up to the arguments is injected, special tokens
+included (harmony: `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`).
+Where the placeholder cannot be found (a format whose arguments are not JSON, such as
+XTML's typed argument elements), or several names are allowed and special tokens sit
+between name and arguments, the object is generated right after the generation prompt;
+the call still enters the history in the format's own markup.
 """
 
 from __future__ import annotations
@@ -95,8 +99,28 @@ def plan_forced_call(fmt, tokenizer, messages: list[ChatMessage], tools: list[di
         if len(decoded) > name_at or not text.startswith(decoded):
             break
         cut, boundary = k, len(decoded)
+    if len(names) == 1:
+        opening = _ids_through(tokenizer, tail, name_at, brace, names[0])
+        if opening is not None:
+            return ForcedPlan(inject=opening, segments=[], names=names, schemas=schemas)
     segments = [s for s in (text[boundary:name_at], tuple(names), text[name_at + len(SENTINEL_NAME):brace]) if s]
     specials = [t for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special]
     if any(t.content in s for t in specials for s in segments if isinstance(s, str)):
         return fallback  # markup between name and arguments is special tokens, which constrained text cannot write
     return ForcedPlan(inject=list(tail[:cut]), segments=segments, names=names, schemas=schemas)
+
+
+def _ids_through(tokenizer, tail: list[int], name_at: int, brace: int, name: str) -> list[int] | None:
+    """The call's opening as ids, up to its arguments' `{`, with the placeholder name replaced by `name`.
+
+    `tail` renders the placeholder call; the placeholder name spans text[name_at:name_at + len]
+    and the brace sits at text[brace]. Needs token boundaries at those three places (else None).
+    """
+    lengths = [len(tokenizer.decode(tail[:k])) for k in range(len(tail) + 1)]
+    cuts = []
+    for at in (name_at, name_at + len(SENTINEL_NAME), brace):
+        if at not in lengths:
+            return None
+        cuts.append(lengths.index(at))
+    before, after, end = cuts
+    return tail[:before] + tokenizer.encode(name, add_special_tokens=False) + tail[after:end]

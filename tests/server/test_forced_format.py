@@ -32,3 +32,24 @@ def test_forced_call_on_smollm2_opens_a_hermes_tool_call(smollm2_gguf):
     text = tokenizer.decode(plan.inject) + constrained + "}\n</tool_call>"
     reply = fmt.parse(tokenizer.encode(text, add_special_tokens=False))
     assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_forced_call_of_one_tool_on_harmony_injects_the_whole_opening(tmp_path):
+    """Harmony puts special tokens between the name and the arguments (<|constrain|>json<|message|>):
+    with one allowed name the opening is injected as ids and only the JSON arguments are constrained."""
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    loaded = load_model(write_checkpoint("gpt_oss", tmp_path, "tiny", seed=0), EngineConfig(), progress=False)
+    fmt, tokenizer = loaded.chat_format, loaded.tokenizer
+    messages = [ChatMessage("user", "Weather in Paris?")]
+    prompt = fmt.render(messages, tools=[WEATHER, TIME])
+    plan = plan_forced_call(fmt, tokenizer, messages, [WEATHER, TIME], ["get_weather"], prompt, None)
+    assert plan.segments == [] and plan.names == ["get_weather"]
+    opening = tokenizer.decode(plan.inject)
+    assert opening.startswith("<|channel|>commentary to=functions.get_weather") and opening.endswith("<|message|>")
+    ids = plan.inject + tokenizer.encode(json.dumps({"city": "Paris"}), add_special_tokens=False) \
+        + [tokenizer.token_to_id("<|call|>")]
+    reply = fmt.parse(ids)
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
