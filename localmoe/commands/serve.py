@@ -37,10 +37,12 @@ def default_sessions_path() -> Path:
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file for persisted sessions (default: sessions.db in the localmoe cache).")
 @click.option("--no-sessions", is_flag=True, help="Store no sessions.")
+@click.option("--prefix-cache", "prefix_cache_entries", type=int, default=4, show_default=True,
+              help="Finished sequences whose cache a later prompt with the same start reuses (0: none).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, dtype, threads, max_context, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
-            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, log_level):
+            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
     try:
@@ -52,10 +54,13 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
 
     if max_tokens_default < 1 or (max_tokens_limit is not None and max_tokens_limit < 1) or max_concurrency < 1:
         raise LocalMoEError("--max-tokens, --max-tokens-limit and --max-concurrency must be at least 1")
+    if prefix_cache_entries < 0:
+        raise LocalMoEError("--prefix-cache must be 0 (off) or a number of cached sequences")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
                           max_active=max_concurrency, max_body_bytes=max_body, api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
-                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads)
+                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads,
+                          prefix_cache_entries=prefix_cache_entries)
     loaded = load_model(model, engine_config(dtype, threads, max_context))
     config.threads = loaded.config.resolved_threads()
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:

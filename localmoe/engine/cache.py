@@ -262,5 +262,22 @@ class ModelCache:
             layer.trim(target)
         self.offset = target
 
+    def rollback_point(self, limit: int) -> int:
+        """The longest prefix, at most `limit` positions, that `trim` can keep: any position for paged
+        layers; for delta-rule states only where they hold a snapshot (or the start)."""
+        point = min(limit, self.offset)
+        while True:
+            lower = min((layer.rollback_point(point) for layer in self.layers if hasattr(layer, "rollback_point")),
+                        default=point)
+            if lower == point:
+                return point
+            point = lower
+
+    def snapshot(self, keep_earlier: bool = True) -> None:
+        """Let `trim` return to the current offset later (delta-rule states copy themselves; K/V need nothing)."""
+        for layer in self.layers:
+            if hasattr(layer, "snapshot"):
+                layer.snapshot(keep_earlier)
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.errors import LocalMoEError
 
@@ -50,22 +51,32 @@ class Decoder:
     """
 
     def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
-                 cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 prefix_cache: PrefixCache | None = None):
         if not prompt:
             raise LocalMoEError("the prompt is empty: there is nothing to continue")
+        self.prefix_cache = prefix_cache if cache is None else None
+        self.reused = 0  # prompt tokens whose cache came from `prefix_cache`
+        if self.prefix_cache is not None:
+            cache, self.reused = self.prefix_cache.take(prompt, prefill_chunk)
+            if cache is None:  # a fresh one as long as the context: a later, longer prompt may reuse it
+                cache = model.new_cache(1, model.max_context)
         if cache is None:
             cache = model.new_cache(1, min(max_len or model.max_context, model.max_context))
-        if cache.offset + len(prompt) >= cache.max_len:
+        if cache.offset + len(prompt) - self.reused >= cache.max_len:
             raise LocalMoEError(f"the prompt has {len(prompt)} tokens but the context holds {cache.max_len}; "
                                 f"shorten it or raise --max-context")
         self.model = model
         self.params = params
         self.cache = cache
-        self.pending: list[int] = list(prompt)
+        self.pending: list[int] = list(prompt[self.reused:])
+        self.in_cache: list[int] = list(prompt[:self.reused])  # the tokens the cache holds, in order
         self.generator = params.make_generator()
         self.history: list[int] | None = list(prompt) if params.repetition_penalty != 1.0 else None
         self.chunk = prefill_chunk
         self.forwards = 0
+        self._prompt_done = False
+        self.prefilled = self.reused  # positions the prompt's chunks have filled so far
 
     @property
     def room(self) -> int:
@@ -80,7 +91,15 @@ class Decoder:
         with torch.inference_mode():
             out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
         self.forwards += 1
-        return None if self.pending else out[:, -1]
+        self.in_cache.extend(batch)
+        if not self._prompt_done:
+            self.prefilled = self.cache.offset
+            if self.prefix_cache is not None and self.prefilled % self.chunk == 0:
+                self.cache.snapshot(keep_earlier=False)  # a delta-rule state can come back to this boundary
+        if self.pending:
+            return None
+        self._prompt_done = True
+        return out[:, -1]
 
     def sample(self, logits: torch.Tensor) -> int:
         history = torch.tensor([self.history], dtype=torch.long) if self.history is not None else None
@@ -91,6 +110,12 @@ class Decoder:
         self.pending.extend(tokens)
         if self.history is not None:
             self.history.extend(tokens)
+
+    def release(self) -> None:
+        """The sequence is finished: leave its cache to the prefix cache (if any) for later prompts."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.put(self.in_cache, self.cache, self.prefilled)
+            self.prefix_cache = None
 
 
 def generate_step(model: CausalLM, prompt: Sequence[int], params: SamplingParams,

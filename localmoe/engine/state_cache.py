@@ -79,8 +79,11 @@ class DeltaStateCache:
         self.conv_tail = conv_tail.float()
         self.offset += tokens
 
-    def snapshot(self) -> int:
-        """Remember the current state so that `trim(offset)` can return to it; returns that offset."""
+    def snapshot(self, keep_earlier: bool = True) -> int:
+        """Remember the current state so that `trim(offset)` can return to it; returns that offset.
+        `keep_earlier=False` drops the snapshots taken before (one copy of the state in all)."""
+        if not keep_earlier:
+            self._snapshots.clear()
         self._snapshots[self.offset] = (self.state.clone(), self.conv_tail.clone())
         return self.offset
 
@@ -88,13 +91,12 @@ class DeltaStateCache:
         """Forget tokens at or after `offset`: a no-op, a reset to 0, or a snapshot restore (see module doc)."""
         if offset >= self.offset:
             return
+        # new tensors, not in-place writes: the state was made under inference mode, a trim may run outside it
         if offset == 0:
-            self.state.zero_()
-            self.conv_tail.zero_()
+            self.state, self.conv_tail = torch.zeros_like(self.state), torch.zeros_like(self.conv_tail)
         elif offset in self._snapshots:
             state, tail = self._snapshots[offset]
-            self.state.copy_(state)
-            self.conv_tail.copy_(tail)
+            self.state, self.conv_tail = state.clone(), tail.clone()
         else:
             raise StateRollbackError(
                 f"cannot roll a delta-rule state back from {self.offset} to {offset} tokens: the recurrent state "
@@ -102,6 +104,12 @@ class DeltaStateCache:
                 "from the start, or snapshot() the cache at the prefix you mean to reuse")
         self.offset = offset
         self._snapshots = {k: v for k, v in self._snapshots.items() if k <= offset}
+
+    def rollback_point(self, limit: int) -> int:
+        """The largest offset <= `limit` that `trim` can return to (0 always works)."""
+        if self.offset <= limit:
+            return self.offset
+        return max((k for k in self._snapshots if k <= limit), default=0)
 
     def nbytes(self) -> int:
         snapshots = sum(s.nbytes + t.nbytes for s, t in self._snapshots.values())

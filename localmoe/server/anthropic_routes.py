@@ -115,7 +115,8 @@ async def messages(body: MessagesRequest, request: Request):
         content.append({"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": call.arguments})
     return {"id": mid, "type": "message", "role": "assistant", "model": service.model_id, "content": content,
             "stop_reason": stop_reason(result), "stop_sequence": result.stop_sequence,
-            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}}
+            "usage": {"input_tokens": result.prompt_tokens - result.cached_tokens,  # as Anthropic counts: uncached
+                      "cache_read_input_tokens": result.cached_tokens, "output_tokens": result.completion_tokens}}
 
 
 def _event(kind: str, data: dict) -> str:

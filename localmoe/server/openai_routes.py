@@ -28,6 +28,7 @@ def sse(payload: dict | str) -> str:
 def usage(result: TurnResult) -> dict:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": result.reasoning_tokens}}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache
 from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import LocalMoEError
 from localmoe.server.context import fit_messages
@@ -37,6 +38,8 @@ class ServerConfig:
     sessions_path: Path | None = None
     budgets: ThinkingBudgets = field(default_factory=ThinkingBudgets)
     threads: int = 0
+    prefix_cache_entries: int = DEFAULT_ENTRIES  # finished sequences' caches kept for reuse (0: none)
+    prefix_cache_bytes: int = DEFAULT_BYTES
 
 
 @dataclass
@@ -150,6 +153,8 @@ class Service:
         self.model_id = model_id or (source.name if source.is_dir() else source.stem)
         self.context = int(self.model.max_context)
         self.metrics = Metrics()
+        self.prefix_cache = (PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
+                             if config.prefix_cache_entries > 0 else None)
         self.worker = EngineWorker(config.max_active, config.threads or None)
         self.created = int(time.time())
         self._token_texts = None
@@ -243,7 +248,7 @@ class Service:
             forced = plan_forced_call(fmt, self.tokenizer, messages, tools, forced_names, prompt, req.reasoning_effort)
         prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
                         forced=forced, parallel_tool_calls=req.parallel_tool_calls,
-                        keep_tool_calls=req.tool_mode != "none")
+                        keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache)
         return prep, messages
 
     def store_request(self, req: ChatRequest) -> None:
@@ -293,7 +298,7 @@ class Service:
             raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
                                 f"holds {self.context}; shorten the prompt or lower max_tokens", param="prompt",
                            code="context_length_exceeded")
-        prep = Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop)
+        prep = Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache)
         tokenizer = self.tokenizer
         return Stream(self, lambda job: run_completion(tokenizer, self.model, prep, job.emit,
                                                        lambda: job.cancelled)).start()

@@ -17,6 +17,7 @@ from localmoe.chat import constrain
 from localmoe.chat.budget import Action, Budget, BudgetTracker
 from localmoe.chat.format import Delta, ToolCall
 from localmoe.engine.generate import Decoder
+from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams
 from localmoe.server.forced import ForcedPlan
 
@@ -39,6 +40,7 @@ class Prepared:
     forced: ForcedPlan | None = None
     parallel_tool_calls: bool = True
     keep_tool_calls: bool = True  # False under tool_choice "none"
+    prefix_cache: PrefixCache | None = None  # the service's: reuse a previous sequence's cache for the prompt
 
 
 @dataclass
@@ -51,6 +53,7 @@ class TurnResult:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     time_to_first_token: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose cache was reused (not prefilled again)
     seconds: float = 0.0
     reasoning_closed_by: str | None = None  # the budget that ended the reasoning, if one did
     stop_sequence: str | None = None  # the stop string that ended the content, if one did
@@ -106,7 +109,7 @@ def run_chat(fmt, token_texts, model, prep: Prepared, emit: Emit, cancelled: Cal
 def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     started = time.perf_counter()
     eot = list(fmt.end_of_thinking_ids()) if fmt.thinks else []
-    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)))
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)), prefix_cache=prep.prefix_cache)
     parser = fmt.stream_parser()
     stop_ids = fmt.stop_token_ids()
     tracker = BudgetTracker(prep.budget)
@@ -209,13 +212,16 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         finish = "tool_calls"
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
+    result.cached_tokens = dec.reused
+    dec.release()
     emit("done", result)
 
 
 def _run_forced(token_texts, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     started = time.perf_counter()
     plan = prep.forced
-    dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)))
+    dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)),
+                  prefix_cache=prep.prefix_cache)
     state = plan.initial_state()
     result = TurnResult(prompt_tokens=len(prep.prompt))
     text = ""
@@ -252,13 +258,15 @@ def _run_forced(token_texts, model, prep: Prepared, emit: Emit, cancelled) -> It
         emit("delta", Delta("tool_call", tool_call=call))
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
+    result.cached_tokens = dec.reused
+    dec.release()
     emit("done", result)
 
 
 def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     """Plain text continuation of `prep.prompt` (/v1/completions)."""
     started = time.perf_counter()
-    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, 0))
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, 0), prefix_cache=prep.prefix_cache)
     decoder = tokenizer.stream_decoder()
     stops = StopFilter(prep.stop)
     result = TurnResult(prompt_tokens=len(prep.prompt))
@@ -296,4 +304,6 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
     result.stop_sequence = stops.matched
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
+    result.cached_tokens = dec.reused
+    dec.release()
     emit("done", result)

@@ -1,0 +1,85 @@
+"""Prefix cache: a later prompt reuses a finished sequence's cache and gets, bit for bit, the logits of a
+fresh run (reuse stops at a prefill-chunk boundary within what the earlier sequence prefilled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localmoe.config import EngineConfig
+from localmoe.engine.generate import Decoder
+from localmoe.engine.prefix_cache import PrefixCache, common_prefix
+from localmoe.engine.sampler import SamplingParams
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import random_tokens
+
+GREEDY = SamplingParams(temperature=0.0)
+CHUNK = 16  # prefill chunk (the reuse grain), small so that short prompts span several
+
+
+@pytest.fixture(scope="module", params=["gpt_oss", "kimi_linear"])
+def model(request, tmp_path_factory):
+    """gpt-oss: paged K/V (trims anywhere); Kimi-Linear: KDA states (reusable up to a prompt's end)."""
+    path = write_checkpoint(request.param, tmp_path_factory.mktemp(request.param), "tiny", seed=0)
+    return load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model
+
+
+def run(model, prompt: list[int], steps: int, prefix_cache=None) -> tuple[list[int], torch.Tensor, Decoder]:
+    """Greedy tokens and the logits before each [steps, V]."""
+    dec = Decoder(model, prompt, GREEDY, prefill_chunk=CHUNK, prefix_cache=prefix_cache)
+    tokens, logits = [], []
+    while len(tokens) < steps:
+        out = dec.logits()
+        if out is None:
+            continue
+        logits.append(out[0])
+        tokens.append(dec.sample(out))
+        dec.feed([tokens[-1]])
+    dec.release()
+    return tokens, torch.stack(logits), dec
+
+
+def test_the_next_turn_reuses_the_previous_sequence(model):
+    cache = PrefixCache()
+    first = random_tokens(40, 1, model.spec.vocab_size)[0].tolist()
+    reply, _, _ = run(model, first, 6, cache)
+    assert cache.misses == 1 and len(cache.entries) == 1
+    # the next turn: the previous prompt, most of the reply as the template re-renders it, then new text
+    second = first + reply[:4] + random_tokens(12, 2, model.spec.vocab_size)[0].tolist()
+    got_tokens, got, dec = run(model, second, 8, cache)
+    want_tokens, want, fresh = run(model, second, 8)
+    # shared: 44 tokens, of which the first turn prefilled 40 (its reply ran token by token): the last
+    # chunk boundary within them is 32 (a KDA state comes back to its snapshot there)
+    assert dec.reused == 32 and cache.hits == 1 and cache.reused_tokens == 32
+    assert fresh.reused == 0 and dec.forwards == fresh.forwards - 2  # two prompt chunks fewer
+    assert torch.equal(got, want) and got_tokens == want_tokens
+
+
+def test_a_prompt_equal_to_a_cached_one_still_runs_its_last_token(model):
+    """The last prompt token always runs (its logits start the generation): a 20-token prompt reuses 16."""
+    cache = PrefixCache()
+    prompt = random_tokens(20, 3, model.spec.vocab_size)[0].tolist()
+    run(model, prompt, 1, cache)  # one step: the cache holds the prompt only (the sampled token was not run)
+    _, got, dec = run(model, prompt, 3, cache)
+    _, want, _ = run(model, prompt, 3)
+    assert dec.reused == 16
+    assert torch.equal(got, want)
+
+
+def test_entries_are_bounded_and_unrelated_prompts_miss(model):
+    cache = PrefixCache(max_entries=2)
+    prompts = [random_tokens(20, seed, model.spec.vocab_size)[0].tolist() for seed in (4, 5, 6)]
+    for p in prompts:
+        run(model, p, 2, cache)
+    assert [e.tokens[:20] for e in cache.entries] == prompts[1:]  # at most two: the oldest went
+    first_tokens = {e.tokens[0] for e in cache.entries}
+    start = next(t for t in range(model.spec.vocab_size) if t not in first_tokens)
+    other = [start] + prompts[1][1:]  # shares nothing from its first token on
+    assert all(common_prefix(other, e.tokens) == 0 for e in cache.entries)
+    misses = cache.misses
+    _, _, dec = run(model, other, 1, cache)
+    assert dec.reused == 0 and cache.misses == misses + 1
+    tiny = PrefixCache(max_bytes=1)
+    run(model, prompts[0], 1, tiny)
+    assert tiny.entries == []  # larger than the budget: not kept
