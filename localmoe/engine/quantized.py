@@ -9,9 +9,16 @@ codes q in 0..15 and per-32-column (scale, zero) pairs, w = (q - 8) * scale + ze
 Scales and activations are bf16 in that kernel (d and m are fp16 in the file, so the
 scales lose 3 mantissa bits: an error of the same order as a bf16 copy of the weights).
 Measured on 2 Zen 3 cores: 2.0-2.5x faster than bf16 `F.linear` for one row.
+
+Prefill-sized calls (more than GEMV_MAX_ROWS rows) run an fp32 GEMM on the dequantised
+weight. Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
+keeps the fp32 copy, within `PREFILL_COPY_BYTES` for the whole process (the embedded 135M
+model needs 0.5 GiB); past the budget each call dequantises again.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +29,12 @@ from localmoe.store.ggml_quants import dequantize
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
+PREFILL_COPY_BYTES = 1 << 30  # fp32 copies of 4-bit weights kept for prefill, in all (see the module doc)
+_copied = [0]  # bytes of fp32 copies alive
+
+
+def _release_copy(nbytes: int) -> None:
+    _copied[0] -= nbytes
 
 
 def int4_kernel_available() -> bool:
@@ -62,7 +75,7 @@ class BlockQuantized:
 class Int4Linear:
     """y = x W^T (+ b) for W kept as 4-bit blocks; x, y fp32. Several parts stack as rows (q; k; v)."""
 
-    __slots__ = ("parts", "packed", "scales_zeros", "bias", "out_features")
+    __slots__ = ("__weakref__", "_dense", "bias", "out_features", "packed", "parts", "scales_zeros")
 
     def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None):
         q, d, zero = zip(*(p.codes_scales_zeros() for p in parts))
@@ -72,6 +85,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack([d.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.float()
         self.out_features = q.shape[0]
+        self._dense: torch.Tensor | None = None  # the fp32 copy for prefill, once made (within the budget)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
@@ -81,8 +95,18 @@ class Int4Linear:
                                                            GROUP, self.scales_zeros)
             y = y.float().reshape(*x.shape[:-1], self.out_features)
         else:
-            y = F.linear(x, torch.cat([p.float() for p in self.parts]))
+            y = F.linear(x, self._prefill_weight())
         return y if self.bias is None else y + self.bias
+
+    def _prefill_weight(self) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense
+        weight = torch.cat([p.float() for p in self.parts])
+        if _copied[0] + weight.nbytes <= PREFILL_COPY_BYTES:
+            self._dense = weight
+            _copied[0] += weight.nbytes
+            weakref.finalize(self, _release_copy, weight.nbytes)
+        return weight
 
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
