@@ -74,24 +74,35 @@ def plan_forced_call(fmt, tokenizer, messages: list[ChatMessage], tools: list[di
                      prompt: list[int], reasoning_effort: str | None) -> ForcedPlan:
     """How to force a call of one of `names` after `prompt` (the rendered conversation)."""
     schemas = tool_schemas(tools, names)
-    fallback = ForcedPlan(inject=[], segments=[], names=names[:1], schemas=schemas)  # no name slot: the first
-    placeholder = ChatMessage("assistant", "", tool_calls=[ToolCall(SENTINEL_NAME, {SENTINEL_KEY: SENTINEL_VALUE})])
+    arguments = {SENTINEL_KEY: SENTINEL_VALUE}
+    # the call as the format writes an arguments object; then as it writes arguments it holds as JSON text
+    # (XTML writes an object key by key, typed, but keeps such text whole in one `arguments type="json"`)
+    for call in (ToolCall(SENTINEL_NAME, arguments), ToolCall(SENTINEL_NAME, {}, raw_arguments=json.dumps(arguments))):
+        plan = _plan_from_placeholder(fmt, tokenizer, messages, tools, names, prompt, reasoning_effort, call, schemas)
+        if plan is not None:
+            return plan
+    return ForcedPlan(inject=[], segments=[], names=names[:1], schemas=schemas)  # no name slot: the first
+
+
+def _plan_from_placeholder(fmt, tokenizer, messages, tools, names, prompt, reasoning_effort, call: ToolCall,
+                           schemas) -> ForcedPlan | None:
+    placeholder = ChatMessage("assistant", "", tool_calls=[call])
     try:
         full = fmt.render([*messages, placeholder], tools=tools, reasoning_effort=reasoning_effort,
                           add_generation_prompt=False)
     except Exception:  # noqa: BLE001 - a format that cannot render the placeholder: fall back
-        return fallback
+        return None
     if full[:len(prompt)] != prompt:
-        return fallback
+        return None
     tail = full[len(prompt):]
     text = tokenizer.decode(tail)
     key_at = text.find(json.dumps(SENTINEL_KEY))
     name_at = text.find(SENTINEL_NAME)
     if key_at < 0 or name_at < 0 or name_at > key_at:
-        return fallback
+        return None
     brace = text.rfind("{", 0, key_at)
     if brace < name_at or text[brace + 1:key_at].strip():
-        return fallback
+        return None
     # inject up to the last token boundary before the name; the rest is constrained text
     cut, boundary = 0, 0
     for k in range(1, len(tail) + 1):
@@ -106,7 +117,7 @@ def plan_forced_call(fmt, tokenizer, messages: list[ChatMessage], tools: list[di
     segments = [s for s in (text[boundary:name_at], tuple(names), text[name_at + len(SENTINEL_NAME):brace]) if s]
     specials = [t for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special]
     if any(t.content in s for t in specials for s in segments if isinstance(s, str)):
-        return fallback  # markup between name and arguments is special tokens, which constrained text cannot write
+        return None  # markup between name and arguments is special tokens, which constrained text cannot write
     return ForcedPlan(inject=list(tail[:cut]), segments=segments, names=names, schemas=schemas)
 
 

@@ -53,3 +53,30 @@ def test_forced_call_of_one_tool_on_harmony_injects_the_whole_opening(tmp_path):
         + [tokenizer.token_to_id("<|call|>")]
     reply = fmt.parse(ids)
     assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+def test_forced_call_on_xtml_writes_the_arguments_as_one_json_element(tmp_path):
+    """XTML writes an object's arguments key by key, typed; a forced call injects the call's opening up to
+    XTML's whole-object element (`<|open|>arguments type="json"<|sep|>`) and constrains that JSON."""
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    loaded = load_model(write_checkpoint("kimi_k3", tmp_path, "tiny", seed=0), EngineConfig(), progress=False)
+    fmt, tokenizer = loaded.chat_format, loaded.tokenizer
+    messages = [ChatMessage("user", "Weather in Paris?")]
+    prompt = fmt.render(messages, tools=[WEATHER, TIME])
+    plan = plan_forced_call(fmt, tokenizer, messages, [WEATHER, TIME], ["get_weather"], prompt, None)
+    assert plan.segments == []
+    opening = tokenizer.decode(plan.inject)
+    assert '<|open|>call tool="get_weather" index="1"<|sep|>' in opening
+    assert opening.endswith('<|open|>arguments type="json"<|sep|>')
+    close, sep = tokenizer.token_to_id("<|close|>"), tokenizer.token_to_id("<|sep|>")
+
+    def closing(tag: str) -> list[int]:
+        return [close, *tokenizer.encode(tag, add_special_tokens=False), sep]
+
+    ids = (plan.inject + tokenizer.encode(json.dumps({"city": "Paris"}), add_special_tokens=False)
+           + closing("arguments") + closing("call") + closing("tools"))
+    reply = fmt.parse(ids)
+    assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"})]
