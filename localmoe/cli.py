@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from localmoe import __version__
-from localmoe.commands import calibrate, convert, inspect, plan, run, serve, trace, verify
+from localmoe.commands import calibrate, convert, inspect, plan, probe_recall, run, serve, trace, verify
 from localmoe.commands.base import Group
 
 
@@ -18,7 +18,7 @@ def cli() -> None:
     """
 
 
-for _module in (run, inspect, verify, convert, serve, trace, plan, calibrate):
+for _module in (run, inspect, verify, convert, serve, trace, plan, calibrate, probe_recall):
     cli.add_command(_module.command)
 
 

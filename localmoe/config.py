@@ -82,6 +82,21 @@ class ModelSpec:
     v_head_dim: int = 0
     mla_output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
     mla_use_nope: bool = False
+    # Qwen3-Next full attention: RoPE on the first partial_rotary_factor * head_dim dims of each
+    # head; q_proj twice as wide ([query; gate] per head), output * sigmoid(gate)
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen3-Next: its one shared expert's width
+    # Gated DeltaNet layers (engine/gated_deltanet.py: GatedDeltaConfig.spec_fields / from_spec)
+    gdn_num_key_heads: int = 0
+    gdn_num_value_heads: int = 0
+    gdn_key_head_dim: int = 0
+    gdn_value_head_dim: int = 0
+    gdn_conv_kernel: int = 4
+    # DSA layers (engine/dsa.py, engine/indexer.py): the lightning indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -99,7 +114,7 @@ class ModelSpec:
                                 f"num_kv_heads={self.num_kv_heads}")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
         """Build from a dict, ignoring keys that are not fields (e.g. from a newer manifest)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
@@ -142,8 +157,12 @@ class ModelSpec:
         Sliding-window layers are counted at full length (the cache keeps every position).
         """
         gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
-        per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": (self.kv_lora_rank + self.qk_rope_head_dim, 1),
-                    "kda": (0, 0), "gated_delta": (0, 0)}
+        mla = (self.kv_lora_rank + self.qk_rope_head_dim, 1)
+        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/index_cache.py)
+        index_blocks = -(-self.index_head_dim // 128) if self.index_head_dim else 0
+        dsa = (mla[0] + self.index_head_dim, 1 + index_blocks)
+        per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": mla, "dsa": dsa, "kda": (0, 0),
+                    "gated_delta": (0, 0)}
         values = sum(per_kind[kind][0] for kind in self.layer_kinds)
         if isinstance(cache_dtype, int):
             return values * cache_dtype
@@ -154,8 +173,8 @@ class ModelSpec:
         return values * (4 if cache_dtype == "float32" else 2)
 
     def sizes_cache(self) -> bool:
-        """Whether kv_bytes_per_token knows every layer kind of this model (DSA indexer keys: not yet)."""
-        return "dsa" not in self.layer_kinds
+        """Whether kv_bytes_per_token knows every layer kind of this model (all kinds now, DSA index keys too)."""
+        return True
 
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -180,6 +199,9 @@ class EngineConfig:
     prefetch: bool = True  # router lookahead + parallel loads of each layer's chosen experts
     paging_profile: str = ""  # calibration profile (localmoe calibrate): hot experts pinned in RAM
     paging_trace: str = ""  # routing trace (localmoe trace): the future the Belady oracle sees
+    # training-free top-k over dense MLA/GQA attention scores (engine/sparse_topk.py): each query
+    # attends only to its sparse_topk best-scoring cached tokens; None = exact dense attention
+    sparse_topk: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -189,6 +211,8 @@ class EngineConfig:
                                 f"not {self.kv_cache_dtype!r}")
         if self.threads < 0 or self.max_context < 0 or self.max_batch < 1:
             raise LocalMoEError("threads and max_context must be >= 0 and max_batch >= 1")
+        if self.sparse_topk is not None and self.sparse_topk < 1:
+            raise LocalMoEError(f"--sparse-topk must be a positive number of tokens, not {self.sparse_topk}")
 
     def resolved_threads(self) -> int:
         if self.threads:
@@ -197,7 +221,7 @@ class EngineConfig:
             import psutil
 
             return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-        except Exception:
+        except (ImportError, OSError):  # no psutil, or no physical-core count on this platform
             return os.cpu_count() or 1
 
     def context_for(self, spec: ModelSpec) -> int:

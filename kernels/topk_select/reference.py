@@ -21,7 +21,11 @@ def naive_indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, posi
 def select_topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """scores [B, T, S] -> indices [B, T, top_k] int64 of the best scores (-1 where only -inf is left).
 
-    Ties are broken by torch.topk; callers treat the set, not the order, as the result."""
+    Tie rule: that of `torch.topk`, as transformers' DSA uses it: every token scoring above the
+    k-th best score is kept, and where several share the k-th score (e.g. relu zeros when fewer
+    than k tokens score above 0) which of them are kept is unspecified (it can depend on the
+    call's shape). So the chosen scores, as a multiset, are exactly the k best; the order within
+    the result is unspecified too: callers treat it as a set."""
     k = min(top_k, scores.shape[-1])
     values, idx = scores.topk(k, dim=-1)
     idx = idx.masked_fill(values == float("-inf"), -1)

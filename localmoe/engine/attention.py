@@ -4,6 +4,11 @@ Options (gpt-oss): an output bias, per-head learned `sinks` (one extra logit col
 softmax whose value row is zero) and a sliding window (a query at position t sees keys
 t - window + 1 .. t). Without sinks and window the fused SDPA path runs; with them an
 explicit softmax does.
+
+Qwen3-Next: RoPE on the first `rotary_dim` dims of each head only (partial_rotary_factor),
+and an output gate: q_proj rows hold [query; gate] per head, out = o_proj(attn * sigmoid(gate)).
+Optional top-k selection (`sparse_topk`, engine/sparse_topk.py): each query attends only to
+its top-k scoring keys; with top-k >= the keys visible it is exactly the dense softmax.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from localmoe.config import ModelSpec
 from localmoe.engine.cache import KVCache
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
+from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.step import Step
 
 
@@ -23,13 +29,18 @@ class GQAttention:
 
     def __init__(self, spec: ModelSpec, qkv: Linear, o_proj: Linear,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None, window: int = 0):
+                 sinks: torch.Tensor | None = None, window: int = 0, gate: Linear | None = None):
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.group = self.heads // self.kv_heads
         self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.qkv, self.o_proj = qkv, o_proj
         self.q_norm, self.k_norm, self.eps = q_norm, k_norm, spec.rms_norm_eps
         self.window = window  # 0 = full attention
+        self.gate = gate  # Qwen3-Next output gate [H*D, hidden]
+        self.rotary_dim = int(self.head_dim * spec.partial_rotary_factor)
+        self.sparse_topk: int | None = None  # EngineConfig.sparse_topk, set by the Transformer
+        # probe-recall: keep the keys each query head of the call's LAST query kept, [B, H, k]
+        self.record_selection, self.last_selection = False, None
         self.scale = self.head_dim ** -0.5
         # sinks [H] -> [Hkv, G, 1, 1] to match the folded query axis below
         self.sinks = None if sinks is None else sinks.float().view(self.kv_heads, self.group, 1, 1)
@@ -42,18 +53,22 @@ class GQAttention:
         bias = None
         if spec.attention_bias:
             bias = torch.cat([weights[p + "q_proj.bias"], weights[p + "k_proj.bias"], weights[p + "v_proj.bias"]])
-        qkv = make_linear([weights[p + "q_proj.weight"], weights[p + "k_proj.weight"], weights[p + "v_proj.weight"]],
-                          bias, dtype)
+        q_proj, gate = weights[p + "q_proj.weight"], None
+        if spec.attn_output_gate:  # rows per head: [query D | gate D]
+            H, D = spec.num_heads, spec.head_dim
+            q_proj, g_rows = q_proj.view(H, 2, D, -1).unbind(1)
+            q_proj, gate = q_proj.reshape(H * D, -1), make_linear([g_rows.reshape(H * D, -1)], None, dtype)
+        qkv = make_linear([q_proj, weights[p + "k_proj.weight"], weights[p + "v_proj.weight"]], bias, dtype)
         return cls(spec, qkv, make_linear([weights[p + "o_proj.weight"]], weights.get(p + "o_proj.bias"), dtype),
                    weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"), weights.get(p + "sinks"),
-                   window)
+                   window, gate)
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> KVCache:
         """A paged K/V cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
         return KVCache(batch, self.kv_heads, max_len, self.head_dim, dtype)
 
     def nbytes(self) -> int:
-        return self.qkv.nbytes() + self.o_proj.nbytes()
+        return self.qkv.nbytes() + self.o_proj.nbytes() + (self.gate.nbytes() if self.gate is not None else 0)
 
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends this step's keys/values to `cache`."""
@@ -64,18 +79,29 @@ class GQAttention:
         if self.q_norm is not None:
             qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), self.q_norm, self.eps),
                             F.rms_norm(qk[:, :, H:], (D,), self.k_norm, self.eps)], dim=2)
-        q, k = apply_rope(qk, step.cos, step.sin).split((H, Hkv), dim=2)  # one rotation for q and k together
+        if self.rotary_dim < D:  # partial RoPE: rotate the first rotary_dim dims, pass the rest
+            rot = self.rotary_dim
+            qk = torch.cat([apply_rope(qk[..., :rot], step.cos, step.sin), qk[..., rot:]], dim=-1)
+        else:
+            qk = apply_rope(qk, step.cos, step.sin)
+        q, k = qk.split((H, Hkv), dim=2)  # one rotation for q and k together
         keys, values = cache.update(step.start, k, v)  # [B, T, Hkv, D] in, [B, Hkv, S, D] out
         # Fold the G query heads of each KV head into the query axis, so K/V are never
         # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
         q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        if self.sinks is None and not self.window:
+        if self.sinks is None and not self.window and not self._selects(keys.shape[2]):
             mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         else:
             out = self._explicit(q, keys, values, step, T)
         out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)
+
+    def _selects(self, S: int) -> bool:
+        """Whether top-k selection can drop a key: sparse_topk is set and below the S keys cached."""
+        return self.sparse_topk is not None and self.sparse_topk < S
 
     def _explicit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step, T: int) -> torch.Tensor:
         """q [B, Hkv, G*T, D], keys/values [B, Hkv, S, D] -> [B, Hkv, G*T, D] with window and sinks."""
@@ -89,6 +115,12 @@ class GQAttention:
             mask = mask & (torch.arange(first, S)[None, :] > query_pos - self.window)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, S']
         scores = scores.masked_fill(~mask.repeat(1, self.group, 1)[:, None], float("-inf"))
+        if self._selects(scores.shape[-1]):
+            if self.record_selection:
+                B, Hkv = q.shape[:2]
+                last = scores.view(B, Hkv, self.group, T, -1)[:, :, :, -1].reshape(B, Hkv * self.group, -1)
+                self.last_selection = topk_indices(last, self.sparse_topk) + first  # cache positions
+            scores = keep_topk_scores(scores, self.sparse_topk)
         if self.sinks is not None:
             B, Hkv = q.shape[:2]
             sink = self.sinks.expand(Hkv, self.group, T, 1).reshape(1, Hkv, self.group * T, 1)

@@ -7,12 +7,17 @@ give W_uk[h] [nope, r] and W_uv[h] [v, r]: k_h = [W_uk[h] c, k_r], v_h = W_uv[h]
 - absorbed (decode): q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_rope_h . k_r, and
   sum_s p_s v_h(s) = W_uv[h] (sum_s p_s c_s): attend over the cached rows directly, then
   apply W_uv. Which is cheaper depends on T against the cached length; `absorb` decides.
-No rotary is applied to the "rope" part (`mla_use_nope`). K3 gates the output:
-o_proj(attn * sigmoid(g_proj(x))). Softmax scale (qk_nope + qk_rope)^-0.5.
+Kimi applies no rotary to the "rope" part (`mla_use_nope`); DeepSeek rotates q_rope and k_rope
+with RoPE over adjacent pairs (interleaved), done here as a de-interleave followed by the
+half-split rotation (the dot products are the same), and stores k_rope rotated. K3 gates the
+output: o_proj(attn * sigmoid(g_proj(x))). Softmax scale (qk_nope + qk_rope)^-0.5, times
+mscale^2 under DeepSeek's YaRN (mscale = 0.1 * mscale_all_dim * ln(factor) + 1).
+With `sparse_topk` (engine/sparse_topk.py) each query head keeps only its top-k scores.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +26,11 @@ import torch.nn.functional as F
 
 from localmoe.config import ModelSpec
 from localmoe.engine.linear import Linear
+from localmoe.engine.rope import apply_rope
+from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.state_cache import LatentCache
 from localmoe.engine.step import Step
-from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
+from localmoe.errors import CheckpointError, LocalMoEError
 
 EXPAND_MAX_BYTES = 1 << 30  # above this, prefill attends over the latent rows too (no per-head K/V copies)
 SCORES_MAX_BYTES = 256 << 20  # absorbed attention materialises its scores below this, else uses SDPA
@@ -42,6 +49,7 @@ class MLAConfig:
     output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
     use_nope: bool = True  # Kimi: no rotary on the "rope" part
     norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm epsilon (DeepSeek's and Kimi's RMSNorm default)
+    scale_factor: float = 1.0  # multiplies the softmax scale (DeepSeek YaRN: mscale^2)
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> MLAConfig:
@@ -65,7 +73,8 @@ class MLAConfig:
             return cls(num_heads=spec.num_heads, q_lora_rank=spec.q_lora_rank or None,
                        kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
                        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
-                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope)
+                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope,
+                       scale_factor=1.0 if spec.mla_use_nope else yarn_scale_factor(spec.rope_scaling))
         except AttributeError as e:
             raise LocalMoEError(f"{spec.model_type}: ModelSpec lacks the MLA fields ({e})") from None
 
@@ -75,22 +84,39 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+def yarn_scale_factor(rope_scaling: dict | None) -> float:
+    """DeepSeek's softmax-scale multiplier under YaRN: mscale^2, mscale = 0.1 * mscale_all_dim * ln(factor) + 1."""
+    scaling = rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor, all_dim = float(scaling.get("factor", 1.0)), scaling.get("mscale_all_dim")
+    if kind in (None, "default") or not all_dim or factor <= 1:
+        return 1.0
+    return (0.1 * float(all_dim) * math.log(factor) + 1.0) ** 2
+
+
+def rotate_interleaved(x: torch.Tensor, step: Step) -> torch.Tensor:
+    """RoPE over adjacent pairs of x [B, T, H, rope] at the step's positions; the result is in
+    de-interleaved order (evens then odds), the same for queries and keys."""
+    return apply_rope(torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1), step.cos, step.sin)
+
+
 class MLAttention:
     """MLA over a `LatentCache`; kv_b_proj kept once, in fp32, as W_uk / W_uv per head."""
 
     def __init__(self, config: MLAConfig, q_a_proj: Linear | None, q_a_norm: torch.Tensor | None, q_proj: Linear,
                  kv_a_proj: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: Linear,
                  g_proj: Linear | None = None):
-        if not config.use_nope:
-            raise UnsupportedModelError("MLA with rotary on the rope part is not implemented yet (only NoPE)")
         self.config = config
         H, nope, v = config.num_heads, config.qk_nope_head_dim, config.v_head_dim
         self.q_a_proj, self.q_a_norm, self.q_proj = q_a_proj, q_a_norm, q_proj  # q_proj is q_b_proj under LoRA
         self.kv_a_proj, self.kv_a_norm, self.o_proj, self.g_proj = kv_a_proj, kv_a_norm.float(), o_proj, g_proj
         w_uk, w_uv = kv_b.float().view(H, nope + v, config.kv_lora_rank).split((nope, v), dim=1)
         self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.contiguous()  # [H, nope, r], [H, v, r]
-        self.scale = (nope + config.qk_rope_head_dim) ** -0.5
+        self.scale = (nope + config.qk_rope_head_dim) ** -0.5 * config.scale_factor
         self.absorb: bool | None = None  # None: by cost; True / False force a path (tests, benchmarks)
+        self.sparse_topk: int | None = None  # EngineConfig.sparse_topk, set by the Transformer
+        # probe-recall: keep the keys each head of the call's LAST query kept, [B, H, k]
+        self.record_selection, self.last_selection = False, None
 
     @classmethod
     def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
@@ -140,19 +166,32 @@ class MLAttention:
             return True
         return T * (2 * r - nope - v) < r * (nope + v)
 
-    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, hidden] -> q_nope [B, H, T, nope], q_rope [B, H, T, rope]."""
+    def queries(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q_nope [B, H, T, nope], q_rope [B, H, T, rope] (rotated at `step` without NoPE)."""
+        return self.queries_and_resid(x, step)[:2]
+
+    def queries_and_resid(self, x: torch.Tensor, step: Step | None = None):
+        """(q_nope, q_rope, q_resid): q_resid [B, T, q_lora_rank] is RMSNorm(q_a_proj(x)) (x without q LoRA),
+        the input DSA's indexer shares."""
         B, T, _ = x.shape
         c = self.config
         if self.q_a_proj is not None:
             x = F.rms_norm(self.q_a_proj(x), (c.q_lora_rank,), self.q_a_norm, c.norm_eps)
-        q = self.q_proj(x).view(B, T, c.num_heads, -1).transpose(1, 2)
-        return q.split((c.qk_nope_head_dim, c.qk_rope_head_dim), dim=-1)
+        q_nope, q_rope = self.q_proj(x).view(B, T, c.num_heads, -1).split((c.qk_nope_head_dim, c.qk_rope_head_dim),
+                                                                          dim=-1)
+        if not c.use_nope:
+            if step is None:
+                raise LocalMoEError("MLA with RoPE needs the step's positions to rotate its queries")
+            q_rope = rotate_interleaved(q_rope, step)
+        return q_nope.transpose(1, 2), q_rope.transpose(1, 2), x
 
-    def latent_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden] -> cache rows [B, T, r + rope]: RMSNorm(latent) then the rope key part."""
+    def latent_rows(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        """x [B, T, hidden] -> cache rows [B, T, r + rope]: RMSNorm(latent) then the rope key part
+        (rotated at `step`'s positions unless NoPE)."""
         c = self.config
         latent, k_rope = self.kv_a_proj(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
+        if not c.use_nope:
+            k_rope = rotate_interleaved(k_rope.unsqueeze(2), step).squeeze(2)
         return torch.cat([F.rms_norm(latent, (c.kv_lora_rank,), self.kv_a_norm, c.norm_eps), k_rope], dim=-1)
 
     def attend_expanded(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
@@ -166,31 +205,51 @@ class MLAttention:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
                                               scale=self.scale)
 
-    def attend_absorbed(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
-        """Same contract as `attend_expanded`, attending over the cached rows directly."""
+    def absorbed_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, H, T, nope], q_rope [B, H, T, rope] -> [B, H, T, r + rope], to dot with cached rows."""
+        return torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, self.w_uk), q_rope], dim=-1)
+
+    def attend_absorbed(self, q_nope, q_rope, rows, mask, top_k: int | None = None) -> torch.Tensor:
+        """Same contract as `attend_expanded`, attending over the cached rows directly; `top_k`: keep
+        only each query head's top_k scores (explicit scores, never SDPA)."""
         B, H, T, _ = q_nope.shape
         r = self.config.kv_lora_rank
-        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, self.w_uk), q_rope], dim=-1)
+        q = self.absorbed_queries(q_nope, q_rope)
         # All heads share one key/value row per token: fold H into the query axis (row h*T + t).
         q = q.reshape(B, 1, H * T, -1)
         rows = rows[:, None]
         mask = None if mask is None else mask.repeat(1, H, 1)[:, None]
-        if 4 * B * H * T * rows.shape[2] <= SCORES_MAX_BYTES:  # decode: one GEMM beats SDPA's one-head kernel
+        if top_k is not None or 4 * B * H * T * rows.shape[2] <= SCORES_MAX_BYTES:  # decode: one GEMM beats SDPA
             scores = (q @ rows.transpose(-1, -2)).mul_(self.scale)
             if mask is not None:
                 scores.masked_fill_(~mask, float("-inf"))
+            if top_k is not None:
+                if self.record_selection:
+                    self.last_selection = topk_indices(scores.view(B, H, T, -1)[:, :, -1], top_k)
+                scores = keep_topk_scores(scores, top_k)
             out = scores.softmax(-1) @ rows[..., :r]
         else:
             out = F.scaled_dot_product_attention(q, rows, rows[..., :r], attn_mask=mask, scale=self.scale)
         return torch.einsum("bhtr,hvr->bhtv", out.view(B, H, T, r), self.w_uv)
 
-    def __call__(self, x: torch.Tensor, step: Step, cache: LatentCache) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden]; appends this step's latent rows to `cache`."""
-        B, T, _ = x.shape
-        q_nope, q_rope = self.queries(x)
-        rows = cache.update(step.start, self.latent_rows(x))  # [B, S, r + rope]
-        attend = self.attend_absorbed if self.use_absorbed(T, rows.shape[1]) else self.attend_expanded
-        out = attend(q_nope, q_rope, rows, step.mask).transpose(1, 2).reshape(B, T, -1)
+    def attend(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
+        """The cheaper of the two paths; absorbed with top-k selection when `sparse_topk` < the rows cached."""
+        T, S = q_nope.shape[2], rows.shape[1]
+        if self.sparse_topk is not None and self.sparse_topk < S:
+            return self.attend_absorbed(q_nope, q_rope, rows, mask, self.sparse_topk)
+        attend = self.attend_absorbed if self.use_absorbed(T, S) else self.attend_expanded
+        return attend(q_nope, q_rope, rows, mask)
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """attn [B, H, T, v] -> o_proj (after K3's sigmoid gate) [B, T, hidden]."""
+        B, _, T, _ = attn.shape
+        out = attn.transpose(1, 2).reshape(B, T, -1)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: LatentCache) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; appends this step's latent rows to `cache`."""
+        q_nope, q_rope = self.queries(x, step)
+        rows = cache.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
+        return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))

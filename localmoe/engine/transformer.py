@@ -16,7 +16,9 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
 from localmoe.engine.attn_res import AttentionResiduals
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.dsa import DSAttention
 from localmoe.engine.experts import ExpertProvider
+from localmoe.engine.gated_deltanet import GatedDeltaNet
 from localmoe.engine.kda import KimiDeltaAttention
 from localmoe.engine.linear import make_linear
 from localmoe.engine.mla import MLAttention
@@ -27,8 +29,34 @@ from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
 
 MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention, "kda": KimiDeltaAttention,
-          "mla": MLAttention}
-MLPS = {"dense": GatedMLP, "moe": MoEBlock, "latent_moe": MoEBlock}  # latent: from its projection weights
+          "mla": MLAttention, "dsa": DSAttention, "gated_delta": GatedDeltaNet}
+
+
+class SigmoidGatedMLP:
+    """Qwen3-Next's shared expert: sigmoid(x . w_gate) * mlp(x), the gate one scalar per token."""
+
+    def __init__(self, mlp: GatedMLP, gate: torch.Tensor):
+        self.mlp, self.gate = mlp, make_linear([gate], None, "float32")  # gate [1, hidden]
+
+    def nbytes(self) -> int:
+        return self.mlp.nbytes() + self.gate.nbytes()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.mlp(x)
+
+
+def moe_block(spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
+    """A MoEBlock whose shared experts are gated when `{prefix}mlp.shared_expert_gate.weight` exists."""
+    block = MoEBlock.from_weights(spec, weights, prefix, dtype)
+    gate = weights.get(prefix + "mlp.shared_expert_gate.weight")
+    if gate is not None:
+        if block.shared is None:
+            raise LocalMoEError(f"{prefix}mlp.shared_expert_gate.weight: the layer has no shared expert to gate")
+        block.shared = SigmoidGatedMLP(block.shared, gate)
+    return block
+
+
+MLPS = {"dense": GatedMLP.from_weights, "moe": moe_block, "latent_moe": moe_block}  # latent: from its weights
 
 
 class Transformer:
@@ -49,7 +77,10 @@ class Transformer:
         self.norm = weights["norm.weight"].float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")
-        self.rope = RotaryTable(spec.head_dim, spec.rope_theta, None if freq_factors is not None else spec.rope_scaling,
+        rotary_dim = int(spec.head_dim * spec.partial_rotary_factor)
+        if any(kind in ("mla", "dsa") for kind in spec.layer_kinds) and not spec.mla_use_nope:
+            rotary_dim = spec.qk_rope_head_dim  # DeepSeek MLA rotates only the shared rope part (and the indexer)
+        self.rope = RotaryTable(rotary_dim, spec.rope_theta, None if freq_factors is not None else spec.rope_scaling,
                                 self.max_context, freq_factors=freq_factors)
         self.layers = []
         for i in range(spec.num_layers):
@@ -57,7 +88,10 @@ class Transformer:
             self.layers.append((weights[p + "input_layernorm.weight"].float(),
                                 MIXERS[spec.layer_kinds[i]].from_weights(spec, weights, p, config.dtype),
                                 weights[p + "post_attention_layernorm.weight"].float(),
-                                MLPS[spec.mlp_kinds[i]].from_weights(spec, weights, p, config.dtype)))
+                                MLPS[spec.mlp_kinds[i]](spec, weights, p, config.dtype)))
+            mixer = self.layers[-1][1]
+            if config.sparse_topk is not None and hasattr(mixer, "sparse_topk") and not isinstance(mixer, DSAttention):
+                mixer.sparse_topk = config.sparse_topk  # dense MLA/GQA only: DSA layers select with their indexer
         self.residuals = AttentionResiduals.from_weights(spec, weights) if spec.attn_res_block_size else None
         if experts is not None:
             self.use_experts(experts)
@@ -79,7 +113,7 @@ class Transformer:
 
         Appends the new tokens to `cache`; prefill and decode are the same call.
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)
         step = make_step(cache, start, T, self.rope)

@@ -1,20 +1,44 @@
-"""DeepSeek-V3.2 (`deepseek_v32`) and GLM-5-Next (`glm5_next`): MLA with the DSA lightning
-indexer (GLM-5-Next adds KDA-style linear layers), sigmoid-routed MoE with correction bias
-and group-limited top-k.
+"""DeepSeek-V3.2 (`deepseek_v32`, transformers `DeepseekV32ForCausalLM`): MLA with RoPE on the
+shared rope part and the DSA lightning indexer in every layer, sigmoid-routed MoE with
+correction bias and group-limited top-k, shared experts.
 
-Checkpoint facts: routed experts per expert in bf16 `mlp.experts.{e}.{gate,up,down}_proj`
-(GLM-5-Next under `model.language_model.`; its text config is `text_config`).
+Checkpoint facts: routed experts per expert in bf16 `mlp.experts.{e}.{gate,up,down}_proj`.
+
+Quirks, each covered by tests/models/test_deepseek_v32.py:
+- `mlp.gate.*` is the router: renamed to `mlp.router.weight` / `mlp.router.e_score_correction_bias`;
+  sigmoid scores, bias for selection only, renormalised, times `routed_scaling_factor`.
+- MLA's rope part uses interleaved pairs, the indexer half-split RoPE (engine/mla.py, indexer.py);
+  under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
+- `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights and the
+  MTP layer (`model.layers.{num_hidden_layers}`) are not read: convert to bf16 first.
 """
 
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
+from localmoe.engine.mla import MLAConfig
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family
+from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes, mla_shapes
 from localmoe.models.moe_config import moe_placement, require
 
+_MLA = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")
+_INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
 
-def _spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str) -> ModelSpec:
+
+def dsa_fields(config: dict, source: str) -> dict:
+    """The ModelSpec fields of MLA + indexer and DeepSeek routing from a (text) config dict."""
+    return dict(
+        **MLAConfig.from_hf(config).spec_fields(),
+        index_n_heads=require(config, "index_n_heads", source), index_head_dim=require(config, "index_head_dim", source),
+        index_topk=require(config, "index_topk", source),
+        scoring_func=config.get("scoring_func", "sigmoid"), norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1))
+
+
+def moe_spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str, **fields) -> ModelSpec:
     heads = require(config, "num_attention_heads", source)
     return ModelSpec(
         model_type=model_type, family=model_type,
@@ -25,7 +49,7 @@ def _spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str) ->
         head_dim=require(config, "v_head_dim", source),
         intermediate_size=require(config, "intermediate_size", source),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
         rope_scaling=config.get("rope_scaling"),
         max_position_embeddings=config.get("max_position_embeddings", 163840),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -34,32 +58,79 @@ def _spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str) ->
         num_experts_per_tok=require(config, "num_experts_per_tok", source),
         moe_intermediate_size=require(config, "moe_intermediate_size", source),
         num_shared_experts=config.get("n_shared_experts", 0),
+        **fields,
     )
 
 
 def deepseek_spec(config: dict) -> ModelSpec:
     layers = require(config, "num_hidden_layers")
-    return _spec(config, "deepseek_v32", ("dsa",) * layers,
-                 moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
-                 "config.json")
+    return moe_spec(config, "deepseek_v32", ("dsa",) * layers,
+                    moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
+                    "config.json", **dsa_fields(config, "config.json"))
 
 
-def glm5_spec(config: dict) -> ModelSpec:
-    source = "config.json text_config"
-    text = require(config, "text_config")
-    kinds = {"linear_attention": "kda", "indexed_attention": "dsa", "full_attention": "mla"}
-    mlp = {"dense": "dense", "sparse": "moe"}
-    return _spec(text, "glm5_next", tuple(kinds[t] for t in require(text, "layer_types", source)),
-                 tuple(mlp[t] for t in require(text, "mlp_layer_types", source)), source)
+def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]:
+    """Rules for `{src}layers.{i}.*` (MLA + indexer + DeepSeek MoE) to canonical `layers.{i}.*`; `extra`:
+    more `self_attn.*` names kept as they are."""
+    L = src + "layers.{i}."
+    return (
+        *(TensorRule(L + n, "layers.{i}." + n) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")),
+        *(TensorRule(L + f"self_attn.{n}", f"layers.{{i}}.self_attn.{n}") for n in _MLA + extra),
+        *(TensorRule(L + f"self_attn.indexer.{n}", f"layers.{{i}}.self_attn.indexer.{n}") for n in _INDEXER),
+        TensorRule(L + "mlp.gate.weight", "layers.{i}.mlp.router.weight"),
+        TensorRule(L + "mlp.gate.e_score_correction_bias", "layers.{i}.mlp.router.e_score_correction_bias"),
+        *(TensorRule(L + f"mlp.experts.{{e}}.{m}_proj.weight", f"layers.{{i}}.mlp.experts.{{e}}.{m}.weight")
+          for m in ("gate", "up", "down")),
+        *(TensorRule(L + f"mlp.{s}{m}_proj.weight", f"layers.{{i}}.mlp.{s}{m}_proj.weight")
+          for s in ("", "shared_experts.") for m in ("gate", "up", "down")),
+    )
 
 
-def _experts(prefix: str) -> ExpertTensors:
+HF_TENSORS = TensorMap(
+    rules=(TensorRule("model.embed_tokens.weight", "embed_tokens.weight"), TensorRule("model.norm.weight", "norm.weight"),
+           TensorRule("lm_head.weight", "lm_head.weight"), *layer_rules("model.")),
+    ignore=(r"rotary_emb\.inv_freq$",),
+)
+
+
+def indexer_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    Hi, Di, D = spec.index_n_heads, spec.index_head_dim, spec.hidden_size
+    x = a + "indexer."
+    return {x + "wq_b.weight": (Hi * Di, spec.q_lora_rank), x + "wk.weight": (Di, D), x + "k_norm.weight": (Di,),
+            x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, D)}
+
+
+def moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias + experts + shared experts."""
+    D, E, p = spec.hidden_size, spec.num_experts, f"layers.{i}."
+    m = p + "mlp."
+    shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+    if spec.mlp_kinds[i] == "dense":
+        return shapes | gated_mlp_shapes(m, D, spec.intermediate_size)
+    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)} | expert_shapes(spec, m, D)
+    if spec.num_shared_experts:
+        shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
+    return shapes
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    D = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    for i in range(spec.num_layers):
+        a = f"layers.{i}.self_attn."
+        shapes |= moe_shapes(spec, i) | mla_shapes(spec, a) | indexer_shapes(spec, a)
+    return shapes
+
+
+def experts(prefix: str) -> ExpertTensors:
     stem = prefix + "layers.{i}.mlp.experts.{e}"
     return ExpertTensors("bf16", {"gate": f"{stem}.gate_proj.weight", "up": f"{stem}.up_proj.weight",
                                   "down": f"{stem}.down_proj.weight"})
 
 
 DEEPSEEK = register(Family(name="deepseek_v32", model_types=("deepseek_v32",), gguf_architectures=(),
-                           spec_from_hf=deepseek_spec, experts=_experts("model.")))
-GLM5 = register(Family(name="glm5_next", model_types=("glm5_next",), gguf_architectures=(),
-                       spec_from_hf=glm5_spec, experts=_experts("model.language_model.")))
+                           spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
+                           optional_tensors=(r"^lm_head\.weight$",), build=build_transformer,
+                           experts=experts("model.")))

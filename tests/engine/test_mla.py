@@ -178,14 +178,6 @@ def test_checkpoint_layout_and_config(family):
     assert torch.isfinite(run(mixer, inputs(8, B=1), [6, 1, 1])).all()
 
 
-def test_rotary_mla_is_refused():
-    from localmoe.errors import UnsupportedModelError
-
-    c = MLAConfig(H, None, R, NOPE, ROPE, V, use_nope=False)
-    with pytest.raises(UnsupportedModelError, match="NoPE"):
-        MLAttention.from_weights(Spec, random_weights(c), "layers.0.", "float32", c)
-
-
 def test_absorbed_sdpa_branch_equals_matmul_branch(monkeypatch):
     from localmoe.engine import mla
 

@@ -1,0 +1,156 @@
+"""Gated DeltaNet (Qwen3-Next `linear_attention` layers): the delta rule with ONE decay per head.
+
+Per value head, with an fp32 state S [K, V] and scalar log-decay g (<= 0):
+    S <- exp(g) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q
+q, k, v come from one depthwise causal conv + SiLU over q|k|v; q and k are L2-normalised
+(eps 1e-6) and q is scaled by K^-0.5. Hk key heads serve Hv = G * Hk value heads (head
+j of the values reads key head j // G, like grouped-query attention).
+    g = -exp(A_log[h]) * softplus(a + dt_bias[h]),  beta = sigmoid(b)
+Output: out_proj(RMSNorm_head(o) * silu(z)) (a gated RMSNorm, plain `x * w`).
+
+Qwen stores the input projections grouped per KEY head (`in_proj_qkvz` rows per key head:
+q [K], k [K], v [G V], z [G V]; `in_proj_ba`: b [G], a [G]); `from_weights` reorders them
+once into one fused projection [q; k; v; z; b; a]. The delta rule runs through the
+`localmoe.kernels.gated_delta` dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.config import ModelSpec
+from localmoe.engine.kda import causal_conv, l2norm
+from localmoe.engine.linear import Linear
+from localmoe.engine.state_cache import DeltaStateCache
+from localmoe.engine.step import Step
+from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.kernels.gated_delta import gated_delta
+
+
+@dataclass(frozen=True, slots=True)
+class GatedDeltaConfig:
+    """Gated DeltaNet dimensions."""
+
+    num_key_heads: int  # Hk (q and k heads)
+    num_value_heads: int  # Hv, a multiple of Hk
+    key_head_dim: int  # K
+    value_head_dim: int  # V
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6  # the gated output norm's epsilon (the model's rms_norm_eps)
+
+    def __post_init__(self) -> None:
+        if self.num_key_heads < 1 or self.num_value_heads % self.num_key_heads:
+            raise LocalMoEError(f"Gated DeltaNet: linear_num_value_heads={self.num_value_heads} is not a multiple of "
+                                f"linear_num_key_heads={self.num_key_heads}")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> GatedDeltaConfig:
+        """From a Qwen3-Next config.json dict (`linear_*` keys)."""
+        try:
+            return cls(num_key_heads=config["linear_num_key_heads"], num_value_heads=config["linear_num_value_heads"],
+                       key_head_dim=config["linear_key_head_dim"], value_head_dim=config["linear_value_head_dim"],
+                       conv_kernel=config.get("linear_conv_kernel_dim", 4), norm_eps=config.get("rms_norm_eps", 1e-6))
+        except KeyError as e:
+            raise CheckpointError(f"config.json: field {e.args[0]!r} is missing (needed by the Gated DeltaNet "
+                                  "layers)") from None
+
+    def spec_fields(self) -> dict[str, Any]:
+        """The ModelSpec fields that carry this config (`from_spec` reads them back)."""
+        return {"gdn_num_key_heads": self.num_key_heads, "gdn_num_value_heads": self.num_value_heads,
+                "gdn_key_head_dim": self.key_head_dim, "gdn_value_head_dim": self.value_head_dim,
+                "gdn_conv_kernel": self.conv_kernel}
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> GatedDeltaConfig:
+        return cls(num_key_heads=spec.gdn_num_key_heads, num_value_heads=spec.gdn_num_value_heads,
+                   key_head_dim=spec.gdn_key_head_dim, value_head_dim=spec.gdn_value_head_dim,
+                   conv_kernel=spec.gdn_conv_kernel, norm_eps=spec.rms_norm_eps)
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+class GatedDeltaNet:
+    """One Gated DeltaNet layer; q, k, v, z, b, a from one fused Linear."""
+
+    def __init__(self, config: GatedDeltaConfig, in_proj: Linear, out_proj: Linear, conv_weight: torch.Tensor,
+                 A_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor):
+        self.config = c = config
+        Hv, V = c.num_value_heads, c.value_head_dim
+        self.split = (c.conv_channels, Hv * V, Hv, Hv)  # qkv (conv input), z, b, a
+        self.in_proj, self.out_proj = in_proj, out_proj
+        self.conv_weight = conv_weight.float()  # [C, W]
+        self.decay_rate = A_log.float().exp()  # exp(A_log) [Hv]
+        self.dt_bias = dt_bias.float()  # [Hv]
+        self.norm = norm.float()  # [V]
+        self.group = Hv // c.num_key_heads
+
+    @classmethod
+    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
+                     config: GatedDeltaConfig | None = None) -> GatedDeltaNet:
+        """From `{prefix}linear_attn.*` as Qwen stores it (projections grouped per key head)."""
+        c = config or GatedDeltaConfig.from_spec(spec)
+        Hk, Hv, K, V, D = c.num_key_heads, c.num_value_heads, c.key_head_dim, c.value_head_dim, spec.hidden_size
+        G = Hv // Hk
+        p = prefix + "linear_attn."
+
+        def get(name: str, *shape: int) -> torch.Tensor:
+            t = weights[p + name]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{p}{name}: shape {tuple(t.shape)}, expected {shape}")
+            return t
+
+        # rows per key head: [q K | k K | v G*V | z G*V] -> [all q; all k; all v; all z]
+        qkvz = get("in_proj_qkvz.weight", Hk * (2 * K + 2 * G * V), D).view(Hk, 2 * K + 2 * G * V, D)
+        q, k, v, z = (t.reshape(-1, D) for t in qkvz.split((K, K, G * V, G * V), dim=1))
+        b, a = (t.reshape(-1, D) for t in get("in_proj_ba.weight", 2 * Hv, D).view(Hk, 2 * G, D).split(G, dim=1))
+        in_proj = Linear(torch.cat([q, k, v, z, b, a]), None, dtype)
+        return cls(c, in_proj, Linear(get("out_proj.weight", D, Hv * V), None, dtype),
+                   get("conv1d.weight", c.conv_channels, 1, c.conv_kernel)[:, 0], get("A_log", Hv),
+                   get("dt_bias", Hv), get("norm.weight", V))
+
+    def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
+        """The recurrent state [B, Hv, K, V] + conv tail; fp32 whatever the K/V cache `dtype`."""
+        c = self.config
+        return DeltaStateCache(batch, c.num_value_heads, c.key_head_dim, c.value_head_dim, c.conv_channels,
+                               c.conv_kernel)
+
+    def nbytes(self) -> int:
+        tensors = (self.conv_weight, self.decay_rate, self.dt_bias, self.norm)
+        return self.in_proj.nbytes() + self.out_proj.nbytes() + sum(t.nbytes for t in tensors)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: DeltaStateCache) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; folds this step's tokens into `cache`."""
+        B, T, _ = x.shape
+        c = self.config
+        Hk, Hv, K, V = c.num_key_heads, c.num_value_heads, c.key_head_dim, c.value_head_dim
+        if cache.offset != step.start:
+            raise LocalMoEError(f"Gated DeltaNet cache holds {cache.offset} tokens but this step starts at "
+                                f"{step.start}")
+        valid = step.valid  # [B, T] False at left padding (see engine/kda.valid_tokens)
+        if valid is not None:
+            x = x * valid[..., None]
+        qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        qkv, tail = causal_conv(qkv, self.conv_weight, cache.conv_tail)
+        q, k, v = F.silu(qkv).split((Hk * K, Hk * K, Hv * V), dim=-1)
+        q = (l2norm(q.view(B, T, Hk, K)) * K ** -0.5).repeat_interleave(self.group, dim=2)  # [B, T, Hv, K]
+        k = l2norm(k.view(B, T, Hk, K)).repeat_interleave(self.group, dim=2)
+        g = -self.decay_rate * F.softplus(a + self.dt_bias)  # [B, T, Hv]
+        beta = torch.sigmoid(b)
+        if valid is not None:  # padding neither decays nor writes the state
+            g, beta = g * valid[..., None], beta * valid[..., None]
+        o, state = gated_delta(q, k, v.reshape(B, T, Hv, V), g, beta, cache.state)
+        cache.advance(state, tail, T)
+        o = F.rms_norm(o, (V,), self.norm, c.norm_eps) * F.silu(z.view(B, T, Hv, V))
+        return self.out_proj(o.reshape(B, T, Hv * V))
+
+
+def state_bytes(config: GatedDeltaConfig, batch: int = 1) -> int:
+    """Bytes of one layer's cache: fp32 state + conv tail (independent of the context length)."""
+    c = config
+    return 4 * batch * (c.num_value_heads * c.key_head_dim * c.value_head_dim + (c.conv_kernel - 1) * c.conv_channels)

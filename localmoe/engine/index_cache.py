@@ -1,0 +1,68 @@
+"""The DSA layer's cache: MLA latent rows plus the lightning indexer's keys, side by side.
+
+Index keys are one [index_head_dim] vector per token, shared by all index heads (DeepSeek-V3.2:
+128 values). They are kept compactly as the cache dtype says: with "fp8", e4m3 values with ONE
+fp32 scale per block of `INDEX_SCALE_BLOCK` values of each token (DeepSeek's indexer cache
+layout: 128 values + one scale, 132 bytes per token and layer instead of 512 in fp32). The
+blocks are stored as the "heads" of a `PagedBuffer` (engine/cache.py), whose fp8 mode keeps one
+`quantize_fp8` scale per token and head: so each block gets its own scale, and the buffer's
+paging, trimming and exact ring of the newest positions apply to index keys unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.engine.cache import PagedBuffer
+from localmoe.engine.state_cache import LatentCache
+
+INDEX_SCALE_BLOCK = 128  # values sharing one fp8 scale (DeepSeek's indexer cache block)
+
+
+class IndexKeyCache:
+    """Index keys [B, S, D] in a PagedBuffer of D / block "heads" of `block` values each."""
+
+    paged = True
+
+    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32"):
+        self.block = min(INDEX_SCALE_BLOCK, dim)
+        if dim % self.block:
+            raise ValueError(f"index_head_dim {dim} is not a multiple of the fp8 scale block {self.block}")
+        self.dim = dim
+        self.rows = PagedBuffer(batch, max_len, dim // self.block, self.block, dtype)
+
+    def update(self, start: int, keys: torch.Tensor) -> torch.Tensor:
+        """Write keys [B, T, D] at positions start.. and return all filled keys as fp32 [B, start+T, D]."""
+        B, T, D = keys.shape
+        self.rows.write(start, keys.view(B, T, D // self.block, self.block).transpose(1, 2))
+        full = self.rows.read(start + T)  # [B, blocks, S, block]
+        return full.transpose(1, 2).reshape(B, start + T, D)
+
+    def bytes_per_token(self) -> int:
+        return self.rows.bytes_per_token()
+
+    def trim(self, offset: int) -> None:
+        self.rows.trim(offset)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes()
+
+
+class DSACache:
+    """One DSA layer's cache: `latent` (LatentCache) and `index` (IndexKeyCache), trimmed together."""
+
+    paged = True
+
+    def __init__(self, batch: int, max_len: int, row_dim: int, index_dim: int, dtype: str = "float32"):
+        self.latent = LatentCache(batch, max_len, row_dim, dtype)
+        self.index = IndexKeyCache(batch, max_len, index_dim, dtype)
+
+    def bytes_per_token(self) -> int:
+        return self.latent.bytes_per_token() + self.index.bytes_per_token()
+
+    def trim(self, offset: int) -> None:
+        self.latent.trim(offset)
+        self.index.trim(offset)
+
+    def nbytes(self) -> int:
+        return self.latent.nbytes() + self.index.nbytes()

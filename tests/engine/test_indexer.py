@@ -1,0 +1,89 @@
+"""DSA pieces: the indexer's top-k against a brute-force float64 top-k (and its tie rule), the
+gathered decode attention against the masked one on the same selection, the fp8 index cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels.topk_select import topk_select
+
+from localmoe.config import EngineConfig
+from localmoe.engine.index_cache import IndexKeyCache
+from localmoe.engine.step import Step
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+
+
+def brute_force(q, w, k, positions, top_k):
+    """float64 scores with explicit loops; per query the sorted set of the top_k visible tokens."""
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    sets = []
+    for b in range(B):
+        for t in range(T):
+            scores = [sum(float(w[b, t, h]) * max(0.0, float(q[b, t, h].double() @ k[b, s].double()))
+                          for h in range(H)) for s in range(S) if s <= positions[b, t]]
+            order = sorted(range(len(scores)), key=lambda s: -scores[s])
+            sets.append(sorted(order[:top_k]))
+    return sets
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2, 8, 5, 3), (2, 7, 4, 16, 33, 8), (1, 5, 3, 8, 64, 64)],
+                         ids=["decode", "prefill", "topk_ge_context"])
+def test_topk_equals_brute_force_float64(shape):
+    B, T, H, D, S, top_k = shape
+    g = torch.Generator().manual_seed(S)
+    q, w, k = torch.randn(B, T, H, D, generator=g), torch.rand(B, T, H, generator=g), torch.randn(B, S, D, generator=g)
+    positions = torch.arange(S - T, S).expand(B, T)
+    got = topk_select(q, w, k, positions, top_k)
+    assert got.shape == (B, T, top_k)
+    expected = brute_force(q, w, k, positions, top_k)
+    rows = got.reshape(B * T, top_k)
+    for row, want in zip(rows, expected):
+        assert sorted(i for i in row.tolist() if i >= 0) == want
+        assert (row < 0).sum() == top_k - len(want)  # -1 pads where fewer tokens are visible
+
+
+def test_ties_keep_every_better_token_and_the_kth_score():
+    """relu zeros tie: all positive-scoring tokens are kept, the rest of the k are tied zeros."""
+    D = 4
+    k = torch.zeros(1, 10, D)
+    k[0, [2, 5, 7], 0] = torch.tensor([1.0, 3.0, 2.0])  # three tokens score > 0, seven score exactly 0
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    got = topk_select(q, torch.ones(1, 1, 1), k, torch.tensor([[9]]), 5)[0, 0].tolist()
+    assert {2, 5, 7} <= set(got) and len(set(got)) == 5 and all(0 <= i <= 9 for i in got)
+
+
+@pytest.fixture(scope="module")
+def dsa_layer(tmp_path_factory):
+    path = write_checkpoint("deepseek_v32", tmp_path_factory.mktemp("dsv32"), "tiny", seed=0)
+    return load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model.layers[1][1]
+
+
+def test_gathered_attention_equals_masked_attention_on_the_same_selection(dsa_layer):
+    layer, c = dsa_layer, dsa_layer.config
+    g = torch.Generator().manual_seed(3)
+    B, T, S, k = 2, 3, 40, 6
+    q_nope = torch.randn(B, c.num_heads, T, c.qk_nope_head_dim, generator=g)
+    q_rope = torch.randn(B, c.num_heads, T, c.qk_rope_head_dim, generator=g)
+    rows = torch.randn(B, S, c.row_dim, generator=g)
+    selected = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    selected[0, 0, -2:] = -1  # pads
+    step = Step(S - T, torch.arange(S - T, S)[None], None, None, None)
+    gathered = layer.attend_gathered(q_nope, q_rope, rows, selected, step)
+    mask = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter_(-1, torch.where(selected < 0, S, selected), True)
+    masked = layer.attend_absorbed(q_nope, q_rope, rows, mask[..., :S])
+    torch.testing.assert_close(gathered, masked, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(masked, layer.attend_absorbed(q_nope, q_rope, rows, None))  # selection matters
+
+
+def test_fp8_index_cache_has_one_scale_per_block_of_128():
+    cache = IndexKeyCache(1, 64, 256, "fp8")
+    keys = torch.randn(1, 40, 256)
+    keys[..., 128:] *= 1000  # the second block alone is large: a shared scale would flatten the first
+    out = cache.update(0, keys)
+    assert cache.rows.heads == 2 and cache.bytes_per_token() == 256 + 2 * 4
+    err = (out - keys).abs()
+    assert (err[..., :128] <= keys[..., :128].abs().amax(-1, keepdim=True) * 2 ** -4).all()
+    assert torch.equal(out[:, -32:], keys[:, -32:])  # the newest positions are kept exactly
