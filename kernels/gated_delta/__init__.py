@@ -1,8 +1,10 @@
-"""Gated DeltaNet dispatcher: Triton on GPU tensors, else the reference."""
+"""Gated DeltaNet dispatcher: Triton on GPU tensors; elsewhere KDA's vectorised CPU forms with the
+per-head decay repeated over the key channels (Gated DeltaNet is KDA with one decay per head)."""
 
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
+from localmoe.kernels.kda import cpu as kda_cpu
 from localmoe.kernels.gated_delta.reference import naive_recurrent_gated_delta
 
 RECURRENT_MAX_T = 8
@@ -15,7 +17,9 @@ def gated_delta(q, k, v, g, beta, state):
 
         fn = tk.fused_recurrent_gated_delta if q.shape[1] <= RECURRENT_MAX_T else tk.chunk_gated_delta
         return fn(q, k, v, g, beta, state)
-    return naive_recurrent_gated_delta(q, k, v, g, beta, state)
+    per_channel = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])  # [B, T, H, K]: the same decay for every channel
+    fn = kda_cpu.recurrent_kda if q.shape[1] <= RECURRENT_MAX_T else kda_cpu.chunk_kda
+    return fn(q, k, v, per_channel, beta, state)
 
 
 __all__ = ["gated_delta", "naive_recurrent_gated_delta"]

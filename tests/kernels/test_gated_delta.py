@@ -31,6 +31,18 @@ def test_reference_is_kda_with_repeated_decay():
     torch.testing.assert_close(s1, s2)
 
 
+@pytest.mark.parametrize("T", [1, 8, 9, 63, 130], ids=lambda t: f"T{t}")
+def test_cpu_path_of_the_dispatcher(T, close):
+    """On CPU tensors the dispatcher runs KDA's recurrent (T <= 8) or chunked form with the decay repeated."""
+    from localmoe.kernels.gated_delta import gated_delta
+
+    args = _inputs(1, T, 2, 16, 24, seed=T + 7)
+    o_ref, s_ref = naive_recurrent_gated_delta(*args)
+    o, s = gated_delta(*args)
+    close(o, o_ref, 1e-5, "o")
+    close(s, s_ref, 1e-5, "state")
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("T", [1, 5], ids=lambda t: f"T{t}")
