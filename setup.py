@@ -17,4 +17,5 @@ for target, folder in MAPPED.items():
     packages += mapped_packages(target, folder)
 
 setup(packages=packages, package_dir=MAPPED,
-      package_data={"localmoe": ["py.typed"], "localmoe.testing": ["configs/*.json", "configs/*.md"]})
+      package_data={"localmoe": ["py.typed"], "localmoe.testing": ["configs/*.json", "configs/*.md"],
+                    "localmoe.kernels.mxfp4_moe": ["*.cpp"]})  # the CPU kernel is compiled at first use

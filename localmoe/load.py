@@ -11,16 +11,16 @@ import functools
 import json
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 
 from localmoe.config import EngineConfig, ModelSpec
+from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, int4_kernel_available
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
-from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, int4_kernel_available
 from localmoe.models.base import Family, TensorMap
 
 
@@ -54,7 +54,7 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         tensor = read(name)
         if isinstance(tensor, BlockQuantized):  # kept in its 4-bit blocks; transforms only reorder rows
             if transform is not None:
-                tensor = tensor.map_rows(lambda rows: transform(rows, spec))
+                tensor = tensor.map_rows(lambda rows, t=transform: t(rows, spec))
         else:
             if tensor.is_floating_point():  # integer tensors (MXFP4 codes and scales) stay bytes
                 tensor = tensor.float()
@@ -233,4 +233,8 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
         family, spec, weights, tokenizer = _read_gguf(path, config, progress)
     model = family.build(spec, weights, config, experts) if experts is not None else family.build(spec, weights,
                                                                                                   config)
+    if experts is not None:
+        from localmoe.paging import attach_provider
+
+        attach_provider(model, experts, config)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)

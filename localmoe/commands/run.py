@@ -26,11 +26,14 @@ from localmoe.commands.options import engine_config, kv_cache_dtype_option, mode
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Print the answer only when it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
-def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, max_tokens, temperature, top_p, top_k, min_p,
-            repetition_penalty, seed, stop, no_stream, as_json):
+@click.option("--stats", "show_stats", is_flag=True,
+              help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) to stderr.")
+def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, max_tokens, temperature, top_p, top_k,
+            min_p, repetition_penalty, seed, stop, no_stream, as_json, show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
     from localmoe.load import load_model
+    from localmoe.paging.metrics import pager_of, stats_line
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -48,9 +51,13 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
             final = chunk
     text = "".join(parts)
     stats = final.stats
+    pager = pager_of(loaded)
     if as_json:
-        click.echo(json.dumps({"model": str(loaded.source), "text": text, "finish_reason": final.finish_reason,
-                               "stats": stats.to_dict()}, ensure_ascii=False))
+        out = {"model": str(loaded.source), "text": text, "finish_reason": final.finish_reason,
+               "stats": stats.to_dict()}
+        if pager is not None:
+            out["paging"] = pager.stats.to_dict()
+        click.echo(json.dumps(out, ensure_ascii=False))
     else:
         if not stream:
             sys.stdout.write(text)
@@ -59,6 +66,9 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
     click.echo(f"[{stats.prompt_tokens} prompt tokens, time to first token {stats.time_to_first_token:.2f} s; "
                f"{stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tokens/s; "
                f"finish: {final.finish_reason}]", err=True)
+    if show_stats:
+        click.echo(stats_line(loaded) or "[paging: off (experts resident, or --ram 0: the page cache decides)]",
+                   err=True)
 
 
 def main() -> None:

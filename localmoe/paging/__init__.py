@@ -33,6 +33,7 @@ __all__ = [
     "RoutingTrace",
     "StoreExperts",
     "attach",
+    "attach_provider",
     "detach",
     "expert_bytes",
     "make_pager",
@@ -113,11 +114,41 @@ def make_pager(store, config: PagingConfig) -> Pager:
                  timeout=config.timeout, pinned=pinned, prefetch=config.prefetch)
 
 
+def gpu_tiers(config, slot_bytes: int) -> list:
+    """One `GpuSlab` of `config.gpu_budget` bytes per visible CUDA device ([] when the budget is 0).
+
+    A budget without CUDA is an error naming the flag, not a silent no-op."""
+    if not config.gpu_budget:
+        return []
+    import torch
+
+    from localmoe.paging.gpu import GpuSlab
+
+    if not torch.cuda.is_available():
+        raise PagingError(f"--gpu-mem {config.gpu_budget} bytes: this machine has no CUDA device; leave --gpu-mem "
+                          f"at 0 (experts are then computed on the CPU where they sit)")
+    return [GpuSlab(f"cuda:{i}", config.gpu_budget, slot_bytes) for i in range(torch.cuda.device_count())]
+
+
+def attach_provider(model, provider, config) -> None:
+    """What the loader does after building a model over a packed store's `provider`: a Pager gets
+    its routing hooks (parallel loads, router lookahead, an optional trace) and its GPU tiers.
+
+    The engine computes experts on the CPU, so placement keeps every expert where the RAM tier holds it;
+    the GPU slabs are allocated and reported (`stats.tiers["gpuN"]`) for the engine's CUDA path."""
+    if not isinstance(provider, Pager):
+        return
+    attach(model, provider, lookahead=provider.prefetch_enabled)
+    provider.gpu_slabs = gpu_tiers(config, provider.slab.slot_bytes)
+    for i, _ in enumerate(provider.gpu_slabs):
+        provider.stats.tiers[f"gpu{i}"] = type(provider.stats.ram)()
+
+
 def provider_for_store(store, spec, config):
     """The ExpertProvider the engine config asks for over `store` (a PackedStore).
 
-    The loader should also call `attach(model, provider)` once the model is built when the
-    provider is a Pager (parallel loads and router lookahead; see docs/paging.md)."""
+    The loader then calls `attach_provider(model, provider, config)` once the model is built
+    (parallel loads and router lookahead for a Pager; see docs/paging.md)."""
     paging = PagingConfig.from_engine(config)
     if paging.ram_budget == 0:
         return StoreExperts(store)

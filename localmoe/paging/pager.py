@@ -59,6 +59,7 @@ class Pager:
         self.step, self._last_layer = 0, None
         self._inflight, self._busy_since = 0, 0.0
         self.lost_slots = 0  # slots given up to reads that timed out
+        self.gpu_slabs: list = []  # GpuSlab per device (paging.attach_provider), when --gpu-mem is given
         self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
         self.pinned: set[Key] = set()
         for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
