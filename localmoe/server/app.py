@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localmoe.chat.sessions import SessionError, message_to_dict
 from localmoe.errors import LocalMoEError
-from localmoe.server import anthropic_routes, openai_routes
+from localmoe.server import anthropic_routes, document_routes, openai_routes
 from localmoe.server.errors import APIError, error_response
 from localmoe.server.service import Service
 from localmoe.server.worker import CancelledError
@@ -132,6 +132,7 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(document_routes.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -196,7 +197,7 @@ def create_app(service: Service) -> FastAPI:
         return {"id": session_id, "deleted": True}
 
     known = {getattr(r, "path", None) for r in (*app.routes, *openai_routes.router.routes,
-                                                *anthropic_routes.router.routes)}
+                                                *anthropic_routes.router.routes, *document_routes.router.routes)}
     app.add_middleware(AuthAndCount, service=service, known_paths=known)
     app.add_middleware(BodyLimit, limit=service.config.max_body_bytes)
     return app

@@ -1,0 +1,54 @@
+"""BM25 ranking of chunks (the bm25s package over our own word tokens)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from localmoe.documents.chunks import chunk_documents
+from localmoe.documents.records import Chunk, Passage
+
+WORD = re.compile(r"[^\W_]+", re.UNICODE)
+# common English words that carry no topic: dropped so a question's "what/was/the" do not rank
+STOPWORDS = frozenset(re.findall(r"\w+", """a an and are as at be been but by did do does for from had has have how i if in into is it
+its of on or our so such than that the their then there these they this to was we were what when where which who
+whom why will with you your"""))
+
+
+def tokens(text: str) -> list[str]:
+    """Lower-cased words and numbers, stopwords dropped; "12.5%" -> ["12", "5"]."""
+    return [w for w in WORD.findall(text.casefold()) if w not in STOPWORDS]
+
+
+class Index:
+    """A BM25 index over chunks; `search` returns (chunk, score) best first."""
+
+    def __init__(self, chunks: list[Chunk]):
+        import bm25s
+
+        self.chunks = chunks
+        self.bm25 = bm25s.BM25()
+        corpus = [tokens(f"{c.location} {c.text}") or ["\u2205"] for c in chunks]  # bm25s needs no empty doc
+        if chunks:
+            self.bm25.index(corpus, show_progress=False)
+
+    def search(self, query: str, top_k: int = 5) -> list[tuple[Chunk, float]]:
+        words = tokens(query)
+        if not self.chunks or not words or top_k < 1:
+            return []
+        known = [w for w in words if w in self.bm25.vocab_dict]
+        if not known:
+            return []
+        k = min(top_k, len(self.chunks))
+        ids, scores = self.bm25.retrieve([known], k=k, show_progress=False)
+        hits = [(self.chunks[int(i)], float(s)) for i, s in zip(ids[0], scores[0]) if s > 0]
+        return hits
+
+
+def search_documents(query: str, paths: list[Path], top_k: int = 5) -> list[Passage]:
+    """The `top_k` passages of the files/folders `paths` that best match `query` (BM25), best first."""
+    from localmoe.documents.ingest import ingest
+
+    ingested = ingest([Path(p) for p in paths])
+    index = Index(chunk_documents(ingested.documents))
+    return [Passage(c.source, c.location, c.text, score) for c, score in index.search(query, top_k)]

@@ -1,0 +1,77 @@
+"""`localmoe analyze` (click CliRunner) and the /v1/documents routes, on the embedded model with few tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from localmoe.commands.analyze import command
+from tests.documents import builders
+
+QUESTION = "Who signed the cobalt procurement review?"
+
+
+@pytest.fixture(scope="module")
+def small_pdf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small")
+    return builders.write_pdf(folder / "audit.pdf", pages=3, facts={2: builders.PDF_FACTS[7]}, words_per_page=40)
+
+
+def test_analyze_json_report_cites_the_page(small_pdf, tmp_path):
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(command, [str(small_pdf), "-q", QUESTION, "--format", "json", "--out", str(out),
+                                          "--budget", "low", "--max-tokens", "8", "--threads", "2", "--quiet"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["mode"] == "long-context" and report["budget"] == "low"
+    assert report["stats"]["completion_tokens"] <= 8 and report["stats"]["pages"] == 3
+    assert report["evidence"][0]["source"] == str(small_pdf) and report["evidence"][0]["location"] == "page 2"
+    assert "Priya Ramaswamy" in report["evidence"][0]["quote"]
+    assert all(c["verified"] for c in report["citations"])
+
+
+def test_analyze_usage_errors(small_pdf, tmp_path):
+    runner = CliRunner()
+    neither = runner.invoke(command, [str(small_pdf)])
+    assert neither.exit_code == 1 and "--question" in neither.output
+    batch_without_out = runner.invoke(command, [str(small_pdf), "--questions", str(small_pdf)])
+    assert batch_without_out.exit_code == 1 and "--out FOLDER" in batch_without_out.output
+    missing = runner.invoke(command, [str(tmp_path / "nope.pdf"), "-q", "x"])
+    assert missing.exit_code == 1 and "no such file" in missing.output
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    from fastapi.testclient import TestClient
+
+    from localmoe.server.app import create_app
+
+    return TestClient(create_app(service))  # no lifespan: the service fixture is already started
+
+
+def test_search_route_ranks_the_planted_page(client, corpus):
+    folder, _ = corpus
+    response = client.post("/v1/documents/search", json={"query": QUESTION, "paths": [str(folder)], "top_k": 2})
+    assert response.status_code == 200, response.text
+    best = response.json()["data"][0]
+    assert (best["source"], best["location"]) == ("plant-report.pdf", "page 7")
+    assert builders.PDF_FACTS[7] in " ".join(best["text"].split())
+
+
+def test_analyze_route_returns_a_checked_report(client, small_pdf):
+    response = client.post("/v1/documents/analyze", json={"question": QUESTION, "paths": [str(small_pdf)],
+                                                           "budget": "low", "max_tokens": 6})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["evidence"][0]["location"] == "page 2" and "## Evidence" in body["markdown"]
+    assert all(c["verified"] for c in body["citations"])
+
+
+def test_routes_name_missing_paths(client, tmp_path):
+    response = client.post("/v1/documents/search", json={"query": "x", "paths": [str(tmp_path / "gone")]})
+    assert response.status_code == 400 and "gone" in response.json()["error"]["message"]
+    bad_budget = client.post("/v1/documents/analyze", json={"question": "x", "paths": [str(tmp_path)],
+                                                             "budget": "huge"})
+    assert bad_budget.status_code == 400 and "budget" in bad_budget.json()["error"]["message"]
