@@ -5,7 +5,20 @@ from __future__ import annotations
 import click
 
 from localmoe import __version__
-from localmoe.commands import calibrate, convert, inspect, plan, probe_recall, run, serve, trace, verify
+from localmoe.commands import (
+    analyze,
+    calibrate,
+    chat,
+    convert,
+    inspect,
+    plan,
+    probe_recall,
+    run,
+    serve,
+    trace,
+    verify,
+    web,
+)
 from localmoe.commands.base import Group
 
 
@@ -18,7 +31,7 @@ def cli() -> None:
     """
 
 
-for _module in (run, inspect, verify, convert, serve, trace, plan, calibrate, probe_recall):
+for _module in (run, chat, web, serve, analyze, inspect, verify, convert, trace, plan, calibrate, probe_recall):
     cli.add_command(_module.command)
 
 

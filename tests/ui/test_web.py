@@ -1,0 +1,343 @@
+"""The Gradio web app (`localmoe web`): its parts on their own, one tab's chat over a real
+Service (tool calls approved and denied), and the real page in headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from localmoe.chat.format import ToolCall
+
+gradio = pytest.importorskip("gradio", reason="the web app needs the ui extra: pip install 'localmoe[ui]'")
+
+from localmoe.ui.web.approval import ApprovalGate
+from localmoe.ui.web.live import LiveHistory
+from localmoe.ui.web.transcript import Transcript, fenced
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT = 180.0
+REPLY_TIMEOUT = 120_000  # ms; one thread of a shared CPU, the embedded model
+
+
+# ---- parts ----
+
+def test_fence_outgrows_backticks_inside():
+    text = "a ``` b ```` c"
+    block = fenced(text)
+    fence = block.splitlines()[0]
+    assert set(fence) == {"`"} and len(fence) == 5  # longer than the longest run (4)
+    assert block.splitlines()[1] == text and block.endswith(fence)
+
+
+def _event(kind, **fields):
+    from localmoe.ui.conversation import ConversationEvent
+
+    return ConversationEvent(kind, **fields)
+
+
+def test_transcript_puts_reasoning_and_tool_calls_in_panels():
+    from localmoe.server.turn import TurnResult
+
+    t = Transcript()
+    t.user("list it")
+    for piece in ("let me ", "look"):
+        t.apply(_event("reasoning", text=piece), "max")
+    t.apply(_event("content", text="Listing."), "max")
+    call = ToolCall("list_dir", {"path": "."}, id="call_1")
+    t.apply(_event("turn_done", turn=TurnResult(content="Listing.", completion_tokens=10, seconds=2.0,
+                                                  time_to_first_token=0.5, reasoning_tokens=4)), "max")
+    t.apply(_event("tool_call", tool_call=call), "max")
+    t.apply(_event("tool_result", tool_call=call, result="a.txt\nb/", approved=True), "max")
+    t.apply(_event("content", text="Two entries."), "max")
+    roles = [(m["role"], m.get("metadata", {}).get("title")) for m in t.messages]
+    assert roles == [("user", None), ("assistant", "Reasoning"), ("assistant", None),
+                     ("assistant", "Tool call list_dir: approved, ran"), ("assistant", None)]
+    assert t.messages[1]["content"] == "let me look" and t.messages[1]["metadata"]["status"] == "done"
+    assert '"path": "."' in t.messages[3]["content"] and "a.txt\nb/" in t.messages[3]["content"]
+    assert t.messages[4]["content"] == "Two entries."  # the turn after the tool result has its own bubble
+    assert "10 tokens in 2.00 s (5.0 tok/s)" in t.last_turn and "budget max" in t.last_turn
+
+
+def test_transcript_marks_a_denied_call_and_shows_no_output():
+    t = Transcript()
+    call = ToolCall("run_command", {"command": "rm -rf x"}, id="call_2")
+    t.apply(_event("tool_call", tool_call=call), "high")
+    assert t.messages[0]["metadata"] == {"title": "Tool call run_command: waiting for approval", "status": "pending"}
+    t.apply(_event("tool_result", tool_call=call, result="The user denied this", approved=False), "high")
+    assert t.messages[0]["metadata"] == {"title": "Tool call run_command: denied, not run", "status": "done"}
+    assert "Output" not in t.messages[0]["content"]
+
+
+def test_gate_waits_for_a_decision_from_another_thread():
+    async def scenario():
+        gate = ApprovalGate()
+        assert gate.decide(True) is False  # nothing waiting
+        call = ToolCall("read_file", {"path": "x"})
+        waiting = asyncio.ensure_future(gate.ask(call))
+        await asyncio.sleep(0.01)
+        assert gate.call is call and not waiting.done()
+        threading.Thread(target=gate.decide, args=(False,)).start()
+        assert await asyncio.wait_for(waiting, 5) is False
+        assert gate.call is None
+        second = asyncio.ensure_future(gate.ask(call))
+        await asyncio.sleep(0.01)
+        gate.decide(True)
+        return await asyncio.wait_for(second, 5)
+
+    assert asyncio.run(scenario()) is True
+
+
+def test_live_history_samples_at_most_once_per_interval():
+    now = [0.0]
+    history = LiveHistory(min_interval=1.0, clock=lambda: now[0])
+    calls = []
+
+    def snapshot():
+        calls.append(now[0])
+        return {"tokens_per_second": 10.0 * len(calls), "window_tokens_per_second": 1.0,
+                "tier_hit_rates": {"ram": 0.5, "gpu": 0.25}}
+
+    for t in (0.0, 0.4, 1.2, 1.5, 2.3):
+        now[0] = t
+        history.sample(snapshot)
+    assert calls == [0.0, 1.2, 2.3]
+    speed = history.throughput()
+    assert list(speed[speed.series == "last turn"].tokens_per_second) == [10.0, 20.0, 30.0]
+    rates = history.hit_rates()
+    assert len(rates) == 6 and set(rates.tier) == {"ram", "gpu"}
+    assert list(rates[rates.tier == "gpu"].seconds) == [0.0, 1.2, 2.3]
+
+
+# ---- one tab's chat over a real Service ----
+
+def test_command_rejects_a_bad_port_before_loading_anything():
+    from click.testing import CliRunner
+
+    from localmoe.commands.web import command
+
+    result = CliRunner().invoke(command, ["--port", "70000"])
+    assert result.exit_code == 1 and "--port must be between 1 and 65535, not 70000" in result.output
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.server.service import ServerConfig, Service
+
+    loaded = load_model(None, EngineConfig(threads=1), progress=False)
+    svc = Service(loaded, ServerConfig(sessions_path=tmp_path_factory.mktemp("web") / "sessions.db", threads=1))
+    svc.start()
+    yield svc
+    svc.stop()
+
+
+async def _send_deciding(session, text: str, decisions: list[bool]) -> list:
+    """Send `text`; answer each approval request with the next decision; returns the gate's calls."""
+    asked = []
+    async for _ in session.send(text):
+        if session.gate.call is not None and session.gate.call not in asked:
+            asked.append(session.gate.call)
+            session.gate.decide(decisions[len(asked) - 1])
+    return asked
+
+
+@pytest.mark.slow
+def test_approved_call_runs_and_denied_call_never_does(service, tmp_path):
+    from localmoe.ui.conversation import DENIED
+    from localmoe.ui.web.session import WebSession
+
+    from localmoe.chat.tools import ToolRunner
+
+    (tmp_path / "planted-7319.txt").write_text("x")
+    session = WebSession(service, tmp_path, budget="low", max_tokens=64)
+    runs = []
+    run = session.conversation.runner.run
+    session.conversation.runner.run = lambda call: runs.append(call) or run(call)  # records every run
+
+    session.conversation.tool_choice = "list_dir"  # forces a call on the next model turn
+    asked = asyncio.run(_send_deciding(session, "What files are here?", [True]))
+    assert [c.name for c in asked] == ["list_dir"] and runs == asked
+    tool_messages = [m for m in session.conversation.messages if m.role == "tool"]
+    assert [m.content for m in tool_messages] == [ToolRunner(tmp_path).run(asked[0])]  # its output went back
+    card = next(m for m in session.transcript.messages if "list_dir" in m.get("metadata", {}).get("title", ""))
+    assert card["metadata"]["title"].endswith("approved, ran") and "Output:" in card["content"]
+
+    session.conversation.tool_choice = "run_command"
+    asked = asyncio.run(_send_deciding(session, "Run something.", [False]))
+    assert [c.name for c in asked] == ["run_command"]
+    assert [c.name for c in runs] == ["list_dir"]  # the denied call never reached the runner
+    assert any(m.role == "tool" and m.content == DENIED for m in session.conversation.messages)
+    denied = [m for m in session.transcript.messages if "run_command" in m.get("metadata", {}).get("title", "")]
+    assert denied[-1]["metadata"]["title"].endswith("denied, not run")
+    stored = service.sessions.messages(session.conversation.session_id)
+    assert any(m.role == "tool" and m.content == DENIED for m in stored)  # the model is told, durably
+
+
+# ---- the real page in headless Chromium ----
+
+def _browser() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def web_server(tmp_path_factory):
+    """`localmoe web` in a subprocess on a free 127.0.0.1 port."""
+    import httpx
+
+    directory = tmp_path_factory.mktemp("web-server")
+    port = _free_port()
+    log = directory / "web.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_TEMP_DIR": str(directory / "uploads"),
+           "GRADIO_ANALYTICS_ENABLED": "False"}
+    args = [sys.executable, "-m", "localmoe.ui.web", "--port", str(port), "--threads", "1", "--max-tokens", "16",
+            "--sessions", str(directory / "sessions.db"), "--workdir", str(directory), "--no-tools"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"localmoe web exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"localmoe web did not answer within {STARTUP_TIMEOUT:.0f} s:\n"
+                                   f"{log.read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield url, directory
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def page(web_server):
+    executable = _browser()
+    if executable is None:
+        pytest.skip("no Chromium found (install Debian's chromium package: .ci/browser.sh)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests drive Chromium with playwright")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.goto(web_server[0])
+        tab.wait_for_selector("#message textarea")
+        yield tab
+        browser.close()
+
+
+BOT = '#chat [data-testid="bot"]'
+
+
+def _bot_texts(page) -> list[str]:
+    """The raw markdown of each assistant message (Gradio puts it in the aria-label)."""
+    return page.eval_on_selector_all(BOT, "els => els.map(e => e.getAttribute('aria-label') || '')")
+
+
+def _send_and_watch(page, text: str) -> list[str]:
+    """Send `text`; return every distinct state of the newest assistant message until the turn ends."""
+    before = len(_bot_texts(page))
+    status_before = page.inner_text("#turn-status")
+    page.fill("#message textarea", text)
+    page.press("#message textarea", "Enter")
+    states: list[str] = []
+    deadline = time.monotonic() + REPLY_TIMEOUT / 1000
+    while time.monotonic() < deadline:
+        texts = _bot_texts(page)
+        if len(texts) > before and (not states or texts[-1] != states[-1]):
+            states.append(texts[-1])
+        status = page.inner_text("#turn-status")
+        if status and status != status_before and len(texts) > before:
+            return states
+        time.sleep(0.05)
+    raise AssertionError(f"no finished reply to {text!r} within {REPLY_TIMEOUT / 1000:.0f} s; states {states}")
+
+
+@pytest.mark.slow
+def test_page_streams_a_reply_that_matches_the_stored_session(page, web_server):
+    from localmoe.chat.sessions import SessionStore
+
+    page.click("#model-panel button")
+    assert "llama" in page.inner_text("#model-info")  # the inspector's architecture line, from the GGUF
+    states = _send_and_watch(page, "Name three colours.")
+    final = states[-1].removeprefix("bot's message: ")
+    lengths = [len(s) for s in states]
+    assert len(states) >= 2 and lengths == sorted(lengths), f"the reply did not grow while streaming: {states}"
+    store = SessionStore(web_server[1] / "sessions.db")
+    try:
+        (info,) = store.list()
+        stored = [m for m in store.messages(info.id) if m.role == "assistant"]
+    finally:
+        store.close()
+    assert stored and final.strip() == stored[-1].content.strip()
+    status = page.inner_text("#turn-status")
+    tokens = int(re.match(r"(\d+) tokens", status).group(1))
+    assert 1 <= tokens <= 16 and "budget high" in status  # --max-tokens 16, the default budget
+
+
+@pytest.mark.slow
+def test_budget_change_reaches_the_next_turn(page):
+    page.click("#budget input")
+    page.get_by_role("option", name="low", exact=True).click()
+    page.wait_for_timeout(300)
+    _send_and_watch(page, "Say hi.")
+    assert "budget low" in page.inner_text("#turn-status")
+
+
+@pytest.mark.slow
+def test_uploaded_file_answers_a_question_and_is_cited(page, tmp_path):
+    fact = "The harbour gate code is 4471-KESTREL."
+    filler = [f"Line {i}: the harbour log records routine weather and tides." for i in range(1, 40)]
+    document = tmp_path / "harbour-notes.txt"
+    document.write_text("\n".join(filler[:20] + [fact] + filler[20:]) + "\n")
+    page.set_input_files("#documents input[type=file]", str(document))
+    page.wait_for_function("() => document.querySelector('#turn-status').innerText.includes('harbour-notes.txt')",
+                           timeout=30_000)
+    before = len(_bot_texts(page))
+    page.fill("#message textarea", "What is the harbour gate code?")
+    page.press("#message textarea", "Enter")
+    page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
+                           "document.querySelector('#turn-status').innerText.includes('answered from')",
+                           timeout=REPLY_TIMEOUT)
+    texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
+    panel = next(t for t in texts if "harbour-notes.txt" in t)  # the Sources panel names the uploaded file
+    fact_line = len(filler[:20]) + 1  # 1-based line of the planted fact
+    spans = [(int(lo), int(hi or lo)) for lo, hi in re.findall(r"harbour-notes\.txt\*\*, lines? (\d+)(?:-(\d+))?", panel)]
+    assert any(lo <= fact_line <= hi for lo, hi in spans), f"no citation covers line {fact_line}: {panel}"
+    assert "4471-KESTREL" in panel  # the passage quoted is the planted fact, found in the file
+    page.locator("#chat").get_by_text("Sources", exact=True).click()  # open the collapsed Sources panel
+    page.wait_for_function("() => document.querySelector('#chat').innerText.includes('closest to the question')",
+                           timeout=10_000)
+    page.wait_for_timeout(500)  # the panel's opening animation
+    shot = tmp_path / "web.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if os.environ.get("LOCALMOE_SAVE_SCREENSHOTS"):  # refresh the picture in docs/
+        shutil.copy(shot, REPO / "docs" / "images" / "web.png")

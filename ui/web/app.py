@@ -1,0 +1,181 @@
+"""The Gradio Blocks app: chat with a reasoning accordion, budget dropdown, tools toggle with
+Approve/Deny for a pending call, document upload, live plots and a model-info panel.
+
+Each browser tab gets a `WebSession` (keyed by Gradio's session hash); every tab shares the
+one `Service`, so all prompt, tool and session logic is the Conversation's, not the page's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import gradio as gr
+from localmoe.ui.web.live import LiveHistory
+from localmoe.ui.web.model_info import model_markdown
+from localmoe.ui.web.session import WebSession
+from localmoe.ui.web.transcript import call_arguments, fenced
+
+from localmoe.chat.format import REASONING_EFFORTS
+
+DOCUMENT_TYPES = [".txt", ".md", ".rst", ".csv", ".json", ".html", ".htm", ".pdf", ".docx", ".xlsx", ".pptx", ".py"]
+CSS = """
+#approval { border: 2px solid var(--color-accent); }
+#turn-status, #live-status { font-size: var(--text-sm); color: var(--body-text-color-subdued); }
+"""
+
+
+class WebApp:
+    """The page and the per-tab sessions behind it."""
+
+    def __init__(self, service, workdir: Path | None = None, budget: str = "high", tools_enabled: bool = True,
+                 max_tokens: int | None = None):
+        if budget not in REASONING_EFFORTS:
+            raise ValueError(f"budget must be one of {', '.join(REASONING_EFFORTS)}, not {budget!r}")
+        self.service = service
+        self.workdir = Path.cwd() if workdir is None else Path(workdir)
+        self.budget = budget
+        self.tools_enabled = tools_enabled
+        self.max_tokens = max_tokens  # per model turn; None: the service's default
+        self.sessions: dict[str, WebSession] = {}
+        self.history = LiveHistory()
+        self.last_turn = None  # the latest finished model turn of any tab: the status line's speed and TTFT
+
+    def session(self, request) -> WebSession:
+        key = getattr(request, "session_hash", None) or "default"
+        if key not in self.sessions:
+            self.sessions[key] = WebSession(self.service, self.workdir, self.budget, self.tools_enabled,
+                                                 self.max_tokens, on_turn=self._turn_finished)
+        return self.sessions[key]
+
+    def _turn_finished(self, turn) -> None:
+        self.last_turn = turn
+
+    def forget(self, request: gr.Request) -> None:
+        session = self.sessions.pop(getattr(request, "session_hash", None) or "default", None)
+        if session is not None:
+            session.close()
+
+    # ---- the page ----
+
+    def build(self) -> gr.Blocks:
+        with gr.Blocks(title=f"localmoe · {self.service.model_id}") as demo:
+            gr.Markdown(f"## localmoe · {self.service.model_id}")
+            with gr.Row():
+                with gr.Column(scale=3):
+                    chat = gr.Chatbot(elem_id="chat", label="Chat", height=480, buttons=["copy"],
+                                      feedback_options=None, placeholder="Ask something. Reasoning and tool calls "
+                                      "appear as collapsible panels above each answer.")
+                    with gr.Group(visible=False, elem_id="approval") as approval:
+                        approval_text = gr.Markdown(elem_id="approval-text")
+                        with gr.Row():
+                            approve = gr.Button("Approve and run", variant="primary", elem_id="approve")
+                            deny = gr.Button("Deny", variant="stop", elem_id="deny")
+                    with gr.Row():
+                        message = gr.Textbox(elem_id="message", show_label=False, scale=8, autofocus=True,
+                                             placeholder="Message (Enter sends)")
+                        send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    turn_status = gr.Markdown(elem_id="turn-status")
+                with gr.Column(scale=2):
+                    with gr.Row():
+                        budget = gr.Dropdown(list(REASONING_EFFORTS), value=self.budget, label="Thinking budget",
+                                             elem_id="budget", interactive=True)
+                        tools = gr.Checkbox(value=self.tools_enabled, label="Tools (each call asks first)",
+                                            elem_id="tools")
+                    new_chat = gr.Button("New chat", size="sm", elem_id="new-chat")
+                    documents = gr.File(file_count="multiple", file_types=DOCUMENT_TYPES, elem_id="documents",
+                                        label="Documents: while attached, messages are questions about them")
+                    live_status = gr.Markdown(elem_id="live-status")
+                    speed = gr.LinePlot(x="seconds", y="tokens_per_second", color="series", title="tokens/s",
+                                        height=180, x_title="seconds", y_title="tokens/s", elem_id="plot-speed")
+                    tiers = gr.LinePlot(x="seconds", y="hit_rate", color="tier", title="expert tier hit rate",
+                                        height=180, y_lim=[0, 1], x_title="seconds", y_title="hit rate",
+                                        elem_id="plot-tiers")
+                    with gr.Accordion("Model", open=False, elem_id="model-panel"):
+                        gr.Markdown(model_markdown(self.service), elem_id="model-info")
+            timer = gr.Timer(1.0)
+
+            async def respond(text: str, request: gr.Request):
+                session = self.session(request)
+                if not text.strip():
+                    yield self._view(session) + (text,)
+                    return
+                async for _ in session.send(text):
+                    yield self._view(session) + ("",)
+
+            outputs = [chat, approval, approval_text, turn_status, message]
+            for trigger in (message.submit, send.click):
+                trigger(respond, [message], outputs, concurrency_limit=None, show_progress="hidden")
+
+            def decide(approved: bool):
+                def handler(request: gr.Request):
+                    self.session(request).gate.decide(approved)
+                    return gr.update(visible=False)
+                return handler
+
+            approve.click(decide(True), None, [approval], concurrency_limit=None)
+            deny.click(decide(False), None, [approval], concurrency_limit=None)
+
+            def set_budget(value: str, request: gr.Request):
+                self.session(request).conversation.budget = value
+
+            def set_tools(value: bool, request: gr.Request):
+                self.session(request).conversation.tools_enabled = bool(value)
+
+            def set_documents(files, request: gr.Request):
+                session = self.session(request)
+                session.attach([Path(f) for f in (files or [])])
+                names = ", ".join(p.name for p in session.documents)
+                return f"Questions now go to {names}." if names else ""
+
+            def start_over(request: gr.Request):
+                session = self.session(request)
+                session.new_chat()
+                return [], gr.update(visible=False), ""
+
+            budget.change(set_budget, [budget], None)
+            tools.change(set_tools, [tools], None)
+            documents.change(set_documents, [documents], [turn_status])
+            new_chat.click(start_over, None, [chat, approval, turn_status])
+            chat.clear(start_over, None, [chat, approval, turn_status])
+            timer.tick(self._live, None, [live_status, speed, tiers], show_progress="hidden")
+            demo.unload(self.forget)
+        return demo
+
+    def _view(self, session: WebSession) -> tuple:
+        """Chat messages, approval card (shown while a call waits) and the last turn's line."""
+        call = session.gate.call
+        card = ""
+        if call is not None:
+            card = f"**The model wants to run `{call.name}`**\n\n" + fenced(call_arguments(call), "json")
+        return (copy.deepcopy(session.transcript.messages), gr.update(visible=call is not None), card,
+                session.transcript.last_turn)
+
+    def _live(self):
+        from localmoe.ui.stats import snapshot, status_line
+
+        def figures_now() -> dict:
+            figures = snapshot(self.service, self.last_turn)
+            figures["window_tokens_per_second"] = self.service.metrics.tokens_per_second()
+            return figures
+
+        figures = self.history.sample(figures_now)
+        return status_line(figures), self.history.throughput(), self.history.hit_rates()
+
+
+def theme():
+    """Gradio's default look with the system fonts: nothing is fetched from outside the machine."""
+    return gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
+
+
+def launch(app: WebApp, host: str = "127.0.0.1", port: int = 7860, block: bool = True):
+    """Serve the page; with block=False return (demo, url) and keep serving in the background."""
+    demo = app.build()
+    demo.queue(default_concurrency_limit=None)
+    _, url, _ = demo.launch(server_name=host, server_port=port, share=False, inbrowser=False, quiet=True,
+                            prevent_thread_lock=True, ssr_mode=False, theme=theme(), css=CSS,
+                            footer_links=["settings"])
+    if block:
+        print(f"localmoe web: serving on {url}", flush=True)
+        demo.block_thread()
+    return demo, url

@@ -1,0 +1,105 @@
+"""One browser tab's chat: a shared `Conversation`, its approval gate and the chat pane.
+
+`send` answers a user message and yields after every change the page should show. With
+documents attached, the message is a question about them and goes to
+`localmoe.documents.answer`; otherwise it goes to the Conversation, which streams the
+model's turns and pauses at each tool call until the user clicks Approve or Deny.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from localmoe.ui.web.approval import ApprovalGate
+from localmoe.ui.web.documents import answer_documents
+from localmoe.ui.web.transcript import Transcript
+
+_END = object()  # marks the end of the conversation's events in the queue
+
+
+class WebSession:
+    """Per-tab state: conversation, approval gate, attached documents, chat pane."""
+
+    def __init__(self, service, workdir: Path, budget: str = "high", tools_enabled: bool = True,
+                 max_tokens: int | None = None, on_turn=None):
+        from localmoe.ui.conversation import Conversation
+
+        self.service = service
+        self.workdir = Path(workdir)
+        self.conversation = Conversation(service, tools_enabled=tools_enabled, workdir=self.workdir, budget=budget,
+                                         max_tokens=max_tokens)
+        self.gate = ApprovalGate()
+        self.transcript = Transcript()
+        self.documents: list[Path] = []
+        self.busy = False
+        self.max_tokens = max_tokens
+        self.on_turn = on_turn  # called with each finished model turn's TurnResult (the app's live figures)
+
+    def attach(self, paths: list[Path]) -> None:
+        """Documents the next questions are about ([] detaches); search_documents searches them too."""
+        self.documents = [Path(p) for p in paths]
+        self.conversation.runner.document_paths = list(self.documents) or [self.conversation.runner.workdir]
+
+    def new_chat(self) -> None:
+        self.gate.deny_pending()
+        self.conversation.new_session()
+        self.transcript.clear()
+
+    def close(self) -> None:
+        self.gate.deny_pending()
+
+    async def send(self, text: str) -> AsyncIterator[None]:
+        """Answer `text`; yields whenever `transcript` or `gate.call` changed."""
+        if self.busy:
+            self.transcript.note("Still answering the previous message; wait for it to finish.", title="Busy")
+            yield
+            return
+        self.busy = True
+        try:
+            self.transcript.user(text)
+            yield
+            if self.documents:
+                async for _ in answer_documents(self.service, self.documents, text, self.conversation.budget,
+                                                self.transcript, self.max_tokens):
+                    yield
+            else:
+                async for _ in self._chat(text):
+                    yield
+        finally:
+            self.busy = False
+
+    async def _chat(self, text: str) -> AsyncIterator[None]:
+        # The conversation runs in its own task: while it awaits the user's approval this
+        # generator must keep yielding, so the page can show the pending call and its buttons.
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def approve(call) -> bool:
+            await events.put("approval")
+            return await self.gate.ask(call)
+
+        async def pump() -> None:
+            try:
+                async for event in self.conversation.send(text, approve):
+                    await events.put(event)
+            except Exception as e:  # noqa: BLE001 - shown in the chat instead of breaking the page
+                await events.put(e)
+            finally:
+                await events.put(_END)
+
+        budget = self.conversation.budget
+        task = asyncio.ensure_future(pump())
+        try:
+            while (item := await events.get()) is not _END:
+                if isinstance(item, Exception):
+                    self.transcript.note(f"{type(item).__name__}: {item}", title="Error")
+                elif item != "approval":
+                    self.transcript.apply(item, budget)
+                    if item.kind == "turn_done" and item.turn is not None and self.on_turn is not None:
+                        self.on_turn(item.turn)
+                yield
+        finally:
+            self.gate.deny_pending()
+            if not task.done():
+                task.cancel()
