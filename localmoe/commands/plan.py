@@ -29,11 +29,14 @@ def command(store, ram, gpu_mem, trace_path):
     slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
     budget = parse_size(ram, total)
     gpu_budget = parse_size(gpu_mem, total)
-    slots = budget // slot
+    experts = total // slot
+    slots = min(budget // slot, experts)  # a budget beyond the model holds every expert, no more
     bw = measure(packed)
     click.echo(f"{packed.path.name}: {total / 1e9:.2f} GB of experts, {total // slot} x {slot / 2**20:.2f} MiB; "
                f"{len(packed.layers())} MoE layers, top-{spec.num_experts_per_tok} of {spec.num_experts}")
-    click.echo(f"RAM tier: {slots} slots = {slots * slot / 1e9:.2f} GB ({slots * slot / total:.0%} of the experts)")
+    fits = " (every expert fits: only first reads miss)" if slots == experts else ""
+    click.echo(f"RAM tier: {slots} slots = {slots * slot / 1e9:.2f} GB ({slots * slot / total:.0%} of the experts)"
+               + fits)
     if gpu_budget and bw.pcie:
         click.echo(f"GPU tier: {gpu_budget // slot} slots per GPU")
     elif gpu_budget:
