@@ -62,10 +62,18 @@ class ModelSpec:
     expert_act: str = "swiglu"  # "swiglu" | "gpt_oss_swiglu" (clamped, biased) | "situ" (Kimi K3)
     swiglu_limit: float = 7.0  # gpt_oss_swiglu clamp
     swiglu_alpha: float = 1.702  # gpt_oss_swiglu sigmoid slope
+    # GLM-5-Next `swiglu_limit`: every SwiGLU (dense MLP, shared and routed experts) clamps the gate
+    # to <= glu_limit and up to [-glu_limit, glu_limit] before silu(gate) * up; 0 = no clamp
+    glu_limit: float = 0.0
     situ_beta: float = 4.0  # K3 SiTU-GLU: situ_beta*tanh(g/situ_beta)*sigmoid(g) * ... (activation_situ_beta)
     situ_linear_beta: float = 25.0  # ... * situ_linear_beta*tanh(u/situ_linear_beta) (activation_situ_linear_beta)
     # K3 attention residuals (engine/attn_res.py): layers per stored block; 0 = plain residual adds
     attn_res_block_size: int = 0
+    # GLM-5-Next manifold hyper-connections (engine/hyper_connections.py): hc_mult residual streams
+    # mixed around every sublayer; 0 = plain residual adds
+    hc_mult: int = 0
+    hc_eps: float = 1e-6  # floor added to the pre / comb weights and to the Sinkhorn denominators
+    hc_sinkhorn_iters: int = 20
     sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
     # KDA layers (engine/kda.py: KDAConfig.spec_fields / from_spec)
     kda_num_heads: int = 0
@@ -82,6 +90,7 @@ class ModelSpec:
     v_head_dim: int = 0
     mla_output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
     mla_use_nope: bool = False
+    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm epsilon (GLM-5-Next: rms_norm_eps)
     # Qwen3-Next full attention: RoPE on the first partial_rotary_factor * head_dim dims of each
     # head; q_proj twice as wide ([query; gate] per head), output * sigmoid(gate)
     partial_rotary_factor: float = 1.0
@@ -97,6 +106,11 @@ class ModelSpec:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # GLM-5-Next k-pool indexer (engine/kpool_indexer.py): index keys are scored in pools of
+    # index_kpool consecutive tokens (0 = per token, DeepSeek); the query's incomplete pool is
+    # appended raw when index_kpool_tail (`index_kpool_always_select_tail`)
+    index_kpool: int = 0
+    index_kpool_tail: bool = True
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -158,9 +172,11 @@ class ModelSpec:
         """
         gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
         mla = (self.kv_lora_rank + self.qk_rope_head_dim, 1)
-        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/index_cache.py)
-        index_blocks = -(-self.index_head_dim // 128) if self.index_head_dim else 0
-        dsa = (mla[0] + self.index_head_dim, 1 + index_blocks)
+        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/index_cache.py);
+        # k-pool indexers also keep each token's pool-gate logits, as many again
+        index_dim = self.index_head_dim * (2 if self.index_kpool else 1)
+        index_blocks = -(-index_dim // min(128, index_dim)) if index_dim else 0
+        dsa = (mla[0] + index_dim, 1 + index_blocks)
         per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": mla, "dsa": dsa, "kda": (0, 0),
                     "gated_delta": (0, 0)}
         values = sum(per_kind[kind][0] for kind in self.layer_kinds)

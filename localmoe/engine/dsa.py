@@ -1,8 +1,9 @@
 """DSA: DeepSeek sparse attention = MLA (engine/mla.py) attending only to the `index_topk`
 cached tokens the lightning indexer (engine/indexer.py) picks for each query.
 
-- the cache is a `DSACache` (engine/index_cache.py): MLA latent rows + one index key per token.
-- while a query sees at most index_topk tokens, nothing is dropped: plain (causal) MLA.
+- the cache is a `DSACache` (engine/index_cache.py): MLA latent rows + one index key per token
+  (GLM-5-Next's k-pool indexer, engine/kpool_indexer.py: the key and its pool-gate logits).
+- while no query can lose a token (`indexer.dense_context`), nothing is dropped: plain (causal) MLA.
 - decode (T <= GATHER_MAX_T): the selected latent rows are gathered, [B, T, k, r + rope], and the
   absorbed attention runs over those k rows only, so its cost stops growing with the context.
 - prefill: a [B, T, S] mask of the selected tokens joins the causal mask (same result).
@@ -15,6 +16,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.index_cache import DSACache
 from localmoe.engine.indexer import LightningIndexer
+from localmoe.engine.kpool_indexer import KPoolIndexer
 from localmoe.engine.mla import MLAConfig, MLAttention
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
@@ -38,15 +40,16 @@ class DSAttention(MLAttention):
             raise LocalMoEError(f"{spec.model_type}: DSA layers need index_n_heads, index_head_dim and index_topk "
                                 "from config.json")
         layer = super().from_weights(spec, weights, prefix, dtype, c)
-        layer.indexer = LightningIndexer.from_weights(weights, prefix + "self_attn.indexer.", spec.hidden_size,
-                                                      c.q_lora_rank, spec.index_n_heads, spec.index_head_dim,
-                                                      c.qk_rope_head_dim, spec.index_topk, dtype)
+        args = (weights, prefix + "self_attn.indexer.", spec.hidden_size, c.q_lora_rank, spec.index_n_heads,
+                spec.index_head_dim, c.qk_rope_head_dim, spec.index_topk, dtype)
+        layer.indexer = (KPoolIndexer.from_weights(*args, pool=spec.index_kpool, tail=spec.index_kpool_tail)
+                         if spec.index_kpool else LightningIndexer.from_weights(*args))
         layer.record_selection, layer.last_selection = False, None
         return layer
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DSACache:
         """Latent rows and index keys, both in the K/V cache `dtype` (fp8: one scale per row / key block)."""
-        return DSACache(batch, max_len, self.config.row_dim, self.indexer.head_dim, dtype)
+        return DSACache(batch, max_len, self.config.row_dim, self.indexer.cache_dim, dtype)
 
     def nbytes(self) -> int:
         return super().nbytes() + self.indexer.nbytes()
@@ -56,12 +59,12 @@ class DSAttention(MLAttention):
         T = x.shape[1]
         q_nope, q_rope, q_resid = self.queries_and_resid(x, step)
         rows = cache.latent.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
-        keys = cache.index.update(step.start, self.indexer.keys(x, step))  # [B, S, Di]
+        keys = cache.index.update(step.start, self.indexer.keys(x, step))  # [B, S, cache_dim]
         S = rows.shape[1]
-        if S <= self.indexer.top_k and not self.record_selection:  # every query sees <= top_k tokens
+        if S <= self.indexer.dense_context and not self.record_selection:  # nothing would be dropped
             return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
         q_index, w = self.indexer.queries(x, q_resid, step)
-        selected = self.indexer.select(q_index, w, keys, step.start)  # [B, T, k], -1 pads
+        selected = self.indexer.select(q_index, w, keys, step)  # [B, T, k], -1 pads
         if self.record_selection:
             self.last_selection = selected
         if T <= GATHER_MAX_T:

@@ -48,13 +48,25 @@ class LightningIndexer:
                    get("k_norm.bias", head_dim), Linear(get("weights_proj.weight", heads, hidden), None, "float32"),
                    heads, head_dim, rope_dim, top_k)
 
+    @property
+    def cache_dim(self) -> int:
+        """Values the index cache keeps per token (one key)."""
+        return self.head_dim
+
+    @property
+    def dense_context(self) -> int:
+        """Up to this many cached tokens nothing is dropped: every query attends to all it sees."""
+        return self.top_k
+
     def nbytes(self) -> int:
         return (self.wq_b.nbytes() + self.wk.nbytes() + self.weights_proj.nbytes() + self.k_norm_weight.nbytes
                 + self.k_norm_bias.nbytes)
 
     def _rotate(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [B, T, H, Di]: half-split RoPE on the first rope_dim dims."""
+        """x [B, T, H, Di]: half-split RoPE on the first rope_dim dims (none under NoPE: GLM-5-Next)."""
         r = self.rope_dim
+        if r == 0:
+            return x
         return torch.cat([apply_rope(x[..., :r], step.cos, step.sin), x[..., r:]], dim=-1)
 
     def keys(self, x: torch.Tensor, step: Step) -> torch.Tensor:
@@ -68,9 +80,9 @@ class LightningIndexer:
         q = self._rotate(self.wq_b(q_resid).view(B, T, self.heads, self.head_dim), step)
         return q, self.weights_proj(x) * self.weight_scale
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, start: int) -> torch.Tensor:
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, step: Step) -> torch.Tensor:
         """q [B, T, Hi, Di], w [B, T, Hi], keys [B, S, Di] -> indices [B, T, top_k] (-1 pads); query t of this
-        step sits at cache position start + t and sees positions <= it."""
+        step sits at cache position step.start + t and sees positions <= it (padding is masked later)."""
         B, T = q.shape[:2]
-        positions = torch.arange(start, start + T, device=q.device).expand(B, T)
+        positions = torch.arange(step.start, step.start + T, device=q.device).expand(B, T)
         return topk_select(q, w, keys, positions, self.top_k)

@@ -64,7 +64,8 @@ class MLAConfig:
         """The ModelSpec fields that carry this config (`from_spec` reads them back; num_heads is spec.num_heads)."""
         return {"q_lora_rank": self.q_lora_rank or 0, "kv_lora_rank": self.kv_lora_rank,
                 "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "v_head_dim": self.v_head_dim, "mla_output_gate": self.output_gate, "mla_use_nope": self.use_nope}
+                "v_head_dim": self.v_head_dim, "mla_output_gate": self.output_gate, "mla_use_nope": self.use_nope,
+                "mla_norm_eps": self.norm_eps}
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> MLAConfig:
@@ -73,7 +74,7 @@ class MLAConfig:
             return cls(num_heads=spec.num_heads, q_lora_rank=spec.q_lora_rank or None,
                        kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
                        qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
-                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope,
+                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope, norm_eps=spec.mla_norm_eps,
                        scale_factor=1.0 if spec.mla_use_nope else yarn_scale_factor(spec.rope_scaling))
         except AttributeError as e:
             raise LocalMoEError(f"{spec.model_type}: ModelSpec lacks the MLA fields ({e})") from None

@@ -1,4 +1,5 @@
-"""Dense gated MLP (SwiGLU, GeGLU, K3's SiTU-GLU) with gate and up projections fused into one matrix."""
+"""Dense gated MLP (SwiGLU, GeGLU, K3's SiTU-GLU, GLM-5-Next's clamped SwiGLU) with gate and up
+projections fused into one matrix."""
 
 from __future__ import annotations
 
@@ -21,12 +22,20 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_bet
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
 
 
+def clamped_glu(gate: torch.Tensor, up: torch.Tensor, act, limit: float) -> torch.Tensor:
+    """GLM-5-Next: act(min(gate, limit)) * clamp(up, -limit, limit) (`swiglu_limit`)."""
+    return act(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
 def glu_for(spec, name: str | None = None) -> GLU:
-    """The (gate, up) -> hidden function of activation `name` (default `spec.hidden_act`)."""
+    """The (gate, up) -> hidden function of activation `name` (default `spec.hidden_act`), clamped
+    at `spec.glu_limit` when that is set."""
     name = name or spec.hidden_act
     if name == "situ":
         return functools.partial(situ_glu, beta=spec.situ_beta, linear_beta=spec.situ_linear_beta)
     act = ACTIVATIONS[name]
+    if spec.glu_limit:
+        return functools.partial(clamped_glu, act=act, limit=spec.glu_limit)
     return lambda gate, up: act(gate) * up
 
 

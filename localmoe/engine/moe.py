@@ -11,7 +11,8 @@ then weights are renormalised (optional) and multiplied by `routed_scaling_facto
 The block asks its `ExpertProvider` for experts by (layer, expert id); see experts.py.
 Families describe their routing and expert activation with ModelSpec fields named after
 their HF config keys (`scoring_func`, `norm_topk_prob`, `routed_scaling_factor`, `n_group`,
-`topk_group`, `expert_act`, `swiglu_limit`, `swiglu_alpha`), read in `MoEBlock.from_weights`.
+`topk_group`, `expert_act`, `swiglu_limit`, `swiglu_alpha`; `glu_limit`: GLM-5-Next's clamped
+SwiGLU), read in `MoEBlock.from_weights`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alp
 def expert_activation(spec) -> Activation:
     kind = spec.expert_act
     if kind == "swiglu":
-        return swiglu
+        return glu_for(spec, "silu") if spec.glu_limit else swiglu  # GLM-5-Next clamps (swiglu_limit)
     if kind == "gpt_oss_swiglu":
         return functools.partial(gpt_oss_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
     if kind == "situ":

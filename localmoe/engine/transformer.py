@@ -1,7 +1,8 @@
 """The decoder-only transformer, assembled per layer from the kinds a ModelSpec lists.
 
-Each layer is (norm, mixer, norm, MLP) with plain residual adds (Kimi K3: attention
-residuals instead, engine/attn_res.py, when `spec.attn_res_block_size` is set); the mixer is chosen by
+Each layer is (norm, mixer, norm, MLP) with plain residual adds, or a residual scheme that
+runs the layers itself: Kimi K3's attention residuals (engine/attn_res.py, `spec.attn_res_block_size`)
+or GLM-5-Next's hyper-connections (engine/hyper_connections.py, `spec.hc_mult`); the mixer is chosen by
 `spec.layer_kinds[i]` from MIXERS and the MLP by `spec.mlp_kinds[i]` from MLPS. A new
 layer kind is a class with `from_weights(spec, weights, prefix, dtype)`, `new_cache(batch,
 max_len)`, `nbytes()` and `__call__(x, step, cache)`, registered here.
@@ -19,6 +20,7 @@ from localmoe.engine.cache import ModelCache
 from localmoe.engine.dsa import DSAttention
 from localmoe.engine.experts import ExpertProvider
 from localmoe.engine.gated_deltanet import GatedDeltaNet
+from localmoe.engine.hyper_connections import HyperConnections
 from localmoe.engine.kda import KimiDeltaAttention
 from localmoe.engine.linear import make_linear
 from localmoe.engine.mla import MLAttention
@@ -92,7 +94,11 @@ class Transformer:
             mixer = self.layers[-1][1]
             if config.sparse_topk is not None and hasattr(mixer, "sparse_topk") and not isinstance(mixer, DSAttention):
                 mixer.sparse_topk = config.sparse_topk  # dense MLA/GQA only: DSA layers select with their indexer
-        self.residuals = AttentionResiduals.from_weights(spec, weights) if spec.attn_res_block_size else None
+        self.residuals = None  # or a scheme with run(x, attn, mlp) -> [B, T, D] and nbytes()
+        if spec.attn_res_block_size:
+            self.residuals = AttentionResiduals.from_weights(spec, weights)
+        elif spec.hc_mult:
+            self.residuals = HyperConnections.from_weights(spec, weights)
         if experts is not None:
             self.use_experts(experts)
         if any(block.experts is None for block in self.moe_blocks()):

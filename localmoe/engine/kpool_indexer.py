@@ -1,0 +1,138 @@
+"""GLM-5-Next's k-pool indexer: DSA's lightning indexer (engine/indexer.py) scoring POOLS of
+`index_kpool` = P consecutive tokens instead of single tokens.
+
+Per token the cache keeps the index key k [Di] = LayerNorm(wk(x)) and its pool-gate logits
+g [Di] = index_kpool_compress_gate x (cache rows [k; g], 2 Di values). Pools start at a row's
+first real (non-padding) token: pool j holds tokens first + jP .. first + jP + P - 1 and is
+complete when all P are cached and real. Its key is a per-channel softmax-weighted mean:
+    K_j = sum_i softmax_i(g_i + ape_i) * k_i        (i over the pool, ape = index_kpool_compress_ape [P, Di])
+A query t scores each complete pool whose last token it sees, as DSA scores a token:
+    I[t, j] = sum_h w[t, h] * Hi^-0.5 * Di^-0.5 * relu(q[t, h] . K_j)
+keeps the best index_topk / P pools (torch.topk over the pools, ties as in kernels/topk_select)
+and attends to all their tokens, plus (`index_kpool_tail`, transformers'
+`index_kpool_always_select_tail`) the tokens of its own incomplete pool, the last
+(visible count mod P) it sees. So up to index_topk + P - 1 tokens; -1 pads. While every query
+sees fewer than index_topk + P tokens nothing is dropped (`dense_context`).
+
+Pooled keys are recomputed from the cached rows on every call: O(S Di), next to the
+O(S / P Hi Di) pool scoring. Caching the keys of completed pools would save that part.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.engine.indexer import LightningIndexer
+from localmoe.engine.linear import Linear
+from localmoe.engine.step import Step
+from localmoe.errors import CheckpointError, LocalMoEError
+
+
+def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys, gates [B, S, Di], ape [P, Di], valid [B, S] (False at padding) -> pooled keys [B, J, Di],
+    members [B, J, P] (token indices, -1 where absent), complete [B, J]; J = ceil(S / P) pools from each
+    row's first real token, cut after the last pool complete in some row."""
+    B, S, _ = keys.shape
+    P = ape.shape[0]
+    first = torch.where(valid.any(-1), valid.long().argmax(-1), S)  # [B]
+    J = -(-S // P)
+    members = first[:, None, None] + torch.arange(J * P, device=keys.device).view(1, J, P)
+    safe = members.clamp(max=S - 1)
+    present = (members < S) & valid.gather(1, safe.flatten(1)).view(B, J, P)
+    rows = torch.arange(B, device=keys.device)[:, None, None]
+    logits = (gates[rows, safe] + ape).masked_fill(~present[..., None], float("-inf"))
+    weights = logits.softmax(dim=2).nan_to_num()  # pools with no token present: all -inf -> 0
+    pooled = (weights * keys[rows, safe]).sum(2)
+    complete = present.all(-1)
+    keep = int(complete.any(0).sum())  # complete pools are a prefix of each row's pools
+    return pooled[:, :keep], members.masked_fill(~present, -1)[:, :keep], complete[:, :keep]
+
+
+def key_validity(step: Step, B: int, S: int) -> torch.Tensor:
+    """[B, S] bool: which cached positions hold real tokens. Padding is left padding, so the call's last
+    query of a row sees every real key (or, if it is padding itself, the row has none yet)."""
+    if step.mask is None:
+        return torch.ones(B, S, dtype=torch.bool)
+    valid = step.mask[:, -1, :S].expand(B, S)
+    return valid & step.valid[:, -1:] if step.valid is not None else valid
+
+
+class KPoolIndexer(LightningIndexer):
+    """A LightningIndexer (wq_b, wk, k_norm, weights_proj) plus the pool gate [Di, hidden] and ape [P, Di]."""
+
+    pool: int
+    tail: bool
+    gate: Linear
+    ape: torch.Tensor
+
+    @classmethod
+    def from_weights(cls, weights: dict[str, torch.Tensor], prefix: str, hidden: int, q_lora_rank: int, heads: int,
+                     head_dim: int, rope_dim: int, top_k: int, dtype: str, pool: int = 16,
+                     tail: bool = True) -> KPoolIndexer:
+        """The indexer's tensors plus `{prefix}index_kpool_compress_{gate,ape}`; `pool` = index_kpool."""
+        if pool < 1 or top_k % pool:
+            raise LocalMoEError(f"index_topk {top_k} must be a positive multiple of index_kpool {pool}")
+        layer = super().from_weights(weights, prefix, hidden, q_lora_rank, heads, head_dim, rope_dim, top_k, dtype)
+        for name, shape in (("gate", (head_dim, hidden)), ("ape", (pool, head_dim))):
+            t = weights[f"{prefix}index_kpool_compress_{name}"]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{prefix}index_kpool_compress_{name}: shape {tuple(t.shape)}, expected {shape}")
+        layer.gate = Linear(weights[prefix + "index_kpool_compress_gate"], None, dtype)
+        layer.ape = weights[prefix + "index_kpool_compress_ape"].float()
+        layer.pool, layer.tail = pool, tail
+        return layer
+
+    @property
+    def cache_dim(self) -> int:
+        return 2 * self.head_dim  # key, then pool-gate logits
+
+    @property
+    def dense_context(self) -> int:
+        if self.tail:
+            return self.top_k + self.pool - 1
+        return self.top_k if self.pool == 1 else 0  # without the tail the newest tokens are never all seen
+
+    @property
+    def width(self) -> int:
+        """Indices per query that `select` returns."""
+        return self.top_k + (self.pool - 1 if self.tail else 0)
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.gate.nbytes() + self.ape.nbytes
+
+    def keys(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [B, T, hidden] -> cache rows [B, T, 2 Di]: the index key, then the pool-gate logits."""
+        return torch.cat([super().keys(x, step), self.gate(x)], dim=-1)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, cached: torch.Tensor, step: Step) -> torch.Tensor:
+        """q [B, T, Hi, Di], w [B, T, Hi] (scaled), cached rows [B, S, 2 Di] -> token indices [B, T, width]
+        (-1 pads). A padding query keeps only its own position (its output is ignored, but stays finite)."""
+        B, T = q.shape[:2]
+        S, P, Di = cached.shape[1], self.pool, self.head_dim
+        valid = key_validity(step, B, S)
+        pooled, members, complete = pool_keys(cached[..., :Di], cached[..., Di:], self.ape, valid)
+        J = pooled.shape[1]
+        positions = torch.arange(step.start, step.start + T)  # cache positions of the queries
+        seen = complete[:, None, :] & (members[:, None, :, -1] <= positions[None, :, None])  # [B, T, J]
+        scores = torch.einsum("bth,bthj->btj", w, torch.einsum("bthd,bjd->bthj", q, pooled).relu())
+        scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
+        k = min(self.top_k // P, J)
+        chosen = scores.topk(k, dim=-1).indices  # [B, T, k]
+        tokens = members[torch.arange(B)[:, None, None], chosen]  # [B, T, k, P]
+        tokens = tokens.masked_fill(~seen.gather(-1, chosen)[..., None], -1).flatten(2)
+        parts = [tokens]
+        counts = valid.long().cumsum(-1)[:, positions]  # [B, T] real tokens each query sees
+        if self.tail and P > 1:
+            first = torch.where(valid.any(-1), valid.long().argmax(-1), S)
+            in_tail = counts % P
+            offsets = torch.arange(P - 1)
+            tail = (first[:, None] + counts - in_tail)[..., None] + offsets  # [B, T, P - 1]
+            parts.append(tail.masked_fill(offsets >= in_tail[..., None], -1))
+        out = torch.cat(parts, dim=-1)
+        out = torch.cat([out, out.new_full((B, T, self.width - out.shape[-1]), -1)], dim=-1)
+        if step.valid is not None:  # padding queries: themselves only
+            own = torch.full_like(out, -1)
+            own[..., 0] = positions
+            out = torch.where(step.valid[..., None], out, own)
+        return out
