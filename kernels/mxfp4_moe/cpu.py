@@ -1,21 +1,24 @@
-"""The CPU fast path: `mxfp4_cpu.cpp` (AVX2 + FMA, OpenMP), compiled on first use, loaded with ctypes.
+"""The CPU fast path: `mxfp4_cpu.cpp` (AVX2 + FMA), compiled on first use, loaded with ctypes.
 
 The source has a plain C ABI and no torch headers, so it builds with gcc/clang alone in about a
 second (a torch C++ extension took 2-3 minutes on the 2-core dev machine) and needs no ninja or
 Python headers. The shared object is cached in `$LOCALMOE_CACHE` (default ~/.cache/localmoe)
-under a hash of the source, flags and compiler, written atomically. The C code has no threads:
-each call splits the rows into `torch.get_num_threads()` contiguous ranges, runs all but one on
-a small thread pool and the last on the caller (ctypes releases the GIL). A row is always
-computed whole by one thread, so results do not depend on the thread count. (OpenMP inside the
-library, sharing torch's libgomp, was measured first: its spin-waiting made 2 threads 6x slower
-than 1 on a shared 2-core machine.) Where the CPU lacks AVX2/FMA, no compiler is found or the
-build fails, `library()` warns once and returns None and the dispatcher uses the reference.
+under a hash of the source, flags and compiler, written atomically. Each call runs on
+`torch.get_num_threads()` threads: the caller (ctypes releases the GIL) and the library's own
+persistent workers take chunks of rows from a shared counter. A row is always computed whole by
+one thread, so results do not depend on the thread count. (OpenMP inside the library, sharing
+torch's libgomp, was measured first: its spin-waiting made 2 threads 6x slower than 1 on a shared
+2-core machine; the Python thread pool used before split the rows statically, so a core busy
+with another process held every call up.) Where the CPU lacks AVX2/FMA, no compiler is found
+or the build fails, `library()` warns once and returns None and the dispatcher uses the reference.
 `LOCALMOE_NO_CPU_KERNEL=1` disables it silently.
 
 Why C++ and not torch: measured on a 2-core Zen 3 (docs/performance.md, "Kernels"), the
 reference's dequantise (a gather per byte) + fp32 F.linear is far from memory bandwidth for
 decode, and bf16 matmuls are slow without AVX512-BF16; decoding each 32-element block in
-registers and using it at once streams the weights.
+registers and using it at once streams the weights. The GEMV splits x into two int16 parts per
+32-element block (within ~2^-32 of the block's largest value, as exact as fp32 x) so that the
+block dot products are integer multiply-adds (mxfp4_cpu.cpp); `dequantize` is exact.
 """
 
 from __future__ import annotations
@@ -27,14 +30,12 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("mxfp4_cpu.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17")
-SPLIT_MIN_BYTES = 256 << 10  # below this much weight a call runs on one thread (a hand-off costs ~20 us)
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-pthread")
 _state: dict[str, object] = {}
 
 
@@ -87,33 +88,17 @@ def library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(str(_build()))
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.mxfp4_permute.argtypes = (ptr, i64, ptr)
-                lib.mxfp4_gemv.argtypes = (ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr)
-                lib.mxfp4_dequantize.argtypes = (ptr, ptr, i64, i64, ptr)
-                lib.mxfp4_permute.restype = lib.mxfp4_gemv.restype = lib.mxfp4_dequantize.restype = None
+                lib.mxfp4_gemv_scratch.argtypes = (i64, i64)
+                lib.mxfp4_gemv_scratch.restype = i64
+                lib.mxfp4_gemv.argtypes = (ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int)
+                lib.mxfp4_dequantize.argtypes = (ptr, ptr, i64, ptr, ctypes.c_int)
+                lib.mxfp4_gemv.restype = lib.mxfp4_dequantize.restype = None
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 lib, reason = None, f"build failed ({e})"
         if reason:
             warnings.warn(f"localmoe: MXFP4 CPU kernel unavailable, using the torch reference: {reason}", stacklevel=2)
         _state["lib"] = lib
     return _state["lib"]
-
-
-def _parallel(fn, total: int, nbytes: int, align: int = 8) -> None:
-    """fn(begin, end) over [0, total) in torch.get_num_threads() contiguous ranges (multiples of align)."""
-    threads = max(1, torch.get_num_threads())
-    if threads == 1 or nbytes < SPLIT_MIN_BYTES or total < 2 * align:
-        fn(0, total)
-        return
-    pool = _state.get("pool")
-    if pool is None or pool._max_workers != threads - 1:
-        pool = _state["pool"] = ThreadPoolExecutor(threads - 1, thread_name_prefix="localmoe-mxfp4")
-    step = -(-total // threads // align) * align
-    bounds = [(b, min(b + step, total)) for b in range(0, total, step)]
-    futures = [pool.submit(fn, b, e) for b, e in bounds[:-1]]
-    fn(*bounds[-1])
-    for f in futures:
-        f.result()
 
 
 def _check(x: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -126,14 +111,15 @@ def _check(x: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor) -
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [N, K] fp32 -> x W^T [N, O] fp32, straight from MXFP4 (packed [O, K/2], scales [O, K/32])."""
+    """x [N, K] fp32 -> x W^T [N, O] fp32, straight from MXFP4 (packed [O, K/2], scales [O, K/32]);
+    the same bits for a token whatever N and the thread count."""
     x, packed, scales = x.contiguous(), packed.contiguous(), scales.contiguous()
     _check(x, packed, scales)
     N, K, O = x.shape[0], x.shape[1], packed.shape[0]
-    lib, xp, y = library(), torch.empty_like(x), x.new_empty(N, O)
-    lib.mxfp4_permute(x.data_ptr(), x.numel(), xp.data_ptr())
-    args = (xp.data_ptr(), N, K, packed.data_ptr(), scales.data_ptr(), O)
-    _parallel(lambda o0, o1: lib.mxfp4_gemv(*args, o0, o1, y.data_ptr()), O, packed.nbytes)
+    lib, y = library(), x.new_empty(N, O)
+    scratch = torch.empty(lib.mxfp4_gemv_scratch(N, K), dtype=torch.uint8)
+    lib.mxfp4_gemv(x.data_ptr(), N, K, packed.data_ptr(), scales.data_ptr(), O, y.data_ptr(), scratch.data_ptr(),
+                   torch.get_num_threads())
     return y
 
 
@@ -142,7 +128,6 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     packed, scales = packed.contiguous(), scales.contiguous()
     _check(None, packed, scales)
     w = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
-    lib = library()
-    _parallel(lambda b0, b1: lib.mxfp4_dequantize(packed.data_ptr(), scales.data_ptr(), b0, b1, w.data_ptr()),
-              scales.numel(), packed.nbytes, align=64)
+    library().mxfp4_dequantize(packed.data_ptr(), scales.data_ptr(), scales.numel(), w.data_ptr(),
+                               torch.get_num_threads())
     return w

@@ -30,8 +30,6 @@ def _weights(O: int, K: int, seed: int, special: bool = False) -> tuple[torch.Te
 SHAPES = [pytest.param(96, 64, id="O96xK64"), pytest.param(67, 320, id="O67xK320"),
           pytest.param(5, 32, id="O5xK32"), pytest.param(300, 3584 // 7, id="O300xK512")]
 TOKENS = [1, 2, 3, 4, 5, 8, 13, 33, 63, 100]  # 100 > GEMV_MAX_TOKENS: the dequantise + sgemm path
-
-
 @needs_cpu_kernel
 @pytest.mark.parametrize("N", TOKENS, ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("O,K", SHAPES)
@@ -49,11 +47,20 @@ def test_grid_covers_both_cpu_paths():
 
 @needs_cpu_kernel
 def test_reference_matches_float64():
-    packed, scales = _weights(40, 256, seed=1)
-    x = torch.randn(7, 256, dtype=torch.float64)
+    """One token (the GEMV splits x into two int16 parts per block, ~2^-32 of the block's largest
+    value) and several (fp32 x) stay as close to float64 as the fp32 reference, with an outlier
+    1000x the rest and an odd number of blocks."""
+    packed, scales = _weights(40, 224, seed=1)
+    x = torch.randn(7, 224, dtype=torch.float64)
+    x[:, 9] *= 1000
     want = x @ dequantize(packed, scales, torch.float64).T
-    assert (naive_mxfp4_linear(x.float(), packed, scales).double() - want).norm() / want.norm() < 1e-6
-    assert (cpu.gemv(x.float(), packed, scales).double() - want).norm() / want.norm() < 1e-6
+
+    def err(got):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    assert err(naive_mxfp4_linear(x.float(), packed, scales)) < 1e-6
+    assert err(cpu.gemv(x.float(), packed, scales)) < 1e-6
+    assert err(torch.cat([cpu.gemv(row[None].float(), packed, scales) for row in x])) < 1e-6
 
 
 @needs_cpu_kernel
@@ -66,6 +73,16 @@ def test_cpu_special_scales_and_bias(N, close):
     got, want = mxfp4_moe.mxfp4_linear(x, packed, scales, bias), naive_mxfp4_linear(x, packed, scales, bias)
     assert got[:, 2].isnan().all() and not got[:, 0].isnan().any()
     close(got, want, 1e-5, "special")
+
+
+@needs_cpu_kernel
+def test_cpu_gemv_non_finite_activations():
+    """NaN or Inf in a token's x makes its outputs non-finite, as in the reference; other tokens keep theirs."""
+    packed, scales = _weights(12, 128, seed=11)
+    x = torch.randn(3, 128)
+    x[0, 5], x[2, 100] = float("nan"), float("inf")
+    got = cpu.gemv(x, packed, scales)
+    assert not got[[0, 2]].isfinite().any() and got[1].isfinite().all()
 
 
 @needs_cpu_kernel
