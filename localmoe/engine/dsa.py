@@ -20,6 +20,7 @@ from localmoe.engine.kpool_indexer import KPoolIndexer
 from localmoe.engine.mla import MLAConfig, MLAttention
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
+from localmoe.kernels.mla_decode import mla_decode_sparse
 
 GATHER_MAX_T = 8  # queries per call up to which the selected rows are gathered instead of masked
 
@@ -78,6 +79,10 @@ class DSAttention(MLAttention):
         """Absorbed attention over the selected rows only: rows [B, S, r + rope], selected [B, T, k] -> [B, H, T, v]."""
         B, _, T, _ = q_nope.shape
         r = self.config.kv_lora_rank
+        if T == 1 and step.mask is None:  # unpadded decode: the sparse mla_decode kernel
+            q = self.absorbed_queries(q_nope, q_rope)[:, :, 0]  # [B, H, r + rope]
+            out = mla_decode_sparse(q, rows, selected[:, 0], r, self.scale)  # [B, H, r]
+            return torch.einsum("bhr,hvr->bhv", out, self.w_uv)[:, :, None]
         valid = selected >= 0  # [B, T, k]
         if step.mask is not None:  # padding keys a query must not see
             valid &= step.mask.expand(B, -1, -1).gather(-1, selected.clamp(min=0))

@@ -31,6 +31,7 @@ from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.state_cache import LatentCache
 from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.kernels.mla_decode import mla_decode
 
 EXPAND_MAX_BYTES = 1 << 30  # above this, prefill attends over the latent rows too (no per-head K/V copies)
 SCORES_MAX_BYTES = 256 << 20  # absorbed attention materialises its scores below this, else uses SDPA
@@ -216,6 +217,10 @@ class MLAttention:
         B, H, T, _ = q_nope.shape
         r = self.config.kv_lora_rank
         q = self.absorbed_queries(q_nope, q_rope)
+        if T == 1 and top_k is None and mask is None:  # unpadded decode: the mla_decode kernel
+            lengths = torch.full((B,), rows.shape[1], dtype=torch.int32, device=rows.device)
+            out = mla_decode(q.view(B, H, -1), rows, lengths, r, self.scale)  # [B, H, r]
+            return torch.einsum("bhr,hvr->bhv", out, self.w_uv)[:, :, None]
         # All heads share one key/value row per token: fold H into the query axis (row h*T + t).
         q = q.reshape(B, 1, H * T, -1)
         rows = rows[:, None]
