@@ -7,8 +7,9 @@ allows (`victim`). The pager owns the slots; a policy only ranks keys.
 - LRU: least recently used.
 - LFU: fewest accesses ever (counts survive eviction, so a popular expert that was pushed
   out comes back ranked high); ties broken by recency.
-- LFRU: frequency + recency: experts used in the last step are kept first (next-token
-  reuse), then the lowest slowly-decaying frequency score (LRFU-style) is evicted.
+- LFRU: frequency + recency as one estimate: the expert least likely to be used in its
+  layer's next pass goes, from per-expert reuse and fresh-use rates (aged, shrunk towards
+  the layer's mean or a calibration profile).
 - Belady: the offline optimum (MIN) over a recorded access sequence: evict the key used
   furthest in the future. For measurement; the run must follow the trace it was given.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from localmoe.paging.errors import PagingError
 
@@ -85,35 +86,112 @@ class LFU(Policy):
 
 
 class LFRU(Policy):
-    """Frequency + recency: experts used in the last `window` steps (the ~30% next-token reuse)
-    are evicted only after all others; among equals the lowest frequency score goes, where
-    each access adds 1 to a score that halves every `half_life` steps (LRFU's combined
-    recency-frequency value, Lee et al. 2001, with slow aging so popularity can drift).
+    """Frequency + recency as one number: each expert is a two-state chain over its layer's
+    passes (used / not used in a pass), and the victim is the expert least likely to be
+    used in its layer's next pass (the myopic rule that is optimal when routing has no
+    memory beyond one token). Per expert, counted as it is accessed:
 
-    Scores are stored as log2 referred to step 0, so ranking needs no decay pass."""
+    - `stay`: P(used | used in the layer's latest pass) = re-uses / uses: the next-token
+      reuse (~30% on real models) plus the expert's own popularity;
+    - `enter`: P(used | not used in the latest pass) = fresh uses / passes without it:
+      the popularity that an LFU count estimates, without the reuse runs that inflate it.
+
+    Both are shrunk towards their layer's mean (`prior` passes' worth of weight), or, for
+    `enter`, towards a calibration profile's rate (`popularity`: key -> uses per token,
+    worth `popularity_tokens` passes), so a cold start is not ranked by noise. Counts decay
+    by half every `half_life` passes (aging: old popularity fades as the topic drifts).
+
+    `access` is O(1); `victim` scores each candidate, O(candidates) like the pager's scan."""
 
     name = "lfru"
 
-    def __init__(self, half_life: float = 256.0, window: int = 1) -> None:
-        if half_life <= 0 or window < 0:
-            raise PagingError(f"LFRU needs half_life > 0 and window >= 0 steps, not {half_life}, {window}")
-        self.half_life, self.window = half_life, window
-        self.log_score: dict[Key, float] = {}
+    def __init__(self, half_life: float = 1024.0, prior: float = 4.0,
+                 popularity: Mapping[Key, float] | None = None, popularity_tokens: float = 0.0) -> None:
+        if half_life <= 0 or prior <= 0 or popularity_tokens < 0:
+            raise PagingError(f"LFRU needs half_life > 0, prior > 0 and popularity_tokens >= 0, not "
+                              f"{half_life}, {prior}, {popularity_tokens}")
+        self.half_life, self.prior = half_life, prior
+        self.popularity = dict(popularity or {})
+        self.popularity_tokens = popularity_tokens if self.popularity else 0.0
+        self.base = 0  # counts are weighted 2^((step - base) / half_life); `_rebase` moves `base`
+        self.uses: dict[Key, float] = {}
+        self.stays: dict[Key, float] = {}  # uses that follow a use in the layer's previous pass
         self.last: dict[Key, int] = {}
+        self.passes: dict[int, float] = {}  # layer -> weighted passes
+        self.pass_now: dict[int, int] = {}  # layer -> step of its latest pass
+        self.pass_before: dict[int, int | None] = {}  # layer -> step of the pass before that
+        self.layer_uses: dict[int, float] = {}
+        self.layer_stays: dict[int, float] = {}
+        self.layer_seen: dict[int, int] = {}  # distinct experts seen
+        self.layer: int | None = None  # layer of the latest access (its pass may be in progress)
+
+    def _weight(self, now: int) -> float:
+        if now - self.base > 256 * self.half_life:
+            self._rebase(now)
+        return 2.0 ** ((now - self.base) / self.half_life)
+
+    def _rebase(self, now: int) -> None:
+        """Refer every weight to `now` (amortised O(1): once per 256 half-lives)."""
+        f = 2.0 ** (-(now - self.base) / self.half_life)
+        for table in (self.uses, self.stays, self.passes, self.layer_uses, self.layer_stays):
+            for k in table:
+                table[k] *= f
+        self.base = now
 
     def access(self, key: Key, now: int) -> None:
+        layer = key[0]
+        self.layer = layer
+        w = self._weight(now)
+        if self.pass_now.get(layer) != now:  # the layer's next pass begins
+            self.pass_before[layer] = self.pass_now.get(layer)
+            self.pass_now[layer] = now
+            self.passes[layer] = self.passes.get(layer, 0.0) + w
+        prev = self.last.get(key)
+        if prev == now:
+            return
+        if prev is None:
+            self.layer_seen[layer] = self.layer_seen.get(layer, 0) + 1
         self.last[key] = now
-        bump = now / self.half_life  # log2 of 2^(now/h): one access at `now`, referred to step 0
-        old = self.log_score.get(key)
-        if old is None:
-            self.log_score[key] = bump
-        else:  # log2(2^old + 2^bump), computed stably
-            hi, lo = max(old, bump), min(old, bump)
-            self.log_score[key] = hi + math.log2(1.0 + 2.0 ** (lo - hi))
+        self.uses[key] = self.uses.get(key, 0.0) + w
+        self.layer_uses[layer] = self.layer_uses.get(layer, 0.0) + w
+        if prev is not None and prev == self.pass_before.get(layer):
+            self.stays[key] = self.stays.get(key, 0.0) + w
+            self.layer_stays[layer] = self.layer_stays.get(layer, 0.0) + w
+
+    def recent(self, key: Key) -> bool:
+        """Used in its layer's latest pass, or in the one before while that layer's pass is in progress."""
+        last, layer = self.last.get(key), key[0]
+        return last is not None and (last == self.pass_now.get(layer)
+                                     or (layer == self.layer and last == self.pass_before.get(layer)))
+
+    def next_use(self, key: Key) -> float:
+        """Estimated P(`key` is used in its layer's next pass)."""
+        layer = key[0]
+        uses, stays = self.uses.get(key, 0.0), self.stays.get(key, 0.0)
+        layer_uses = self.layer_uses.get(layer, 0.0)
+        stay_rate = self.layer_stays.get(layer, 0.0) / layer_uses if layer_uses else 0.0
+        w = 2.0 ** ((self.pass_now.get(layer, self.base) - self.base) / self.half_life)
+        if self.recent(key):
+            return (stays + self.prior * w * stay_rate) / (uses + self.prior * w)
+        passes = self.passes.get(layer, 0.0)
+        if self.popularity_tokens:  # profile: uses per token -> P(enter) = u (1 - stay) / (1 - u)
+            u = min(self.popularity.get(key, 0.0), 0.999)
+            mean, strength = min(1.0, u * (1.0 - stay_rate) / (1.0 - u)), self.popularity_tokens
+        else:
+            idle = self.layer_seen.get(layer, 1) * passes - layer_uses
+            mean = (layer_uses - self.layer_stays.get(layer, 0.0)) / idle if idle > 0 else 0.0
+            strength = self.prior
+        return (uses - stays + strength * w * mean) / (max(passes - uses, 0.0) + strength * w)
 
     def victim(self, candidates: Iterable[Key], now: int) -> Key:
-        return min(candidates, key=lambda k: (self.last.get(k, -1 << 62) >= now - self.window,
-                                              self.log_score.get(k, -math.inf)))
+        return min(candidates, key=lambda k: (self.next_use(k), self.last.get(k, -1), k))  # total order: any scan order agrees
+
+
+def popularity(counts: Iterable[tuple[int, int, int]], tokens: int) -> dict[Key, float]:
+    """A calibration profile's (layer, expert, count) ranking over `tokens` tokens -> uses per token."""
+    if tokens <= 0:
+        raise PagingError("a calibration profile needs at least one token")
+    return {(int(layer), int(e)): int(c) / tokens for layer, e, c in counts}
 
 
 class Belady(Policy):

@@ -136,7 +136,7 @@ def _draw(rng, layers, ranks, weights, top_k, tokens, p) -> list[dict[int, list[
 
 
 def synthetic_trace(layers: list[int], num_experts: int, top_k: int, tokens: int, reuse: float = 0.30,
-                    zipf: float = 1.0, seed: int = 0) -> RoutingTrace:
+                    zipf: float = 1.0, seed: int = 0, draws: int | None = None) -> RoutingTrace:
     """A SYNTHETIC decode trace with the locality reported for real MoE models (MODELS.md):
     about `reuse` of a layer's experts chosen again by the next token, and popularity
     Zipf-skewed with exponent `zipf` (a random rank order per layer).
@@ -144,6 +144,10 @@ def synthetic_trace(layers: list[int], num_experts: int, top_k: int, tokens: int
     Each of the previous token's experts is kept with probability p, the rest drawn from
     the Zipf popularity; p is found by bisection on pilot traces so that the measured
     reuse (chance repeats of popular experts included) is `reuse`.
+
+    `seed` makes the model (each layer's popularity order); `draws`, when given, seeds the
+    routing separately, so two traces with one `seed` and different `draws` are two runs of
+    the same model (e.g. a calibration run and the run it is meant for).
     """
     rng = np.random.default_rng(seed)
     weights = _zipf_weights(num_experts, zipf)
@@ -156,5 +160,6 @@ def synthetic_trace(layers: list[int], num_experts: int, top_k: int, tokens: int
                                          top_k, 300, mid))
         lo, hi = (mid, hi) if pilot.reuse() < reuse else (lo, mid)
     trace = RoutingTrace(num_experts, top_k, f"synthetic: ~{reuse:.0%} next-token reuse, Zipf s={zipf}", True)
-    trace.steps = _draw(rng, layers, ranks, weights, top_k, tokens, (lo + hi) / 2)
+    trace.steps = _draw(rng if draws is None else np.random.default_rng([seed, draws]), layers, ranks, weights,
+                        top_k, tokens, (lo + hi) / 2)
     return trace

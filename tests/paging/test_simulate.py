@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from localmoe.paging import PagingConfig, attach, make_pager
+from localmoe.paging import PagingConfig, PagingError, attach, make_pager
+from localmoe.paging.policy import LFRU, popularity
 from localmoe.paging.simulate import compare, replay
 from localmoe.paging.trace import RoutingTrace, synthetic_trace
 
@@ -77,7 +78,102 @@ def test_policies_on_a_skewed_trace_vs_belady():
     slots = 6 * 64 // 4
     r = compare(t, slots)
     assert r["belady"].hit_rate >= max(r[p].hit_rate for p in ("lru", "lfu", "lfru"))
-    assert r["lfru"].hit_rate > r["lru"].hit_rate  # the published ordering on skewed traffic
+    assert r["lfru"].hit_rate > r["lfu"].hit_rate > r["lru"].hit_rate  # the published ordering on skewed traffic
+
+
+def _profile(t):
+    return popularity([(layer, e, int(c)) for layer, cs in t.popularity().items() for e, c in enumerate(cs)], t.tokens)
+
+
+@pytest.mark.parametrize("fraction, profiled", [(0.50, False), (0.25, True)], ids=["50%", "25%-profiled"])
+def test_lfru_reaches_nine_tenths_of_belady_on_the_locality_trace(fraction, profiled):
+    """The issue's goal on the SYNTHETIC locality trace (~30% reuse, Zipf s=1; gpt-oss-large's 12 x 128
+    experts, top-4, 400 tokens). Without a profile LFRU reaches it at half the experts (0.93); at a
+    quarter it needs a calibration profile (another run of the same model) to rank cold experts."""
+    layers, experts = list(range(12)), 128
+    t = synthetic_trace(layers, experts, 4, 400, seed=0)
+    slots = int(len(layers) * experts * fraction)
+    options = {}
+    if profiled:
+        cal = synthetic_trace(layers, experts, 4, 400, seed=0, draws=1)
+        options = {"popularity": _profile(cal), "popularity_tokens": cal.tokens}
+    acc = t.accesses()
+    assert replay(acc, "lfru", slots, **options).hit_rate >= 0.9 * replay(acc, "belady", slots).hit_rate
+
+
+def test_lfru_ranks_by_the_chance_of_use_in_the_next_pass():
+    p = LFRU()
+    for step in range(40):  # expert 0: every other pass (popular, never twice running); 1: always
+        if step % 2 == 0:
+            p.access((0, 0), step)
+        p.access((0, 1), step)
+    p.access((0, 2), 40)  # expert 2: once, in the latest pass
+    p.access((0, 1), 40)
+    assert p.recent((0, 2)) and not p.recent((0, 0)) and p.recent((0, 1))
+    assert p.next_use((0, 1)) > 0.9  # reused every pass
+    assert 0.8 < p.next_use((0, 0))  # popular but not recent: above LRU's first-evicted place ...
+    assert p.next_use((0, 2)) < p.next_use((0, 0))  # ... and above the once-seen recent expert
+    assert p.victim([(0, 0), (0, 1), (0, 2)], 40) == (0, 2)
+
+
+def test_lfru_pending_pass_keeps_the_previous_pass():
+    p = LFRU()
+    for step in range(3):
+        p.access((1, 5), step)
+    p.access((0, 3), 3)  # step 3 has begun at layer 0; layer 1's pass is still to come
+    assert p.recent((1, 5))
+    p.access((1, 7), 3)  # layer 1's pass 3 is in progress: 5 may still be asked for
+    assert p.recent((1, 5))
+    p.access((2, 0), 3)  # layer 1's pass 3 is over without 5
+    assert not p.recent((1, 5))
+
+
+def test_lfru_ages_old_popularity():
+    def run(half_life):
+        p = LFRU(half_life=half_life)
+        for step in range(62):
+            p.access((0, 9), step)
+            if step < 40 and step % 2 == 0:
+                p.access((0, 0), step)  # popular early
+            if 40 <= step < 60 and step % 4 == 0:
+                p.access((0, 1), step)  # less popular, lately
+        return p.next_use((0, 0)) > p.next_use((0, 1))
+
+    assert run(1e9) and not run(4.0)
+
+
+def test_lfru_rebases_weights_without_overflow():
+    p = LFRU(half_life=1.0)
+    for step in range(3000):  # 2^3000 overflows a float without rebasing
+        p.access((0, step % 3), step)
+    assert p.base > 0 and 0.0 <= p.next_use((0, 1)) <= 1.0
+    # 0 comes next in the cycle; 1 and 2 never repeat back to back, so the older of them goes
+    assert p.victim([(0, 0), (0, 1), (0, 2)], 2999) == (0, 1)
+
+
+def test_lfru_takes_a_calibration_profile_as_prior():
+    prof = popularity([(0, 0, 90), (0, 1, 5), (0, 2, 5)], 100)
+    assert prof[(0, 0)] == pytest.approx(0.9)
+    cold, warm = LFRU(), LFRU(popularity=prof, popularity_tokens=100)
+    for p in (cold, warm):
+        p.access((0, 1), 0)
+        p.access((0, 2), 1)
+        p.access((1, 0), 1)  # layer 0's pass is over: neither 0 nor 1 is recent
+    assert cold.next_use((0, 0)) < cold.next_use((0, 1))
+    assert warm.next_use((0, 0)) > warm.next_use((0, 1))
+    with pytest.raises(PagingError):
+        LFRU(half_life=0)
+    with pytest.raises(PagingError):
+        popularity([], 0)
+
+
+def test_synthetic_draws_are_another_run_of_the_same_model():
+    a = synthetic_trace([0], 32, 2, 300, seed=4)
+    b = synthetic_trace([0], 32, 2, 300, seed=4, draws=9)
+    assert a.keys() != b.keys()
+    hot_a, hot_b = ({int(e) for e in t.popularity()[0].argsort()[-3:]} for t in (a, b))
+    assert len(hot_a & hot_b) >= 2
+    assert synthetic_trace([0], 32, 2, 50, seed=4).keys() == synthetic_trace([0], 32, 2, 50, seed=4).keys()
 
 
 def test_trace_roundtrip(tmp_path):
