@@ -6,9 +6,10 @@ On the `large` generated gpt_oss checkpoint (10.3 GB of MXFP4 experts) with a RA
 25% of the expert bytes, prints in one run:
 - localmoe decode tokens/s over llama.cpp's (llama-cpp-python, the same weights written as a
   GGUF with MXFP4 experts, mmap on, same threads, same cgroup memory limit);
-- each policy's hit rate over Belady's at the same number of slots, on the routing trace
-  the run recorded (random weights: near-uniform routing) and on a SYNTHETIC trace with the
-  published locality (~30% next-token reuse, Zipf popularity), labelled;
+- each policy's hit rate over Belady's at the same number of slots and at 10/25/50% of the
+  experts, on the routing trace the run recorded (random weights: near-uniform routing) and
+  on a SYNTHETIC trace with the published locality (~30% next-token reuse, Zipf popularity),
+  labelled, where LFRU also runs with a calibration profile from another synthetic run;
 - the fraction of disk-read time that overlapped compute.
 Each engine runs in its own process inside a cgroup v1 memory group with the same limit:
 localmoe's footprint before decoding (dense weights + the RAM slab = the budget) + slack.
@@ -292,8 +293,7 @@ def main() -> None:
 def run(args) -> None:
     from localmoe.paging import expert_bytes
     from localmoe.paging.budget import MemoryCgroup, cgroup_writable
-    from localmoe.paging.simulate import compare
-    from localmoe.paging.trace import RoutingTrace, synthetic_trace
+    from localmoe.paging.trace import RoutingTrace
     from localmoe.store.convert import convert
     from localmoe.store.packed import PackedStore
     from localmoe.testing import write_checkpoint
@@ -362,19 +362,38 @@ def run(args) -> None:
           f"(read {ram['read_seconds']:.1f} s, stalled {ram['stall_seconds']:.1f} s); prefetch precision "
           f"{pf['precision']:.1%}, recall {pf['recall']:.1%}")
     recorded = RoutingTrace.load(work / "offload-trace.json")
-    layers = recorded.layers
-    traces = [("recorded (random weights, near-uniform routing; prefill + decode)", recorded),
-              ("SYNTHETIC (~30% next-token reuse, Zipf s=1.0, 400 tokens)",
-               synthetic_trace(layers, store.spec.num_experts, store.spec.num_experts_per_tok, 400, seed=0))]
-    for label, trace in traces:
-        r = compare(trace, slots)
-        best = r["belady"].hit_rate
-        print(f"hit rates at {slots} slots, trace: {label}")
-        for name in ("lru", "lfu", "lfru", "belady"):
-            ratio = r[name].hit_rate / best if best else 0.0
-            print(f"  {name:<6} {r[name].hit_rate:6.1%}   RATIO over Belady {ratio:.2f}"
-                  + ("  (goal LFRU >= 0.9)" if name == "lfru" else ""))
+    print_policy_ratios(recorded, store.spec.num_experts, store.spec.num_experts_per_tok, slots)
 
+
+def print_policy_ratios(recorded, num_experts: int, top_k: int, slots: int) -> None:
+    """Each policy's hit rate over Belady's at the run's slots and at 10/25/50% of the experts, on the
+    recorded trace and on a SYNTHETIC locality trace for the same shape; on the latter also LFRU with a
+    calibration profile taken from another synthetic run of the same model (`--profile`)."""
+    from localmoe.paging.policy import popularity
+    from localmoe.paging.simulate import replay
+    from localmoe.paging.trace import synthetic_trace
+
+    layers = recorded.layers
+    total = len(layers) * num_experts
+    sizes = sorted({slots, *(int(total * f) for f in (0.10, 0.25, 0.50))})
+    synthetic = synthetic_trace(layers, num_experts, top_k, 400, seed=0)
+    cal = synthetic_trace(layers, num_experts, top_k, 400, seed=0, draws=1)
+    profile = {"popularity": popularity([(layer, e, int(c)) for layer, cs in cal.popularity().items()
+                                         for e, c in enumerate(cs)], cal.tokens), "popularity_tokens": cal.tokens}
+    traces = [(f"recorded (random weights, near-uniform routing, reuse {recorded.reuse():.1%}; prefill + decode)",
+               recorded, {}),
+              ("SYNTHETIC (~30% next-token reuse, Zipf s=1.0, 400 tokens)", synthetic, {"lfru+profile": profile})]
+    for label, trace, extra in traces:
+        acc = trace.accesses()
+        print(f"trace: {label}")
+        print("  slots          " + "".join(f"{p:>14}" for p in ("lru", "lfu", "lfru", *extra, "belady")))
+        for n in sizes:
+            best = replay(acc, "belady", n).hit_rate
+            runs = {p: replay(acc, p, n).hit_rate for p in ("lru", "lfu", "lfru")}
+            runs |= {p: replay(acc, "lfru", n, **options).hit_rate for p, options in extra.items()}
+            cells = "".join(f"  {r:5.1%} ({r / best if best else 0.0:.2f})" for r in runs.values())
+            print(f"  {n:5} ({n / total:4.0%})" + cells + f"  {best:12.1%}")
+    print("RATIO LFRU / Belady in parentheses (goal LFRU >= 0.9 on the locality trace)")
 
 if __name__ == "__main__":
     main()
