@@ -21,7 +21,7 @@ from localmoe.paging.disk import BACKENDS, make_backend
 from localmoe.paging.errors import PagingError
 from localmoe.paging.hooks import attach, detach
 from localmoe.paging.pager import Pager
-from localmoe.paging.policy import POLICIES, make_policy
+from localmoe.paging.policy import POLICIES, make_policy, popularity
 from localmoe.paging.slab import slots_for_budget
 from localmoe.paging.stats import PagingStats
 from localmoe.paging.trace import RoutingTrace
@@ -60,7 +60,7 @@ class PagingConfig:
     policy: str = "lfru"
     io: str = "odirect"
     prefetch: bool = True
-    profile: str = ""  # calibration profile: hot experts pinned
+    profile: str = ""  # calibration profile: hot experts pinned, and LFRU's popularity prior
     trace: str = ""  # routing trace for the Belady oracle
     io_threads: int = 4  # ~0.9 GB/s with 4 parallel reads vs ~0.5 GB/s with one on the dev machine
     timeout: float = 30.0  # seconds before a read is declared hung
@@ -90,12 +90,30 @@ def expert_bytes(store) -> int:
     return sum(len(store.experts_in(layer)) * store.layout(layer).slot_bytes for layer in store.layers())
 
 
-def load_profile(path: str | Path) -> list[tuple[int, int]]:
-    """The hot experts of a calibration profile (localmoe calibrate), hottest first."""
+@dataclass(frozen=True)
+class Profile:
+    """A calibration profile (localmoe calibrate): (layer, expert, uses) hottest first, over `tokens` tokens."""
+
+    ranking: list[tuple[int, int, int]]
+    tokens: int
+
+    def hot(self) -> list[tuple[int, int]]:
+        return [(layer, e) for layer, e, _ in self.ranking]
+
+    def lfru_prior(self) -> dict:
+        """LFRU's options: each expert's uses per token, worth `tokens` passes of evidence (none without tokens)."""
+        if self.tokens <= 0:
+            return {}
+        return {"popularity": popularity(self.ranking, self.tokens), "popularity_tokens": float(self.tokens)}
+
+
+def load_profile(path: str | Path) -> Profile:
+    """A calibration profile written by `localmoe calibrate`."""
     try:
         data = json.loads(Path(path).read_text())
-        return [(int(layer), int(e)) for layer, e, _ in data["ranking"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        ranking = [(int(layer), int(e), int(c)) for layer, e, c in data["ranking"]]
+        return Profile(ranking, int(data.get("tokens", 0)))
+    except (OSError, ValueError, KeyError, TypeError, PagingError) as e:
         raise PagingError(f"{path}: not a localmoe calibration profile ({e}); write one with "
                           f"`localmoe calibrate`") from None
 
@@ -108,8 +126,10 @@ def make_pager(store, config: PagingConfig) -> Pager:
         raise PagingError(f"--ram {config.ram_budget} bytes holds no expert slot: one expert of this model takes "
                           f"{slot_bytes} bytes ({slot_bytes / 2**20:.1f} MiB)")
     trace = RoutingTrace.load(config.trace).keys() if config.trace else None
-    policy = make_policy(config.policy, trace=trace)
-    pinned = load_profile(config.profile) if config.profile else ()
+    profile = load_profile(config.profile) if config.profile else None
+    options = profile.lfru_prior() if profile is not None and config.policy == "lfru" else {}
+    policy = make_policy(config.policy, trace=trace, **options)
+    pinned = profile.hot() if profile is not None else ()
     return Pager(store, slots, policy, make_backend(config.io, store, config.verify), io_threads=config.io_threads,
                  timeout=config.timeout, pinned=pinned, prefetch=config.prefetch)
 

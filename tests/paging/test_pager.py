@@ -44,6 +44,17 @@ def test_pinned_experts_stay(gpt_oss, tmp_path):
     attach(gpt_oss.model, pager)
     run_greedy(gpt_oss.model)
     assert {(1, 0), (2, 3)} <= pager.resident() and pager.pinned == {(1, 0), (2, 3)}
+    assert pager.policy.popularity == {}  # a profile without a token count gives LFRU no prior
+    pager.close()
+
+
+def test_profile_is_lfru_prior(gpt_oss, tmp_path):
+    """--profile also hands LFRU each expert's uses per token, worth the profile's token count."""
+    (tmp_path / "p.json").write_text(json.dumps({"format": "localmoe-profile", "tokens": 50,
+                                                 "ranking": [[1, 0, 40], [2, 3, 10]]}))
+    pager = make_pager(gpt_oss.store(), PagingConfig(ram_budget=6 * _slot(gpt_oss.store()),
+                                                     profile=str(tmp_path / "p.json")))
+    assert pager.policy.popularity == {(1, 0): 0.8, (2, 3): 0.2} and pager.policy.popularity_tokens == 50
     pager.close()
 
 
