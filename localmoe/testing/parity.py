@@ -1,8 +1,65 @@
-"""Checks shared by the family parity tests: our model against a transformers reference."""
+"""Pieces shared by the family tests (tests/models/test_<family>.py, tests/engine/test_batching.py):
+loading the tiny checkpoint as ours and as a transformers reference, our model against that
+reference, and our model against itself (chunked prefill + cached decode, batch against single rows)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
+
+from localmoe.config import EngineConfig
+from localmoe.load import load_model
+from localmoe.testing.write import write_checkpoint
+
+
+def tiny_checkpoint(model_type: str, tmp_path_factory) -> Path:
+    """The family's tiny generated checkpoint (seed 0) in a fresh temporary directory."""
+    return write_checkpoint(model_type, tmp_path_factory.mktemp(model_type), "tiny", seed=0)
+
+
+def copy_with_config(checkpoint: Path, dest: Path, edit: Callable[[dict], None]) -> Path:
+    """`checkpoint` copied to `dest` with `edit` applied to its config.json (in place on the dict)."""
+    shutil.copytree(checkpoint, dest, dirs_exist_ok=True)
+    config = json.loads((dest / "config.json").read_text())
+    edit(config)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def load_ours(path: Path):
+    """Our model of the checkpoint at `path` in fp32 on one thread (a `load_model` result)."""
+    return load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
+
+
+def load_reference(auto_class, path: Path, **kwargs):
+    """`auto_class.from_pretrained(path, dtype=torch.float32, **kwargs)` in eval mode, load warnings
+    silenced; the family test names its transformers class and any options it needs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return auto_class.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
+@contextmanager
+def kv_cache_dtype(model, dtype: str) -> Iterator[None]:
+    """Inside the block `model.new_cache` makes `dtype` caches (EngineConfig.kv_cache_dtype of the
+    loaded model, restored on the way out)."""
+    before = model.config.kv_cache_dtype
+    model.config.kv_cache_dtype = dtype
+    try:
+        yield
+    finally:
+        model.config.kv_cache_dtype = before
+
+
+def load_pair(path: Path, auto_class, **kwargs):
+    """(ours, transformers reference) of the checkpoint at `path`; see `load_ours`, `load_reference`."""
+    return load_ours(path), load_reference(auto_class, path, **kwargs)
 
 
 def random_tokens(n: int, seed: int, vocab: int, batch: int = 1) -> torch.Tensor:
@@ -37,3 +94,32 @@ def assert_prefill_and_greedy_decode_match(model, reference, prompt: torch.Tenso
         assert rel < rtol, f"decode step {step}: max abs {err:.2e}, rel {rel:.2e}"
         ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), out.logits[:, -1].argmax(-1, keepdim=True)
         assert ours_next.item() == ref_next.item(), f"greedy token differs at decode step {step}"
+
+
+def prefill_in_chunks_then_decode(model, tokens: torch.Tensor, prefill_ends: Sequence[int], cache) -> torch.Tensor:
+    """All logits [1, T, V] of `tokens` [1, T] fed into `cache` as prefills ending at each of
+    `prefill_ends`, then as one cached decode step per remaining token."""
+    starts = (0, *prefill_ends[:-1])
+    parts = [model.forward(tokens[:, s:e], cache, all_logits=True) for s, e in zip(starts, prefill_ends)]
+    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(prefill_ends[-1], tokens.shape[1])]
+    return torch.cat(parts, dim=1)
+
+
+def assert_chunked_prefill_and_decode_equal_full(model, tokens: torch.Tensor, prefill_ends: Sequence[int],
+                                                 max_len: int, rtol: float, atol: float):
+    """`prefill_in_chunks_then_decode` equals one full forward of `tokens` [1, T] within
+    (`rtol`, `atol`) elementwise; returns the chunked run's cache."""
+    full = model.forward(tokens, model.new_cache(1, max_len), all_logits=True)
+    cache = model.new_cache(1, max_len)
+    got = prefill_in_chunks_then_decode(model, tokens, prefill_ends, cache)
+    torch.testing.assert_close(got, full, rtol=rtol, atol=atol)
+    return cache
+
+
+def assert_batch_equals_single(model, batch: torch.Tensor, max_len: int, rtol: float, atol: float) -> None:
+    """All logits of one forward over `batch` [B, T] (no padding) equal each row's run alone
+    within (`rtol`, `atol`) elementwise."""
+    both = model.forward(batch, model.new_cache(batch.shape[0], max_len), all_logits=True)
+    for row in range(batch.shape[0]):
+        single = model.forward(batch[row:row + 1], model.new_cache(1, max_len), all_logits=True)
+        torch.testing.assert_close(both[row:row + 1], single, rtol=rtol, atol=atol)

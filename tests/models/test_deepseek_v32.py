@@ -6,20 +6,21 @@ used (no token dropped) and below them (4, 16: the indexer really selects)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import warnings
-
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
 from localmoe.engine.dsa import DSAttention
 from localmoe.engine.index_cache import DSACache
-from localmoe.load import load_model
 from localmoe.models import family_for_model_type
-from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
+from localmoe.testing.parity import (
+    assert_chunked_prefill_and_decode_equal_full,
+    assert_prefill_and_greedy_decode_match,
+    copy_with_config,
+    kv_cache_dtype,
+    load_pair,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,21 +30,13 @@ HF_TENSORS = family_for_model_type("deepseek_v32").hf_tensors
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_checkpoint("deepseek_v32", tmp_path_factory.mktemp("deepseek_v32"), "tiny", seed=0)
+    return tiny_checkpoint("deepseek_v32", tmp_path_factory)
 
 
 def with_topk(checkpoint, tmp_path_factory, top_k: int):
-    path = tmp_path_factory.mktemp(f"topk{top_k}")
-    shutil.copytree(checkpoint, path, dirs_exist_ok=True)
-    config = json.loads((path / "config.json").read_text())
-    config["index_topk"] = top_k
-    (path / "config.json").write_text(json.dumps(config))
-    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                      attn_implementation="eager").eval()
-    return ours, reference
+    path = copy_with_config(checkpoint, tmp_path_factory.mktemp(f"topk{top_k}"),
+                            lambda config: config.update(index_topk=top_k))
+    return load_pair(path, transformers.AutoModelForCausalLM, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module", params=[128, 16, 4], ids=lambda k: f"index_topk{k}")
@@ -97,11 +90,7 @@ def test_prefill_then_decode_equals_full_forward(models):
     if models[0].spec.index_topk < 50:
         pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(50, 2, vocab)
-    full = model.forward(tokens, model.new_cache(1, 64), all_logits=True)
-    cache = model.new_cache(1, 64)
-    parts = [model.forward(tokens[:, :30], cache, all_logits=True)]
-    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(30, 50)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
+    cache = assert_chunked_prefill_and_decode_equal_full(model, tokens, (30,), 64, rtol=1e-4, atol=1e-5)
     assert isinstance(cache.layers[0], DSACache) and cache.layers[0].index.rows.heads == 1
 
 
@@ -112,12 +101,9 @@ def test_fp8_index_keys_are_compact_and_close(models):
     tokens = random_tokens(40, 4, ours.spec.vocab_size)
     exact_cache = model.new_cache(1, 40)
     model.forward(tokens, exact_cache)
-    model.config.kv_cache_dtype = "fp8"
-    try:
+    with kv_cache_dtype(model, "fp8"):
         cache = model.new_cache(1, 40)
         model.forward(tokens, cache)
-    finally:
-        model.config.kv_cache_dtype = "float32"
     index = cache.layers[0].index
     assert index.bytes_per_token() == ours.spec.index_head_dim + 4
     exact = exact_cache.layers[0].index.rows.read(40)
@@ -130,11 +116,7 @@ def test_fp8_index_keys_are_compact_and_close(models):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
 def test_cache_sizing_counts_the_index_keys(models, dtype):
     ours = models[0]
-    model = ours.model
-    model.config.kv_cache_dtype = dtype
-    try:
-        cache = model.new_cache(1, 64)
-    finally:
-        model.config.kv_cache_dtype = "float32"
+    with kv_cache_dtype(ours.model, dtype):
+        cache = ours.model.new_cache(1, 64)
     assert ours.spec.sizes_cache()
     assert ours.spec.kv_bytes_per_token(dtype) == sum(layer.bytes_per_token() for layer in cache.layers)

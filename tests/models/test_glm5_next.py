@@ -8,24 +8,29 @@ the indexer really selects)."""
 from __future__ import annotations
 
 import json
-import shutil
-import warnings
 
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
 from localmoe.engine.dsa import DSAttention
 from localmoe.engine.hyper_connections import HyperConnections
 from localmoe.engine.kda import KimiDeltaAttention
 from localmoe.engine.kpool_indexer import KPoolIndexer
 from localmoe.engine.mlp import GatedMLP
 from localmoe.errors import UnsupportedModelError
-from localmoe.load import load_model
 from localmoe.models import family_for_model_type
 from localmoe.store.convert import convert
-from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
+from localmoe.testing.parity import (
+    assert_batch_equals_single,
+    assert_chunked_prefill_and_decode_equal_full,
+    assert_prefill_and_greedy_decode_match,
+    copy_with_config,
+    kv_cache_dtype,
+    load_ours,
+    load_reference,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,23 +40,17 @@ FAMILY = family_for_model_type("glm5_next")
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return write_checkpoint("glm5_next", tmp_path_factory.mktemp("glm5_next"), "tiny", seed=0)
+    return tiny_checkpoint("glm5_next", tmp_path_factory)
 
 
 def with_topk(checkpoint, tmp_path_factory, top_k: int, reference: bool = True):
-    path = tmp_path_factory.mktemp(f"topk{top_k}")
-    shutil.copytree(checkpoint, path, dirs_exist_ok=True)
-    config = json.loads((path / "config.json").read_text())
-    config["text_config"]["index_topk"] = top_k
-    (path / "config.json").write_text(json.dumps(config))
-    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
+    path = copy_with_config(checkpoint, tmp_path_factory.mktemp(f"topk{top_k}"),
+                            lambda config: config["text_config"].update(index_topk=top_k))
+    ours = load_ours(path)
     if not reference:
         return ours, None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
-                                                                      attn_implementation="eager").eval()
-    return ours, hf
+    # Glm5NextForConditionalGeneration: the image-text-to-text auto class, not the causal-LM one
+    return ours, load_reference(transformers.AutoModelForImageTextToText, path, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module", params=[128, 16, 4], ids=lambda k: f"index_topk{k}")
@@ -121,21 +120,12 @@ def test_prefill_then_decode_equals_full_forward(models):
     if models[0].spec.index_topk < 50:
         pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(50, 2, vocab)
-    full = model.forward(tokens, model.new_cache(1, 64), all_logits=True)
-    cache = model.new_cache(1, 64)
-    parts = [model.forward(tokens[:, :23], cache, all_logits=True), model.forward(tokens[:, 23:41], cache,
-                                                                                  all_logits=True)]
-    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(41, 50)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert_chunked_prefill_and_decode_equal_full(model, tokens, (23, 41), 64, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_of_two_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    batch = random_tokens(20, 3, vocab, batch=2)
-    both = model.forward(batch, model.new_cache(2, 24), all_logits=True)
-    for row in range(2):
-        single = model.forward(batch[row:row + 1], model.new_cache(1, 24), all_logits=True)
-        torch.testing.assert_close(both[row:row + 1], single, rtol=1e-4, atol=1e-5)
+    assert_batch_equals_single(model, random_tokens(20, 3, vocab, batch=2), 24, rtol=1e-4, atol=1e-5)
 
 
 def test_left_padded_row_pools_from_its_first_token(models):
@@ -157,12 +147,8 @@ def test_left_padded_row_pools_from_its_first_token(models):
 @pytest.mark.parametrize("dtype", ["float32", "fp8"])
 def test_cache_sizing_counts_keys_and_pool_gates(models, dtype):
     ours = models[0]
-    model = ours.model
-    model.config.kv_cache_dtype = dtype
-    try:
-        cache = model.new_cache(1, 64)
-    finally:
-        model.config.kv_cache_dtype = "float32"
+    with kv_cache_dtype(ours.model, dtype):
+        cache = ours.model.new_cache(1, 64)
     assert cache.layers[3].index.dim == 2 * ours.spec.index_head_dim
     per_token = sum(layer.bytes_per_token() for layer in cache.layers if hasattr(layer, "bytes_per_token"))
     assert ours.spec.kv_bytes_per_token(dtype) == per_token  # KDA layers: a constant-size state
@@ -188,7 +174,7 @@ def test_packed_store_gives_the_hf_directory_logits(models, checkpoint, tmp_path
     if ours.spec.index_topk != 4:
         pytest.skip("once is enough")
     convert(ours.source, tmp_path / "store", experts="keep")
-    store = load_model(tmp_path / "store", EngineConfig(dtype="float32", threads=1), progress=False).model
+    store = load_ours(tmp_path / "store").model
     tokens = random_tokens(40, 6, ours.spec.vocab_size)
     want = ours.model.forward(tokens, ours.model.new_cache(1, 40), all_logits=True)
     assert torch.equal(store.forward(tokens, store.new_cache(1, 40), all_logits=True), want)

@@ -5,17 +5,19 @@ dequantised on CPU in fp32; plus cached decode, left-padded batches and expert p
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
 from localmoe.engine.experts import ResidentExperts
 from localmoe.engine.rope import inverse_frequencies
-from localmoe.load import load_model
-from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
+from localmoe.testing.parity import (
+    assert_chunked_prefill_and_decode_equal_full,
+    assert_prefill_and_greedy_decode_match,
+    load_pair,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,13 +26,9 @@ PREFILL, DECODE = 64, 16
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    path = write_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), "tiny", seed=0)
-    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
-    return ours, reference
+    # the reference dequantises the MXFP4 experts to fp32; ours keeps them packed
+    return load_pair(tiny_checkpoint("gpt_oss", tmp_path_factory), transformers.AutoModelForCausalLM,
+                     quantization_config=transformers.Mxfp4Config(dequantize=True))
 
 
 def test_spec_reads_the_gpt_oss_facts(models):
@@ -49,13 +47,8 @@ def test_prefill_and_cached_greedy_decode_match_transformers(models):
 
 def test_prefill_then_decode_equals_full_forward(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    tokens = random_tokens(24, 2, vocab)
-    full = model.forward(tokens, model.new_cache(1, 32), all_logits=True)
-    cache = model.new_cache(1, 32)
-    parts = [model.forward(tokens[:, :10], cache, all_logits=True),  # chunked prefill crosses the window
-             model.forward(tokens[:, 10:17], cache, all_logits=True)]
-    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(17, 24)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+    tokens = random_tokens(24, 2, vocab)  # chunked prefill [:10], [10:17] crosses the window, then decode
+    assert_chunked_prefill_and_decode_equal_full(model, tokens, (10, 17), 32, rtol=1e-5, atol=1e-5)
 
 
 def test_left_padded_batch_equals_single_runs(models):

@@ -5,17 +5,19 @@ decode against a full forward."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
 from localmoe.engine.moe import MoEBlock
-from localmoe.load import load_model
 from localmoe.models import family_for_model_type
-from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
+from localmoe.testing.parity import (
+    assert_batch_equals_single,
+    assert_chunked_prefill_and_decode_equal_full,
+    assert_prefill_and_greedy_decode_match,
+    load_pair,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,12 +28,7 @@ HF_TENSORS = family_for_model_type("kimi_linear").hf_tensors
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    path = write_checkpoint("kimi_linear", tmp_path_factory.mktemp("kimi_linear"), "tiny", seed=0)
-    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, reference
+    return load_pair(tiny_checkpoint("kimi_linear", tmp_path_factory), transformers.AutoModelForCausalLM)
 
 
 def test_spec_reads_the_kimi_linear_facts(models):
@@ -74,18 +71,10 @@ def test_prefill_and_cached_greedy_decode_match_transformers(models):
 def test_prefill_then_decode_equals_full_forward(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
     tokens = random_tokens(80, 2, vocab)  # > one 64-token KDA chunk
-    full = model.forward(tokens, model.new_cache(1, 96), all_logits=True)
-    cache = model.new_cache(1, 96)
-    parts = [model.forward(tokens[:, :37], cache, all_logits=True),  # chunked form, then a second prefill
-             model.forward(tokens[:, 37:70], cache, all_logits=True)]
-    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(70, 80)]  # recurrent form
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
+    # chunked form [:37], then a second prefill [37:70], then the recurrent form one token at a time
+    assert_chunked_prefill_and_decode_equal_full(model, tokens, (37, 70), 96, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_of_two_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    batch = random_tokens(20, 3, vocab, batch=2)
-    both = model.forward(batch, model.new_cache(2, 24), all_logits=True)
-    for row in range(2):
-        single = model.forward(batch[row:row + 1], model.new_cache(1, 24), all_logits=True)
-        torch.testing.assert_close(both[row:row + 1], single, rtol=1e-4, atol=1e-5)
+    assert_batch_equals_single(model, random_tokens(20, 3, vocab, batch=2), 24, rtol=1e-4, atol=1e-5)

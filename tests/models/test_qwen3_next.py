@@ -5,17 +5,19 @@ sigmoid-gated shared expert, `(1 + w)` RMSNorms) against transformers 5.23
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
 from localmoe.engine.gated_deltanet import GatedDeltaNet
-from localmoe.load import load_model
 from localmoe.models import family_for_model_type
-from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import assert_prefill_and_greedy_decode_match, random_tokens
+from localmoe.testing.parity import (
+    assert_batch_equals_single,
+    assert_chunked_prefill_and_decode_equal_full,
+    assert_prefill_and_greedy_decode_match,
+    load_pair,
+    random_tokens,
+    tiny_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,12 +27,7 @@ HF_TENSORS = family_for_model_type("qwen3_next").hf_tensors
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    path = write_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next"), "tiny", seed=0)
-    ours = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, reference
+    return load_pair(tiny_checkpoint("qwen3_next", tmp_path_factory), transformers.AutoModelForCausalLM)
 
 
 def test_spec_reads_the_qwen3_next_facts(models):
@@ -71,18 +68,9 @@ def test_prefill_and_cached_greedy_decode_match_transformers(models):
 def test_prefill_then_decode_equals_full_forward(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
     tokens = random_tokens(50, 2, vocab)
-    full = model.forward(tokens, model.new_cache(1, 64), all_logits=True)
-    cache = model.new_cache(1, 64)
-    parts = [model.forward(tokens[:, :23], cache, all_logits=True), model.forward(tokens[:, 23:41], cache,
-                                                                                  all_logits=True)]
-    parts += [model.forward(tokens[:, t:t + 1], cache) for t in range(41, 50)]
-    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert_chunked_prefill_and_decode_equal_full(model, tokens, (23, 41), 64, rtol=1e-4, atol=1e-5)
 
 
 def test_batch_of_two_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
-    batch = random_tokens(20, 3, vocab, batch=2)
-    both = model.forward(batch, model.new_cache(2, 24), all_logits=True)
-    for row in range(2):
-        single = model.forward(batch[row:row + 1], model.new_cache(1, 24), all_logits=True)
-        torch.testing.assert_close(both[row:row + 1], single, rtol=1e-4, atol=1e-5)
+    assert_batch_equals_single(model, random_tokens(20, 3, vocab, batch=2), 24, rtol=1e-4, atol=1e-5)
