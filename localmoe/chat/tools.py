@@ -13,6 +13,7 @@ failed call is one more message in the conversation rather than a crash of the U
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -124,15 +125,21 @@ class ToolRunner:
 
     def _run_command(self, arguments: dict) -> str:
         command = self._text_argument(arguments, "command", "run_command")
+        # its own process group: on timeout the whole pipeline is killed, not only the shell (a surviving
+        # child would hold the output pipes open and the call would wait for it)
+        process = subprocess.Popen(command, shell=True, cwd=self.workdir, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, "PAGER": "cat"})
         try:
-            done = subprocess.run(command, shell=True, cwd=self.workdir, capture_output=True, timeout=self.timeout,
-                                  stdin=subprocess.DEVNULL, env={**os.environ, "PAGER": "cat"})
-        except subprocess.TimeoutExpired as e:
-            partial = (e.stdout or b"").decode("utf-8", errors="replace")
+            stdout, stderr = process.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, _ = process.communicate()
+            partial = stdout.decode("utf-8", errors="replace")
             return f"error: run_command: timed out after {self.timeout:g} s\n{partial}"
-        out = done.stdout.decode("utf-8", errors="replace")
-        err = done.stderr.decode("utf-8", errors="replace")
-        text = f"exit status {done.returncode}\n{out}"
+        out = stdout.decode("utf-8", errors="replace")
+        err = stderr.decode("utf-8", errors="replace")
+        text = f"exit status {process.returncode}\n{out}"
         if err:
             text += ("" if text.endswith("\n") else "\n") + f"[stderr]\n{err}"
         return text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -65,6 +66,15 @@ def test_run_command_stops_at_the_timeout(workdir):
     runner = ToolRunner(workdir, timeout=0.5)
     out = runner.run(ToolCall("run_command", {"command": f"{sys.executable} -c 'import time; time.sleep(20)'"}))
     assert out.startswith("error: run_command: timed out after 0.5 s")
+
+
+def test_a_timed_out_pipeline_is_killed_whole(workdir):
+    """A child of the shell that outlives it would keep the output pipe open: the whole group goes."""
+    runner = ToolRunner(workdir, timeout=0.5)
+    start = time.monotonic()
+    out = runner.run(ToolCall("run_command", {"command": "echo started; sleep 30 | cat"}))
+    assert out.startswith("error: run_command: timed out") and "started" in out
+    assert time.monotonic() - start < 10
 
 
 def test_output_is_cut_at_the_cap_with_a_note(workdir):
