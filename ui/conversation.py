@@ -17,6 +17,7 @@ store when it has one, else in `messages`.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,7 +133,8 @@ class Conversation:
             for call in turn.tool_calls:
                 yield ConversationEvent("tool_call", tool_call=call)
                 approved = bool(await approve(call))
-                result = self.runner.run(call) if approved else DENIED
+                # on a worker thread: a run_command may take up to its timeout and the UI keeps drawing
+                result = await asyncio.to_thread(self.runner.run, call) if approved else DENIED
                 yield ConversationEvent("tool_result", tool_call=call, result=result, approved=approved)
                 new.append(ChatMessage("tool", result, name=call.name, tool_call_id=call.id))
         else:  # out of rounds with results not yet shown to the model: keep them in the history
