@@ -16,8 +16,8 @@ or the build fails, `library()` warns once and returns None and the dispatcher u
 Why C++ and not torch: measured on a 2-core Zen 3 (docs/performance.md, "Kernels"), the
 reference's dequantise (a gather per byte) + fp32 F.linear is far from memory bandwidth for
 decode, and bf16 matmuls are slow without AVX512-BF16; decoding each 32-element block in
-registers and using it at once streams the weights. The GEMV splits x into two int16 parts per
-32-element block (within ~2^-32 of the block's largest value, as exact as fp32 x) so that the
+registers and using it at once streams the weights. For one token the GEMV splits x into integer
+parts per 32-element block (int16 + int8, within ~2^-23 of the block's largest value) so that the
 block dot products are integer multiply-adds (mxfp4_cpu.cpp); `dequantize` is exact.
 """
 

@@ -5,17 +5,18 @@
 // y[N, O] = x[N, K] W^T, W given as packed U8 [O, K/2] (element 2i in the low nibble of byte i)
 // and E8M0 scales U8 [O, K/32] (bias 127, 0xFF = NaN).
 //
-// gemv, one token (decode): x is split once per call, per 32-element block, into two int16
-// parts on a grid of step amax / 32767: x = step * (hi + lo / 2^16), within ~2^-32 of the block's
-// largest magnitude (as accurate as fp32 x itself). A pair of weight blocks (32 code bytes) is
-// decoded with two pshufb lookups of 2 * e2m1 as int8, sign-extended to int16 by unpacking
-// against its sign mask, and multiplied with both parts by vpmaddwd: the integer dots are exact
-// and convert to fp32 exactly (< 2^24), then hi + lo / 2^16 and one FMA per block pair by
-// scale(w) * scale(x). Converting every weight to fp32 cost ~13 cycles per block and capped a
-// core at ~4.5 GB/s; this runs at ~8-12 GB/s per core, at memory speed with two. (hi alone ran
-// at ~14 GB/s per core, but its 2^-16 error made prefill and decode of the tiny models differ by
-// 6e-5 in the logits, against 1e-7 before.)
-// gemv, N >= 2 tokens: per token the integer path costs ~19 operations per block pair against
+// gemv, one token (decode): x is split once per call, per 32-element block, into integer parts on
+// a grid of step amax / 32767: x = step / 256 * (256 * hi + lo), hi int16, lo int8, within ~2^-23
+// of the block's largest magnitude (about fp32's own rounding of that element). A pair of weight
+// blocks (32 code bytes) is decoded with two pshufb lookups of 2 * e2m1 + 12 as u8 (no sign
+// extension needed: the +12 is taken off with a per-lane correction computed with x); hi meets
+// the weights zero-extended in place (and/shift) through vpmaddwd, lo through vpmaddubsw, all
+// exact in int32; then one convert and one FMA per block pair by scale(w) * scale(x). Converting
+// every weight to fp32 instead cost ~13 cycles per block and capped a core at ~4.5-5 GB/s; this
+// runs at ~12 GB/s per core. (Measured on the way: hi alone, 14 GB/s, but its 2^-16 error moved
+// the tiny models' prefill-vs-decode logits by 6e-5 against 1e-7 before; hi + lo both int16 with
+// sign-extended weights, 10 GB/s.)
+// gemv, N >= 2 tokens: per token the integer path costs ~15 operations per block pair against
 // 8 FMAs once the block is in fp32, so each block is decoded to fp32 once and shared by up to 8
 // tokens. Both paths are computed whole per row, so the bits do not depend on the thread count.
 // dequantize: the same decode to exact fp32, for the prefill path (dequantise + sgemm).
@@ -40,8 +41,14 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kPairQ = 128;  // int16 activations per block pair: 64 high parts, then 64 low parts
-constexpr int64_t kPairS = 8;   // fp32 activation scales per block pair: [s(b) x4, s(b+1) x4]
+// One token's activations per block pair (256 bytes): 64 int16 high parts, 64 int8 low parts,
+// 8 int32 bias corrections and 8 fp32 scales [s(b) x4, s(b+1) x4]; see quantize_row.
+struct alignas(32) PairX {
+  int16_t hi[64];
+  int8_t lo[64];
+  int32_t bias[8];
+  float scale[8];
+};
 
 struct Tables {
   float half_scale[256];  // scale byte b -> 2^(b - 127) / 2 (the code LUT holds twice the value); 0xFF -> NaN
@@ -64,20 +71,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Position of element e (0..31) of block h (0, 1) of a pair in the int16 activation layout. The
-// decoded pair (lanes = blocks) unpacks to [even 0-14 | even 16-30 | odd 1-15 | odd 17-31], each
-// 16 int16 holding block h's 8 values at h * 8. The low parts follow at +64.
-inline int pair_slot(int h, int e) { return ((e & 1) * 2 + (e >> 4)) * 16 + h * 8 + ((e & 15) >> 1); }
-
-// One token: x [K] fp32 -> xq [npairs, 128] int16, xs [npairs, 8] fp32 (a missing odd last block is 0).
-// With step = amax / 32767: x = step * (hi + lo / 65536) + err, |err| <= step * 2^-17 (plus fp32
-// rounding of the residual), i.e. ~2^-32 of the block's largest magnitude: finer than fp32 itself.
-// A block holding NaN or Inf gets scale NaN.
-void quantize_row(const float* x, int64_t nb, int16_t* xq, float* xs) {
-  const int64_t npairs = (nb + 1) / 2;
-  std::memset(xq, 0, npairs * kPairQ * sizeof(int16_t));
-  std::memset(xs, 0, npairs * kPairS * sizeof(float));
+// One token: x [K] fp32 -> xq [npairs] (a missing odd last block is all zeros). Per block, with
+// step = amax / 32767: x = step / 256 * (256 * hi + lo) + err, hi int16, lo int8, |err| <= step / 256
+// (~2^-23 of the block's largest magnitude: about fp32's own rounding of that element). The
+// weights are decoded as u8 w + 12 (w = 2 * e2m1 in [-12, 12]), so lane j of block h needs
+// bias[4h + j] = 12 * sum(256 * hi + lo) over the 8 elements it sums (8j .. 8j + 7).
+// Layouts (lane h = block h): int16 hi[16 * c + 8 * h + k] holds element 4k + (0, 2, 1, 3)[c];
+// int8 lo[32 * c + 16 * h + i] holds element 2i + c. A block holding NaN or Inf gets scale NaN.
+void quantize_row(const float* x, int64_t nb, PairX* xq) {
+  std::memset(static_cast<void*>(xq), 0, (nb + 1) / 2 * sizeof(PairX));
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  constexpr int kHiPart[4] = {0, 2, 1, 3};  // element 4k + e%4 -> which of the 4 int16 vectors
   alignas(32) int32_t q[kBlock], r[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kBlock;
@@ -92,78 +96,67 @@ void quantize_row(const float* x, int64_t nb, int16_t* xq, float* xs) {
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     const float top = _mm_cvtss_f32(m);
     const bool finite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) == 0;
-    int16_t* qp = xq + (b / 2) * kPairQ;
-    float* sp = xs + (b / 2) * kPairS + (b & 1) * 4;
-    const float scale = finite ? top / 32767.0f : std::nanf("");
-    for (int j = 0; j < 4; ++j) sp[j] = scale;
+    PairX& px = xq[b / 2];
+    const int h = static_cast<int>(b & 1);
+    const float step = top / 32767.0f;
+    for (int j = 0; j < 4; ++j) px.scale[4 * h + j] = finite ? step / 256.0f : std::nanf("");
     if (!finite || top == 0.0f) continue;
-    const __m256 step = _mm256_set1_ps(scale), inv = _mm256_set1_ps(32767.0f / top);
-    const __m256 inv_lo = _mm256_mul_ps(inv, _mm256_set1_ps(65536.0f));
-    const __m256 lim = _mm256_set1_ps(32767.0f), neg_lim = _mm256_set1_ps(-32767.0f);
+    const __m256 vstep = _mm256_set1_ps(step), inv = _mm256_set1_ps(32767.0f / top);
+    const __m256 inv_lo = _mm256_mul_ps(inv, _mm256_set1_ps(256.0f));
     for (int j = 0; j < 4; ++j) {
       const __m256 hi = _mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m256 res = _mm256_fnmadd_ps(hi, step, v[j]);  // x - hi * step, one rounding
-      const __m256 lo = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(res, inv_lo), lim), neg_lim);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(hi, lim), neg_lim)));
+      const __m256 res = _mm256_fnmadd_ps(hi, vstep, v[j]);  // x - hi * step, one rounding
+      const __m256 lo = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(res, inv_lo), _mm256_set1_ps(-128.0f)),
+                                      _mm256_set1_ps(127.0f));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), _mm256_cvtps_epi32(hi));
       _mm256_store_si256(reinterpret_cast<__m256i*>(r + 8 * j), _mm256_cvtps_epi32(lo));
     }
     for (int e = 0; e < kBlock; ++e) {
-      qp[pair_slot(b & 1, e)] = static_cast<int16_t>(q[e]);
-      qp[64 + pair_slot(b & 1, e)] = static_cast<int16_t>(r[e]);
+      const int32_t hi = std::min(std::max(q[e], -32767), 32767);
+      px.hi[16 * kHiPart[e % 4] + 8 * h + e / 4] = static_cast<int16_t>(hi);
+      px.lo[32 * (e % 2) + 16 * h + e / 2] = static_cast<int8_t>(r[e]);
+      px.bias[4 * h + e / 8] += 12 * (256 * hi + r[e]);
     }
   }
 }
 
-// Decoded pair of blocks (lane h = block h) as four int16 vectors in the pair_slot order.
-struct Pair {
-  __m256i w[4];
-  __m256 ws;  // [half_scale(b) x4, half_scale(b+1) x4]
-};
-
-inline Pair decode_pair(__m256i q, float s0, float s1) {
-  const __m256i lut = _mm256_broadcastsi128_si256(code_lut()), mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, mask));                      // even elements
-  const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), mask));  // odd elements
-  const __m256i slo = _mm256_cmpgt_epi8(_mm256_setzero_si256(), lo);
-  const __m256i shi = _mm256_cmpgt_epi8(_mm256_setzero_si256(), hi);
-  Pair p;
-  p.w[0] = _mm256_unpacklo_epi8(lo, slo);
-  p.w[1] = _mm256_unpackhi_epi8(lo, slo);
-  p.w[2] = _mm256_unpacklo_epi8(hi, shi);
-  p.w[3] = _mm256_unpackhi_epi8(hi, shi);
-  p.ws = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
-  return p;
-}
-
-// Integer dot of the pair with 64 int16 activations: per lane |sum| <= 8 * 12 * 32767 < 2^24.
-inline __m256i dot64(const Pair& p, const __m256i* xv) {
-  const __m256i d0 = _mm256_add_epi32(_mm256_madd_epi16(p.w[0], _mm256_loadu_si256(xv)),
-                                      _mm256_madd_epi16(p.w[1], _mm256_loadu_si256(xv + 1)));
-  const __m256i d1 = _mm256_add_epi32(_mm256_madd_epi16(p.w[2], _mm256_loadu_si256(xv + 2)),
-                                      _mm256_madd_epi16(p.w[3], _mm256_loadu_si256(xv + 3)));
-  return _mm256_add_epi32(d0, d1);
-}
-
-inline __m256 pair_dot(const Pair& p, const int16_t* xq, const float* xs, __m256 acc) {
-  const __m256i* xv = reinterpret_cast<const __m256i*>(xq);
-  // Both integer dots convert exactly; hi + lo / 65536 rounds once.
-  const __m256 d = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot64(p, xv + 4)), _mm256_set1_ps(1.0f / 65536),
-                                   _mm256_cvtepi32_ps(dot64(p, xv)));
-  return _mm256_fmadd_ps(d, _mm256_mul_ps(p.ws, _mm256_loadu_ps(xs)), acc);
+// Block pair p of one weight row (q: its 32 code bytes, lane h = block 2p + h; s0, s1: the blocks'
+// half scales) against one token's activations: acc + the pair's 8 lane partial dots.
+inline __m256 pair_dot(__m256i q, float s0, float s1, const PairX& x, __m256 acc) {
+  // 2 * e2m1(code) + 12 as u8 (bit 3 is the sign; code 8 = -0 decodes as +0)
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m256i nibble = _mm256_set1_epi8(0x0F), low_byte = _mm256_set1_epi16(0x00FF), ones = _mm256_set1_epi16(1);
+  const __m256i ev = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, nibble));                      // elements 2i
+  const __m256i od = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble));  // 2i + 1
+  const __m256i* hi = reinterpret_cast<const __m256i*>(x.hi);
+  const __m256i* lo = reinterpret_cast<const __m256i*>(x.lo);
+  // high parts: the u8 weights zero-extended in place to int16 (elements 4k, 4k + 2 | 4k + 1, 4k + 3)
+  const __m256i h0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(ev, low_byte), _mm256_load_si256(hi)),
+                                      _mm256_madd_epi16(_mm256_srli_epi16(ev, 8), _mm256_load_si256(hi + 1)));
+  const __m256i h1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(od, low_byte), _mm256_load_si256(hi + 2)),
+                                      _mm256_madd_epi16(_mm256_srli_epi16(od, 8), _mm256_load_si256(hi + 3)));
+  // low parts: u8 weights x s8 activations (|pair| <= 2 * 24 * 128, no saturation)
+  const __m256i l16 = _mm256_add_epi16(_mm256_maddubs_epi16(ev, _mm256_load_si256(lo)),
+                                       _mm256_maddubs_epi16(od, _mm256_load_si256(lo + 1)));
+  // 256 * hi + lo - bias: |256 * h| <= 8 * 24 * 32767 * 256 < 2^31, exact in int32
+  __m256i d = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(h0, h1), 8), _mm256_madd_epi16(l16, ones));
+  d = _mm256_sub_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(x.bias)));
+  const __m256 ws = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(ws, _mm256_load_ps(x.scale)), acc);
 }
 
 // One token against one weight row (the N = 1 path).
-inline float row_int16(const uint8_t* prow, const uint8_t* srow, int64_t nb, const int16_t* xq, const float* xs) {
+inline float row_int(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairX* xq) {
   const float* hs = kTables.half_scale;
   __m256 acc = _mm256_setzero_ps();
   int64_t p = 0;
   for (; 2 * p + 2 <= nb; ++p) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prow + p * 32));
-    acc = pair_dot(decode_pair(q, hs[srow[2 * p]], hs[srow[2 * p + 1]]), xq + p * kPairQ, xs + p * kPairS, acc);
+    acc = pair_dot(q, hs[srow[2 * p]], hs[srow[2 * p + 1]], xq[p], acc);
   }
-  if (2 * p < nb) {  // odd last block: the other lane decodes zeros with scale 0
+  if (2 * p < nb) {  // odd last block: the other lane decodes code 0 against zero activations, scale 0
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(prow + p * 32));
-    acc = pair_dot(decode_pair(_mm256_zextsi128_si256(q), hs[srow[2 * p]], 0.0f), xq + p * kPairQ, xs + p * kPairS, acc);
+    acc = pair_dot(_mm256_zextsi128_si256(q), hs[srow[2 * p]], 0.0f, xq[p], acc);
   }
   return hsum(acc);
 }
@@ -307,8 +300,7 @@ void parallel(void (*fn)(const void*, int64_t, int64_t), const void* ctx, int64_
 
 struct GemvArgs {
   const float* x;  // N = 1: unused; N >= 2: x permuted per block
-  const int16_t* xq;  // N = 1: the token split into int16 parts
-  const float* xs;
+  const PairX* xq;  // N = 1: the token in integer parts
   int64_t N, K, O;
   const uint8_t* packed;
   const uint8_t* scales;
@@ -322,7 +314,7 @@ void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
     const uint8_t* prow = a.packed + o * (K / 2);
     const uint8_t* srow = a.scales + o * nb;
     if (a.N == 1) {
-      a.y[o] = row_int16(prow, srow, nb, a.xq, a.xs);
+      a.y[o] = row_int(prow, srow, nb, a.xq);
       continue;
     }
     int64_t t = 0;
@@ -371,7 +363,7 @@ extern "C" {
 // Bytes of scratch mxfp4_gemv needs for N tokens of K.
 int64_t mxfp4_gemv_scratch(int64_t N, int64_t K) {
   const int64_t npairs = (K / kBlock + 1) / 2;
-  return N == 1 ? npairs * (kPairQ * sizeof(int16_t) + kPairS * sizeof(float)) : N * K * sizeof(float);
+  return N == 1 ? npairs * static_cast<int64_t>(sizeof(PairX)) + 32 : N * K * static_cast<int64_t>(sizeof(float));
 }
 
 // y [N, O] fp32 = x [N, K] fp32 W^T; packed [O, K/2], scales [O, K/32]; K % 32 == 0; `scratch`
@@ -379,13 +371,11 @@ int64_t mxfp4_gemv_scratch(int64_t N, int64_t K) {
 void mxfp4_gemv(const float* x, int64_t N, int64_t K, const uint8_t* packed, const uint8_t* scales, int64_t O,
                 float* y, void* scratch, int threads) {
   const int64_t nb = K / kBlock;
-  GemvArgs args{nullptr, nullptr, nullptr, N, K, O, packed, scales, y};
-  if (N == 1) {
-    int16_t* xq = static_cast<int16_t*>(scratch);
-    float* xs = reinterpret_cast<float*>(xq + (nb + 1) / 2 * kPairQ);
-    quantize_row(x, nb, xq, xs);
+  GemvArgs args{nullptr, nullptr, N, K, O, packed, scales, y};
+  if (N == 1) {  // scratch has 32 spare bytes to align the records
+    PairX* xq = reinterpret_cast<PairX*>((reinterpret_cast<uintptr_t>(scratch) + 31) & ~uintptr_t{31});
+    quantize_row(x, nb, xq);
     args.xq = xq;
-    args.xs = xs;
   } else {
     float* xp = static_cast<float*>(scratch);
     for (int64_t i = 0; i < N * K; i += kBlock)

@@ -47,7 +47,7 @@ def test_grid_covers_both_cpu_paths():
 
 @needs_cpu_kernel
 def test_reference_matches_float64():
-    """One token (the GEMV splits x into two int16 parts per block, ~2^-32 of the block's largest
+    """One token (the GEMV splits x into int16 + int8 parts per block, ~2^-23 of the block's largest
     value) and several (fp32 x) stay as close to float64 as the fp32 reference, with an outlier
     1000x the rest and an odd number of blocks."""
     packed, scales = _weights(40, 224, seed=1)
