@@ -53,37 +53,50 @@ def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(*blocks.shape[:-2], -1)
 
 
-def _gguf_tensors(ckpt, layers: int):
+def _dequantized(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OCP/HF MXFP4 blocks [..., nb, 16] + E8M0 scales [..., nb] -> float32 [..., nb * 32], exactly."""
+    fp4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+    vals = np.empty(blocks.shape[:-1] + (32,), dtype=np.float32)
+    vals[..., 0::2], vals[..., 1::2] = fp4[blocks & 0x0F], fp4[blocks >> 4]
+    vals *= np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:-2], -1)
+
+
+def _gguf_tensors(ckpt, layers: int, experts: str = "mxfp4"):
     """(gguf name, producer of the numpy array, raw ggml type or None) in file order."""
     import gguf
-    import torch
 
     def f32(name):
         return lambda: ckpt.tensor(name).float().numpy()
 
     out = [("token_embd.weight", f32("model.embed_tokens.weight"), None),
            ("output_norm.weight", f32("model.norm.weight"), None), ("output.weight", f32("lm_head.weight"), None)]
-    mx = gguf.GGMLQuantizationType.MXFP4
+    mx = gguf.GGMLQuantizationType.MXFP4 if experts == "mxfp4" else None
+    pack = _ggml_mxfp4 if experts == "mxfp4" else _dequantized
     for i in range(layers):
         p = f"model.layers.{i}."
         out += [(f"blk.{i}.{dst}", f32(p + src), None) for src, dst in _LAYER_NAMES.items()]
         e = p + "mlp.experts."
         for half, name in ((0, "gate"), (1, "up")):
-            out.append((f"blk.{i}.ffn_{name}_exps.weight", lambda e=e, h=half: _ggml_mxfp4(
+            out.append((f"blk.{i}.ffn_{name}_exps.weight", lambda e=e, h=half: pack(
                 ckpt.tensor(e + "gate_up_proj_blocks")[:, h::2].numpy(),
                 ckpt.tensor(e + "gate_up_proj_scales")[:, h::2].numpy()), mx))
             out.append((f"blk.{i}.ffn_{name}_exps.bias",
                         lambda e=e, h=half: ckpt.tensor(e + "gate_up_proj_bias")[:, h::2].float().numpy(), None))
-        out.append((f"blk.{i}.ffn_down_exps.weight", lambda e=e: _ggml_mxfp4(
+        out.append((f"blk.{i}.ffn_down_exps.weight", lambda e=e: pack(
             ckpt.tensor(e + "down_proj_blocks").numpy(), ckpt.tensor(e + "down_proj_scales").numpy()), mx))
         out.append((f"blk.{i}.ffn_down_exps.bias", lambda e=e: ckpt.tensor(e + "down_proj_bias").float().numpy(),
                     None))
-    del torch
     return out
 
 
-def write_gguf(src: Path, dst: Path) -> Path:
-    """Write the gpt_oss HF checkpoint `src` as a llama.cpp GGUF (dense F32, experts MXFP4), streaming."""
+def write_gguf(src: Path, dst: Path, experts: str = "mxfp4") -> Path:
+    """Write the gpt_oss HF checkpoint `src` as a llama.cpp GGUF (dense F32, experts MXFP4), streaming.
+
+    experts="f32" writes the experts dequantised (exact, 7.5x the bytes): llama.cpp's CPU MXFP4
+    matmul rounds activations to Q8_0, which on random weights flips top-k routing and moves the
+    logits visibly; F32 experts take that rounding out, for parity checks (gguf_parity.py)."""
+    assert experts in ("mxfp4", "f32"), experts
     import gguf
 
     from localmoe.store.safetensors import SafetensorsCheckpoint
@@ -94,7 +107,7 @@ def write_gguf(src: Path, dst: Path) -> Path:
     ckpt = SafetensorsCheckpoint(src)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, "gpt-oss")
-    w.add_name("localmoe test gpt_oss large")
+    w.add_name(f"localmoe test {src.name}")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_block_count(cfg["num_hidden_layers"])
@@ -113,6 +126,8 @@ def write_gguf(src: Path, dst: Path) -> Path:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rs["factor"])
     w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(float(rs.get("beta_fast") or 32))
+    w.add_rope_scaling_yarn_beta_slow(float(rs.get("beta_slow") or 1))
     # tokenizer: byte-level BPE, padded to vocab_size with unused tokens
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     special = {t["id"] for t in tok["added_tokens"]}
@@ -129,10 +144,10 @@ def write_gguf(src: Path, dst: Path) -> Path:
     w.add_bos_token_id(gen["bos_token_id"])
     eos = gen["eos_token_id"]
     w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
-    tensors = _gguf_tensors(ckpt, cfg["num_hidden_layers"])
+    tensors = _gguf_tensors(ckpt, cfg["num_hidden_layers"], experts)
     shapes = {}
     for name, make, raw in tensors:  # shapes without materialising experts: derive from the checkpoint
-        shapes[name] = _shape_of(ckpt, name, cfg)
+        shapes[name] = _shape_of(ckpt, name, cfg, experts)
         nbytes = int(np.prod(shapes[name][0])) * np.dtype(shapes[name][1]).itemsize
         w.add_tensor_info(name, shapes[name][0], np.dtype(shapes[name][1]), nbytes, raw_dtype=raw)
     w.write_header_to_file()
@@ -147,12 +162,12 @@ def write_gguf(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _shape_of(ckpt, name: str, cfg: dict):
+def _shape_of(ckpt, name: str, cfg: dict, experts: str = "mxfp4"):
     """(numpy shape, dtype) a GGUF tensor's producer returns (bytes for MXFP4)."""
     E, D, I = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     if name.endswith("_exps.weight"):
         rows, cols = (D, I) if "down" in name else (I, D)
-        return (E, rows, cols // 32 * 17), np.uint8
+        return ((E, rows, cols // 32 * 17), np.uint8) if experts == "mxfp4" else ((E, rows, cols), np.float32)
     if name.endswith("_exps.bias"):
         return (E, D if "down" in name else I), np.float32
     hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
