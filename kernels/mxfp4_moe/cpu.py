@@ -1,17 +1,12 @@
-"""The CPU fast path: `mxfp4_cpu.cpp` (AVX2 + FMA), compiled on first use, loaded with ctypes.
+"""The CPU fast path: `mxfp4_cpu.cpp` (AVX2 + FMA), part of the localmoe CPU library.
 
-The source has a plain C ABI and no torch headers, so it builds with gcc/clang alone in about a
-second (a torch C++ extension took 2-3 minutes on the 2-core dev machine) and needs no ninja or
-Python headers. The shared object is cached in `$LOCALMOE_CACHE` (default ~/.cache/localmoe)
-under a hash of the source, flags and compiler, written atomically. Each call runs on
-`torch.get_num_threads()` threads: the caller (ctypes releases the GIL) and the library's own
-persistent workers take chunks of rows from a shared counter. A row is always computed whole by
-one thread, so results do not depend on the thread count. (OpenMP inside the library, sharing
-torch's libgomp, was measured first: its spin-waiting made 2 threads 6x slower than 1 on a shared
-2-core machine; the Python thread pool used before split the rows statically, so a core busy
-with another process held every call up.) Where the CPU lacks AVX2/FMA, no compiler is found
-or the build fails, `library()` warns once and returns None and the dispatcher uses the reference.
-`LOCALMOE_NO_CPU_KERNEL=1` disables it silently.
+The library (kernels/_cpu: all C++ kernel sources in one shared object, compiled on first use,
+loaded with ctypes, one persistent thread pool) is shared with the dense GEMV; `library()` is
+its loader. A row is always computed whole by one thread, so results do not depend on the
+thread count. (OpenMP inside the library, sharing torch's libgomp, was measured first: its
+spin-waiting made 2 threads 6x slower than 1 on a shared 2-core machine; the Python thread pool
+used before split the rows statically, so a core busy with another process held every call up.)
+Where the library is unavailable, `library()` returns None and the dispatcher uses the reference.
 
 Why C++ and not torch: measured on a 2-core Zen 3 (docs/performance.md, "Kernels"), the
 reference's dequantise (a gather per byte) + fp32 F.linear is far from memory bandwidth for
@@ -23,82 +18,10 @@ block dot products are integer multiply-adds (mxfp4_cpu.cpp); `dequantize` is ex
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
-
 import torch
+from localmoe.kernels._cpu import _state, library
 
-SOURCE = Path(__file__).with_name("mxfp4_cpu.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-pthread")
-_state: dict[str, object] = {}
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _unsupported() -> str | None:
-    """Why the kernel cannot run here, or None."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU lacks AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
-    if not SOURCE.exists():
-        return f"{SOURCE.name} is not installed"
-    if _compiler() is None:
-        return "no C++ compiler found (set CXX, or install g++)"
-    return None
-
-
-def _build() -> Path:
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "kernels"
-    target = cache / f"mxfp4_cpu-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / target.name
-            run = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True,
-                                 check=False)
-            if run.returncode != 0:
-                last = (run.stderr.strip().splitlines() or ["?"])[-1]
-                raise RuntimeError(f"{Path(cxx).name} exited with {run.returncode}: {last}")
-            os.replace(out, target)
-    return target
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it is unavailable (warned once)."""
-    if "lib" not in _state:
-        lib, reason = None, None
-        if os.environ.get("LOCALMOE_NO_CPU_KERNEL") == "1":
-            reason = ""
-        else:
-            reason = _unsupported()
-        if reason is None:
-            try:
-                lib = ctypes.CDLL(str(_build()))
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                lib.mxfp4_gemv_scratch.argtypes = (i64, i64)
-                lib.mxfp4_gemv_scratch.restype = i64
-                lib.mxfp4_gemv.argtypes = (ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ctypes.c_int)
-                lib.mxfp4_dequantize.argtypes = (ptr, ptr, i64, ptr, ctypes.c_int)
-                lib.mxfp4_gemv.restype = lib.mxfp4_dequantize.restype = None
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                lib, reason = None, f"build failed ({e})"
-        if reason:
-            warnings.warn(f"localmoe: MXFP4 CPU kernel unavailable, using the torch reference: {reason}", stacklevel=2)
-        _state["lib"] = lib
-    return _state["lib"]
+__all__ = ["_state", "dequantize", "gemv", "library"]
 
 
 def _check(x: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor) -> None:

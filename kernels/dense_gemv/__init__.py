@@ -1,0 +1,46 @@
+"""Dense GEMV dispatcher for decode: y = x W^T (+ b), W fp32 or bf16, x fp32, fp32 accumulation.
+
+- CPU tensors (contiguous, fp32 x and bias, fp32/bf16 W) with the CPU library (kernels/_cpu):
+  `cpu.gemv`, each weight row streamed once for all N tokens.
+- otherwise the reference (reference.py).
+`kernel_wins(N, K)` says where the kernel beats torch's F.linear, for callers that have both.
+"""
+
+from __future__ import annotations
+
+import torch
+from localmoe.kernels._cpu import library
+from localmoe.kernels.dense_gemv import cpu
+from localmoe.kernels.dense_gemv.reference import naive_dense_gemv
+
+
+def kernel_available() -> bool:
+    """Whether the CPU kernel is usable in this process (the library built and loaded)."""
+    return library() is not None
+
+
+X_FLOATS_IN_L1 = 4096  # measured (benchmarks/kernels.py): past ~16 KiB of x, torch wins for N >= 4
+
+
+def kernel_wins(N: int, K: int) -> bool:
+    """Whether the CPU kernel beats torch for N tokens of K: one token always (at memory bandwidth,
+    1.5-4x torch); a few while x [N, K] stays in L1 (each row read once for all of them); past that
+    the FMAs' x loads from L2 bound it and torch's blocked GEMM wins."""
+    return N == 1 or N * K <= X_FLOATS_IN_L1
+
+
+def _fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    cpu_contiguous = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return (cpu_contiguous and x.dtype == torch.float32 and x.dim() == 2 and weight.dtype in cpu.DTYPES
+            and (bias is None or bias.dtype == torch.float32) and library() is not None)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] fp32, weight [O, K] fp32/bf16, bias [O] or None -> y [N, O] fp32."""
+    if _fast(x, weight, bias):
+        return cpu.gemv(x, weight, bias)
+    return naive_dense_gemv(x, weight, bias)
+
+
+__all__ = ["dense_gemv", "kernel_available", "kernel_wins", "naive_dense_gemv"]

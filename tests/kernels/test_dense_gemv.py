@@ -1,0 +1,93 @@
+"""Dense fp32/bf16 GEMV: the CPU kernel and the dispatcher against the plain-torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels import _cpu, dense_gemv
+from localmoe.kernels.dense_gemv import cpu
+from localmoe.kernels.dense_gemv.reference import naive_dense_gemv
+
+needs_cpu_kernel = pytest.mark.skipif(_cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _inputs(N: int, K: int, O: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, K, generator=g)
+    scale = torch.logspace(-3, 1, O).unsqueeze(1)  # rows of very different scales
+    w = (torch.randn(O, K, generator=g) * scale).to(dtype)
+    return x, w, torch.randn(O, generator=g)
+
+
+def _want(x, w, bias):
+    """The reference in float64 (the kernel's error against fp32 torch is summation order only)."""
+    return naive_dense_gemv(x.double(), w.double(), None if bias is None else bias.double())
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("O", [1, 100, 4097], ids=lambda o: f"O{o}")
+@pytest.mark.parametrize("K", [63, 576, 768], ids=lambda k: f"K{k}")
+@pytest.mark.parametrize("N", [1, 3, 8, 11], ids=lambda n: f"N{n}")
+def test_cpu_matches_reference(N, K, O, with_bias, dtype, close):
+    x, w, bias = _inputs(N, K, O, dtype, seed=N * 10007 + K * 13 + O)
+    bias = bias if with_bias else None
+    got = cpu.gemv(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == (N, O)
+    close(got, _want(x, w, bias), 1e-6)
+    close(got, naive_dense_gemv(x, w, bias), 1e-6)  # and the fp32 reference itself
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_thread_count_does_not_change_bits(dtype):
+    x, w, bias = _inputs(3, 576, 3000, dtype, seed=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu.gemv(x, w, bias)
+        torch.set_num_threads(2)
+        two = cpu.gemv(x, w, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_and_inf_propagate(dtype):
+    x, w, _ = _inputs(2, 100, 5, dtype, seed=2)
+    x[1, 7] = float("nan")
+    w[3, 99] = float("inf")  # in the scalar tail (K = 100 = 12 * 8 + 4)
+    w[4, 0] = float("nan")
+    got, want = cpu.gemv(x, w), naive_dense_gemv(x, w)
+    assert torch.equal(got.isnan(), want.isnan()) and got[1].isnan().all() and got[0, 4].isnan()
+    assert torch.equal(got.isinf(), want.isinf())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dispatcher_falls_back_without_the_library(dtype, monkeypatch, close):
+    x, w, bias = _inputs(2, 64, 20, dtype, seed=3)
+    monkeypatch.setitem(_cpu._state, "lib", None)
+    assert not dense_gemv.kernel_available()
+    close(dense_gemv.dense_gemv(x, w, bias), _want(x, w, bias), 1e-6)
+
+
+@pytest.mark.parametrize("case", ["strided_x", "fp16_weight", "bf16_x"])
+def test_dispatcher_falls_back_for_other_inputs(case, close):
+    x, w, bias = _inputs(4, 64, 20, torch.float32, seed=4)
+    if case == "strided_x":
+        x = torch.randn(64, 4).T  # not contiguous
+    elif case == "fp16_weight":
+        w = w.half()
+    else:
+        x = x.bfloat16()
+    close(dense_gemv.dense_gemv(x, w, bias), _want(x.float(), w, bias), 1e-6)
+
+
+def test_kernel_wins_rule():
+    assert dense_gemv.kernel_wins(1, 100_000)
+    assert dense_gemv.kernel_wins(4, 768) and dense_gemv.kernel_wins(2, 2048)
+    assert not dense_gemv.kernel_wins(8, 2048)
