@@ -10,6 +10,10 @@ see the same load), and its time is compared with dequantise-then-matmul in plai
 dispatcher's dequantise + sgemm with the same plain-torch path; the GEMV/sgemm crossover is
 printed to justify `GEMV_MAX_TOKENS`.
 
+Dense GEMV (CPU): `localmoe.kernels.dense_gemv` for decode-sized lm_heads and a projection, fp32
+and bf16 weights, N = 1-8 tokens: achieved weight bytes/s over the same run's memory read
+bandwidth, and speed over torch's F.linear (bf16: on x rounded to bf16, what the engine ran before).
+
 GPU (when CUDA and Triton are present): the Triton MXFP4 grouped GEMV's bytes/s over the
 device's copy bandwidth, and the KDA kernels' tokens/s.
 
@@ -18,7 +22,7 @@ experts through the CPU kernel) over llama.cpp's (llama-cpp-python, the same wei
 a GGUF with MXFP4 experts by benchmarks/offload.py, same threads) on the `small` generated
 gpt_oss checkpoint, each engine in its own process; "not installed" without llama-cpp-python.
 
-    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR]
+    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR] [--dense-only]
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from common import report
 
 GOAL = 0.6  # GEMV bytes/s over memory bandwidth, one token (the kernels issue)
 E2E_PROMPT = [17, 230]
+DENSE_SHAPES = {"gpt-oss small lm_head 32768x768": (32768, 768), "SmolLM2 lm_head 49152x576": (49152, 576),
+                "projection 2048x2048": (2048, 2048)}
 SHAPES = {"k3 gate/up 3072x3584": (3072, 3584), "k3 down 3584x3072": (3584, 3072), "gpt-oss 2880x2880": (2880, 2880)}
 
 
@@ -127,6 +133,49 @@ def cpu_bench(rounds: int, quick: bool) -> None:
     report(rows)
 
 
+def _torch_linear(x, w):
+    return F.linear(x.to(w.dtype), w)
+
+
+def _each_dense(fn, x, mats) -> None:
+    for w in mats:
+        fn(x, w)
+
+
+def dense_bench(rounds: int, quick: bool) -> None:
+    from localmoe.kernels.dense_gemv import dense_gemv, kernel_available, kernel_wins
+
+    if not kernel_available():
+        print("Dense GEMV: CPU kernel unavailable; nothing to compare")
+        return
+    buffer = torch.ones((1 << 28) // 4)
+    out = torch.empty_like(buffer)
+    print(f"CPU, {torch.get_num_threads()} threads: dense GEMV bytes/s over memory bandwidth (same run), "
+          "speed over torch F.linear (medians; * = the engine uses torch there)")
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = []
+        for name, (O, K) in DENSE_SHAPES.items():
+            count = max(2, (128 if quick else 256) * 2**20 // (O * K * dtype.itemsize))  # well above the LLC
+            mats = [torch.randn(O, K).to(dtype) for _ in range(count)]
+            nbytes = sum(w.nbytes for w in mats)
+            for N in (1, 2, 4, 8):
+                x = torch.randn(N, K)
+                ratios, over_torch, speeds = [], [], []
+                for _ in range(rounds):  # interleaved, so that all see the same (shared) machine
+                    bw = _bandwidth(buffer, out)
+                    t_kernel = _best(_each_dense, 2, dense_gemv, x, mats)
+                    t_torch = _best(_each_dense, 2, _torch_linear, x, mats)
+                    ratios.append(nbytes / t_kernel / bw)
+                    speeds.append((nbytes / t_kernel, bw))
+                    over_torch.append(t_torch / t_kernel)
+                got, bw = max(speeds)
+                mark = "" if kernel_wins(N, K) else " *"
+                rows.append((f"{str(dtype)[6:]} {name} N={N}",
+                             (f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median {statistics.median(ratios):.2f}, "
+                             f"best {max(ratios):.2f}; {statistics.median(over_torch):4.2f}x F.linear{mark}")))
+        report(rows)
+
+
 def gpu_bench() -> None:
     from localmoe.kernels._triton import HAVE_TRITON
 
@@ -209,8 +258,9 @@ def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int)
 
 
 def e2e_bench(work: Path, threads: int, tokens: int, repeats: int) -> None:
-    from localmoe.testing import write_checkpoint
     from offload import write_gguf
+
+    from localmoe.testing import write_checkpoint
 
     src, gguf_path = work / "gpt_oss_small", work / "gpt_oss_small.gguf"
     if not (src / "config.json").exists():
@@ -250,9 +300,9 @@ def e2e_bench(work: Path, threads: int, tokens: int, repeats: int) -> None:
     if llama is None and all("tok_s" in r for r in results.values()):
         ours, peer = results["localmoe"], results["llama"]
         same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], peer["tokens"])) if a != b), len(ours["tokens"]))
-        rows.append(("RATIO localmoe / llama.cpp", f"{ours['tok_s'] / peer['tok_s']:.2f}x best, "
+        rows.append(("RATIO localmoe / llama.cpp", (f"{ours['tok_s'] / peer['tok_s']:.2f}x best, "
                                                    f"{ours['median'] / peer['median']:.2f}x median (goal >= 1.0); "
-                                                   f"greedy tokens agree for the first {same} of {len(ours['tokens'])}"))
+                                                   f"greedy tokens agree for the first {same} of {len(ours['tokens'])}")))
     report(rows)
 
 
@@ -263,6 +313,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--e2e", action="store_true", help="also decode tokens/s against llama.cpp (gpt_oss small)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel sections (with --e2e)")
+    ap.add_argument("--dense-only", action="store_true", help="only the dense GEMV section (and --e2e)")
     ap.add_argument("--work", type=Path, default=Path("/work/bench"), help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
     ap.add_argument("--e2e-child", choices=["localmoe", "llama"], help=argparse.SUPPRESS)
@@ -274,8 +325,11 @@ def main() -> None:
         print(json.dumps(_e2e_child(args.e2e_child, args.work / "gpt_oss_small", args.work / "gpt_oss_small.gguf",
                                     threads, args.tokens)))
         return
-    if not args.no_kernels:
+    if args.dense_only:
+        dense_bench(args.rounds, args.quick)
+    elif not args.no_kernels:
         cpu_bench(args.rounds, args.quick)
+        dense_bench(args.rounds, args.quick)
         gpu_bench()
     if args.e2e:
         e2e_bench(args.work, threads, args.tokens, args.rounds)

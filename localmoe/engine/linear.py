@@ -5,6 +5,10 @@ for GEMM, while fp32 is good at both. A `Linear` keeps ONE copy of its weight: i
 or in bf16 when bf16 GEMV measured faster on this machine, in which case prefill-sized
 inputs upcast the weight on the fly (cheap next to a GEMM). Measured on SmolLM2-135M
 (2 Zen 3 cores): 27 tokens/s with bf16 weights against 6 with fp32.
+
+Decode-sized inputs (few rows) go through the dense GEMV kernel (`localmoe.kernels.dense_gemv`:
+the weight streamed at memory bandwidth, bf16 widened to fp32 in registers, fp32 x and
+accumulation) where it is available and beats torch; prefill stays on torch's sgemm.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from localmoe.kernels import dense_gemv
+
 COLD_BYTES = 96 << 20  # more than any desktop CPU's last-level cache
 GEMV_MAX_ROWS = 8  # above this many input rows a call is a GEMM: always compute in fp32
 
-_choice_cache: dict[str, str] = {}  # "gemv@threads" -> dtype name, mirrored on disk per machine
+_choice_cache: dict[str, str] = {}  # "<path>@threads" -> dtype name, mirrored on disk per machine
 
 
 def _choices_file():
@@ -59,16 +65,20 @@ def _time(fn, repeats: int) -> float:
 
 
 def measured_gemv_dtype() -> torch.dtype:
-    """bf16, unless this CPU's bf16 one-row F.linear is clearly slower than fp32's (then fp32).
+    """bf16, unless this CPU's bf16 one-row GEMV is clearly slower than fp32's (then fp32).
 
-    Decided once per machine (and thread count) and remembered in the cache directory.
+    Times the path `Linear` really runs for one row (the dense GEMV kernel where it is available,
+    torch's F.linear otherwise; each has its own cache key, so choices measured with the other
+    path are not reused). Decided once per machine (and thread count) and remembered in the
+    cache directory.
     Decode streams every weight from RAM once per token, so the timing rotates over
     enough copies to overflow the last-level cache: one hot matrix would make fp32 look
     fast because it never leaves L2/L3. bf16 moves half the bytes, so it should win
     wherever its GEMV kernel is sound; the check guards against CPUs where it is not.
     """
     _load_choices()
-    key = f"gemv@{torch.get_num_threads()}"
+    kernel = dense_gemv.kernel_available()
+    key = f"{'dense_gemv' if kernel else 'gemv'}@{torch.get_num_threads()}"
     if key not in _choice_cache:
         out_features, in_features = 4096, 1024  # a typical projection, 16 MiB in fp32
         copies = COLD_BYTES // (4 * out_features * in_features)
@@ -77,12 +87,15 @@ def measured_gemv_dtype() -> torch.dtype:
 
         def sweep(dtype):
             for w in weights[dtype]:
-                F.linear(x[dtype], w)
+                if kernel:
+                    dense_gemv.dense_gemv(x[torch.float32], w)
+                else:
+                    F.linear(x[dtype], w)
 
         best = {dtype: float("inf") for dtype in x}
         for _ in range(3):  # interleaved, best of 3: robust to a busy machine
             for dtype in x:
-                best[dtype] = min(best[dtype], _time(lambda: sweep(dtype), 1))
+                best[dtype] = min(best[dtype], _time(lambda d=dtype: sweep(d), 1))
         _choice_cache[key] = "float32" if best[torch.bfloat16] > 1.25 * best[torch.float32] else "bfloat16"
         _save_choices()
     return getattr(torch, _choice_cache[key])
@@ -91,7 +104,7 @@ def measured_gemv_dtype() -> torch.dtype:
 class Linear:
     """y = x W^T (+ b) with x, y in fp32; W [out, in] stored in fp32 or bf16."""
 
-    __slots__ = ("weight", "bias", "low_precision")
+    __slots__ = ("bias", "low_precision", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str):
         target = torch.float32
@@ -101,13 +114,19 @@ class Linear:
             target = measured_gemv_dtype()
         self.weight = weight.to(target).contiguous()
         self.low_precision = target != torch.float32
-        self.bias = None if bias is None else bias.float()
+        self.bias = None if bias is None else bias.float().contiguous()
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        K = x.shape[-1]
+        rows = x.numel() // K
+        if (rows <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+                and dense_gemv.kernel_wins(rows, K) and dense_gemv.kernel_available()):
+            y = dense_gemv.dense_gemv(x.reshape(rows, K).contiguous(), self.weight, self.bias)
+            return y.reshape(*x.shape[:-1], self.out_features)
         if not self.low_precision:
             return F.linear(x, self.weight, self.bias)
         if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
