@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -314,7 +315,8 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also decode tokens/s against llama.cpp (gpt_oss small)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel sections (with --e2e)")
     ap.add_argument("--dense-only", action="store_true", help="only the dense GEMV section (and --e2e)")
-    ap.add_argument("--work", type=Path, default=Path("/work/bench"), help="where --e2e keeps its checkpoints")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
+                    / "bench", help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
     ap.add_argument("--e2e-child", choices=["localmoe", "llama"], help=argparse.SUPPRESS)
     args = ap.parse_args()
