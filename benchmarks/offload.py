@@ -284,8 +284,9 @@ def _run_child(kind: str, args, extra: list[str], timeout: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
-                    / "bench", help="where the checkpoint, its store and its GGUF are kept (~33 GB)")
+    cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
+    ap.add_argument("--work", type=Path, default=cache / "bench",
+                    help="where the checkpoint, its store and its GGUF are kept (~33 GB)")
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--fraction", type=float, default=0.25, help="RAM budget as a fraction of the expert bytes")
