@@ -91,26 +91,29 @@ class LFRU(Policy):
     used in its layer's next pass (the myopic rule that is optimal when routing has no
     memory beyond one token). Per expert, counted as it is accessed:
 
-    - `stay`: P(used | used in the layer's latest pass) = re-uses / uses: the next-token
-      reuse (~30% on real models) plus the expert's own popularity;
     - `enter`: P(used | not used in the latest pass) = fresh uses / passes without it:
-      the popularity that an LFU count estimates, without the reuse runs that inflate it.
+      the popularity that an LFU count estimates, without the reuse runs that inflate it;
+      shrunk towards the layer's mean (`prior` passes' worth of weight) or a calibration
+      profile's rate (`popularity`: key -> uses per token, worth `popularity_tokens` passes);
+    - `stay`: P(used | used in the layer's latest pass) = re-uses / uses, shrunk
+      (`reuse_prior` passes) towards the expert's own `enter` plus its layer's `lift`: what
+      a use adds for the next pass (the next-token reuse: ~30% on real models, ~0 on
+      random-weight routers), measured as the layer's stays minus the stays that `enter`
+      predicted, per use. Shrinking to the layer's mean stay instead (which popular experts
+      dominate) let a rarely used expert that was just used outrank popular ones.
 
-    Both are shrunk towards their layer's mean (`prior` passes' worth of weight), or, for
-    `enter`, towards a calibration profile's rate (`popularity`: key -> uses per token,
-    worth `popularity_tokens` passes), so a cold start is not ranked by noise. Counts decay
-    by half every `half_life` passes (aging: old popularity fades as the topic drifts).
-
-    `access` is O(1); `victim` scores each candidate, O(candidates) like the pager's scan."""
+    Counts decay by half every `half_life` passes (aging: old popularity fades as the topic
+    drifts). `access` is O(1); `victim` scores each candidate, O(candidates) like the pager's
+    scan."""
 
     name = "lfru"
 
-    def __init__(self, half_life: float = 1024.0, prior: float = 4.0,
+    def __init__(self, half_life: float = 1024.0, prior: float = 4.0, reuse_prior: float = 32.0,
                  popularity: Mapping[Key, float] | None = None, popularity_tokens: float = 0.0) -> None:
-        if half_life <= 0 or prior <= 0 or popularity_tokens < 0:
-            raise PagingError(f"LFRU needs half_life > 0, prior > 0 and popularity_tokens >= 0, not "
-                              f"{half_life}, {prior}, {popularity_tokens}")
-        self.half_life, self.prior = half_life, prior
+        if half_life <= 0 or prior <= 0 or reuse_prior <= 0 or popularity_tokens < 0:
+            raise PagingError(f"LFRU needs half_life, prior, reuse_prior > 0 and popularity_tokens >= 0, not "
+                              f"{half_life}, {prior}, {reuse_prior}, {popularity_tokens}")
+        self.half_life, self.prior, self.reuse_prior = half_life, prior, reuse_prior
         self.popularity = dict(popularity or {})
         self.popularity_tokens = popularity_tokens if self.popularity else 0.0
         self.base = 0  # counts are weighted 2^((step - base) / half_life); `_rebase` moves `base`
@@ -122,6 +125,7 @@ class LFRU(Policy):
         self.pass_before: dict[int, int | None] = {}  # layer -> step of the pass before that
         self.layer_uses: dict[int, float] = {}
         self.layer_stays: dict[int, float] = {}
+        self.layer_expect: dict[int, float] = {}  # stays predicted by `enter` alone: its estimate summed over uses
         self.layer_seen: dict[int, int] = {}  # distinct experts seen
         self.layer: int | None = None  # layer of the latest access (its pass may be in progress)
 
@@ -133,7 +137,8 @@ class LFRU(Policy):
     def _rebase(self, now: int) -> None:
         """Refer every weight to `now` (amortised O(1): once per 256 half-lives)."""
         f = 2.0 ** (-(now - self.base) / self.half_life)
-        for table in (self.uses, self.stays, self.passes, self.layer_uses, self.layer_stays):
+        for table in (self.uses, self.stays, self.passes, self.layer_uses, self.layer_stays,
+                      self.layer_expect):
             for k in table:
                 table[k] *= f
         self.base = now
@@ -149,11 +154,13 @@ class LFRU(Policy):
         prev = self.last.get(key)
         if prev == now:
             return
+        expected = w * self.enter(key)  # what this use would predict for the next pass without reuse
         if prev is None:
             self.layer_seen[layer] = self.layer_seen.get(layer, 0) + 1
         self.last[key] = now
         self.uses[key] = self.uses.get(key, 0.0) + w
         self.layer_uses[layer] = self.layer_uses.get(layer, 0.0) + w
+        self.layer_expect[layer] = self.layer_expect.get(layer, 0.0) + expected
         if prev is not None and prev == self.pass_before.get(layer):
             self.stays[key] = self.stays.get(key, 0.0) + w
             self.layer_stays[layer] = self.layer_stays.get(layer, 0.0) + w
@@ -164,17 +171,16 @@ class LFRU(Policy):
         return last is not None and (last == self.pass_now.get(layer)
                                      or (layer == self.layer and last == self.pass_before.get(layer)))
 
-    def next_use(self, key: Key) -> float:
-        """Estimated P(`key` is used in its layer's next pass)."""
+    def _layer_weight(self, layer: int) -> float:
+        return 2.0 ** ((self.pass_now.get(layer, self.base) - self.base) / self.half_life)
+
+    def enter(self, key: Key) -> float:
+        """Estimated P(`key` is used in its layer's next pass | not used in its latest pass)."""
         layer = key[0]
         uses, stays = self.uses.get(key, 0.0), self.stays.get(key, 0.0)
-        layer_uses = self.layer_uses.get(layer, 0.0)
-        stay_rate = self.layer_stays.get(layer, 0.0) / layer_uses if layer_uses else 0.0
-        w = 2.0 ** ((self.pass_now.get(layer, self.base) - self.base) / self.half_life)
-        if self.recent(key):
-            return (stays + self.prior * w * stay_rate) / (uses + self.prior * w)
-        passes = self.passes.get(layer, 0.0)
+        layer_uses, passes, w = self.layer_uses.get(layer, 0.0), self.passes.get(layer, 0.0), self._layer_weight(layer)
         if self.popularity_tokens:  # profile: uses per token -> P(enter) = u (1 - stay) / (1 - u)
+            stay_rate = self.layer_stays.get(layer, 0.0) / layer_uses if layer_uses else 0.0
             u = min(self.popularity.get(key, 0.0), 0.999)
             mean, strength = min(1.0, u * (1.0 - stay_rate) / (1.0 - u)), self.popularity_tokens
         else:
@@ -182,6 +188,22 @@ class LFRU(Policy):
             mean = (layer_uses - self.layer_stays.get(layer, 0.0)) / idle if idle > 0 else 0.0
             strength = self.prior
         return (uses - stays + strength * w * mean) / (max(passes - uses, 0.0) + strength * w)
+
+    def lift(self, layer: int) -> float:
+        """What a use adds to P(used in the layer's next pass) over `enter`: the layer's reuse."""
+        layer_uses = self.layer_uses.get(layer, 0.0)
+        if not layer_uses:
+            return 0.0
+        return max(0.0, (self.layer_stays.get(layer, 0.0) - self.layer_expect.get(layer, 0.0)) / layer_uses)
+
+    def next_use(self, key: Key) -> float:
+        """Estimated P(`key` is used in its layer's next pass)."""
+        enter = self.enter(key)
+        if not self.recent(key):
+            return enter
+        strength = self.reuse_prior * self._layer_weight(key[0])
+        mean = min(1.0, enter + self.lift(key[0]))
+        return (self.stays.get(key, 0.0) + strength * mean) / (self.uses.get(key, 0.0) + strength)
 
     def victim(self, candidates: Iterable[Key], now: int) -> Key:
         return min(candidates, key=lambda k: (self.next_use(k), self.last.get(k, -1), k))  # total order: any scan order agrees
