@@ -124,7 +124,10 @@ def test_stream_disconnect_cancels_generation(tiny_server):
 
 def test_non_streaming_disconnect_cancels_generation(tiny_server):
     before = _metric(tiny_server.url, "localmoe_cancelled_total")
-    body = {"model": "default", "max_tokens": 450, "temperature": 0, "messages": [{"role": "user", "content": "go"}]}
+    # sampled with a seed that runs to max_tokens (~2.5 s here): greedy decoding of this random model ends
+    # at its end-of-turn token after ~135 tokens, sometimes within the client's 0.5 s
+    body = {"model": "default", "max_tokens": 450, "temperature": 1.0, "seed": 1,
+            "messages": [{"role": "user", "content": "go"}]}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(tiny_server.url + "/v1/chat/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 20
