@@ -106,7 +106,7 @@ def test_requests_are_served_fairly(client):
 
 def test_stream_disconnect_cancels_generation(tiny_server):
     before = _metric(tiny_server.url, "localmoe_cancelled_total")
-    body = {"model": "default", "max_tokens": 450, "temperature": 0, "stream": True,
+    body = {"model": "default", "max_tokens": 450, "temperature": 1.0, "seed": 1, "stream": True,  # runs ~2.5 s
             "messages": [{"role": "user", "content": "go"}]}
     with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=body, timeout=60) as response:
         for i, _ in enumerate(response.iter_lines()):
