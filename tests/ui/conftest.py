@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 from localmoe.chat.tools import ToolRunner
+from localmoe.engine.sampler import SamplingParams
 
 K3_BUDGETS = {"low": 3, "high": 7, "max": 11}  # reasoning tokens per tier: small, so replies stay fast
+# The tiny random K3 can draw its end-of-message token inside a reasoning budget (unseeded at the app's
+# temperature now and then; greedily at once for some prompts). With this seed the budget tests' prompts
+# reason until the budget closes the channel, on every run.
+K3_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, seed=0)  # seeds 0-3 all pass here
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from localmoe.ui.stats import human_bytes, snapshot, status_line
 
 from localmoe.chat.format import ChatMessage
 
-from .conftest import K3_BUDGETS, approve_all, run_async
+from .conftest import K3_BUDGETS, K3_SAMPLING, approve_all, run_async
 
 
 async def _collect(conversation, text, approve=approve_all):
@@ -89,7 +89,7 @@ def test_a_denied_call_never_runs_and_the_model_is_told(smol, make_service, reco
 def test_the_budget_sets_the_reasoning_limit(k3, make_service, workdir, budget):
     service = make_service(k3, budgets=K3_BUDGETS)
     conversation = Conversation(service, workdir=workdir, budget=budget, max_tokens=K3_BUDGETS[budget] + 6,
-                                tools_enabled=False)
+                                tools_enabled=False, params=K3_SAMPLING)
     events = run_async(_collect(conversation, "Think first."))
     turn = events[-2].turn
     assert turn.reasoning_tokens == K3_BUDGETS[budget] and turn.reasoning_closed_by == "reasoning_tokens"

@@ -22,7 +22,7 @@ from textual.widgets import Input, OptionList
 
 from localmoe.chat.format import ChatMessage, ToolCall
 
-from .conftest import K3_BUDGETS, run_async, wait_until
+from .conftest import K3_BUDGETS, K3_SAMPLING, run_async, wait_until
 
 SIZE = (80, 24)
 SNAPSHOT = Path(__file__).parent / "snapshots" / "main_screen.svg"
@@ -101,7 +101,7 @@ def test_reasoning_panel_opens_and_closes(k3, make_service, workdir):
     service = make_service(k3, budgets=K3_BUDGETS)
 
     async def scenario():
-        app = ChatApp(service, workdir=workdir, budget="low", max_tokens=10, tools_enabled=False)
+        app = ChatApp(service, workdir=workdir, budget="low", max_tokens=10, tools_enabled=False, params=K3_SAMPLING)
         async with app.run_test(size=SIZE) as pilot:
             await _type(pilot, "Think.")
             await _answered(pilot)
@@ -126,7 +126,7 @@ def test_budget_key_and_click_change_the_next_turn(k3, make_service, workdir):
     service = make_service(k3, budgets=K3_BUDGETS)
 
     async def scenario():
-        app = ChatApp(service, workdir=workdir, budget="high", max_tokens=16, tools_enabled=False)
+        app = ChatApp(service, workdir=workdir, budget="high", max_tokens=16, tools_enabled=False, params=K3_SAMPLING)
         async with app.run_test(size=SIZE) as pilot:
             await pilot.press("ctrl+b")
             assert app.conversation.budget == "max"

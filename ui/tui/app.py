@@ -74,7 +74,7 @@ class ChatApp(App):
     def __init__(self, service=None, *, loader: Loader | None = None, model_name: str = "model",
                  workdir: Path | None = None, budget: str = "high", tools_enabled: bool = True,
                  session_id: str | None = None, max_tokens: int | None = None, runner=None,
-                 stats: Callable[[], str] | None = None, stats_interval: float = 1.0):
+                 params=None, stats: Callable[[], str] | None = None, stats_interval: float = 1.0):
         super().__init__()
         if (service is None) == (loader is None):
             raise ValueError("ChatApp needs exactly one of service (started) or loader")
@@ -83,7 +83,7 @@ class ChatApp(App):
         self.owns_service = service is None  # a service it loaded, it stops on exit
         self.model_name = model_name
         self.options = dict(workdir=workdir, budget=budget, tools_enabled=tools_enabled, max_tokens=max_tokens,
-                            runner=runner)
+                            runner=runner, params=params)  # params: SamplingParams (None: the conversation's)
         self.initial_session = session_id
         self.stats = stats
         self.stats_interval = stats_interval
