@@ -261,6 +261,20 @@ def _bot_texts(page) -> list[str]:
     return page.eval_on_selector_all(BOT, "els => els.map(e => e.getAttribute('aria-label') || '')")
 
 
+def _settled(page, states: list[str], quiet: float = 0.6, limit: float = 10.0) -> list[str]:
+    """`states` plus what the newest assistant message still shows after the status changed: the status
+    and the last chunk of text are separate updates, and the text may be drawn a moment later."""
+    last_change = time.monotonic()
+    deadline = last_change + limit
+    while time.monotonic() - last_change < quiet and time.monotonic() < deadline:
+        text = _bot_texts(page)[-1]
+        if text != states[-1]:
+            states.append(text)
+            last_change = time.monotonic()
+        time.sleep(0.05)
+    return states
+
+
 def _send_and_watch(page, text: str) -> list[str]:
     """Send `text`; return every distinct state of the newest assistant message until the turn ends."""
     before = len(_bot_texts(page))
@@ -275,7 +289,7 @@ def _send_and_watch(page, text: str) -> list[str]:
             states.append(texts[-1])
         status = page.inner_text("#turn-status")
         if status and status != status_before and len(texts) > before:
-            return states
+            return _settled(page, states)
         time.sleep(0.05)
     raise AssertionError(f"no finished reply to {text!r} within {REPLY_TIMEOUT / 1000:.0f} s; states {states}")
 
