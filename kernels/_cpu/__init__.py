@@ -1,12 +1,12 @@
 """The localmoe CPU kernel library: every C++ kernel source, built into ONE shared object.
 
-The sources (`SOURCES`: the MXFP4 expert GEMV, the dense fp32/bf16 GEMV) have a plain C ABI and
+The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV) have a plain C ABI and
 no torch headers, so they build with gcc/clang alone in a few seconds (a torch C++ extension took
 2-3 minutes on the 2-core dev machine) and need no ninja or Python headers. They share one
 persistent thread pool (pool.h): one library, one pool for the process, whichever kernels run.
 The shared object is cached in `$LOCALMOE_CACHE` (default ~/.cache/localmoe) under a hash of the
-sources, flags and compiler, written atomically. Each call runs on `torch.get_num_threads()`
-threads: the caller (ctypes releases the GIL) and the pool's workers take chunks of rows from a
+sources, flags and compiler, written atomically. Each call runs on `threads()` threads
+(`torch.get_num_threads()` unless `small_steps` says otherwise): the caller (ctypes releases the GIL) and the pool's workers take chunks of rows from a
 shared counter; a row is always computed whole by one thread, so results do not depend on the
 thread count. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `library()`
 warns once and returns None and the dispatchers use torch. `LOCALMOE_NO_CPU_KERNEL=1` disables
@@ -21,25 +21,59 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 KERNELS = Path(__file__).resolve().parent.parent
-HEADERS = (KERNELS / "_cpu" / "pool.h",)
-SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "dense_gemv" / "dense_cpu.cpp")
+HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h")
+SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
+           KERNELS / "dense_gemv" / "dense_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
-_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name -> (argtypes, restype)
     "mxfp4_gemv_scratch": ((_i64, _i64), _i64),
     "mxfp4_gemv": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int), None),
     "mxfp4_dequantize": ((_ptr, _ptr, _i64, _ptr, _int), None),
+    "mxfp4_moe_scratch": ((_i64, _i64, _i64), _i64),
+    "mxfp4_moe": ((_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _ptr, _int), None),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
 }
 _state: dict[str, object] = {}
+_local = threading.local()  # .threads: this thread's kernel threads inside `small_steps`
+
+
+def threads() -> int:
+    """Threads a kernel call uses: `small_steps`' count inside it, else torch's."""
+    return getattr(_local, "threads", 0) or torch.get_num_threads()
+
+
+@contextmanager
+def small_steps() -> Iterator[None]:
+    """For a decode step: torch single-threaded, the library's kernels on all of torch's threads.
+
+    A decode step is hundreds of tiny torch ops around a few large GEMVs. Measured on 2 cores
+    (gpt-oss small): with torch on 2 threads each tiny op pays OpenMP's fork/join and its
+    spinning helper fights the kernels' pool, and decode was slower than on 1 thread (16.2 vs
+    14.5 ms/token); torch on 1 thread with the kernels on 2 took 12.3 ms.
+    """
+    n = torch.get_num_threads()
+    if n == 1 or getattr(_local, "threads", 0):
+        yield
+        return
+    _local.threads = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _local.threads = 0
 
 
 def _compiler() -> str | None:

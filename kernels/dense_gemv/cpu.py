@@ -8,7 +8,7 @@ each weight row once for all N tokens, widening bf16 to fp32 in registers.
 from __future__ import annotations
 
 import torch
-from localmoe.kernels._cpu import library
+from localmoe.kernels._cpu import library, threads
 
 DTYPES = {torch.float32: "dense_gemv_f32", torch.bfloat16: "dense_gemv_bf16"}
 
@@ -26,5 +26,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = x.new_empty(N, O)
     getattr(library(), DTYPES[weight.dtype])(x.data_ptr(), N, K, weight.data_ptr(), O,
                                              None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                             torch.get_num_threads())
+                                             threads())
     return y

@@ -4,8 +4,8 @@ per-head decay repeated over the key channels (Gated DeltaNet is KDA with one de
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
-from localmoe.kernels.kda import cpu as kda_cpu
 from localmoe.kernels.gated_delta.reference import naive_recurrent_gated_delta
+from localmoe.kernels.kda import cpu as kda_cpu
 
 RECURRENT_MAX_T = 8
 

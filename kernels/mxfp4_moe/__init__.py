@@ -1,5 +1,7 @@
-"""MXFP4 expert matmul dispatcher: y = x W^T (+ b) with W as canonical MXFP4 bytes.
+"""MXFP4 expert dispatchers: one matrix (`mxfp4_linear`), stacked experts (`mxfp4_grouped`) and
+a whole MoE layer's routed experts (`mxfp4_moe`), W as canonical MXFP4 bytes.
 
+`mxfp4_linear`, y = x W^T (+ b):
 - CUDA tensors with Triton: `triton.mxfp4_grouped` (decode in registers, fp32 `tl.dot`).
 - CPU with the C++ kernel (cpu.py): N <= GEMV_MAX_TOKENS tokens stream the codes once through
   `cpu.gemv`; more tokens dequantise with `cpu.dequantize` and run one fp32 sgemm (F.linear),
@@ -8,15 +10,29 @@
 Every path accumulates in fp32 and returns x's dtype (bf16/fp16 inputs are computed in fp32 and
 rounded once at the end). The path depends only on the device, dtype and N, so the same call
 (paged or resident weights) always gives the same bits.
+
+`mxfp4_moe`, out += the weighted routed experts of N tokens: with the C++ library and N <=
+GEMV_MAX_TOKENS, one call per layer (moe_cpu.cpp: both GEMVs, the GLU and the weighted sum);
+otherwise the reference's per-expert loop over `mxfp4_linear`. Either way experts are added in
+increasing id, so one call over all experts and one call per expert (`only`, what a paging provider
+holding one expert at a time does) give the same bits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from localmoe.kernels._triton import usable
 from localmoe.kernels.mxfp4_moe import cpu
-from localmoe.kernels.mxfp4_moe.reference import naive_mxfp4_grouped, naive_mxfp4_linear
+from localmoe.kernels.mxfp4_moe.reference import (
+    GLU_KINDS,
+    glu,
+    naive_mxfp4_grouped,
+    naive_mxfp4_linear,
+    naive_mxfp4_moe,
+)
 
 GEMV_MAX_TOKENS = 96  # measured: GEMV at 0.6x the time of dequantise + sgemm for 64 tokens, 1.0x at 128
 
@@ -50,4 +66,48 @@ def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, i
     return naive_mxfp4_grouped(x, packed, scales, ids, bias)
 
 
-__all__ = ["GEMV_MAX_TOKENS", "mxfp4_grouped", "mxfp4_linear", "naive_mxfp4_grouped", "naive_mxfp4_linear"]
+class ExpertTable:
+    """Some MXFP4 experts of one MoE layer as `mxfp4_moe` reads them: `experts` maps expert id to an
+    object with .gate/.up/.down, each with .packed U8 and .scales U8 (canonical layout) and .bias
+    ([out], any float dtype) or None; `addresses` is the CPU kernel's int64 [E, 9] table (rows of
+    absent experts are 0), with biases as fp32 (converted here where they are not: exact from bf16).
+    The table holds every tensor it points to, so the addresses stay valid while it lives."""
+
+    def __init__(self, experts: Mapping[int, object], num_experts: int):
+        rows = torch.zeros(num_experts, 9, dtype=torch.int64)
+        self.experts = dict(experts)
+        first = next(iter(self.experts.values()))
+        self.hidden, self.intermediate = first.gate.packed.shape[1] * 2, first.gate.packed.shape[0]
+        self._held = []
+        for e, w in self.experts.items():
+            if not self.holds(w) or w.gate.packed.shape[0] != self.intermediate or \
+                    w.down.packed.shape != (self.hidden, self.intermediate // 2):
+                raise ValueError(f"expert {e}: not MXFP4 experts of width {self.intermediate} over {self.hidden}")
+            parts = [t for p in (w.gate, w.up, w.down)
+                     for t in (p.packed, p.scales, None if p.bias is None else p.bias.float().contiguous())]
+            self._held += [t for t in parts if t is not None]
+            rows[e] = torch.tensor([0 if t is None else t.data_ptr() for t in parts])
+        self.addresses = rows
+
+    @staticmethod
+    def holds(w) -> bool:
+        """Whether expert weights `w` are MXFP4 in the form the kernels take (contiguous CPU codes)."""
+        return all(p.packed is not None and p.scales is not None and p.packed.dtype == p.scales.dtype == torch.uint8
+                   and p.packed.is_contiguous() and p.scales.is_contiguous() and p.packed.device.type == "cpu"
+                   and (p.bias is None or p.bias.is_floating_point()) for p in (w.gate, w.up, w.down))
+
+
+def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTable, kind: str,
+              params: tuple[float, float], out: torch.Tensor, only: int | None = None) -> torch.Tensor:
+    """out [N, D] += sum_j weights[:, j] * expert_{ids[:, j]}(x) over the experts of `table` (or just
+    expert `only`); x [N, D], ids [N, k] int64, weights [N, k]; `kind` in GLU_KINDS with `params`
+    (reference.glu). Returns out."""
+    if (x.device.type == "cpu" and x.dtype == out.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_TOKENS
+            and cpu.library() is not None):
+        return cpu.moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), table.addresses,
+                       table.intermediate, GLU_KINDS.index(kind), params, out, -1 if only is None else only)
+    return naive_mxfp4_moe(x, ids, weights, table.experts, kind, params, out, only, linear=mxfp4_linear)
+
+
+__all__ = ["GEMV_MAX_TOKENS", "GLU_KINDS", "ExpertTable", "glu", "mxfp4_grouped", "mxfp4_linear", "mxfp4_moe",
+           "naive_mxfp4_grouped", "naive_mxfp4_linear", "naive_mxfp4_moe"]

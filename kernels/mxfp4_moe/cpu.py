@@ -19,9 +19,9 @@ block dot products are integer multiply-adds (mxfp4_cpu.cpp); `dequantize` is ex
 from __future__ import annotations
 
 import torch
-from localmoe.kernels._cpu import _state, library
+from localmoe.kernels._cpu import _state, library, threads
 
-__all__ = ["_state", "dequantize", "gemv", "library"]
+__all__ = ["_state", "dequantize", "gemv", "library", "moe"]
 
 
 def _check(x: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor) -> None:
@@ -42,7 +42,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.T
     lib, y = library(), x.new_empty(N, O)
     scratch = torch.empty(lib.mxfp4_gemv_scratch(N, K), dtype=torch.uint8)
     lib.mxfp4_gemv(x.data_ptr(), N, K, packed.data_ptr(), scales.data_ptr(), O, y.data_ptr(), scratch.data_ptr(),
-                   torch.get_num_threads())
+                   threads())
     return y
 
 
@@ -52,5 +52,21 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     _check(None, packed, scales)
     w = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
     library().mxfp4_dequantize(packed.data_ptr(), scales.data_ptr(), scales.numel(), w.data_ptr(),
-                               torch.get_num_threads())
+                               threads())
     return w
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, I: int, glu: int,
+        params: tuple[float, float], out: torch.Tensor, only: int = -1) -> torch.Tensor:
+    """out [N, D] += the routed experts of x [N, D] fp32 (moe_cpu.cpp): ids [N, k] int64, weights
+    [N, k] fp32, table int64 [E, 9] of expert addresses, I the experts' width, glu 0/1/2 (swiglu,
+    gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone."""
+    assert x.dtype == out.dtype == weights.dtype == torch.float32 and ids.dtype == table.dtype == torch.int64
+    assert x.is_contiguous() and out.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+    N, D = x.shape
+    k = ids.shape[1]
+    lib = library()
+    scratch = torch.empty(lib.mxfp4_moe_scratch(N * k, D, I), dtype=torch.uint8)
+    lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.data_ptr(), table.shape[0],
+                  only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads())
+    return out

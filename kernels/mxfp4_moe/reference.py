@@ -31,3 +31,47 @@ def naive_mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
         rows = (ids == e).nonzero().squeeze(1)
         out[rows] = naive_mxfp4_linear(x[rows].float(), packed[e], scales[e], None if bias is None else bias[e])
     return out.to(x.dtype)
+
+
+GLU_KINDS = ("swiglu", "gpt_oss", "situ")  # the expert activations the fused MoE kernels compute
+
+
+def glu(kind: str, gate: torch.Tensor, up: torch.Tensor, p0: float, p1: float) -> torch.Tensor:
+    """(gate, up) [M, I] -> [M, I]. swiglu: silu(gate) * up, both clamped at limit p0 when p0 > 0
+    (gate above only, up both ways); gpt_oss (limit p0, alpha p1): (up + 1) * gate * sigmoid(alpha gate)
+    after the same clamp; situ (beta p0, linear beta p1): beta tanh(gate / beta) sigmoid(gate) *
+    linear_beta tanh(up / linear_beta)."""
+    if kind == "situ":
+        return p0 * torch.tanh(gate / p0) * torch.sigmoid(gate) * (p1 * torch.tanh(up / p1))
+    if p0 > 0:
+        gate, up = gate.clamp(max=p0), up.clamp(-p0, p0)
+    if kind == "gpt_oss":
+        return (up + 1) * (gate * torch.sigmoid(p1 * gate))
+    if kind == "swiglu":
+        return F.silu(gate) * up
+    raise ValueError(f"expert activation {kind!r} is not one of {', '.join(GLU_KINDS)}")
+
+
+def naive_mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, kind: str,
+                    params: tuple[float, float], out: torch.Tensor, only: int | None = None,
+                    linear=naive_mxfp4_linear) -> torch.Tensor:
+    """out [N, D] += sum_j weights[:, j] * expert_{ids[:, j]}(x), the routed experts of one MoE layer.
+
+    x [N, D] fp32; ids, weights [N, k]; experts: expert id -> object with .gate/.up/.down, each with
+    MXFP4 .packed/.scales and .bias or None; only: that expert alone. Experts are added in increasing
+    id, each expert's tokens in increasing order (the order the kernels keep).
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    for e in ([only] if only is not None else flat.unique().tolist()):
+        picks = (flat == e).nonzero().squeeze(1)
+        if picks.numel() == 0:
+            continue
+        rows = picks // k
+        w = experts[e]
+        h = x.index_select(0, rows)
+        hidden = glu(kind, linear(h, w.gate.packed, w.gate.scales, w.gate.bias),
+                     linear(h, w.up.packed, w.up.scales, w.up.bias), *params)
+        y = linear(hidden, w.down.packed, w.down.scales, w.down.bias)
+        out.index_add_(0, rows, y * weights.reshape(-1)[picks, None])
+    return out

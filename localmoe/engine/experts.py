@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.errors import CheckpointError
-from localmoe.kernels.mxfp4_moe import mxfp4_linear
+from localmoe.kernels.mxfp4_moe import ExpertTable, mxfp4_linear
 from localmoe.store.mxfp4 import dequantize
 
 PROJECTIONS = ("gate", "up", "down")
@@ -99,12 +99,16 @@ class ExpertProvider(Protocol):
     def nbytes(self) -> int:
         """Bytes of expert weights this provider holds in memory now."""
 
+    # Optional: `kernel_table(layer) -> ExpertTable | None`, every expert of the layer valid at once in
+    # the MoE kernel's form (kernels/mxfp4_moe), so a layer runs in one kernel call (resident providers).
+
 
 class ResidentExperts:
     """Every expert in memory, as loaded: MXFP4 kept as bytes, dequantised per call."""
 
     def __init__(self, experts: dict[int, list[ExpertWeights]]):
         self.experts = experts  # layer -> experts by id
+        self._tables: dict[int, ExpertTable | None] = {}
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, layer: int,
@@ -131,10 +135,20 @@ class ResidentExperts:
 
     def merge(self, other: ResidentExperts) -> ResidentExperts:
         self.experts |= other.experts
+        for layer in other.experts:
+            self._tables.pop(layer, None)
         return self
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.experts[layer][expert]
+
+    def kernel_table(self, layer: int) -> ExpertTable | None:
+        """The layer's experts for the MoE kernel, or None where they are not all MXFP4 (built once)."""
+        if layer not in self._tables:
+            experts = self.experts[layer]
+            usable = all(ExpertTable.holds(w) for w in experts)
+            self._tables[layer] = ExpertTable(dict(enumerate(experts)), len(experts)) if usable else None
+        return self._tables[layer]
 
     def nbytes(self) -> int:
         # stacked checkpoints give each expert disjoint views of one tensor: the sum is exact

@@ -17,7 +17,6 @@ SwiGLU), read in `MoEBlock.from_weights`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,9 @@ from localmoe.engine.experts import (
     expert_forward,
 )
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.mlp import GatedMLP, glu_for, situ_glu  # noqa: F401 (situ_glu re-exported)
+from localmoe.engine.mlp import GatedMLP, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.errors import LocalMoEError
+from localmoe.kernels.mxfp4_moe import ExpertTable, glu, mxfp4_moe
 
 SCORING = ("softmax", "sigmoid", "topk_softmax")
 
@@ -49,14 +49,31 @@ def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alp
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
 
 
-def expert_activation(spec) -> Activation:
+@dataclass(frozen=True, slots=True)
+class ExpertGLU:
+    """A routed-expert activation the MoE kernels compute (kernels/mxfp4_moe: `glu`): kind "swiglu"
+    (p0: clamp limit or 0), "gpt_oss" (p0: limit, p1: alpha) or "situ" (p0: beta, p1: linear beta)."""
+
+    kind: str
+    p0: float = 0.0
+    p1: float = 0.0
+
+    @property
+    def params(self) -> tuple[float, float]:
+        return self.p0, self.p1
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return glu(self.kind, gate, up, self.p0, self.p1)
+
+
+def expert_activation(spec) -> ExpertGLU:
     kind = spec.expert_act
     if kind == "swiglu":
-        return glu_for(spec, "silu") if spec.glu_limit else swiglu  # GLM-5-Next clamps (swiglu_limit)
+        return ExpertGLU("swiglu", float(spec.glu_limit or 0.0))  # GLM-5-Next clamps (swiglu_limit)
     if kind == "gpt_oss_swiglu":
-        return functools.partial(gpt_oss_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+        return ExpertGLU("gpt_oss", spec.swiglu_limit, spec.swiglu_alpha)
     if kind == "situ":
-        return glu_for(spec, "situ")
+        return ExpertGLU("situ", spec.situ_beta, spec.situ_linear_beta)
     raise LocalMoEError(f"{spec.model_type}: expert activation {kind!r} is not supported")
 
 
@@ -121,24 +138,31 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
              act: Activation) -> torch.Tensor:
     """x [N, D], weights/ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [N, D].
 
-    Tokens are grouped per expert (one stable sort + bincount), so each chosen expert is
-    fetched and dequantised once per call and run on all of its tokens as one matrix.
+    MXFP4 experts with a kernel activation (ExpertGLU) go to the `mxfp4_moe` kernel: the whole layer
+    in one call where the provider holds every expert at once (`kernel_table`), else one call per
+    expert as the provider hands them out; both add experts in increasing id, so the bits are the
+    same. Other experts are fetched once each, run on all of their tokens as one matrix and added in
+    the same order.
     """
+    out = torch.zeros_like(x)
+    kernel = isinstance(act, ExpertGLU)
+    if kernel and hasattr(provider, "kernel_table"):
+        table = provider.kernel_table(layer)
+        if table is not None:
+            return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out)
     k = ids.shape[1]
     flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=1).tolist()
-    token = order // k  # [N*k] token of each sorted assignment
-    w = weights.reshape(-1)[order]
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
+    chosen = flat.unique().tolist()  # ascending
+    for expert in chosen:
+        w = provider.get(layer, expert)
+        if kernel and ExpertTable.holds(w):
+            mxfp4_moe(x, ids, weights, ExpertTable({expert: w}, chosen[-1] + 1), act.kind, act.params, out,
+                      only=expert)
             continue
-        rows = token[start:start + n]
-        y = expert_forward(provider.get(layer, expert), x.index_select(0, rows), act)
-        out.index_add_(0, rows, y * w[start:start + n, None])
-        start += n
+        picks = (flat == expert).nonzero().squeeze(1)
+        rows = picks // k
+        y = expert_forward(w, x.index_select(0, rows), act)
+        out.index_add_(0, rows, y * weights.reshape(-1)[picks, None])
     return out
 
 

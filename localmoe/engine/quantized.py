@@ -55,7 +55,7 @@ class BlockQuantized:
     def float(self) -> torch.Tensor:
         return dequantize(self.raw, self.ggml_type, self.shape, torch.float32)
 
-    def map_rows(self, fn) -> "BlockQuantized":
+    def map_rows(self, fn) -> BlockQuantized:
         """Apply a row reordering `fn(tensor [N, ...]) -> tensor [N, ...]` to the raw rows."""
         return BlockQuantized(fn(self.raw), self.ggml_type, self.shape)
 

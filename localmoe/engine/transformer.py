@@ -29,6 +29,9 @@ from localmoe.engine.moe import MoEBlock
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
+from localmoe.kernels._cpu import small_steps
+
+SMALL_STEP_TOKENS = 8  # tokens of one call (batch x new) up to which it counts as a decode step
 
 MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention, "kda": KimiDeltaAttention,
           "mla": MLAttention, "dsa": DSAttention, "gated_delta": GatedDeltaNet}
@@ -117,8 +120,17 @@ class Transformer:
                 all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] (left-padded rows marked False in mask [B, T]) -> logits [B, T|1, V] fp32.
 
-        Appends the new tokens to `cache`; prefill and decode are the same call.
+        Appends the new tokens to `cache`; prefill and decode are the same call. Decode-sized calls
+        (at most SMALL_STEP_TOKENS tokens) run torch single-threaded and the CPU kernels on every
+        thread (kernels/_cpu `small_steps`).
         """
+        if tokens.numel() <= SMALL_STEP_TOKENS:
+            with small_steps():
+                return self._forward(tokens, cache, mask, all_logits)
+        return self._forward(tokens, cache, mask, all_logits)
+
+    def _forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
+                 all_logits: bool) -> torch.Tensor:
         T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)

@@ -1,0 +1,242 @@
+// A whole MoE layer's routed experts on the CPU in one call (AVX2 + FMA), straight from MXFP4.
+//
+// out [N, D] += sum over assignments (t, j) of weights[t, j] * down(glu(gate x_t, up x_t)) of
+// expert ids[t, j]. Called once per layer instead of ~4 small GEMVs, an activation and a scatter
+// per expert from Python: decode of a small MoE spent more time in that Python than in the bytes.
+//
+// Order (it fixes the bits): assignments are grouped by expert in increasing id, tokens in
+// increasing order within an expert, and added to `out` in that order. `only` >= 0 computes just
+// that expert's group: a paging provider, which holds one expert at a time, calls once per expert
+// in increasing id and gets the same bits as one call over every expert. Within a group, its n
+// tokens go through the GEMV's paths (mxfp4_rows.h: the integer path for n = 1, fp32 blocks for
+// more), each output row whole on one thread, so the bits depend on neither the thread count nor
+// on which other experts share the call.
+//
+// Expert table: int64 [E, 9] of addresses: gate.{packed, scales, bias}, up.{...}, down.{...};
+// packed/scales in the canonical layout (gate/up [I, D/2] and [I, D/32], down [D, I/2] and
+// [D, I/32]); a bias is fp32 [out] or 0 for none. D and I are multiples of 32.
+//
+// The GLU runs here too, vectorised with one exp (Cephes-style polynomial, ~1 ulp) for every
+// element wherever it sits in the buffer, so it too is independent of the grouping.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "mxfp4_rows.h"
+#include "pool.h"
+
+namespace {
+
+using localmoe::kChunkBytes;
+using localmoe::parallel;
+using namespace localmoe_mxfp4;
+
+enum Glu : int { kSwiGLU = 0, kGptOss = 1, kSiTU = 2 };
+
+// e^x for x in fp32 range (clamped to +-88.376; results below 2^-126 flush to 0).
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: x - n ln2, nearly exact
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 scale = _mm256_and_ps(_mm256_castsi256_ps(e),  // 2^n; 0 where n + 127 <= 0
+                                     _mm256_cmp_ps(n, _mm256_set1_ps(-127.0f), _CMP_GT_OQ));
+  return _mm256_mul_ps(p, scale);
+}
+
+inline __m256 sigmoid_ps(__m256 x) {  // 1 / (1 + e^-x)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+inline __m256 tanh_ps(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  // |x| >= 0.625: 1 - 2 / (e^2|x| + 1); below, an odd polynomial (no cancellation near 0)
+  const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                      _mm256_add_ps(exp_ps(_mm256_add_ps(a, a)), one)));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 large = _mm256_or_ps(big, _mm256_and_ps(sign, x));
+  return _mm256_blendv_ps(small, large, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
+}
+
+// 8 elements: h = glu(g, u). p0, p1: swiglu (limit or 0, -), gpt-oss (limit, alpha), SiTU (beta, linear beta).
+inline __m256 glu8(int kind, __m256 g, __m256 u, float p0, float p1) {
+  if (kind == kSiTU) {
+    const __m256 b = _mm256_set1_ps(p0), lb = _mm256_set1_ps(p1);
+    const __m256 tg = _mm256_mul_ps(b, tanh_ps(_mm256_div_ps(g, b)));
+    const __m256 tu = _mm256_mul_ps(lb, tanh_ps(_mm256_div_ps(u, lb)));
+    return _mm256_mul_ps(_mm256_mul_ps(tg, sigmoid_ps(g)), tu);
+  }
+  if (p0 > 0.0f) {  // clamp: gate above at the limit, up to +-limit
+    const __m256 limit = _mm256_set1_ps(p0);
+    g = _mm256_min_ps(g, limit);
+    u = _mm256_min_ps(_mm256_max_ps(u, _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+  }
+  if (kind == kGptOss)  // (u + 1) * g * sigmoid(alpha g)
+    return _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.0f)),
+                         _mm256_mul_ps(g, sigmoid_ps(_mm256_mul_ps(_mm256_set1_ps(p1), g))));
+  return _mm256_mul_ps(_mm256_mul_ps(g, sigmoid_ps(g)), u);  // silu(g) * u
+}
+
+// gate [n] <- glu(gate, up); the last partial vector goes through a padded copy (same arithmetic).
+void glu_rows(int kind, float* gate, const float* up, int64_t n, float p0, float p1) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(gate + i, glu8(kind, _mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), p0, p1));
+  if (i < n) {
+    alignas(32) float g[8] = {}, u[8] = {};
+    std::memcpy(g, gate + i, (n - i) * sizeof(float));
+    std::memcpy(u, up + i, (n - i) * sizeof(float));
+    _mm256_store_ps(g, glu8(kind, _mm256_load_ps(g), _mm256_load_ps(u), p0, p1));
+    std::memcpy(gate + i, g, (n - i) * sizeof(float));
+  }
+}
+
+struct Group {
+  int64_t expert, first, n;  // assignments [first, first + n) of the sorted order
+};
+
+// One matrix per expert, the same shape for all: y rows [first, first + n) of out (stride O) = the
+// group's inputs (xq for n = 1, permuted xp otherwise, stride K) times W^T (+ bias).
+struct Phase {
+  const std::vector<Group>* groups;
+  const int64_t* table;
+  int nproj;                // 2: gate and up (rows [0, O) gate, [O, 2O) up); 1: down
+  int proj0;                // table column block of the first projection (0: gate, 2: down)
+  int64_t K, O;
+  const float* xp;          // [M, K]
+  const uint8_t* xq;        // [M] records of pairs_bytes(K)
+  float* out[2];            // [M, O] per projection
+};
+
+void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
+  const Phase& a = *static_cast<const Phase*>(ctx);
+  const int64_t nb = a.K / kBlock, per_group = a.nproj * a.O, qbytes = pairs_bytes(a.K);
+  for (int64_t i = i0; i < i1; ++i) {
+    const Group& g = (*a.groups)[i / per_group];
+    const int64_t r = i % per_group, proj = r / a.O, o = r % a.O;
+    const int64_t* row = a.table + g.expert * 9 + 3 * (a.proj0 + proj);
+    const uint8_t* prow = reinterpret_cast<const uint8_t*>(row[0]) + o * (a.K / 2);
+    const uint8_t* srow = reinterpret_cast<const uint8_t*>(row[1]) + o * nb;
+    float* y = a.out[proj] + g.first * a.O + o;
+    if (g.n == 1)
+      *y = row_int(prow, srow, nb, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes));
+    else
+      row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y, a.O);
+    if (row[2] != 0) {
+      const float b = reinterpret_cast<const float*>(row[2])[o];
+      for (int64_t t = 0; t < g.n; ++t) y[t * a.O] += b;
+    }
+  }
+}
+
+// The groups' inputs in the form their path reads: integer parts for single tokens, permuted fp32 rows
+// otherwise. src(a) is assignment a's input row of K.
+template <typename Src>
+void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float* xp, uint8_t* xq) {
+  const int64_t qbytes = pairs_bytes(K);
+  for (const Group& g : groups)
+    for (int64_t a = g.first; a < g.first + g.n; ++a) {
+      if (g.n == 1)
+        quantize_row(src(a), K / kBlock, reinterpret_cast<PairX*>(xq + a * qbytes));
+      else
+        permute_blocks(src(a), 1, K, xp + a * K);
+    }
+}
+
+inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
+
+struct Scratch {
+  int64_t* order;  // [M] flat assignment (t * k + j) of each sorted position
+  float* xp;       // [M, max(D, I)]
+  uint8_t* xq;     // [M] x pairs_bytes(max(D, I))
+  float* gate;     // [M, I]: gate, then the GLU output
+  float* up;       // [M, I]
+  float* y;        // [M, D]
+  int64_t bytes;
+
+  Scratch(void* base, int64_t M, int64_t D, int64_t I) {
+    const int64_t K = std::max(D, I);
+    const int64_t sizes[6] = {align64(M * 8), align64(M * K * 4), align64(M * pairs_bytes(K)), align64(M * I * 4),
+                              align64(M * I * 4), align64(M * D * 4)};
+    char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t{63});
+    void* parts[6];
+    bytes = 64;
+    for (int i = 0; i < 6; ++i) {
+      parts[i] = p;
+      p += sizes[i];
+      bytes += sizes[i];
+    }
+    order = static_cast<int64_t*>(parts[0]);
+    xp = static_cast<float*>(parts[1]);
+    xq = static_cast<uint8_t*>(parts[2]);
+    gate = static_cast<float*>(parts[3]);
+    up = static_cast<float*>(parts[4]);
+    y = static_cast<float*>(parts[5]);
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of scratch mxfp4_moe needs for M = N * k assignments.
+int64_t mxfp4_moe_scratch(int64_t M, int64_t D, int64_t I) { return Scratch(nullptr, M, D, I).bytes; }
+
+// out [N, D] fp32 += the routed experts of N tokens x [N, D] fp32 (see the top of this file).
+// ids [N, k] int64 in [0, E), weights [N, k] fp32, table int64 [E, 9]; glu: 0 SwiGLU, 1 gpt-oss, 2 SiTU
+// with parameters p0, p1; only: -1 for every expert, else just that one.
+void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
+               const int64_t* table, int64_t E, int64_t only, int glu, float p0, float p1, float* out, void* scratch,
+               int threads) {
+  const int64_t M = N * k;
+  Scratch s(scratch, M, D, I);
+  std::vector<int64_t> start(E + 1, 0);  // counting sort by expert, stable in token order
+  for (int64_t a = 0; a < M; ++a) ++start[ids[a] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t a = 0; a < M; ++a) s.order[fill[ids[a]]++] = a;
+  std::vector<Group> groups;
+  for (int64_t e = (only < 0 ? 0 : only); e < (only < 0 ? E : only + 1); ++e)
+    if (start[e + 1] > start[e]) groups.push_back(Group{e, start[e], start[e + 1] - start[e]});
+  if (groups.empty()) return;
+  const int64_t G = static_cast<int64_t>(groups.size());
+
+  prepare_inputs(groups, D, [&](int64_t a) { return x + (s.order[a] / k) * D; }, s.xp, s.xq);
+  Phase gate_up{&groups, table, 2, 0, D, I, s.xp, s.xq, {s.gate, s.up}};
+  parallel(phase_rows, &gate_up, G * 2 * I, kChunkBytes / (D / 2 + D / kBlock), threads);
+
+  for (const Group& g : groups) glu_rows(glu, s.gate + g.first * I, s.up + g.first * I, g.n * I, p0, p1);
+
+  prepare_inputs(groups, I, [&](int64_t a) { return s.gate + a * I; }, s.xp, s.xq);
+  Phase down{&groups, table, 1, 2, I, D, s.xp, s.xq, {s.y, nullptr}};
+  parallel(phase_rows, &down, G * D, kChunkBytes / (I / 2 + I / kBlock), threads);
+
+  for (const Group& g : groups)
+    for (int64_t a = g.first; a < g.first + g.n; ++a) {
+      const float w = weights[s.order[a]];
+      float* dst = out + (s.order[a] / k) * D;
+      const float* y = s.y + a * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] += w * y[d];
+    }
+}
+
+}  // extern "C"

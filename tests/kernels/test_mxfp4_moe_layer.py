@@ -1,0 +1,158 @@
+"""The fused MoE layer kernel (`mxfp4_moe`: gate/up GEMVs, GLU, down GEMV and the weighted sum of a
+layer's routed experts in one call) against a float64 evaluation of the reference, and the
+properties the engine relies on: per-expert calls give the same bits as one call, and the bits do
+not depend on the thread count."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from localmoe.kernels import mxfp4_moe
+from localmoe.kernels.mxfp4_moe import GLU_KINDS, ExpertTable, cpu, glu, naive_mxfp4_moe
+
+from localmoe.store.mxfp4 import dequantize, quantize
+
+needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
+
+GLUS = [("swiglu", (0.0, 0.0)), ("swiglu", (0.4, 0.0)), ("gpt_oss", (7.0, 1.702)), ("situ", (4.0, 25.0))]
+GLU_IDS = ["swiglu", "swiglu-clamped", "gpt_oss", "situ"]
+
+
+def _proj(rows: int, cols: int, g: torch.Generator, bias: bool, bias_dtype=torch.float32) -> SimpleNamespace:
+    packed, scales = quantize(torch.randn(rows, cols, generator=g) * 0.15)
+    return SimpleNamespace(packed=packed, scales=scales,
+                           bias=(torch.randn(rows, generator=g) * 0.1).to(bias_dtype) if bias else None)
+
+
+def _experts(E: int, D: int, I: int, seed: int, bias: bool = True, bias_dtype=torch.float32) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {e: SimpleNamespace(gate=_proj(I, D, g, bias, bias_dtype), up=_proj(I, D, g, bias, bias_dtype),
+                               down=_proj(D, I, g, bias, bias_dtype)) for e in range(E)}
+
+
+def _routing(N: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, k] (distinct experts per token), weights [N, k]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(N, E, generator=g).topk(k, dim=-1).indices
+    return ids, torch.rand(N, k, generator=g)
+
+
+def _linear64(h, packed, scales, bias):
+    return F.linear(h, dequantize(packed, scales, torch.float64), None if bias is None else bias.double())
+
+
+def _float64(x, ids, weights, experts, kind, params) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    return naive_mxfp4_moe(x.double(), ids, weights.double(), experts, kind, params, out, linear=_linear64)
+
+
+def test_glu_reference_formulas():
+    """reference.glu against the formulas written out per element in float64."""
+    g = torch.linspace(-30, 30, 37, dtype=torch.float64)
+    u = torch.linspace(40, -40, 37, dtype=torch.float64)
+
+    def sig(v):
+        return 1 / (1 + math.exp(-v))
+
+    expected = {
+        ("swiglu", 0.0): lambda a, b: a * sig(a) * b,
+        ("swiglu", 7.0): lambda a, b: min(a, 7.0) * sig(min(a, 7.0)) * max(-7.0, min(b, 7.0)),
+        ("gpt_oss", 7.0): lambda a, b: (max(-7.0, min(b, 7.0)) + 1) * min(a, 7.0) * sig(1.702 * min(a, 7.0)),
+        ("situ", 4.0): lambda a, b: 4 * math.tanh(a / 4) * sig(a) * 25 * math.tanh(b / 25),
+    }
+    for (kind, p0), fn in expected.items():
+        got = glu(kind, g, u, p0, 1.702 if kind == "gpt_oss" else 25.0)
+        for a, b, out in zip(g.tolist(), u.tolist(), got.tolist()):
+            assert math.isclose(out, fn(a, b), rel_tol=1e-12, abs_tol=1e-12), (kind, a, b)
+    with pytest.raises(ValueError, match="expert activation"):
+        glu("gelu", g, u, 0.0, 0.0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 2, 3, 9, 63], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("kind,params", GLUS, ids=GLU_IDS)
+def test_cpu_layer_matches_float64(kind, params, N, close):
+    E, D, I, k = 7, 96, 64, 3
+    experts = _experts(E, D, I, seed=N)
+    ids, weights = _routing(N, E, k, seed=N + 1)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(N + 2))
+    x[:, 5] *= 30  # one large channel: the gates reach the GLU's clamps and saturations
+    got = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), kind, params, torch.zeros(N, D))
+    close(got, _float64(x, ids, weights, experts, kind, params), 2e-6, f"{kind} N={N}")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("kind,params", GLUS, ids=GLU_IDS)
+def test_per_expert_calls_give_the_same_bits(kind, params):
+    """A paging provider holds one expert at a time and calls once per expert in increasing id."""
+    E, D, I, k, N = 6, 64, 96, 2, 5
+    experts = _experts(E, D, I, seed=3)
+    ids, weights = _routing(N, E, k, seed=4)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+    whole = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), kind, params, torch.zeros(N, D))
+    split = torch.zeros(N, D)
+    for e in ids.unique().tolist():
+        mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable({e: experts[e]}, E), kind, params, split, only=e)
+    assert torch.equal(whole, split)
+
+
+@needs_cpu_kernel
+def test_cpu_layer_independent_of_threads():
+    E, D, I, k, N = 8, 128, 64, 4, 3
+    experts = _experts(E, D, I, seed=6)
+    ids, weights = _routing(N, E, k, seed=7)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(8))
+    table = ExpertTable(experts, E)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mxfp4_moe.mxfp4_moe(x, ids, weights, table, "gpt_oss", (7.0, 1.702), torch.zeros(N, D))
+        torch.set_num_threads(max(2, threads))
+        more = mxfp4_moe.mxfp4_moe(x, ids, weights, table, "gpt_oss", (7.0, 1.702), torch.zeros(N, D))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, more)
+
+
+@needs_cpu_kernel
+def test_bf16_biases_and_accumulating_into_out(close):
+    """Store extents keep biases in bf16 (the table converts them, exactly); `out` is added to."""
+    E, D, I, k, N = 4, 64, 64, 2, 2
+    experts = _experts(E, D, I, seed=9, bias_dtype=torch.bfloat16)
+    ids, weights = _routing(N, E, k, seed=10)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(11))
+    start = torch.randn(N, D, generator=torch.Generator().manual_seed(12))
+    got = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), "swiglu", (0.0, 0.0), start.clone())
+    close(got - start, _float64(x, ids, weights, experts, "swiglu", (0.0, 0.0)), 2e-6, "bf16 bias")
+
+
+def test_many_tokens_and_no_kernel_use_the_reference_loop(monkeypatch, close):
+    """Past GEMV_MAX_TOKENS tokens (and without the library) the dispatcher runs the per-expert loop."""
+    E, D, I, k = 4, 64, 32, 2
+    N = mxfp4_moe.GEMV_MAX_TOKENS + 5
+    experts = _experts(E, D, I, seed=13, bias=False)
+    ids, weights = _routing(N, E, k, seed=14)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(15))
+    want = _float64(x, ids, weights, experts, "situ", (4.0, 25.0))
+    close(mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), "situ", (4.0, 25.0), torch.zeros(N, D)),
+          want, 2e-6, "many tokens")
+    monkeypatch.setattr(cpu, "library", lambda: None)
+    few = slice(0, 3)
+    close(mxfp4_moe.mxfp4_moe(x[few], ids[few], weights[few], ExpertTable(experts, E), "situ", (4.0, 25.0),
+                              torch.zeros(3, D)),
+          _float64(x[few], ids[few], weights[few], experts, "situ", (4.0, 25.0)), 2e-6, "no library")
+
+
+def test_expert_table_takes_only_mxfp4_experts():
+    experts = _experts(2, 64, 32, seed=16)
+    assert all(ExpertTable.holds(w) for w in experts.values())
+    dense = SimpleNamespace(gate=SimpleNamespace(packed=None, scales=None, weight=torch.zeros(32, 64), bias=None),
+                            up=experts[0].up, down=experts[0].down)
+    assert not ExpertTable.holds(dense)
+    with pytest.raises(ValueError, match="expert 1"):
+        ExpertTable({0: experts[0], 1: dense}, 2)
+    assert set(GLU_KINDS) == {"swiglu", "gpt_oss", "situ"}
