@@ -9,6 +9,8 @@ Qwen3-Next: RoPE on the first `rotary_dim` dims of each head only (partial_rotar
 and an output gate: q_proj rows hold [query; gate] per head, out = o_proj(attn * sigmoid(gate)).
 Optional top-k selection (`sparse_topk`, engine/sparse_topk.py): each query attends only to
 its top-k scoring keys; with top-k >= the keys visible it is exactly the dense softmax.
+Decode steps (one new token per sequence, no key dropped by top-k) run every head, window and
+sink in one `gqa_decode` kernel call (kernels/gqa_decode).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.step import Step
+from localmoe.kernels.gqa_decode import gqa_decode
 
 
 class GQAttention:
@@ -44,6 +47,7 @@ class GQAttention:
         self.scale = self.head_dim ** -0.5
         # sinks [H] -> [Hkv, G, 1, 1] to match the folded query axis below
         self.sinks = None if sinks is None else sinks.float().view(self.kv_heads, self.group, 1, 1)
+        self.head_sinks = None if sinks is None else sinks.float().contiguous()  # [H], for gqa_decode
 
     @classmethod
     def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
@@ -86,15 +90,20 @@ class GQAttention:
             qk = apply_rope(qk, step.cos, step.sin)
         q, k = qk.split((H, Hkv), dim=2)  # one rotation for q and k together
         keys, values = cache.update(step.start, k, v)  # [B, T, Hkv, D] in, [B, Hkv, S, D] out
-        # Fold the G query heads of each KV head into the query axis, so K/V are never
-        # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
-        q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        if self.sinks is None and not self.window and not self._selects(keys.shape[2]):
-            mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if T == 1 and not self._selects(keys.shape[2]):  # decode: one kernel call for every head
+            first = max(0, step.start + 1 - self.window) if self.window else 0
+            visible = None if step.mask is None else step.mask[:, 0]
+            out = gqa_decode(q[:, 0], keys, values, self.scale, first, visible, self.head_sinks).view(B, 1, H * D)
         else:
-            out = self._explicit(q, keys, values, step, T)
-        out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+            # Fold the G query heads of each KV head into the query axis, so K/V are never
+            # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
+            q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+            if self.sinks is None and not self.window and not self._selects(keys.shape[2]):
+                mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            else:
+                out = self._explicit(q, keys, values, step, T)
+            out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
         return self.o_proj(out)

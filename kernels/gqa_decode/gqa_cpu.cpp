@@ -1,0 +1,121 @@
+// Grouped-query attention for one new query per sequence (decode) on the CPU (AVX2 + FMA).
+//
+// out[b, h] = softmax over the visible keys s in [first, S) of (q[b, h] . k[b, h / G, s]) * scale,
+// with an optional per-head sink logit in the denominator (gpt-oss: it takes probability mass and
+// adds no value), applied to v[b, h / G, s]. The torch path for this was ~25 small ops per layer
+// and step (mask, window, repeat, cat, softmax, two matmuls); here one call does every head.
+//
+// One pass over the keys per head (online softmax, blocks of 64 keys): no [H, S] score buffer, so a
+// long context costs no extra memory. Each (sequence, head) is computed whole by one thread, so the
+// bits do not depend on the thread count. K/V are read through strides (a view of the paged cache's
+// pool, or a gathered copy); their last dimension is contiguous. D is a multiple of 8, at most 512.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "pool.h"
+#include "vec_math.h"
+
+namespace {
+
+constexpr int64_t kKeys = 64;  // keys per online-softmax block
+constexpr int64_t kMaxDim = 512;
+
+struct Args {
+  const float* q;
+  int64_t qb, qh;  // q[b * qb + h * qh + d]
+  int64_t H, group, D;
+  const float* k;
+  int64_t kb, kh, ks;
+  const float* v;
+  int64_t vb, vh, vs;
+  int64_t first, S;
+  const uint8_t* visible;  // [B, S] bool (stride mb) or null: every key visible
+  int64_t mb;
+  const float* sinks;  // [H] or null
+  float scale;
+  float* out;  // [B, H, D]
+};
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void heads(const void* ctx, int64_t i0, int64_t i1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t D = a.D, nv = D / 8;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / a.H, h = i % a.H, kvh = h / a.group;
+    const float* q = a.q + b * a.qb + h * a.qh;
+    const float* kbase = a.k + b * a.kb + kvh * a.kh;
+    const float* vbase = a.v + b * a.vb + kvh * a.vh;
+    const uint8_t* vis = a.visible ? a.visible + b * a.mb : nullptr;
+    __m256 acc[kMaxDim / 8];
+    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
+    float m = a.sinks ? a.sinks[h] : neg_inf, l = a.sinks ? 1.0f : 0.0f;  // the sink: e^(sink - m) with m = sink
+    alignas(32) float score[kKeys];
+    for (int64_t s0 = a.first; s0 < a.S; s0 += kKeys) {
+      const int64_t n = std::min(kKeys, a.S - s0);
+      float top = neg_inf;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const int64_t s = s0 + j;
+        if (j >= n || (vis && !vis[s])) {
+          score[j] = neg_inf;
+          continue;
+        }
+        const float* kr = kbase + s * a.ks;
+        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
+        for (int64_t t = 1; t < nv; ++t) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * t), _mm256_loadu_ps(kr + 8 * t), d);
+        score[j] = hsum(d) * a.scale;
+        top = std::max(top, score[j]);
+      }
+      if (top == neg_inf) continue;
+      if (top > m) {  // rescale what was summed against the new maximum
+        const float f = std::exp(m - top);  // 0 while nothing was summed (m = -inf)
+        for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(f));
+        l *= f;
+        m = top;
+      }
+      const __m256 vm = _mm256_set1_ps(m);
+      __m256 psum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kKeys; j += 8) {  // -inf scores give exactly 0 (exp_ps clamps and flushes)
+        const __m256 p = localmoe::exp_ps(_mm256_sub_ps(_mm256_load_ps(score + j), vm));
+        _mm256_store_ps(score + j, p);
+        psum = _mm256_add_ps(psum, p);
+      }
+      l += hsum(psum);
+      for (int64_t j = 0; j < n; ++j) {
+        if (score[j] == 0.0f) continue;
+        const __m256 p = _mm256_set1_ps(score[j]);
+        const float* vr = vbase + (s0 + j) * a.vs;
+        for (int64_t t = 0; t < nv; ++t) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * t), acc[t]);
+      }
+    }
+    float* o = a.out + i * D;
+    const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(acc[t], inv));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [B, H, D] fp32 (see the top of this file); strides in elements; H = Hkv * group.
+void gqa_decode(const float* q, int64_t qb, int64_t qh, int64_t B, int64_t H, int64_t group, int64_t D,
+                const float* k, int64_t kb, int64_t kh, int64_t ks, const float* v, int64_t vb, int64_t vh,
+                int64_t vs, int64_t first, int64_t S, const uint8_t* visible, int64_t mb, const float* sinks,
+                float scale, float* out, int threads) {
+  const Args args{q, qb, qh, H, group, D, k, kb, kh, ks, v, vb, vh, vs, first, S, visible, mb, sinks, scale, out};
+  const int64_t bytes_per_head = std::max<int64_t>(1, (S - first) * D * 8);
+  localmoe::parallel(heads, &args, B * H, localmoe::kChunkBytes / bytes_per_head, threads);
+}
+
+}  // extern "C"
