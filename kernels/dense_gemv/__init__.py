@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from localmoe.kernels._cpu import library
 from localmoe.kernels.dense_gemv import cpu
@@ -36,6 +38,18 @@ def _fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and (bias is None or bias.dtype == torch.float32) and library() is not None)
 
 
+def kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """For a layer that calls the GEMV with the same weight many times: `fn(x [N, K] fp32 contiguous)
+    -> y [N, O]` running the CPU kernel with only x left to check, or None where the kernel cannot
+    take this weight and bias (then use `dense_gemv`)."""
+    usable = (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous() and weight.dtype in cpu.DTYPES
+              and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32 and bias.is_contiguous()
+                                    and tuple(bias.shape) == (weight.shape[0],))))
+    if not usable or library() is None:
+        return None
+    return functools.partial(cpu.gemv_prepared, weight=weight, bias=bias, entry=cpu.DTYPES[weight.dtype])
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, K] fp32, weight [O, K] fp32/bf16, bias [O] or None -> y [N, O] fp32."""
     if _fast(x, weight, bias):
@@ -43,4 +57,4 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return naive_dense_gemv(x, weight, bias)
 
 
-__all__ = ["dense_gemv", "kernel_available", "kernel_wins", "naive_dense_gemv"]
+__all__ = ["dense_gemv", "kernel_available", "kernel_for", "kernel_wins", "naive_dense_gemv"]

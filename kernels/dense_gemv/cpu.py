@@ -23,8 +23,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert weight.shape[1] == K, f"weight {tuple(weight.shape)} against x [{N}, {K}]"
     if bias is not None:
         assert bias.dtype == torch.float32 and tuple(bias.shape) == (O,) and bias.is_contiguous(), "bias: fp32 [O]"
+    return gemv_prepared(x, weight, bias, DTYPES[weight.dtype])
+
+
+def gemv_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, entry: str) -> torch.Tensor:
+    """`gemv` without the checks, for a weight and bias checked once (dense_gemv.kernel_for): a decode
+    step makes a few dozen of these calls, and each checked line costs more than the kernel's launch."""
+    N, O = x.shape[0], weight.shape[0]
     y = x.new_empty(N, O)
-    getattr(library(), DTYPES[weight.dtype])(x.data_ptr(), N, K, weight.data_ptr(), O,
-                                             None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                             threads())
+    getattr(library(), entry)(x.data_ptr(), N, x.shape[1], weight.data_ptr(), O,
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), threads())
     return y

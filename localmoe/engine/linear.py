@@ -104,7 +104,7 @@ def measured_gemv_dtype() -> torch.dtype:
 class Linear:
     """y = x W^T (+ b) with x, y in fp32; W [out, in] stored in fp32 or bf16."""
 
-    __slots__ = ("bias", "low_precision", "weight")
+    __slots__ = ("bias", "gemv", "low_precision", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str):
         target = torch.float32
@@ -115,6 +115,8 @@ class Linear:
         self.weight = weight.to(target).contiguous()
         self.low_precision = target != torch.float32
         self.bias = None if bias is None else bias.float().contiguous()
+        # the dense GEMV kernel's entry point for this weight, or None where it cannot take it
+        self.gemv = dense_gemv.kernel_for(self.weight, self.bias)
 
     @property
     def out_features(self) -> int:
@@ -123,10 +125,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if (rows <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-                and dense_gemv.kernel_wins(rows, K) and dense_gemv.kernel_available()):
-            y = dense_gemv.dense_gemv(x.reshape(rows, K).contiguous(), self.weight, self.bias)
-            return y.reshape(*x.shape[:-1], self.out_features)
+        if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+                and K == self.weight.shape[1] and dense_gemv.kernel_wins(rows, K)):
+            return self.gemv(x.reshape(rows, K).contiguous()).view(*x.shape[:-1], self.out_features)
         if not self.low_precision:
             return F.linear(x, self.weight, self.bias)
         if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
