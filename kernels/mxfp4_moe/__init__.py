@@ -102,8 +102,8 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
     """out [N, D] += sum_j weights[:, j] * expert_{ids[:, j]}(x) over the experts of `table` (or just
     expert `only`); x [N, D], ids [N, k] int64, weights [N, k]; `kind` in GLU_KINDS with `params`
     (reference.glu). Returns out."""
-    if (x.device.type == "cpu" and x.dtype == out.dtype == torch.float32 and x.shape[0] <= GEMV_MAX_TOKENS
-            and cpu.library() is not None):
+    if (x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == out.dtype == torch.float32 and x.device.type == "cpu"
+            and out.is_contiguous() and ids.dtype == torch.int64 and cpu.library() is not None):
         return cpu.moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), table.addresses,
                        table.intermediate, GLU_KINDS.index(kind), params, out, -1 if only is None else only)
     return naive_mxfp4_moe(x, ids, weights, table.experts, kind, params, out, only, linear=mxfp4_linear)

@@ -18,8 +18,12 @@ block dot products are integer multiply-adds (mxfp4_cpu.cpp); `dequantize` is ex
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from localmoe.kernels._cpu import _state, library, threads
+
+_local = threading.local()  # .scratch: this thread's buffer for `moe`
 
 __all__ = ["_state", "dequantize", "gemv", "library", "moe"]
 
@@ -56,17 +60,25 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's scratch buffer of at least `nbytes`, kept between calls (decode calls the MoE
+    kernel once per layer and step with the same sizes)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+    return buf
+
+
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, I: int, glu: int,
         params: tuple[float, float], out: torch.Tensor, only: int = -1) -> torch.Tensor:
-    """out [N, D] += the routed experts of x [N, D] fp32 (moe_cpu.cpp): ids [N, k] int64, weights
-    [N, k] fp32, table int64 [E, 9] of expert addresses, I the experts' width, glu 0/1/2 (swiglu,
-    gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone."""
-    assert x.dtype == out.dtype == weights.dtype == torch.float32 and ids.dtype == table.dtype == torch.int64
-    assert x.is_contiguous() and out.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+    """out [N, D] += the routed experts of x [N, D] (moe_cpu.cpp): ids [N, k] int64, weights [N, k],
+    table int64 [E, 9] of expert addresses (ExpertTable), I the experts' width, glu 0/1/2 (swiglu,
+    gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone. x, out and weights are fp32 and,
+    like ids, contiguous on the CPU (the dispatcher's guard; not checked again here)."""
     N, D = x.shape
     k = ids.shape[1]
     lib = library()
-    scratch = torch.empty(lib.mxfp4_moe_scratch(N * k, D, I), dtype=torch.uint8)
+    scratch = _scratch(lib.mxfp4_moe_scratch(N * k, D, I))
     lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.data_ptr(), table.shape[0],
                   only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads())
     return out
