@@ -10,6 +10,11 @@ see the same load), and its time is compared with dequantise-then-matmul in plai
 dispatcher's dequantise + sgemm with the same plain-torch path; the GEMV/sgemm crossover is
 printed to justify `GEMV_MAX_TOKENS`.
 
+Fused MoE layer (CPU): one decode step of a gpt-oss-sized layer (top-4 of 16 experts of 2880 x 2880)
+through `mxfp4_moe` (both GEMVs, the GLU and the weighted sum in one call): the chosen experts'
+bytes/s over the same run's memory bandwidth, and speed over the per-expert path the engine ran
+before (three dispatcher GEMVs, the GLU in torch and an index_add per expert).
+
 Dense GEMV (CPU): `localmoe.kernels.dense_gemv` for decode-sized lm_heads and a projection, fp32
 and bf16 weights, N = 1-8 tokens: achieved weight bytes/s over the same run's memory read
 bandwidth, and speed over torch's F.linear (bf16: on x rounded to bf16, what the engine ran before).
@@ -22,7 +27,7 @@ experts through the CPU kernel) over llama.cpp's (llama-cpp-python, the same wei
 a GGUF with MXFP4 experts by benchmarks/offload.py, same threads) on the `small` generated
 gpt_oss checkpoint, each engine in its own process; "not installed" without llama-cpp-python.
 
-    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR] [--dense-only]
+    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR] [--dense-only|--moe-only]
 """
 
 from __future__ import annotations
@@ -132,6 +137,57 @@ def cpu_bench(rounds: int, quick: bool) -> None:
                                              f"dispatcher {t_torch / t_path:5.1f}x dequantise+matmul")))
     print(f"CPU crossover (GEMV_MAX_TOKENS = {GEMV_MAX_TOKENS}) and prefill:")
     report(rows)
+
+
+def _per_expert_path(x, ids, weights, table, out):
+    """What the engine ran before the layer kernel: per expert, three dispatcher GEMVs, the GLU in
+    torch and a weighted index_add (the reference loop over `mxfp4_linear`)."""
+    from localmoe.kernels.mxfp4_moe import mxfp4_linear, naive_mxfp4_moe
+
+    return naive_mxfp4_moe(x, ids, weights, table.experts, "gpt_oss", (7.0, 1.702), out, linear=mxfp4_linear)
+
+
+def moe_layer_bench(rounds: int, quick: bool) -> None:
+    """One gpt-oss-sized MoE layer step (top-4 of 16 experts of 2880 x 2880, one token) through the
+    fused layer kernel: chosen expert bytes/s over memory bandwidth, speed over the per-expert path."""
+    from types import SimpleNamespace
+
+    from localmoe.kernels.mxfp4_moe import ExpertTable, cpu, mxfp4_moe
+
+    if cpu.library() is None:
+        return
+    E, D, k = 8 if quick else 16, 2880, 4
+    mats = iter(_random_mxfp4(D, D, 3 * E))  # 16 x 3 x 4.4 MB: well above the last-level cache
+    experts = {e: SimpleNamespace(**{p: SimpleNamespace(packed=pk, scales=sc, bias=torch.randn(D))
+                                     for p, (pk, sc) in zip(("gate", "up", "down"), (next(mats) for _ in range(3)))})
+               for e in range(E)}
+    table = ExpertTable(experts, E)
+    per_expert = sum(p.packed.nbytes + p.scales.nbytes for p in (experts[0].gate, experts[0].up, experts[0].down))
+    routes = [torch.randperm(E)[:k].view(1, k) for _ in range(E)]  # every call reads other experts
+    x, w, out = torch.randn(1, D), torch.rand(1, k), torch.zeros(1, D)
+    buffer = torch.ones((1 << 28) // 4)
+    copy = torch.empty_like(buffer)
+
+    def sweep(fn):
+        for ids in routes:
+            fn(x, ids, w, table, out)
+
+    def fused(x, ids, w, table, out):
+        return mxfp4_moe(x, ids, w, table, "gpt_oss", (7.0, 1.702), out)
+
+    ratios, over, speeds = [], [], []
+    for _ in range(rounds):  # interleaved, so that all see the same (shared) machine
+        bw = _bandwidth(buffer, copy)
+        t_fused = _best(sweep, 3, fused)
+        ratios.append(len(routes) * k * per_expert / t_fused / bw)
+        speeds.append((len(routes) * k * per_expert / t_fused, bw))
+        over.append(_best(sweep, 2, _per_expert_path) / t_fused)
+    got, bw = max(speeds)
+    print(f"CPU, {torch.get_num_threads()} threads: fused MoE layer (top-{k} of {E} experts 2880x2880, gpt-oss GLU, "
+          "one token) chosen-expert bytes/s over memory bandwidth, speed over the per-expert path")
+    shown = (f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median {statistics.median(ratios):.2f}, "
+             f"best {max(ratios):.2f}; {statistics.median(over):4.2f}x per-expert path (median)")
+    report([("moe layer N=1", shown)])
 
 
 def _torch_linear(x, w):
@@ -315,6 +371,7 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also decode tokens/s against llama.cpp (gpt_oss small)")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel sections (with --e2e)")
     ap.add_argument("--dense-only", action="store_true", help="only the dense GEMV section (and --e2e)")
+    ap.add_argument("--moe-only", action="store_true", help="only the fused MoE layer section (and --e2e)")
     cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
     ap.add_argument("--work", type=Path, default=cache / "bench", help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
@@ -329,8 +386,11 @@ def main() -> None:
         return
     if args.dense_only:
         dense_bench(args.rounds, args.quick)
+    elif args.moe_only:
+        moe_layer_bench(args.rounds, args.quick)
     elif not args.no_kernels:
         cpu_bench(args.rounds, args.quick)
+        moe_layer_bench(args.rounds, args.quick)
         dense_bench(args.rounds, args.quick)
         gpu_bench()
     if args.e2e:
