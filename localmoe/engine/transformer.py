@@ -30,6 +30,7 @@ from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
 from localmoe.kernels._cpu import small_steps
+from localmoe.kernels.rms_norm import add_rms_norm
 
 SMALL_STEP_TOKENS = 8  # tokens of one call (batch x new) up to which it counts as a decode step
 
@@ -137,11 +138,7 @@ class Transformer:
         step = make_step(cache, start, T, self.rope)
         hidden = self.spec.hidden_size
         x = F.embedding(tokens, self.embed)
-        if self.residuals is None:
-            for i, (mixer_norm, mixer, mlp_norm, mlp) in enumerate(self.layers):
-                x = x + mixer(F.rms_norm(x, (hidden,), mixer_norm, self.eps), step, cache.layers[i])
-                x += mlp(F.rms_norm(x, (hidden,), mlp_norm, self.eps))
-        else:
+        if self.residuals is not None:
             def attn(i: int, h: torch.Tensor) -> torch.Tensor:
                 norm, mixer, _, _ = self.layers[i]
                 return mixer(F.rms_norm(h, (hidden,), norm, self.eps), step, cache.layers[i])
@@ -151,10 +148,16 @@ class Transformer:
                 return block(F.rms_norm(h, (hidden,), norm, self.eps))
 
             x = self.residuals.run(x, attn, mlp)
+            cache.advance(T)
+            return self.lm_head(F.rms_norm(x if all_logits else x[:, -1:], (hidden,), self.norm, self.eps))
+        # plain residuals: each add is fused with the norm that follows it (kernels/rms_norm)
+        h = add_rms_norm(x, None, self.layers[0][0], self.eps)
+        for i, (_, mixer, mlp_norm, mlp) in enumerate(self.layers):
+            h = add_rms_norm(x, mixer(h, step, cache.layers[i]), mlp_norm, self.eps)
+            following = self.layers[i + 1][0] if i + 1 < len(self.layers) else self.norm
+            h = add_rms_norm(x, mlp(h), following, self.eps)
         cache.advance(T)
-        if not all_logits:
-            x = x[:, -1:]
-        return self.lm_head(F.rms_norm(x, (hidden,), self.norm, self.eps))
+        return self.lm_head(h if all_logits else h[:, -1:])
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [mlp for _, _, _, mlp in self.layers if isinstance(mlp, MoEBlock)]
