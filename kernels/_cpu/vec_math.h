@@ -1,4 +1,5 @@
-// Vectorised fp32 math (AVX2 + FMA) shared by the CPU kernels: e^x, sigmoid, tanh, 8 lanes at a time.
+// Vectorised fp32 math (AVX2 + FMA) shared by the CPU kernels: the horizontal sum of 8 lanes, and
+// e^x, sigmoid, tanh 8 lanes at a time.
 // Cephes-style polynomials (~1-2 ulp); the same instructions for every lane, so a value's result
 // does not depend on where it sits in a buffer.
 #pragma once
@@ -6,6 +7,14 @@
 #include <immintrin.h>
 
 namespace localmoe {
+
+// The sum of v's 8 lanes (pairwise, always in the same order).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 
 // e^x for x in fp32 range (clamped to +-88.376; results below 2^-126 flush to 0).
 inline __m256 exp_ps(__m256 x) {

@@ -15,9 +15,11 @@
 #include <cstring>
 
 #include "pool.h"
+#include "vec_math.h"
 
 namespace {
 
+using localmoe::hsum;
 using localmoe::kChunkBytes;
 using localmoe::parallel;
 
@@ -32,13 +34,6 @@ inline float load1(const uint16_t* p) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // One weight row w [K] against NT tokens x (row stride K): y[t * O] = dot(w, x_t) + bias (bias may

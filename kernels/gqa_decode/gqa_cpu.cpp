@@ -21,6 +21,8 @@
 
 namespace {
 
+using localmoe::hsum;
+
 constexpr int64_t kKeys = 64;  // keys per online-softmax block
 constexpr int64_t kMaxDim = 512;
 
@@ -39,13 +41,6 @@ struct Args {
   float scale;
   float* out;  // [B, H, D]
 };
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 void heads(const void* ctx, int64_t i0, int64_t i1) {
   const Args& a = *static_cast<const Args*>(ctx);

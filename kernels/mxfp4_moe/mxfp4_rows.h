@@ -10,7 +10,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 namespace localmoe_mxfp4 {
+
+using localmoe::hsum;
 
 constexpr int64_t kBlock = 32;
 // One token's activations per block pair (256 bytes): 64 int16 high parts, 64 int8 low parts,
@@ -35,13 +39,6 @@ const Tables kTables;
 inline __m128i code_lut() { return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12); }
 
 inline __m256 widen(__m128i v, __m256 s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), s); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // One token: x [K] fp32 -> xq [npairs] (a missing odd last block is all zeros). Per block, with
 // step = amax / 32767: x = step / 256 * (256 * hi + lo) + err, hi int16, lo int8, |err| <= step / 256

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec_math.h"
+
 extern "C" {
 
 // x [N, D] (updated), delta [N, D] or null (plain RMSNorm), weight [D], out [N, D]; all fp32, contiguous.
@@ -26,10 +28,7 @@ void add_rms_norm(float* x, const float* delta, const float* weight, int64_t N, 
       }
       acc = _mm256_fmadd_ps(v, v, acc);
     }
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float sum = _mm_cvtss_f32(s);
+    float sum = localmoe::hsum(acc);
     for (; d < D; ++d) {
       if (dr) xr[d] += dr[d];
       sum += xr[d] * xr[d];
