@@ -31,21 +31,26 @@ def kernel_wins(N: int, K: int) -> bool:
     return N == 1 or N * K <= X_FLOATS_IN_L1
 
 
-def _fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    tensors = (x, weight) if bias is None else (x, weight, bias)
-    cpu_contiguous = all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-    return (cpu_contiguous and x.dtype == torch.float32 and x.dim() == 2 and weight.dtype in cpu.DTYPES
+def _takes_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the CPU kernel can read this weight and bias (contiguous on the CPU, fp32/bf16 weight,
+    fp32 bias) and the library is built."""
+    tensors = (weight,) if bias is None else (weight, bias)
+    return (all(t.device.type == "cpu" and t.is_contiguous() for t in tensors) and weight.dtype in cpu.DTYPES
             and (bias is None or bias.dtype == torch.float32) and library() is not None)
+
+
+def _fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.device.type == "cpu" and x.is_contiguous() and x.dtype == torch.float32 and x.dim() == 2
+            and _takes_weight(weight, bias))
 
 
 def kernel_for(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """For a layer that calls the GEMV with the same weight many times: `fn(x [N, K] fp32 contiguous)
     -> y [N, O]` running the CPU kernel with only x left to check, or None where the kernel cannot
-    take this weight and bias (then use `dense_gemv`)."""
-    usable = (weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous() and weight.dtype in cpu.DTYPES
-              and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32 and bias.is_contiguous()
-                                    and tuple(bias.shape) == (weight.shape[0],))))
-    if not usable or library() is None:
+    take this weight and bias (then use `dense_gemv`). The shapes `cpu.gemv` asserts per call are
+    checked here, once."""
+    shapes = weight.dim() == 2 and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+    if not shapes or not _takes_weight(weight, bias):
         return None
     return functools.partial(cpu.gemv_prepared, weight=weight, bias=bias, entry=cpu.DTYPES[weight.dtype])
 

@@ -91,3 +91,18 @@ def test_kernel_wins_rule():
     assert dense_gemv.kernel_wins(1, 100_000)
     assert dense_gemv.kernel_wins(4, 768) and dense_gemv.kernel_wins(2, 2048)
     assert not dense_gemv.kernel_wins(8, 2048)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prepared_kernel_gives_the_checked_calls_bits(dtype):
+    """kernel_for checks a weight once; its calls equal dense_gemv's, and it refuses what the kernel
+    cannot read (then the caller keeps the checked dispatcher)."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 64, generator=g).to(dtype), torch.randn(40, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    assert torch.equal(dense_gemv.kernel_for(w, b)(x), dense_gemv.dense_gemv(x, w, b))
+    assert dense_gemv.kernel_for(w.half(), b) is None  # fp16 weights
+    assert dense_gemv.kernel_for(w.t(), None) is None  # not contiguous
+    assert dense_gemv.kernel_for(w, b[:10]) is None  # bias of the wrong length
+    assert dense_gemv.kernel_for(w, b.double()) is None  # bias not fp32
