@@ -42,13 +42,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gpt_oss_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
-    """gpt-oss: gate clamped above at `limit`, up to [-limit, limit]; (up + 1) * gate * sigmoid(alpha * gate)."""
-    gate = gate.clamp(max=limit)
-    up = up.clamp(-limit, limit)
-    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
-
-
 @dataclass(frozen=True, slots=True)
 class ExpertGLU:
     """A routed-expert activation the MoE kernels compute (kernels/mxfp4_moe: `glu`): kind "swiglu"

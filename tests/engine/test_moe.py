@@ -3,10 +3,12 @@ MoE, each against a float64 per-token re-derivation written here (loops, no shar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+from localmoe.kernels.mxfp4_moe import glu
 
 from localmoe.engine.experts import ExpertWeights, Projection, ResidentExperts
 from localmoe.engine.linear import Linear
@@ -17,7 +19,6 @@ from localmoe.engine.moe import (
     MoEBlock,
     Router,
     RoutingRule,
-    gpt_oss_swiglu,
     route,
     situ_glu,
     swiglu,
@@ -112,7 +113,7 @@ def test_group_limited_topk_only_picks_from_the_best_groups():
 def test_gpt_oss_clamped_swiglu_formula():
     g = torch.tensor([-9.0, -1.0, 0.0, 0.5, 6.9, 7.0, 12.0], dtype=torch.float64)
     u = torch.tensor([-12.0, -7.5, 0.0, 0.3, 6.0, 9.0, -2.0], dtype=torch.float64)
-    got = gpt_oss_swiglu(g, u, limit=7.0, alpha=1.702)
+    got = ExpertGLU("gpt_oss", 7.0, 1.702)(g, u)  # what gpt-oss's MoE blocks compute with
     for gi, ui, out in zip(g.tolist(), u.tolist(), got.tolist()):
         gc, uc = min(gi, 7.0), max(-7.0, min(ui, 7.0))
         assert math.isclose(out, (uc + 1) * gc / (1 + math.exp(-1.702 * gc)), rel_tol=1e-12, abs_tol=1e-15)
@@ -158,7 +159,18 @@ def _ref_expert(w: ExpertWeights, x: torch.Tensor, act) -> torch.Tensor:
     return lin(w.down, act(lin(w.gate, x), lin(w.up, x)))
 
 
-ACTS = {"swiglu": swiglu, "gpt_oss": gpt_oss_swiglu, "situ": situ_glu}
+# plain callables (not ExpertGLU): the block runs them in torch, per expert
+ACTS = {"swiglu": swiglu, "gpt_oss": functools.partial(glu, "gpt_oss", p0=7.0, p1=1.702), "situ": situ_glu}
+
+
+def _assert_matches_per_token_reference(got, x, router_w, rule, experts, act) -> None:
+    """got [B, T, D] against sum over each token's routed experts of weight * expert, in float64."""
+    x64 = x.double().reshape(-1, D)
+    logits = x64 @ router_w.double().T
+    for t in range(x64.shape[0]):
+        chosen = _ref_route(logits[t].tolist(), rule, None)
+        expected = sum(wt * _ref_expert(experts[e], x64[t], act) for e, wt in chosen.items())
+        torch.testing.assert_close(got.reshape(-1, D)[t].double(), expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["plain", "mxfp4"])
@@ -171,12 +183,7 @@ def test_dispatch_batch2_multi_token_matches_per_token_reference(act, mxfp4):
     x = torch.randn(2, 9, D, generator=_gen(6))
     got = block(x)
     assert got.shape == x.shape and got.dtype == torch.float32
-    x64 = x.double().reshape(-1, D)
-    logits = x64 @ router_w.double().T
-    for t in range(x64.shape[0]):
-        chosen = _ref_route(logits[t].tolist(), rule, None)
-        expected = sum(wt * _ref_expert(experts[e], x64[t], ACTS[act]) for e, wt in chosen.items())
-        torch.testing.assert_close(got.reshape(-1, D)[t].double(), expected, rtol=1e-4, atol=1e-5)
+    _assert_matches_per_token_reference(got, x, router_w, rule, experts, ACTS[act])
 
 
 KERNEL_ACTS = {"swiglu": ExpertGLU("swiglu"), "gpt_oss": ExpertGLU("gpt_oss", 7.0, 1.702),
@@ -205,12 +212,7 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     whole = MoEBlock(Router(router_w, None, rule), resident, 7, KERNEL_ACTS[act])(x)
     paged = MoEBlock(Router(router_w, None, rule), OneAtATime(), 7, KERNEL_ACTS[act])(x)
     assert torch.equal(whole, paged)
-    x64 = x.double().reshape(-1, D)
-    logits = x64 @ router_w.double().T
-    for t in range(x64.shape[0]):
-        chosen = _ref_route(logits[t].tolist(), rule, None)
-        expected = sum(wt * _ref_expert(experts[e], x64[t], ACTS[act]) for e, wt in chosen.items())
-        torch.testing.assert_close(whole.reshape(-1, D)[t].double(), expected, rtol=1e-4, atol=1e-5)
+    _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS[act])
 
 
 def test_each_chosen_expert_is_fetched_once_per_call():
