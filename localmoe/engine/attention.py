@@ -45,9 +45,9 @@ class GQAttention:
         # probe-recall: keep the keys each query head of the call's LAST query kept, [B, H, k]
         self.record_selection, self.last_selection = False, None
         self.scale = self.head_dim ** -0.5
-        # sinks [H] -> [Hkv, G, 1, 1] to match the folded query axis below
-        self.sinks = None if sinks is None else sinks.float().view(self.kv_heads, self.group, 1, 1)
-        self.head_sinks = None if sinks is None else sinks.float().contiguous()  # [H], for gqa_decode
+        # sinks [H] for gqa_decode, and as [Hkv, G, 1, 1] to match the folded query axis of _explicit
+        self.head_sinks = None if sinks is None else sinks.float().contiguous()
+        self.sinks = None if sinks is None else self.head_sinks.view(self.kv_heads, self.group, 1, 1)
 
     @classmethod
     def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
