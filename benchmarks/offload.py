@@ -62,20 +62,38 @@ def _dequantized(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return vals.reshape(*blocks.shape[:-2], -1)
 
 
-def _gguf_tensors(ckpt, layers: int, experts: str = "mxfp4"):
+def _bf16_in_gguf(name: str) -> bool:
+    """Whether a `dense="bf16"` GGUF stores tensor `name` as BF16: the 2-D matrices, as llama.cpp's
+    convert_hf_to_gguf.py --outtype bf16 does (norms, biases, sinks and the router stay F32)."""
+    return name in ("token_embd.weight", "output.weight") or (
+        name.startswith("blk.") and name.split(".", 2)[2].startswith("attn_") and name.endswith(
+            ("_q.weight", "_k.weight", "_v.weight", "_output.weight")))
+
+
+def _gguf_tensors(ckpt, layers: int, experts: str = "mxfp4", dense: str = "f32"):
     """(gguf name, producer of the numpy array, raw ggml type or None) in file order."""
     import gguf
 
     def f32(name):
         return lambda: ckpt.tensor(name).float().numpy()
 
-    out = [("token_embd.weight", f32("model.embed_tokens.weight"), None),
-           ("output_norm.weight", f32("model.norm.weight"), None), ("output.weight", f32("lm_head.weight"), None)]
+    def bf16(name):  # the checkpoint's bf16 bits, unchanged
+        import torch
+
+        return lambda: ckpt.tensor(name).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+    def matrix(gguf_name, name):
+        if dense == "bf16" and _bf16_in_gguf(gguf_name):
+            return gguf_name, bf16(name), gguf.GGMLQuantizationType.BF16
+        return gguf_name, f32(name), None
+
+    out = [matrix("token_embd.weight", "model.embed_tokens.weight"),
+           ("output_norm.weight", f32("model.norm.weight"), None), matrix("output.weight", "lm_head.weight")]
     mx = gguf.GGMLQuantizationType.MXFP4 if experts == "mxfp4" else None
     pack = _ggml_mxfp4 if experts == "mxfp4" else _dequantized
     for i in range(layers):
         p = f"model.layers.{i}."
-        out += [(f"blk.{i}.{dst}", f32(p + src), None) for src, dst in _LAYER_NAMES.items()]
+        out += [matrix(f"blk.{i}.{dst}", p + src) for src, dst in _LAYER_NAMES.items()]
         e = p + "mlp.experts."
         for half, name in ((0, "gate"), (1, "up")):
             out.append((f"blk.{i}.ffn_{name}_exps.weight", lambda e=e, h=half: pack(
@@ -90,13 +108,15 @@ def _gguf_tensors(ckpt, layers: int, experts: str = "mxfp4"):
     return out
 
 
-def write_gguf(src: Path, dst: Path, experts: str = "mxfp4") -> Path:
+def write_gguf(src: Path, dst: Path, experts: str = "mxfp4", dense: str = "f32") -> Path:
     """Write the gpt_oss HF checkpoint `src` as a llama.cpp GGUF (dense F32, experts MXFP4), streaming.
 
+    dense="bf16" keeps the checkpoint's bf16 matrices as BF16 (the attention projections, embedding
+    and lm_head; see _bf16_in_gguf), the lossless conversion of a bf16 source.
     experts="f32" writes the experts dequantised (exact, 7.5x the bytes): llama.cpp's CPU MXFP4
     matmul rounds activations to Q8_0, which on random weights flips top-k routing and moves the
     logits visibly; F32 experts take that rounding out, for parity checks (gguf_parity.py)."""
-    assert experts in ("mxfp4", "f32"), experts
+    assert experts in ("mxfp4", "f32") and dense in ("f32", "bf16"), (experts, dense)
     import gguf
 
     from localmoe.store.safetensors import SafetensorsCheckpoint
@@ -144,10 +164,12 @@ def write_gguf(src: Path, dst: Path, experts: str = "mxfp4") -> Path:
     w.add_bos_token_id(gen["bos_token_id"])
     eos = gen["eos_token_id"]
     w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
-    tensors = _gguf_tensors(ckpt, cfg["num_hidden_layers"], experts)
+    tensors = _gguf_tensors(ckpt, cfg["num_hidden_layers"], experts, dense)
     shapes = {}
     for name, make, raw in tensors:  # shapes without materialising experts: derive from the checkpoint
         shapes[name] = _shape_of(ckpt, name, cfg, experts)
+        if raw == gguf.GGMLQuantizationType.BF16:
+            shapes[name] = shapes[name][0], np.uint16
         nbytes = int(np.prod(shapes[name][0])) * np.dtype(shapes[name][1]).itemsize
         w.add_tensor_info(name, shapes[name][0], np.dtype(shapes[name][1]), nbytes, raw_dtype=raw)
     w.write_header_to_file()

@@ -70,15 +70,16 @@ def _scratch(nbytes: int) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, I: int, glu: int,
-        params: tuple[float, float], out: torch.Tensor, only: int = -1) -> torch.Tensor:
+        params: tuple[float, float], out: torch.Tensor, only: int = -1, q8: bool = False) -> torch.Tensor:
     """out [N, D] += the routed experts of x [N, D] (moe_cpu.cpp): ids [N, k] int64, weights [N, k],
     table int64 [E, 9] of expert addresses (ExpertTable), I the experts' width, glu 0/1/2 (swiglu,
-    gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone. x, out and weights are fp32 and,
-    like ids, contiguous on the CPU (the dispatcher's guard; not checked again here)."""
+    gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone; `q8`: projection inputs rounded to
+    int8 per 32-element block. x, out and weights are fp32 and, like ids, contiguous on the CPU (the
+    dispatcher's guard; not checked again here)."""
     N, D = x.shape
     k = ids.shape[1]
     lib = library()
     scratch = _scratch(lib.mxfp4_moe_scratch(N * k, D, I))
     lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.data_ptr(), table.shape[0],
-                  only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads())
+                  only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads(), int(q8))
     return out

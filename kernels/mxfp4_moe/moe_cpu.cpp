@@ -12,6 +12,11 @@
 // more), each output row whole on one thread, so the bits depend on neither the thread count nor
 // on which other experts share the call.
 //
+// Precision q8 (EngineConfig.expert_precision, the engine's default): each projection's input is
+// rounded to int8 per 32-element block (mxfp4_rows.h `quantize_row_q8`, llama.cpp's Q8_0 trade) and
+// every group, whatever its n, runs the u8 x s8 path: about half the operations of the exact
+// integer path per block pair, and a token's bits are the same whatever n (prefill = decode).
+//
 // Expert table: int64 [E, 9] of addresses: gate.{packed, scales, bias}, up.{...}, down.{...};
 // packed/scales in the canonical layout (gate/up [I, D/2] and [I, D/32], down [D, I/2] and
 // [D, I/32]); a bias is fp32 [out] or 0 for none. D and I are multiples of 32.
@@ -86,39 +91,53 @@ struct Phase {
   int proj0;                // table column block of the first projection (0: gate, 2: down)
   int64_t K, O;
   const float* xp;          // [M, K]
-  const uint8_t* xq;        // [M] records of pairs_bytes(K)
+  const uint8_t* xq;        // [M] records of pairs_bytes(K), or of pairs_q8_bytes(K) when q8
   float* out[2];            // [M, O] per projection
+  bool q8;
 };
 
+// Rows [i0, i1) of the phase, numbered group-major, then projection, then output row: a chunk is walked
+// as runs of consecutive rows of one (group, projection) matrix (one division per chunk, not three
+// per row: with K = 768 a row is only ~60 cycles of work).
 void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
   const Phase& a = *static_cast<const Phase*>(ctx);
-  const int64_t nb = a.K / kBlock, per_group = a.nproj * a.O, qbytes = pairs_bytes(a.K);
-  for (int64_t i = i0; i < i1; ++i) {
-    const Group& g = (*a.groups)[i / per_group];
-    const int64_t r = i % per_group, proj = r / a.O, o = r % a.O;
+  const int64_t nb = a.K / kBlock, per_group = a.nproj * a.O, qbytes = pairs_bytes(a.K), pairs = (nb + 1) / 2;
+  int64_t gi = i0 / per_group, proj = (i0 % per_group) / a.O, o0 = i0 % a.O;
+  for (int64_t i = i0; i < i1; gi += (++proj == a.nproj), proj %= a.nproj, o0 = 0) {
+    const Group& g = (*a.groups)[gi];
     const int64_t* row = a.table + g.expert * 9 + 3 * (a.proj0 + proj);
-    const uint8_t* prow = reinterpret_cast<const uint8_t*>(row[0]) + o * (a.K / 2);
-    const uint8_t* srow = reinterpret_cast<const uint8_t*>(row[1]) + o * nb;
-    float* y = a.out[proj] + g.first * a.O + o;
-    if (g.n == 1)
-      *y = row_int(prow, srow, nb, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes));
-    else
-      row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y, a.O);
-    if (row[2] != 0) {
-      const float b = reinterpret_cast<const float*>(row[2])[o];
-      for (int64_t t = 0; t < g.n; ++t) y[t * a.O] += b;
+    const uint8_t* packed = reinterpret_cast<const uint8_t*>(row[0]);
+    const uint8_t* scales = reinterpret_cast<const uint8_t*>(row[1]);
+    const float* bias = reinterpret_cast<const float*>(row[2]);
+    const int64_t o1 = std::min(a.O, o0 + (i1 - i));
+    float* y0 = a.out[proj] + g.first * a.O;
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* prow = packed + o * (a.K / 2);
+      const uint8_t* srow = scales + o * nb;
+      float* y = y0 + o;
+      if (a.q8)
+        row_q8_tokens(prow, srow, nb, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs, g.n, y, a.O);
+      else if (g.n == 1)
+        *y = row_int(prow, srow, nb, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes));
+      else
+        row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y, a.O);
+      if (bias != nullptr)
+        for (int64_t t = 0; t < g.n; ++t) y[t * a.O] += bias[o];
     }
+    i += o1 - o0;
   }
 }
 
-// The groups' inputs in the form their path reads: integer parts for single tokens, permuted fp32 rows
-// otherwise. src(a) is assignment a's input row of K.
+// The groups' inputs in the form their path reads: q8 records for every token when q8, else integer
+// parts for single tokens and permuted fp32 rows otherwise. src(a) is assignment a's input row of K.
 template <typename Src>
-void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float* xp, uint8_t* xq) {
-  const int64_t qbytes = pairs_bytes(K);
+void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float* xp, uint8_t* xq, bool q8) {
+  const int64_t qbytes = q8 ? pairs_q8_bytes(K) : pairs_bytes(K);
   for (const Group& g : groups)
     for (int64_t a = g.first; a < g.first + g.n; ++a) {
-      if (g.n == 1)
+      if (q8)
+        quantize_row_q8(src(a), K / kBlock, reinterpret_cast<PairQ8*>(xq + a * qbytes));
+      else if (g.n == 1)
         quantize_row(src(a), K / kBlock, reinterpret_cast<PairX*>(xq + a * qbytes));
       else
         permute_blocks(src(a), 1, K, xp + a * K);
@@ -130,7 +149,7 @@ inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
 struct Scratch {
   int64_t* order;  // [M] flat assignment (t * k + j) of each sorted position
   float* xp;       // [M, max(D, I)]
-  uint8_t* xq;     // [M] x pairs_bytes(max(D, I))
+  uint8_t* xq;     // [M] x pairs_bytes(max(D, I)) (>= pairs_q8_bytes)
   float* gate;     // [M, I]: gate, then the GLU output
   float* up;       // [M, I]
   float* y;        // [M, D]
@@ -166,10 +185,10 @@ int64_t mxfp4_moe_scratch(int64_t M, int64_t D, int64_t I) { return Scratch(null
 
 // out [N, D] fp32 += the routed experts of N tokens x [N, D] fp32 (see the top of this file).
 // ids [N, k] int64 in [0, E), weights [N, k] fp32, table int64 [E, 9]; glu: 0 SwiGLU, 1 gpt-oss, 2 SiTU
-// with parameters p0, p1; only: -1 for every expert, else just that one.
+// with parameters p0, p1; only: -1 for every expert, else just that one; q8: 1 for q8 activations, 0 exact.
 void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
                const int64_t* table, int64_t E, int64_t only, int glu, float p0, float p1, float* out, void* scratch,
-               int threads) {
+               int threads, int q8) {
   const int64_t M = N * k;
   Scratch s(scratch, M, D, I);
   std::vector<int64_t> start(E + 1, 0);  // counting sort by expert, stable in token order
@@ -183,14 +202,14 @@ void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const
   if (groups.empty()) return;
   const int64_t G = static_cast<int64_t>(groups.size());
 
-  prepare_inputs(groups, D, [&](int64_t a) { return x + (s.order[a] / k) * D; }, s.xp, s.xq);
-  Phase gate_up{&groups, table, 2, 0, D, I, s.xp, s.xq, {s.gate, s.up}};
+  prepare_inputs(groups, D, [&](int64_t a) { return x + (s.order[a] / k) * D; }, s.xp, s.xq, q8);
+  Phase gate_up{&groups, table, 2, 0, D, I, s.xp, s.xq, {s.gate, s.up}, q8 != 0};
   parallel(phase_rows, &gate_up, G * 2 * I, kChunkBytes / (D / 2 + D / kBlock), threads);
 
   for (const Group& g : groups) glu_rows(glu, s.gate + g.first * I, s.up + g.first * I, g.n * I, p0, p1);
 
-  prepare_inputs(groups, I, [&](int64_t a) { return s.gate + a * I; }, s.xp, s.xq);
-  Phase down{&groups, table, 1, 2, I, D, s.xp, s.xq, {s.y, nullptr}};
+  prepare_inputs(groups, I, [&](int64_t a) { return s.gate + a * I; }, s.xp, s.xq, q8);
+  Phase down{&groups, table, 1, 2, I, D, s.xp, s.xq, {s.y, nullptr}, q8 != 0};
   parallel(phase_rows, &down, G * D, kChunkBytes / (I / 2 + I / kBlock), threads);
 
   for (const Group& g : groups)

@@ -197,6 +197,117 @@ inline void row_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, con
   if (N - t >= 1) row_f32<1>(prow, srow, nb, xp + t * K, K, y + t * O, O);
 }
 
+// ---- q8 activations (EngineConfig.expert_precision "q8"): llama.cpp's trade, kept per token ----
+// One token's activations per block pair (128 bytes): 64 int8 on a grid of amax / 127 per block
+// (|error| <= half a step, ~2^-8 of the block's largest magnitude: the order of bf16 activations),
+// 8 int32 bias corrections and 8 fp32 scales [d(b) x4, d(b+1) x4]. Layout: q[32 * c + 16 * h + i]
+// holds element 2i + c of block h (the even/odd code nibbles of pair_dot); bias[4h + j] = 12 *
+// sum(q) over elements 8j .. 8j + 7 of block h (the weights are decoded as u8 w + 12, as above).
+struct alignas(32) PairQ8 {
+  int8_t q[64];
+  int32_t bias[8];
+  float scale[8];
+};
+
+// One token: x [K] fp32 -> xq [npairs] (a missing odd last block is all zeros). q = round(x * 127 /
+// amax) to nearest even, d = amax / 127 (both in fp32: reference.q8_round rounds the same way). A
+// block holding NaN or Inf gets scale NaN.
+inline void quantize_row_q8(const float* x, int64_t nb, PairQ8* xq) {
+  std::memset(static_cast<void*>(xq), 0, (nb + 1) / 2 * sizeof(PairQ8));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  alignas(32) int32_t q[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+      bad = _mm256_or_ps(bad, _mm256_mul_ps(v[j], _mm256_setzero_ps()));  // NaN where x is NaN or Inf
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float top = _mm_cvtss_f32(m);
+    const bool finite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) == 0;
+    PairQ8& px = xq[b / 2];
+    const int h = static_cast<int>(b & 1);
+    for (int j = 0; j < 4; ++j) px.scale[4 * h + j] = finite ? top / 127.0f : std::nanf("");
+    if (!finite || top == 0.0f) continue;
+    const __m256 inv = _mm256_set1_ps(127.0f / top);
+    for (int j = 0; j < 4; ++j)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j),
+                         _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int e = 0; e < kBlock; ++e) {
+      px.q[32 * (e % 2) + 16 * h + e / 2] = static_cast<int8_t>(q[e]);  // |q| <= 127 by construction
+      px.bias[4 * h + e / 8] += 12 * q[e];
+    }
+  }
+}
+
+// A decoded block pair: even/odd elements as u8 (2 * e2m1 + 12) and the weights' scales [s0 x4, s1 x4].
+struct PairW {
+  __m256i ev, od;
+  __m256 scale;
+};
+
+inline PairW decode_pair(__m256i q, float s0, float s1) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  return PairW{_mm256_shuffle_epi8(lut, _mm256_and_si256(q, nibble)),
+               _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble)),
+               _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0))};
+}
+
+// acc + the pair's 8 lane partial dots with one token: u8 x s8 pairs (|pair| <= 2 * 24 * 127, two
+// summed < 2^15, no saturation), summed to int32 per 8 elements, less the +12 correction.
+inline __m256 pair_dot_q8(const PairW& w, const PairQ8& x, __m256 acc) {
+  const __m256i* q = reinterpret_cast<const __m256i*>(x.q);
+  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.ev, _mm256_load_si256(q)),
+                                       _mm256_maddubs_epi16(w.od, _mm256_load_si256(q + 1)));
+  const __m256i d = _mm256_sub_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),
+                                     _mm256_load_si256(reinterpret_cast<const __m256i*>(x.bias)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(w.scale, _mm256_load_ps(x.scale)), acc);
+}
+
+// NT tokens' q8 records (record stride `stride` pairs) against one weight row: each pair decoded
+// once, then per token the same operations in the same order as NT = 1, so a token's bits do not
+// depend on how many tokens share the call. Writes y[t * O].
+template <int NT>
+inline void row_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride, float* y,
+                   int64_t O) {
+  const float* hs = kTables.half_scale;
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  int64_t p = 0;
+  for (; 2 * p + 2 <= nb; ++p) {
+    if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(prow + p * 32 + 1024), _MM_HINT_T0);
+    const PairW w = decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(prow + p * 32)),
+                                hs[srow[2 * p]], hs[srow[2 * p + 1]]);
+    for (int t = 0; t < NT; ++t) acc[t] = pair_dot_q8(w, xq[t * stride + p], acc[t]);
+  }
+  if (2 * p < nb) {  // odd last block: the other lane decodes code 0 against zero activations, scale 0
+    const PairW w = decode_pair(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(prow + p * 32))),
+                                hs[srow[2 * p]], 0.0f);
+    for (int t = 0; t < NT; ++t) acc[t] = pair_dot_q8(w, xq[t * stride + p], acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) y[t * O] = hsum(acc[t]);
+}
+
+// N >= 1 tokens' q8 records against one weight row, in groups of 4, 2 and 1 tokens.
+inline void row_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
+                          int64_t N, float* y, int64_t O) {
+  int64_t t = 0;
+  for (; t + 4 <= N; t += 4) row_q8<4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  if (N - t >= 2) {
+    row_q8<2>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+    t += 2;
+  }
+  if (N - t >= 1) row_q8<1>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+}
+
+inline int64_t pairs_q8_bytes(int64_t K) { return (K / kBlock + 1) / 2 * static_cast<int64_t>(sizeof(PairQ8)); }
+
 // Bytes of one token's integer parts for K inputs (row_int's PairX records).
 inline int64_t pairs_bytes(int64_t K) { return (K / kBlock + 1) / 2 * static_cast<int64_t>(sizeof(PairX)); }
 

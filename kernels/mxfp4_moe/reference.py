@@ -33,6 +33,18 @@ def naive_mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return out.to(x.dtype)
 
 
+def q8_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded to int8 per 32-element block, what expert precision
+    "q8" feeds each projection: q = round(x * 127 / amax) to nearest even, then q * amax / 127, with
+    127 / amax and amax / 127 in fp32 (as the CPU kernel); an all-zero block stays zero."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks.float() * inv) if x.dtype != torch.float64 else torch.round(blocks * inv.double())
+    return (q.to(x.dtype) * (amax / 127.0).to(x.dtype)).reshape(x.shape)
+
+
+PRECISIONS = ("exact", "q8")  # expert precision: inputs as given, or q8_round before each projection
 GLU_KINDS = ("swiglu", "gpt_oss", "situ")  # the expert activations the fused MoE kernels compute
 
 
@@ -54,13 +66,15 @@ def glu(kind: str, gate: torch.Tensor, up: torch.Tensor, p0: float, p1: float) -
 
 def naive_mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts, kind: str,
                     params: tuple[float, float], out: torch.Tensor, only: int | None = None,
-                    linear=naive_mxfp4_linear) -> torch.Tensor:
+                    linear=naive_mxfp4_linear, precision: str = "exact") -> torch.Tensor:
     """out [N, D] += sum_j weights[:, j] * expert_{ids[:, j]}(x), the routed experts of one MoE layer.
 
     x [N, D] fp32; ids, weights [N, k]; experts: expert id -> object with .gate/.up/.down, each with
-    MXFP4 .packed/.scales and .bias or None; only: that expert alone. Experts are added in increasing
-    id, each expert's tokens in increasing order (the order the kernels keep).
+    MXFP4 .packed/.scales and .bias or None; only: that expert alone; precision "q8": each projection's
+    input goes through q8_round. Experts are added in increasing id, each expert's tokens in
+    increasing order (the order the kernels keep).
     """
+    rounded = q8_round if precision == "q8" else (lambda t: t)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     for e in ([only] if only is not None else flat.unique().tolist()):
@@ -69,9 +83,9 @@ def naive_mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
             continue
         rows = picks // k
         w = experts[e]
-        h = x.index_select(0, rows)
+        h = rounded(x.index_select(0, rows))
         hidden = glu(kind, linear(h, w.gate.packed, w.gate.scales, w.gate.bias),
                      linear(h, w.up.packed, w.up.scales, w.up.bias), *params)
-        y = linear(hidden, w.down.packed, w.down.scales, w.down.bias)
+        y = linear(rounded(hidden), w.down.packed, w.down.scales, w.down.bias)
         out.index_add_(0, rows, y * weights.reshape(-1)[picks, None])
     return out

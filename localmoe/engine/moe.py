@@ -128,13 +128,13 @@ class Router:
 # ---- dispatch ----
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider, layer: int,
-             act: Activation) -> torch.Tensor:
+             act: Activation, precision: str = "exact") -> torch.Tensor:
     """x [N, D], weights/ids [N, k] -> sum_j weights[:, j] * expert_{ids[:, j]}(x), [N, D].
 
     MXFP4 experts with a kernel activation (ExpertGLU) go to the `mxfp4_moe` kernel: the whole layer
     in one call where the provider holds every expert at once (`kernel_table`), else one call per
     expert as the provider hands them out; both add experts in increasing id, so the bits are the
-    same. Other experts are fetched once each, run on all of their tokens as one matrix and added in
+    same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched once each, run on all of their tokens as one matrix and added in
     the same order.
     """
     out = torch.zeros_like(x)
@@ -142,7 +142,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     if kernel and hasattr(provider, "kernel_table"):
         table = provider.kernel_table(layer)
         if table is not None:
-            return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out)
+            return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=precision)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     chosen = flat.unique().tolist()  # ascending
@@ -150,7 +150,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
         w = provider.get(layer, expert)
         if kernel and ExpertTable.holds(w):
             mxfp4_moe(x, ids, weights, ExpertTable({expert: w}, chosen[-1] + 1), act.kind, act.params, out,
-                      only=expert)
+                      only=expert, precision=precision)
             continue
         picks = (flat == expert).nonzero().squeeze(1)
         rows = picks // k
@@ -176,6 +176,7 @@ class MoEBlock:
                  shared: GatedMLP | None = None, latent: LatentProjection | None = None):
         self.router, self.experts, self.layer, self.act = router, experts, layer, act
         self.shared, self.latent = shared, latent
+        self.precision = "exact"  # MXFP4 experts: EngineConfig.expert_precision, set by the Transformer
 
     @classmethod
     def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
@@ -216,7 +217,7 @@ class MoEBlock:
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.router(flat)
         h = flat if self.latent is None else self.latent.down(flat)
-        y = dispatch(h, weights, ids, self.experts, self.layer, self.act)
+        y = dispatch(h, weights, ids, self.experts, self.layer, self.act, self.precision)
         if self.latent is not None:
             y = self.latent.up(F.rms_norm(y, (y.shape[-1],), self.latent.norm, self.latent.eps))
         if self.shared is not None:

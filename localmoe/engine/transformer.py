@@ -103,6 +103,8 @@ class Transformer:
             self.residuals = AttentionResiduals.from_weights(spec, weights)
         elif spec.hc_mult:
             self.residuals = HyperConnections.from_weights(spec, weights)
+        for block in self.moe_blocks():
+            block.precision = config.expert_precision
         if experts is not None:
             self.use_experts(experts)
         if any(block.experts is None for block in self.moe_blocks()):

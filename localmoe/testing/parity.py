@@ -32,9 +32,11 @@ def copy_with_config(checkpoint: Path, dest: Path, edit: Callable[[dict], None])
     return dest
 
 
-def load_ours(path: Path):
-    """Our model of the checkpoint at `path` in fp32 on one thread (a `load_model` result)."""
-    return load_model(path, EngineConfig(dtype="float32", threads=1), progress=False)
+def load_ours(path: Path, expert_precision: str = "exact"):
+    """Our model of the checkpoint at `path` in fp32 on one thread (a `load_model` result), MXFP4
+    experts with fp32 activations by default: the references compute in fp32 or float64."""
+    return load_model(path, EngineConfig(dtype="float32", threads=1, expert_precision=expert_precision),
+                      progress=False)
 
 
 def load_reference(auto_class, path: Path, **kwargs):

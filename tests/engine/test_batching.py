@@ -37,7 +37,7 @@ def _runnable(model_type: str):
 
 def build_model(model_type: str, directory):
     """The tiny fp32 model of a family (Llama: random weights in canonical names; others: a written checkpoint)."""
-    config = EngineConfig(dtype="float32", threads=1)
+    config = EngineConfig(dtype="float32", threads=1, expert_precision="exact")
     if model_type == "llama":  # as tests/models/test_llama_tiny.py builds it: transformers' init, norms perturbed
         transformers = pytest.importorskip("transformers")
         hf = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

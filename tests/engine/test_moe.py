@@ -213,6 +213,20 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     paged = MoEBlock(Router(router_w, None, rule), OneAtATime(), 7, KERNEL_ACTS[act])(x)
     assert torch.equal(whole, paged)
     _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS[act])
+    q8 = [MoEBlock(Router(router_w, None, rule), p, 7, KERNEL_ACTS[act]) for p in (resident, OneAtATime())]
+    for block in q8:
+        block.precision = "q8"
+    whole_q8 = q8[0](x)
+    assert torch.equal(whole_q8, q8[1](x)) and not torch.equal(whole_q8, whole)
+
+
+def test_expert_precision_is_checked_and_defaults_to_q8():
+    from localmoe.config import EngineConfig
+    from localmoe.errors import LocalMoEError
+
+    assert EngineConfig().expert_precision == "q8"
+    with pytest.raises(LocalMoEError, match="--expert-precision must be one of q8, exact"):
+        EngineConfig(expert_precision="q4")
 
 
 def test_each_chosen_expert_is_fetched_once_per_call():

@@ -156,3 +156,72 @@ def test_expert_table_takes_only_mxfp4_experts():
     with pytest.raises(ValueError, match="expert 1"):
         ExpertTable({0: experts[0], 1: dense}, 2)
     assert set(GLU_KINDS) == {"swiglu", "gpt_oss", "situ"}
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 2, 5, 63, mxfp4_moe.GEMV_MAX_TOKENS + 4], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("kind,params", GLUS, ids=GLU_IDS)
+def test_q8_layer_matches_float64_of_q8_rounded_inputs(kind, params, N):
+    """precision "q8": the kernel (and past GEMV_MAX_TOKENS the reference loop) equals a float64
+    evaluation whose projection inputs go through reference.q8_round."""
+    E, D, I, k = 7, 96, 64, 3
+    experts = _experts(E, D, I, seed=20 + N)
+    ids, weights = _routing(N, E, k, seed=21 + N)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(22 + N))
+    x[:, 5] *= 30
+    got = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), kind, params, torch.zeros(N, D),
+                              precision="q8")
+    want = naive_mxfp4_moe(x.double(), ids, weights.double(), experts, kind, params,
+                           torch.zeros(N, D, dtype=torch.float64), linear=_linear64, precision="q8")
+    # Per token: relative RMS within fp32 accumulation, except where a GLU output lies at a rounding
+    # boundary of its block (the kernel computes the GLU in fp32, the reference in float64) and rounds
+    # the other way: one step of 1/127 of the block's largest value moves that token by ~1e-4.
+    errors = ((got.double() - want).norm(dim=1) / want.norm(dim=1)).tolist()
+    flipped = [e for e in errors if e > 2e-6]
+    assert len(flipped) <= max(1, N // 32) and max(errors) < 1e-3, (kind, N, flipped)
+
+
+@needs_cpu_kernel
+def test_q8_token_bits_do_not_depend_on_the_call():
+    """Every group runs the same per-token path under q8, so a token's output is the same bits whether it
+    is decoded alone, shares its experts with other tokens (prefill) or comes one expert at a time."""
+    E, D, I, k, N = 6, 64, 96, 2, 11
+    experts = _experts(E, D, I, seed=23)
+    ids, weights = _routing(N, E, k, seed=24)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(25))
+    table = ExpertTable(experts, E)
+    batch = mxfp4_moe.mxfp4_moe(x, ids, weights, table, "gpt_oss", (7.0, 1.702), torch.zeros(N, D), precision="q8")
+    for t in range(N):
+        alone = mxfp4_moe.mxfp4_moe(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], table, "gpt_oss", (7.0, 1.702),
+                                    torch.zeros(1, D), precision="q8")
+        assert torch.equal(alone, batch[t:t + 1]), t
+    split = torch.zeros(N, D)
+    for e in ids.unique().tolist():
+        mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable({e: experts[e]}, E), "gpt_oss", (7.0, 1.702), split,
+                            only=e, precision="q8")
+    assert torch.equal(split, batch)
+
+
+def test_q8_round_is_within_half_a_step_and_q8_differs_from_exact():
+    """reference.q8_round: per 32-value block, at most half of amax / 127 from x, exact at amax and 0,
+    and an all-zero block stays zero; the q8 layer is measurably not the exact one (the rounding runs)."""
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(26))
+    x[1, 32:64] = 0
+    r = mxfp4_moe.q8_round(x)
+    step = x.view(4, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(((r - x).view(4, 3, 32).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert torch.equal(r[1, 32:64], torch.zeros(32))
+    top = x.view(4, 3, 32).abs().argmax(-1)
+    assert torch.allclose(r.view(4, 3, 32).gather(-1, top[..., None]), x.view(4, 3, 32).gather(-1, top[..., None]))
+    E, D, I, k, N = 4, 64, 64, 2, 3
+    experts = _experts(E, D, I, seed=27)
+    ids, weights = _routing(N, E, k, seed=28)
+    xs = torch.randn(N, D, generator=torch.Generator().manual_seed(29))
+    exact = _float64(xs, ids, weights, experts, "swiglu", (0.0, 0.0))
+    q8 = naive_mxfp4_moe(xs.double(), ids, weights.double(), experts, "swiglu", (0.0, 0.0),
+                         torch.zeros(N, D, dtype=torch.float64), linear=_linear64, precision="q8")
+    rel = ((q8 - exact).norm() / exact.norm()).item()
+    assert 1e-4 < rel < 3e-2, rel  # ~2^-8 per input value, averaged over dot products of 64
+    with pytest.raises(ValueError, match="expert precision"):
+        mxfp4_moe.mxfp4_moe(xs, ids, weights, ExpertTable(experts, E), "swiglu", (0.0, 0.0), torch.zeros(N, D),
+                            precision="q4")

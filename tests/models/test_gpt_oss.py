@@ -51,6 +51,21 @@ def test_prefill_then_decode_equals_full_forward(models):
     assert_chunked_prefill_and_decode_equal_full(model, tokens, (10, 17), 32, rtol=1e-5, atol=1e-5)
 
 
+def test_q8_experts_prefill_then_decode_equals_full_forward(models, tmp_path_factory):
+    """The default expert precision (q8: each expert projection's input rounded to int8 per 32 values)
+    gives a token the same expert bits whether it is prefilled with others or decoded alone, so chunked
+    prefill + decode still equals one full forward (what differs is attention's summation order)."""
+    from localmoe.testing.parity import load_ours
+
+    model = load_ours(tiny_checkpoint("gpt_oss", tmp_path_factory), expert_precision="q8").model
+    assert {block.precision for block in model.moe_blocks()} == {"q8"}
+    tokens = random_tokens(24, 2, model.spec.vocab_size)
+    assert_chunked_prefill_and_decode_equal_full(model, tokens, (10, 17), 32, rtol=1e-5, atol=1e-5)
+    exact = models[0].model.forward(tokens, models[0].model.new_cache(1, 32), all_logits=True)
+    q8 = model.forward(tokens, model.new_cache(1, 32), all_logits=True)
+    assert not torch.equal(q8, exact)  # the rounding ran
+
+
 def test_left_padded_batch_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
     long, short = random_tokens(13, 3, vocab)[0], random_tokens(6, 4, vocab)[0]  # window 4 < both lengths

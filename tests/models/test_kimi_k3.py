@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    return load_model(checkpoint, EngineConfig(dtype="float32", threads=1), progress=False)
+    return load_model(checkpoint, EngineConfig(dtype="float32", threads=1, expert_precision="exact"), progress=False)
 
 
 @pytest.fixture(scope="module")
