@@ -1,6 +1,7 @@
 """The localmoe CPU kernel library: every C++ kernel source, built into ONE shared object.
 
-The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA decode attention, residual add + RMSNorm) have a plain C ABI and
+The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA decode
+attention and the fused attention decode step, residual add + RMSNorm) have a plain C ABI and
 no torch headers, so they build with gcc/clang alone in a few seconds (a torch C++ extension took
 2-3 minutes on the 2-core dev machine) and need no ninja or Python headers. They share one
 persistent thread pool (pool.h): one library, one pool for the process, whichever kernels run.
@@ -30,10 +31,11 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).resolve().parent.parent
-HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h")
+HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h",
+           KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "gqa_decode" / "gqa_heads.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
-           KERNELS / "rms_norm" / "norm_cpu.cpp")
+           KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -46,6 +48,9 @@ SIGNATURES = {  # name -> (argtypes, restype)
                    _int), None),
     "gqa_decode": ((_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,
                     _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int), None),
+    "gqa_step_scratch": ((_i64, _i64, _i64), _i64),
+    "gqa_step": ((_ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                  _ptr, _f32, _ptr, _int, _ptr, _ptr, _ptr, _int), None),
     "add_rms_norm": ((_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr), None),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),

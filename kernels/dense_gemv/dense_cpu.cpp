@@ -8,97 +8,11 @@
 // the result is x W^T with W's bf16 values, to fp32 rounding (torch's bf16 F.linear rounds x to
 // bf16 too, and its GEMV ran at 5-6 GB/s here). A row is computed whole by one thread, so the
 // bits do not depend on the thread count; the summation order depends on K and min(N, 8).
-#include <immintrin.h>
-
-#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#include "pool.h"
-#include "vec_math.h"
+#include "dense_rows.h"
 
-namespace {
-
-using localmoe::hsum;
-using localmoe::kChunkBytes;
-using localmoe::parallel;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exact
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// One weight row w [K] against NT tokens x (row stride K): y[t * O] = dot(w, x_t) + bias (bias may
-// be null). The row is one sequential stream (interleaving rows, or software prefetch, measured
-// 0.6-0.7x of the plain stream). A accumulators per token over 8-column steps keep enough FMA
-// chains in flight for the 16 ymm registers: 4 for 1-2 tokens, 2 for 3-4, 1 for 5-8.
-template <typename T, int NT>
-inline void row(const T* w, const float* x, int64_t K, const float* bias, float* y, int64_t O) {
-  constexpr int A = NT <= 2 ? 4 : (NT <= 4 ? 2 : 1);
-  __m256 acc[NT][A];
-  for (int t = 0; t < NT; ++t)
-    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * A <= K; k += 8 * A) {
-    __m256 wv[A];
-    for (int a = 0; a < A; ++a) wv[a] = load8(w + k + 8 * a);
-    for (int t = 0; t < NT; ++t)
-      for (int a = 0; a < A; ++a) acc[t][a] = _mm256_fmadd_ps(wv[a], _mm256_loadu_ps(x + t * K + k + 8 * a), acc[t][a]);
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = load8(w + k);
-    for (int t = 0; t < NT; ++t) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * K + k), acc[t][0]);
-  }
-  for (int t = 0; t < NT; ++t) {
-    __m256 sum = acc[t][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
-    float s = hsum(sum);
-    for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(load1(w + j), x[t * K + j], s);
-    y[t * O] = bias == nullptr ? s : s + *bias;
-  }
-}
-
-template <typename T>
-struct Args {
-  const float* x;
-  int64_t N, K;
-  const T* w;
-  int64_t O;
-  const float* bias;
-  float* y;
-};
-
-// Rows [o0, o1), each against all N tokens in groups of up to 8 (a group after the first finds the
-// row in L1/L2).
-template <typename T>
-void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
-  const Args<T>& a = *static_cast<const Args<T>*>(ctx);
-  const int64_t K = a.K, O = a.O;
-  using RowFn = void (*)(const T*, const float*, int64_t, const float*, float*, int64_t);
-  static constexpr RowFn kRow[9] = {nullptr, row<T, 1>, row<T, 2>, row<T, 3>, row<T, 4>,
-                                    row<T, 5>, row<T, 6>, row<T, 7>, row<T, 8>};
-  for (int64_t o = o0; o < o1; ++o) {
-    const float* b = a.bias == nullptr ? nullptr : a.bias + o;
-    for (int64_t t = 0; t < a.N; t += 8)
-      kRow[std::min<int64_t>(8, a.N - t)](a.w + o * K, a.x + t * K, K, b, a.y + t * O + o, O);
-  }
-}
-
-template <typename T>
-void gemv(const float* x, int64_t N, int64_t K, const T* w, int64_t O, const float* bias, float* y, int threads) {
-  const Args<T> args{x, N, K, w, O, bias, y};
-  parallel(gemv_rows<T>, &args, O, kChunkBytes / (K * static_cast<int64_t>(sizeof(T))), threads);
-}
-
-}  // namespace
+using localmoe_dense::gemv;
 
 extern "C" {
 

@@ -1,11 +1,13 @@
-"""Grouped-query attention decode dispatcher (one new query per sequence): the CPU kernel for fp32
-CPU tensors where the library is built, else the reference."""
+"""Grouped-query attention decode (one new query per sequence): `gqa_decode` runs the CPU kernel for
+fp32 CPU tensors where the library is built, else the reference; `step_kernel_for` binds a layer's
+weights to the fused decode step (QKV GEMV, RoPE, cache write, attention, output GEMV in one call;
+reference: `naive_gqa_step`) where the kernel can take them."""
 
 from __future__ import annotations
 
 import torch
 from localmoe.kernels.gqa_decode import cpu
-from localmoe.kernels.gqa_decode.reference import naive_gqa_decode
+from localmoe.kernels.gqa_decode.reference import naive_gqa_decode, naive_gqa_step
 
 
 def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first: int = 0,
@@ -16,4 +18,14 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     return naive_gqa_decode(q, keys, values, scale, first, visible, sinks)
 
 
-__all__ = ["gqa_decode", "naive_gqa_decode"]
+def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None,
+                    heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None,
+                    scale: float) -> cpu.StepKernel | None:
+    """The fused decode step for a layer of these weights (see cpu.StepKernel), or None where the CPU
+    kernel cannot take them (then run the step op by op)."""
+    if not cpu.StepKernel.takes(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks):
+        return None
+    return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale)
+
+
+__all__ = ["gqa_decode", "naive_gqa_decode", "naive_gqa_step", "step_kernel_for"]

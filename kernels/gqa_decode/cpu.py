@@ -34,3 +34,47 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
                          None if visible is None else visible.data_ptr(), S,
                          None if sinks is None else sinks.data_ptr(), scale, out.data_ptr(), threads())
     return out
+
+
+class StepKernel:
+    """`gqa_step` (step_cpu.cpp) bound to one layer's weights, checked once: call with x [..., hidden]
+    (one token, fp32 contiguous), the RoPE tables at this position (cos, signed sin [rot] fp32
+    contiguous), the fp32 cache pools keys/values [1, Hkv, capacity, D] (positions contiguous per
+    head) with room for `pos`, the position and the window's first key -> [..., hidden] fp32."""
+
+    def __init__(self, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None,
+                 heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None, scale: float):
+        self.wqkv, self.bqkv, self.wo, self.bo, self.sinks = wqkv, bqkv, wo, bo, sinks
+        self.heads, self.kv_heads, self.head_dim, self.rot, self.scale = heads, kv_heads, head_dim, rot, scale
+        self.hidden = wo.shape[0]
+        self.scratch_floats = library().gqa_step_scratch(heads, kv_heads, head_dim)
+
+    @staticmethod
+    def takes(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None, heads: int,
+              kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None) -> bool:
+        """Whether the kernel can run a layer of these weights (contiguous fp32/bf16 CPU matrices of the
+        right shapes, fp32 biases and sinks, D % 8 == 0 and even rot) and the library is built."""
+        rows = (heads + 2 * kv_heads) * head_dim
+        return (library() is not None and head_dim % 8 == 0 and head_dim <= MAX_DIM and rot % 2 == 0
+                and 0 < rot <= head_dim and heads % kv_heads == 0
+                and wqkv.dim() == wo.dim() == 2 and wqkv.shape[0] == rows and wo.shape[1] == heads * head_dim
+                and wqkv.shape[1] == wo.shape[0]
+                and all(w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" and w.is_contiguous()
+                        for w in (wqkv, wo))
+                and all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+                        for t in (bqkv, bo, sinks))
+                and (bqkv is None or bqkv.shape == (rows,)) and (bo is None or bo.shape == (wo.shape[0],))
+                and (sinks is None or sinks.shape == (heads,)))
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, pos: int, first: int) -> torch.Tensor:
+        out = x.new_empty(x.shape)
+        scratch = torch.empty(self.scratch_floats)
+        library().gqa_step(x.data_ptr(), self.hidden, self.wqkv.data_ptr(), int(self.wqkv.dtype == torch.bfloat16),
+                           None if self.bqkv is None else self.bqkv.data_ptr(), self.heads, self.kv_heads,
+                           self.head_dim, self.rot, cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
+                           values.data_ptr(), keys.stride(1), pos, first,
+                           None if self.sinks is None else self.sinks.data_ptr(), self.scale, self.wo.data_ptr(),
+                           int(self.wo.dtype == torch.bfloat16), None if self.bo is None else self.bo.data_ptr(),
+                           out.data_ptr(), scratch.data_ptr(), threads())
+        return out

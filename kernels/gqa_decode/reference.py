@@ -26,3 +26,30 @@ def naive_gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.einsum("bhs,bhsd->bhd", probs, v)
+
+
+def naive_gqa_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, heads: int, kv_heads: int,
+                   rot: int, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   pos: int, first: int, sinks: torch.Tensor | None, scale: float, wo: torch.Tensor,
+                   bo: torch.Tensor | None) -> torch.Tensor:
+    """One attention decode step of one sequence, computed in x's dtype (fp32, or float64 for tests).
+
+    x [hidden]; wqkv [(H + 2 Hkv) D, hidden] (rows q | k | v), bqkv or None; q and k heads rotated on
+    their first `rot` dims: x * cos + rotate_half(x) * signed_sin (tables [rot] at this position,
+    engine/rope.py); k, v written into keys/values [Hkv, >pos, D] at `pos`; attention of each q head
+    over keys first..pos with `sinks` [H] (naive_gqa_decode); then wo [hidden, H D], bo. -> [hidden]."""
+    dt = x.dtype
+    D = keys.shape[-1]
+    qkv = x @ wqkv.to(dt).T + (0 if bqkv is None else bqkv.to(dt))
+    qk, v = qkv[:(heads + kv_heads) * D].view(heads + kv_heads, D), qkv[(heads + kv_heads) * D:].view(kv_heads, D)
+    r = qk[:, :rot]
+    qk = torch.cat([r * cos.to(dt) + torch.roll(r, rot // 2, dims=-1) * signed_sin.to(dt), qk[:, rot:]], dim=-1)
+    keys[:, pos], values[:, pos] = qk[heads:].to(keys.dtype), v.to(values.dtype)
+    k = keys[:, first:pos + 1].to(dt).repeat_interleave(heads // kv_heads, dim=0)  # [H, S', D]
+    vv = values[:, first:pos + 1].to(dt).repeat_interleave(heads // kv_heads, dim=0)
+    scores = torch.einsum("hd,hsd->hs", qk[:heads], k) * scale
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(dt)[:, None]], dim=-1)
+    probs = scores.softmax(dim=-1)[:, :k.shape[1]]
+    attn = torch.einsum("hs,hsd->hd", probs, vv).reshape(-1)
+    return attn @ wo.to(dt).T + (0 if bo is None else bo.to(dt))

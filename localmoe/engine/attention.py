@@ -24,7 +24,7 @@ from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.step import Step
-from localmoe.kernels.gqa_decode import gqa_decode
+from localmoe.kernels.gqa_decode import gqa_decode, step_kernel_for
 
 
 class GQAttention:
@@ -48,6 +48,13 @@ class GQAttention:
         # sinks [H] for gqa_decode, and as [Hkv, G, 1, 1] to match the folded query axis of _explicit
         self.head_sinks = None if sinks is None else sinks.float().contiguous()
         self.sinks = None if sinks is None else self.head_sinks.view(self.kv_heads, self.group, 1, 1)
+        # one sequence's decode step in one kernel call (kernels/gqa_decode step_kernel_for), where the
+        # layer is plain: fp32/bf16 projections, full-head RoPE tables, no q/k norms or output gate
+        self.fused_step = None
+        if q_norm is None and gate is None and isinstance(qkv, Linear) and isinstance(o_proj, Linear):
+            self.fused_step = step_kernel_for(qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, self.heads,
+                                              self.kv_heads, self.head_dim, self.rotary_dim, self.head_sinks,
+                                              self.scale)
 
     @classmethod
     def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
@@ -77,6 +84,12 @@ class GQAttention:
     def __call__(self, x: torch.Tensor, step: Step, cache: KVCache) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends this step's keys/values to `cache`."""
         B, T, _ = x.shape
+        if B == T == 1 and self.fused_step is not None and step.mask is None and step.cos is not None \
+                and not self._selects(step.start + 1) and x.dtype == torch.float32 and x.is_contiguous():
+            pools = cache.decode_pools(step.start)
+            if pools is not None:
+                first = max(0, step.start + 1 - self.window) if self.window else 0
+                return self.fused_step(x, step.cos, step.sin, *pools, step.start, first)
         H, Hkv, D, G = self.heads, self.kv_heads, self.head_dim, self.group
         qk, v = self.qkv(x).split((self.split[0] + self.split[1], self.split[2]), dim=-1)
         qk, v = qk.view(B, T, H + Hkv, D), v.view(B, T, Hkv, D)

@@ -136,6 +136,18 @@ class PagedBuffer:
             if scale is not None:
                 self.scales[:, blocks, within] = scale[:, :, lo - start:hi - start].transpose(0, 1)
 
+    def flat_pool(self, end: int) -> torch.Tensor | None:
+        """For kernels that write and read the cache in place: the pool as [1, H, capacity, D] with
+        room for positions < `end` (allocated here), where the buffer is fp32 for one sequence and its
+        table is the identity; None otherwise (then use write/read)."""
+        if self.lossy or self.batch != 1:
+            return None
+        if end > self.capacity:
+            if end > self.max_len:
+                raise ValueError(f"positions up to {end} do not fit a cache of {self.max_len}")
+            self._allocate(end)
+        return None if self._flat is None else self._flat[0]
+
     def _keep_recent(self, start: int, rows: torch.Tensor) -> None:
         """Copy the last rows of this write (at most the ring's size) into the exact ring."""
         ring, T = self.recent_pos.numel(), rows.shape[2]
@@ -208,6 +220,13 @@ class KVCache:
         self.keys.write(start, k.transpose(1, 2))
         self.values.write(start, v.transpose(1, 2))
         return self.keys.read(start + T), self.values.read(start + T)
+
+    def decode_pools(self, pos: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The key and value pools [1, H_kv, capacity, D] (PagedBuffer.flat_pool) with room for position
+        `pos`, for a fused decode step that writes it in place; None where the buffers cannot be."""
+        keys = self.keys.flat_pool(pos + 1)
+        values = self.values.flat_pool(pos + 1) if keys is not None else None
+        return None if values is None else (keys, values)
 
     def trim(self, offset: int) -> None:
         self.keys.trim(offset)

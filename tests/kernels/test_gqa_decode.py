@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from localmoe.kernels.gqa_decode import cpu, gqa_decode, naive_gqa_decode
+from localmoe.kernels.gqa_decode import cpu, gqa_decode, naive_gqa_decode, naive_gqa_step, step_kernel_for
 
 needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
 
@@ -86,3 +86,62 @@ def test_a_head_that_sees_nothing_gets_zeros_and_odd_dims_use_the_reference(clos
     close(gqa_decode(q, keys, values, 0.3, 2), _float64(q, keys, values, 0.3, 2), 1e-6, "reference path")
     q, keys, values, _, _ = _case(1, 4, 2, 5, 8, seed=3)
     assert torch.equal(gqa_decode(q, keys, values, 0.3, 0, hidden), torch.zeros(1, 4, 8))  # the kernel, if built
+
+
+def _step_case(H, Hkv, D, rot, pos, seed, wdtype=torch.float32, bias=True, sinks=True, hidden=48):
+    g = torch.Generator().manual_seed(seed)
+    rows = (H + 2 * Hkv) * D
+    wqkv = (torch.randn(rows, hidden, generator=g) * 0.2).to(wdtype)
+    wo = (torch.randn(hidden, H * D, generator=g) * 0.2).to(wdtype)
+    bqkv = torch.randn(rows, generator=g) * 0.1 if bias else None
+    bo = torch.randn(hidden, generator=g) * 0.1 if bias else None
+    angle = torch.rand(rot // 2, generator=g) * 6
+    cos, sin = torch.cat([angle.cos(), angle.cos()]), torch.cat([-angle.sin(), angle.sin()])  # signed sin
+    pool = torch.randn(2, 1, Hkv, pos + 9, D, generator=g)  # [keys | values], room past pos
+    sink = torch.randn(H, generator=g) if sinks else None
+    x = torch.randn(1, 1, hidden, generator=g)
+    return x, wqkv, bqkv, wo, bo, cos, sin, pool, sink
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("H,Hkv,D,rot,pos,first", [(4, 2, 16, 16, 0, 0), (4, 2, 16, 8, 70, 0), (6, 3, 64, 64, 130, 100),
+                                                   (4, 1, 8, 8, 5, 3)], ids=["pos0", "partial-rope", "window", "mqa"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("extras", [True, False], ids=["bias-sinks", "plain"])
+def test_fused_step_matches_float64(H, Hkv, D, rot, pos, first, wdtype, extras, close):
+    """The fused decode step (QKV GEMV, RoPE, cache write, attention, output GEMV in one call) against the
+    reference step in float64 on the same (bf16-valued) weights: output and the written cache rows."""
+    x, wqkv, bqkv, wo, bo, cos, sin, pool, sink = _step_case(H, Hkv, D, rot, pos, seed=pos + D, wdtype=wdtype,
+                                                             bias=extras, sinks=extras)
+    kernel = step_kernel_for(wqkv, bqkv, wo, bo, H, Hkv, D, rot, sink, D ** -0.5)
+    assert kernel is not None
+    want_pool = pool.double()[:, 0].clone()
+    want = naive_gqa_step(x.view(-1).double(), wqkv, bqkv, H, Hkv, rot, cos, sin, want_pool[0], want_pool[1], pos,
+                          first, sink, D ** -0.5, wo, bo)
+    got = kernel(x, cos, sin, pool[0], pool[1], pos, first)
+    close(got.view(-1), want, 2e-6, "step output")
+    close(pool[:, 0, :, pos], want_pool[:, :, pos], 2e-6, "written k, v")
+    assert torch.equal(pool[:, 0, :, :pos].double(), want_pool[:, :, :pos])  # earlier positions untouched
+
+
+def test_fused_step_declines_what_it_cannot_run():
+    x, wqkv, bqkv, wo, bo, cos, sin, pool, sink = _step_case(4, 2, 16, 16, 3, seed=1)
+    assert step_kernel_for(wqkv.half(), bqkv, wo, bo, 4, 2, 16, 16, sink, 0.25) is None  # fp16 weights
+    assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 12, 12, sink, 0.25) is None  # rows != (H + 2 Hkv) D
+    assert step_kernel_for(wqkv, bqkv.double(), wo, bo, 4, 2, 16, 16, sink, 0.25) is None
+    assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 16, 15, sink, 0.25) is None  # odd rotary dims
+
+
+def test_reference_step_rotates_like_the_engine():
+    """naive_gqa_step's RoPE is engine/rope.py's apply_rope on the same tables (so the float64 test above
+    checks the kernel against what the engine computes op by op)."""
+    from localmoe.engine.rope import RotaryTable, apply_rope
+
+    H, Hkv, D, pos = 2, 1, 16, 9
+    x, wqkv, _, wo, _, _, _, pool, _ = _step_case(H, Hkv, D, D, pos, seed=2)
+    table = RotaryTable(D, 10000.0, None, 64)
+    cos, sin = table.at(torch.tensor([[pos]]))
+    naive_gqa_step(x.view(-1), wqkv, None, H, Hkv, D, cos.view(-1), sin.view(-1), pool[0, 0], pool[1, 0], pos, 0,
+                   None, 0.25, wo, None)
+    k = (x.view(-1) @ wqkv.T)[H * D:(H + Hkv) * D].view(1, 1, Hkv, D)
+    torch.testing.assert_close(pool[0, 0, :, pos], apply_rope(k, cos, sin)[0, 0], rtol=1e-6, atol=1e-6)
