@@ -125,7 +125,7 @@ def test_fused_step_matches_float64(H, Hkv, D, rot, pos, first, wdtype, extras, 
 
 
 def test_fused_step_declines_what_it_cannot_run():
-    x, wqkv, bqkv, wo, bo, cos, sin, pool, sink = _step_case(4, 2, 16, 16, 3, seed=1)
+    _, wqkv, bqkv, wo, bo, _, _, _, sink = _step_case(4, 2, 16, 16, 3, seed=1)
     assert step_kernel_for(wqkv.half(), bqkv, wo, bo, 4, 2, 16, 16, sink, 0.25) is None  # fp16 weights
     assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 12, 12, sink, 0.25) is None  # rows != (H + 2 Hkv) D
     assert step_kernel_for(wqkv, bqkv.double(), wo, bo, 4, 2, 16, 16, sink, 0.25) is None
