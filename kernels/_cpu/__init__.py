@@ -32,7 +32,8 @@ import torch
 
 KERNELS = Path(__file__).resolve().parent.parent
 HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h",
-           KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "gqa_decode" / "gqa_heads.h")
+           KERNELS / "mxfp4_moe" / "route.h", KERNELS / "dense_gemv" / "dense_rows.h",
+           KERNELS / "gqa_decode" / "gqa_heads.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp")
@@ -46,6 +47,10 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "mxfp4_moe_scratch": ((_i64, _i64, _i64), _i64),
     "mxfp4_moe": ((_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _ptr, _int,
                    _int), None),
+    "mxfp4_route": ((_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _f32, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int), None),
+    "mxfp4_moe_routed_scratch": ((_i64, _i64, _i64, _i64, _i64), _i64),
+    "mxfp4_moe_routed": ((_ptr, _i64, _ptr, _ptr, _ptr, _int, _int, _f32, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64,
+                          _int, _f32, _f32, _ptr, _ptr, _ptr, _ptr, _int, _int), None),
     "gqa_decode": ((_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,
                     _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int), None),
     "gqa_step_scratch": ((_i64, _i64, _i64), _i64),

@@ -19,6 +19,10 @@ holding one expert at a time does) give the same bits. `precision` "q8" rounds e
 input to int8 per 32-element block on every path (reference.q8_round; llama.cpp's Q8_0 trade: ~2x
 faster integer dot products on AVX2, activation error ~2^-8 of a block's largest value); "exact"
 keeps fp32 activations (the C kernel's integer parts are within ~2^-23 of them).
+
+`mxfp4_routed_moe` is `mxfp4_moe` with the router in the same call (logits GEMV and `naive_route`'s
+rule; moe_cpu.cpp `mxfp4_moe_routed`), for a layer whose experts are all resident: decode then pays
+one call per MoE layer instead of a GEMV, a top-k, a softmax and the experts' call.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from localmoe.kernels.mxfp4_moe import cpu
 from localmoe.kernels.mxfp4_moe.reference import (
     GLU_KINDS,
     PRECISIONS,
+    SCORINGS,
     glu,
     naive_mxfp4_grouped,
     naive_mxfp4_linear,
     naive_mxfp4_moe,
+    naive_route,
     q8_round,
 )
 
@@ -119,5 +125,48 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
                            precision=precision)
 
 
-__all__ = ["GEMV_MAX_TOKENS", "GLU_KINDS", "PRECISIONS", "ExpertTable", "glu", "mxfp4_grouped", "mxfp4_linear",
-           "mxfp4_moe", "naive_mxfp4_grouped", "naive_mxfp4_linear", "naive_mxfp4_moe", "q8_round"]
+def _routes_on_cpu(router_x: torch.Tensor, router_weight: torch.Tensor, scoring: str, top_k: int,
+                   *tensors: torch.Tensor | None) -> bool:
+    """Whether the CPU kernel routes these tokens: a decode-sized call, a known scoring, at most
+    MAX_EXPERTS experts, every tensor fp32 and contiguous on the CPU, the library built."""
+    E = router_weight.shape[0]
+    fp32_cpu = [t for t in (router_x, router_weight, *tensors) if t is not None]
+    return (router_x.shape[0] <= GEMV_MAX_TOKENS and scoring in SCORINGS and 0 < top_k <= E <= cpu.MAX_EXPERTS
+            and cpu.library() is not None
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in fp32_cpu))
+
+
+def route_experts(router_x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+                  correction: torch.Tensor | None, scoring: str, top_k: int, renormalize: bool = False,
+                  scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids) [N, k] of N tokens: logits = router_x [N, R] router_weight^T (+ router_bias), then
+    `naive_route`'s rule; on the CPU kernel the same bits as the routing inside `mxfp4_routed_moe`."""
+    if _routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction):
+        return cpu.route(router_x, router_weight, router_bias, correction, SCORINGS.index(scoring), top_k,
+                         renormalize, scaling)
+    logits = F.linear(router_x.float(), router_weight.float(), None if router_bias is None else router_bias.float())
+    return naive_route(logits, top_k, scoring, correction, renormalize, scaling)
+
+
+def mxfp4_routed_moe(router_x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+                     correction: torch.Tensor | None, scoring: str, top_k: int, renormalize: bool, scaling: float,
+                     x: torch.Tensor, table: ExpertTable, kind: str, params: tuple[float, float], out: torch.Tensor,
+                     precision: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route_experts` then `mxfp4_moe(x, ids, weights, table, kind, params, out, precision=precision)`, in
+    one kernel call where the CPU kernel takes both (the same bits as the two calls). Returns (out,
+    weights, ids)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if (_routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction, x, out)
+            and table.addresses.shape[0] == router_weight.shape[0]):
+        return cpu.moe_routed(router_x, router_weight, router_bias, correction, SCORINGS.index(scoring), top_k,
+                              renormalize, scaling, x, table.addresses, table.intermediate, GLU_KINDS.index(kind),
+                              params, out, precision == "q8")
+    weights, ids = route_experts(router_x, router_weight, router_bias, correction, scoring, top_k, renormalize,
+                                 scaling)
+    return mxfp4_moe(x, ids, weights, table, kind, params, out, precision=precision), weights, ids
+
+
+__all__ = ["GEMV_MAX_TOKENS", "GLU_KINDS", "PRECISIONS", "SCORINGS", "ExpertTable", "glu", "mxfp4_grouped",
+           "mxfp4_linear", "mxfp4_moe", "mxfp4_routed_moe", "naive_mxfp4_grouped", "naive_mxfp4_linear", "naive_mxfp4_moe",
+           "naive_route", "q8_round", "route_experts"]

@@ -24,6 +24,7 @@ import torch
 from localmoe.kernels._cpu import _state, library, threads
 
 _local = threading.local()  # .scratch: this thread's buffer for `moe`
+MAX_EXPERTS = 1024  # route.h kMaxExperts
 
 __all__ = ["_state", "dequantize", "gemv", "library", "moe"]
 
@@ -83,3 +84,39 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.
     lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.data_ptr(), table.shape[0],
                   only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads(), int(q8))
     return out
+
+
+def route(router_x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+          correction: torch.Tensor | None, scoring: int, top_k: int, renormalize: bool,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of `moe_routed` alone (moe_cpu.cpp `mxfp4_route`, the same bits): (weights, ids) [N, k]."""
+    N, E = router_x.shape[0], router_weight.shape[0]
+    ids = torch.empty(N, top_k, dtype=torch.int64)
+    weights, logits = torch.empty(N, top_k), torch.empty(N, E)
+    library().mxfp4_route(router_x.data_ptr(), router_x.shape[1], router_weight.data_ptr(),
+                          None if router_bias is None else router_bias.data_ptr(),
+                          None if correction is None else correction.data_ptr(), scoring, int(renormalize), scaling,
+                          N, top_k, E, ids.data_ptr(), weights.data_ptr(), logits.data_ptr(), threads())
+    return weights, ids
+
+
+def moe_routed(router_x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
+               correction: torch.Tensor | None, scoring: int, top_k: int, renormalize: bool, scaling: float,
+               x: torch.Tensor, table: torch.Tensor, I: int, glu: int, params: tuple[float, float],
+               out: torch.Tensor, q8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`moe` with the routing in the same call (moe_cpu.cpp `mxfp4_moe_routed`): router logits of
+    router_x [N, R] through router_weight fp32 [E, R] (+ router_bias), route.h's rule (scoring 0/1/2,
+    correction [E] or None), then the experts on x [N, D]. Every tensor fp32 and contiguous on the CPU
+    (the dispatcher's guard). Returns (out, weights [N, k], ids [N, k])."""
+    N, D = x.shape
+    E = router_weight.shape[0]
+    lib = library()
+    scratch = _scratch(lib.mxfp4_moe_routed_scratch(N, top_k, D, I, E))
+    ids = torch.empty(N, top_k, dtype=torch.int64)
+    weights = torch.empty(N, top_k)
+    lib.mxfp4_moe_routed(router_x.data_ptr(), router_x.shape[1], router_weight.data_ptr(),
+                         None if router_bias is None else router_bias.data_ptr(),
+                         None if correction is None else correction.data_ptr(), scoring, int(renormalize), scaling,
+                         x.data_ptr(), N, D, I, top_k, table.data_ptr(), table.shape[0], glu, params[0], params[1],
+                         out.data_ptr(), ids.data_ptr(), weights.data_ptr(), scratch.data_ptr(), threads(), int(q8))
+    return out, weights, ids

@@ -30,8 +30,10 @@
 #include <cstring>
 #include <vector>
 
+#include "../dense_gemv/dense_rows.h"
 #include "mxfp4_rows.h"
 #include "pool.h"
+#include "route.h"
 #include "vec_math.h"
 
 namespace {
@@ -176,17 +178,7 @@ struct Scratch {
   }
 };
 
-}  // namespace
-
-extern "C" {
-
-// Bytes of scratch mxfp4_moe needs for M = N * k assignments.
-int64_t mxfp4_moe_scratch(int64_t M, int64_t D, int64_t I) { return Scratch(nullptr, M, D, I).bytes; }
-
-// out [N, D] fp32 += the routed experts of N tokens x [N, D] fp32 (see the top of this file).
-// ids [N, k] int64 in [0, E), weights [N, k] fp32, table int64 [E, 9]; glu: 0 SwiGLU, 1 gpt-oss, 2 SiTU
-// with parameters p0, p1; only: -1 for every expert, else just that one; q8: 1 for q8 activations, 0 exact.
-void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
+void moe_layer(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
                const int64_t* table, int64_t E, int64_t only, int glu, float p0, float p1, float* out, void* scratch,
                int threads, int q8) {
   const int64_t M = N * k;
@@ -219,6 +211,55 @@ void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const
       const float* y = s.y + a * D;
       for (int64_t d = 0; d < D; ++d) dst[d] += w * y[d];
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of scratch mxfp4_moe needs for M = N * k assignments.
+int64_t mxfp4_moe_scratch(int64_t M, int64_t D, int64_t I) { return Scratch(nullptr, M, D, I).bytes; }
+
+// out [N, D] fp32 += the routed experts of N tokens x [N, D] fp32 (see the top of this file).
+// ids [N, k] int64 in [0, E), weights [N, k] fp32, table int64 [E, 9]; glu: 0 SwiGLU, 1 gpt-oss, 2 SiTU
+// with parameters p0, p1; only: -1 for every expert, else just that one; q8: 1 for q8 activations, 0 exact.
+void mxfp4_moe(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
+               const int64_t* table, int64_t E, int64_t only, int glu, float p0, float p1, float* out, void* scratch,
+               int threads, int q8) {
+  moe_layer(x, N, D, I, k, ids, weights, table, E, only, glu, p0, p1, out, scratch, threads, q8);
+}
+
+// The routing alone, the same bits as inside mxfp4_moe_routed (a paging provider's layers route
+// with this and run their experts with mxfp4_moe): logits [N, E] (scratch) = rx [N, R] router_w^T
+// (+ router_b) by the dense GEMV, then route.h per token into ids_out / weights_out [N, k].
+void mxfp4_route(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
+                 int scoring, int renormalize, float scaling, int64_t N, int64_t k, int64_t E, int64_t* ids_out,
+                 float* weights_out, float* logits, int threads) {
+  localmoe_dense::gemv<float>(rx, N, R, router_w, E, router_b, logits, threads);
+  for (int64_t t = 0; t < N; ++t)
+    localmoe_route::route_token(logits + t * E, E, k, scoring, correction, renormalize != 0, scaling, ids_out + t * k,
+                                weights_out + t * k);
+}
+
+// Bytes of scratch mxfp4_moe_routed needs: the logits [N, E], then mxfp4_moe's.
+int64_t mxfp4_moe_routed_scratch(int64_t N, int64_t k, int64_t D, int64_t I, int64_t E) {
+  return 64 + align64(N * E * 4) + Scratch(nullptr, N * k, D, I).bytes;
+}
+
+// The same with the routing too: logits = rx [N, R] router_w^T (+ router_b) with router_w fp32 [E, R]
+// (the dense GEMV), each token's k experts and weights by route.h (scoring 0 softmax, 1 sigmoid,
+// 2 topk_softmax; correction [E] or null; renormalize; scaling), then the experts on x [N, D]
+// (rx = x unless the experts run on a latent projection). The chosen ids and weights are left in
+// ids_out / weights_out [N, k].
+void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
+                      int scoring, int renormalize, float scaling, const float* x, int64_t N, int64_t D, int64_t I,
+                      int64_t k, const int64_t* table, int64_t E, int glu, float p0, float p1, float* out,
+                      int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8) {
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
+  mxfp4_route(rx, R, router_w, router_b, correction, scoring, renormalize, scaling, N, k, E, ids_out, weights_out,
+              reinterpret_cast<float*>(base), threads);
+  moe_layer(x, N, D, I, k, ids_out, weights_out, table, E, -1, glu, p0, p1, out, base + align64(N * E * 4), threads,
+            q8);
 }
 
 }  // extern "C"

@@ -89,3 +89,30 @@ def naive_mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
         y = linear(rounded(hidden), w.down.packed, w.down.scales, w.down.bias)
         out.index_add_(0, rows, y * weights.reshape(-1)[picks, None])
     return out
+
+
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # engine/moe.py RoutingRule.scoring, in route.h's order
+
+
+def naive_route(logits: torch.Tensor, top_k: int, scoring: str, correction: torch.Tensor | None = None,
+                renormalize: bool = False, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, E] -> (weights [N, k], ids [N, k] int64), engine/moe.py's `route` without group-limited
+    top-k: scores by `scoring`; the k largest of scores + correction, largest first, ties to the lower id;
+    weights = scores at ids (topk_softmax: the softmax of the chosen logits), renormalised if asked,
+    times `scaling`."""
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    elif scoring == "topk_softmax":
+        scores = logits
+    else:
+        raise ValueError(f"router scoring {scoring!r} is not one of {', '.join(SCORINGS)}")
+    choice = scores if correction is None else scores + correction.to(scores.dtype)
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if scoring == "topk_softmax":
+        weights = weights.softmax(dim=-1)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids

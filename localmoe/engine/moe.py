@@ -31,7 +31,14 @@ from localmoe.engine.experts import (
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.mlp import GatedMLP, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.errors import LocalMoEError
-from localmoe.kernels.mxfp4_moe import ExpertTable, glu, mxfp4_moe
+from localmoe.kernels.mxfp4_moe import (
+    GEMV_MAX_TOKENS,
+    ExpertTable,
+    glu,
+    mxfp4_moe,
+    mxfp4_routed_moe,
+    route_experts,
+)
 
 SCORING = ("softmax", "sigmoid", "topk_softmax")
 
@@ -119,6 +126,11 @@ class Router:
         self.correction_bias = None if correction_bias is None else correction_bias.float()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rule.n_group == 1 and self.linear.weight.dtype == torch.float32:
+            # the kernels' routing (the same bits as inside the fused routed-experts call), else torch
+            rule = self.rule
+            return route_experts(x, self.linear.weight, self.linear.bias, self.correction_bias, rule.scoring,
+                                 rule.top_k, rule.renormalize, rule.scaling)
         return route(self.linear(x), self.rule, self.correction_bias)
 
     def nbytes(self) -> int:
@@ -205,6 +217,16 @@ class MoEBlock:
                                       spec.rms_norm_eps)
         return cls(router, experts, layer, expert_activation(spec), shared, latent)
 
+    def _routed_table(self, tokens: int) -> ExpertTable | None:
+        """The provider's whole-layer kernel table where routing can join the experts' kernel call: a
+        plain Router (not wrapped by paging hooks, which must see each routing) without group-limited
+        top-k, kernel experts all resident, a decode-sized call; else None."""
+        if (type(self.router) is not Router or self.router.rule.n_group > 1 or tokens > GEMV_MAX_TOKENS
+                or not isinstance(self.act, ExpertGLU) or not hasattr(self.experts, "kernel_table")
+                or self.router.linear.weight.dtype != torch.float32):
+            return None
+        return self.experts.kernel_table(self.layer)
+
     def nbytes(self) -> int:
         """Bytes of the router, shared experts and latent projections (routed experts are the
         provider's: `Transformer.weight_bytes` counts each provider once)."""
@@ -215,9 +237,16 @@ class MoEBlock:
         """x [B, T, D] fp32 -> [B, T, D]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.router(flat)
+        table = self._routed_table(flat.shape[0])
         h = flat if self.latent is None else self.latent.down(flat)
-        y = dispatch(h, weights, ids, self.experts, self.layer, self.act, self.precision)
+        if table is not None:  # routing and experts in one kernel call
+            r = self.router
+            y = mxfp4_routed_moe(flat, r.linear.weight, r.linear.bias, r.correction_bias, r.rule.scoring,
+                                 r.rule.top_k, r.rule.renormalize, r.rule.scaling, h.contiguous(), table,
+                                 self.act.kind, self.act.params, torch.zeros_like(h), self.precision)[0]
+        else:
+            weights, ids = self.router(flat)
+            y = dispatch(h, weights, ids, self.experts, self.layer, self.act, self.precision)
         if self.latent is not None:
             y = self.latent.up(F.rms_norm(y, (y.shape[-1],), self.latent.norm, self.latent.eps))
         if self.shared is not None:

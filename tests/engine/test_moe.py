@@ -209,8 +209,9 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     rule = RoutingRule(top_k=3, scoring="topk_softmax", renormalize=True)
     router_w = torch.randn(E, D, generator=_gen(15)) * 0.3
     x = torch.randn(2, 3, D, generator=_gen(16))
-    whole = MoEBlock(Router(router_w, None, rule), resident, 7, KERNEL_ACTS[act])(x)
-    paged = MoEBlock(Router(router_w, None, rule), OneAtATime(), 7, KERNEL_ACTS[act])(x)
+    blocks = [MoEBlock(Router(router_w, None, rule), p, 7, KERNEL_ACTS[act]) for p in (resident, OneAtATime())]
+    assert blocks[0]._routed_table(6) is not None and blocks[1]._routed_table(6) is None  # one call vs routed
+    whole, paged = blocks[0](x), blocks[1](x)
     assert torch.equal(whole, paged)
     _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS[act])
     q8 = [MoEBlock(Router(router_w, None, rule), p, 7, KERNEL_ACTS[act]) for p in (resident, OneAtATime())]

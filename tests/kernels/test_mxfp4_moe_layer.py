@@ -225,3 +225,67 @@ def test_q8_round_is_within_half_a_step_and_q8_differs_from_exact():
     with pytest.raises(ValueError, match="expert precision"):
         mxfp4_moe.mxfp4_moe(xs, ids, weights, ExpertTable(experts, E), "swiglu", (0.0, 0.0), torch.zeros(N, D),
                             precision="q4")
+
+
+ROUTES = [("topk_softmax", None, False, 1.0), ("softmax", None, True, 1.0), ("softmax", None, False, 1.0),
+          ("sigmoid", "bias", True, 2.5)]
+ROUTE_IDS = ["topk_softmax", "softmax-renorm", "softmax", "sigmoid-corrected-scaled"]
+
+
+def _router(E: int, R: int, seed: int, correction: bool):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, R, generator=g) * 0.3, torch.randn(E, generator=g) * 0.1,
+            torch.randn(E, generator=g) * 0.2 if correction else None)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 5, 63], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("scoring,correction,renormalize,scaling", ROUTES, ids=ROUTE_IDS)
+def test_cpu_routing_matches_float64(scoring, correction, renormalize, scaling, N, close):
+    """The kernel's routing (route.h) against naive_route on float64 logits: the same experts, weights
+    within fp32 rounding."""
+    E, R, k = 16, 96, 4
+    w, b, corr = _router(E, R, seed=N, correction=correction is not None)
+    x = torch.randn(N, R, generator=torch.Generator().manual_seed(N + 1))
+    weights, ids = mxfp4_moe.route_experts(x, w, b, corr, scoring, k, renormalize, scaling)
+    want_w, want_ids = mxfp4_moe.naive_route(F.linear(x.double(), w.double(), b.double()), k, scoring,
+                                             None if corr is None else corr.double(), renormalize, scaling)
+    assert torch.equal(ids, want_ids)
+    close(weights, want_w, 2e-6, f"{scoring} weights")
+
+
+def test_naive_route_is_the_engines_route():
+    """The kernels' routing reference against engine/moe.py's `route` (torch.topk): the same experts and
+    weights on random logits (no ties), for every scoring."""
+    from localmoe.engine.moe import RoutingRule, route
+
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(30))
+    corr = torch.randn(16, generator=torch.Generator().manual_seed(31)) * 0.2
+    for scoring, correction, renormalize, scaling in ROUTES:
+        c = corr if correction else None
+        rule = RoutingRule(top_k=4, scoring=scoring, renormalize=renormalize, scaling=scaling)
+        want_w, want_ids = route(logits, rule, c)
+        got_w, got_ids = mxfp4_moe.naive_route(logits, 4, scoring, c, renormalize, scaling)
+        assert torch.equal(got_ids, want_ids), scoring
+        torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+@pytest.mark.parametrize("N", [1, 7], ids=lambda n: f"N{n}")
+def test_routed_call_is_routing_then_experts_bit_for_bit(N, precision):
+    """`mxfp4_routed_moe` (one call) gives the bits of `route_experts` then `mxfp4_moe` (what a paging
+    provider's layer runs), latent width included: the router reads x [N, R], the experts h [N, D]."""
+    E, R, D, I, k = 8, 80, 64, 96, 3
+    experts = _experts(E, D, I, seed=32 + N)
+    w, b, corr = _router(E, R, seed=33, correction=True)
+    x = torch.randn(N, R, generator=torch.Generator().manual_seed(34))
+    h = torch.randn(N, D, generator=torch.Generator().manual_seed(35))
+    table = ExpertTable(experts, E)
+    out, weights, ids = mxfp4_moe.mxfp4_routed_moe(x, w, b, corr, "sigmoid", k, True, 2.5, h, table, "situ",
+                                                   (4.0, 25.0), torch.zeros(N, D), precision)
+    want_w, want_ids = mxfp4_moe.route_experts(x, w, b, corr, "sigmoid", k, True, 2.5)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+    want = mxfp4_moe.mxfp4_moe(h, want_ids, want_w, table, "situ", (4.0, 25.0), torch.zeros(N, D),
+                               precision=precision)
+    assert torch.equal(out, want)
