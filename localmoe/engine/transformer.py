@@ -17,6 +17,7 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
 from localmoe.engine.attn_res import AttentionResiduals
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.dsa import DSAttention
 from localmoe.engine.experts import ExpertProvider
 from localmoe.engine.gated_deltanet import GatedDeltaNet
@@ -107,6 +108,7 @@ class Transformer:
             block.precision = config.expert_precision
         if experts is not None:
             self.use_experts(experts)
+        self._plan: DecodePlan | None = None  # engine/decode_plan.py, built at the first decode step
         if any(block.experts is None for block in self.moe_blocks()):
             raise LocalMoEError(f"{spec.model_type}: the weights hold no routed experts and no expert provider "
                                 "was given")
@@ -129,6 +131,10 @@ class Transformer:
         """
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
+                if tokens.numel() == 1 and mask is None:
+                    h = self._planned_step(tokens, cache)
+                    if h is not None:
+                        return self.lm_head(h)
                 return self._forward(tokens, cache, mask, all_logits)
         return self._forward(tokens, cache, mask, all_logits)
 
@@ -160,6 +166,14 @@ class Transformer:
             h = add_rms_norm(x, mlp(h), following, self.eps)
         cache.advance(T)
         return self.lm_head(h if all_logits else h[:, -1:])
+
+    def _planned_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:
+        """One sequence's decode step through the model's DecodePlan (every layer in one kernel call),
+        built on first use and again when the layers changed (a failed build stops at the first layer
+        that does not qualify: a few microseconds); None where it does not apply."""
+        if self._plan is None or not self._plan.current():
+            self._plan = DecodePlan.build(self)
+        return None if self._plan is None else self._plan.run(tokens, cache)
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [mlp for _, _, _, mlp in self.layers if isinstance(mlp, MoEBlock)]

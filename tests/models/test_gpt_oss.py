@@ -102,6 +102,36 @@ def test_fused_decode_step_equals_the_op_by_op_step(models):
     torch.testing.assert_close(fused, op_by_op, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_decode_plan_gives_the_op_by_op_bits(precision, tmp_path_factory, monkeypatch):
+    """Single-sequence decode runs the whole layer stack as one kernel call (engine/decode_plan.py); it
+    calls the same kernels in the same order as the op-by-op step, so the logits are the same bits,
+    across a sliding window's edge and a cache block boundary."""
+    from localmoe.engine import cache as cache_module
+    from localmoe.engine.decode_plan import DecodePlan
+    from localmoe.testing.parity import load_ours
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)  # the pools grow (move) during the run
+    model = load_ours(tiny_checkpoint("gpt_oss", tmp_path_factory), expert_precision=precision).model
+    prompt = random_tokens(5, 6, model.spec.vocab_size)
+
+    def run() -> list[torch.Tensor]:
+        cache = model.new_cache(1, 40)
+        out = [model.forward(prompt, cache)]
+        return out + [model.forward(torch.tensor([[3 + 2 * t]]), cache) for t in range(14)]
+
+    from localmoe.kernels.decode_layers import GqaMoeDecoder
+
+    calls, call = [], GqaMoeDecoder.__call__
+    monkeypatch.setattr(GqaMoeDecoder, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    planned = run()
+    assert isinstance(model._plan, DecodePlan) and len(calls) == 14
+    monkeypatch.setattr(DecodePlan, "build", classmethod(lambda cls, m: None))
+    model._plan = None
+    op_by_op = run()
+    assert all(torch.equal(a, b) for a, b in zip(planned, op_by_op))
+
+
 def test_left_padded_batch_equals_single_runs(models):
     model, vocab = models[0].model, models[0].spec.vocab_size
     long, short = random_tokens(13, 3, vocab)[0], random_tokens(6, 4, vocab)[0]  # window 4 < both lengths

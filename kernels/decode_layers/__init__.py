@@ -1,0 +1,91 @@
+"""Every layer of a GQA + routed-MXFP4-MoE model for one decode token in one kernel call
+(layers_cpu.cpp `decode_gqa_moe`), for the engine's single-sequence decode of such models (gpt-oss).
+
+It strings together kernels that have their own references and tests (rms_norm, the fused
+gqa_decode step, mxfp4_routed_moe) in the order the engine runs them op by op, through the same
+entry points, so its reference is the engine's op-by-op step and the two give the same bits
+(tests/models/test_gpt_oss.py). `GqaMoeDecoder` holds the layers' weights as a ctypes array built
+once; the caller updates each layer's cache pools when they move (`set_pools`) and calls it per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from localmoe.kernels._cpu import library, threads
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class Layer(ctypes.Structure):
+    """layers_cpu.cpp `struct Layer`, field for field."""
+
+    _fields_ = [("attn_norm", _p), ("wqkv", _p), ("bqkv", _p), ("wo", _p), ("bo", _p), ("sinks", _p),
+                ("kpool", _p), ("vpool", _p), ("qkv_bf16", _i), ("o_bf16", _i), ("heads", _i), ("kv_heads", _i),
+                ("head_dim", _i), ("rot", _i), ("head_stride", _i), ("window", _i), ("scale", _f),
+                ("mlp_norm", _p), ("router_w", _p), ("router_b", _p), ("correction", _p), ("table", _p),
+                ("scoring", _i), ("renormalize", _i), ("experts", _i), ("intermediate", _i), ("top_k", _i),
+                ("glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class GqaMoeDecoder:
+    """`decode_gqa_moe` bound to a model's layers. Each entry of `layers` is a dict with the attention's
+    tensors (attn_norm, wqkv, bqkv, wo, bo, sinks: fp32 or bf16 matrices, fp32 vectors, contiguous),
+    its shape (heads, kv_heads, head_dim, rot, window, scale), the MoE's (mlp_norm, router_w fp32
+    [E, D], router_b, correction, table: ExpertTable.addresses, scoring index, renormalize, scaling,
+    intermediate, top_k, glu index, p0, p1). The tensors are held here, so the pointers stay valid."""
+
+    def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool):
+        self.held = [layers, final_norm]
+        self.hidden, self.final_norm, self.eps, self.q8 = hidden, final_norm, eps, q8
+        self.layers = (Layer * len(layers))()
+        lib = library()
+        attn_floats = moe_bytes = top_k = 0
+        for c, d in zip(self.layers, layers):
+            for name in ("attn_norm", "wqkv", "bqkv", "wo", "bo", "sinks", "mlp_norm", "router_w", "router_b",
+                         "correction", "table"):
+                setattr(c, name, _ptr(d[name]))
+            c.qkv_bf16, c.o_bf16 = int(d["wqkv"].dtype == torch.bfloat16), int(d["wo"].dtype == torch.bfloat16)
+            for name in ("heads", "kv_heads", "head_dim", "rot", "window", "scoring", "renormalize", "intermediate",
+                         "top_k", "glu"):
+                setattr(c, name, int(d[name]))
+            c.experts = d["router_w"].shape[0]
+            c.scale, c.scaling, c.p0, c.p1 = d["scale"], d["scaling"], d["p0"], d["p1"]
+            attn_floats = max(attn_floats, lib.gqa_step_scratch(c.heads, c.kv_heads, c.head_dim))
+            moe_bytes = max(moe_bytes, lib.mxfp4_moe_routed_scratch(1, c.top_k, hidden, c.intermediate, c.experts))
+            top_k = max(top_k, c.top_k)
+        self.attn_scratch = torch.empty(attn_floats)
+        self.moe_scratch = torch.empty(moe_bytes, dtype=torch.uint8)
+        self.delta, self.weights = torch.empty(hidden), torch.empty(top_k)
+        self.ids = torch.empty(top_k, dtype=torch.int64)
+        self.pools: list[tuple[int, int, int] | None] = [None] * len(layers)
+
+    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Layer i's cache pools [1, Hkv, capacity, D] fp32 (they move when the cache grows)."""
+        now = (keys.data_ptr(), values.data_ptr(), keys.stride(1))
+        if self.pools[i] != now:
+            self.pools[i] = now
+            layer = self.layers[i]
+            layer.kpool, layer.vpool, layer.head_stride = now
+
+    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x [hidden] fp32 contiguous (the token's embedding; the residual stream, updated in place),
+        cache position `pos`, RoPE tables [rot] at it -> the final-normed hidden state [hidden]."""
+        h = torch.empty(self.hidden)
+        library().decode_gqa_moe(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, cos.data_ptr(),
+                                 signed_sin.data_ptr(), self.final_norm.data_ptr(), self.eps, int(self.q8),
+                                 h.data_ptr(), self.delta.data_ptr(), self.ids.data_ptr(), self.weights.data_ptr(),
+                                 self.attn_scratch.data_ptr(), self.moe_scratch.data_ptr(), threads())
+        return h
+
+
+__all__ = ["GqaMoeDecoder", "Layer", "available"]

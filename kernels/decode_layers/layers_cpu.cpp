@@ -1,0 +1,73 @@
+// Every layer of a GQA + routed-MXFP4-MoE model (gpt-oss) for one decode token, in one call.
+//
+// Per layer, with x the residual stream [D] and h its normed copy:
+//   h = add_rms_norm(x, -, attn_norm)                       (first layer only; later ones get h below)
+//   a = gqa_step(h)                                          QKV GEMV, RoPE, cache write, attention, O GEMV
+//   h = add_rms_norm(x += a, mlp_norm)
+//   m = mxfp4_moe_routed(h)                                  router GEMV, routing, experts
+//   h = add_rms_norm(x += m, next layer's attn_norm, or the final norm after the last layer)
+// which is what engine/transformer.py runs op by op, through the same kernel entry points (so the bits
+// are the same). Python between those calls (argument checks, views, allocations, ctypes) cost more
+// than 1 ms per token on a small model: a third of the attention and MoE kernels' own time.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void add_rms_norm(float* x, const float* delta, const float* weight, int64_t N, int64_t D, float eps, float* out);
+void gqa_step(const float* x, int64_t hidden, const void* wqkv, int qkv_bf16, const float* bqkv, int64_t H,
+              int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool, float* vpool,
+              int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const void* wo,
+              int o_bf16, const float* bo, float* out, float* scratch, int threads);
+void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
+                      int scoring, int renormalize, float scaling, const float* x, int64_t N, int64_t D, int64_t I,
+                      int64_t k, const int64_t* table, int64_t E, int glu, float p0, float p1, float* out,
+                      int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8);
+}
+
+// One layer's weights and cache, as kernels/decode_layers/__init__.py `Layer` (ctypes) lays it out.
+struct Layer {
+  const float* attn_norm;
+  const void* wqkv;
+  const float* bqkv;
+  const void* wo;
+  const float* bo;
+  const float* sinks;
+  float* kpool;
+  float* vpool;
+  int64_t qkv_bf16, o_bf16, heads, kv_heads, head_dim, rot, head_stride, window;
+  float scale;
+  const float* mlp_norm;
+  const float* router_w;
+  const float* router_b;
+  const float* correction;
+  const int64_t* table;
+  int64_t scoring, renormalize, experts, intermediate, top_k, glu;
+  float scaling, p0, p1;
+};
+
+extern "C" {
+
+// x [D] (the embedded token; the residual stream, updated) -> h [D], the final-normed hidden state.
+// cos/ssin [rot]: the RoPE tables at `pos`; delta [D], ids/weights [max k], attn_scratch (floats) and
+// moe_scratch (bytes) sized by the caller for the largest layer.
+void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                    const float* ssin, const float* final_norm, float eps, int q8, float* h, float* delta,
+                    int64_t* ids, float* weights, float* attn_scratch, void* moe_scratch, int threads) {
+  add_rms_norm(x, nullptr, layers[0].attn_norm, 1, D, eps, h);
+  for (int64_t l = 0; l < n; ++l) {
+    const Layer& L = layers[l];
+    const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
+    gqa_step(h, D, L.wqkv, static_cast<int>(L.qkv_bf16), L.bqkv, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin,
+             L.kpool, L.vpool, L.head_stride, pos, first, L.sinks, L.scale, L.wo, static_cast<int>(L.o_bf16), L.bo,
+             delta, attn_scratch, threads);
+    add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
+    std::memset(delta, 0, D * sizeof(float));
+    mxfp4_moe_routed(h, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                     static_cast<int>(L.renormalize), L.scaling, h, 1, D, L.intermediate, L.top_k, L.table, L.experts,
+                     static_cast<int>(L.glu), L.p0, L.p1, delta, ids, weights, moe_scratch, threads, q8);
+    add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
+  }
+}
+
+}  // extern "C"
