@@ -22,10 +22,12 @@ bandwidth, and speed over torch's F.linear (bf16: on x rounded to bf16, what the
 GPU (when CUDA and Triton are present): the Triton MXFP4 grouped GEMV's bytes/s over the
 device's copy bandwidth, and the KDA kernels' tokens/s.
 
-End to end (--e2e): greedy decode tokens/s of localmoe (resident, fp32 dense weights, MXFP4
-experts through the CPU kernel) over llama.cpp's (llama-cpp-python, the same weights written as
-a GGUF with MXFP4 experts by benchmarks/offload.py, same threads) on the `small` generated
-gpt_oss checkpoint, each engine in its own process; "not installed" without llama-cpp-python.
+End to end (--e2e): greedy decode tokens/s of localmoe (resident, MXFP4 experts through the CPU
+kernels with the default q8 expert precision) over llama.cpp's (llama-cpp-python, the same weights
+written as a GGUF with MXFP4 experts by benchmarks/offload.py, same threads) on the `small`
+generated gpt_oss checkpoint, each engine in its own process, twice: dense weights in fp32 on both
+sides (GGUF F32), and in bf16 on both sides (GGUF BF16: the checkpoint's own dtype, what
+convert_hf_to_gguf.py --outtype bf16 writes); "not installed" without llama-cpp-python.
 
     .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR] [--dense-only|--moe-only]
 """
@@ -149,7 +151,8 @@ def _per_expert_path(x, ids, weights, table, out):
 
 def moe_layer_bench(rounds: int, quick: bool) -> None:
     """One gpt-oss-sized MoE layer step (top-4 of 16 experts of 2880 x 2880, one token) through the
-    fused layer kernel: chosen expert bytes/s over memory bandwidth, speed over the per-expert path."""
+    fused layer kernel, q8 and exact expert precision: chosen expert bytes/s over memory bandwidth,
+    speed over the per-expert path (exact, as the engine ran it before the fused kernel)."""
     from types import SimpleNamespace
 
     from localmoe.kernels.mxfp4_moe import ExpertTable, cpu, mxfp4_moe
@@ -172,22 +175,27 @@ def moe_layer_bench(rounds: int, quick: bool) -> None:
         for ids in routes:
             fn(x, ids, w, table, out)
 
-    def fused(x, ids, w, table, out):
-        return mxfp4_moe(x, ids, w, table, "gpt_oss", (7.0, 1.702), out)
+    def layer(precision):
+        def fused(x, ids, w, table, out):
+            return mxfp4_moe(x, ids, w, table, "gpt_oss", (7.0, 1.702), out, precision=precision)
+        return fused
 
-    ratios, over, speeds = [], [], []
-    for _ in range(rounds):  # interleaved, so that all see the same (shared) machine
-        bw = _bandwidth(buffer, copy)
-        t_fused = _best(sweep, 3, fused)
-        ratios.append(len(routes) * k * per_expert / t_fused / bw)
-        speeds.append((len(routes) * k * per_expert / t_fused, bw))
-        over.append(_best(sweep, 2, _per_expert_path) / t_fused)
-    got, bw = max(speeds)
     print(f"CPU, {torch.get_num_threads()} threads: fused MoE layer (top-{k} of {E} experts 2880x2880, gpt-oss GLU, "
           "one token) chosen-expert bytes/s over memory bandwidth, speed over the per-expert path")
-    shown = (f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median {statistics.median(ratios):.2f}, "
-             f"best {max(ratios):.2f}; {statistics.median(over):4.2f}x per-expert path (median)")
-    report([("moe layer N=1", shown)])
+    rows = []
+    for precision in ("q8", "exact"):
+        ratios, over, speeds = [], [], []
+        for _ in range(rounds):  # interleaved, so that all see the same (shared) machine
+            bw = _bandwidth(buffer, copy)
+            t_fused = _best(sweep, 3, layer(precision))
+            ratios.append(len(routes) * k * per_expert / t_fused / bw)
+            speeds.append((len(routes) * k * per_expert / t_fused, bw))
+            over.append(_best(sweep, 2, _per_expert_path) / t_fused)
+        got, bw = max(speeds)
+        rows.append((f"moe layer N=1 {precision}",
+                     f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median {statistics.median(ratios):.2f}, "
+                     f"best {max(ratios):.2f}; {statistics.median(over):4.2f}x per-expert path (median)"))
+    report(rows)
 
 
 def _torch_linear(x, w):
@@ -282,13 +290,16 @@ def gpu_bench() -> None:
     report(rows)
 
 
-def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int) -> dict:
+E2E_DENSE = {"f32": ("float32", "gpt_oss_small.gguf"), "bf16": ("bfloat16", "gpt_oss_small_bf16.gguf")}
+
+
+def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int, dtype: str) -> dict:
     """Greedy decode of `tokens` tokens after E2E_PROMPT and 3 untimed steps, in this process."""
     if kind == "localmoe":
         from localmoe.config import EngineConfig
         from localmoe.load import load_model
 
-        model = load_model(src, EngineConfig(dtype="float32", threads=threads), progress=False).model
+        model = load_model(src, EngineConfig(dtype=dtype, threads=threads), progress=False).model
         cache = model.new_cache(1, len(E2E_PROMPT) + tokens + 8)
 
         def step(ids: list[int]) -> int:
@@ -314,12 +325,12 @@ def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int)
     return {"tok_s": tokens / (time.perf_counter() - start), "tokens": out}
 
 
-def e2e_bench(work: Path, threads: int, tokens: int, repeats: int) -> None:
+def e2e_bench(work: Path, threads: int, tokens: int, repeats: int, dense: str) -> None:
     from offload import write_gguf
 
     from localmoe.testing import write_checkpoint
 
-    src, gguf_path = work / "gpt_oss_small", work / "gpt_oss_small.gguf"
+    src, gguf_path = work / "gpt_oss_small", work / E2E_DENSE[dense][1]
     if not (src / "config.json").exists():
         src.mkdir(parents=True, exist_ok=True)
         write_checkpoint("gpt_oss", src, "small", seed=0)
@@ -330,12 +341,12 @@ def e2e_bench(work: Path, threads: int, tokens: int, repeats: int) -> None:
     else:
         llama = None
         if not gguf_path.exists():
-            write_gguf(src, gguf_path)
+            write_gguf(src, gguf_path, dense=dense)
     runs: dict[str, list[dict]] = {"localmoe": [], "llama": []}
     for _ in range(repeats):  # alternate the engines so both see the same (shared) machine
         for kind in ("localmoe",) + (("llama",) if llama is None else ()):
             cmd = [sys.executable, __file__, "--e2e-child", kind, "--work", str(work), "--threads", str(threads),
-                   "--tokens", str(tokens)]
+                   "--tokens", str(tokens), "--e2e-dense", dense]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             runs[kind].append(json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0
                               else {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]})
@@ -347,8 +358,8 @@ def e2e_bench(work: Path, threads: int, tokens: int, repeats: int) -> None:
             results[kind] = {"tok_s": speeds[-1], "median": statistics.median(speeds), "tokens": ok[0]["tokens"]}
         elif rs:
             results[kind] = rs[0]
-    print(f"End to end, gpt_oss small (8 layers, 16 experts, top-4, hidden 768), {threads} threads, "
-          f"{tokens} greedy decode tokens:")
+    print(f"End to end, gpt_oss small (8 layers, 16 experts, top-4, hidden 768), dense weights {dense} on both "
+          f"sides, {threads} threads, {tokens} greedy decode tokens:")
     def shown(r: dict) -> str:
         return (f"{r['tok_s']:7.1f} tok/s best of {repeats} (median {r['median']:.1f})" if "tok_s" in r
                 else f"failed: {r['error']}")
@@ -376,13 +387,16 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=cache / "bench", help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
     ap.add_argument("--e2e-child", choices=["localmoe", "llama"], help=argparse.SUPPRESS)
+    ap.add_argument("--e2e-dense", choices=list(E2E_DENSE), action="append",
+                    help="dense weight dtype of the --e2e comparison (repeatable; default: both)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     if args.e2e_child:
-        print(json.dumps(_e2e_child(args.e2e_child, args.work / "gpt_oss_small", args.work / "gpt_oss_small.gguf",
-                                    threads, args.tokens)))
+        dtype, gguf_name = E2E_DENSE[args.e2e_dense[0]]
+        print(json.dumps(_e2e_child(args.e2e_child, args.work / "gpt_oss_small", args.work / gguf_name, threads,
+                                    args.tokens, dtype)))
         return
     if args.dense_only:
         dense_bench(args.rounds, args.quick)
@@ -394,7 +408,8 @@ def main() -> None:
         dense_bench(args.rounds, args.quick)
         gpu_bench()
     if args.e2e:
-        e2e_bench(args.work, threads, args.tokens, args.rounds)
+        for dense in args.e2e_dense or list(E2E_DENSE):
+            e2e_bench(args.work, threads, args.tokens, args.rounds, dense)
 
 
 if __name__ == "__main__":
