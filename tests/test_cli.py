@@ -142,3 +142,22 @@ def test_inspect_k3_real_config_sizes_the_million_token_fp8_cache():
 def test_inspect_rejects_an_unknown_cache_dtype():
     done = localmoe("inspect", str(_k3_real_path()), "--kv-cache-dtype", "int2")
     assert done.returncode == 2 and "int2" in done.stderr
+
+
+def test_engine_options_reach_the_engine_config():
+    """--expert-precision (like the paging flags) is kept on the click context and read by engine_config."""
+    import click
+    from click.testing import CliRunner
+
+    from localmoe.commands.options import engine_config, model_options
+
+    seen = []
+
+    @click.command()
+    @model_options
+    def probe(model, dtype, threads, max_context):
+        seen.append(engine_config(dtype, threads, max_context))
+
+    assert CliRunner().invoke(probe, []).exit_code == 0
+    assert CliRunner().invoke(probe, ["--expert-precision", "exact", "--threads", "3"]).exit_code == 0
+    assert (seen[0].expert_precision, seen[1].expert_precision, seen[1].threads) == ("q8", "exact", 3)

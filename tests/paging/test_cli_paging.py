@@ -72,3 +72,15 @@ def test_bad_paging_flags_fail_cleanly(store, private_tmp):
     assert done.returncode == 1 and "not a packed store" in done.stderr
     done = localmoe("run", "hi", "-m", str(store), "--ram", "1M", "--policy", "belady")
     assert done.returncode == 1 and "--trace" in done.stderr
+
+
+def test_expert_precision_flag_reaches_the_engine(store):
+    """--expert-precision exact: paged still equals resident (at either precision, the same kernels run
+    on the same bits); an unknown precision is a usage error naming the choices."""
+    packed = PackedStore(store)
+    slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
+    resident, _ = run_json(store, "--expert-precision", "exact")
+    paged, _ = run_json(store, "--expert-precision", "exact", "--ram", str(slot))
+    assert paged["text"] == resident["text"]
+    done = localmoe("run", "hi", "-m", str(store), "--expert-precision", "q4")
+    assert done.returncode == 2 and "'q8'" in done.stderr and "'exact'" in done.stderr
