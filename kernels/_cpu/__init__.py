@@ -1,7 +1,7 @@
 """The localmoe CPU kernel library: every C++ kernel source, built into ONE shared object.
 
 The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA decode
-attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA + MoE decode) have a plain C ABI and
+attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA + MoE decode, GEMV from GGUF Q4_0/Q4_1/Q8_0 blocks) have a plain C ABI and
 no torch headers, so they build with gcc/clang alone in a few seconds (a torch C++ extension took
 2-3 minutes on the 2-core dev machine) and need no ninja or Python headers. They share one
 persistent thread pool (pool.h): one library, one pool for the process, whichever kernels run.
@@ -37,8 +37,8 @@ HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",
-           KERNELS / "decode_layers" / "layers_cpu.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c++17", "-pthread")
+           KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name -> (argtypes, restype)
@@ -60,6 +60,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "add_rms_norm": ((_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr), None),
     "decode_gqa_moe": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
                         _ptr, _int), None),
+    "ggml_gemv_scratch": ((_i64, _i64), _i64),
+    "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int), _int),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
 }

@@ -1,8 +1,12 @@
-"""Weights kept in their GGML 4-bit block format, computed with PyTorch's int4 GEMV.
+"""Weights kept in their GGML 4-bit block format for decode GEMVs.
 
 A GGUF Q4_0 / Q4_1 matrix stays 4.5-5 bits per weight instead of becoming a bf16 copy
 (3.6x the bytes): decode reads every weight once per token, so bytes are time.
-`torch.ops.aten._weight_int4pack_mm_for_cpu` computes y = x W^T with W given as 4-bit
+
+Where the CPU kernel library is built, decode-sized calls run `kernels/ggml_gemv` on the file's
+own blocks (x rounded to int8 per 32 values, as llama.cpp does; ~3x torch's int4 GEMV on the
+embedded model's matrices). Otherwise `torch.ops.aten._weight_int4pack_mm_for_cpu` computes
+y = x W^T with W given as 4-bit
 codes q in 0..15 and per-32-column (scale, zero) pairs, w = (q - 8) * scale + zero:
 - Q4_0 (d, 16 bytes of nibbles): w = d (q - 8)  -> scale d, zero 0
 - Q4_1 (d, m, 16 bytes):         w = d q + m    -> scale d, zero m + 8 d
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from localmoe.engine.linear import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
+from localmoe.kernels import ggml_gemv
 from localmoe.store.ggml_quants import dequantize
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
@@ -75,21 +80,32 @@ class BlockQuantized:
 class Int4Linear:
     """y = x W^T (+ b) for W kept as 4-bit blocks; x, y fp32. Several parts stack as rows (q; k; v)."""
 
-    __slots__ = ("__weakref__", "_dense", "bias", "out_features", "packed", "parts", "scales_zeros")
+    __slots__ = ("__weakref__", "_dense", "bias", "ggml_type", "in_features", "out_features", "packed", "parts",
+                 "raw", "scales_zeros")
 
     def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None):
+        self.parts = parts  # raw views, for prefill-sized inputs (dequantised per call)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
+        self._dense: torch.Tensor | None = None  # the fp32 copy for prefill, once made (within the budget)
+        self.ggml_type = parts[0].ggml_type
+        self.raw = self.packed = self.scales_zeros = None
+        if ggml_gemv.kernel_available() and all(p.ggml_type == self.ggml_type for p in parts):
+            # the file's blocks, rows of all parts stacked (a copy only when there are several parts)
+            raws = [p.raw.reshape(p.shape[0], -1) for p in parts]
+            self.raw = (raws[0] if len(raws) == 1 else torch.cat(raws)).contiguous()
+            return
         q, d, zero = zip(*(p.codes_scales_zeros() for p in parts))
         q, d, zero = torch.cat(q), torch.cat(d), torch.cat(zero)
-        self.parts = parts  # raw views, for prefill-sized inputs (dequantised per call)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scales_zeros = torch.stack([d.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
-        self.bias = None if bias is None else bias.float()
-        self.out_features = q.shape[0]
-        self._dense: torch.Tensor | None = None  # the fp32 copy for prefill, once made (within the budget)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
+        if rows <= GEMV_MAX_ROWS and self.raw is not None:
+            return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
+                                       (self.out_features, K), self.bias).view(*x.shape[:-1], self.out_features)
         if rows <= GEMV_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, K).to(torch.bfloat16), self.packed,
                                                            GROUP, self.scales_zeros)
@@ -109,4 +125,5 @@ class Int4Linear:
         return weight
 
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        held = self.raw.nbytes if self.raw is not None else self.packed.nbytes + self.scales_zeros.nbytes
+        return held + (0 if self.bias is None else self.bias.nbytes)

@@ -1,4 +1,5 @@
-"""4-bit GGML weights kept in their blocks (Int4Linear) against fp32 dequantise-then-matmul."""
+"""4-bit GGML weights kept in their blocks (Int4Linear) against fp32 dequantise-then-matmul (decode rows
+through kernels/ggml_gemv, x rounded to int8 per 32 values, where the CPU library is built)."""
 
 import gguf
 import numpy as np
@@ -33,7 +34,7 @@ def test_int4_linear_matches_dequantised_fp32(ggml_type, rows):
     x = torch.randn(rows, 256)
     got = Int4Linear(parts, bias)(x)
     expected = x @ reference.T + bias
-    # bf16 activations and scales in the GEMV path; the GEMM path (rows > 8) is fp32
+    # int8 activations (ggml_gemv) or bf16 ones and scales (torch int4) in the GEMV path; the GEMM path (rows > 8) is fp32
     assert _rel_rms(got, expected) < (1e-2 if rows <= 8 else 1e-6)
 
 

@@ -1,0 +1,40 @@
+"""GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0) for decode: y = x W^T (+ b) with x rounded to
+int8 per 32 values (llama.cpp's trade), W read in the file's own blocks.
+
+- CPU with the library (kernels/_cpu; ggml_cpu.cpp): fp32 x [N, K] contiguous, raw blocks contiguous.
+- otherwise the reference (reference.py: dequantise, round x, matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+from localmoe.kernels._cpu import library, threads
+from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
+
+TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def kernel_available() -> bool:
+    return library() is not None
+
+
+def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] fp32, raw blocks [O, K / 32 * block bytes] uint8 of `ggml_type` (one of TYPES) for a
+    weight of `shape` (O, K), bias [O] fp32 or None -> y [N, O] fp32."""
+    O, K = shape
+    lib = library()
+    if (lib is None or ggml_type not in TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
+            or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K or K % 32
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return naive_ggml_gemv(x, raw, ggml_type, shape, bias)
+    N = x.shape[0]
+    y = x.new_empty(N, O)
+    scratch = torch.empty(lib.ggml_gemv_scratch(N, K), dtype=torch.uint8)
+    lib.ggml_gemv(x.data_ptr(), N, K, raw.data_ptr(), int(ggml_type), O, None if bias is None else bias.data_ptr(),
+                  y.data_ptr(), scratch.data_ptr(), threads())
+    return y
+
+
+__all__ = ["TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]

@@ -1,0 +1,18 @@
+"""GEMV from GGUF block formats, the spec in plain PyTorch: W dequantised exactly
+(store/ggml_quants.py), x rounded to int8 per 32 values as the kernel does
+(kernels/mxfp4_moe reference.q8_round: llama.cpp's Q8 activations), one matmul in x's dtype."""
+
+from __future__ import annotations
+
+import torch
+from localmoe.kernels.mxfp4_moe.reference import q8_round
+
+from localmoe.store.ggml_quants import dequantize
+
+
+def naive_ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, K] -> y [N, O] = q8_round(x) W^T (+ bias), W the raw blocks [O, row bytes] of `ggml_type`."""
+    w = dequantize(raw, ggml_type, shape, torch.float32).to(x.dtype)
+    y = q8_round(x) @ w.T
+    return y if bias is None else y + bias.to(x.dtype)

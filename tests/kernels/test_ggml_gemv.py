@@ -1,0 +1,69 @@
+"""GEMV from GGUF Q4_0 / Q4_1 / Q8_0 blocks: the CPU kernel against its reference (exact
+dequantisation, x rounded to int8 per 32 values) evaluated in float64, and the properties the
+engine relies on (thread count, fallbacks)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from localmoe.kernels.ggml_gemv import TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+
+needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2 or compiler)")
+Q = gguf.GGMLQuantizationType
+
+
+def _weight(ggml_type, O: int, K: int, seed: int) -> torch.Tensor:
+    w = np.random.default_rng(seed).standard_normal((O, K)).astype(np.float32) * 0.05
+    return torch.from_numpy(gguf.quants.quantize(w, ggml_type).copy())
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N,K", [(1, 576), (3, 96), (8, 1536)], ids=["N1", "N3", "N8"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
+    O = 72
+    raw = _weight(ggml_type, O, K, seed=N + K)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    x[:, 3] *= 25  # one large channel: its blocks round everything else coarsely
+    b = torch.randn(O) if bias else None
+    got = ggml_gemv(x, raw, ggml_type, (O, K), b)
+    close(got, naive_ggml_gemv(x.double(), raw, ggml_type, (O, K), b), 2e-6, ggml_type.name)
+
+
+@needs_cpu_kernel
+def test_independent_of_threads_and_of_the_other_tokens():
+    raw = _weight(Q.Q4_1, 200, 576, seed=1)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ggml_gemv(x, raw, Q.Q4_1, (200, 576))
+        torch.set_num_threads(max(2, threads))
+        more = ggml_gemv(x, raw, Q.Q4_1, (200, 576))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, more)
+    assert torch.equal(ggml_gemv(x[2:3], raw, Q.Q4_1, (200, 576)), one[2:3])
+
+
+def test_other_types_and_inputs_use_the_reference(close):
+    raw = (torch.randn(8, 256, generator=torch.Generator().manual_seed(3)) * 0.05).half().view(torch.uint8)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))  # F16: not a kernel type
+    close(ggml_gemv(x, raw, Q.F16, (8, 256)), naive_ggml_gemv(x.double(), raw, Q.F16, (8, 256)), 1e-6, "f16")
+    raw = _weight(Q.Q8_0, 8, 64, seed=5)
+    x64 = torch.randn(2, 64, dtype=torch.float64)
+    assert ggml_gemv(x64, raw, Q.Q8_0, (8, 64)).dtype == torch.float64  # not fp32: the reference
+
+
+def test_reference_is_the_dequantised_weight_on_rounded_inputs():
+    """naive_ggml_gemv = q8_round(x) @ W^T with W from gguf's own dequantiser (independent of ours)."""
+    from localmoe.kernels.mxfp4_moe import q8_round
+
+    for ggml_type in TYPES:
+        raw = _weight(ggml_type, 16, 64, seed=6)
+        w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), ggml_type).astype(np.float64))
+        x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        torch.testing.assert_close(naive_ggml_gemv(x, raw, ggml_type, (16, 64)), q8_round(x) @ w.T)
