@@ -33,7 +33,8 @@ import torch
 KERNELS = Path(__file__).resolve().parent.parent
 HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h",
            KERNELS / "mxfp4_moe" / "route.h", KERNELS / "dense_gemv" / "dense_rows.h",
-           KERNELS / "gqa_decode" / "gqa_heads.h")
+           KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "ggml_gemv" / "ggml_rows.h", KERNELS / "_cpu" / "matrix.h",
+           KERNELS / "gqa_decode" / "gqa_step.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",
@@ -60,6 +61,9 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "add_rms_norm": ((_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr), None),
     "decode_gqa_moe": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
                         _ptr, _int), None),
+    "decode_dense_xq_bytes": ((_i64,), _i64),
+    "decode_dense": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _int),
+                     None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
     "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int), _int),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),

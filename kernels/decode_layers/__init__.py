@@ -1,11 +1,14 @@
-"""Every layer of a GQA + routed-MXFP4-MoE model for one decode token in one kernel call
-(layers_cpu.cpp `decode_gqa_moe`), for the engine's single-sequence decode of such models (gpt-oss).
+"""Every layer of a model for one decode token in one kernel call (layers_cpu.cpp), for the engine's
+single-sequence decode: `GqaMoeDecoder` for GQA + routed-MXFP4-MoE models (gpt-oss),
+`DenseDecoder` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2).
 
-It strings together kernels that have their own references and tests (rms_norm, the fused
-gqa_decode step, mxfp4_routed_moe) in the order the engine runs them op by op, through the same
-entry points, so its reference is the engine's op-by-op step and the two give the same bits
-(tests/models/test_gpt_oss.py). `GqaMoeDecoder` holds the layers' weights as a ctypes array built
-once; the caller updates each layer's cache pools when they move (`set_pools`) and calls it per token.
+They string together kernels that have their own references and tests (rms_norm, the fused
+gqa_decode step, mxfp4_routed_moe, the dense and GGUF-block GEMVs) in the order the engine runs
+the layers op by op. The MoE decoder calls the same entry points as the op-by-op step, so the two
+give the same bits (tests/models/test_gpt_oss.py); the dense one is checked against the op-by-op
+step and against transformers (tests/models/test_llama_tiny.py, test_smollm2_gguf.py). Each holds
+its layers as a ctypes array built once; the caller updates each layer's cache pools when they move
+(`set_pools`) and calls it per token.
 """
 
 from __future__ import annotations
@@ -29,6 +32,25 @@ class Layer(ctypes.Structure):
                 ("glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
 
 
+class Matrix(ctypes.Structure):
+    """kernels/_cpu/matrix.h `struct Matrix`: type 0 fp32, 1 bf16, else a GGMLQuantizationType value
+    (2 Q4_0, 3 Q4_1, 8 Q8_0) for raw GGUF blocks."""
+
+    _fields_ = [("data", _p), ("type", _i), ("rows", _i), ("cols", _i), ("bias", _p)]
+
+
+MATRIX_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+GGML_MATRIX_TYPES = (2, 3, 8)
+
+
+class DenseLayer(ctypes.Structure):
+    """layers_cpu.cpp `struct DenseLayer`, field for field."""
+
+    _fields_ = [("attn_norm", _p), ("qkv", Matrix), ("o", Matrix), ("sinks", _p), ("kpool", _p), ("vpool", _p),
+                ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("rot", _i), ("head_stride", _i), ("window", _i),
+                ("scale", _f), ("mlp_norm", _p), ("gate_up", Matrix), ("down", Matrix)]
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -37,7 +59,20 @@ def available() -> bool:
     return library() is not None
 
 
-class GqaMoeDecoder:
+class _Pools:
+    pools: list[tuple[int, int, int] | None]
+    layers: ctypes.Array
+
+    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Layer i's cache pools [1, Hkv, capacity, D] fp32 (they move when the cache grows)."""
+        now = (keys.data_ptr(), values.data_ptr(), keys.stride(1))
+        if self.pools[i] != now:
+            self.pools[i] = now
+            layer = self.layers[i]
+            layer.kpool, layer.vpool, layer.head_stride = now
+
+
+class GqaMoeDecoder(_Pools):
     """`decode_gqa_moe` bound to a model's layers. Each entry of `layers` is a dict with the attention's
     tensors (attn_norm, wqkv, bqkv, wo, bo, sinks: fp32 or bf16 matrices, fp32 vectors, contiguous),
     its shape (heads, kv_heads, head_dim, rot, window, scale), the MoE's (mlp_norm, router_w fp32
@@ -69,14 +104,6 @@ class GqaMoeDecoder:
         self.ids = torch.empty(top_k, dtype=torch.int64)
         self.pools: list[tuple[int, int, int] | None] = [None] * len(layers)
 
-    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Layer i's cache pools [1, Hkv, capacity, D] fp32 (they move when the cache grows)."""
-        now = (keys.data_ptr(), values.data_ptr(), keys.stride(1))
-        if self.pools[i] != now:
-            self.pools[i] = now
-            layer = self.layers[i]
-            layer.kpool, layer.vpool, layer.head_stride = now
-
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """x [hidden] fp32 contiguous (the token's embedding; the residual stream, updated in place),
         cache position `pos`, RoPE tables [rot] at it -> the final-normed hidden state [hidden]."""
@@ -88,4 +115,42 @@ class GqaMoeDecoder:
         return h
 
 
-__all__ = ["GqaMoeDecoder", "Layer", "available"]
+class DenseDecoder(_Pools):
+    """`decode_dense` bound to a model's layers. Each entry of `layers` is a dict with attn_norm and
+    mlp_norm (fp32 [hidden]), sinks ([H] fp32 or None), the attention's shape (heads, kv_heads,
+    head_dim, rot, window, scale) and four matrices qkv, o, gate_up ([gate; up] rows), down, each a
+    tuple (data tensor, type: MATRIX_TYPES value or GGML_MATRIX_TYPES, rows, cols, bias or None).
+    The tensors are held here, so the pointers stay valid."""
+
+    def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float):
+        self.held = [layers, final_norm]
+        self.hidden, self.final_norm, self.eps = hidden, final_norm, eps
+        self.layers = (DenseLayer * len(layers))()
+        attn_floats = widest = mlp = 0
+        for c, d in zip(self.layers, layers):
+            c.attn_norm, c.mlp_norm, c.sinks = _ptr(d["attn_norm"]), _ptr(d["mlp_norm"]), _ptr(d["sinks"])
+            for name in ("heads", "kv_heads", "head_dim", "rot", "window"):
+                setattr(c, name, int(d[name]))
+            c.scale = d["scale"]
+            for name in ("qkv", "o", "gate_up", "down"):
+                data, kind, rows, cols, bias = d[name]
+                setattr(c, name, Matrix(data.data_ptr(), kind, rows, cols, _ptr(bias)))
+                widest = max(widest, cols)
+            attn_floats = max(attn_floats, library().gqa_step_scratch(c.heads, c.kv_heads, c.head_dim))
+            mlp = max(mlp, c.gate_up.rows)
+        self.attn_scratch, self.mlp = torch.empty(attn_floats), torch.empty(mlp)
+        self.xq = torch.empty(library().decode_dense_xq_bytes(widest), dtype=torch.uint8)
+        self.delta = torch.empty(hidden)
+        self.pools: list[tuple[int, int, int] | None] = [None] * len(layers)
+
+    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """As GqaMoeDecoder.__call__."""
+        h = torch.empty(self.hidden)
+        library().decode_dense(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos,
+                               cos.data_ptr(), signed_sin.data_ptr(), self.final_norm.data_ptr(), self.eps,
+                               h.data_ptr(), self.delta.data_ptr(), self.attn_scratch.data_ptr(), self.mlp.data_ptr(),
+                               self.xq.data_ptr(), threads())
+        return h
+
+
+__all__ = ["GGML_MATRIX_TYPES", "MATRIX_TYPES", "DenseDecoder", "GqaMoeDecoder", "Layer", "Matrix", "available"]

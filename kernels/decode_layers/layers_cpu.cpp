@@ -1,4 +1,5 @@
-// Every layer of a GQA + routed-MXFP4-MoE model (gpt-oss) for one decode token, in one call.
+// Every layer of a model for one decode token, in one call: `decode_gqa_moe` for GQA + routed-MXFP4-MoE
+// models (gpt-oss), `decode_dense` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2).
 //
 // Per layer, with x the residual stream [D] and h its normed copy:
 //   h = add_rms_norm(x, -, attn_norm)                       (first layer only; later ones get h below)
@@ -12,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "../gqa_decode/gqa_step.h"
 
 extern "C" {
 void add_rms_norm(float* x, const float* delta, const float* weight, int64_t N, int64_t D, float eps, float* out);
@@ -66,6 +69,53 @@ void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t
     mxfp4_moe_routed(h, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
                      static_cast<int>(L.renormalize), L.scaling, h, 1, D, L.intermediate, L.top_k, L.table, L.experts,
                      static_cast<int>(L.glu), L.p0, L.p1, delta, ids, weights, moe_scratch, threads, q8);
+    add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
+  }
+}
+
+// A dense layer (decode_dense): the attention as in Layer, with its matrices as descriptors of any type
+// matrix.h reads (fp32, bf16, GGUF blocks), and a SiLU-gated MLP: gate_up rows [gate I | up I], down.
+struct DenseLayer {
+  const float* attn_norm;
+  localmoe::Matrix qkv, o;
+  const float* sinks;
+  float* kpool;
+  float* vpool;
+  int64_t heads, kv_heads, head_dim, rot, head_stride, window;
+  float scale;
+  const float* mlp_norm;
+  localmoe::Matrix gate_up, down;
+};
+
+// g [I] <- silu(g) * u.
+static inline void silu_mul(float* g, const float* u, int64_t I) {
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 v = _mm256_loadu_ps(g + i);
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(v, localmoe::sigmoid_ps(v)), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// Bytes of the `xq` scratch decode_dense needs for inputs of up to K values.
+int64_t decode_dense_xq_bytes(int64_t K) { return localmoe::matvec_scratch(K); }
+
+// As decode_gqa_moe for dense layers: x [D] (updated) -> h [D]; attn_scratch: gqa_step.h step_scratch floats of
+// the largest layer, mlp [2 I] floats, xq: matrix.h matvec_scratch bytes of the widest input.
+void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                  const float* ssin, const float* final_norm, float eps, float* h, float* delta, float* attn_scratch,
+                  float* mlp, void* xq, int threads) {
+  add_rms_norm(x, nullptr, layers[0].attn_norm, 1, D, eps, h);
+  for (int64_t l = 0; l < n; ++l) {
+    const DenseLayer& L = layers[l];
+    const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
+    localmoe_gqa::attention_step(h, L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin, L.kpool, L.vpool,
+                                 L.head_stride, pos, first, L.sinks, L.scale, delta, attn_scratch, xq, threads);
+    add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
+    const int64_t I = L.gate_up.rows / 2;
+    localmoe::matvec(L.gate_up, h, mlp, xq, threads);
+    silu_mul(mlp, mlp + I, I);
+    localmoe::matvec(L.down, mlp, delta, xq, threads);
     add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
   }
 }

@@ -18,6 +18,9 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     return naive_gqa_decode(q, keys, values, scale, first, visible, sinks)
 
 
+StepKernel = cpu.StepKernel  # the type step_kernel_for returns
+
+
 def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None,
                     heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None,
                     scale: float) -> cpu.StepKernel | None:
@@ -28,4 +31,4 @@ def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Ten
     return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale)
 
 
-__all__ = ["gqa_decode", "naive_gqa_decode", "naive_gqa_step", "step_kernel_for"]
+__all__ = ["StepKernel", "gqa_decode", "naive_gqa_decode", "naive_gqa_step", "step_kernel_for"]

@@ -252,7 +252,8 @@ struct PairW {
 };
 
 inline PairW decode_pair(__m256i q, float s0, float s1) {
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const __m256i lut =
+      _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   return PairW{_mm256_shuffle_epi8(lut, _mm256_and_si256(q, nibble)),
                _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble)),
@@ -287,8 +288,8 @@ inline void row_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const P
     for (int t = 0; t < NT; ++t) acc[t] = pair_dot_q8(w, xq[t * stride + p], acc[t]);
   }
   if (2 * p < nb) {  // odd last block: the other lane decodes code 0 against zero activations, scale 0
-    const PairW w = decode_pair(_mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(prow + p * 32))),
-                                hs[srow[2 * p]], 0.0f);
+    const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(prow + p * 32));
+    const PairW w = decode_pair(_mm256_zextsi128_si256(last), hs[srow[2 * p]], 0.0f);
     for (int t = 0; t < NT; ++t) acc[t] = pair_dot_q8(w, xq[t * stride + p], acc[t]);
   }
   for (int t = 0; t < NT; ++t) y[t * O] = hsum(acc[t]);

@@ -1,12 +1,15 @@
-"""Single-sequence decode of a GQA + routed-MXFP4-MoE model (gpt-oss) as one kernel call per token.
+"""Single-sequence decode as one kernel call per token for the whole layer stack (kernels/decode_layers).
 
-`DecodePlan.build(model)` returns a plan where every layer qualifies: a GQA layer with the fused
-decode step (GQAttention.fused_step), then a MoE block whose routing and resident MXFP4 experts go
-into one kernel call (MoEBlock._routed_table) with no latent projection or shared expert, and plain
-residuals. `plan.run` then does the whole layer stack in kernels/decode_layers (the same kernels,
-in the same order, as the op-by-op step: the same bits). The plan checks on every call that the
-layers still hold what it was built from (paging hooks wrap routers, a pager replaces the experts)
-and that the cache can be written in place; where not, the caller runs the layers op by op.
+`DecodePlan.build(model)` returns a plan where every layer qualifies, in one of two forms:
+- GQA + routed MXFP4 MoE (gpt-oss): a GQA layer with the fused decode step (GQAttention.fused_step),
+  then a MoE block whose routing and resident MXFP4 experts go into one kernel call
+  (MoEBlock._routed_table), without latent projection or shared expert. The decoder calls the same
+  kernel entry points in the same order as the op-by-op step: the same bits.
+- GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2): attention without q/k norms or output gate,
+  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, Int4Linear).
+Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
+that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
+experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
 """
 
 from __future__ import annotations
@@ -14,23 +17,50 @@ from __future__ import annotations
 import torch
 
 from localmoe.engine.attention import GQAttention
+from localmoe.engine.linear import Linear
+from localmoe.engine.mlp import GatedMLP
 from localmoe.engine.moe import MoEBlock, Router
+from localmoe.engine.quantized import Int4Linear
 from localmoe.kernels import decode_layers
-from localmoe.kernels.gqa_decode.cpu import StepKernel
+from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS
 
 
+def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+               for t in tensors)
+
+
+def _matrix(linear) -> tuple | None:
+    """(data, type, rows, cols, bias) of a decode_layers Matrix for a Linear or Int4Linear, or None."""
+    if type(linear) is Linear and linear.weight.dtype in decode_layers.MATRIX_TYPES and linear.weight.is_contiguous():
+        w = linear.weight
+        return w, decode_layers.MATRIX_TYPES[w.dtype], w.shape[0], w.shape[1], linear.bias
+    ggml = decode_layers.GGML_MATRIX_TYPES
+    if type(linear) is Int4Linear and linear.raw is not None and int(linear.ggml_type) in ggml:
+        return linear.raw, int(linear.ggml_type), linear.out_features, linear.in_features, linear.bias
+    return None
+
+
 class DecodePlan:
-    def __init__(self, model, decoder: decode_layers.GqaMoeDecoder, parts: list[tuple]):
+    def __init__(self, model, decoder, parts: list[tuple]):
         self.model, self.decoder = model, decoder
-        self.parts = parts  # per layer: (mixer, its fused step, block, its router, its experts)
+        self.parts = parts  # (owner, attribute, the object it held at build time) for `current`
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
-        if model.residuals is not None or not decode_layers.available():
+        if model.residuals is not None or not decode_layers.available() or not model.layers:
             return None
+        if not _fp32_vectors(model.norm, *(t for norm, _, mlp_norm, _ in model.layers for t in (norm, mlp_norm))):
+            return None
+        if isinstance(model.layers[0][3], MoEBlock):
+            return cls._moe(model)
+        return cls._dense(model)
+
+    @classmethod
+    def _moe(cls, model) -> DecodePlan | None:
         layers, parts = [], []
-        for i, (attn_norm, mixer, mlp_norm, block) in enumerate(model.layers):
+        for attn_norm, mixer, mlp_norm, block in model.layers:
             if not (isinstance(mixer, GQAttention) and isinstance(mixer.fused_step, StepKernel)
                     and isinstance(block, MoEBlock)):
                 return None
@@ -38,9 +68,6 @@ class DecodePlan:
             if table is None or block.latent is not None or block.shared is not None:
                 return None
             step, router = mixer.fused_step, block.router
-            following = model.layers[i + 1][0] if i + 1 < len(model.layers) else model.norm
-            if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (attn_norm, mlp_norm, following)):
-                return None
             layers.append({
                 "attn_norm": attn_norm, "wqkv": step.wqkv, "bqkv": step.bqkv, "wo": step.wo, "bo": step.bo,
                 "sinks": step.sinks, "heads": step.heads, "kv_heads": step.kv_heads, "head_dim": step.head_dim,
@@ -50,15 +77,38 @@ class DecodePlan:
                 "renormalize": router.rule.renormalize, "scaling": router.rule.scaling,
                 "intermediate": table.intermediate, "top_k": router.rule.top_k, "glu": GLU_KINDS.index(block.act.kind),
                 "p0": block.act.p0, "p1": block.act.p1, "keep": table})
-            parts.append((mixer, step, block, router, block.experts))
+            parts += [(mixer, "fused_step", step), (block, "router", router), (block, "experts", block.experts)]
         decoder = decode_layers.GqaMoeDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
                                               model.config.expert_precision == "q8")
         return cls(model, decoder, parts)
 
+    @classmethod
+    def _dense(cls, model) -> DecodePlan | None:
+        spec = model.spec
+        if spec.hidden_act != "silu" or spec.glu_limit:
+            return None
+        layers, parts = [], []
+        for attn_norm, mixer, mlp_norm, mlp in model.layers:
+            if not (type(mixer) is GQAttention and type(mlp) is GatedMLP and mixer.q_norm is None
+                    and mixer.gate is None and mixer.head_dim % 8 == 0 and mixer.head_dim <= 512
+                    and mixer.rotary_dim % 2 == 0 and 0 < mixer.rotary_dim <= mixer.head_dim
+                    and _fp32_vectors(mixer.head_sinks)):
+                return None
+            matrices = {name: _matrix(linear) for name, linear in
+                        (("qkv", mixer.qkv), ("o", mixer.o_proj), ("gate_up", mlp.gate_up), ("down", mlp.down))}
+            if any(m is None or not _fp32_vectors(m[4]) for m in matrices.values()):
+                return None
+            layers.append({"attn_norm": attn_norm, "mlp_norm": mlp_norm, "sinks": mixer.head_sinks,
+                           "heads": mixer.heads, "kv_heads": mixer.kv_heads, "head_dim": mixer.head_dim,
+                           "rot": mixer.rotary_dim, "window": mixer.window, "scale": mixer.scale, **matrices})
+            parts += [(mixer, "qkv", mixer.qkv), (mixer, "o_proj", mixer.o_proj), (mlp, "gate_up", mlp.gate_up),
+                      (mlp, "down", mlp.down)]
+        return cls(model, decode_layers.DenseDecoder(layers, spec.hidden_size, model.norm, model.eps), parts)
+
     def current(self) -> bool:
         """Whether every layer still holds what the plan was built from."""
-        return all(mixer.fused_step is step and block.router is router and block.experts is experts
-                   and type(router) is Router for mixer, step, block, router, experts in self.parts)
+        return all(getattr(owner, name) is held for owner, name, held in self.parts) and all(
+            type(held) is Router for _, name, held in self.parts if name == "router")
 
     def run(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
         """tokens [1, 1] -> the final-normed hidden state [1, 1, hidden], the cache advanced; None (nothing
@@ -67,12 +117,12 @@ class DecodePlan:
         pos = cache.offset
         if cache.key_mask is not None or pos + 1 > cache.max_len:
             return None
-        for i, (mixer, _, _, _, _) in enumerate(self.parts):
+        model = self.model
+        for i, (_, mixer, _, _) in enumerate(model.layers):
             pools = cache.layers[i].decode_pools(pos) if not mixer._selects(pos + 1) else None
             if pools is None:
                 return None
             self.decoder.set_pools(i, *pools)
-        model = self.model
         x = model.embed[tokens.view(-1)[0]].clone()  # the residual stream, updated in place
         h = self.decoder(x, pos, model.rope.cos[pos], model.rope.sin[pos])
         cache.advance(1)

@@ -63,3 +63,9 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     from localmoe.engine.sampler import SamplingParams
 
     assert "Paris" in loaded.generate("What is the capital of France?", SamplingParams(temperature=0), 32).text
+    from localmoe.kernels import ggml_gemv
+
+    from localmoe.engine.decode_plan import DecodePlan
+
+    # decode ran the whole stack in one kernel call, the 4-bit matrices in their own blocks
+    assert isinstance(loaded.model._plan, DecodePlan) == ggml_gemv.kernel_available()

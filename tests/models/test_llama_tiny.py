@@ -154,3 +154,21 @@ def test_bf16_weights_stay_close_to_fp32():
     cache = bf16.new_cache(1, 64)
     bf16.forward(tokens[:, :11], cache)
     _close(bf16.forward(tokens[:, 11:], cache), expected, 2e-2)  # decode step: the bf16 GEMV path
+
+
+def test_decode_plan_steps_match_transformers(pair):
+    """Single-sequence decode runs the whole layer stack in one kernel call (engine/decode_plan.py) for
+    plain GQA + SiLU MLP layers; each step's logits against transformers' full forward. Qwen3's q/k
+    norms are not in the fused step: its layers run op by op (no plan)."""
+    from localmoe.engine.decode_plan import DecodePlan
+
+    reference, ours = pair
+    tokens = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(tokens).logits[:, 20:]
+    cache = ours.new_cache(1, 64)
+    ours.forward(tokens[:, :20], cache)
+    ours._plan = None
+    steps = [ours.forward(tokens[:, t:t + 1], cache) for t in range(20, 30)]
+    _close(torch.cat(steps, dim=1), expected)
+    assert isinstance(ours._plan, DecodePlan) == (ours.spec.model_type != "qwen3")

@@ -1,0 +1,34 @@
+// A weight matrix as the fused decode steps read it: fp32 or bf16 rows (dense_rows.h) or GGUF
+// Q4_0 / Q4_1 / Q8_0 blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
+// for one token through the right GEMV on the library's pool.
+#pragma once
+
+#include <cstdint>
+
+#include "../dense_gemv/dense_rows.h"
+#include "../ggml_gemv/ggml_rows.h"
+
+namespace localmoe {
+
+enum MatrixType : int64_t { kF32 = 0, kBF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8 };
+
+struct Matrix {
+  const void* data;
+  int64_t type, rows, cols;
+  const float* bias;  // [rows] or null
+};
+
+// Bytes of scratch `matvec` needs for inputs of up to K values.
+inline int64_t matvec_scratch(int64_t K) { return (K / 32 + 1) * static_cast<int64_t>(sizeof(localmoe_ggml::BlockX)); }
+
+inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int threads) {
+  if (m.type == kF32)
+    localmoe_dense::gemv<float>(x, 1, m.cols, static_cast<const float*>(m.data), m.rows, m.bias, y, threads);
+  else if (m.type == kBF16)
+    localmoe_dense::gemv<uint16_t>(x, 1, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
+  else
+    localmoe_ggml::gemv(x, 1, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
+                        y, static_cast<localmoe_ggml::BlockX*>(scratch), threads);
+}
+
+}  // namespace localmoe

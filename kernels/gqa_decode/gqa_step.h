@@ -1,0 +1,48 @@
+// One GQA layer's decode step for one sequence, shared by `gqa_step` (step_cpu.cpp) and the
+// whole-stack decode calls (kernels/decode_layers); what it computes and why: step_cpu.cpp's header.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../_cpu/matrix.h"
+#include "gqa_heads.h"
+
+namespace localmoe_gqa {
+
+// x [r/2] <- x * cos + rotate_half(x) * ssin over the first `rot` values (rotate_half(x)[i] =
+// x[i + rot/2] for i < rot/2, else x[i - rot/2]).
+inline void rope(float* x, int64_t rot, const float* cos, const float* ssin) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + b * ssin[i];
+    x[i + half] = b * cos[i + half] + a * ssin[i + half];
+  }
+}
+
+// Floats of `scratch` attention_step needs.
+inline int64_t step_scratch(int64_t H, int64_t Hkv, int64_t D) { return (2 * H + 2 * Hkv) * D; }
+
+// out [hidden] = o(attention(rope(qkv x))) with k, v written at `pos` of the pools (head h's position
+// s at h * head_stride + s * D); xq: matvec scratch for GGUF-block matrices (null for fp32/bf16).
+inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const localmoe::Matrix& o_w, int64_t H,
+                           int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool,
+                           float* vpool, int64_t head_stride, int64_t pos, int64_t first, const float* sinks,
+                           float scale, float* out, float* scratch, void* xq, int threads) {
+  float* qkv = scratch;                        // [(H + 2 Hkv) D]
+  float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
+  localmoe::matvec(qkv_w, x, qkv, xq, threads);
+  for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    std::copy_n(qkv + (H + h) * D, D, kpool + h * head_stride + pos * D);
+    std::copy_n(qkv + (H + Hkv + h) * D, D, vpool + h * head_stride + pos * D);
+  }
+  const Args args{qkv, 0, D, H, H / Hkv, D, kpool, 0, head_stride, D, vpool, 0, head_stride, D,
+                  first, pos + 1, nullptr, 0, sinks, scale, attn};
+  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 8);
+  localmoe::parallel(heads, &args, H, localmoe::kChunkBytes / bytes_per_head, threads);
+  localmoe::matvec(o_w, attn, out, xq, threads);
+}
+
+}  // namespace localmoe_gqa
