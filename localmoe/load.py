@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from localmoe.config import EngineConfig, ModelSpec
-from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, int4_kernel_available
+from localmoe.engine.quantized import BlockQuantized, keeps_blocks
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import Family, TensorMap
@@ -52,7 +52,7 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
             continue
         canonical, transform = resolved
         tensor = read(name)
-        if isinstance(tensor, BlockQuantized):  # kept in its 4-bit blocks; transforms only reorder rows
+        if isinstance(tensor, BlockQuantized):  # kept in its blocks; transforms only reorder rows
             if transform is not None:
                 tensor = tensor.map_rows(lambda rows, t=transform: t(rows, spec))
         else:
@@ -94,12 +94,13 @@ def _read_gguf(path: Path, config: EngineConfig, progress: bool):
     family = family_for_gguf(gguf.architecture, str(path))
     names = gguf.tensor_names()
     spec = family.spec_from_gguf(gguf.metadata, set(names))
-    keep_int4 = config.dtype == "auto" and int4_kernel_available()
+    keep = config.dtype == "auto"
 
     def read(name: str):
-        """4-bit matrices stay in their blocks under --dtype auto; everything else is dequantised."""
+        """Matrices of a block type with a decode GEMV (Q4_0, Q4_1, Q8_0) stay in their blocks under
+        --dtype auto; everything else is dequantised."""
         info = gguf.info(name)
-        if keep_int4 and info.ggml_type in INT4_TYPES and len(info.shape) == 2:
+        if keep and len(info.shape) == 2 and keeps_blocks(info.ggml_type):
             return BlockQuantized(gguf.raw(name), info.ggml_type, info.shape)
         return gguf.tensor(name)
 

@@ -6,7 +6,7 @@
   (MoEBlock._routed_table), without latent projection or shared expert. The decoder calls the same
   kernel entry points in the same order as the op-by-op step: the same bits.
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2): attention without q/k norms or output gate,
-  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, Int4Linear).
+  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, BlockLinear).
 Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
 experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
@@ -20,7 +20,7 @@ from localmoe.engine.attention import GQAttention
 from localmoe.engine.linear import Linear
 from localmoe.engine.mlp import GatedMLP
 from localmoe.engine.moe import MoEBlock, Router
-from localmoe.engine.quantized import Int4Linear
+from localmoe.engine.quantized import BlockLinear
 from localmoe.kernels import decode_layers
 from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS
@@ -32,12 +32,12 @@ def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
 
 
 def _matrix(linear) -> tuple | None:
-    """(data, type, rows, cols, bias) of a decode_layers Matrix for a Linear or Int4Linear, or None."""
+    """(data, type, rows, cols, bias) of a decode_layers Matrix for a Linear or BlockLinear, or None."""
     if type(linear) is Linear and linear.weight.dtype in decode_layers.MATRIX_TYPES and linear.weight.is_contiguous():
         w = linear.weight
         return w, decode_layers.MATRIX_TYPES[w.dtype], w.shape[0], w.shape[1], linear.bias
     ggml = decode_layers.GGML_MATRIX_TYPES
-    if type(linear) is Int4Linear and linear.raw is not None and int(linear.ggml_type) in ggml:
+    if type(linear) is BlockLinear and linear.raw is not None and int(linear.ggml_type) in ggml:
         return linear.raw, int(linear.ggml_type), linear.out_features, linear.in_features, linear.bias
     return None
 

@@ -144,13 +144,14 @@ def make_linear(parts: list, bias: torch.Tensor | None, dtype: str):
     """One linear layer from weight parts stacked as rows (e.g. [q, k, v]).
 
     Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and
-    every part in a 4-bit block format, the weight stays 4-bit (`Int4Linear`); otherwise
+    every part in one GGML block type with a decode GEMV (`quantized.keeps_blocks`: Q4_0, Q4_1, Q8_0),
+    the weight stays in its blocks (`BlockLinear`); otherwise
     the parts are dequantised and concatenated into a `Linear`.
     """
-    from localmoe.engine.quantized import INT4_TYPES, BlockQuantized, Int4Linear, int4_kernel_available
+    from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
 
-    quantized = all(isinstance(p, BlockQuantized) and p.ggml_type in INT4_TYPES for p in parts)
-    if quantized and dtype == "auto" and int4_kernel_available():
-        return Int4Linear(parts, bias)
+    blocks = all(isinstance(p, BlockQuantized) for p in parts) and len({p.ggml_type for p in parts}) == 1
+    if blocks and dtype == "auto" and keeps_blocks(parts[0].ggml_type):
+        return BlockLinear(parts, bias)
     tensors = [p.float() if isinstance(p, BlockQuantized) else p for p in parts]
     return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), bias, dtype)

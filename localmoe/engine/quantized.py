@@ -1,12 +1,13 @@
-"""Weights kept in their GGML 4-bit block format for decode GEMVs.
+"""Weights kept in their GGML block format (Q4_0, Q4_1, Q8_0) for decode GEMVs.
 
 A GGUF Q4_0 / Q4_1 matrix stays 4.5-5 bits per weight instead of becoming a bf16 copy
-(3.6x the bytes): decode reads every weight once per token, so bytes are time.
+(3.6x the bytes), a Q8_0 one 8.5 bits (1.9x less): decode reads every weight once per token,
+so bytes are time.
 
 Where the CPU kernel library is built, decode-sized calls run `kernels/ggml_gemv` on the file's
 own blocks (x rounded to int8 per 32 values, as llama.cpp does; ~3x torch's int4 GEMV on the
 embedded model's matrices). Otherwise `torch.ops.aten._weight_int4pack_mm_for_cpu` computes
-y = x W^T with W given as 4-bit
+y = x W^T for the 4-bit types (Q8_0 blocks need the library) with W given as 4-bit
 codes q in 0..15 and per-32-column (scale, zero) pairs, w = (q - 8) * scale + zero:
 - Q4_0 (d, 16 bytes of nibbles): w = d (q - 8)  -> scale d, zero 0
 - Q4_1 (d, m, 16 bytes):         w = d q + m    -> scale d, zero m + 8 d
@@ -32,7 +33,7 @@ from localmoe.engine.linear import GEMV_MAX_ROWS  # above it: dequantise to fp32
 from localmoe.kernels import ggml_gemv
 from localmoe.store.ggml_quants import dequantize
 
-INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # torch's int4 GEMV takes these
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
 PREFILL_COPY_BYTES = 1 << 30  # fp32 copies of 4-bit weights kept for prefill, in all (see the module doc)
 _copied = [0]  # bytes of fp32 copies alive
@@ -44,6 +45,13 @@ def _release_copy(nbytes: int) -> None:
 
 def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def keeps_blocks(ggml_type) -> bool:
+    """Whether a matrix of this GGML type can stay in its blocks (a decode GEMV exists for it)."""
+    if ggml_gemv.kernel_available():
+        return ggml_type in ggml_gemv.TYPES
+    return ggml_type in INT4_TYPES and int4_kernel_available()
 
 
 class BlockQuantized:
@@ -77,8 +85,9 @@ class BlockQuantized:
         return q, d, zero
 
 
-class Int4Linear:
-    """y = x W^T (+ b) for W kept as 4-bit blocks; x, y fp32. Several parts stack as rows (q; k; v)."""
+class BlockLinear:
+    """y = x W^T (+ b) for W kept as GGML blocks of one type (`keeps_blocks`); x, y fp32. Several parts
+    stack as rows (q; k; v)."""
 
     __slots__ = ("__weakref__", "_dense", "bias", "ggml_type", "in_features", "out_features", "packed", "parts",
                  "raw", "scales_zeros")
@@ -95,6 +104,8 @@ class Int4Linear:
             raws = [p.raw.reshape(p.shape[0], -1) for p in parts]
             self.raw = (raws[0] if len(raws) == 1 else torch.cat(raws)).contiguous()
             return
+        if not all(p.ggml_type in INT4_TYPES for p in parts):
+            raise ValueError(f"{self.ggml_type.name} blocks need the CPU kernel library (kernels/ggml_gemv)")
         q, d, zero = zip(*(p.codes_scales_zeros() for p in parts))
         q, d, zero = torch.cat(q), torch.cat(d), torch.cat(zero)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

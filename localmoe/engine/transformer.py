@@ -27,6 +27,7 @@ from localmoe.engine.linear import make_linear
 from localmoe.engine.mla import MLAttention
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
 from localmoe.engine.moe import MoEBlock
+from localmoe.engine.quantized import BlockQuantized
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
@@ -80,7 +81,11 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = weights["embed_tokens.weight"].float()
-        self.lm_head = make_linear([weights.get("lm_head.weight", self.embed)], None, config.dtype)
+        # The head never runs on int8-rounded activations (kernels/ggml_gemv): its logits pick the token,
+        # and on the embedded SmolLM2 a Q8_0 head with rounded inputs changed the greedy answer. A
+        # GGUF block-quantised head is dequantised (Linear: fp32 or bf16 weights, fp32 activations).
+        head = weights.get("lm_head.weight", self.embed)
+        self.lm_head = make_linear([head.float() if isinstance(head, BlockQuantized) else head], None, config.dtype)
         self.norm = weights["norm.weight"].float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")

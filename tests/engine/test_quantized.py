@@ -1,13 +1,14 @@
-"""4-bit GGML weights kept in their blocks (Int4Linear) against fp32 dequantise-then-matmul (decode rows
+"""4-bit GGML weights kept in their blocks (BlockLinear) against fp32 dequantise-then-matmul (decode rows
 through kernels/ggml_gemv, x rounded to int8 per 32 values, where the CPU library is built)."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from localmoe.kernels import ggml_gemv
 
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.quantized import BlockQuantized, Int4Linear, int4_kernel_available
+from localmoe.engine.quantized import BlockLinear, BlockQuantized, int4_kernel_available
 from localmoe.load import load_model
 from localmoe.store.gguf import GGUFFile
 
@@ -32,7 +33,7 @@ def test_int4_linear_matches_dequantised_fp32(ggml_type, rows):
     bias = torch.randn(128)
     reference = torch.cat([p.float() for p in parts])
     x = torch.randn(rows, 256)
-    got = Int4Linear(parts, bias)(x)
+    got = BlockLinear(parts, bias)(x)
     expected = x @ reference.T + bias
     # int8 activations (ggml_gemv) or bf16 ones and scales (torch int4) in the GEMV path; the GEMM path (rows > 8) is fp32
     assert _rel_rms(got, expected) < (1e-2 if rows <= 8 else 1e-6)
@@ -48,23 +49,23 @@ def test_codes_scales_zeros_reproduce_the_dequantised_weight():
 
 def test_make_linear_keeps_blocks_only_in_auto_mode():
     parts = [_synthetic(Q.Q4_1, 32, 64, 4)]
-    assert isinstance(make_linear(parts, None, "auto"), Int4Linear)
+    assert isinstance(make_linear(parts, None, "auto"), BlockLinear)
     assert isinstance(make_linear(parts, None, "float32"), Linear)
-    assert isinstance(make_linear([_synthetic(Q.Q8_0, 32, 64, 5)], None, "auto"), Linear)
+    q8_0 = make_linear([_synthetic(Q.Q8_0, 32, 64, 5)], None, "auto")  # 8-bit blocks need the CPU library
+    assert isinstance(q8_0, BlockLinear if ggml_gemv.kernel_available() else Linear)
 
 
 def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     gguf_file = GGUFFile(smollm2_gguf)
     raw = BlockQuantized(gguf_file.raw("blk.3.ffn_up.weight"), Q.Q4_1, gguf_file.info("blk.3.ffn_up.weight").shape)
     x = torch.randn(1, 576)
-    assert _rel_rms(Int4Linear([raw], None)(x), x @ raw.float().T) < 1e-2
+    assert _rel_rms(BlockLinear([raw], None)(x), x @ raw.float().T) < 1e-2
     loaded = load_model(smollm2_gguf, dtype="auto", progress=False)
-    assert isinstance(loaded.model.layers[0][3].gate_up, Int4Linear)
+    assert isinstance(loaded.model.layers[0][3].gate_up, BlockLinear)
     from localmoe.engine.sampler import SamplingParams
 
+    assert type(loaded.model.lm_head) is Linear  # the head keeps fp32 activations (engine/transformer.py)
     assert "Paris" in loaded.generate("What is the capital of France?", SamplingParams(temperature=0), 32).text
-    from localmoe.kernels import ggml_gemv
-
     from localmoe.engine.decode_plan import DecodePlan
 
     # decode ran the whole stack in one kernel call, the 4-bit matrices in their own blocks
