@@ -1,17 +1,18 @@
 """The localmoe CPU kernel library: every C++ kernel source, built into ONE shared object.
 
-The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA decode
-attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA + MoE decode, GEMV from GGUF Q4_0/Q4_1/Q8_0 blocks) have a plain C ABI and
-no torch headers, so they build with gcc/clang alone in a few seconds (a torch C++ extension took
-2-3 minutes on the 2-core dev machine) and need no ninja or Python headers. They share one
-persistent thread pool (pool.h): one library, one pool for the process, whichever kernels run.
-The shared object is cached in `$LOCALMOE_CACHE` (default ~/.cache/localmoe) under a hash of the
-sources, flags and compiler, written atomically. Each call runs on `threads()` threads
-(`torch.get_num_threads()` unless `small_steps` says otherwise): the caller (ctypes releases the GIL) and the pool's workers take chunks of rows from a
-shared counter; a row is always computed whole by one thread, so results do not depend on the
-thread count. Where the CPU lacks AVX2/FMA, no compiler is found or the build fails, `library()`
-warns once and returns None and the dispatchers use torch. `LOCALMOE_NO_CPU_KERNEL=1` disables
-it silently.
+The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA
+decode attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA +
+MoE decode, GEMV from GGUF Q4_0/Q4_1/Q8_0 blocks) have a plain C ABI and no torch headers, so they
+build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core
+dev machine) and need no ninja or Python headers. They share one persistent thread pool (pool.h):
+one library, one pool for the process, whichever kernels run. The shared object is cached in
+`$LOCALMOE_CACHE` (default ~/.cache/localmoe) under a hash of the sources, flags and compiler,
+written atomically. Each call runs on `threads()` threads (`torch.get_num_threads()` unless
+`small_steps` says otherwise): the caller (ctypes releases the GIL) and the pool's workers take
+chunks of rows from a shared counter; a row is always computed whole by one thread, so results do
+not depend on the thread count. Where the CPU lacks AVX2/FMA, no compiler is found or the build
+fails, `library()` warns once and returns None and the dispatchers use torch.
+`LOCALMOE_NO_CPU_KERNEL=1` disables it silently.
 """
 
 from __future__ import annotations

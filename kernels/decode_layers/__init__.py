@@ -108,10 +108,11 @@ class GqaMoeDecoder(_Pools):
         """x [hidden] fp32 contiguous (the token's embedding; the residual stream, updated in place),
         cache position `pos`, RoPE tables [rot] at it -> the final-normed hidden state [hidden]."""
         h = torch.empty(self.hidden)
-        library().decode_gqa_moe(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, cos.data_ptr(),
-                                 signed_sin.data_ptr(), self.final_norm.data_ptr(), self.eps, int(self.q8),
-                                 h.data_ptr(), self.delta.data_ptr(), self.ids.data_ptr(), self.weights.data_ptr(),
-                                 self.attn_scratch.data_ptr(), self.moe_scratch.data_ptr(), threads())
+        library().decode_gqa_moe(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos,
+                                 cos.data_ptr(), signed_sin.data_ptr(), self.final_norm.data_ptr(), self.eps,
+                                 int(self.q8), h.data_ptr(), self.delta.data_ptr(), self.ids.data_ptr(),
+                                 self.weights.data_ptr(), self.attn_scratch.data_ptr(), self.moe_scratch.data_ptr(),
+                                 threads())
         return h
 
 

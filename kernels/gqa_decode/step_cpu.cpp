@@ -8,12 +8,12 @@
 //   out = a W_o^T + b_o
 //
 // The torch path for the same step was ~20 small ops per layer (split, views, three for RoPE, two
-// cache writes and reads, the attention call, two GEMV calls); after each layer's weight stream
-// evicts the caches each costs 3-4x its isolated time, so on a small model they cost more than the
-// attention weights' bytes. The GEMVs and the attention are the dense and GQA kernels' own code
-// (kernels/_cpu/matrix.h, gqa_heads.h; the step itself is gqa_step.h) on the library's pool; RoPE
-// and the cache write are ~1 us of serial work between them. Every row and head is computed whole by one thread: the bits do not depend on
-// the thread count.
+// cache writes and reads, the attention call, two GEMV calls); after each layer's weight stream evicts
+// the caches each costs 3-4x its isolated time, so on a small model they cost more than the attention
+// weights' bytes. The GEMVs and the attention are the dense and GQA kernels' own code
+// (kernels/_cpu/matrix.h, gqa_heads.h; the step itself is gqa_step.h) on the library's pool; RoPE and
+// the cache write are ~1 us of serial work between them. Every row and head is computed whole by one
+// thread: the bits do not depend on the thread count.
 #include <cstdint>
 
 #include "gqa_step.h"

@@ -108,14 +108,18 @@ class ExpertTable:
                    and (p.bias is None or p.bias.is_floating_point()) for p in (w.gate, w.up, w.down))
 
 
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
 def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTable, kind: str,
               params: tuple[float, float], out: torch.Tensor, only: int | None = None,
               precision: str = "exact") -> torch.Tensor:
     """out [N, D] += sum_j weights[:, j] * expert_{ids[:, j]}(x) over the experts of `table` (or just
     expert `only`); x [N, D], ids [N, k] int64, weights [N, k]; `kind` in GLU_KINDS with `params`
     (reference.glu); `precision` in PRECISIONS. Returns out."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    _check_precision(precision)
     if (x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == out.dtype == torch.float32 and x.device.type == "cpu"
             and out.is_contiguous() and ids.dtype == torch.int64 and cpu.library() is not None):
         return cpu.moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), table.addresses,
@@ -155,8 +159,7 @@ def mxfp4_routed_moe(router_x: torch.Tensor, router_weight: torch.Tensor, router
     """`route_experts` then `mxfp4_moe(x, ids, weights, table, kind, params, out, precision=precision)`, in
     one kernel call where the CPU kernel takes both (the same bits as the two calls). Returns (out,
     weights, ids)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    _check_precision(precision)
     if (_routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction, x, out)
             and table.addresses.shape[0] == router_weight.shape[0]):
         return cpu.moe_routed(router_x, router_weight, router_bias, correction, SCORINGS.index(scoring), top_k,
@@ -168,5 +171,5 @@ def mxfp4_routed_moe(router_x: torch.Tensor, router_weight: torch.Tensor, router
 
 
 __all__ = ["GEMV_MAX_TOKENS", "GLU_KINDS", "PRECISIONS", "SCORINGS", "ExpertTable", "glu", "mxfp4_grouped",
-           "mxfp4_linear", "mxfp4_moe", "mxfp4_routed_moe", "naive_mxfp4_grouped", "naive_mxfp4_linear", "naive_mxfp4_moe",
-           "naive_route", "q8_round", "route_experts"]
+           "mxfp4_linear", "mxfp4_moe", "mxfp4_routed_moe", "naive_mxfp4_grouped", "naive_mxfp4_linear",
+           "naive_mxfp4_moe", "naive_route", "q8_round", "route_experts"]

@@ -115,10 +115,7 @@ class PagedBuffer:
         """Store rows [B, H, T, D] at positions start .. start+T-1 of every sequence."""
         T = rows.shape[2]
         end = start + T
-        if end > self.capacity:
-            if end > self.max_len:
-                raise ValueError(f"positions up to {end} do not fit a cache of {self.max_len}")
-            self._allocate(end)
+        self._ensure(end)
         scale = None
         if self.lossy:
             self._keep_recent(start, rows)
@@ -142,11 +139,15 @@ class PagedBuffer:
         table is the identity; None otherwise (then use write/read)."""
         if self.lossy or self.batch != 1:
             return None
+        self._ensure(end)
+        return None if self._flat is None else self._flat[0]
+
+    def _ensure(self, end: int) -> None:
+        """Room for positions < `end` in every sequence (blocks allocated as needed)."""
         if end > self.capacity:
             if end > self.max_len:
                 raise ValueError(f"positions up to {end} do not fit a cache of {self.max_len}")
             self._allocate(end)
-        return None if self._flat is None else self._flat[0]
 
     def _keep_recent(self, start: int, rows: torch.Tensor) -> None:
         """Copy the last rows of this write (at most the ring's size) into the exact ring."""

@@ -3,7 +3,7 @@
 `DecodePlan.build(model)` returns a plan where every layer qualifies, in one of two forms:
 - GQA + routed MXFP4 MoE (gpt-oss): a GQA layer with the fused decode step (GQAttention.fused_step),
   then a MoE block whose routing and resident MXFP4 experts go into one kernel call
-  (MoEBlock._routed_table), without latent projection or shared expert. The decoder calls the same
+  (MoEBlock.routed_table), without latent projection or shared expert. The decoder calls the same
   kernel entry points in the same order as the op-by-op step: the same bits.
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2): attention without q/k norms or output gate,
   every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, BlockLinear).
@@ -64,7 +64,7 @@ class DecodePlan:
             if not (isinstance(mixer, GQAttention) and isinstance(mixer.fused_step, StepKernel)
                     and isinstance(block, MoEBlock)):
                 return None
-            table = block._routed_table(1)
+            table = block.routed_table(1)
             if table is None or block.latent is not None or block.shared is not None:
                 return None
             step, router = mixer.fused_step, block.router

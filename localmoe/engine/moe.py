@@ -146,8 +146,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     MXFP4 experts with a kernel activation (ExpertGLU) go to the `mxfp4_moe` kernel: the whole layer
     in one call where the provider holds every expert at once (`kernel_table`), else one call per
     expert as the provider hands them out; both add experts in increasing id, so the bits are the
-    same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched once each, run on all of their tokens as one matrix and added in
-    the same order.
+    same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched
+    once each, run on all of their tokens as one matrix and added in the same order.
     """
     out = torch.zeros_like(x)
     kernel = isinstance(act, ExpertGLU)
@@ -217,7 +217,7 @@ class MoEBlock:
                                       spec.rms_norm_eps)
         return cls(router, experts, layer, expert_activation(spec), shared, latent)
 
-    def _routed_table(self, tokens: int) -> ExpertTable | None:
+    def routed_table(self, tokens: int) -> ExpertTable | None:
         """The provider's whole-layer kernel table where routing can join the experts' kernel call: a
         plain Router (not wrapped by paging hooks, which must see each routing) without group-limited
         top-k, kernel experts all resident, a decode-sized call; else None."""
@@ -237,7 +237,7 @@ class MoEBlock:
         """x [B, T, D] fp32 -> [B, T, D]."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        table = self._routed_table(flat.shape[0])
+        table = self.routed_table(flat.shape[0])
         h = flat if self.latent is None else self.latent.down(flat)
         if table is not None:  # routing and experts in one kernel call
             r = self.router

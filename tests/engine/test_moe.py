@@ -210,7 +210,7 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     router_w = torch.randn(E, D, generator=_gen(15)) * 0.3
     x = torch.randn(2, 3, D, generator=_gen(16))
     blocks = [MoEBlock(Router(router_w, None, rule), p, 7, KERNEL_ACTS[act]) for p in (resident, OneAtATime())]
-    assert blocks[0]._routed_table(6) is not None and blocks[1]._routed_table(6) is None  # one call vs routed
+    assert blocks[0].routed_table(6) is not None and blocks[1].routed_table(6) is None  # one call vs routed
     whole, paged = blocks[0](x), blocks[1](x)
     assert torch.equal(whole, paged)
     _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS[act])

@@ -35,7 +35,7 @@ def test_int4_linear_matches_dequantised_fp32(ggml_type, rows):
     x = torch.randn(rows, 256)
     got = BlockLinear(parts, bias)(x)
     expected = x @ reference.T + bias
-    # int8 activations (ggml_gemv) or bf16 ones and scales (torch int4) in the GEMV path; the GEMM path (rows > 8) is fp32
+    # GEMV path: int8 activations (ggml_gemv) or bf16 ones and scales (torch int4); GEMM path (rows > 8): fp32
     assert _rel_rms(got, expected) < (1e-2 if rows <= 8 else 1e-6)
 
 
