@@ -161,3 +161,9 @@ def test_engine_options_reach_the_engine_config():
     assert CliRunner().invoke(probe, []).exit_code == 0
     assert CliRunner().invoke(probe, ["--expert-precision", "exact", "--threads", "3"]).exit_code == 0
     assert (seen[0].expert_precision, seen[1].expert_precision, seen[1].threads) == ("q8", "exact", 3)
+
+
+def test_serve_refuses_a_documents_root_that_is_not_a_folder(tmp_path):
+    done = localmoe("serve", "--documents-root", str(tmp_path / "nope"), "--port", "1")
+    assert done.returncode == 1 and "--documents-root" in done.stderr and "not a folder" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -39,10 +39,14 @@ def default_sessions_path() -> Path:
 @click.option("--no-sessions", is_flag=True, help="Store no sessions.")
 @click.option("--prefix-cache", "prefix_cache_entries", type=int, default=4, show_default=True,
               help="Finished sequences whose cache a later prompt with the same start reuses (0: none).")
+@click.option("--documents-root", "documents_roots", multiple=True, metavar="FOLDER",
+              help="A folder /v1/documents may read under (repeatable). Without it the endpoints read any path "
+                   "on a localhost server and nothing on one bound to another address.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, dtype, threads, max_context, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
-            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries, log_level):
+            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
+            documents_roots, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
     try:
@@ -56,14 +60,20 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
         raise LocalMoEError("--max-tokens, --max-tokens-limit and --max-concurrency must be at least 1")
     if prefix_cache_entries < 0:
         raise LocalMoEError("--prefix-cache must be 0 (off) or a number of cached sequences")
+    local = host in ("127.0.0.1", "localhost", "::1")
+    roots = tuple(Path(r).expanduser().resolve() for r in documents_roots)
+    for root in roots:
+        if not root.is_dir():
+            raise LocalMoEError(f"--documents-root {root}: not a folder")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
                           max_active=max_concurrency, max_body_bytes=max_body, api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads,
-                          prefix_cache_entries=prefix_cache_entries)
+                          prefix_cache_entries=prefix_cache_entries,
+                          documents_roots=roots if roots or not local else None)
     loaded = load_model(model, engine_config(dtype, threads, max_context))
     config.threads = loaded.config.resolved_threads()
-    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+    if not local and api_key is None:
         click.echo(f"localmoe: warning: serving on {host} without --api-key: anyone who can reach it can use it",
                    err=True)
     serve(loaded, config, host=host, port=port, log_level=log_level)

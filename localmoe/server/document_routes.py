@@ -1,6 +1,8 @@
 """Document endpoints: /v1/documents/search (BM25 passages) and /v1/documents/analyze (a
 report with checked citations). Paths are files and folders on the server's machine; the
-work is the same `localmoe.documents` code `localmoe analyze` runs."""
+work is the same `localmoe.documents` code `localmoe analyze` runs. With `--documents-root`
+(ServerConfig.documents_roots) a path must resolve, symlinks followed, inside one of those
+folders; others are refused with 403 before anything is read."""
 
 from __future__ import annotations
 
@@ -32,8 +34,14 @@ class AnalyzeBody(Body):
     exclude: list[str] | None = None
 
 
-def _paths(paths: list[str]) -> list[Path]:
+def _paths(paths: list[str], roots: tuple[Path, ...] | None) -> list[Path]:
     resolved = [Path(p).expanduser() for p in paths]
+    if roots is not None:
+        outside = [str(p) for p in resolved if not any(p.resolve().is_relative_to(root) for root in roots)]
+        if outside:
+            allowed = ", ".join(map(str, roots)) or "none: no --documents-root was given"
+            raise APIError(403, f"outside the folders this server reads documents from ({allowed}): "
+                                f"{', '.join(outside)}", param="paths")
     missing = [str(p) for p in resolved if not p.exists()]
     if missing:
         raise APIError(400, f"no such file or folder on the server: {', '.join(missing)}", param="paths")
@@ -41,11 +49,12 @@ def _paths(paths: list[str]) -> list[Path]:
 
 
 @router.post("/v1/documents/search")
-async def search(body: SearchBody):
+async def search(body: SearchBody, request: Request):
     """The passages of `paths` that best match `query` (BM25), best first, with file and location."""
     from localmoe.documents import search_documents
 
-    passages = await run_in_threadpool(search_documents, body.query, _paths(body.paths), body.top_k)
+    paths = _paths(body.paths, request.app.state.service.config.documents_roots)
+    passages = await run_in_threadpool(search_documents, body.query, paths, body.top_k)
     return {"object": "list", "data": [p.to_dict() for p in passages]}
 
 
@@ -55,6 +64,7 @@ async def analyze(body: AnalyzeBody, request: Request):
     from localmoe.documents import answer
 
     service = request.app.state.service
-    report = await answer(service, _paths(body.paths), body.question, body.budget, include=body.include,
-                          exclude=body.exclude, max_tokens=body.max_tokens)
+    paths = _paths(body.paths, service.config.documents_roots)
+    report = await answer(service, paths, body.question, body.budget, include=body.include, exclude=body.exclude,
+                          max_tokens=body.max_tokens)
     return {"object": "document.report", "markdown": report.to_markdown(), **report.to_dict()}

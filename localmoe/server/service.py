@@ -40,6 +40,8 @@ class ServerConfig:
     threads: int = 0
     prefix_cache_entries: int = DEFAULT_ENTRIES  # finished sequences' caches kept for reuse (0: none)
     prefix_cache_bytes: int = DEFAULT_BYTES
+    # folders /v1/documents may read under (`--documents-root`); None: any path the server can read
+    documents_roots: tuple[Path, ...] | None = None
 
 
 @dataclass

@@ -75,3 +75,33 @@ def test_routes_name_missing_paths(client, tmp_path):
     bad_budget = client.post("/v1/documents/analyze", json={"question": "x", "paths": [str(tmp_path)],
                                                              "budget": "huge"})
     assert bad_budget.status_code == 400 and "budget" in bad_budget.json()["error"]["message"]
+
+
+def test_documents_root_confines_the_routes(service, small_pdf, tmp_path):
+    """With ServerConfig.documents_roots (`serve --documents-root`) a path outside them, or a symlink
+    inside one that leads out, is refused with 403 before anything is read; inside works."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from localmoe.server.app import create_app
+
+    inside = tmp_path / "shared"
+    inside.mkdir()
+    (inside / "report.pdf").write_bytes(small_pdf.read_bytes())
+    (inside / "escape.pdf").symlink_to(small_pdf)  # small_pdf lives outside `inside`
+    original = service.config
+    try:
+        service.config = replace(original, documents_roots=(inside.resolve(),))
+        client = TestClient(create_app(service))
+        ok = client.post("/v1/documents/search", json={"query": QUESTION, "paths": [str(inside / "report.pdf")]})
+        assert ok.status_code == 200, ok.text
+        for path in (small_pdf, inside / "escape.pdf", inside / ".." / small_pdf.name):
+            refused = client.post("/v1/documents/search", json={"query": "x", "paths": [str(path)]})
+            assert refused.status_code == 403 and "documents" in refused.json()["error"]["message"], path
+        service.config = replace(original, documents_roots=())
+        none = TestClient(create_app(service)).post("/v1/documents/analyze", json={
+            "question": "x", "paths": [str(inside / "report.pdf")]})
+        assert none.status_code == 403 and "no --documents-root" in none.json()["error"]["message"]
+    finally:
+        service.config = original
