@@ -66,7 +66,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "decode_dense": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _ptr, _ptr, _ptr, _ptr, _ptr, _int),
                      None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
-    "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int), _int),
+    "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int, _int), _int),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
 }

@@ -1,5 +1,6 @@
 """GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0) for decode: y = x W^T (+ b) with x rounded to
-int8 per 32 values (llama.cpp's trade), W read in the file's own blocks.
+int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (Q8_0 only)
+keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
 - CPU with the library (kernels/_cpu; ggml_cpu.cpp): fp32 x [N, K] contiguous, raw blocks contiguous.
 - otherwise the reference (reference.py: dequantise, round x, matmul).
@@ -20,20 +21,22 @@ def kernel_available() -> bool:
 
 
 def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, exact_x: bool = False) -> torch.Tensor:
     """x [N, K] fp32, raw blocks [O, K / 32 * block bytes] uint8 of `ggml_type` (one of TYPES) for a
-    weight of `shape` (O, K), bias [O] fp32 or None -> y [N, O] fp32."""
+    weight of `shape` (O, K), bias [O] fp32 or None -> y [N, O] fp32; exact_x: see the module doc."""
+    if exact_x and ggml_type != GGMLQuantizationType.Q8_0:
+        raise ValueError(f"exact_x is for Q8_0 blocks, not {ggml_type.name}")
     O, K = shape
     lib = library()
     if (lib is None or ggml_type not in TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
             or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K or K % 32
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
-        return naive_ggml_gemv(x, raw, ggml_type, shape, bias)
+        return naive_ggml_gemv(x, raw, ggml_type, shape, bias, exact_x)
     N = x.shape[0]
     y = x.new_empty(N, O)
     scratch = torch.empty(lib.ggml_gemv_scratch(N, K), dtype=torch.uint8)
     lib.ggml_gemv(x.data_ptr(), N, K, raw.data_ptr(), int(ggml_type), O, None if bias is None else bias.data_ptr(),
-                  y.data_ptr(), scratch.data_ptr(), threads())
+                  y.data_ptr(), scratch.data_ptr(), threads(), int(exact_x))
     return y
 
 

@@ -21,11 +21,12 @@ extern "C" {
 int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return N * (K / kBlock) * static_cast<int64_t>(sizeof(BlockX)); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
-// 3 Q4_1, 8 Q8_0); K a multiple of 32; everything contiguous. Returns 0, or -1 for an unknown type.
+// 3 Q4_1, 8 Q8_0); K a multiple of 32; everything contiguous. exact_x: x is not rounded to int8
+// (Q8_0 only; scratch unused). Returns 0, or -1 for an unknown type or exact_x on a 4-bit type.
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
-              float* y, void* scratch, int threads) {
-  if (type != kQ4_0 && type != kQ4_1 && type != kQ8_0) return -1;
-  gemv(x, N, K, w, type, O, bias, y, static_cast<BlockX*>(scratch), threads);
+              float* y, void* scratch, int threads, int exact_x) {
+  if ((type != kQ4_0 && type != kQ4_1 && type != kQ8_0) || (exact_x && type != kQ8_0)) return -1;
+  gemv(x, N, K, w, type, O, bias, y, static_cast<BlockX*>(scratch), threads, exact_x != 0);
   return 0;
 }
 

@@ -11,8 +11,9 @@ from localmoe.store.ggml_quants import dequantize
 
 
 def naive_ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, K] -> y [N, O] = q8_round(x) W^T (+ bias), W the raw blocks [O, row bytes] of `ggml_type`."""
+                    bias: torch.Tensor | None = None, exact_x: bool = False) -> torch.Tensor:
+    """x [N, K] -> y [N, O] = q8_round(x) W^T (+ bias), W the raw blocks [O, row bytes] of `ggml_type`;
+    exact_x: x as it is."""
     w = dequantize(raw, ggml_type, shape, torch.float32).to(x.dtype)
-    y = q8_round(x) @ w.T
+    y = (x if exact_x else q8_round(x)) @ w.T
     return y if bias is None else y + bias.to(x.dtype)

@@ -89,16 +89,20 @@ class BlockLinear:
     """y = x W^T (+ b) for W kept as GGML blocks of one type (`keeps_blocks`); x, y fp32. Several parts
     stack as rows (q; k; v)."""
 
-    __slots__ = ("__weakref__", "_dense", "bias", "ggml_type", "in_features", "out_features", "packed", "parts",
-                 "raw", "scales_zeros")
+    __slots__ = ("__weakref__", "_dense", "bias", "exact_x", "ggml_type", "in_features", "out_features", "packed",
+                 "parts", "raw", "scales_zeros")
 
-    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None):
+    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None, exact_x: bool = False):
+        """exact_x: decode GEMVs keep x in fp32 (Q8_0 blocks with the CPU library only; for the lm_head)."""
         self.parts = parts  # raw views, for prefill-sized inputs (dequantised per call)
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
         self._dense: torch.Tensor | None = None  # the fp32 copy for prefill, once made (within the budget)
         self.ggml_type = parts[0].ggml_type
         self.raw = self.packed = self.scales_zeros = None
+        self.exact_x = exact_x
+        if exact_x and not (self.ggml_type == GGMLQuantizationType.Q8_0 and ggml_gemv.kernel_available()):
+            raise ValueError(f"fp32 activations need Q8_0 blocks and the CPU kernel library, not {self.ggml_type.name}")
         if ggml_gemv.kernel_available() and all(p.ggml_type == self.ggml_type for p in parts):
             # the file's blocks, rows of all parts stacked (a copy only when there are several parts)
             raws = [p.raw.reshape(p.shape[0], -1) for p in parts]
@@ -116,7 +120,8 @@ class BlockLinear:
         rows = x.numel() // K
         if rows <= GEMV_MAX_ROWS and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
-                                       (self.out_features, K), self.bias).view(*x.shape[:-1], self.out_features)
+                                       (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],
+                                                                                            self.out_features)
         if rows <= GEMV_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, K).to(torch.bfloat16), self.packed,
                                                            GROUP, self.scales_zeros)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
@@ -27,10 +28,11 @@ from localmoe.engine.linear import make_linear
 from localmoe.engine.mla import MLAttention
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
 from localmoe.engine.moe import MoEBlock
-from localmoe.engine.quantized import BlockQuantized
+from localmoe.engine.quantized import BlockLinear, BlockQuantized
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
+from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.rms_norm import add_rms_norm
 
@@ -67,6 +69,18 @@ def moe_block(spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dt
 MLPS = {"dense": GatedMLP.from_weights, "moe": moe_block, "latent_moe": moe_block}  # latent: from its weights
 
 
+def _head(weight, dtype: str):
+    """The lm_head, never run on int8-rounded activations: its logits pick the token, and on the
+    embedded SmolLM2 a Q8_0 head on rounded inputs changed the greedy answer. A GGUF Q8_0 head keeps
+    its blocks with fp32 activations (kernels/ggml_gemv exact_x: 30 instead of 56 MB per token as
+    bf16); another block-quantised head is dequantised (Linear: fp32 or bf16 weights)."""
+    if isinstance(weight, BlockQuantized):
+        if weight.ggml_type == GGMLQuantizationType.Q8_0 and dtype == "auto" and ggml_gemv.kernel_available():
+            return BlockLinear([weight], None, exact_x=True)
+        weight = weight.float()
+    return make_linear([weight], None, dtype)
+
+
 class Transformer:
     """Embedding -> N x (RMSNorm, mixer, RMSNorm, MLP) -> RMSNorm -> lm_head. fp32 activations."""
 
@@ -81,11 +95,7 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = weights["embed_tokens.weight"].float()
-        # The head never runs on int8-rounded activations (kernels/ggml_gemv): its logits pick the token,
-        # and on the embedded SmolLM2 a Q8_0 head with rounded inputs changed the greedy answer. A
-        # GGUF block-quantised head is dequantised (Linear: fp32 or bf16 weights, fp32 activations).
-        head = weights.get("lm_head.weight", self.embed)
-        self.lm_head = make_linear([head.float() if isinstance(head, BlockQuantized) else head], None, config.dtype)
+        self.lm_head = _head(weights.get("lm_head.weight", weights["embed_tokens.weight"]), config.dtype)
         self.norm = weights["norm.weight"].float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")

@@ -47,6 +47,18 @@ def test_codes_scales_zeros_reproduce_the_dequantised_weight():
         assert torch.allclose(rebuilt, part.float(), rtol=0, atol=1e-7)
 
 
+@pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
+def test_q8_0_blocks_with_fp32_activations_match_the_dequantised_weight():
+    """exact_x (the lm_head): x is not rounded, so the result is x W^T with the file's Q8_0 values to
+    fp32 rounding; 4-bit blocks refuse it."""
+    part = _synthetic(Q.Q8_0, 64, 256, 8)
+    x = torch.randn(2, 256, dtype=torch.float64)
+    got = BlockLinear([part], None, exact_x=True)(x.float())
+    assert _rel_rms(got.double(), x @ part.float().double().T) < 1e-6
+    with pytest.raises(ValueError, match="Q8_0"):
+        BlockLinear([_synthetic(Q.Q4_1, 32, 64, 9)], None, exact_x=True)
+
+
 def test_make_linear_keeps_blocks_only_in_auto_mode():
     parts = [_synthetic(Q.Q4_1, 32, 64, 4)]
     assert isinstance(make_linear(parts, None, "auto"), BlockLinear)
@@ -64,7 +76,8 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     assert isinstance(loaded.model.layers[0][3].gate_up, BlockLinear)
     from localmoe.engine.sampler import SamplingParams
 
-    assert type(loaded.model.lm_head) is Linear  # the head keeps fp32 activations (engine/transformer.py)
+    head = loaded.model.lm_head  # the tied Q8_0 embedding, on fp32 activations (engine/transformer.py _head)
+    assert (head.ggml_type, head.exact_x) == (Q.Q8_0, True) if ggml_gemv.kernel_available() else type(head) is Linear
     assert "Paris" in loaded.generate("What is the capital of France?", SamplingParams(temperature=0), 32).text
     from localmoe.engine.decode_plan import DecodePlan
 

@@ -34,6 +34,20 @@ def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 5])
+def test_q8_0_with_fp32_x_matches_float64(N, close):
+    """exact_x: Q8_0 blocks against x as it is (no rounding), for the lm_head."""
+    raw = _weight(Q.Q8_0, 40, 576, seed=10)
+    x = torch.randn(N, 576, generator=torch.Generator().manual_seed(11))
+    x[:, 3] *= 25
+    got = ggml_gemv(x, raw, Q.Q8_0, (40, 576), exact_x=True)
+    close(got, naive_ggml_gemv(x.double(), raw, Q.Q8_0, (40, 576), exact_x=True), 2e-6, "q8_0 fp32 x")
+    assert not torch.allclose(got, ggml_gemv(x, raw, Q.Q8_0, (40, 576)), rtol=1e-4)  # not the int8 path
+    with pytest.raises(ValueError, match="Q8_0"):
+        ggml_gemv(x, _weight(Q.Q4_0, 8, 576, seed=12), Q.Q4_0, (8, 576), exact_x=True)
+
+
+@needs_cpu_kernel
 def test_independent_of_threads_and_of_the_other_tokens():
     raw = _weight(Q.Q4_1, 200, 576, seed=1)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(2))
