@@ -58,7 +58,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
                     _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int), None),
     "gqa_step_scratch": ((_i64, _i64, _i64), _i64),
     "gqa_step": ((_ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                  _ptr, _f32, _ptr, _int, _ptr, _ptr, _ptr, _int), None),
+                  _ptr, _f32, _ptr, _ptr, _f32, _ptr, _int, _ptr, _ptr, _ptr, _int), None),
     "add_rms_norm": ((_ptr, _ptr, _ptr, _i64, _i64, _f32, _ptr), None),
     "decode_gqa_moe": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _f32, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
                         _ptr, _int), None),

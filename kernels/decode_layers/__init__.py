@@ -46,7 +46,8 @@ GGML_MATRIX_TYPES = (2, 3, 8)
 class DenseLayer(ctypes.Structure):
     """layers_cpu.cpp `struct DenseLayer`, field for field."""
 
-    _fields_ = [("attn_norm", _p), ("qkv", Matrix), ("o", Matrix), ("sinks", _p), ("kpool", _p), ("vpool", _p),
+    _fields_ = [("attn_norm", _p), ("qkv", Matrix), ("o", Matrix), ("q_norm", _p), ("k_norm", _p), ("sinks", _p),
+                ("kpool", _p), ("vpool", _p),
                 ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("rot", _i), ("head_stride", _i), ("window", _i),
                 ("scale", _f), ("mlp_norm", _p), ("gate_up", Matrix), ("down", Matrix)]
 
@@ -118,7 +119,7 @@ class GqaMoeDecoder(_Pools):
 
 class DenseDecoder(_Pools):
     """`decode_dense` bound to a model's layers. Each entry of `layers` is a dict with attn_norm and
-    mlp_norm (fp32 [hidden]), sinks ([H] fp32 or None), the attention's shape (heads, kv_heads,
+    mlp_norm (fp32 [hidden]), sinks ([H] fp32 or None), q_norm and k_norm ([head_dim] fp32 or None), the attention's shape (heads, kv_heads,
     head_dim, rot, window, scale) and four matrices qkv, o, gate_up ([gate; up] rows), down, each a
     tuple (data tensor, type: MATRIX_TYPES value or GGML_MATRIX_TYPES, rows, cols, bias or None).
     The tensors are held here, so the pointers stay valid."""
@@ -130,6 +131,7 @@ class DenseDecoder(_Pools):
         attn_floats = widest = mlp = 0
         for c, d in zip(self.layers, layers):
             c.attn_norm, c.mlp_norm, c.sinks = _ptr(d["attn_norm"]), _ptr(d["mlp_norm"]), _ptr(d["sinks"])
+            c.q_norm, c.k_norm = _ptr(d["q_norm"]), _ptr(d["k_norm"])
             for name in ("heads", "kv_heads", "head_dim", "rot", "window"):
                 setattr(c, name, int(d[name]))
             c.scale = d["scale"]

@@ -20,8 +20,9 @@ extern "C" {
 void add_rms_norm(float* x, const float* delta, const float* weight, int64_t N, int64_t D, float eps, float* out);
 void gqa_step(const float* x, int64_t hidden, const void* wqkv, int qkv_bf16, const float* bqkv, int64_t H,
               int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool, float* vpool,
-              int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const void* wo,
-              int o_bf16, const float* bo, float* out, float* scratch, int threads);
+              int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const float* q_norm,
+              const float* k_norm, float eps, const void* wo, int o_bf16, const float* bo, float* out,
+              float* scratch, int threads);
 void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
                       int scoring, int renormalize, float scaling, const float* x, int64_t N, int64_t D, int64_t I,
                       int64_t k, const int64_t* table, int64_t E, int glu, float p0, float p1, float* out,
@@ -62,8 +63,8 @@ void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t
     const Layer& L = layers[l];
     const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
     gqa_step(h, D, L.wqkv, static_cast<int>(L.qkv_bf16), L.bqkv, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin,
-             L.kpool, L.vpool, L.head_stride, pos, first, L.sinks, L.scale, L.wo, static_cast<int>(L.o_bf16), L.bo,
-             delta, attn_scratch, threads);
+             L.kpool, L.vpool, L.head_stride, pos, first, L.sinks, L.scale, nullptr, nullptr, 0.0f, L.wo,
+             static_cast<int>(L.o_bf16), L.bo, delta, attn_scratch, threads);
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
     std::memset(delta, 0, D * sizeof(float));
     mxfp4_moe_routed(h, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
@@ -78,6 +79,8 @@ void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t
 struct DenseLayer {
   const float* attn_norm;
   localmoe::Matrix qkv, o;
+  const float* q_norm;  // [head_dim] or null (Qwen3), eps the model's
+  const float* k_norm;
   const float* sinks;
   float* kpool;
   float* vpool;
@@ -110,7 +113,8 @@ void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int6
     const DenseLayer& L = layers[l];
     const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
     localmoe_gqa::attention_step(h, L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin, L.kpool, L.vpool,
-                                 L.head_stride, pos, first, L.sinks, L.scale, delta, attn_scratch, xq, threads);
+                                 L.head_stride, pos, first, L.sinks, L.scale, L.q_norm, L.k_norm, eps, delta,
+                                 attn_scratch, xq, threads);
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
     const int64_t I = L.gate_up.rows / 2;
     localmoe::matvec(L.gate_up, h, mlp, xq, threads);

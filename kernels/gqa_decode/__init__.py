@@ -23,12 +23,14 @@ StepKernel = cpu.StepKernel  # the type step_kernel_for returns
 
 def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None,
                     heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None,
-                    scale: float) -> cpu.StepKernel | None:
-    """The fused decode step for a layer of these weights (see cpu.StepKernel), or None where the CPU
-    kernel cannot take them (then run the step op by op)."""
-    if not cpu.StepKernel.takes(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks):
+                    scale: float, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                    eps: float = 0.0) -> cpu.StepKernel | None:
+    """The fused decode step for a layer of these weights (see cpu.StepKernel; q_norm / k_norm: Qwen3's
+    per-head RMSNorm before RoPE, with `eps`), or None where the CPU kernel cannot take them (then run
+    the step op by op)."""
+    if not cpu.StepKernel.takes(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, q_norm, k_norm):
         return None
-    return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale)
+    return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale, q_norm, k_norm, eps)
 
 
 __all__ = ["StepKernel", "gqa_decode", "naive_gqa_decode", "naive_gqa_step", "step_kernel_for"]

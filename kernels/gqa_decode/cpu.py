@@ -43,17 +43,21 @@ class StepKernel:
     head) with room for `pos`, the position and the window's first key -> [..., hidden] fp32."""
 
     def __init__(self, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None,
-                 heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None, scale: float):
+                 heads: int, kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None, scale: float,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0):
         self.wqkv, self.bqkv, self.wo, self.bo, self.sinks = wqkv, bqkv, wo, bo, sinks
+        self.q_norm, self.k_norm, self.eps = q_norm, k_norm, eps
         self.heads, self.kv_heads, self.head_dim, self.rot, self.scale = heads, kv_heads, head_dim, rot, scale
         self.hidden = wo.shape[0]
         self.scratch_floats = library().gqa_step_scratch(heads, kv_heads, head_dim)
 
     @staticmethod
     def takes(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Tensor, bo: torch.Tensor | None, heads: int,
-              kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None) -> bool:
+              kv_heads: int, head_dim: int, rot: int, sinks: torch.Tensor | None,
+              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> bool:
         """Whether the kernel can run a layer of these weights (contiguous fp32/bf16 CPU matrices of the
-        right shapes, fp32 biases and sinks, D % 8 == 0 and even rot) and the library is built."""
+        right shapes, fp32 biases, sinks and q/k norms (both or neither), D % 8 == 0 and even rot) and
+        the library is built."""
         rows = (heads + 2 * kv_heads) * head_dim
         return (library() is not None and head_dim % 8 == 0 and head_dim <= MAX_DIM and rot % 2 == 0
                 and 0 < rot <= head_dim and heads % kv_heads == 0
@@ -62,7 +66,9 @@ class StepKernel:
                 and all(w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" and w.is_contiguous()
                         for w in (wqkv, wo))
                 and all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
-                        for t in (bqkv, bo, sinks))
+                        for t in (bqkv, bo, sinks, q_norm, k_norm))
+                and (q_norm is None) == (k_norm is None)
+                and all(t is None or t.shape == (head_dim,) for t in (q_norm, k_norm))
                 and (bqkv is None or bqkv.shape == (rows,)) and (bo is None or bo.shape == (wo.shape[0],))
                 and (sinks is None or sinks.shape == (heads,)))
 
@@ -74,7 +80,9 @@ class StepKernel:
                            None if self.bqkv is None else self.bqkv.data_ptr(), self.heads, self.kv_heads,
                            self.head_dim, self.rot, cos.data_ptr(), signed_sin.data_ptr(), keys.data_ptr(),
                            values.data_ptr(), keys.stride(1), pos, first,
-                           None if self.sinks is None else self.sinks.data_ptr(), self.scale, self.wo.data_ptr(),
+                           None if self.sinks is None else self.sinks.data_ptr(), self.scale,
+                           None if self.q_norm is None else self.q_norm.data_ptr(),
+                           None if self.k_norm is None else self.k_norm.data_ptr(), self.eps, self.wo.data_ptr(),
                            int(self.wo.dtype == torch.bfloat16), None if self.bo is None else self.bo.data_ptr(),
                            out.data_ptr(), scratch.data_ptr(), threads())
         return out

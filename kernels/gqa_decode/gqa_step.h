@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "../_cpu/matrix.h"
@@ -21,18 +22,30 @@ inline void rope(float* x, int64_t rot, const float* cos, const float* ssin) {
   }
 }
 
+// x [D] <- x * rsqrt(mean(x^2) + eps) * w (Qwen3's per-head q/k norm).
+inline void head_rms_norm(float* x, int64_t D, const float* w, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < D; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  for (int64_t i = 0; i < D; ++i) x[i] = x[i] * r * w[i];
+}
+
 // Floats of `scratch` attention_step needs.
 inline int64_t step_scratch(int64_t H, int64_t Hkv, int64_t D) { return (2 * H + 2 * Hkv) * D; }
 
-// out [hidden] = o(attention(rope(qkv x))) with k, v written at `pos` of the pools (head h's position
-// s at h * head_stride + s * D); xq: matvec scratch for GGUF-block matrices (null for fp32/bf16).
+// out [hidden] = o(attention(rope(norm(qkv x)))) with k, v written at `pos` of the pools (head h's
+// position s at h * head_stride + s * D); q_norm / k_norm [D]: per-head RMSNorm of q and k before
+// RoPE (null: none), eps theirs; xq: matvec scratch for GGUF-block matrices (null for fp32/bf16).
 inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const localmoe::Matrix& o_w, int64_t H,
                            int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool,
                            float* vpool, int64_t head_stride, int64_t pos, int64_t first, const float* sinks,
-                           float scale, float* out, float* scratch, void* xq, int threads) {
+                           float scale, const float* q_norm, const float* k_norm, float eps, float* out,
+                           float* scratch, void* xq, int threads) {
   float* qkv = scratch;                        // [(H + 2 Hkv) D]
   float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
   localmoe::matvec(qkv_w, x, qkv, xq, threads);
+  if (q_norm != nullptr)
+    for (int64_t h = 0; h < H + Hkv; ++h) head_rms_norm(qkv + h * D, D, h < H ? q_norm : k_norm, eps);
   for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
   for (int64_t h = 0; h < Hkv; ++h) {
     std::copy_n(qkv + (H + h) * D, D, kpool + h * head_stride + pos * D);

@@ -31,17 +31,22 @@ def naive_gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 def naive_gqa_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, heads: int, kv_heads: int,
                    rot: int, cos: torch.Tensor, signed_sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    pos: int, first: int, sinks: torch.Tensor | None, scale: float, wo: torch.Tensor,
-                   bo: torch.Tensor | None) -> torch.Tensor:
+                   bo: torch.Tensor | None, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
     """One attention decode step of one sequence, computed in x's dtype (fp32, or float64 for tests).
 
     x [hidden]; wqkv [(H + 2 Hkv) D, hidden] (rows q | k | v), bqkv or None; q and k heads rotated on
     their first `rot` dims: x * cos + rotate_half(x) * signed_sin (tables [rot] at this position,
-    engine/rope.py); k, v written into keys/values [Hkv, >pos, D] at `pos`; attention of each q head
+    engine/rope.py), after a per-head RMSNorm by q_norm / k_norm [D] when given (Qwen3; eps theirs);
+    k, v written into keys/values [Hkv, >pos, D] at `pos`; attention of each q head
     over keys first..pos with `sinks` [H] (naive_gqa_decode); then wo [hidden, H D], bo. -> [hidden]."""
     dt = x.dtype
     D = keys.shape[-1]
     qkv = x @ wqkv.to(dt).T + (0 if bqkv is None else bqkv.to(dt))
     qk, v = qkv[:(heads + kv_heads) * D].view(heads + kv_heads, D), qkv[(heads + kv_heads) * D:].view(kv_heads, D)
+    if q_norm is not None:
+        w = torch.cat([q_norm.to(dt).expand(heads, D), k_norm.to(dt).expand(kv_heads, D)])
+        qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps) * w
     r = qk[:, :rot]
     qk = torch.cat([r * cos.to(dt) + torch.roll(r, rot // 2, dims=-1) * signed_sin.to(dt), qk[:, rot:]], dim=-1)
     keys[:, pos], values[:, pos] = qk[heads:].to(keys.dtype), v.to(values.dtype)

@@ -26,15 +26,17 @@ int64_t gqa_step_scratch(int64_t H, int64_t Hkv, int64_t D) { return localmoe_gq
 // out [hidden] = the layer's attention output for x [hidden] at cache position pos (see the top of
 // this file). wqkv [(H + 2 Hkv) D, hidden] and wo [hidden, H D] are fp32, or bf16 bits where
 // qkv_bf16 / o_bf16; biases fp32 or null; cos/ssin [rot]; kpool/vpool: head h's position s at
-// h * head_stride + s * D, fp32, room for pos; sinks [H] or null.
+// h * head_stride + s * D, fp32, room for pos; sinks [H] or null; q_norm / k_norm [D] or null (both or
+// neither) with their eps.
 void gqa_step(const float* x, int64_t hidden, const void* wqkv, int qkv_bf16, const float* bqkv, int64_t H,
               int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool, float* vpool,
-              int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const void* wo,
-              int o_bf16, const float* bo, float* out, float* scratch, int threads) {
+              int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const float* q_norm,
+              const float* k_norm, float eps, const void* wo, int o_bf16, const float* bo, float* out,
+              float* scratch, int threads) {
   const localmoe::Matrix qkv{wqkv, qkv_bf16 ? localmoe::kBF16 : localmoe::kF32, (H + 2 * Hkv) * D, hidden, bqkv};
   const localmoe::Matrix o{wo, o_bf16 ? localmoe::kBF16 : localmoe::kF32, hidden, H * D, bo};
   localmoe_gqa::attention_step(x, qkv, o, H, Hkv, D, rot, cos, ssin, kpool, vpool, head_stride, pos, first, sinks,
-                               scale, out, scratch, nullptr, threads);
+                               scale, q_norm, k_norm, eps, out, scratch, nullptr, threads);
 }
 
 }  // extern "C"

@@ -49,12 +49,13 @@ class GQAttention:
         self.head_sinks = None if sinks is None else sinks.float().contiguous()
         self.sinks = None if sinks is None else self.head_sinks.view(self.kv_heads, self.group, 1, 1)
         # one sequence's decode step in one kernel call (kernels/gqa_decode step_kernel_for), where the
-        # layer is plain: fp32/bf16 projections, full-head RoPE tables, no q/k norms or output gate
+        # layer is plain: fp32/bf16 projections, no output gate (q/k norms are in the kernel)
         self.fused_step = None
-        if q_norm is None and gate is None and isinstance(qkv, Linear) and isinstance(o_proj, Linear):
+        if gate is None and isinstance(qkv, Linear) and isinstance(o_proj, Linear):
+            norms = [None if n is None else n.float().contiguous() for n in (q_norm, k_norm)]
             self.fused_step = step_kernel_for(qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, self.heads,
                                               self.kv_heads, self.head_dim, self.rotary_dim, self.head_sinks,
-                                              self.scale)
+                                              self.scale, *norms, self.eps)
 
     @classmethod
     def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,

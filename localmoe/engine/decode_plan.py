@@ -5,7 +5,7 @@
   then a MoE block whose routing and resident MXFP4 experts go into one kernel call
   (MoEBlock.routed_table), without latent projection or shared expert. The decoder calls the same
   kernel entry points in the same order as the op-by-op step: the same bits.
-- GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2): attention without q/k norms or output gate,
+- GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, BlockLinear).
 Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
@@ -89,16 +89,19 @@ class DecodePlan:
             return None
         layers, parts = [], []
         for attn_norm, mixer, mlp_norm, mlp in model.layers:
-            if not (type(mixer) is GQAttention and type(mlp) is GatedMLP and mixer.q_norm is None
-                    and mixer.gate is None and mixer.head_dim % 8 == 0 and mixer.head_dim <= 512
-                    and mixer.rotary_dim % 2 == 0 and 0 < mixer.rotary_dim <= mixer.head_dim
-                    and _fp32_vectors(mixer.head_sinks)):
+            if not (type(mixer) is GQAttention and type(mlp) is GatedMLP):
+                return None
+            norms = [None if n is None else n.float().contiguous() for n in (mixer.q_norm, mixer.k_norm)]
+            if not ((norms[0] is None) == (norms[1] is None) and mixer.gate is None and mixer.head_dim % 8 == 0
+                    and mixer.head_dim <= 512 and mixer.rotary_dim % 2 == 0 and 0 < mixer.rotary_dim <= mixer.head_dim
+                    and _fp32_vectors(mixer.head_sinks) and mixer.eps == model.eps):
                 return None
             matrices = {name: _matrix(linear) for name, linear in
                         (("qkv", mixer.qkv), ("o", mixer.o_proj), ("gate_up", mlp.gate_up), ("down", mlp.down))}
             if any(m is None or not _fp32_vectors(m[4]) for m in matrices.values()):
                 return None
             layers.append({"attn_norm": attn_norm, "mlp_norm": mlp_norm, "sinks": mixer.head_sinks,
+                           "q_norm": norms[0], "k_norm": norms[1],
                            "heads": mixer.heads, "kv_heads": mixer.kv_heads, "head_dim": mixer.head_dim,
                            "rot": mixer.rotary_dim, "window": mixer.window, "scale": mixer.scale, **matrices})
             parts += [(mixer, "qkv", mixer.qkv), (mixer, "o_proj", mixer.o_proj), (mlp, "gate_up", mlp.gate_up),

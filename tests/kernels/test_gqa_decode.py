@@ -108,16 +108,20 @@ def _step_case(H, Hkv, D, rot, pos, seed, wdtype=torch.float32, bias=True, sinks
                                                    (4, 1, 8, 8, 5, 3)], ids=["pos0", "partial-rope", "window", "mqa"])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("extras", [True, False], ids=["bias-sinks", "plain"])
-def test_fused_step_matches_float64(H, Hkv, D, rot, pos, first, wdtype, extras, close):
-    """The fused decode step (QKV GEMV, RoPE, cache write, attention, output GEMV in one call) against the
-    reference step in float64 on the same (bf16-valued) weights: output and the written cache rows."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qknorm"])
+def test_fused_step_matches_float64(H, Hkv, D, rot, pos, first, wdtype, extras, qk_norm, close):
+    """The fused decode step (QKV GEMV, q/k norms, RoPE, cache write, attention, output GEMV in one call)
+    against the reference step in float64 on the same (bf16-valued) weights: output and the written
+    cache rows."""
     x, wqkv, bqkv, wo, bo, cos, sin, pool, sink = _step_case(H, Hkv, D, rot, pos, seed=pos + D, wdtype=wdtype,
                                                              bias=extras, sinks=extras)
-    kernel = step_kernel_for(wqkv, bqkv, wo, bo, H, Hkv, D, rot, sink, D ** -0.5)
+    g = torch.Generator().manual_seed(D)
+    norms = (1 + 0.3 * torch.randn(D, generator=g), 1 + 0.3 * torch.randn(D, generator=g)) if qk_norm else (None, None)
+    kernel = step_kernel_for(wqkv, bqkv, wo, bo, H, Hkv, D, rot, sink, D ** -0.5, *norms, 1e-6)
     assert kernel is not None
     want_pool = pool.double()[:, 0].clone()
     want = naive_gqa_step(x.view(-1).double(), wqkv, bqkv, H, Hkv, rot, cos, sin, want_pool[0], want_pool[1], pos,
-                          first, sink, D ** -0.5, wo, bo)
+                          first, sink, D ** -0.5, wo, bo, *norms, 1e-6)
     got = kernel(x, cos, sin, pool[0], pool[1], pos, first)
     close(got.view(-1), want, 2e-6, "step output")
     close(pool[:, 0, :, pos], want_pool[:, :, pos], 2e-6, "written k, v")
@@ -130,6 +134,7 @@ def test_fused_step_declines_what_it_cannot_run():
     assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 12, 12, sink, 0.25) is None  # rows != (H + 2 Hkv) D
     assert step_kernel_for(wqkv, bqkv.double(), wo, bo, 4, 2, 16, 16, sink, 0.25) is None
     assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 16, 15, sink, 0.25) is None  # odd rotary dims
+    assert step_kernel_for(wqkv, bqkv, wo, bo, 4, 2, 16, 16, sink, 0.25, torch.ones(16), None) is None  # q norm alone
 
 
 def test_reference_step_rotates_like_the_engine():
