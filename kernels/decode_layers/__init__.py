@@ -120,9 +120,10 @@ class GqaMoeDecoder(_Pools):
 class DenseDecoder(_Pools):
     """`decode_dense` bound to a model's layers. Each entry of `layers` is a dict with attn_norm and
     mlp_norm (fp32 [hidden]), sinks ([H] fp32 or None), q_norm and k_norm ([head_dim] fp32 or None),
-    the attention's shape (heads, kv_heads, head_dim, rot, window, scale) and four matrices qkv, o, gate_up ([gate; up] rows), down, each a
-    tuple (data tensor, type: MATRIX_TYPES value or GGML_MATRIX_TYPES, rows, cols, bias or None).
-    The tensors are held here, so the pointers stay valid."""
+    the attention's shape (heads, kv_heads, head_dim, rot, window, scale) and four matrices qkv, o,
+    gate_up ([gate; up] rows), down, each a tuple (data tensor, type: MATRIX_TYPES value or
+    GGML_MATRIX_TYPES, rows, cols, bias or None). The tensors are held here, so the pointers stay
+    valid."""
 
     def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float):
         self.held = [layers, final_norm]
