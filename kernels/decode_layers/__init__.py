@@ -1,6 +1,6 @@
 """Every layer of a model for one decode token in one kernel call (layers_cpu.cpp), for the engine's
 single-sequence decode: `GqaMoeDecoder` for GQA + routed-MXFP4-MoE models (gpt-oss),
-`DenseDecoder` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2).
+`DenseDecoder` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2, Qwen3).
 
 They string together kernels that have their own references and tests (rms_norm, the fused
 gqa_decode step, mxfp4_routed_moe, the dense and GGUF-block GEMVs) in the order the engine runs

@@ -1,5 +1,6 @@
 // Every layer of a model for one decode token, in one call: `decode_gqa_moe` for GQA + routed-MXFP4-MoE
-// models (gpt-oss), `decode_dense` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2).
+// models (gpt-oss), `decode_dense` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2,
+// Qwen3 with its per-head q/k norms).
 //
 // Per layer, with x the residual stream [D] and h its normed copy:
 //   h = add_rms_norm(x, -, attn_norm)                       (first layer only; later ones get h below)
