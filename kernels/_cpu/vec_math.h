@@ -57,4 +57,34 @@ inline __m256 tanh_ps(__m256 x) {
   return _mm256_blendv_ps(small, large, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_GE_OQ));
 }
 
+// 32 consecutive floats (one quantisation block of activations) in four vectors, with their largest
+// magnitude and whether all of them are finite: what each activation quantiser starts from.
+struct Block32 {
+  __m256 v[4];
+  float top;
+  bool finite;
+};
+
+inline Block32 load_block32(const float* x) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  Block32 b;
+  __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    b.v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(b.v[j], abs_mask));
+    bad = _mm256_or_ps(bad, _mm256_mul_ps(b.v[j], _mm256_setzero_ps()));  // NaN where x is NaN or Inf
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  b.top = _mm_cvtss_f32(m);
+  b.finite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) == 0;
+  return b;
+}
+
+// round(v * inv) to nearest even, as int32 (the int8 activation codes before narrowing).
+inline __m256i round_scaled(__m256 v, __m256 inv) {
+  return _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 }  // namespace localmoe

@@ -33,13 +33,9 @@ inline float half(const uint8_t* p) {
 // One token: x [K] -> xq [K / 32]. A block holding NaN or Inf gets d = NaN.
 inline void quantize(const float* x, int64_t nb, BlockX* xq) {
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kBlock;
-    float top = 0.0f;
-    bool finite = true;
-    for (int j = 0; j < kBlock; ++j) {
-      finite &= std::isfinite(xb[j]);
-      top = std::max(top, std::fabs(xb[j]));
-    }
+    const localmoe::Block32 blk = localmoe::load_block32(x + b * kBlock);
+    const float top = blk.top;
+    const bool finite = blk.finite;
     BlockX& o = xq[b];
     if (!finite || top == 0.0f) {
       o.d = finite ? 0.0f : std::nanf("");
@@ -50,11 +46,8 @@ inline void quantize(const float* x, int64_t nb, BlockX* xq) {
     const __m256 inv = _mm256_set1_ps(127.0f / top);
     int32_t sum = 0;
     for (int j = 0; j < 4; ++j) {
-      const __m256 v = _mm256_loadu_ps(xb + 8 * j);
       alignas(32) int32_t q[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q),
-                         _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v, inv),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), localmoe::round_scaled(blk.v[j], inv));
       for (int i = 0; i < 8; ++i) {
         o.q[8 * j + i] = static_cast<int8_t>(q[i]);
         sum += q[i];

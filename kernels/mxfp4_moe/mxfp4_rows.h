@@ -49,22 +49,13 @@ inline __m256 widen(__m128i v, __m256 s) { return _mm256_mul_ps(_mm256_cvtepi32_
 // int8 lo[32 * c + 16 * h + i] holds element 2i + c. A block holding NaN or Inf gets scale NaN.
 inline void quantize_row(const float* x, int64_t nb, PairX* xq) {
   std::memset(static_cast<void*>(xq), 0, (nb + 1) / 2 * sizeof(PairX));
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   constexpr int kHiPart[4] = {0, 2, 1, 3};  // element 4k + e%4 -> which of the 4 int16 vectors
   alignas(32) int32_t q[kBlock], r[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
-      bad = _mm256_or_ps(bad, _mm256_mul_ps(v[j], _mm256_setzero_ps()));  // NaN where x is NaN or Inf
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float top = _mm_cvtss_f32(m);
-    const bool finite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) == 0;
+    const localmoe::Block32 blk = localmoe::load_block32(x + b * kBlock);
+    const __m256* v = blk.v;
+    const float top = blk.top;
+    const bool finite = blk.finite;
     PairX& px = xq[b / 2];
     const int h = static_cast<int>(b & 1);
     const float step = top / 32767.0f;
@@ -214,30 +205,19 @@ struct alignas(32) PairQ8 {
 // block holding NaN or Inf gets scale NaN.
 inline void quantize_row_q8(const float* x, int64_t nb, PairQ8* xq) {
   std::memset(static_cast<void*>(xq), 0, (nb + 1) / 2 * sizeof(PairQ8));
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   alignas(32) int32_t q[kBlock];
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
-      bad = _mm256_or_ps(bad, _mm256_mul_ps(v[j], _mm256_setzero_ps()));  // NaN where x is NaN or Inf
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    const float top = _mm_cvtss_f32(m);
-    const bool finite = _mm256_movemask_ps(_mm256_cmp_ps(bad, bad, _CMP_UNORD_Q)) == 0;
+    const localmoe::Block32 blk = localmoe::load_block32(x + b * kBlock);
+    const __m256* v = blk.v;
+    const float top = blk.top;
+    const bool finite = blk.finite;
     PairQ8& px = xq[b / 2];
     const int h = static_cast<int>(b & 1);
     for (int j = 0; j < 4; ++j) px.scale[4 * h + j] = finite ? top / 127.0f : std::nanf("");
     if (!finite || top == 0.0f) continue;
     const __m256 inv = _mm256_set1_ps(127.0f / top);
     for (int j = 0; j < 4; ++j)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j),
-                         _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
-                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), localmoe::round_scaled(v[j], inv));
     for (int e = 0; e < kBlock; ++e) {
       px.q[32 * (e % 2) + 16 * h + e / 2] = static_cast<int8_t>(q[e]);  // |q| <= 127 by construction
       px.bias[4 * h + e / 8] += 12 * q[e];
