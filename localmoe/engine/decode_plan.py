@@ -49,9 +49,10 @@ class DecodePlan:
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
-        if model.residuals is not None or not decode_layers.available() or not model.layers:
-            return None
-        if not _fp32_vectors(model.norm, *(t for norm, _, mlp_norm, _ in model.layers for t in (norm, mlp_norm))):
+        """The plan, or None. The Transformer tries again at every decode step while there is none, so
+        each form stops at the first layer that does not qualify (a few microseconds)."""
+        if (model.residuals is not None or not decode_layers.available() or not model.layers
+                or not _fp32_vectors(model.norm)):
             return None
         if isinstance(model.layers[0][3], MoEBlock):
             return cls._moe(model)
@@ -62,7 +63,7 @@ class DecodePlan:
         layers, parts = [], []
         for attn_norm, mixer, mlp_norm, block in model.layers:
             if not (isinstance(mixer, GQAttention) and isinstance(mixer.fused_step, StepKernel)
-                    and isinstance(block, MoEBlock)):
+                    and isinstance(block, MoEBlock) and _fp32_vectors(attn_norm, mlp_norm)):
                 return None
             table = block.routed_table(1)
             if table is None or block.latent is not None or block.shared is not None:
@@ -89,7 +90,7 @@ class DecodePlan:
             return None
         layers, parts = [], []
         for attn_norm, mixer, mlp_norm, mlp in model.layers:
-            if not (type(mixer) is GQAttention and type(mlp) is GatedMLP):
+            if not (type(mixer) is GQAttention and type(mlp) is GatedMLP and _fp32_vectors(attn_norm, mlp_norm)):
                 return None
             norms = [None if n is None else n.float().contiguous() for n in (mixer.q_norm, mixer.k_norm)]
             if not ((norms[0] is None) == (norms[1] is None) and mixer.gate is None and mixer.head_dim % 8 == 0

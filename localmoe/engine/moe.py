@@ -126,8 +126,8 @@ class Router:
         self.correction_bias = None if correction_bias is None else correction_bias.float()
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rule.n_group == 1 and self.linear.weight.dtype == torch.float32:
-            # the kernels' routing (the same bits as inside the fused routed-experts call), else torch
+        if self.rule.n_group == 1:
+            # the kernels' routing (the same bits as inside the fused routed-experts call; torch off the CPU)
             rule = self.rule
             return route_experts(x, self.linear.weight, self.linear.bias, self.correction_bias, rule.scoring,
                                  rule.top_k, rule.renormalize, rule.scaling)
@@ -222,8 +222,7 @@ class MoEBlock:
         plain Router (not wrapped by paging hooks, which must see each routing) without group-limited
         top-k, kernel experts all resident, a decode-sized call; else None."""
         if (type(self.router) is not Router or self.router.rule.n_group > 1 or tokens > GEMV_MAX_TOKENS
-                or not isinstance(self.act, ExpertGLU) or not hasattr(self.experts, "kernel_table")
-                or self.router.linear.weight.dtype != torch.float32):
+                or not isinstance(self.act, ExpertGLU) or not hasattr(self.experts, "kernel_table")):
             return None
         return self.experts.kernel_table(self.layer)
 
