@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 KERNELS = Path(__file__).resolve().parent.parent
-HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h",
-           KERNELS / "mxfp4_moe" / "route.h", KERNELS / "dense_gemv" / "dense_rows.h",
-           KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "ggml_gemv" / "ggml_rows.h", KERNELS / "_cpu" / "matrix.h",
-           KERNELS / "gqa_decode" / "gqa_step.h")
+HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "_cpu" / "glu.h",
+           KERNELS / "_cpu" / "matrix.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h", KERNELS / "mxfp4_moe" / "route.h",
+           KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "ggml_gemv" / "ggml_rows.h",
+           KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../_cpu/glu.h"
 #include "../gqa_decode/gqa_step.h"
 
 extern "C" {
@@ -91,16 +92,6 @@ struct DenseLayer {
   localmoe::Matrix gate_up, down;
 };
 
-// g [I] <- silu(g) * u.
-static inline void silu_mul(float* g, const float* u, int64_t I) {
-  int64_t i = 0;
-  for (; i + 8 <= I; i += 8) {
-    const __m256 v = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_mul_ps(v, localmoe::sigmoid_ps(v)), _mm256_loadu_ps(u + i)));
-  }
-  for (; i < I; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-}
-
 // Bytes of the `xq` scratch decode_dense needs for inputs of up to K values.
 int64_t decode_dense_xq_bytes(int64_t K) { return localmoe::matvec_scratch(K); }
 
@@ -119,7 +110,7 @@ void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int6
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
     const int64_t I = L.gate_up.rows / 2;
     localmoe::matvec(L.gate_up, h, mlp, xq, threads);
-    silu_mul(mlp, mlp + I, I);
+    localmoe::glu_rows(localmoe::kSwiGLU, mlp, mlp + I, I, 0.0f, 0.0f);  // silu(gate) * up
     localmoe::matvec(L.down, mlp, delta, xq, threads);
     add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
   }
