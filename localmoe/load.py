@@ -232,6 +232,9 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
             family, spec, weights, tokenizer = _read_hf_dir(path, progress)
     else:
         family, spec, weights, tokenizer = _read_gguf(path, config, progress)
+    if experts is None and config.gpu_budget:
+        raise LocalMoEError(f"{path}: --gpu-mem holds routed experts of a packed store, and this model is not one "
+                            f"with experts; convert it (localmoe convert) or leave --gpu-mem at 0")
     model = family.build(spec, weights, config, experts) if experts is not None else family.build(spec, weights,
                                                                                                   config)
     if experts is not None:

@@ -80,20 +80,26 @@ def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, i
 class ExpertTable:
     """Some MXFP4 experts of one MoE layer as `mxfp4_moe` reads them: `experts` maps expert id to an
     object with .gate/.up/.down, each with .packed U8 and .scales U8 (canonical layout) and .bias
-    ([out], any float dtype) or None; `addresses` is the CPU kernel's int64 [E, 9] table (rows of
-    absent experts are 0), with biases as fp32 (converted here where they are not: exact from bf16).
-    The table holds every tensor it points to, so the addresses stay valid while it lives."""
+    ([out], any float dtype) or None, all on one `device`. On the CPU, `addresses` is the CPU kernel's
+    int64 [E, 9] table (rows of absent experts are 0), with biases as fp32 (converted here where they
+    are not: exact from bf16); the table holds every tensor it points to, so the addresses stay valid
+    while it lives. Elsewhere (a GPU slot) `addresses` stays zero and the dispatcher takes the
+    per-expert path, whose `mxfp4_linear` runs Triton on CUDA."""
 
     def __init__(self, experts: Mapping[int, object], num_experts: int):
         rows = torch.zeros(num_experts, 9, dtype=torch.int64)
         self.experts = dict(experts)
         first = next(iter(self.experts.values()))
         self.hidden, self.intermediate = first.gate.packed.shape[1] * 2, first.gate.packed.shape[0]
+        self.device = first.gate.packed.device
         self._held = []
         for e, w in self.experts.items():
-            if not self.holds(w) or w.gate.packed.shape[0] != self.intermediate or \
+            if not self.holds(w, self.device) or w.gate.packed.shape[0] != self.intermediate or \
                     w.down.packed.shape != (self.hidden, self.intermediate // 2):
-                raise ValueError(f"expert {e}: not MXFP4 experts of width {self.intermediate} over {self.hidden}")
+                raise ValueError(f"expert {e}: not MXFP4 experts of width {self.intermediate} over {self.hidden} "
+                                 f"on {self.device}")
+            if self.device.type != "cpu":
+                continue
             parts = [t for p in (w.gate, w.up, w.down)
                      for t in (p.packed, p.scales, None if p.bias is None else p.bias.float().contiguous())]
             self._held += [t for t in parts if t is not None]
@@ -101,11 +107,15 @@ class ExpertTable:
         self.addresses = rows
 
     @staticmethod
-    def holds(w) -> bool:
-        """Whether expert weights `w` are MXFP4 in the form the kernels take (contiguous CPU codes)."""
+    def holds(w, device: str | torch.device = "cpu") -> bool:
+        """Whether expert weights `w` are MXFP4 in the form the kernels take: contiguous U8 codes and
+        scales and float biases, on `device` (type "cpu" or "cuda", or an exact torch.device)."""
+        def on(t: torch.Tensor) -> bool:
+            return t.device == device if isinstance(device, torch.device) else t.device.type == device
+
         return all(p.packed is not None and p.scales is not None and p.packed.dtype == p.scales.dtype == torch.uint8
-                   and p.packed.is_contiguous() and p.scales.is_contiguous() and p.packed.device.type == "cpu"
-                   and (p.bias is None or p.bias.is_floating_point()) for p in (w.gate, w.up, w.down))
+                   and p.packed.is_contiguous() and p.scales.is_contiguous() and on(p.packed) and on(p.scales)
+                   and (p.bias is None or (p.bias.is_floating_point() and on(p.bias))) for p in (w.gate, w.up, w.down))
 
 
 def _check_precision(precision: str) -> None:
@@ -121,7 +131,7 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
     (reference.glu); `precision` in PRECISIONS. Returns out."""
     _check_precision(precision)
     if (x.shape[0] <= GEMV_MAX_TOKENS and x.dtype == out.dtype == torch.float32 and x.device.type == "cpu"
-            and out.is_contiguous() and ids.dtype == torch.int64 and cpu.library() is not None):
+            and table.device.type == "cpu" and out.is_contiguous() and ids.dtype == torch.int64 and cpu.library() is not None):
         return cpu.moe(x.contiguous(), ids.contiguous(), weights.float().contiguous(), table.addresses,
                        table.intermediate, GLU_KINDS.index(kind), params, out, -1 if only is None else only,
                        q8=precision == "q8")
@@ -161,7 +171,7 @@ def mxfp4_routed_moe(router_x: torch.Tensor, router_weight: torch.Tensor, router
     weights, ids)."""
     _check_precision(precision)
     if (_routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction, x, out)
-            and table.addresses.shape[0] == router_weight.shape[0]):
+            and table.device.type == "cpu" and table.addresses.shape[0] == router_weight.shape[0]):
         return cpu.moe_routed(router_x, router_weight, router_bias, correction, SCORINGS.index(scoring), top_k,
                               renormalize, scaling, x, table.addresses, table.intermediate, GLU_KINDS.index(kind),
                               params, out, precision == "q8")

@@ -37,8 +37,14 @@ def command(store, ram, gpu_mem, trace_path):
     fits = " (every expert fits: only first reads miss)" if slots == experts else ""
     click.echo(f"RAM tier: {slots} slots = {slots * slot / 1e9:.2f} GB ({slots * slot / total:.0%} of the experts)"
                + fits)
+    gpu_slots = 0
     if gpu_budget and bw.pcie:
-        click.echo(f"GPU tier: {gpu_budget // slot} slots per GPU")
+        import torch
+
+        gpus = torch.cuda.device_count()
+        gpu_slots = gpu_budget // slot * gpus
+        click.echo(f"GPU tier: {gpu_budget // slot} slots per GPU x {gpus} GPU(s), layers split into {gpus} "
+                   f"contiguous runs; GPU expert compute {bw.gpu_expert / 1e9:.1f} GB/s")
     elif gpu_budget:
         click.echo("GPU tier: none (no CUDA device)")
     click.echo(f"measured: disk {bw.disk / 1e9:.2f} GB/s (4 parallel O_DIRECT reads), CPU expert compute "
@@ -58,8 +64,11 @@ def command(store, ram, gpu_mem, trace_path):
     for label, trace in traces:
         r = compare(trace, max(slots, 1))
         rates = ", ".join(f"{p} {x.hit_rate:.0%}" for p, x in r.items())
-        tps = predict_decode(active, slot, r["lfru"].hit_rate, bw, overlap=0.5)
-        click.echo(f"{label}: hit rates {rates}; predicted decode {tps:.2f} tok/s (lfru, half the reads overlapped)")
+        gpu_rate = compare(trace, gpu_slots)["lfru"].hit_rate if gpu_slots else 0.0
+        tps = predict_decode(active, slot, r["lfru"].hit_rate, bw, overlap=0.5, gpu_hit_rate=gpu_rate)
+        on_gpu = f", GPU hits {gpu_rate:.0%}" if gpu_slots else ""
+        click.echo(f"{label}: hit rates {rates}{on_gpu}; predicted decode {tps:.2f} tok/s (lfru, half the reads "
+                   f"overlapped)")
 
 
 def main() -> None:

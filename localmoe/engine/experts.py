@@ -58,6 +58,10 @@ class Projection:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.packed, self.scales, self.weight, self.bias) if t is not None)
 
+    @property
+    def device(self) -> torch.device:
+        return (self.weight if self.weight is not None else self.packed).device
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertWeights:
@@ -78,6 +82,11 @@ class ExpertWeights:
 
     def nbytes(self) -> int:
         return self.gate.nbytes() + self.up.nbytes() + self.down.nbytes()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the expert's tensors are, and so where it is computed (host RAM or a GPU slot)."""
+        return self.gate.device
 
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) [N, I] -> [N, I]
@@ -101,6 +110,9 @@ class ExpertProvider(Protocol):
 
     # Optional: `kernel_table(layer) -> ExpertTable | None`, every expert of the layer valid at once in
     # the MoE kernel's form (kernels/mxfp4_moe), so a layer runs in one kernel call (resident providers).
+    # Optional: `placed(layer, expert, tokens) -> (ExpertWeights, tier)` in place of `get`: the weights
+    # in the tier to compute the expert in for `tokens` tokens, "ram" (the CPU) or a GPU tier "gpuN"
+    # (a pager with GPU tiers; the weights are then on that GPU).
 
 
 class ResidentExperts:

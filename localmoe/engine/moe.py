@@ -148,6 +148,10 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     expert as the provider hands them out; both add experts in increasing id, so the bits are the
     same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched
     once each, run on all of their tokens as one matrix and added in the same order.
+
+    A provider with `placed` (a pager with GPU tiers) hands each expert out with the tier to compute it
+    in; experts of a GPU tier run on its device, on the layer's tokens copied there once, into the
+    tier's sum, added to the host's at the end (with every expert in "ram" the bits are as above).
     """
     out = torch.zeros_like(x)
     kernel = isinstance(act, ExpertGLU)
@@ -155,19 +159,34 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
         table = provider.kernel_table(layer)
         if table is not None:
             return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=precision)
+    placed = getattr(provider, "placed", None)
+    on_tier: dict[str, tuple[torch.Tensor, ...]] = {}  # GPU tier -> (x, ids, weights, sum) on its device
     k = ids.shape[1]
     flat = ids.reshape(-1)
     chosen = flat.unique().tolist()  # ascending
     for expert in chosen:
-        w = provider.get(layer, expert)
-        if kernel and ExpertTable.holds(w):
-            mxfp4_moe(x, ids, weights, ExpertTable({expert: w}, chosen[-1] + 1), act.kind, act.params, out,
+        tier = "ram"
+        if placed is None:
+            w = provider.get(layer, expert)
+        else:
+            w, tier = placed(layer, expert, int((flat == expert).sum()))
+        if tier == "ram":
+            xs, ids_, weights_, acc = x, ids, weights, out
+        else:
+            if tier not in on_tier:
+                on_tier[tier] = (*(t.to(w.device, non_blocking=True) for t in (x, ids, weights)),
+                                 torch.zeros(x.shape, dtype=x.dtype, device=w.device))
+            xs, ids_, weights_, acc = on_tier[tier]
+        if kernel and ExpertTable.holds(w, w.device):
+            mxfp4_moe(xs, ids_, weights_, ExpertTable({expert: w}, chosen[-1] + 1), act.kind, act.params, acc,
                       only=expert, precision=precision)
             continue
-        picks = (flat == expert).nonzero().squeeze(1)
+        picks = (ids_.reshape(-1) == expert).nonzero().squeeze(1)
         rows = picks // k
-        y = expert_forward(w, x.index_select(0, rows), act)
-        out.index_add_(0, rows, y * weights.reshape(-1)[picks, None])
+        y = expert_forward(w, xs.index_select(0, rows), act)
+        acc.index_add_(0, rows, y * weights_.reshape(-1)[picks, None])
+    for *_, acc in on_tier.values():
+        out += acc.to(out.device)
     return out
 
 

@@ -152,16 +152,16 @@ def gpu_tiers(config, slot_bytes: int) -> list:
 
 def attach_provider(model, provider, config) -> None:
     """What the loader does after building a model over a packed store's `provider`: a Pager gets
-    its routing hooks (parallel loads, router lookahead, an optional trace) and its GPU tiers.
-
-    The engine computes experts on the CPU, so placement keeps every expert where the RAM tier holds it;
-    the GPU slabs are allocated and reported (`stats.tiers["gpuN"]`) for the engine's CUDA path."""
+    its routing hooks (parallel loads, router lookahead, an optional trace) and, with --gpu-mem, its
+    GPU tiers, placing by bandwidths measured now (placement.measure_devices)."""
     if not isinstance(provider, Pager):
         return
     attach(model, provider, lookahead=provider.prefetch_enabled)
-    provider.gpu_slabs = gpu_tiers(config, provider.slab.slot_bytes)
-    for i, _ in enumerate(provider.gpu_slabs):
-        provider.stats.tiers[f"gpu{i}"] = type(provider.stats.ram)()
+    slabs = gpu_tiers(config, provider.slab.slot_bytes)
+    if slabs:
+        from localmoe.paging.placement import measure_devices
+
+        provider.use_gpus(slabs, measure_devices(provider.store, slabs[0].device))
 
 
 def provider_for_store(store, spec, config):
@@ -171,5 +171,8 @@ def provider_for_store(store, spec, config):
     (parallel loads and router lookahead for a Pager; see docs/paging.md)."""
     paging = PagingConfig.from_engine(config)
     if paging.ram_budget == 0:
+        if config.gpu_budget:
+            raise PagingError(f"--gpu-mem {config.gpu_budget} bytes: the GPU tier is filled from the RAM tier; give "
+                              f"--ram too (bytes, or a share of the experts such as 25%)")
         return StoreExperts(store)
     return make_pager(store, paging)

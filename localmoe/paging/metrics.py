@@ -41,6 +41,9 @@ def prometheus_text(stats: PagingStats, prefix: str = "localmoe_paging", labels:
     metric("slots", "gauge", "Expert slots in the RAM tier", [({"tier": "ram"}, stats.slots)])
     metric("slot_bytes", "gauge", "Bytes per expert slot", [({"tier": "ram"}, stats.slot_bytes)])
     metric("steps_total", "counter", "Forward passes seen", [({}, stats.steps)])
+    if stats.computed:
+        metric("computed_total", "counter", "Experts computed in each tier (ram: on the CPU)",
+               [({"tier": t}, n) for t, n in sorted(stats.computed.items())])
     for attr, help_ in _PREFETCH:
         metric(f"prefetch_{attr}_total", "counter", help_, [({}, getattr(stats.prefetch, attr))])
     metric("prefetch_precision", "gauge", "used / issued", [({}, stats.prefetch.precision)])

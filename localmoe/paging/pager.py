@@ -10,6 +10,11 @@ likely ones (`prefetch`: router lookahead); loads run while compute continues.
 Never evicted: the expert last returned (the caller is computing it), pinned experts (a
 calibration profile), and loads in flight. Prefetches never evict the current layer's
 chosen experts or an unused prefetch, and hold at most a quarter of the slots unused.
+
+With GPU tiers (`use_gpus`), `placed(layer, expert, tokens)` hands out an expert a GPU holds
+from there; otherwise it gets it through the RAM tier and lets the cost model (placement.place)
+decide whether to copy it to its GPU and compute it there, or to compute it on the CPU. The
+hottest experts of a calibration profile are copied to the GPUs first and pinned there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from localmoe.engine.experts import ExpertWeights
 from localmoe.paging.disk import DiskBackend
 from localmoe.paging.errors import PagingError, ReadTimeoutError
+from localmoe.paging.placement import Bandwidths, place
 from localmoe.paging.policy import Key, Policy
 from localmoe.paging.slab import HostSlab
 from localmoe.paging.stats import PagingStats
@@ -59,7 +65,9 @@ class Pager:
         self.step, self._last_layer = 0, None
         self._inflight, self._busy_since = 0, 0.0
         self.lost_slots = 0  # slots given up to reads that timed out
-        self.gpu_slabs: list = []  # GpuSlab per device (paging.attach_provider), when --gpu-mem is given
+        self.gpu = None  # GpuTier (use_gpus), when --gpu-mem is given
+        self.bandwidths: Bandwidths | None = None  # the placement cost model's, with the GPU tier
+        self.hot = list(pinned)  # a calibration profile's experts, hottest first
         self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
         self.pinned: set[Key] = set()
         for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
@@ -74,10 +82,7 @@ class Pager:
         key = (layer, expert)
         ram, pf = self.stats.ram, self.stats.prefetch
         with self.lock:
-            if self._last_layer is not None and layer < self._last_layer:
-                self._new_step()
-            self._last_layer = layer
-            self.stats.steps = self.step + 1
+            self._see_layer(layer, new_step_at_same=False)
             self.current = None
             self.protected.discard(key)
             slot = self.where.get(key)
@@ -104,6 +109,7 @@ class Pager:
         return slot.weights
 
     def nbytes(self) -> int:
+        """Host RAM held for experts (GPU slots are device memory: `gpu.nbytes()`)."""
         return self.slab.nbytes
 
     # ---- hints from the wrapped routers (paging/hooks.py) ----
@@ -111,16 +117,13 @@ class Pager:
     def begin_layer(self, layer: int, experts: Iterable[int]) -> None:
         """`experts` of `layer` are about to be requested (routing is known): load the missing ones now."""
         with self.lock:
-            if self._last_layer is not None and layer <= self._last_layer:
-                self._new_step()
-            self._last_layer = layer
-            self.stats.steps = self.step + 1
+            self._see_layer(layer, new_step_at_same=True)
             if not self.prefetch_enabled:
                 return
             keys = [(layer, e) for e in sorted(set(experts))]
             self.protected = set(keys)
             for key in keys:
-                if key in self.where:
+                if key in self.where or self._on_gpu(key):
                     continue
                 slot = self._allocate(demand=False)
                 if slot is None:
@@ -137,7 +140,7 @@ class Pager:
         with self.lock:
             for e in experts:
                 key = (layer, int(e))
-                if key in self.where:
+                if key in self.where or self._on_gpu(key):
                     continue
                 unused = sum(1 for s in self.slots if s.origin == LOOKAHEAD and not s.used and s.key is not None)
                 if unused >= max(1, len(self.slots) // 4):
@@ -150,7 +153,62 @@ class Pager:
                 started += 1
         return started
 
+    # ---- GPU tiers ----
+
+    def use_gpus(self, slabs, bandwidths: Bandwidths) -> None:
+        """Add GPU tiers over `slabs` (GpuSlab per device), placing by `bandwidths`; the calibration
+        profile's hottest experts are copied to their GPUs and pinned (at most half of each)."""
+        from localmoe.paging.gpu import GpuTier
+
+        self.gpu = GpuTier(slabs, list(self.layouts), self.policy.name, self.stats)
+        self.bandwidths = bandwidths
+        for key in self.hot:
+            if key[0] in self.layouts and key not in self.gpu and self.gpu.room_to_pin(key[0]):
+                self.get(*key)
+                if self.gpu.load(key, self._host_bytes(key), self.layouts[key[0]], self.step) is not None:
+                    self.gpu.pin(key)
+                    self.pinned.discard(key)  # computed from its GPU: its RAM slot may go to others
+        self.current = None
+        self.stats.reset_counts()  # the preload is set-up, not traffic
+
+    def placed(self, layer: int, expert: int, tokens: int) -> tuple[ExpertWeights, str]:
+        """(weights, tier) to compute expert `expert` of `layer` on `tokens` tokens: from its GPU if it
+        is there; else from RAM (`get`), copied to its GPU first where copying and computing there
+        beats computing it on the CPU (placement.place). Without GPU tiers: (`get`, "ram")."""
+        if self.gpu is None:
+            return self.get(layer, expert), "ram"
+        key, name = (layer, expert), self.gpu.name_of(layer)
+        with self.lock:
+            self._see_layer(layer, new_step_at_same=False)
+        weights = self.gpu.lookup(key, self.step)
+        if weights is None:
+            weights = self.get(layer, expert)
+            if place(self.layouts[layer].slot_bytes, tokens, self.bandwidths).where == "cpu":
+                name = "ram"
+            else:
+                moved = self.gpu.load(key, self._host_bytes(key), self.layouts[layer], self.step)
+                weights, name = (weights, "ram") if moved is None else (moved, name)
+        self.stats.computed[name] = self.stats.computed.get(name, 0) + 1
+        return weights, name
+
+    def _on_gpu(self, key: Key) -> bool:
+        return self.gpu is not None and key in self.gpu
+
+    def _host_bytes(self, key: Key):
+        """The RAM slot bytes of a resident `key` (a uint8 tensor; pinned on a CUDA machine)."""
+        with self.lock:
+            return self.slab.slot_tensor(self.where[key].index)
+
     # ---- slots ----
+
+    def _see_layer(self, layer: int, new_step_at_same: bool) -> None:
+        """A request for `layer`: a layer before the last one seen (or the same one, for a routing
+        hint) starts the next forward pass (lock held)."""
+        last = self._last_layer
+        if last is not None and (layer < last or (new_step_at_same and layer == last)):
+            self._new_step()
+        self._last_layer = layer
+        self.stats.steps = self.step + 1
 
     def _new_step(self) -> None:
         self.step += 1

@@ -122,10 +122,40 @@ def measure_pcie(nbytes: int = 256 << 20) -> float:
     return nbytes / (time.perf_counter() - started)
 
 
+def measure_gpu_expert(store, device, repeats: int = 3) -> float:
+    """MXFP4 bytes/s `device` computes one expert of `store` through at batch 1 (the first call, which
+    compiles the Triton kernel on CUDA, is not timed)."""
+    import torch
+
+    from localmoe.engine.experts import ExpertWeights, expert_forward
+    from localmoe.engine.moe import swiglu
+
+    layer = store.layers()[0]
+    w = ExpertWeights.from_parts({k: t.to(device) for k, t in store.expert(layer, store.experts_in(layer)[0]).items()})
+    x = torch.randn(1, w.gate.dense().shape[1], device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    expert_forward(w, x, swiglu)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        expert_forward(w, x, swiglu)
+        sync()
+        best = min(best, time.perf_counter() - started)
+    return store.layout(layer).slot_bytes / best
+
+
+def measure_devices(store, device) -> Bandwidths:
+    """What placement needs for GPU tiers on `device`: the CPU's and the GPU's expert throughput and
+    host -> GPU bandwidth (no disk figure: placement does not use it)."""
+    return Bandwidths(disk=0.0, cpu_expert=measure_cpu_expert(store), pcie=measure_pcie(),
+                      gpu_expert=measure_gpu_expert(store, device))
+
+
 def measure(store) -> Bandwidths:
     pcie = measure_pcie()
     return Bandwidths(disk=measure_disk(store), cpu_expert=measure_cpu_expert(store), pcie=pcie,
-                      gpu_expert=pcie * 20 if pcie else 0.0)  # HBM >> PCIe: the copy dominates
+                      gpu_expert=measure_gpu_expert(store, "cuda") if pcie else 0.0)
 
 
 def ram_bandwidth(nbytes: int = 1 << 28) -> float:

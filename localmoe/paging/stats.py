@@ -10,6 +10,9 @@
   overlapped_seconds = read time that did not stall compute; overlap = their ratio.
 - prefetch precision = prefetched loads later demanded / prefetched loads issued;
   recall = demand requests a prefetch covered / (those + demand misses).
+- GPU tiers ("gpu0", ...): requests are experts computed for that GPU's layers, hits the ones
+  it held, bytes_read the bytes copied in; `computed` counts where each expert ran ("ram": on
+  the CPU, from host memory).
 """
 
 from __future__ import annotations
@@ -75,10 +78,16 @@ class PagingStats:
     steps: int = 0  # forward passes seen (decode: tokens)
     tiers: dict[str, TierStats] = field(default_factory=lambda: {"ram": TierStats()})
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+    computed: dict[str, int] = field(default_factory=dict)  # tier -> experts computed there (with GPU tiers)
 
     @property
     def ram(self) -> TierStats:
         return self.tiers["ram"]
+
+    def reset_counts(self) -> None:
+        """Zero every count, keeping the tiers and the configuration fields."""
+        self.tiers = {name: TierStats() for name in self.tiers}
+        self.prefetch, self.computed = PrefetchStats(), {}
 
     def snapshot(self) -> PagingStats:
         return copy.deepcopy(self)
@@ -97,6 +106,8 @@ class PagingStats:
         for name, t in self.tiers.items():
             parts.append(f"{name}: {t.hit_rate:.1%} hits ({t.hits}/{t.requests}), {t.bytes_read / 1e6:.1f} MB read, "
                          f"stall {t.stall_seconds:.2f} s, overlap {t.overlap:.0%}")
+        if self.computed:
+            parts.append("computed: " + ", ".join(f"{n} {c}" for n, c in sorted(self.computed.items())))
         p = self.prefetch
         if p.issued:
             parts.append(f"prefetch: precision {p.precision:.0%}, recall {p.recall:.0%} ({p.issued} issued)")

@@ -59,8 +59,8 @@ def test_predicted_speed_moves_the_right_way():
     assert predict_decode(48, 6 << 20, 0.25, Bandwidths(disk=2e9, cpu_expert=1e9)) > slow
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_slab_roundtrip(gpt_oss):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
+def test_gpu_slab_roundtrip(gpt_oss, device):
     from localmoe.paging.gpu import GpuSlab
 
     store = gpt_oss.store()
@@ -69,8 +69,9 @@ def test_gpu_slab_roundtrip(gpt_oss):
     pager = make_pager(store, PagingConfig(ram_budget=1 << 20, prefetch=False))
     pager.get(layer, 0)
     host = pager.slab.slot_tensor(pager.where[(layer, 0)].index)
-    gpu = GpuSlab("cuda:0", 4 * layout.slot_bytes, layout.slot_bytes)
+    gpu = GpuSlab(device, 4 * layout.slot_bytes, layout.slot_bytes)
     parts = gpu.load(1, host, layout)
     for name, t in store.expert(layer, 0).items():
+        assert parts[name].device == torch.device(device)
         assert torch.equal(parts[name].cpu(), t)
     pager.close()
