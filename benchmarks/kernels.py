@@ -19,6 +19,11 @@ Dense GEMV (CPU): `localmoe.kernels.dense_gemv` for decode-sized lm_heads and a 
 and bf16 weights, N = 1-8 tokens: achieved weight bytes/s over the same run's memory read
 bandwidth, and speed over torch's F.linear (bf16: on x rounded to bf16, what the engine ran before).
 
+GGUF block GEMV (CPU): `localmoe.kernels.ggml_gemv` straight from Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K
+blocks (x rounded to int8 per 32 values), a 4096 x 4096 projection, N = 1 and 4: block bytes/s over
+the same run's memory bandwidth, and speed over the GEMV of a bf16 copy (dense_gemv), what a matrix
+of a type without a block GEMV costs (K-quants before they had one).
+
 GPU (when CUDA and Triton are present): the Triton MXFP4 grouped GEMV's bytes/s over the
 device's copy bandwidth, and the KDA kernels' tokens/s.
 
@@ -29,7 +34,8 @@ generated gpt_oss checkpoint, each engine in its own process, twice: dense weigh
 sides (GGUF F32), and in bf16 on both sides (GGUF BF16: the checkpoint's own dtype, what
 convert_hf_to_gguf.py --outtype bf16 writes); "not installed" without llama-cpp-python.
 
-    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR] [--dense-only|--moe-only]
+    .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR]
+        [--dense-only|--moe-only|--ggml-only]
 """
 
 from __future__ import annotations
@@ -241,6 +247,50 @@ def dense_bench(rounds: int, quick: bool) -> None:
         report(rows)
 
 
+def ggml_bench(rounds: int, quick: bool) -> None:
+    import gguf
+    import numpy as np
+
+    from localmoe.kernels.dense_gemv import dense_gemv
+    from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available
+    from localmoe.store.ggml_quants import dequantize
+    from localmoe.testing.ggml_blocks import random_k_quant
+
+    if not kernel_available():
+        print("GGUF block GEMV: CPU kernel unavailable; nothing to compare")
+        return
+    O = K = 4096
+    buffer = torch.ones((1 << 28) // 4)
+    out = torch.empty_like(buffer)
+    rng = np.random.default_rng(0)
+    print(f"CPU, {torch.get_num_threads()} threads: GGUF block GEMV {O}x{K}, block bytes/s over memory bandwidth "
+          "(same run), speed over the GEMV of a bf16 copy (medians)")
+    rows = []
+    for kind in TYPES:
+        one = (torch.from_numpy(random_k_quant(kind, O, K, rng)) if kind in K_QUANTS else
+               torch.from_numpy(gguf.quants.quantize(rng.standard_normal((O, K)).astype(np.float32) * 0.05, kind)))
+        count = max(2, (128 if quick else 256) * 2**20 // one.nbytes)  # well above the LLC
+        mats = [one.clone() for _ in range(count)]
+        copies = [dequantize(one, kind, (O, K), torch.bfloat16) for _ in range(max(2, count // 4))]
+        nbytes, copy_bytes = sum(m.nbytes for m in mats), sum(c.nbytes for c in copies)
+        for N in (1, 4):
+            x = torch.randn(N, K)
+            ratios, over_copy, speeds = [], [], []
+            for _ in range(rounds):
+                bw = _bandwidth(buffer, out)
+                t_blocks = _best(lambda: [ggml_gemv(x, m, kind, (O, K)) for m in mats], 2) / len(mats)
+                t_copy = _best(lambda: [dense_gemv(x, c) for c in copies], 2) / len(copies)
+                ratios.append(nbytes / len(mats) / t_blocks / bw)
+                speeds.append((nbytes / len(mats) / t_blocks, bw))
+                over_copy.append(t_copy / t_blocks)
+            got, bw = max(speeds)
+            rows.append((f"{kind.name} N={N}", f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median "
+                         f"{statistics.median(ratios):.2f}, best {max(ratios):.2f}; "
+                         f"{statistics.median(over_copy):4.2f}x the bf16 copy ({copy_bytes / len(copies) / 2**20:.0f} "
+                         f"vs {nbytes / len(mats) / 2**20:.1f} MiB)"))
+    report(rows)
+
+
 def gpu_bench() -> None:
     from localmoe.kernels._triton import HAVE_TRITON
 
@@ -383,6 +433,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel sections (with --e2e)")
     ap.add_argument("--dense-only", action="store_true", help="only the dense GEMV section (and --e2e)")
     ap.add_argument("--moe-only", action="store_true", help="only the fused MoE layer section (and --e2e)")
+    ap.add_argument("--ggml-only", action="store_true", help="only the GGUF block GEMV section (and --e2e)")
     cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
     ap.add_argument("--work", type=Path, default=cache / "bench", help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
@@ -402,10 +453,13 @@ def main() -> None:
         dense_bench(args.rounds, args.quick)
     elif args.moe_only:
         moe_layer_bench(args.rounds, args.quick)
+    elif args.ggml_only:
+        ggml_bench(args.rounds, args.quick)
     elif not args.no_kernels:
         cpu_bench(args.rounds, args.quick)
         moe_layer_bench(args.rounds, args.quick)
         dense_bench(args.rounds, args.quick)
+        ggml_bench(args.rounds, args.quick)
         gpu_bench()
     if args.e2e:
         for dense in args.e2e_dense or list(E2E_DENSE):

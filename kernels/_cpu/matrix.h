@@ -1,5 +1,5 @@
 // A weight matrix as the fused decode steps read it: fp32 or bf16 rows (dense_rows.h) or GGUF
-// Q4_0 / Q4_1 / Q8_0 blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
+// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
 // for one token through the right GEMV on the library's pool.
 #pragma once
 
@@ -10,7 +10,11 @@
 
 namespace localmoe {
 
-enum MatrixType : int64_t { kF32 = 0, kBF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8 };
+// kStacked: `data` points to an array of Matrix parts over the same input, ended by one with rows == 0;
+// their outputs are stacked (`rows` is the sum) and each part has its own bias. For a GGUF q; k; v
+// whose parts differ in type (Q4_K_M files keep some attn_v in Q6_K).
+enum MatrixType : int64_t { kF32 = 0, kBF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8, kGgmlQ4_K = 12,
+                            kGgmlQ6_K = 14, kStacked = 255 };
 
 struct Matrix {
   const void* data;
@@ -22,7 +26,10 @@ struct Matrix {
 inline int64_t matvec_scratch(int64_t K) { return (K / 32 + 1) * static_cast<int64_t>(sizeof(localmoe_ggml::BlockX)); }
 
 inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int threads) {
-  if (m.type == kF32)
+  if (m.type == kStacked) {
+    for (const Matrix* part = static_cast<const Matrix*>(m.data); part->rows > 0; y += part->rows, ++part)
+      matvec(*part, x, y, scratch, threads);
+  } else if (m.type == kF32)
     localmoe_dense::gemv<float>(x, 1, m.cols, static_cast<const float*>(m.data), m.rows, m.bias, y, threads);
   else if (m.type == kBF16)
     localmoe_dense::gemv<uint16_t>(x, 1, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);

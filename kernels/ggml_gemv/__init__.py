@@ -1,4 +1,4 @@
-"""GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0) for decode: y = x W^T (+ b) with x rounded to
+"""GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
 int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (Q8_0 only)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
@@ -13,7 +13,9 @@ from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
 
-TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+Q = GGMLQuantizationType
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+K_QUANTS = (Q.Q4_K, Q.Q6_K)  # super-blocks of 256 values
 
 
 def kernel_available() -> bool:
@@ -29,7 +31,8 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     O, K = shape
     lib = library()
     if (lib is None or ggml_type not in TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
-            or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K or K % 32
+            or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K
+            or K % (256 if ggml_type in K_QUANTS else 32)
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return naive_ggml_gemv(x, raw, ggml_type, shape, bias, exact_x)
     N = x.shape[0]
@@ -40,4 +43,4 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-__all__ = ["TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]
+__all__ = ["K_QUANTS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]

@@ -3,7 +3,10 @@
 //   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles          w = d (q - 8)
 //   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles  w = d q + m
 //   Q8_0 (34 bytes): fp16 d, 32 int8                      w = d q
-// nibble byte j holds element j (low) and j + 16 (high). Like llama.cpp, each token's x is rounded
+// nibble byte j holds element j (low) and j + 16 (high); and the K-quants, super-blocks of 256:
+//   Q4_K (144 bytes): 8 sub-blocks of 32 with 6-bit scale and min   w = d sc q - dmin m
+//   Q6_K (210 bytes): 16 sub-blocks of 16 with int8 scale, 6-bit q  w = d scale (q - 32)
+// (layouts: ggml_rows.h). x is rounded per 32 values for every type (llama.cpp uses 256 for K-quants). Like llama.cpp, each token's x is rounded
 // to int8 per 32 values first (BlockX: step d = amax / 127, q = round-to-even(x / d), and d * sum(q));
 // a block's dot product is then integer (vpmaddubsw of u8 nibbles with s8 x, or |w| with sign-moved
 // x for Q8_0) and one FMA by d_w * d_x; Q4_0's -8 and Q4_1's m are applied through d * sum(q) of x.
@@ -21,11 +24,13 @@ extern "C" {
 int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return N * (K / kBlock) * static_cast<int64_t>(sizeof(BlockX)); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
-// 3 Q4_1, 8 Q8_0); K a multiple of 32; everything contiguous. exact_x: x is not rounded to int8
-// (Q8_0 only; scratch unused). Returns 0, or -1 for an unknown type or exact_x on a 4-bit type.
+// 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K); K a multiple of 32 (256 for K-quants); everything contiguous.
+// exact_x: x is not rounded to int8 (Q8_0 only; scratch unused). Returns 0, or -1 for an unknown
+// type, a K that is not a whole number of blocks, or exact_x on another type.
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
               float* y, void* scratch, int threads, int exact_x) {
-  if ((type != kQ4_0 && type != kQ4_1 && type != kQ8_0) || (exact_x && type != kQ8_0)) return -1;
+  if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || (exact_x && type != kQ8_0))
+    return -1;
   gemv(x, N, K, w, type, O, bias, y, static_cast<BlockX*>(scratch), threads, exact_x != 0);
   return 0;
 }

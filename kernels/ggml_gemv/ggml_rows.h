@@ -17,7 +17,21 @@ namespace localmoe_ggml {
 using localmoe::hsum;
 
 constexpr int64_t kBlock = 32;
-enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };  // GGMLQuantizationType values
+enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGMLQuantizationType values
+
+inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ6_K; }
+
+// Bytes of one row of `nb` blocks of 32 values (K-quants: nb a multiple of 8, super-blocks of 256).
+inline int64_t row_bytes(int type, int64_t nb) {
+  switch (type) {
+    case kQ4_0: return nb * 18;
+    case kQ4_1: return nb * 20;
+    case kQ8_0: return nb * 34;
+    case kQ4_K: return nb / 8 * 144;
+    case kQ6_K: return nb / 8 * 210;
+    default: return 0;
+  }
+}
 
 struct alignas(8) BlockX {
   float d, s;  // step, and step * sum(q)
@@ -84,6 +98,75 @@ inline float row_dot(const uint8_t* row, int64_t nb, const BlockX* x) {
   return hsum(acc) + corr;
 }
 
+// Q4_K: super-blocks of 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins,
+// 128 bytes of nibbles; sub-block j (32 values) is d sc[j] q - dmin m[j], and bytes 32p..32p+31 hold
+// sub-block 2p in their low nibbles, 2p + 1 in their high ones. One 32-byte load feeds two of x's
+// int8 blocks; the mins come in through d * sum(q) of x, as Q4_1's m.
+inline void q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {  // 0-3: low 6 bits of bytes 0-3 / 4-7; 4-7: bytes 8-11, top bits of 0-7
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+    mn[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
+}
+
+inline float row_dot_q4_k(const uint8_t* row, int64_t nb, const BlockX* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  float corr = 0.0f;
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 144;
+    const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
+    const BlockX* xb = x + sb * 8;
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        const BlockX& xj = xb[2 * p + h];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], xq), ones);  // |pair| <= 2 * 15 * 127
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * sc[2 * p + h] * xj.d), acc);
+        corr += dmin * mn[2 * p + h] * xj.s;
+      }
+    }
+  }
+  return hsum(acc) - corr;
+}
+
+// Q6_K: super-blocks of 256 values, 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8
+// scales, fp16 d; value = d scale[v / 16] (q - 32). Value 32c + i (c < 8, i < 32; c = 4h + s) takes
+// its low bits from ql[64h + 32(s & 1) + i] (low nibble for s < 2, high for s >= 2) and its high bits
+// from (qh[32h + i] >> 2s) & 3. q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the
+// two 16-value halves of x's block get their scales in one vpmaddwd.
+inline float row_dot_q6_k(const uint8_t* row, int64_t nb, const BlockX* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half(blk + 208);
+    const BlockX* xb = x + sb * 8;
+    for (int c = 0; c < 8; ++c) {
+      const int h = c >> 2, s = c & 3;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
+      lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
+      const __m256i hi = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)),
+                           _mm_cvtsi32_si128(2 * s)), two_bits);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);  // -32..31
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[c].q));
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));  // <= 8128
+      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * c + 1]), _mm_set1_epi16(scales[2 * c]));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale)), _mm256_set1_ps(d * xb[c].d), acc);
+    }
+  }
+  return hsum(acc);
+}
+
 // Q8_0 row against fp32 x (no rounding of x): each block's int8 weights widened to fp32 in registers.
 // ~18 operations per 34 bytes against ~9 on the int8 path, still past one core's memory stream; for
 // the lm_head, whose logits pick the token (engine/transformer.py).
@@ -119,8 +202,17 @@ inline void rows(const void* ctx, int64_t o0, int64_t o1) {
   const Args& a = *static_cast<const Args*>(ctx);
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t t = 0; t < a.N; ++t) {
-      const float v = a.x != nullptr ? row_dot_q8_0_f32(a.w + o * a.row_bytes, a.nb, a.x + t * a.nb * kBlock)
-                                     : row_dot<T>(a.w + o * a.row_bytes, a.nb, a.xq + t * a.nb);
+      const uint8_t* w = a.w + o * a.row_bytes;
+      const BlockX* xq = a.xq + t * a.nb;
+      float v;
+      if (a.x != nullptr)
+        v = row_dot_q8_0_f32(w, a.nb, a.x + t * a.nb * kBlock);
+      else if (T == kQ4_K)
+        v = row_dot_q4_k(w, a.nb, xq);
+      else if (T == kQ6_K)
+        v = row_dot_q6_k(w, a.nb, xq);
+      else
+        v = row_dot<T>(w, a.nb, xq);
       a.y[t * a.O + o] = a.bias == nullptr ? v : v + a.bias[o];
     }
 }
@@ -133,10 +225,14 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   const int64_t nb = K / kBlock;
   if (!exact_x)
     for (int64_t t = 0; t < N; ++t) quantize(x + t * K, nb, xq + t * nb);
-  const int64_t row_bytes = nb * (type == kQ4_0 ? 18 : (type == kQ4_1 ? 20 : 34));
-  const Args args{xq, exact_x ? x : nullptr, N, nb, w, row_bytes, O, bias, y, type};
-  auto fn = type == kQ4_0 ? rows<kQ4_0> : (type == kQ4_1 ? rows<kQ4_1> : rows<kQ8_0>);
-  localmoe::parallel(fn, &args, O, localmoe::kChunkBytes / std::max<int64_t>(1, row_bytes * N), threads);
+  const int64_t bytes = row_bytes(type, nb);
+  const Args args{xq, exact_x ? x : nullptr, N, nb, w, bytes, O, bias, y, type};
+  auto fn = type == kQ4_0   ? rows<kQ4_0>
+            : type == kQ4_1 ? rows<kQ4_1>
+            : type == kQ4_K ? rows<kQ4_K>
+            : type == kQ6_K ? rows<kQ6_K>
+                            : rows<kQ8_0>;
+  localmoe::parallel(fn, &args, O, localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N), threads);
 }
 
 }  // namespace localmoe_ggml

@@ -6,7 +6,8 @@
   (MoEBlock.routed_table), without latent projection or shared expert. The decoder calls the same
   kernel entry points in the same order as the op-by-op step: the same bits.
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
-  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 blocks (Linear, BlockLinear).
+  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks (Linear, BlockLinear; parts of
+  different block types as a stacked Matrix).
 Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
 experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
@@ -37,9 +38,18 @@ def _matrix(linear) -> tuple | None:
         w = linear.weight
         return w, decode_layers.MATRIX_TYPES[w.dtype], w.shape[0], w.shape[1], linear.bias
     ggml = decode_layers.GGML_MATRIX_TYPES
-    if type(linear) is BlockLinear and linear.raw is not None and int(linear.ggml_type) in ggml:
+    if type(linear) is not BlockLinear or not linear.segments or any(int(k) not in ggml for _, k, _ in linear.segments):
+        return None
+    if linear.raw is not None:
         return linear.raw, int(linear.ggml_type), linear.out_features, linear.in_features, linear.bias
-    return None
+    # parts of different types: a stacked Matrix over one descriptor per segment (its slice of the bias)
+    descriptors = torch.zeros(len(linear.segments) + 1, 5, dtype=torch.int64)  # matrix.h Matrix fields; 0 ends
+    row = 0
+    for i, (raw, kind, rows) in enumerate(linear.segments):
+        bias = 0 if linear.bias is None else linear.bias[row:row + rows].data_ptr()
+        descriptors[i] = torch.tensor([raw.data_ptr(), int(kind), rows, linear.in_features, bias])
+        row += rows
+    return descriptors, decode_layers.STACKED, linear.out_features, linear.in_features, None
 
 
 class DecodePlan:

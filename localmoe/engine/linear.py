@@ -143,15 +143,17 @@ class Linear:
 def make_linear(parts: list, bias: torch.Tensor | None, dtype: str):
     """One linear layer from weight parts stacked as rows (e.g. [q, k, v]).
 
-    Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and
-    every part in one GGML block type with a decode GEMV (`quantized.keeps_blocks`: Q4_0, Q4_1, Q8_0),
-    the weight stays in its blocks (`BlockLinear`); otherwise
-    the parts are dequantised and concatenated into a `Linear`.
+    Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and every part
+    in a GGML block type with a decode GEMV (`quantized.keeps_blocks`: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
+    parts of different types need the CPU library), the weight stays in its blocks (`BlockLinear`);
+    otherwise the parts are dequantised and concatenated into a `Linear`.
     """
     from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
+    from localmoe.kernels import ggml_gemv
 
-    blocks = all(isinstance(p, BlockQuantized) for p in parts) and len({p.ggml_type for p in parts}) == 1
-    if blocks and dtype == "auto" and keeps_blocks(parts[0].ggml_type):
+    types = {p.ggml_type for p in parts if isinstance(p, BlockQuantized)}
+    blocks = all(isinstance(p, BlockQuantized) for p in parts) and all(keeps_blocks(t) for t in types)
+    if blocks and dtype == "auto" and (len(types) == 1 or ggml_gemv.kernel_available()):
         return BlockLinear(parts, bias)
     tensors = [p.float() if isinstance(p, BlockQuantized) else p for p in parts]
     return Linear(tensors[0] if len(tensors) == 1 else torch.cat(tensors), bias, dtype)

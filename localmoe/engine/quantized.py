@@ -1,4 +1,4 @@
-"""Weights kept in their GGML block format (Q4_0, Q4_1, Q8_0) for decode GEMVs.
+"""Weights kept in their GGML block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) for decode GEMVs.
 
 A GGUF Q4_0 / Q4_1 matrix stays 4.5-5 bits per weight instead of becoming a bf16 copy
 (3.6x the bytes), a Q8_0 one 8.5 bits (1.9x less): decode reads every weight once per token,
@@ -86,11 +86,12 @@ class BlockQuantized:
 
 
 class BlockLinear:
-    """y = x W^T (+ b) for W kept as GGML blocks of one type (`keeps_blocks`); x, y fp32. Several parts
-    stack as rows (q; k; v)."""
+    """y = x W^T (+ b) for W kept as GGML blocks (`keeps_blocks`); x, y fp32. Several parts stack as rows
+    (q; k; v); with the CPU library they may differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K):
+    consecutive parts of one type share a segment, and a decode GEMV runs per segment."""
 
     __slots__ = ("__weakref__", "_dense", "bias", "exact_x", "ggml_type", "in_features", "out_features", "packed",
-                 "parts", "raw", "scales_zeros")
+                 "parts", "raw", "scales_zeros", "segments")
 
     def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None, exact_x: bool = False):
         """exact_x: decode GEMVs keep x in fp32 (Q8_0 blocks with the CPU library only; for the lm_head)."""
@@ -100,13 +101,23 @@ class BlockLinear:
         self._dense: torch.Tensor | None = None  # the fp32 copy for prefill, once made (within the budget)
         self.ggml_type = parts[0].ggml_type
         self.raw = self.packed = self.scales_zeros = None
+        self.segments: list[tuple[torch.Tensor, GGMLQuantizationType, int]] = []  # (raw rows, type, rows)
         self.exact_x = exact_x
         if exact_x and not (self.ggml_type == GGMLQuantizationType.Q8_0 and ggml_gemv.kernel_available()):
             raise ValueError(f"fp32 activations need Q8_0 blocks and the CPU kernel library, not {self.ggml_type.name}")
-        if ggml_gemv.kernel_available() and all(p.ggml_type == self.ggml_type for p in parts):
-            # the file's blocks, rows of all parts stacked (a copy only when there are several parts)
-            raws = [p.raw.reshape(p.shape[0], -1) for p in parts]
-            self.raw = (raws[0] if len(raws) == 1 else torch.cat(raws)).contiguous()
+        if ggml_gemv.kernel_available():
+            # the file's blocks, the rows of consecutive parts of one type stacked (a copy only where
+            # several parts join); one segment (`raw`) unless the types differ
+            for p in parts:
+                rows = p.raw.reshape(p.shape[0], -1)
+                if self.segments and self.segments[-1][1] == p.ggml_type:
+                    raw, kind, n = self.segments[-1]
+                    self.segments[-1] = (torch.cat([raw, rows]), kind, n + p.shape[0])
+                else:
+                    self.segments.append((rows, p.ggml_type, p.shape[0]))
+            self.segments = [(raw.contiguous(), kind, n) for raw, kind, n in self.segments]
+            if len(self.segments) == 1:
+                self.raw = self.segments[0][0]
             return
         if not all(p.ggml_type in INT4_TYPES for p in parts):
             raise ValueError(f"{self.ggml_type.name} blocks need the CPU kernel library (kernels/ggml_gemv)")
@@ -122,6 +133,11 @@ class BlockLinear:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
                                        (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],
                                                                                             self.out_features)
+        if rows <= GEMV_MAX_ROWS and self.segments:
+            flat = x.reshape(rows, K).float().contiguous()
+            y = torch.cat([ggml_gemv.ggml_gemv(flat, raw, kind, (n, K)) for raw, kind, n in self.segments], dim=1)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if rows <= GEMV_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(rows, K).to(torch.bfloat16), self.packed,
                                                            GROUP, self.scales_zeros)
@@ -141,5 +157,8 @@ class BlockLinear:
         return weight
 
     def nbytes(self) -> int:
-        held = self.raw.nbytes if self.raw is not None else self.packed.nbytes + self.scales_zeros.nbytes
+        if self.segments:
+            held = sum(raw.nbytes for raw, _, _ in self.segments)
+        else:
+            held = self.packed.nbytes + self.scales_zeros.nbytes
         return held + (0 if self.bias is None else self.bias.nbytes)

@@ -113,3 +113,67 @@ def test_decode_plan_on_gguf_blocks_follows_the_op_by_op_step(smollm2_gguf, monk
     span = op_by_op.amax(-1) - op_by_op.amin(-1)
     assert ((planned - op_by_op).abs().amax(-1) / span).max() < 0.05
     assert torch.equal(planned.argmax(-1), op_by_op.argmax(-1))
+
+
+@pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
+def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
+    """A tiny Llama whose matrices are K-quant blocks mixed as a Q4_K_M file mixes them (q, k, o, gate, up
+    in Q4_K; v and down in Q6_K, so q; k; v stack two types) decodes straight from its blocks, op by op
+    (BlockLinear segments) and through the decode plan (a stacked Matrix). The reference is transformers
+    with the same weights dequantised by gguf's own code and, as the block GEMVs do at decode, every
+    layer matrix's input rounded to int8 per 32 values (reference.q8_round) at the decoded positions;
+    prefill runs fp32 GEMMs on the dequantised weights, unrounded, in both."""
+    from localmoe.config import EngineConfig
+    from localmoe.engine.decode_plan import DecodePlan
+    from localmoe.kernels.mxfp4_moe import q8_round
+    from localmoe.load import build_from_tensors
+    from localmoe.models import family_for_model_type
+    from localmoe.testing.ggml_blocks import random_k_quant
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    tensors = dict(reference.state_dict())
+    for name, t in reference.state_dict().items():
+        if ".layers." in name and t.dim() == 2:
+            kind = Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
+            raw = random_k_quant(kind, *t.shape, rng, step=(2e-4, 1e-3))
+            t.copy_(torch.from_numpy(gguf.quants.dequantize(raw, kind)))  # the reference's weight, independently
+            tensors[name] = BlockQuantized(torch.from_numpy(raw), kind, tuple(t.shape))
+    family = family_for_model_type("llama")
+    ours = build_from_tensors(family, family.spec_from_hf(config.to_dict()), tensors, family.hf_tensors,
+                              EngineConfig(dtype="auto"))
+    qkv = ours.layers[0][1].qkv
+    assert isinstance(qkv, BlockLinear) and [k for _, k, _ in qkv.segments] == [Q.Q4_K, Q.Q6_K]
+    tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
+
+    def round_decoded(module, args):
+        x = args[0].clone()
+        x[:, 16:] = q8_round(x[:, 16:])
+        return (x,)
+
+    for layer in reference.model.layers:
+        for module in layer.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(round_decoded)
+    with torch.no_grad():
+        expected = reference(tokens).logits[:, 16:]
+
+    def decode() -> torch.Tensor:
+        ours._plan = None
+        cache = ours.new_cache(1, 32)
+        ours.forward(tokens[:, :16], cache)
+        return torch.cat([ours.forward(tokens[:, t:t + 1], cache) for t in range(16, 24)], dim=1)
+
+    planned = decode()
+    assert isinstance(ours._plan, DecodePlan)
+    monkeypatch.setattr(DecodePlan, "build", classmethod(lambda cls, m: None))
+    op_by_op = decode()
+    span = expected.amax(-1, keepdim=True) - expected.amin(-1, keepdim=True)
+    for got in (planned, op_by_op):
+        assert ((got - expected).abs() / span).max() < 5e-3  # measured 1.6e-3; unrounded inputs: 7.8e-2
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -1,6 +1,6 @@
-"""GEMV from GGUF Q4_0 / Q4_1 / Q8_0 blocks: the CPU kernel against its reference (exact
-dequantisation, x rounded to int8 per 32 values) evaluated in float64, and the properties the
-engine relies on (thread count, fallbacks)."""
+"""GEMV from GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks: the CPU kernel against its reference
+(exact dequantisation, x rounded to int8 per 32 values) evaluated in float64, and the properties
+the engine relies on (thread count, fallbacks)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,26 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from localmoe.kernels.ggml_gemv import TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+
+from localmoe.testing.ggml_blocks import random_k_quant
 
 needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2 or compiler)")
 Q = gguf.GGMLQuantizationType
 
 
 def _weight(ggml_type, O: int, K: int, seed: int) -> torch.Tensor:
-    w = np.random.default_rng(seed).standard_normal((O, K)).astype(np.float32) * 0.05
+    rng = np.random.default_rng(seed)
+    if ggml_type in K_QUANTS:  # gguf cannot quantise to these: random codes and scales, sane fp16 steps
+        return torch.from_numpy(random_k_quant(ggml_type, O, K, rng))
+    w = rng.standard_normal((O, K)).astype(np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, ggml_type).copy())
+
+
+def _k_for(ggml_type, K: int) -> int:
+    """K rounded up to the type's block: K-quants take whole super-blocks of 256."""
+    unit = 256 if ggml_type in K_QUANTS else 32
+    return -(-K // unit) * unit
 
 
 @needs_cpu_kernel
@@ -24,7 +35,7 @@ def _weight(ggml_type, O: int, K: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("N,K", [(1, 576), (3, 96), (8, 1536)], ids=["N1", "N3", "N8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
-    O = 72
+    O, K = 72, _k_for(ggml_type, K)
     raw = _weight(ggml_type, O, K, seed=N + K)
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
     x[:, 3] *= 25  # one large channel: its blocks round everything else coarsely
@@ -77,7 +88,20 @@ def test_reference_is_the_dequantised_weight_on_rounded_inputs():
     from localmoe.kernels.mxfp4_moe import q8_round
 
     for ggml_type in TYPES:
-        raw = _weight(ggml_type, 16, 64, seed=6)
+        K = _k_for(ggml_type, 64)
+        raw = _weight(ggml_type, 16, K, seed=6)
         w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), ggml_type).astype(np.float64))
-        x = torch.randn(3, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-        torch.testing.assert_close(naive_ggml_gemv(x, raw, ggml_type, (16, 64)), q8_round(x) @ w.T)
+        x = torch.randn(3, K, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        torch.testing.assert_close(naive_ggml_gemv(x, raw, ggml_type, (16, K)), q8_round(x) @ w.T)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+def test_k_quants_need_whole_super_blocks(ggml_type, close):
+    """A K that is not a multiple of 256 is not a K-quant row: the kernel does not read it; the
+    reference names the fault."""
+    from localmoe.errors import CheckpointError
+
+    raw = _weight(ggml_type, 4, 256, seed=13)
+    with pytest.raises(CheckpointError, match="256-value block"):
+        ggml_gemv(torch.randn(1, 288), raw, ggml_type, (4, 288))
