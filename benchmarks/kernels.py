@@ -250,9 +250,9 @@ def dense_bench(rounds: int, quick: bool) -> None:
 def ggml_bench(rounds: int, quick: bool) -> None:
     import gguf
     import numpy as np
-
     from localmoe.kernels.dense_gemv import dense_gemv
     from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available
+
     from localmoe.store.ggml_quants import dequantize
     from localmoe.testing.ggml_blocks import random_k_quant
 
@@ -278,16 +278,18 @@ def ggml_bench(rounds: int, quick: bool) -> None:
             ratios, over_copy, speeds = [], [], []
             for _ in range(rounds):
                 bw = _bandwidth(buffer, out)
-                t_blocks = _best(lambda: [ggml_gemv(x, m, kind, (O, K)) for m in mats], 2) / len(mats)
-                t_copy = _best(lambda: [dense_gemv(x, c) for c in copies], 2) / len(copies)
+                t_blocks = _best(lambda x=x, kind=kind, mats=mats: [ggml_gemv(x, m, kind, (O, K)) for m in mats],
+                                 2) / len(mats)
+                t_copy = _best(lambda x=x, copies=copies: [dense_gemv(x, c) for c in copies], 2) / len(copies)
                 ratios.append(nbytes / len(mats) / t_blocks / bw)
                 speeds.append((nbytes / len(mats) / t_blocks, bw))
                 over_copy.append(t_copy / t_blocks)
             got, bw = max(speeds)
-            rows.append((f"{kind.name} N={N}", f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median "
-                         f"{statistics.median(ratios):.2f}, best {max(ratios):.2f}; "
-                         f"{statistics.median(over_copy):4.2f}x the bf16 copy ({copy_bytes / len(copies) / 2**20:.0f} "
-                         f"vs {nbytes / len(mats) / 2**20:.1f} MiB)"))
+            rows.append((f"{kind.name} N={N}", (f"{got / 1e9:6.2f} GB/s over {bw / 1e9:5.2f} GB/s: median "
+                                                f"{statistics.median(ratios):.2f}, best {max(ratios):.2f}; "
+                                                f"{statistics.median(over_copy):4.2f}x the bf16 copy "
+                                                f"({copy_bytes / len(copies) / 2**20:.0f} vs "
+                                                f"{nbytes / len(mats) / 2**20:.1f} MiB)")))
     report(rows)
 
 

@@ -123,9 +123,10 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     with the same weights dequantised by gguf's own code and, as the block GEMVs do at decode, every
     layer matrix's input rounded to int8 per 32 values (reference.q8_round) at the decoded positions;
     prefill runs fp32 GEMMs on the dequantised weights, unrounded, in both."""
+    from localmoe.kernels.mxfp4_moe import q8_round
+
     from localmoe.config import EngineConfig
     from localmoe.engine.decode_plan import DecodePlan
-    from localmoe.kernels.mxfp4_moe import q8_round
     from localmoe.load import build_from_tensors
     from localmoe.models import family_for_model_type
     from localmoe.testing.ggml_blocks import random_k_quant
