@@ -35,7 +35,7 @@ sides (GGUF F32), and in bf16 on both sides (GGUF BF16: the checkpoint's own dty
 convert_hf_to_gguf.py --outtype bf16 writes); "not installed" without llama-cpp-python.
 
     .venv/bin/python benchmarks/kernels.py [--threads N] [--rounds 5] [--quick] [--e2e] [--work DIR]
-        [--dense-only|--moe-only|--ggml-only]
+        [--dense-only|--moe-only|--ggml-only|--gpu-only]
 """
 
 from __future__ import annotations
@@ -436,6 +436,7 @@ def main() -> None:
     ap.add_argument("--dense-only", action="store_true", help="only the dense GEMV section (and --e2e)")
     ap.add_argument("--moe-only", action="store_true", help="only the fused MoE layer section (and --e2e)")
     ap.add_argument("--ggml-only", action="store_true", help="only the GGUF block GEMV section (and --e2e)")
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU section (benchmarks/gpu_check.sh)")
     cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe"))
     ap.add_argument("--work", type=Path, default=cache / "bench", help="where --e2e keeps its checkpoints")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed by --e2e")
@@ -457,6 +458,8 @@ def main() -> None:
         moe_layer_bench(args.rounds, args.quick)
     elif args.ggml_only:
         ggml_bench(args.rounds, args.quick)
+    elif args.gpu_only:
+        gpu_bench()
     elif not args.no_kernels:
         cpu_bench(args.rounds, args.quick)
         moe_layer_bench(args.rounds, args.quick)
