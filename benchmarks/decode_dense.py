@@ -15,7 +15,6 @@ import dataclasses
 import time
 
 import torch
-
 from common import memory_read_bandwidth, report
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -111,19 +110,20 @@ def main() -> None:
     ours, our_tokens = time_localmoe(loaded, prompt_ids, args.tokens)
     overhead = overhead_per_token(loaded, args.tokens)
     bandwidth = memory_read_bandwidth()
-    weight_bytes = loaded.model.weight_bytes() - loaded.model.embed.nbytes  # the embedding is gathered, not read
+    model = loaded.model  # the embedding is gathered, not read (unless it is the tied head's blocks)
+    weight_bytes = model.weight_bytes() - (0 if model.head_shares_embedding() else model.embed.nbytes)
     limit = bandwidth / weight_bytes
     rows = [("localmoe", f"{ours:.1f} tokens/s ({args.dtype} weights, {weight_bytes / 2**20:.0f} MiB read per token)"),
-            ("memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s -> limit {limit:.1f} tokens/s; localmoe at "
-                                 f"{ours / limit:.2f} of it"),
+            ("memory bandwidth", (f"{bandwidth / 1e9:.1f} GB/s -> limit {limit:.1f} tokens/s; localmoe at "
+                                 f"{ours / limit:.2f} of it")),
             ("python overhead", f"{overhead * 1e3:.2f} ms/token = {overhead * ours:.0%} of a localmoe step")]
     if not args.skip_transformers:
         print("loading transformers on the same GGUF (about a minute) ...", flush=True)
         theirs, their_tokens = time_transformers(gguf_path, prompt_ids, args.tokens)
         same = sum(a == b for a, b in zip(our_tokens, their_tokens))
         rows += [("transformers", f"{theirs:.1f} tokens/s"),
-                 ("localmoe / transformers", f"{ours / theirs:.2f}x (goal >= 3x); greedy tokens equal: "
-                                             f"{same}/{args.tokens}")]
+                 ("localmoe / transformers", (f"{ours / theirs:.2f}x (goal >= 3x); greedy tokens equal: "
+                                             f"{same}/{args.tokens}"))]
     cpp = time_llama_cpp(gguf_path, prompt_ids, args.tokens, args.threads)
     if cpp is None:
         rows.append(("llama.cpp", "not installed (pip install llama-cpp-python to compare)"))

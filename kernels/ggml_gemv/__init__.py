@@ -1,5 +1,5 @@
 """GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
-int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (Q8_0 only)
+int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
 - CPU with the library (kernels/_cpu; ggml_cpu.cpp): fp32 x [N, K] contiguous, raw blocks contiguous.
@@ -16,6 +16,7 @@ from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
 Q = GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 K_QUANTS = (Q.Q4_K, Q.Q6_K)  # super-blocks of 256 values
+EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
 
 
 def kernel_available() -> bool:
@@ -26,8 +27,8 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
               bias: torch.Tensor | None = None, exact_x: bool = False) -> torch.Tensor:
     """x [N, K] fp32, raw blocks [O, K / 32 * block bytes] uint8 of `ggml_type` (one of TYPES) for a
     weight of `shape` (O, K), bias [O] fp32 or None -> y [N, O] fp32; exact_x: see the module doc."""
-    if exact_x and ggml_type != GGMLQuantizationType.Q8_0:
-        raise ValueError(f"exact_x is for Q8_0 blocks, not {ggml_type.name}")
+    if exact_x and ggml_type not in EXACT_X_TYPES:
+        raise ValueError(f"exact_x is for {', '.join(t.name for t in EXACT_X_TYPES)} blocks, not {ggml_type.name}")
     O, K = shape
     lib = library()
     if (lib is None or ggml_type not in TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
@@ -43,4 +44,4 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-__all__ = ["K_QUANTS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]
+__all__ = ["EXACT_X_TYPES", "K_QUANTS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]

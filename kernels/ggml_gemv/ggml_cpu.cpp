@@ -25,11 +25,11 @@ int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return N * (K / kBlock) * stat
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
 // 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K); K a multiple of 32 (256 for K-quants); everything contiguous.
-// exact_x: x is not rounded to int8 (Q8_0 only; scratch unused). Returns 0, or -1 for an unknown
-// type, a K that is not a whole number of blocks, or exact_x on another type.
+// exact_x: x is not rounded to int8 (Q8_0, Q4_K, Q6_K; scratch unused). Returns 0, or -1 for an
+// unknown type, a K that is not a whole number of blocks, or exact_x on another type.
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
               float* y, void* scratch, int threads, int exact_x) {
-  if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || (exact_x && type != kQ8_0))
+  if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || (exact_x && !has_exact_x(type)))
     return -1;
   gemv(x, N, K, w, type, O, bias, y, static_cast<BlockX*>(scratch), threads, exact_x != 0);
   return 0;

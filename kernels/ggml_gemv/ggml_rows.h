@@ -186,6 +186,73 @@ inline float row_dot_q8_0_f32(const uint8_t* row, int64_t nb, const float* x) {
   return hsum(acc);
 }
 
+// Q4_K / Q6_K rows against fp32 x (exact_x, for the lm_head): codes widened to fp32 in registers, 8 at a
+// time, against x; Q4_K's mins come in through each sub-block's sum of x.
+inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+inline float row_dot_q4_k_f32(const uint8_t* row, int64_t nb, const float* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 144;
+    const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
+    const float* xs = x + sb * 256;
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        const float* xj = xs + 32 * j;
+        const __m128i lo = _mm256_castsi256_si128(w[h]), hi = _mm256_extracti128_si256(w[h], 1);
+        const __m256 x0 = _mm256_loadu_ps(xj), x1 = _mm256_loadu_ps(xj + 8);
+        const __m256 x2 = _mm256_loadu_ps(xj + 16), x3 = _mm256_loadu_ps(xj + 24);
+        __m256 qx = _mm256_mul_ps(widen_u8(lo), x0);
+        qx = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(lo, 8)), x1, qx);
+        qx = _mm256_fmadd_ps(widen_u8(hi), x2, qx);
+        qx = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(hi, 8)), x3, qx);
+        const __m256 sum_x = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+        acc = _mm256_fmadd_ps(qx, _mm256_set1_ps(d * sc[j]), acc);
+        acc = _mm256_fnmadd_ps(sum_x, _mm256_set1_ps(dmin * mn[j]), acc);
+      }
+    }
+  }
+  return hsum(acc);
+}
+
+inline float row_dot_q6_k_f32(const uint8_t* row, int64_t nb, const float* x) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half(blk + 208);
+    for (int c = 0; c < 8; ++c) {  // the same codes as row_dot_q6_k
+      const int h = c >> 2, s = c & 3;
+      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
+      lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
+      const __m256i hi = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)),
+                           _mm_cvtsi32_si128(2 * s)), two_bits);
+      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+      const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+      const float* xc = x + sb * 256 + 32 * c;
+      __m256 first = _mm256_mul_ps(widen_s8(q0), _mm256_loadu_ps(xc));  // values 0-15: scale 2c
+      first = _mm256_fmadd_ps(widen_s8(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xc + 8), first);
+      __m256 second = _mm256_mul_ps(widen_s8(q1), _mm256_loadu_ps(xc + 16));  // 16-31: scale 2c + 1
+      second = _mm256_fmadd_ps(widen_s8(_mm_srli_si128(q1, 8)), _mm256_loadu_ps(xc + 24), second);
+      acc = _mm256_fmadd_ps(first, _mm256_set1_ps(d * scales[2 * c]), acc);
+      acc = _mm256_fmadd_ps(second, _mm256_set1_ps(d * scales[2 * c + 1]), acc);
+    }
+  }
+  return hsum(acc);
+}
+
+// Whether a type has a fp32-x row (exact_x).
+inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
+
 struct Args {
   const BlockX* xq;
   const float* x;  // fp32 rows (row_dot_q8_0_f32), or null
@@ -205,9 +272,12 @@ inline void rows(const void* ctx, int64_t o0, int64_t o1) {
       const uint8_t* w = a.w + o * a.row_bytes;
       const BlockX* xq = a.xq + t * a.nb;
       float v;
-      if (a.x != nullptr)
-        v = row_dot_q8_0_f32(w, a.nb, a.x + t * a.nb * kBlock);
-      else if (T == kQ4_K)
+      if (a.x != nullptr) {
+        const float* xt = a.x + t * a.nb * kBlock;
+        v = T == kQ4_K ? row_dot_q4_k_f32(w, a.nb, xt)
+            : T == kQ6_K ? row_dot_q6_k_f32(w, a.nb, xt)
+                         : row_dot_q8_0_f32(w, a.nb, xt);
+      } else if (T == kQ4_K)
         v = row_dot_q4_k(w, a.nb, xq);
       else if (T == kQ6_K)
         v = row_dot_q6_k(w, a.nb, xq);
@@ -219,7 +289,7 @@ inline void rows(const void* ctx, int64_t o0, int64_t o1) {
 
 
 // y [N, O] = x [N, K] W^T (+ bias): x quantised into xq (N * K / 32 BlockX), then rows on the pool;
-// with exact_x (Q8_0 only) x is read as it is and xq is not used.
+// with exact_x (Q8_0, Q4_K, Q6_K: has_exact_x) x is read as it is and xq is not used.
 inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
                  float* y, BlockX* xq, int threads, bool exact_x = false) {
   const int64_t nb = K / kBlock;

@@ -94,7 +94,7 @@ class BlockLinear:
                  "parts", "raw", "scales_zeros", "segments")
 
     def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None, exact_x: bool = False):
-        """exact_x: decode GEMVs keep x in fp32 (Q8_0 blocks with the CPU library only; for the lm_head)."""
+        """exact_x: decode GEMVs keep x in fp32 (ggml_gemv.EXACT_X_TYPES with the CPU library; the lm_head)."""
         self.parts = parts  # raw views, for prefill-sized inputs (dequantised per call)
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
@@ -103,8 +103,9 @@ class BlockLinear:
         self.raw = self.packed = self.scales_zeros = None
         self.segments: list[tuple[torch.Tensor, GGMLQuantizationType, int]] = []  # (raw rows, type, rows)
         self.exact_x = exact_x
-        if exact_x and not (self.ggml_type == GGMLQuantizationType.Q8_0 and ggml_gemv.kernel_available()):
-            raise ValueError(f"fp32 activations need Q8_0 blocks and the CPU kernel library, not {self.ggml_type.name}")
+        if exact_x and not (self.ggml_type in ggml_gemv.EXACT_X_TYPES and ggml_gemv.kernel_available()):
+            raise ValueError(f"fp32 activations need {', '.join(t.name for t in ggml_gemv.EXACT_X_TYPES)} blocks and "
+                             f"the CPU kernel library, not {self.ggml_type.name}")
         if ggml_gemv.kernel_available():
             # the file's blocks, the rows of consecutive parts of one type stacked (a copy only where
             # several parts join); one segment (`raw`) unless the types differ
@@ -162,3 +163,29 @@ class BlockLinear:
         else:
             held = self.packed.nbytes + self.scales_zeros.nbytes
         return held + (0 if self.bias is None else self.bias.nbytes)
+
+
+class BlockEmbedding:
+    """A token embedding table kept as GGML blocks [vocab, row bytes]: looking tokens up dequantises
+    their rows only (exactly the values of a whole-table dequantisation). A lookup reads one row per
+    token, so a float copy of the table buys nothing: 2.1 GB in fp32 for 128K x 4096 against 0.3 GB
+    as Q4_K, and a tied head (`BlockLinear` over the same blocks) shares them."""
+
+    def __init__(self, weight: BlockQuantized):
+        self.weight = weight
+        self.rows = weight.raw.reshape(weight.shape[0], -1)  # [vocab, row bytes]
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [...] -> fp32 [..., D]."""
+        flat = tokens.reshape(-1)
+        rows = dequantize(self.rows.index_select(0, flat), self.weight.ggml_type, (flat.numel(), self.weight.shape[1]),
+                          torch.float32)
+        return rows.view(*tokens.shape, -1)
+
+    def __getitem__(self, token) -> torch.Tensor:
+        """One token's row, fp32 [D]."""
+        return self(torch.as_tensor(token).reshape(1))[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.attention import GQAttention, SlidingAttention
@@ -28,7 +27,7 @@ from localmoe.engine.linear import make_linear
 from localmoe.engine.mla import MLAttention
 from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
 from localmoe.engine.moe import MoEBlock
-from localmoe.engine.quantized import BlockLinear, BlockQuantized
+from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import LocalMoEError, UnsupportedModelError
@@ -71,14 +70,22 @@ MLPS = {"dense": GatedMLP.from_weights, "moe": moe_block, "latent_moe": moe_bloc
 
 def _head(weight, dtype: str):
     """The lm_head, never run on int8-rounded activations: its logits pick the token, and on the
-    embedded SmolLM2 a Q8_0 head on rounded inputs changed the greedy answer. A GGUF Q8_0 head keeps
-    its blocks with fp32 activations (kernels/ggml_gemv exact_x: 30 instead of 56 MB per token as
-    bf16); another block-quantised head is dequantised (Linear: fp32 or bf16 weights)."""
+    embedded SmolLM2 a Q8_0 head on rounded inputs changed the greedy answer. A GGUF Q8_0, Q4_K or Q6_K
+    head (a Q4_K_M file's output.weight is Q6_K) keeps its blocks with fp32 activations (kernels/ggml_gemv
+    exact_x: SmolLM2's tied Q8_0 head reads 30 instead of 56 MB per token as bf16); another
+    block-quantised head is dequantised (Linear: fp32 or bf16 weights)."""
     if isinstance(weight, BlockQuantized):
-        if weight.ggml_type == GGMLQuantizationType.Q8_0 and dtype == "auto" and ggml_gemv.kernel_available():
+        if weight.ggml_type in ggml_gemv.EXACT_X_TYPES and dtype == "auto" and ggml_gemv.kernel_available():
             return BlockLinear([weight], None, exact_x=True)
         weight = weight.float()
     return make_linear([weight], None, dtype)
+
+
+def _embedding(weight, dtype: str):
+    """GGML blocks stay blocks under dtype "auto" (BlockEmbedding: rows dequantised per lookup); else fp32."""
+    if isinstance(weight, BlockQuantized) and dtype == "auto":
+        return BlockEmbedding(weight)
+    return weight.float()
 
 
 class Transformer:
@@ -94,7 +101,7 @@ class Transformer:
         self.spec, self.config = spec, config
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
-        self.embed = weights["embed_tokens.weight"].float()
+        self.embed = _embedding(weights["embed_tokens.weight"], config.dtype)
         self.lm_head = _head(weights.get("lm_head.weight", weights["embed_tokens.weight"]), config.dtype)
         self.norm = weights["norm.weight"].float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
@@ -160,7 +167,7 @@ class Transformer:
         cache.append_mask(mask, T)
         step = make_step(cache, start, T, self.rope)
         hidden = self.spec.hidden_size
-        x = F.embedding(tokens, self.embed)
+        x = self.embed(tokens) if isinstance(self.embed, BlockEmbedding) else F.embedding(tokens, self.embed)
         if self.residuals is not None:
             def attn(i: int, h: torch.Tensor) -> torch.Tensor:
                 norm, mixer, _, _ = self.layers[i]
@@ -199,10 +206,16 @@ class Transformer:
         for block in self.moe_blocks():
             block.experts = provider
 
+    def head_shares_embedding(self) -> bool:
+        """Whether the lm_head reads the embedding's own blocks (a tied GGUF head: one copy for both)."""
+        head = getattr(self.lm_head, "raw", None)
+        return isinstance(self.embed, BlockEmbedding) and head is not None and \
+            head.data_ptr() == self.embed.rows.data_ptr()
+
     def weight_bytes(self) -> int:
         """Bytes of weights held (embedding, head, norms excluded from layers, layer matrices,
         routed experts as their providers hold them now)."""
-        total = self.embed.nbytes + self.lm_head.nbytes() + self.norm.nbytes
+        total = (0 if self.head_shares_embedding() else self.embed.nbytes) + self.lm_head.nbytes() + self.norm.nbytes
         total += self.residuals.nbytes() if self.residuals is not None else 0
         providers = {id(b.experts): b.experts for b in self.moe_blocks() if b.experts is not None}
         total += sum(p.nbytes() for p in providers.values())

@@ -5,10 +5,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from localmoe.kernels import ggml_gemv
 
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.quantized import BlockLinear, BlockQuantized, int4_kernel_available
+from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized, int4_kernel_available
 from localmoe.load import load_model
 from localmoe.store.gguf import GGUFFile
 
@@ -78,6 +79,11 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
 
     head = loaded.model.lm_head  # the tied Q8_0 embedding, on fp32 activations (engine/transformer.py _head)
     assert (head.ggml_type, head.exact_x) == (Q.Q8_0, True) if ggml_gemv.kernel_available() else type(head) is Linear
+    embed = loaded.model.embed  # the same Q8_0 blocks, rows dequantised per lookup: no float copy of the table
+    tokens = torch.tensor([[0, 5, 49151], [7, 7, 2]])
+    assert isinstance(embed, BlockEmbedding) and torch.equal(embed(tokens), F.embedding(tokens, embed.weight.float()))
+    assert torch.equal(embed[5], embed.weight.float()[5])
+    assert loaded.model.head_shares_embedding() == ggml_gemv.kernel_available()
     assert "Paris" in loaded.generate("What is the capital of France?", SamplingParams(temperature=0), 32).text
     from localmoe.engine.decode_plan import DecodePlan
 
@@ -117,8 +123,8 @@ def test_decode_plan_on_gguf_blocks_follows_the_op_by_op_step(smollm2_gguf, monk
 
 @pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
 def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
-    """A tiny Llama whose matrices are K-quant blocks mixed as a Q4_K_M file mixes them (q, k, o, gate, up
-    in Q4_K; v and down in Q6_K, so q; k; v stack two types) decodes straight from its blocks, op by op
+    """A tiny Llama whose matrices are K-quant blocks mixed as a Q4_K_M file mixes them (embedding, q, k, o,
+    gate, up in Q4_K; v, down and the head in Q6_K, so q; k; v stack two types) decodes from its blocks, op by op
     (BlockLinear segments) and through the decode plan (a stacked Matrix). The reference is transformers
     with the same weights dequantised by gguf's own code and, as the block GEMVs do at decode, every
     layer matrix's input rounded to int8 per 32 values (reference.q8_round) at the decoded positions;
@@ -140,8 +146,8 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     rng = np.random.default_rng(0)
     tensors = dict(reference.state_dict())
     for name, t in reference.state_dict().items():
-        if ".layers." in name and t.dim() == 2:
-            kind = Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight")) else Q.Q4_K
+        if t.dim() == 2:  # the embedding in Q4_K too (BlockEmbedding), the untied head in Q6_K (fp32 x)
+            kind = Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight", "lm_head.weight")) else Q.Q4_K
             raw = random_k_quant(kind, *t.shape, rng, step=(2e-4, 1e-3))
             t.copy_(torch.from_numpy(gguf.quants.dequantize(raw, kind)))  # the reference's weight, independently
             tensors[name] = BlockQuantized(torch.from_numpy(raw), kind, tuple(t.shape))
@@ -150,6 +156,7 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
                               EngineConfig(dtype="auto"))
     qkv = ours.layers[0][1].qkv
     assert isinstance(qkv, BlockLinear) and [k for _, k, _ in qkv.segments] == [Q.Q4_K, Q.Q6_K]
+    assert isinstance(ours.embed, BlockEmbedding) and (ours.lm_head.ggml_type, ours.lm_head.exact_x) == (Q.Q6_K, True)
     tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
 
     def round_decoded(module, args):
@@ -176,5 +183,5 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     op_by_op = decode()
     span = expected.amax(-1, keepdim=True) - expected.amin(-1, keepdim=True)
     for got in (planned, op_by_op):
-        assert ((got - expected).abs() / span).max() < 5e-3  # measured 1.6e-3; unrounded inputs: 7.8e-2
+        assert ((got - expected).abs() / span).max() < 1e-5  # measured 3.8e-7; unrounded inputs: 8.4e-2
         assert torch.equal(got.argmax(-1), expected.argmax(-1))

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+from localmoe.kernels.ggml_gemv import EXACT_X_TYPES, K_QUANTS, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
 
 from localmoe.testing.ggml_blocks import random_k_quant
 
@@ -45,17 +45,19 @@ def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", EXACT_X_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("N", [1, 5])
-def test_q8_0_with_fp32_x_matches_float64(N, close):
-    """exact_x: Q8_0 blocks against x as it is (no rounding), for the lm_head."""
-    raw = _weight(Q.Q8_0, 40, 576, seed=10)
-    x = torch.randn(N, 576, generator=torch.Generator().manual_seed(11))
+def test_fp32_x_matches_float64(ggml_type, N, close):
+    """exact_x: Q8_0 / Q4_K / Q6_K blocks against x as it is (no rounding), for the lm_head."""
+    K = _k_for(ggml_type, 576)
+    raw = _weight(ggml_type, 40, K, seed=10)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(11))
     x[:, 3] *= 25
-    got = ggml_gemv(x, raw, Q.Q8_0, (40, 576), exact_x=True)
-    close(got, naive_ggml_gemv(x.double(), raw, Q.Q8_0, (40, 576), exact_x=True), 2e-6, "q8_0 fp32 x")
-    assert not torch.allclose(got, ggml_gemv(x, raw, Q.Q8_0, (40, 576)), rtol=1e-4)  # not the int8 path
+    got = ggml_gemv(x, raw, ggml_type, (40, K), exact_x=True)
+    close(got, naive_ggml_gemv(x.double(), raw, ggml_type, (40, K), exact_x=True), 2e-6, f"{ggml_type.name} fp32 x")
+    assert not torch.allclose(got, ggml_gemv(x, raw, ggml_type, (40, K)), rtol=1e-4)  # not the int8 path
     with pytest.raises(ValueError, match="Q8_0"):
-        ggml_gemv(x, _weight(Q.Q4_0, 8, 576, seed=12), Q.Q4_0, (8, 576), exact_x=True)
+        ggml_gemv(x[:, :576], _weight(Q.Q4_0, 8, 576, seed=12), Q.Q4_0, (8, 576), exact_x=True)
 
 
 @needs_cpu_kernel
