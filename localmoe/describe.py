@@ -96,7 +96,7 @@ def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     counts, nbytes = Counter(), Counter()
     expert = family.experts.matcher() if family.experts else None
     routed = other = 0
-    for name in checkpoint.keys():
+    for name in checkpoint.keys():  # noqa: SIM118 - SafetensorsCheckpoint has keys() but is not iterable
         dtype, shape, size, _offset = checkpoint.info(name)
         kind = str(dtype).removeprefix("torch.")
         counts[kind] += 1
@@ -213,18 +213,18 @@ def format_description(d: dict) -> str:
         f"model          {d['name'] or Path(d['path']).name}",
         f"architecture   {d['model_type']} (family {d['family']})",
         f"layers         {d['layers']}: " + ", ".join(f"{n} x {k}" for k, n in d["layer_kinds"].items()),
-        f"dimensions     hidden {d['hidden_size']}, heads {d['heads']} (kv {d['kv_heads']}) x {d['head_dim']}, "
-        f"mlp {d['intermediate_size']}, vocab {d['vocab_size']}",
-        *([f"experts        {d['experts']['routed']} routed ({d['experts']['per_token']} per token) + "
-           f"{d['experts']['shared']} shared, in {d['experts']['moe_layers']} MoE layers"]
+        (f"dimensions     hidden {d['hidden_size']}, heads {d['heads']} (kv {d['kv_heads']}) x {d['head_dim']}, "
+         f"mlp {d['intermediate_size']}, vocab {d['vocab_size']}"),
+        *([(f"experts        {d['experts']['routed']} routed ({d['experts']['per_token']} per token) + "
+            f"{d['experts']['shared']} shared, in {d['experts']['moe_layers']} MoE layers")]
           if d["experts"]["routed"] else []),
         f"context        {d['max_position_embeddings']} tokens (model max)",
         f"parameters     {_count(d['parameters_total'])} total, {_count(d['parameters_active'])} active per token"
         + (" (embedding tied to lm_head)" if d["tie_word_embeddings"] else ""),
         "tensor dtypes  " + (", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}"
                                        for k, v in sorted(d["tensor_dtypes"].items())) or "none (config only)"),
-        f"memory         file {_size(m['file_bytes']) if m['file_bytes'] else 'none (config only)'}; weights in RAM "
-        f"{_size(m['weights_fp32_bytes'])} fp32 / {_size(m['weights_bf16_bytes'])} bf16",
+        (f"memory         file {_size(m['file_bytes']) if m['file_bytes'] else 'none (config only)'}; weights in RAM "
+         f"{_size(m['weights_fp32_bytes'])} fp32 / {_size(m['weights_bf16_bytes'])} bf16"),
         *_cache_lines(m),
     ]
     return "\n".join(lines)

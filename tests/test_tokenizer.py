@@ -16,6 +16,7 @@ regex keeps " ½" together and merges Ġ with ½'s lead byte). Digits never merg
 in this vocabulary (it was trained with isolated digits), which is why plain numbers agree.
 """
 
+import itertools
 import unicodedata
 
 import pytest
@@ -305,7 +306,7 @@ def _llama_cpp_spm(text, metadata):
         return []
     symbols = list("\u2581" + text.replace(" ", "\u2581"))
     while True:
-        pairs = [(scores[vocab[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in vocab]
+        pairs = [(scores[vocab[a + b]], -i) for i, (a, b) in enumerate(itertools.pairwise(symbols)) if a + b in vocab]
         if not pairs:
             break
         i = -max(pairs)[1]

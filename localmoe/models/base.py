@@ -8,8 +8,8 @@ it. Canonical tensor names follow HF naming without the `model.` prefix, e.g.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -120,7 +120,7 @@ def _open_hf(path: Path) -> Source:
     with SafetensorsCheckpoint(path) as ckpt:  # headers only: the converter maps tensors itself
         files = {name: st.path for name, st in ckpt.files.items()}
         refs = []
-        for name in ckpt.keys():
+        for name in ckpt.keys():  # noqa: SIM118 - SafetensorsCheckpoint has keys() but is not iterable
             info = ckpt.info(name)
             refs.append(TensorRef(name, ckpt.file_of(name).path, info.offset, info.dtype, info.shape))
     refs.sort(key=lambda r: (str(r.path), r.offset))

@@ -240,7 +240,7 @@ class PackedStore:
         for st in self._dense.values():
             st.close()
 
-    def __enter__(self) -> PackedStore:
+    def __enter__(self) -> PackedStore:  # noqa: PYI034 - typing.Self needs Python 3.11, the project supports 3.10
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,7 +49,7 @@ class _OpenLayer:
         self.file = layer_file_name(layer)
         self.partial = dst / (self.file + PARTIAL)
         self.partial.parent.mkdir(exist_ok=True)
-        self.f = open(self.partial, "wb")
+        self.f = open(self.partial, "wb")  # noqa: SIM115 - open across add_expert calls; finish_file or abandon closes it
         self.slot = np.zeros(layout.slot_bytes, dtype=np.uint8)
         self.experts: list[int] = []
         self.sums: list[str] = []
@@ -156,12 +156,12 @@ class PackedStoreWriter:
         if "/" in name or name.startswith((".", "dense-")) or name in (MANIFEST, "experts"):
             raise ValueError(f"{name!r} cannot be an extra file's name in a packed store")
         partial, h, n = self.dst / (name + PARTIAL), xxhash.xxh3_64(), 0
-        f = open(partial, "wb")
-        for chunk in chunks:
-            f.write(chunk)
-            h.update(chunk)
-            n += len(chunk)
-        finish_file(f, partial)
+        with open(partial, "wb") as f:  # finish_file closes it; the with closes it on an error
+            for chunk in chunks:
+                f.write(chunk)
+                h.update(chunk)
+                n += len(chunk)
+            finish_file(f, partial)
         self._progress.files[name] = FileRecord(name, n, h.hexdigest(), role)
         self._save_progress()
 
@@ -195,8 +195,7 @@ class PackedStoreWriter:
         header, placed = dense_shard_header([(name, dtype, shape) for name, dtype, shape, _ in pending])
         file = dense_file_name(len(self._progress.dense_shards))
         partial, h = self.dst / (file + PARTIAL), xxhash.xxh3_64(header)
-        f = open(partial, "wb")
-        try:
+        with open(partial, "wb") as f:  # finish_file closes it; the with closes it on an error
             f.write(header)
             for entry in placed:
                 t = loads.pop(entry.name)()
@@ -209,11 +208,8 @@ class PackedStoreWriter:
                     f.write(chunk)
                     h.update(chunk)
                 del t, data
-        except BaseException:
-            f.close()
-            raise
-        nbytes = f.tell()
-        finish_file(f, partial)
+            nbytes = f.tell()
+            finish_file(f, partial)
         self._progress.dense_shards.append(FileRecord(file, nbytes, h.hexdigest(), tensors=[e.name for e in placed]))
         self._save_progress()
 
@@ -298,7 +294,7 @@ class PackedStoreWriter:
             self._open = None
         self._finished = True
 
-    def __enter__(self) -> PackedStoreWriter:
+    def __enter__(self) -> PackedStoreWriter:  # noqa: PYI034 - typing.Self needs Python 3.11, the project supports 3.10
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:

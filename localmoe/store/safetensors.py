@@ -175,7 +175,7 @@ class SafetensorsCheckpoint:
     def _add(self, file: Path) -> None:
         st = SafetensorsFile(file)
         self.files[file.name] = st
-        for name in st.keys():
+        for name in st.keys():  # noqa: SIM118 - SafetensorsFile has keys() but is not iterable
             if name in self._where:
                 raise CheckpointError(f"tensor {name!r} is in both {self.path / self._where[name]} and {file}; "
                                       f"remove the stray file or add a {INDEX_NAME}")
@@ -230,7 +230,7 @@ class SafetensorsCheckpoint:
         for st in self.files.values():
             st.close()
 
-    def __enter__(self) -> SafetensorsCheckpoint:
+    def __enter__(self) -> SafetensorsCheckpoint:  # noqa: PYI034 - typing.Self needs Python 3.11, the project supports 3.10
         return self
 
     def __exit__(self, *exc: object) -> None:

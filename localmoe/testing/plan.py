@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localmoe.errors import LocalMoEError
-from localmoe.testing.random_data import Init
 from localmoe.store.safetensors_writer import DTYPE_SIZES, TensorEntry, alignment_order
+from localmoe.testing.random_data import Init
 from localmoe.testing.tokenizer import TokenizerLayout
 
 GB = 10**9

@@ -11,10 +11,10 @@ from typing import Any
 from tqdm import tqdm
 
 from localmoe.errors import LocalMoEError
+from localmoe.store.safetensors_writer import write_safetensors
 from localmoe.testing.families import FAMILIES
 from localmoe.testing.plan import Plan
 from localmoe.testing.random_data import tensor_chunks
-from localmoe.store.safetensors_writer import write_safetensors
 from localmoe.testing.tokenizer import generation_config, write_tokenizer
 
 SIZES = ("tiny", "small", "large")

@@ -16,6 +16,7 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken
+
 from localmoe.errors import TokenizerError
 from localmoe.tokenizer.base import Tokenizer, bos_eos_processor
 

@@ -8,7 +8,7 @@ import re
 from localmoe.documents.asker import Usage
 from localmoe.documents.retrieval import tokens
 
-PASSAGE = re.compile(r"^\[P(\d+)\] (.*?)\n(.*?)(?=\n\n\[P\d+\] |\n\nQuestion: )", re.S | re.M)
+PASSAGE = re.compile(r"^\[P(\d+)\] (.*?)\n(.*?)(?=\n\n\[P\d+\] |\n\nQuestion: )", re.DOTALL | re.MULTILINE)
 
 
 def passages_in(prompt: str) -> dict[int, str]:

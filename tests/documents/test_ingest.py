@@ -43,7 +43,7 @@ def test_office_and_html_facts_found_where_planted(corpus):
 
 
 def test_chunks_keep_row_numbers_and_table_header(tmp_path):
-    sheet, customer, amount = builders.XLSX_FACT
+    sheet, customer, _ = builders.XLSX_FACT
     ingested = ingest([builders.write_xlsx(tmp_path / "l.xlsx")])
     chunks = chunk_documents(ingested.documents, size=200)
     revenue = [c for c in chunks if c.location.startswith(f"sheet {sheet}")]

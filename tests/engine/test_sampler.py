@@ -79,8 +79,8 @@ def test_repetition_penalty_changes_greedy_choice():
     assert sample(logits, params, history=torch.tensor([[0]])).item() == 1
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                 dict(min_p=2), dict(repetition_penalty=0)])
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
+                                 {"min_p": 2}, {"repetition_penalty": 0}])
 def test_invalid_parameters_are_rejected(bad):
     with pytest.raises(LocalMoEError):
         SamplingParams(**bad)

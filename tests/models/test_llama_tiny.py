@@ -18,9 +18,9 @@ VOCAB = 97
 
 
 def _tiny(model_type: str, **overrides):
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    common = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     common.update(overrides)
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config}[model_type]

@@ -23,7 +23,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def test_spec_matches_the_config(checkpoint):
-    name, _, config = checkpoint
+    _, _, config = checkpoint
     spec = family_for_model_type(config["model_type"]).spec_from_hf(config)
     text = config.get("text_config", config)
     assert spec.num_layers == text["num_hidden_layers"] and spec.hidden_size == text["hidden_size"]

@@ -56,13 +56,12 @@ def test_quantised_store_stays_close_to_bf16_experts(tmp_path):
 def test_run_command_on_a_store(converted):
     _, store = converted
     done = subprocess.run([sys.executable, "-m", "localmoe", "run", "--model", str(store), "hi", "--max-tokens", "4",
-                           "--temperature", "0"], capture_output=True, text=True, timeout=300)
+                           "--temperature", "0"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "4 tokens" in done.stderr
 
 
 def test_a_store_whose_manifest_is_gone_is_named(converted, tmp_path):
-    _, store = converted
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / ".progress.json").write_text(json.dumps({}))

@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 
 from localmoe.errors import CheckpointError
-from localmoe.testing.random_data import const, normal, randint, tensor_chunks
 from localmoe.store.safetensors_writer import TensorEntry, alignment_order, file_size, write_safetensors
+from localmoe.testing.random_data import const, normal, randint, tensor_chunks
 
 TORCH = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "U8": torch.uint8, "I64": torch.int64}
 

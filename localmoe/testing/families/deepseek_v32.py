@@ -37,7 +37,7 @@ TOKENIZER = TokenizerLayout(
     chat_template=CHAT_TEMPLATE, bos=BOS, eos=EOS, pad=PAD, add_bos_token=True,
     not_special=frozenset({"<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"}))
 
-_COMMON = dict(first_dense=1, shared=1)
+_COMMON = {"first_dense": 1, "shared": 1}
 SIZES = {
     "tiny": dict(_COMMON, hidden=64, layers=4, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16, index_heads=2,
                  index_dim=16, index_topk=4, inter=128, moe_inter=32, experts=8, top_k=2, n_group=2, topk_group=1),

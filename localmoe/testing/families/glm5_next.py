@@ -38,7 +38,7 @@ TOKENIZER = TokenizerLayout(
     chat_template=CHAT_TEMPLATE, eos="<|endoftext|>", pad="<|endoftext|>", stop=("<|user|>", "<|observation|>"),
     not_special=frozenset({"<think>", "</think>"}))
 
-_COMMON = dict(conv=4, lower_bound=-5.0, shared=1, patch=14, temporal=2, merge=2)
+_COMMON = {"conv": 4, "lower_bound": -5.0, "shared": 1, "patch": 14, "temporal": 2, "merge": 2}
 SIZES = {
     "tiny": dict(_COMMON, hidden=64, layers=4, dense_layers=1, heads=4, q_lora=32, kv_lora=32, nope=16, v=16,
                  index_heads=2, index_dim=16, index_topk=4, kpool=2, kda_heads=4, kda_dim=16, hc=2, inter=128,

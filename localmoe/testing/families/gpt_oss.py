@@ -52,11 +52,12 @@ QUANTIZATION_CONFIG = {
 }
 
 SIZES = {
-    "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=64, experts=8, top_k=2, window=4),
-    "small": dict(hidden=768, layers=8, heads=12, kv_heads=4, head_dim=64, inter=768, experts=16, top_k=4, window=128,
-                  vocab=32768),
-    "large": dict(hidden=2048, layers=12, heads=32, kv_heads=8, head_dim=64, inter=2048, experts=128, top_k=4,
-                  window=128, vocab=32768),
+    "tiny": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "inter": 64, "experts": 8,
+             "top_k": 2, "window": 4},
+    "small": {"hidden": 768, "layers": 8, "heads": 12, "kv_heads": 4, "head_dim": 64, "inter": 768, "experts": 16,
+              "top_k": 4, "window": 128, "vocab": 32768},
+    "large": {"hidden": 2048, "layers": 12, "heads": 32, "kv_heads": 8, "head_dim": 64, "inter": 2048, "experts": 128,
+              "top_k": 4, "window": 128, "vocab": 32768},
 }
 
 

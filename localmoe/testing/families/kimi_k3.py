@@ -72,7 +72,7 @@ TOKENIZER = TokenizerLayout(
     tail=("[BOS]", "[EOS]", "<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "[PAD]"),
     chat_template=CHAT_TEMPLATE, bos="[BOS]", eos="<|end_of_msg|>", pad="[PAD]", stop=("[EOS]",))
 
-_COMMON = dict(conv=4, first_dense=1, shared=2, scaling=1.0, lower_bound=-5.0)
+_COMMON = {"conv": 4, "first_dense": 1, "shared": 2, "scaling": 1.0, "lower_bound": -5.0}
 SIZES = {
     "tiny": dict(_COMMON, hidden=64, layers=7, full_attn_layers=[4, 7], block=3, heads=4, kda_heads=4, kda_dim=16,
                  q_lora=32, kv_lora=32, nope=16, rope=8, v=16, inter=128, moe_inter=64, latent=32, experts=16,

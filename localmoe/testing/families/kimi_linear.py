@@ -33,7 +33,7 @@ TOKENIZER = TokenizerLayout(
           "[PAD]"),
     chat_template=CHAT_TEMPLATE, bos="[BOS]", eos="<|im_end|>", pad="[PAD]", stop=("[EOS]",))
 
-_COMMON = dict(kda_conv=4, q_lora_rank=None, first_dense=1, shared=1, scaling=2.446)
+_COMMON = {"kda_conv": 4, "q_lora_rank": None, "first_dense": 1, "shared": 1, "scaling": 2.446}
 SIZES = {
     "tiny": dict(_COMMON, hidden=64, layers=4, full_attn_layers=[4], heads=4, kda_heads=4, kda_head_dim=16,
                  kv_lora=32, nope=16, rope=8, v=16, inter=128, moe_inter=32, experts=8, top_k=2),

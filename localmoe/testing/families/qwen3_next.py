@@ -30,12 +30,14 @@ TOKENIZER = TokenizerLayout(
     not_special=frozenset({"<tool_call>", "</tool_call>", "<think>", "</think>"}))
 
 SIZES = {
-    "tiny": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, lin_k_heads=2, lin_v_heads=4, lin_k_dim=16,
-                 lin_v_dim=16, experts=8, top_k=2, moe_inter=32, shared_inter=32),
-    "small": dict(hidden=768, layers=8, heads=8, kv_heads=2, head_dim=128, lin_k_heads=4, lin_v_heads=8, lin_k_dim=64,
-                  lin_v_dim=64, experts=32, top_k=4, moe_inter=384, shared_inter=384, vocab=32768),
-    "large": dict(hidden=2048, layers=12, heads=16, kv_heads=2, head_dim=128, lin_k_heads=8, lin_v_heads=16,
-                  lin_k_dim=128, lin_v_dim=128, experts=64, top_k=8, moe_inter=1024, shared_inter=1024, vocab=32768),
+    "tiny": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 16, "lin_k_heads": 2, "lin_v_heads": 4,
+             "lin_k_dim": 16, "lin_v_dim": 16, "experts": 8, "top_k": 2, "moe_inter": 32, "shared_inter": 32},
+    "small": {"hidden": 768, "layers": 8, "heads": 8, "kv_heads": 2, "head_dim": 128, "lin_k_heads": 4,
+              "lin_v_heads": 8, "lin_k_dim": 64, "lin_v_dim": 64, "experts": 32, "top_k": 4, "moe_inter": 384,
+              "shared_inter": 384, "vocab": 32768},
+    "large": {"hidden": 2048, "layers": 12, "heads": 16, "kv_heads": 2, "head_dim": 128, "lin_k_heads": 8,
+              "lin_v_heads": 16, "lin_k_dim": 128, "lin_v_dim": 128, "experts": 64, "top_k": 8, "moe_inter": 1024,
+              "shared_inter": 1024, "vocab": 32768},
 }
 INTERVAL = 4  # full_attention_interval
 
