@@ -1,4 +1,5 @@
-"""Dequantisation of ggml tensor types in PyTorch.
+"""Dequantisation of ggml tensor types in PyTorch: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4.
 
 Each block decoder takes `blocks: [N, type_size] uint8` (N blocks of raw bytes) and writes
 `out: [N, block_size] float32`. The arithmetic mirrors the numpy reference in
@@ -70,6 +71,26 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(d).add_(m)
 
 
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """The 32-bit field of Q5_0 / Q5_1 `[N, 4]` -> `[N, 32]` uint8: bit j (element j's fifth bit)."""
+    words = _packed(qh, 4).view(torch.int32)  # [N, 1]; bit 31 shifts in ones, the mask drops them
+    return ((words >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+
+
+def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_q5_0: d f16 | qh[4] (fifth bits) | qs[16] (nibbles as Q4_0); value = d * (q - 16), q in 0..31
+    d = _f16(blocks, 0)
+    out.copy_(_nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4))
+    out.sub_(16.0).mul_(d)
+
+
+def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_q5_1: d f16 | m f16 | qh[4] | qs[16]; value = d * q + m
+    dm = _f16(blocks, 0, 2)
+    out.copy_(_nibbles(blocks[:, 8:]) | (_fifth_bits(blocks[:, 4:8]) << 4))
+    out.mul_(dm[:, :1]).add_(dm[:, 1:])
+
+
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q8_0: d f16 | qs[32] int8; value = d * q
     d = _f16(blocks, 0)
@@ -104,6 +125,49 @@ def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     view = out.view(n, 8, 32)
     view.copy_(qs.reshape(n, 8, 32))
     view.mul_(scale).sub_(offset)
+
+
+def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_q5_K (256 values): d f16 | dmin f16 | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K)
+    # sub-block j: value = (d * sc) * q - (dmin * m), q = nibble | bit j of qh[i] << 4 for element i
+    n = blocks.shape[0]
+    dd = _f16(blocks, 0, 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    scale = (dd[:, :1] * sc.to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
+    offset = (dd[:, 1:] * mn.to(torch.float32)).unsqueeze(-1)
+    low = _unpack(blocks[:, 48:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 16:48].reshape(n, 1, 32), range(8), 0x01).reshape(n, 8, 32)
+    view = out.view(n, 8, 32)
+    view.copy_(low | (high << 4))
+    view.mul_(scale).sub_(offset)
+
+
+def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_q2_K (256 values): scales[16] (low 4 bits scale, high 4 bits min) | qs[64] | d f16 | dmin f16
+    # 16 sub-blocks of 16: value = (d * scale) * q - (dmin * min), q in 0..3 (2 bits of qs)
+    n = blocks.shape[0]
+    sc = blocks[:, :16]
+    dd = _f16(blocks, 80, 2)
+    scale = (dd[:, :1] * (sc & 0x0F).to(torch.float32)).unsqueeze(-1)  # [N, 16, 1]
+    offset = (dd[:, 1:] * (sc >> 4).to(torch.float32)).unsqueeze(-1)
+    view = out.view(n, 16, 16)
+    view.copy_(_unpack(blocks[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16))
+    view.mul_(scale).sub_(offset)
+
+
+def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_q3_K (256 values): hmask[32] | qs[64] (2 low bits) | scales[12] (16 six-bit, - 32) | d f16
+    # value = (d * scale) * (q - 4 * (1 - hbit)): the offset 4 applies where the hmask bit is CLEAR
+    n = blocks.shape[0]
+    d = _f16(blocks, 108)
+    low = _unpack(blocks[:, 96:104].reshape(n, 1, 8), (0, 4), 0x0F).reshape(n, 16)  # scales 0-7, then 8-15
+    high = _unpack(blocks[:, 104:108].reshape(n, 1, 4), (0, 2, 4, 6), 0x03).reshape(n, 16)
+    scale = (d * ((low | (high << 4)).to(torch.float32) - 32.0)).unsqueeze(-1)  # [N, 16, 1]
+    q = _unpack(blocks[:, 32:96].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16).to(torch.float32)
+    hbit = _unpack(blocks[:, :32].reshape(n, 1, 32), range(8), 0x01).reshape(n, 16, 16)
+    view = out.view(n, 16, 16)
+    view.copy_(q.sub_(4.0 * (1 - hbit).to(torch.float32)))
+    view.mul_(scale)
 
 
 def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -149,8 +213,13 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
     T.Q8_0: _q8_0,
+    T.Q2_K: _q2_k,
+    T.Q3_K: _q3_k,
     T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
 }

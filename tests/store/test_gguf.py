@@ -22,8 +22,9 @@ from localmoe.store.gguf import GGUFFile
 
 # byte offsets of the float16 fields inside each block: kept finite so the reference
 # (and we) never multiply by NaN/inf, whose payloads need not match bit for bit
-F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208], T.MXFP4: []}
-QUANTIZABLE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q8_0, T.MXFP4}  # gguf.quants.quantize handles these
+F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
+              T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: []}
+QUANTIZABLE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}  # gguf.quants.quantize does these
 
 
 def _random_blocks(qtype: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -226,11 +227,11 @@ def test_written_file_with_every_supported_type(tmp_path):
 
 
 def test_unsupported_tensor_type_names_file_and_tensor(tmp_path):
-    raw = np.zeros((2, GGML_QUANT_SIZES[T.Q5_K][1]), dtype=np.uint8)
-    _write_gguf(tmp_path / "q5k.gguf", {"w": (raw, T.Q5_K)})
-    f = GGUFFile(tmp_path / "q5k.gguf")
-    assert f.info("w").shape == (2, 256)
-    with pytest.raises(CheckpointError, match=r"q5k.gguf: tensor 'w': ggml tensor type Q5_K is not supported"):
+    raw = np.zeros((2, GGML_QUANT_SIZES[T.IQ4_NL][1]), dtype=np.uint8)
+    _write_gguf(tmp_path / "iq4.gguf", {"w": (raw, T.IQ4_NL)})
+    f = GGUFFile(tmp_path / "iq4.gguf")
+    assert f.info("w").shape == (2, 32)
+    with pytest.raises(CheckpointError, match=r"iq4.gguf: tensor 'w': ggml tensor type IQ4_NL is not supported"):
         f.tensor("w")
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
         f.info("nope")
