@@ -254,7 +254,7 @@ def ggml_bench(rounds: int, quick: bool) -> None:
     from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available
 
     from localmoe.store.ggml_quants import dequantize
-    from localmoe.testing.ggml_blocks import random_k_quant
+    from localmoe.testing.ggml_blocks import random_blocks
 
     if not kernel_available():
         print("GGUF block GEMV: CPU kernel unavailable; nothing to compare")
@@ -267,7 +267,7 @@ def ggml_bench(rounds: int, quick: bool) -> None:
           "(same run), speed over the GEMV of a bf16 copy (medians)")
     rows = []
     for kind in TYPES:
-        one = (torch.from_numpy(random_k_quant(kind, O, K, rng)) if kind in K_QUANTS else
+        one = (torch.from_numpy(random_blocks(kind, O, K, rng)) if kind in K_QUANTS else
                torch.from_numpy(gguf.quants.quantize(rng.standard_normal((O, K)).astype(np.float32) * 0.05, kind)))
         count = max(2, (128 if quick else 256) * 2**20 // one.nbytes)  # well above the LLC
         mats = [one.clone() for _ in range(count)]

@@ -97,8 +97,8 @@ def _read_gguf(path: Path, config: EngineConfig, progress: bool):
     keep = config.dtype == "auto"
 
     def read(name: str):
-        """Matrices of a block type with a decode GEMV (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) stay in their blocks under
-        --dtype auto; everything else is dequantised."""
+        """Matrices of a block type with a decode GEMV (kernels/ggml_gemv.TYPES) stay in their blocks
+        under --dtype auto; everything else is dequantised."""
         info = gguf.info(name)
         if keep and len(info.shape) == 2 and keeps_blocks(info.ggml_type):
             return BlockQuantized(gguf.raw(name), info.ggml_type, info.shape)

@@ -1,5 +1,5 @@
 // A weight matrix as the fused decode steps read it: fp32 or bf16 rows (dense_rows.h) or GGUF
-// Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
 // for one token through the right GEMV on the library's pool.
 #pragma once
 
@@ -13,8 +13,8 @@ namespace localmoe {
 // kStacked: `data` points to an array of Matrix parts over the same input, ended by one with rows == 0;
 // their outputs are stacked (`rows` is the sum) and each part has its own bias. For a GGUF q; k; v
 // whose parts differ in type (Q4_K_M files keep some attn_v in Q6_K).
-enum MatrixType : int64_t { kF32 = 0, kBF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8, kGgmlQ4_K = 12,
-                            kGgmlQ6_K = 14, kStacked = 255 };
+enum MatrixType : int64_t { kF32 = 0, kBF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ5_0 = 6, kGgmlQ5_1 = 7,
+                            kGgmlQ8_0 = 8, kGgmlQ4_K = 12, kGgmlQ5_K = 13, kGgmlQ6_K = 14, kStacked = 255 };
 
 struct Matrix {
   const void* data;

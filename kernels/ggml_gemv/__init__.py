@@ -1,4 +1,4 @@
-"""GEMV from GGUF block formats (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
+"""GEMV from GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
 int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
@@ -14,8 +14,8 @@ from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
 
 Q = GGMLQuantizationType
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
-K_QUANTS = (Q.Q4_K, Q.Q6_K)  # super-blocks of 256 values
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 values
 EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
 
 

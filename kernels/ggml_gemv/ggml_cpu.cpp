@@ -4,7 +4,9 @@
 //   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles  w = d q + m
 //   Q8_0 (34 bytes): fp16 d, 32 int8                      w = d q
 // nibble byte j holds element j (low) and j + 16 (high); and the K-quants, super-blocks of 256:
+//   Q5_0 (22 bytes), Q5_1 (24 bytes): Q4_0 / Q4_1 with 32 fifth bits   w = d (q - 16), w = d q + m
 //   Q4_K (144 bytes): 8 sub-blocks of 32 with 6-bit scale and min   w = d sc q - dmin m
+//   Q5_K (176 bytes): Q4_K with a fifth bit per value
 //   Q6_K (210 bytes): 16 sub-blocks of 16 with int8 scale, 6-bit q  w = d scale (q - 32)
 // (layouts: ggml_rows.h). x is rounded per 32 values for every type (llama.cpp uses 256 for K-quants). Like llama.cpp, each token's x is rounded
 // to int8 per 32 values first (BlockX: step d = amax / 127, q = round-to-even(x / d), and d * sum(q));
@@ -24,7 +26,8 @@ extern "C" {
 int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return N * (K / kBlock) * static_cast<int64_t>(sizeof(BlockX)); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
-// 3 Q4_1, 8 Q8_0, 12 Q4_K, 14 Q6_K); K a multiple of 32 (256 for K-quants); everything contiguous.
+// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K); K a multiple of 32 (256 for K-quants);
+// everything contiguous.
 // exact_x: x is not rounded to int8 (Q8_0, Q4_K, Q6_K; scratch unused). Returns 0, or -1 for an
 // unknown type, a K that is not a whole number of blocks, or exact_x on another type.
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,

@@ -17,17 +17,21 @@ namespace localmoe_ggml {
 using localmoe::hsum;
 
 constexpr int64_t kBlock = 32;
-enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGMLQuantizationType values
+// GGMLQuantizationType values
+enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ6_K; }
+inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 // Bytes of one row of `nb` blocks of 32 values (K-quants: nb a multiple of 8, super-blocks of 256).
 inline int64_t row_bytes(int type, int64_t nb) {
   switch (type) {
     case kQ4_0: return nb * 18;
     case kQ4_1: return nb * 20;
+    case kQ5_0: return nb * 22;
+    case kQ5_1: return nb * 24;
     case kQ8_0: return nb * 34;
     case kQ4_K: return nb / 8 * 144;
+    case kQ5_K: return nb / 8 * 176;
     case kQ6_K: return nb / 8 * 210;
     default: return 0;
   }
@@ -72,9 +76,22 @@ inline void quantize(const float* x, int64_t nb, BlockX* xq) {
   }
 }
 
+// The fifth bits of 32 values as bytes: 16 where bit i of the 32-bit field at `qh` is set, else 0.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  // byte i takes byte i / 8 of the field (set1 repeats it in both 128-bit lanes), then bit i % 8 of it
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+}
+
 template <int T>
 inline float row_dot(const uint8_t* row, int64_t nb, const BlockX* x) {
-  constexpr int64_t bytes = T == kQ4_0 ? 18 : (T == kQ4_1 ? 20 : 34);
+  constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  constexpr int64_t codes = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;  // offset of the nibbles
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc = _mm256_setzero_ps();
   float corr = 0.0f;
@@ -87,11 +104,14 @@ inline float row_dot(const uint8_t* row, int64_t nb, const BlockX* x) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
       p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
     } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == kQ4_0 ? 2 : 4)));
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + codes));
       const __m128i lo = _mm_set1_epi8(0x0F);
-      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
-      p = _mm256_maddubs_epi16(w, xq);  // |pair| <= 2 * 15 * 128
-      corr += T == kQ4_0 ? -8.0f * d * x[b].s : half(blk + 2) * x[b].s;
+      __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+      if (T == kQ5_0 || T == kQ5_1) w = _mm256_or_si256(w, fifth_bits(blk + codes - 4));
+      p = _mm256_maddubs_epi16(w, xq);  // |pair| <= 2 * 31 * 127
+      corr += T == kQ4_0   ? -8.0f * d * x[b].s
+              : T == kQ5_0 ? -16.0f * d * x[b].s
+                           : half(blk + 2) * x[b].s;  // Q4_1, Q5_1: + m sum(x)
     }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * x[b].d), acc);
   }
@@ -131,6 +151,38 @@ inline float row_dot_q4_k(const uint8_t* row, int64_t nb, const BlockX* x) {
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], xq), ones);  // |pair| <= 2 * 15 * 127
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * sc[2 * p + h] * xj.d), acc);
         corr += dmin * mn[2 * p + h] * xj.s;
+      }
+    }
+  }
+  return hsum(acc) - corr;
+}
+
+// Q5_K: Q4_K with a fifth bit per value: 176 bytes, fp16 d, fp16 dmin, the same 12 scale bytes, qh[32]
+// (bit j of qh[i]: value i of sub-block j), then Q4_K's 128 bytes of nibbles.
+inline float row_dot_q5_k(const uint8_t* row, int64_t nb, const BlockX* x) {
+  const __m256i ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc = _mm256_setzero_ps();
+  float corr = 0.0f;
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * 176;
+    const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    const BlockX* xb = x + sb * 8;
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+        const __m256i wj = _mm256_or_si256(w[h], _mm256_slli_epi16(bit, 4));
+        const BlockX& xj = xb[j];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wj, xq), ones);  // |pair| <= 2 * 31 * 127
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * sc[j] * xj.d), acc);
+        corr += dmin * mn[j] * xj.s;
       }
     }
   }
@@ -279,6 +331,8 @@ inline void rows(const void* ctx, int64_t o0, int64_t o1) {
                          : row_dot_q8_0_f32(w, a.nb, xt);
       } else if (T == kQ4_K)
         v = row_dot_q4_k(w, a.nb, xq);
+      else if (T == kQ5_K)
+        v = row_dot_q5_k(w, a.nb, xq);
       else if (T == kQ6_K)
         v = row_dot_q6_k(w, a.nb, xq);
       else
@@ -299,7 +353,10 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   const Args args{xq, exact_x ? x : nullptr, N, nb, w, bytes, O, bias, y, type};
   auto fn = type == kQ4_0   ? rows<kQ4_0>
             : type == kQ4_1 ? rows<kQ4_1>
+            : type == kQ5_0 ? rows<kQ5_0>
+            : type == kQ5_1 ? rows<kQ5_1>
             : type == kQ4_K ? rows<kQ4_K>
+            : type == kQ5_K ? rows<kQ5_K>
             : type == kQ6_K ? rows<kQ6_K>
                             : rows<kQ8_0>;
   localmoe::parallel(fn, &args, O, localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N), threads);

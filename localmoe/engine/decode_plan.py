@@ -6,7 +6,7 @@
   (MoEBlock.routed_table), without latent projection or shared expert. The decoder calls the same
   kernel entry points in the same order as the op-by-op step: the same bits.
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
-  every matrix fp32, bf16 or GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks (Linear, BlockLinear; parts of
+  every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
 Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the

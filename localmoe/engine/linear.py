@@ -144,8 +144,8 @@ def make_linear(parts: list, bias: torch.Tensor | None, dtype: str):
     """One linear layer from weight parts stacked as rows (e.g. [q, k, v]).
 
     Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and every part
-    in a GGML block type with a decode GEMV (`quantized.keeps_blocks`: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K;
-    parts of different types need the CPU library), the weight stays in its blocks (`BlockLinear`);
+    in a GGML block type with a decode GEMV (`quantized.keeps_blocks`: kernels/ggml_gemv.TYPES; parts
+    of different types need the CPU library), the weight stays in its blocks (`BlockLinear`);
     otherwise the parts are dequantised and concatenated into a `Linear`.
     """
     from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks

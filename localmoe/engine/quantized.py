@@ -1,4 +1,4 @@
-"""Weights kept in their GGML block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) for decode GEMVs.
+"""Weights kept in their GGML block format (kernels/ggml_gemv.TYPES) for decode GEMVs.
 
 A GGUF Q4_0 / Q4_1 matrix stays 4.5-5 bits per weight instead of becoming a bf16 copy
 (3.6x the bytes), a Q8_0 one 8.5 bits (1.9x less): decode reads every weight once per token,

@@ -1,5 +1,6 @@
-"""Random GGUF K-quant blocks for tests: gguf's quantiser does not produce Q4_K / Q6_K, and every
-bit pattern of their codes, scales and mins is a valid block, so tests draw the bytes directly."""
+"""Random GGUF quantised blocks for tests: every bit pattern of the codes, scales and mins of these
+types is a valid block, so tests draw the bytes directly (gguf's quantiser does not produce the
+K-quants) and keep only the fp16 step fields finite and small."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import gguf
 import numpy as np
 
 Q = gguf.GGMLQuantizationType
-K_QUANT_STEPS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of the fp16 steps (Q4_K: d, dmin; Q6_K: d)
+# byte offsets of each block's fp16 fields: steps (d), and mins (Q4_1/Q5_1's m, the K-quants' dmin)
+STEP_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+               Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
-def random_k_quant(ggml_type, rows: int, cols: int, rng: np.random.Generator,
-                   step: tuple[float, float] = (1e-3, 1e-2)) -> np.ndarray:
-    """uint8 [rows, cols / 256 * block bytes]: random super-blocks of `ggml_type` (Q4_K or Q6_K) with
-    their fp16 steps drawn uniformly in `step` (finite, so every value is)."""
-    if ggml_type not in K_QUANT_STEPS or cols % 256:
-        raise ValueError(f"random_k_quant makes Q4_K / Q6_K rows of whole 256-value blocks, not {ggml_type!r} x {cols}")
-    size = gguf.GGML_QUANT_SIZES[ggml_type][1]
-    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    for offset in K_QUANT_STEPS[ggml_type]:
-        d = rng.uniform(*step, (rows, cols // 256)).astype(np.float16)
-        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+def random_blocks(ggml_type, rows: int, cols: int, rng: np.random.Generator,
+                  step: tuple[float, float] = (1e-3, 1e-2)) -> np.ndarray:
+    """uint8 [rows, cols / block values * block bytes]: random blocks of `ggml_type` (a STEP_FIELDS
+    type) with their fp16 fields drawn uniformly in `step` (finite, so every value is)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+    if ggml_type not in STEP_FIELDS or cols % block_size:
+        raise ValueError(f"random_blocks makes rows of whole blocks of {', '.join(t.name for t in STEP_FIELDS)}, "
+                         f"not {ggml_type!r} x {cols}")
+    blocks = rng.integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset in STEP_FIELDS[ggml_type]:
+        d = rng.uniform(*step, (rows, cols // block_size)).astype(np.float16)
+        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(rows, cols // block_size, 2)
     return blocks.reshape(rows, -1)

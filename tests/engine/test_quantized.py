@@ -123,8 +123,9 @@ def test_decode_plan_on_gguf_blocks_follows_the_op_by_op_step(smollm2_gguf, monk
 
 @pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
 def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
-    """A tiny Llama whose matrices are K-quant blocks mixed as a Q4_K_M file mixes them (embedding, q, k, o,
-    gate, up in Q4_K; v, down and the head in Q6_K, so q; k; v stack two types) decodes from its blocks, op by op
+    """A tiny Llama whose matrices are GGUF blocks of mixed types as Q4_K_M / Q5_K_M files mix them (embedding,
+    q, k in Q4_K; v, down and the head in Q6_K; o in Q5_K; gate Q5_0 and up Q5_1, so q; k; v and gate; up
+    each stack two types) decodes from its blocks, op by op
     (BlockLinear segments) and through the decode plan (a stacked Matrix). The reference is transformers
     with the same weights dequantised by gguf's own code and, as the block GEMVs do at decode, every
     layer matrix's input rounded to int8 per 32 values (reference.q8_round) at the decoded positions;
@@ -135,9 +136,11 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     from localmoe.engine.decode_plan import DecodePlan
     from localmoe.load import build_from_tensors
     from localmoe.models import family_for_model_type
-    from localmoe.testing.ggml_blocks import random_k_quant
+    from localmoe.testing.ggml_blocks import random_blocks
 
     transformers = pytest.importorskip("transformers")
+    kinds = {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K, "lm_head.weight": Q.Q6_K,
+             "o_proj.weight": Q.Q5_K, "gate_proj.weight": Q.Q5_0, "up_proj.weight": Q.Q5_1}
     config = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                                       max_position_embeddings=128, tie_word_embeddings=False)
@@ -147,8 +150,8 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     tensors = dict(reference.state_dict())
     for name, t in reference.state_dict().items():
         if t.dim() == 2:  # the embedding in Q4_K too (BlockEmbedding), the untied head in Q6_K (fp32 x)
-            kind = Q.Q6_K if name.endswith(("v_proj.weight", "down_proj.weight", "lm_head.weight")) else Q.Q4_K
-            raw = random_k_quant(kind, *t.shape, rng, step=(2e-4, 1e-3))
+            kind = next((k for suffix, k in kinds.items() if name.endswith(suffix)), Q.Q4_K)
+            raw = random_blocks(kind, *t.shape, rng, step=(2e-4, 1e-3))
             t.copy_(torch.from_numpy(gguf.quants.dequantize(raw, kind)))  # the reference's weight, independently
             tensors[name] = BlockQuantized(torch.from_numpy(raw), kind, tuple(t.shape))
     family = family_for_model_type("llama")
@@ -156,6 +159,7 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
                               EngineConfig(dtype="auto"))
     qkv = ours.layers[0][1].qkv
     assert isinstance(qkv, BlockLinear) and [k for _, k, _ in qkv.segments] == [Q.Q4_K, Q.Q6_K]
+    assert [k for _, k, _ in ours.layers[0][3].gate_up.segments] == [Q.Q5_0, Q.Q5_1]
     assert isinstance(ours.embed, BlockEmbedding) and (ours.lm_head.ggml_type, ours.lm_head.exact_x) == (Q.Q6_K, True)
     tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
 

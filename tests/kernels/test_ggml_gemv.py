@@ -10,7 +10,7 @@ import pytest
 import torch
 from localmoe.kernels.ggml_gemv import EXACT_X_TYPES, K_QUANTS, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
 
-from localmoe.testing.ggml_blocks import random_k_quant
+from localmoe.testing.ggml_blocks import random_blocks
 
 needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2 or compiler)")
 Q = gguf.GGMLQuantizationType
@@ -19,7 +19,7 @@ Q = gguf.GGMLQuantizationType
 def _weight(ggml_type, O: int, K: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     if ggml_type in K_QUANTS:  # gguf cannot quantise to these: random codes and scales, sane fp16 steps
-        return torch.from_numpy(random_k_quant(ggml_type, O, K, rng))
+        return torch.from_numpy(random_blocks(ggml_type, O, K, rng))
     w = rng.standard_normal((O, K)).astype(np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, ggml_type).copy())
 
