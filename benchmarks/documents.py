@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.documents.builders writes the PDF
 
-from common import report  # noqa: E402
-from tests.documents.builders import PDF_FACTS, write_pdf  # noqa: E402
+from common import report
+
+from tests.documents.builders import PDF_FACTS, write_pdf
 
 FACT_PAGE = 137
 QUESTION = "Who signed the cobalt procurement review?"
@@ -82,11 +83,11 @@ def main() -> None:
                 seconds, result = asyncio.run(analyse_once(service, pdf, budget))
                 stats = result.stats
                 cited = {c.location for c in result.citations if c.verified} | {e.location for e in result.evidence}
-                report([(f"analyze --budget {budget}", f"{seconds:8.1f} s end to end ({result.mode}, "
+                report([(f"analyze --budget {budget}", (f"{seconds:8.1f} s end to end ({result.mode}, "
                                                       f"{stats['model_calls']} model calls, "
                                                       f"{stats['passages_read']} of {stats['chunks']} passages, "
                                                       f"{stats.get('prompt_tokens', 0)} prompt + "
-                                                      f"{stats.get('completion_tokens', 0)} generated tokens)"),
+                                                      f"{stats.get('completion_tokens', 0)} generated tokens)")),
                         ("  cites the fact's page", str(f"page {FACT_PAGE}" in cited))])
         finally:
             service.stop()

@@ -12,7 +12,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 from jinja2.ext import Extension, loopcontrols
@@ -28,7 +28,7 @@ class _TemplateRaised(Exception):
 class _GenerationBlock(Extension):
     """`{% generation %}...{% endgeneration %}` renders its body: we need no assistant mask."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
