@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from localmoe.ui.conversation import DENIED, Conversation
 from localmoe.ui.stats import snapshot, status_line
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
 from localmoe.ui.tui.widgets import AssistantMessage, BudgetSelector, StatusBar, ToolCard, UserMessage
 from textual.app import App, ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
@@ -62,7 +63,7 @@ class ChatApp(App):
 
     CSS_PATH = "chat.tcss"
     TITLE = "localmoe chat"
-    BINDINGS = [
+    BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+b,f2", "cycle_budget", "Budget", priority=True),
         Binding("ctrl+t,f3", "toggle_tools", "Tools", priority=True),
         Binding("ctrl+r,f4", "toggle_reasoning", "Reasoning", priority=True),
@@ -82,8 +83,8 @@ class ChatApp(App):
         self.loader = loader
         self.owns_service = service is None  # a service it loaded, it stops on exit
         self.model_name = model_name
-        self.options = dict(workdir=workdir, budget=budget, tools_enabled=tools_enabled, max_tokens=max_tokens,
-                            runner=runner, params=params)  # params: SamplingParams (None: the conversation's)
+        self.options = {"workdir": workdir, "budget": budget, "tools_enabled": tools_enabled, "max_tokens": max_tokens,
+                        "runner": runner, "params": params}  # params: SamplingParams (None: the conversation's)
         self.initial_session = session_id
         self.stats = stats
         self.stats_interval = stats_interval

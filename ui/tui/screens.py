@@ -4,9 +4,10 @@ delete) and the one-line rename prompt."""
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Input, Label, OptionList, ProgressBar, Static
@@ -60,7 +61,7 @@ class LoadingScreen(Screen):
 class RenameScreen(ModalScreen[str | None]):
     """Asks for a new session title; dismisses with the title, or None on escape."""
 
-    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Cancel")]
 
     def __init__(self, title: str):
         super().__init__()
@@ -80,7 +81,7 @@ class SessionsScreen(ModalScreen[str | None]):
     """The stored sessions, newest first: enter resumes, r renames, d deletes, escape closes.
     Dismisses with the id of the session to resume (None: stay in the current one)."""
 
-    BINDINGS = [Binding("escape", "dismiss(None)", "Close"), Binding("r", "rename", "Rename"),
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss(None)", "Close"), Binding("r", "rename", "Rename"),
                 Binding("d", "delete", "Delete")]
 
     def __init__(self, store, current: str | None):

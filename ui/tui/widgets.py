@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import ClassVar
 
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Static
@@ -73,7 +74,7 @@ def call_summary(call: ToolCall) -> str:
 class ToolCard(Vertical, can_focus=True):
     """A tool call waiting for the user: Approve (y) or Deny (n); afterwards it shows the result."""
 
-    BINDINGS = [Binding("y", "decide(True)", "Approve"), Binding("n", "decide(False)", "Deny")]
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("y", "decide(True)", "Approve"), Binding("n", "decide(False)", "Deny")]
 
     class Decided(Message):
         def __init__(self, card: ToolCard, approved: bool):
