@@ -5,7 +5,7 @@ after the same prompt. Prints tokens/s, ratios, the fraction of the memory-bandw
 limit reached, and localmoe's Python/dispatch overhead per token (measured by running
 the same layer graph with tiny matrices, so that nearly all remaining time is overhead).
 
-    python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--skip-transformers]
+    python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--skip-transformers] [--quant q4_k_m]
 """
 
 from __future__ import annotations
@@ -90,19 +90,43 @@ def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) 
     return tokens / (time.perf_counter() - start), generated
 
 
+QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+          "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def requantised(src, quant: str):
+    """`src` requantised to `quant` by llama.cpp (cached beside it). SmolLM2's 576-wide rows are not
+    whole 256-value super-blocks, so llama.cpp falls back to Q5_0 / Q8_0 there, as it does in such files."""
+    import ctypes
+
+    import llama_cpp
+
+    out = src.with_name(f"{src.stem.rsplit('.', 1)[0]}.{quant.upper()}.gguf")
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize = getattr(llama_cpp, QUANTS[quant]), True
+        tmp = out.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise SystemExit(f"llama.cpp could not quantise {src} to {quant}")
+        tmp.rename(out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--quant", choices=sorted(QUANTS), help="decode the default model requantised by "
+                        "llama.cpp's own quantiser to this type (needs llama-cpp-python): a real K-quant file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from localmoe.default_model import default_model_path
     from localmoe.load import load_model
 
-    gguf_path = default_model_path()
+    gguf_path = default_model_path() if args.quant is None else requantised(default_model_path(), args.quant)
     print(f"decode_dense: {gguf_path.name}, {args.tokens} greedy tokens, {args.threads} threads", flush=True)
     loaded = load_model(gguf_path, threads=args.threads, dtype=args.dtype, progress=False)
     prompt_ids = loaded.chat_prompt([{"role": "user", "content": PROMPT}])
