@@ -131,53 +131,31 @@ inline void q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   }
 }
 
-inline float row_dot_q4_k(const uint8_t* row, int64_t nb, const BlockX* x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+// Q5_K: Q4_K with a fifth bit per value, 176 bytes: d, dmin, the same 12 scale bytes, qh[32] (bit j of
+// qh[i]: value i of sub-block j), then Q4_K's 128 bytes of nibbles. One row function serves both.
+template <bool kFifthBit>
+inline float row_dot_q45_k(const uint8_t* row, int64_t nb, const BlockX* x) {
+  constexpr int64_t bytes = kFifthBit ? 176 : 144, nibbles = kFifthBit ? 48 : 16;
+  const __m256i ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
   __m256 acc = _mm256_setzero_ps();
   float corr = 0.0f;
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 144;
+    const uint8_t* blk = row + sb * bytes;
     const float d = half(blk), dmin = half(blk + 2);
     uint8_t sc[8], mn[8];
     q4_k_scales(blk + 4, sc, mn);
+    const __m256i qh = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : one;
     const BlockX* xb = x + sb * 8;
     for (int p = 0; p < 4; ++p) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
-      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
-      for (int h = 0; h < 2; ++h) {
-        const BlockX& xj = xb[2 * p + h];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], xq), ones);  // |pair| <= 2 * 15 * 127
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * sc[2 * p + h] * xj.d), acc);
-        corr += dmin * mn[2 * p + h] * xj.s;
-      }
-    }
-  }
-  return hsum(acc) - corr;
-}
-
-// Q5_K: Q4_K with a fifth bit per value: 176 bytes, fp16 d, fp16 dmin, the same 12 scale bytes, qh[32]
-// (bit j of qh[i]: value i of sub-block j), then Q4_K's 128 bytes of nibbles.
-inline float row_dot_q5_k(const uint8_t* row, int64_t nb, const BlockX* x) {
-  const __m256i ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.0f;
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 176;
-    const float d = half(blk), dmin = half(blk + 2);
-    uint8_t sc[8], mn[8];
-    q4_k_scales(blk + 4, sc, mn);
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-    const BlockX* xb = x + sb * 8;
-    for (int p = 0; p < 4; ++p) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 48 + 32 * p));
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + nibbles + 32 * p));
       const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * p + h;
-        const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
-        const __m256i wj = _mm256_or_si256(w[h], _mm256_slli_epi16(bit, 4));
+        __m256i wj = w[h];
+        if (kFifthBit) {
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+          wj = _mm256_or_si256(wj, _mm256_slli_epi16(bit, 4));
+        }
         const BlockX& xj = xb[j];
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q));
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wj, xq), ones);  // |pair| <= 2 * 31 * 127
@@ -192,10 +170,20 @@ inline float row_dot_q5_k(const uint8_t* row, int64_t nb, const BlockX* x) {
 // Q6_K: super-blocks of 256 values, 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8
 // scales, fp16 d; value = d scale[v / 16] (q - 32). Value 32c + i (c < 8, i < 32; c = 4h + s) takes
 // its low bits from ql[64h + 32(s & 1) + i] (low nibble for s < 2, high for s >= 2) and its high bits
-// from (qh[32h + i] >> 2s) & 3. q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the
-// two 16-value halves of x's block get their scales in one vpmaddwd.
+// from (qh[32h + i] >> 2s) & 3. `q6_k_codes` rebuilds q - 32 (signed) for values 32c..32c + 31.
+inline __m256i q6_k_codes(const uint8_t* blk, int c) {
+  const int h = c >> 2, s = c & 3;
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
+  lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)),
+                       _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));  // -32..31
+}
+
+// q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the two 16-value halves of x's
+// block get their scales in one vpmaddwd.
 inline float row_dot_q6_k(const uint8_t* row, int64_t nb, const BlockX* x) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     const uint8_t* blk = row + sb * 210;
@@ -203,13 +191,7 @@ inline float row_dot_q6_k(const uint8_t* row, int64_t nb, const BlockX* x) {
     const float d = half(blk + 208);
     const BlockX* xb = x + sb * 8;
     for (int c = 0; c < 8; ++c) {
-      const int h = c >> 2, s = c & 3;
-      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
-      lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
-      const __m256i hi = _mm256_and_si256(
-          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)),
-                           _mm_cvtsi32_si128(2 * s)), two_bits);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);  // -32..31
+      const __m256i q = q6_k_codes(blk, c);
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[c].q));
       const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));  // <= 8128
       const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * c + 1]), _mm_set1_epi16(scales[2 * c]));
@@ -275,20 +257,13 @@ inline float row_dot_q4_k_f32(const uint8_t* row, int64_t nb, const float* x) {
 }
 
 inline float row_dot_q6_k_f32(const uint8_t* row, int64_t nb, const float* x) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     const uint8_t* blk = row + sb * 210;
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half(blk + 208);
-    for (int c = 0; c < 8; ++c) {  // the same codes as row_dot_q6_k
-      const int h = c >> 2, s = c & 3;
-      __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
-      lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
-      const __m256i hi = _mm256_and_si256(
-          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)),
-                           _mm_cvtsi32_si128(2 * s)), two_bits);
-      const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), bias);
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q = q6_k_codes(blk, c);
       const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
       const float* xc = x + sb * 256 + 32 * c;
       __m256 first = _mm256_mul_ps(widen_s8(q0), _mm256_loadu_ps(xc));  // values 0-15: scale 2c
@@ -329,10 +304,8 @@ inline void rows(const void* ctx, int64_t o0, int64_t o1) {
         v = T == kQ4_K ? row_dot_q4_k_f32(w, a.nb, xt)
             : T == kQ6_K ? row_dot_q6_k_f32(w, a.nb, xt)
                          : row_dot_q8_0_f32(w, a.nb, xt);
-      } else if (T == kQ4_K)
-        v = row_dot_q4_k(w, a.nb, xq);
-      else if (T == kQ5_K)
-        v = row_dot_q5_k(w, a.nb, xq);
+      } else if (T == kQ4_K || T == kQ5_K)
+        v = row_dot_q45_k<T == kQ5_K>(w, a.nb, xq);
       else if (T == kQ6_K)
         v = row_dot_q6_k(w, a.nb, xq);
       else
