@@ -2,16 +2,17 @@
 
     python benchmarks/gguf_parity.py [--size tiny|small] [--experts mxfp4|f32|both] [--work DIR] [--tokens N]
 
-Writes the checkpoint and its GGUF (benchmarks/offload.py:write_gguf), then prints, for a few
+Writes the checkpoint and its GGUF (localmoe.testing.gpt_oss_gguf.write_gguf), then prints, for a few
 prompts (one token, short, longer than the sliding window), the correlation of localmoe's and
 llama.cpp's (llama-cpp-python) last-position logits and max |diff| over the logit range, and a
 greedy run of N tokens from each engine (positions where they differ, with localmoe's top-2
 margin there: random weights can have near-ties).
 
-The MXFP4 GGUF (what benchmarks/offload.py runs) is not bit-comparable: llama.cpp's CPU MXFP4
-matmul rounds its activations to Q8_0 (8-bit, per 32 values), and on random weights that flips
-top-k routing and sharp attention enough to move the logits (small: correlation ~0.66 at 4
-tokens). The F32-experts GGUF holds the same weights dequantised exactly, so it checks the
+The MXFP4 GGUF (what benchmarks/offload.py runs): llama.cpp's CPU MXFP4 matmul rounds its
+activations to Q8_0 (8-bit, per 32 values), as localmoe's default expert precision q8 does, so
+localmoe runs at q8 against it (the roundings are not bit-identical: on random weights knife-edge
+top-k choices can still differ). The F32-experts GGUF holds the same weights dequantised exactly,
+no rounding on either side (localmoe at expert precision exact), so it checks the
 export itself (names, layouts, biases, metadata); the MXFP4 repack is checked byte-exactly
 against gguf-py's dequantiser here as well. What remains with F32 experts is ggml's YaRN: it
 floors/ceils the correction range (gpt-oss: truncate=False, no GGUF key for it); --llama-yarn
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _engines(src: Path, gguf: Path, threads: int, n_ctx: int, llama_yarn: bool = False):
+def _engines(src: Path, gguf: Path, threads: int, n_ctx: int, llama_yarn: bool = False, precision: str = "q8"):
     import torch
     from llama_cpp import Llama, llama_get_logits_ith
 
@@ -39,7 +40,8 @@ def _engines(src: Path, gguf: Path, threads: int, n_ctx: int, llama_yarn: bool =
     from localmoe.load import load_model
 
     torch.set_num_threads(threads)
-    model = load_model(src, EngineConfig(dtype="float32", threads=threads), progress=False).model
+    config = EngineConfig(dtype="float32", threads=threads, expert_precision=precision)
+    model = load_model(src, config, progress=False).model
     if llama_yarn:  # ggml floors/ceils YaRN's correction range; gpt-oss asks for truncate=False
         from localmoe.engine.rope import RotaryTable
 
@@ -64,12 +66,12 @@ def _engines(src: Path, gguf: Path, threads: int, n_ctx: int, llama_yarn: bool =
 
 
 def compare(src: Path, gguf: Path, tokens: int = 32, threads: int = 2, window: int = 128,
-            llama_yarn: bool = False) -> dict:
+            llama_yarn: bool = False, precision: str = "q8") -> dict:
     """Print and return {prompt label: (corr, maxdiff/range)} and the greedy agreement."""
     rng = np.random.default_rng(0)
     long = [int(t) for t in rng.integers(3, 600, window + 8)]
     prompts = {"1 token": [17], "4 tokens": [17, 230, 5, 99], f"{len(long)} tokens": long}
-    ours, theirs = _engines(src, gguf, threads, max(256, len(long) + tokens + 8), llama_yarn)
+    ours, theirs = _engines(src, gguf, threads, max(256, len(long) + tokens + 8), llama_yarn, precision)
     out = {}
     for label, p in prompts.items():
         a, b = ours(p), theirs(p)
@@ -101,8 +103,8 @@ def repack_error(src: Path, gguf_path: Path) -> float:
     """Max |diff| between gguf-py's dequantisation of every expert tensor and the checkpoint's."""
     import gguf
 
-    from benchmarks.offload import _dequantized
     from localmoe.store.safetensors import SafetensorsCheckpoint
+    from localmoe.testing.gpt_oss_gguf import _dequantized
 
     ckpt = SafetensorsCheckpoint(src)
     worst = 0.0
@@ -121,8 +123,8 @@ def repack_error(src: Path, gguf_path: Path) -> float:
 def main() -> None:
     import json
 
-    from benchmarks.offload import write_gguf
     from localmoe.testing import write_checkpoint
+    from localmoe.testing.gpt_oss_gguf import write_gguf
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", choices=("tiny", "small"), default="tiny")
@@ -143,7 +145,7 @@ def main() -> None:
         print(f"--- {gguf.name}")
         if experts == "mxfp4":
             print(f"MXFP4 repack vs gguf-py dequantiser: max |diff| {repack_error(src, gguf):.1e}")
-        compare(src, gguf, args.tokens, args.threads, window, args.llama_yarn)
+        compare(src, gguf, args.tokens, args.threads, window, args.llama_yarn, "q8" if experts == "mxfp4" else "exact")
 
 
 if __name__ == "__main__":

@@ -378,9 +378,8 @@ def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int,
 
 
 def e2e_bench(work: Path, threads: int, tokens: int, repeats: int, dense: str) -> None:
-    from offload import write_gguf
-
     from localmoe.testing import write_checkpoint
+    from localmoe.testing.gpt_oss_gguf import write_gguf
 
     src, gguf_path = work / "gpt_oss_small", work / E2E_DENSE[dense][1]
     if not (src / "config.json").exists():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.quantized import BlockQuantized, keeps_blocks
@@ -37,10 +38,12 @@ ROUTED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")  # canonical names 
 
 
 def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family: Family, spec: ModelSpec,
-                       source: str, progress: bool, elsewhere: re.Pattern | None = None) -> dict[str, torch.Tensor]:
+                       source: str, progress: bool, elsewhere: re.Pattern | None = None,
+                       finish=None) -> dict[str, torch.Tensor]:
     """Read, rename, transform and shape-check every tensor; fail naming the tensor at fault.
 
-    Expected tensors matching `elsewhere` (a store's routed experts) are not required here."""
+    Expected tensors matching `elsewhere` (a store's routed experts) are not required here;
+    `finish(weights, spec)` (Family.gguf_finish) reshapes the renamed set before the checks."""
     weights: dict[str, torch.Tensor] = {}
     for name in _progress(list(names), f"loading {Path(source).name}", progress):
         try:
@@ -61,6 +64,8 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
             if transform is not None:
                 tensor = transform(tensor, spec)
         weights[canonical] = tensor
+    if finish is not None:
+        weights = finish(weights, spec)
     expected = family.expected_shapes(spec)
     for canonical, shape in expected.items():
         if canonical not in weights and elsewhere is not None and elsewhere.search(canonical):
@@ -98,14 +103,17 @@ def _read_gguf(path: Path, config: EngineConfig, progress: bool):
 
     def read(name: str):
         """Matrices of a block type with a decode GEMV (kernels/ggml_gemv.TYPES) stay in their blocks
-        under --dtype auto; everything else is dequantised."""
+        under --dtype auto; stacked MXFP4 experts stay bytes (ggml blocks, for Family.gguf_finish);
+        everything else is dequantised."""
         info = gguf.info(name)
         if keep and len(info.shape) == 2 and keeps_blocks(info.ggml_type):
             return BlockQuantized(gguf.raw(name), info.ggml_type, info.shape)
+        if info.ggml_type == GGMLQuantizationType.MXFP4 and len(info.shape) == 3:
+            return gguf.raw(name)
         return gguf.tensor(name)
 
     weights = _canonical_weights(names, read, family.gguf_tensors(gguf.architecture), family, spec,
-                                 str(path), progress)
+                                 str(path), progress, finish=family.gguf_finish)
     tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, str(path))
     return family, spec, weights, tokenizer
 

@@ -114,6 +114,14 @@ class ExpertTensors:
         return re.compile("^(?:" + "|".join(stems) + ")" + suffix + "$")
 
 
+def gguf_float(value) -> float:
+    """A GGUF float32 metadata value as the decimal it was written from: the shortest decimal that
+    rounds to the same float32 (1e-5 is stored as 9.99999974e-06; the HF config said 1e-5)."""
+    import numpy as np
+
+    return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family: how to read its configs and tensors, and how to build it."""
@@ -125,6 +133,9 @@ class Family:
     spec_from_gguf: Callable[[dict, set], ModelSpec] | None = None  # (metadata, tensor names)
     hf_tensors: TensorMap | None = None  # None: the engine cannot run this family yet
     gguf_tensors: Callable[[str], TensorMap] | None = None  # by GGUF architecture (permutations differ)
+    # (canonical weights, spec) -> canonical weights, after renaming a GGUF's tensors and before the
+    # shape checks: for tensors a GGUF splits or stores otherwise (gpt-oss's MXFP4 gate / up experts)
+    gguf_finish: Callable[[dict, ModelSpec], dict] | None = None
     expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None
     optional_tensors: tuple[str, ...] = ()  # canonical-name regexes that may be absent (e.g. a tied lm_head)
     build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config, experts=None) -> model

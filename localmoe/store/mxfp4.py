@@ -310,4 +310,4 @@ def ggml_to_canonical(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     qs = b[:, 1:]
     codes = torch.cat((qs & 0xF, qs >> 4), dim=-1)  # [N, 32] in element order
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return packed.reshape(*blocks.shape[:-2], -1), b[:, 0].reshape(blocks.shape[:-1])
+    return packed.reshape(*blocks.shape[:-2], -1), b[:, 0].contiguous().reshape(blocks.shape[:-1])
