@@ -138,14 +138,16 @@ HF_TENSORS = TensorMap(
 )
 
 
-_GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight",
-               "post_attention_norm.weight": "post_attention_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
-               "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
-               **{f"attn_{'output' if p == 'o' else p}.{k}": f"self_attn.{p}_proj.{k}"
-                  for p in "qkvo" for k in ("weight", "bias")},
-               # experts: ggml MXFP4 bytes and F32 biases per projection, joined by gguf_finish
-               **{f"ffn_{p}_exps.{k}": f"mlp.experts.{p}_proj.{'ggml' if k == 'weight' else 'bias'}"
-                  for p in ("gate", "up", "down") for k in ("weight", "bias")}}
+# GGUF name in a layer -> canonical name (testing/gpt_oss_gguf.py's writer inverts it)
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"attn_{'output' if p == 'o' else p}.{k}": f"self_attn.{p}_proj.{k}" for p in "qkvo" for k in ("weight", "bias")},
+    # experts: ggml MXFP4 bytes and F32 biases per projection, joined by gguf_finish
+    **{f"ffn_{p}_exps.{k}": f"mlp.experts.{p}_proj.{'ggml' if k == 'weight' else 'bias'}"
+       for p in ("gate", "up", "down") for k in ("weight", "bias")},
+}
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
@@ -153,7 +155,7 @@ def gguf_tensors(architecture: str) -> TensorMap:
         TensorRule("token_embd.weight", "embed_tokens.weight"),
         TensorRule("output_norm.weight", "norm.weight"),
         TensorRule("output.weight", "lm_head.weight"),
-        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in _GGUF_LAYER.items()),
+        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in GGUF_LAYER_NAMES.items()),
     ))
 
 

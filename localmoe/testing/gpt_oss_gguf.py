@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-_LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight":
-                "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
-                "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
-                **{f"self_attn.{p}_proj.{k}": f"attn_{'output' if p == 'o' else p}.{k}"
-                   for p in "qkvo" for k in ("weight", "bias")}}
+from localmoe.models.gpt_oss import GGUF_LAYER_NAMES
+
+# canonical (= HF) layer tensor name -> GGUF name, the loader's map inverted (experts are written apart)
+_LAYER_NAMES = {dst: src for src, dst in GGUF_LAYER_NAMES.items() if ".experts." not in dst}
 
 
 def _ggml_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
