@@ -40,6 +40,25 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     return spec, dict(counts), dict(nbytes), None
 
 
+def _gguf_loaded_bytes(path: Path) -> int:
+    """About how many bytes of weights `load_model(path)` holds with --dtype auto and the CPU kernel
+    library: matrices of a block type with a GEMV (kernels/ggml_gemv.TYPES) and stacked MXFP4 experts
+    stay as stored, the embedding of such a type too (a tied head shares it); other matrices become
+    bf16 (what auto picks where bf16 GEMV is sound), vectors fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    from localmoe.kernels.ggml_gemv import TYPES
+    from localmoe.store.gguf import GGUFFile
+
+    total = 0
+    for name in (gguf := GGUFFile(path)).tensor_names():
+        info = gguf.info(name)
+        stays = (len(info.shape) == 2 and info.ggml_type in TYPES) or (len(info.shape) == 3 and info.ggml_type == Q.MXFP4)
+        elements = math.prod(info.shape)
+        total += info.nbytes if stays else elements * (2 if len(info.shape) >= 2 else 4)
+    return total
+
+
 def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     from localmoe.store.packed import PackedStore
 
@@ -117,10 +136,14 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
     path = Path(path)
     if not path.exists():
         raise LocalMoEError(f"{path}: no such file or directory")
+    loaded = None  # a GGUF's bytes as loaded with its blocks kept
     if (path / "manifest.json").is_file():
         spec, counts, nbytes, counted = _from_store(path)
+    elif path.is_dir() or path.suffix == ".json":
+        spec, counts, nbytes, counted = _from_hf(path)
     else:
-        spec, counts, nbytes, counted = _from_hf(path) if path.is_dir() or path.suffix == ".json" else _from_gguf(path)
+        spec, counts, nbytes, counted = _from_gguf(path)
+        loaded = _gguf_loaded_bytes(path)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
     state = delta_state_bytes(spec)
@@ -151,6 +174,7 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
             "file_bytes": sum(nbytes.values()),
             "weights_fp32_bytes": params["total"] * 4,
             "weights_bf16_bytes": params["total"] * 2,
+            "weights_loaded_bytes": loaded,  # GGUF blocks kept as they are (--dtype auto); None for other sources
             "kv_cache_dtype": config.kv_cache_dtype,
             "kv_cache_bytes_per_token": kv_per_token,
             "context": context,
@@ -224,7 +248,9 @@ def format_description(d: dict) -> str:
         "tensor dtypes  " + (", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}"
                                        for k, v in sorted(d["tensor_dtypes"].items())) or "none (config only)"),
         (f"memory         file {_size(m['file_bytes']) if m['file_bytes'] else 'none (config only)'}; weights in RAM "
-         f"{_size(m['weights_fp32_bytes'])} fp32 / {_size(m['weights_bf16_bytes'])} bf16"),
+         + (f"~{_size(m['weights_loaded_bytes'])} with --dtype auto (blocks kept), "
+            if m["weights_loaded_bytes"] is not None else "")
+         + f"{_size(m['weights_fp32_bytes'])} fp32 / {_size(m['weights_bf16_bytes'])} bf16"),
         *_cache_lines(m),
     ]
     return "\n".join(lines)

@@ -96,7 +96,14 @@ def test_inspect_default_model(smollm2_gguf):
     assert 134e6 < info["parameters_total"] < 136e6  # SmolLM2-135M with tied embeddings
     assert info["tensor_dtypes"]["Q4_1"]["tensors"] == 210
     text = localmoe("inspect", str(smollm2_gguf)).stdout
-    assert "parameters" in text and "kv cache" in text
+    assert "parameters" in text and "kv cache" in text and "with --dtype auto (blocks kept)" in text
+    from localmoe.kernels import ggml_gemv
+
+    from localmoe.load import load_model
+
+    if ggml_gemv.kernel_available():  # the estimate is what loading really holds, blocks and all
+        held = load_model(smollm2_gguf, progress=False).model.weight_bytes()
+        assert abs(info["memory"]["weights_loaded_bytes"] - held) < 0.02 * held
 
 
 MILLION = 1 << 20
