@@ -152,8 +152,7 @@ def _read_store(path: Path, config: EngineConfig, progress: bool):
     spec = store.spec
     family = family_for_model_type(spec.model_type, str(path / "manifest.json"))
     if store.file("config") is None:
-        raise UnsupportedModelError(f"{path}: this store was converted from a GGUF file; run that file directly "
-                                    "(stores converted from GGUF cannot be run yet)")
+        return _read_gguf_store(store, family, config, progress)
     if not family.runnable:
         raise UnsupportedModelError(f"{path}: {spec.model_type} stores can be inspected and verified, but this "
                                     f"version cannot run them yet; runnable families: "
@@ -162,6 +161,42 @@ def _read_store(path: Path, config: EngineConfig, progress: bool):
                                  progress, elsewhere=ROUTED_EXPERTS)
     experts = provider_for_store(store, spec, config) if spec.moe_layers() else None
     return family, spec, weights, tokenizer_from_hf_dir(path), experts
+
+
+def _read_gguf_store(store, family: Family, config: EngineConfig, progress: bool):
+    """A packed store converted from a GGUF: its dense tensors under their GGUF names (block types
+    as raw blocks, typed by gguf-tensors.json), the tokenizer from the saved GGUF metadata, routed
+    experts left in the store (families with `gguf_experts`: gpt-oss)."""
+    from localmoe.paging import provider_for_store
+    from localmoe.store.ggml_quants import dequantize
+    from localmoe.tokenizer import tokenizer_from_gguf_metadata
+
+    path, spec = store.path, store.spec
+    meta_file, types_file = store.file("gguf_metadata"), store.file("gguf_tensors")
+    if meta_file is None or types_file is None or family.gguf_tensors is None or not family.runnable:
+        raise UnsupportedModelError(f"{path}: stores converted from {spec.model_type} GGUF files cannot be run yet; "
+                                    f"run the GGUF file itself")
+    if spec.moe_layers() and family.gguf_experts is None:
+        raise UnsupportedModelError(f"{path}: this store keeps {spec.model_type}'s GGUF experts as dense tensors; "
+                                    f"run the GGUF file itself")
+    metadata = json.loads(meta_file.read_text())
+    types = json.loads(types_file.read_text())["tensors"]
+    keep = config.dtype == "auto"
+
+    def read(name: str):
+        """As _read_gguf: raw blocks of a type with a GEMV stay blocks under --dtype auto."""
+        tensor, info = store.dense(name), types.get(name)
+        if info is None or tensor.dtype != torch.uint8 or info["ggml_type"] in ("I8", "I16", "I32", "I64"):
+            return tensor
+        ggml_type, shape = GGMLQuantizationType(info["ggml_type_id"]), tuple(info["shape"])
+        if keep and len(shape) == 2 and keeps_blocks(ggml_type):
+            return BlockQuantized(tensor, ggml_type, shape)
+        return dequantize(tensor, ggml_type, shape)
+
+    weights = _canonical_weights(store.dense_names(), read, family.gguf_tensors(metadata["general.architecture"]),
+                                 family, spec, str(path), progress, elsewhere=ROUTED_EXPERTS, finish=family.gguf_finish)
+    experts = provider_for_store(store, spec, config) if spec.moe_layers() else None
+    return family, spec, weights, tokenizer_from_gguf_metadata(metadata, str(path)), experts
 
 
 def resolve_model_path(path: str | Path | None) -> Path:

@@ -72,7 +72,7 @@ def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=Non
     return Transformer(spec, weights, engine_config, experts)
 
 
-EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4")
+EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4", "ggml_mxfp4")
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class ExpertTensors:
       `{stem}.weight_scale` U8 [out, in/32] (Kimi K3)
     - "gpt_oss_mxfp4": a stem of stacked tensors; `{stem}_blocks` U8 [E, out, in/32, 16],
       `{stem}_scales` U8 [E, out, in/32] and `{stem}_bias` [E, out]
+    - "ggml_mxfp4" (GGUF): a stem of stacked tensors; `{stem}.weight` ggml `block_mxfp4` bytes
+      U8 [E, out, in/32 * 17] and `{stem}.bias` F32 [E, out] (llama.cpp's gpt-oss)
     With `stacked`, dim 0 of each tensor indexes the expert.
     """
 
@@ -104,12 +106,14 @@ class ExpertTensors:
             return [f"{stem}.weight_packed", f"{stem}.weight_scale"]
         if self.format == "gpt_oss_mxfp4":
             return [f"{stem}_blocks", f"{stem}_scales", f"{stem}_bias"]
+        if self.format == "ggml_mxfp4":
+            return [f"{stem}.weight", f"{stem}.bias"]
         return [stem]
 
     def matcher(self) -> re.Pattern:
         """A regex matching every routed-expert tensor name of the checkpoint."""
         suffix = {"bf16": "", "compressed_tensors_mxfp4": r"\.weight_(?:packed|scale)",
-                  "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)"}[self.format]
+                  "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)", "ggml_mxfp4": r"\.(?:weight|bias)"}[self.format]
         stems = [re.escape(p).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for p in self.patterns.values()]
         return re.compile("^(?:" + "|".join(stems) + ")" + suffix + "$")
 
@@ -140,6 +144,7 @@ class Family:
     optional_tensors: tuple[str, ...] = ()  # canonical-name regexes that may be absent (e.g. a tied lm_head)
     build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config, experts=None) -> model
     experts: ExpertTensors | None = None  # routed experts in the HF checkpoint (MoE families)
+    gguf_experts: ExpertTensors | None = None  # routed experts in the family's GGUF files
 
     @property
     def runnable(self) -> bool:

@@ -220,4 +220,6 @@ FAMILY = register(Family(
     build=build_transformer,
     experts=ExpertTensors("gpt_oss_mxfp4", {"gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
                                             "down": "model.layers.{i}.mlp.experts.down_proj"}, stacked=True),
+    gguf_experts=ExpertTensors("ggml_mxfp4", {p: f"blk.{{i}}.ffn_{p}_exps" for p in ("gate", "up", "down")},
+                               stacked=True),
 ))

@@ -4,7 +4,8 @@ parts of its extent.
 Parts, in extent order, for each projection P of gate, up, down:
 - MXFP4 (`--experts mxfp4`; always for MXFP4 sources): `P.packed` U8 [out, in/2] and
   `P.scales` U8 [out, in/32] in the canonical layout (docs/mxfp4.md), then `P.bias` for
-  gpt-oss (split from its interleaved gate_up bias).
+  gpt-oss (split from its interleaved gate_up bias; a GGUF's ggml blocks are repacked and its
+  F32 bias kept).
 - kept (`--experts keep`, bf16/f16/fp8 sources): `P.weight` as stored, plus
   `P.weight_scale_inv` for block-scaled FP8.
 MXFP4 sources are repacked (bytes moved, never requantised); other sources are quantised
@@ -34,8 +35,9 @@ class ExpertSource:
     def __init__(self, source: Source, mode: str) -> None:
         if mode not in EXPERT_MODES:
             raise CheckpointError(f"--experts must be one of {', '.join(EXPERT_MODES)}, not {mode!r}")
-        self.source, self.mode, self.decl = source, mode, source.family.experts
-        self.layers = source.spec.moe_layers() if self.decl is not None and source.kind == "safetensors" else []
+        self.source, self.mode = source, mode
+        self.decl = source.family.gguf_experts if source.kind == "gguf" else source.family.experts
+        self.layers = source.spec.moe_layers() if self.decl is not None else []
         self.num_experts = source.spec.num_experts
         self.mxfp4_source = self.decl is not None and self.decl.format != "bf16"
         self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4"
@@ -86,6 +88,8 @@ class ExpertSource:
                     _check_mxfp4(p, out[f"{p}.packed"], out[f"{p}.scales"])
             elif self.decl.format == "gpt_oss_mxfp4":
                 out = self._gpt_oss(tensors)
+            elif self.decl.format == "ggml_mxfp4":
+                out = self._ggml(tensors)
             else:
                 out, errors = self._dense_experts(tensors)
             _check_shapes(out)
@@ -106,6 +110,16 @@ class ExpertSource:
                         "up.packed": up, "up.scales": us, "up.bias": bias[1::2].contiguous()}
             else:
                 out |= {f"{proj}.packed": packed, f"{proj}.scales": scales, f"{proj}.bias": bias}
+        return out
+
+    def _ggml(self, tensors: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """llama.cpp's gpt-oss experts: ggml block_mxfp4 rows [out, in/32 * 17] + F32 bias, per projection."""
+        out = {}
+        for proj, (raw, bias) in tensors.items():
+            if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % mxfp4.GGML_BLOCK_BYTES:
+                raise CheckpointError(f"{proj} is {raw.dtype} {list(raw.shape)}, not ggml MXFP4 rows")
+            packed, scales = mxfp4.ggml_to_canonical(raw.reshape(raw.shape[0], -1, mxfp4.GGML_BLOCK_BYTES))
+            out |= {f"{proj}.packed": packed, f"{proj}.scales": scales, f"{proj}.bias": bias.float()}
         return out
 
     def _dense_experts(self, tensors: dict[str, list[torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict]:

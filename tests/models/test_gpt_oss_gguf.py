@@ -63,3 +63,28 @@ def test_missing_expert_tensor_is_named(files, tmp_path):
     with pytest.raises(CheckpointError, match=r"broken\.gguf: tensor 'layers\.1\.mlp\.experts\.down_proj\.packed' is "
                                               r"missing"):
         load_model(broken, dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("ram", [0, "25%"])
+def test_store_converted_from_the_gguf_pages_its_experts(files, tmp_path, ram):
+    """`localmoe convert model.gguf` splits the ggml MXFP4 experts into canonical extents, so the store
+    runs with its experts paged (resident maps, or a RAM tier of a quarter of them) and gives the
+    HF checkpoint's bits."""
+    from localmoe.config import EngineConfig
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.convert import convert
+    from localmoe.store.packed import PackedStore
+
+    src, gguf = files
+    convert(gguf, tmp_path / "store", progress=False)
+    store = PackedStore(tmp_path / "store")
+    assert store.layers() == [0, 1, 2, 3] and len(store.experts_in(0)) == 8
+    budget = 0 if ram == 0 else expert_bytes(store) // 4
+    ours = load_model(tmp_path / "store", EngineConfig(dtype="float32", expert_precision="exact", ram_budget=budget),
+                      progress=False)
+    hf = load_model(src, dtype="float32", expert_precision="exact", progress=False)
+    assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (ram != 0)
+    for step, (a, b) in enumerate(zip(_greedy(ours.model), _greedy(hf.model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    assert ours.tokenizer.encode("Hello world") == hf.tokenizer.encode("Hello world")
+

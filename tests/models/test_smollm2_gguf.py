@@ -65,3 +65,15 @@ def test_answer_through_the_public_api(ours):
     assert "Paris" in result.text
     assert result.finish_reason == "stop"  # the model ends its turn with <|im_end|>, which is not shown
     assert "<|im_end|>" not in result.text
+
+
+def test_dense_gguf_store_runs(smollm2_gguf, tmp_path):
+    """A dense GGUF converted to a store (raw blocks kept, typed by gguf-tensors.json) runs like the file."""
+    from localmoe.store.convert import convert
+
+    convert(smollm2_gguf, tmp_path / "store", progress=False)
+    store, file = (load_model(p, progress=False) for p in (tmp_path / "store", smollm2_gguf))
+    greedy = SamplingParams(temperature=0)
+    question = "What is the capital of France?"
+    assert store.generate(question, greedy, 16).text == file.generate(question, greedy, 16).text
+    assert store.model.weight_bytes() == file.model.weight_bytes()  # blocks kept, not dequantised
