@@ -91,6 +91,23 @@ def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch
     return family.build(spec, weights, config)
 
 
+def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], keep: bool, where: str):
+    """One GGUF tensor from its stored bytes: matrices of a block type with a decode GEMV
+    (kernels/ggml_gemv.TYPES) stay in their blocks when `keep` (--dtype auto); stacked MXFP4 experts
+    stay bytes (ggml blocks, for Family.gguf_finish); everything else is dequantised (F32 zero-copy).
+    `where` ("file: tensor 'name'") starts any error."""
+    from localmoe.store.ggml_quants import dequantize
+
+    if keep and len(shape) == 2 and keeps_blocks(ggml_type):
+        return BlockQuantized(raw, ggml_type, shape)
+    if ggml_type == GGMLQuantizationType.MXFP4 and len(shape) == 3:
+        return raw
+    try:
+        return dequantize(raw, ggml_type, shape)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
 def _read_gguf(path: Path, config: EngineConfig, progress: bool):
     from localmoe.store.gguf import GGUFFile
     from localmoe.tokenizer import tokenizer_from_gguf_metadata
@@ -102,15 +119,8 @@ def _read_gguf(path: Path, config: EngineConfig, progress: bool):
     keep = config.dtype == "auto"
 
     def read(name: str):
-        """Matrices of a block type with a decode GEMV (kernels/ggml_gemv.TYPES) stay in their blocks
-        under --dtype auto; stacked MXFP4 experts stay bytes (ggml blocks, for Family.gguf_finish);
-        everything else is dequantised."""
         info = gguf.info(name)
-        if keep and len(info.shape) == 2 and keeps_blocks(info.ggml_type):
-            return BlockQuantized(gguf.raw(name), info.ggml_type, info.shape)
-        if info.ggml_type == GGMLQuantizationType.MXFP4 and len(info.shape) == 3:
-            return gguf.raw(name)
-        return gguf.tensor(name)
+        return _ggml_tensor(gguf.raw(name), info.ggml_type, info.shape, keep, f"{path}: tensor {name!r}")
 
     weights = _canonical_weights(names, read, family.gguf_tensors(gguf.architecture), family, spec,
                                  str(path), progress, finish=family.gguf_finish)
@@ -168,7 +178,6 @@ def _read_gguf_store(store, family: Family, config: EngineConfig, progress: bool
     as raw blocks, typed by gguf-tensors.json), the tokenizer from the saved GGUF metadata, routed
     experts left in the store (families with `gguf_experts`: gpt-oss)."""
     from localmoe.paging import provider_for_store
-    from localmoe.store.ggml_quants import dequantize
     from localmoe.tokenizer import tokenizer_from_gguf_metadata
 
     path, spec = store.path, store.spec
@@ -184,14 +193,12 @@ def _read_gguf_store(store, family: Family, config: EngineConfig, progress: bool
     keep = config.dtype == "auto"
 
     def read(name: str):
-        """As _read_gguf: raw blocks of a type with a GEMV stay blocks under --dtype auto."""
+        """Typed tensors as stored; raw blocks (U8, typed by gguf-tensors.json) as _read_gguf reads them."""
         tensor, info = store.dense(name), types.get(name)
         if info is None or tensor.dtype != torch.uint8 or info["ggml_type"] in ("I8", "I16", "I32", "I64"):
             return tensor
-        ggml_type, shape = GGMLQuantizationType(info["ggml_type_id"]), tuple(info["shape"])
-        if keep and len(shape) == 2 and keeps_blocks(ggml_type):
-            return BlockQuantized(tensor, ggml_type, shape)
-        return dequantize(tensor, ggml_type, shape)
+        return _ggml_tensor(tensor, GGMLQuantizationType(info["ggml_type_id"]), tuple(info["shape"]), keep,
+                            f"{path}: tensor {name!r}")
 
     weights = _canonical_weights(store.dense_names(), read, family.gguf_tensors(metadata["general.architecture"]),
                                  family, spec, str(path), progress, elsewhere=ROUTED_EXPERTS, finish=family.gguf_finish)
