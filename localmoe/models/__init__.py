@@ -16,7 +16,16 @@ def register(family: Family) -> Family:
 def _load_builtin() -> None:
     # Each module registers its family when imported; importing them all every time (a
     # no-op once loaded) keeps the registry complete even if one was imported directly first.
-    from localmoe.models import deepseek_v32, glm5_next, gpt_oss, kimi_k3, kimi_linear, llama, qwen3_next  # noqa: F401
+    from localmoe.models import (  # noqa: F401
+        deepseek_v32,
+        glm5_next,
+        gpt_oss,
+        kimi_k3,
+        kimi_linear,
+        llama,
+        qwen3_moe,
+        qwen3_next,
+    )
 
 
 def families() -> list[Family]:
