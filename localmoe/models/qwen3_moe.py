@@ -16,6 +16,7 @@ import dataclasses
 from localmoe.config import ModelSpec
 from localmoe.models import llama, register
 from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.kimi_linear import expert_shapes
 from localmoe.models.moe_config import require
 
 
@@ -56,15 +57,12 @@ HF_TENSORS = TensorMap(
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = llama.expected_shapes(spec)
-    D, I, E = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts
+    D = spec.hidden_size
     for i in spec.moe_layers():
         m = f"layers.{i}.mlp."
         for p in _PROJECTIONS:
             del shapes[f"{m}{p}_proj.weight"]
-        shapes[m + "router.weight"] = (E, D)
-        for e in range(E):
-            shapes |= {f"{m}experts.{e}.gate.weight": (I, D), f"{m}experts.{e}.up.weight": (I, D),
-                       f"{m}experts.{e}.down.weight": (D, I)}
+        shapes |= {m + "router.weight": (spec.num_experts, D)} | expert_shapes(spec, m, D)
     return shapes
 
 
