@@ -24,7 +24,15 @@ def _parameters(name: str, shape) -> int:
     return 2 * count if name.endswith(("weight_packed", "_blocks", ".packed")) else count
 
 
-def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
+def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None, int]:
+    """As the other sources, plus about how many bytes of weights `load_model(path)` holds with
+    --dtype auto and the CPU kernel library: matrices of a block type with a GEMV
+    (kernels/ggml_gemv.TYPES) and stacked MXFP4 experts stay as stored, the embedding of such a type
+    too (a tied head shares it); other matrices become bf16 (what auto picks where bf16 GEMV is
+    sound), vectors fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    from localmoe.kernels.ggml_gemv import TYPES
     from localmoe.store.gguf import GGUFFile
 
     gguf = GGUFFile(path)
@@ -32,31 +40,15 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     names = gguf.tensor_names()
     spec = family.spec_from_gguf(gguf.metadata, set(names))
     counts, nbytes = Counter(), Counter()
+    loaded = 0
     for name in names:
         info = gguf.info(name)
         kind = info.ggml_type.name
         counts[kind] += 1
         nbytes[kind] += info.nbytes
-    return spec, dict(counts), dict(nbytes), None
-
-
-def _gguf_loaded_bytes(path: Path) -> int:
-    """About how many bytes of weights `load_model(path)` holds with --dtype auto and the CPU kernel
-    library: matrices of a block type with a GEMV (kernels/ggml_gemv.TYPES) and stacked MXFP4 experts
-    stay as stored, the embedding of such a type too (a tied head shares it); other matrices become
-    bf16 (what auto picks where bf16 GEMV is sound), vectors fp32."""
-    from gguf import GGMLQuantizationType as Q
-
-    from localmoe.kernels.ggml_gemv import TYPES
-    from localmoe.store.gguf import GGUFFile
-
-    total = 0
-    for name in (gguf := GGUFFile(path)).tensor_names():
-        info = gguf.info(name)
         stays = (len(info.shape) == 2 and info.ggml_type in TYPES) or (len(info.shape) == 3 and info.ggml_type == Q.MXFP4)
-        elements = math.prod(info.shape)
-        total += info.nbytes if stays else elements * (2 if len(info.shape) >= 2 else 4)
-    return total
+        loaded += info.nbytes if stays else math.prod(info.shape) * (2 if len(info.shape) >= 2 else 4)
+    return spec, dict(counts), dict(nbytes), None, loaded
 
 
 def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
@@ -142,8 +134,7 @@ def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict
     elif path.is_dir() or path.suffix == ".json":
         spec, counts, nbytes, counted = _from_hf(path)
     else:
-        spec, counts, nbytes, counted = _from_gguf(path)
-        loaded = _gguf_loaded_bytes(path)
+        spec, counts, nbytes, counted, loaded = _from_gguf(path)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
     state = delta_state_bytes(spec)
