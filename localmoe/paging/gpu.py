@@ -63,7 +63,7 @@ class GpuSlab:
                 dst.copy_(host, non_blocking=True)
             compute.wait_stream(self.stream)
             self.stream.synchronize()
-        return {p.name: dst[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape) for p in layout.parts}
+        return layout.views(dst)
 
 
 class _Resident:

@@ -114,14 +114,16 @@ class ExpertLayout:
             end = p.offset + p.nbytes
         out[end:self.slot_bytes] = 0
 
-    def views(self, buf: np.ndarray) -> dict[str, torch.Tensor]:
-        """Zero-copy tensors over one extent held in `buf` (uint8, at least payload_bytes)."""
+    def views(self, buf: np.ndarray | torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero-copy tensors over one extent held in `buf` (uint8, at least payload_bytes): a numpy
+        array (a RAM slot) or a tensor on any device (a GPU slot)."""
+        data = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
         out = {}
         for p in self.parts:
             if p.nbytes == 0:
-                out[p.name] = torch.empty(p.shape, dtype=p.dtype)
+                out[p.name] = torch.empty(p.shape, dtype=p.dtype, device=data.device)
             else:
-                out[p.name] = torch.from_numpy(buf[p.offset:p.offset + p.nbytes]).view(p.dtype).reshape(p.shape)
+                out[p.name] = data[p.offset:p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
         return out
 
     def to_dict(self) -> dict:
