@@ -13,6 +13,12 @@ chunks of rows from a shared counter; a row is always computed whole by one thre
 not depend on the thread count. Where the CPU lacks AVX2/FMA, no compiler is found or the build
 fails, `library()` warns once and returns None and the dispatchers use torch.
 `LOCALMOE_NO_CPU_KERNEL=1` disables it silently.
+
+Instruction sets (`ISAS`): the same sources build for AVX2 + FMA, and where the CPU has AVX-512
+(F, BW, VL) with VNNI (Zen 4, Ice Lake and later servers) also with those enabled: the integer dot
+products of the MXFP4 kernels then run as vpdpbusd (mxfp4_rows.h). `isa()` picks the best the CPU
+runs; `LOCALMOE_CPU_ISA=avx2` forces the baseline. Both give the same bits (tests/kernels check it
+with `forced_isa`).
 """
 
 from __future__ import annotations
@@ -41,11 +47,15 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
+# ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
+ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
+        "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+                       ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"))}
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name -> (argtypes, restype)
-    "mxfp4_gemv_scratch": ((_i64, _i64), _i64),
-    "mxfp4_gemv": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int), None),
+    "mxfp4_gemv_scratch": ((_i64, _i64, _int), _i64),
+    "mxfp4_gemv": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _int), None),
     "mxfp4_dequantize": ((_ptr, _ptr, _i64, _ptr, _int), None),
     "mxfp4_moe_scratch": ((_i64, _i64, _i64), _i64),
     "mxfp4_moe": ((_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _int, _f32, _f32, _ptr, _ptr, _int,
@@ -120,19 +130,49 @@ def _unsupported() -> str | None:
     return None
 
 
-def _build() -> Path:
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where /proc/cpuinfo is unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_isas() -> list[str]:
+    """The ISAS this CPU runs, baseline first (AVX2 is assumed where /proc/cpuinfo says nothing)."""
+    flags = _cpu_flags()
+    return ["avx2"] + [name for name, (_, need) in ISAS.items() if name != "avx2" and flags and set(need) <= flags]
+
+
+def isa() -> str:
+    """The ISA `library()` builds for: `LOCALMOE_CPU_ISA` if set, else the best this CPU runs."""
+    forced = os.environ.get("LOCALMOE_CPU_ISA")
+    if forced:
+        if forced not in supported_isas():
+            raise ValueError(f"LOCALMOE_CPU_ISA={forced}: this CPU runs {', '.join(supported_isas())}; "
+                             "unset it or pick one of those")
+        return forced
+    return supported_isas()[-1]
+
+
+def _build(name: str) -> Path:
     cxx = _compiler()
+    flags = FLAGS + ISAS[name][0]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    digest = hashlib.sha256(" ".join(FLAGS).encode() + version.encode())
+    digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
     for path in HEADERS + SOURCES:
         digest.update(path.name.encode() + path.read_bytes())
     cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "kernels"
-    target = cache / f"localmoe_cpu-{digest.hexdigest()[:16]}.so"
+    target = cache / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, *FLAGS, f"-I{KERNELS / '_cpu'}", *map(str, SOURCES), "-o", str(out)]
+            cmd = [cxx, *flags, f"-I{KERNELS / '_cpu'}", *map(str, SOURCES), "-o", str(out)]
             run = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 last = (run.stderr.strip().splitlines() or ["?"])[-1]
@@ -141,8 +181,16 @@ def _build() -> Path:
     return target
 
 
+def _load(name: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(_build(name)))
+    for entry, (argtypes, restype) in SIGNATURES.items():
+        fn = getattr(lib, entry)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, or None where it is unavailable (warned once)."""
+    """The loaded kernel library for `isa()`, or None where it is unavailable (warned once)."""
     if "lib" not in _state:
         lib, reason = None, None
         if os.environ.get("LOCALMOE_NO_CPU_KERNEL") == "1":
@@ -151,10 +199,7 @@ def library() -> ctypes.CDLL | None:
             reason = _unsupported()
         if reason is None:
             try:
-                lib = ctypes.CDLL(str(_build()))
-                for name, (argtypes, restype) in SIGNATURES.items():
-                    fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = argtypes, restype
+                lib = _load(isa())
             except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
                 lib, reason = None, f"build failed ({e})"
         if reason:
@@ -162,3 +207,22 @@ def library() -> ctypes.CDLL | None:
                           stacklevel=2)
         _state["lib"] = lib
     return _state["lib"]
+
+
+@contextmanager
+def forced_isa(name: str) -> Iterator[ctypes.CDLL]:
+    """Every kernel call inside runs the library built for ISA `name` (one of `supported_isas()`):
+    for tests that compare the ISAs' results. Not thread-safe: the library is swapped process-wide."""
+    if name not in supported_isas():
+        raise ValueError(f"ISA {name} does not run on this CPU ({', '.join(supported_isas())})")
+    if library() is None:
+        raise RuntimeError("the CPU kernel library is unavailable")
+    key = f"lib-{name}"
+    if key not in _state:
+        _state[key] = _load(name)
+    before = _state["lib"]
+    _state["lib"] = _state[key]
+    try:
+        yield _state[key]
+    finally:
+        _state["lib"] = before

@@ -7,6 +7,7 @@ a whole MoE layer's routed experts (`mxfp4_moe`), W as canonical MXFP4 bytes.
   `cpu.gemv`; more tokens dequantise with `cpu.dequantize` and run one fp32 sgemm (F.linear),
   where the matmul, not the bytes, is the cost.
 - otherwise the reference (reference.py).
+`precision` "q8" rounds x per 32-element block first (below).
 Every path accumulates in fp32 and returns x's dtype (bf16/fp16 inputs are computed in fp32 and
 rounded once at the end). The path depends only on the device, dtype and N, so the same call
 (paged or resident weights) always gives the same bits.
@@ -48,23 +49,32 @@ from localmoe.kernels.mxfp4_moe.reference import (
 GEMV_MAX_TOKENS = 96  # measured: GEMV at 0.6x the time of dequantise + sgemm for 64 tokens, 1.0x at 128
 
 
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+
+
 def mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, K] -> [N, O] in x's dtype; packed U8 [O, K/2], scales U8 [O, K/32], bias [O] or None."""
+                 bias: torch.Tensor | None = None, precision: str = "exact") -> torch.Tensor:
+    """x [N, K] -> [N, O] in x's dtype; packed U8 [O, K/2], scales U8 [O, K/32], bias [O] or None;
+    `precision` "q8" rounds x with q8_round first (on the CPU GEMV, the integer q8 path of the fused
+    MoE layer, with its bits)."""
+    _check_precision(precision)
+    q8 = precision == "q8"
     if usable(x):
         from localmoe.kernels.mxfp4_moe import triton as tk
 
-        return tk.mxfp4_linear(x, packed, scales, bias)
+        return tk.mxfp4_linear(q8_round(x) if q8 else x, packed, scales, bias)
     if x.device.type == "cpu" and packed.device.type == "cpu" and cpu.library() is not None:
         xf = x.float()
         if x.shape[0] <= GEMV_MAX_TOKENS:
-            y = cpu.gemv(xf, packed, scales)
+            y = cpu.gemv(xf, packed, scales, q8=q8)
             if bias is not None:
                 y += bias.float()
         else:
-            y = F.linear(xf, cpu.dequantize(packed, scales), None if bias is None else bias.float())
+            y = F.linear(q8_round(xf) if q8 else xf, cpu.dequantize(packed, scales), None if bias is None else bias.float())
         return y.to(x.dtype)
-    return naive_mxfp4_linear(x, packed, scales, bias)
+    return naive_mxfp4_linear(q8_round(x) if q8 else x, packed, scales, bias)
 
 
 def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
@@ -116,11 +126,6 @@ class ExpertTable:
         return all(p.packed is not None and p.scales is not None and p.packed.dtype == p.scales.dtype == torch.uint8
                    and p.packed.is_contiguous() and p.scales.is_contiguous() and on(p.packed) and on(p.scales)
                    and (p.bias is None or (p.bias.is_floating_point() and on(p.bias))) for p in (w.gate, w.up, w.down))
-
-
-def _check_precision(precision: str) -> None:
-    if precision not in PRECISIONS:
-        raise ValueError(f"expert precision {precision!r} is not one of {', '.join(PRECISIONS)}")
 
 
 def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: ExpertTable, kind: str,

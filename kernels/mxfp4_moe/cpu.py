@@ -38,16 +38,17 @@ def _check(x: torch.Tensor | None, packed: torch.Tensor, scales: torch.Tensor) -
         assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == K and x.is_contiguous(), "x: fp32 [N, K]"
 
 
-def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, q8: bool = False) -> torch.Tensor:
     """x [N, K] fp32 -> x W^T [N, O] fp32, straight from MXFP4 (packed [O, K/2], scales [O, K/32]);
-    the same bits for a token whatever N and the thread count."""
+    q8: x rounded to int8 per 32-element block first (reference.q8_round). The same bits for a token
+    whatever the thread count, and with q8 whatever N (the fused MoE layer's bits too)."""
     x, packed, scales = x.contiguous(), packed.contiguous(), scales.contiguous()
     _check(x, packed, scales)
     N, K, O = x.shape[0], x.shape[1], packed.shape[0]
     lib, y = library(), x.new_empty(N, O)
-    scratch = torch.empty(lib.mxfp4_gemv_scratch(N, K), dtype=torch.uint8)
+    scratch = torch.empty(lib.mxfp4_gemv_scratch(N, K, int(q8)), dtype=torch.uint8)
     lib.mxfp4_gemv(x.data_ptr(), N, K, packed.data_ptr(), scales.data_ptr(), O, y.data_ptr(), scratch.data_ptr(),
-                   threads())
+                   threads(), int(q8))
     return y
 
 

@@ -1,4 +1,4 @@
-// A whole MoE layer's routed experts on the CPU in one call (AVX2 + FMA), straight from MXFP4.
+// A whole MoE layer's routed experts on the CPU in one call (AVX2 + FMA, or AVX-512 VNNI), straight from MXFP4.
 //
 // out [N, D] += sum over assignments (t, j) of weights[t, j] * down(glu(gate x_t, up x_t)) of
 // expert ids[t, j]. Called once per layer instead of ~4 small GEMVs, an activation and a scatter
@@ -77,19 +77,23 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
     const float* bias = reinterpret_cast<const float*>(row[2]);
     const int64_t o1 = std::min(a.O, o0 + (i1 - i));
     float* y0 = a.out[proj] + g.first * a.O;
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* prow = packed + o * (a.K / 2);
-      const uint8_t* srow = scales + o * nb;
-      float* y = y0 + o;
-      if (a.q8)
-        row_q8_tokens(prow, srow, nb, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs, g.n, y, a.O);
-      else if (g.n == 1)
-        *y = row_int(prow, srow, nb, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes));
-      else
-        row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y, a.O);
-      if (bias != nullptr)
-        for (int64_t t = 0; t < g.n; ++t) y[t * a.O] += bias[o];
-    }
+    if (g.n == 1 && a.q8)
+      matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, y0);
+    else if (g.n == 1)
+      matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes), y0);
+    else
+      for (int64_t o = o0; o < o1; ++o) {
+        const uint8_t* prow = packed + o * (a.K / 2);
+        const uint8_t* srow = scales + o * nb;
+        if (a.q8)
+          row_q8_tokens(prow, srow, nb, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs, g.n, y0 + o,
+                        a.O);
+        else
+          row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y0 + o, a.O);
+      }
+    if (bias != nullptr)
+      for (int64_t o = o0; o < o1; ++o)
+        for (int64_t t = 0; t < g.n; ++t) y0[t * a.O + o] += bias[o];
     i += o1 - o0;
   }
 }

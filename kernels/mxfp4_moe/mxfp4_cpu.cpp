@@ -1,24 +1,28 @@
-// MXFP4 expert matmul on the CPU (AVX2 + FMA), straight from the canonical bytes.
-// Plain C ABI, no torch headers: it builds in about a second with gcc and is loaded with ctypes
-// (kernels/mxfp4_moe/cpu.py; ctypes releases the GIL for the call).
+// MXFP4 expert matmul on the CPU (AVX2 + FMA, or AVX-512 VNNI: mxfp4_rows.h), straight from the
+// canonical bytes. Plain C ABI, no torch headers: it builds in about a second with gcc and is loaded
+// with ctypes (kernels/mxfp4_moe/cpu.py; ctypes releases the GIL for the call).
 //
 // y[N, O] = x[N, K] W^T, W given as packed U8 [O, K/2] (element 2i in the low nibble of byte i)
 // and E8M0 scales U8 [O, K/32] (bias 127, 0xFF = NaN).
 //
-// gemv, one token (decode): x is split once per call, per 32-element block, into integer parts on
-// a grid of step amax / 32767: x = step / 256 * (256 * hi + lo), hi int16, lo int8, within ~2^-23
-// of the block's largest magnitude (about fp32's own rounding of that element). A pair of weight
-// blocks (32 code bytes) is decoded with two pshufb lookups of 2 * e2m1 + 12 as u8 (no sign
-// extension needed: the +12 is taken off with a per-lane correction computed with x); hi meets
-// the weights zero-extended in place (and/shift) through vpmaddwd, lo through vpmaddubsw, all
-// exact in int32; then one convert and one FMA per block pair by scale(w) * scale(x). Converting
-// every weight to fp32 instead cost ~13 cycles per block and capped a core at ~4.5-5 GB/s; this
-// runs at ~12 GB/s per core. (Measured on the way: hi alone, 14 GB/s, but its 2^-16 error moved
-// the tiny models' prefill-vs-decode logits by 6e-5 against 1e-7 before; hi + lo both int16 with
-// sign-extended weights, 10 GB/s.)
-// gemv, N >= 2 tokens: per token the integer path costs ~15 operations per block pair against
-// 8 FMAs once the block is in fp32, so each block is decoded to fp32 once and shared by up to 8
-// tokens. Both paths are computed whole per row, so the bits do not depend on the thread count.
+// gemv, one token (decode), exact: x is split once per call, per 32-element block, into integer
+// parts on a grid of step amax / 32639: x = step / 256 * (256 * hi + lo), |hi| <= 32639, lo int8,
+// within ~2^-23 of the block's largest magnitude (about fp32's own rounding of that element). A
+// pair of weight blocks (32 code bytes) is decoded with two pshufb lookups of 2 * e2m1 + 12 as u8
+// (no sign extension needed: the +12 is taken off with a per-lane correction computed with x).
+// AVX2: hi meets the weights zero-extended in place (and/shift) through vpmaddwd, lo through
+// vpmaddubsw; VNNI: hi as two int8 parts, all three through vpdpbusd. All exact in int32; then one
+// convert and one FMA per block pair by scale(w) * scale(x). Converting every weight to fp32
+// instead cost ~13 cycles per block and capped a core at ~4.5-5 GB/s; this runs at ~12 GB/s per
+// core with AVX2 and ~14.5 with VNNI (Zen 4). (Measured on the way: hi alone, 14 GB/s, but its
+// 2^-16 error moved the tiny models' prefill-vs-decode logits by 6e-5 against 1e-7 before; hi +
+// lo both int16 with sign-extended weights, 10 GB/s.)
+// gemv, N >= 2 tokens, exact: per token the integer path costs ~15 operations per block pair
+// against 8 FMAs once the block is in fp32, so each block is decoded to fp32 once and shared by up
+// to 8 tokens.
+// gemv, q8 (any N): x rounded to int8 per block (quantize_row_q8), u8 x s8 dot products: about
+// half the exact path's work, the fused MoE layer's default (moe_cpu.cpp), the same bits per token.
+// Every path computes a row whole on one thread, so the bits do not depend on the thread count.
 // dequantize: the same decode to exact fp32, for the prefill path (dequantise + sgemm).
 //
 // Threads: the library's one pool (kernels/_cpu/pool.h); rows are handed out in chunks.
@@ -40,24 +44,31 @@ using localmoe::parallel;
 using namespace localmoe_mxfp4;
 
 struct GemvArgs {
-  const float* x;  // N = 1: unused; N >= 2: x permuted per block
-  const PairX* xq;  // N = 1: the token in integer parts
+  const float* x;      // exact, N >= 2: x permuted per block
+  const void* xq;      // exact, N = 1: the token's PairX records; q8: every token's PairQ8 records
   int64_t N, K, O;
   const uint8_t* packed;
   const uint8_t* scales;
   float* y;
+  bool q8;
 };
 
 void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
   const GemvArgs& a = *static_cast<const GemvArgs*>(ctx);
-  const int64_t nb = a.K / kBlock, K = a.K, O = a.O;
-  for (int64_t o = o0; o < o1; ++o) {
-    const uint8_t* prow = a.packed + o * (K / 2);
-    const uint8_t* srow = a.scales + o * nb;
-    if (a.N == 1)
-      a.y[o] = row_int(prow, srow, nb, a.xq);
-    else
-      row_tokens(prow, srow, nb, a.x, a.N, K, a.y + o, O);
+  const int64_t nb = a.K / kBlock, K = a.K, pairs = (nb + 1) / 2;
+  if (a.N == 1 && a.q8) {
+    matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairQ8*>(a.xq), a.y);
+  } else if (a.N == 1) {
+    matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairX*>(a.xq), a.y);
+  } else {
+    for (int64_t o = o0; o < o1; ++o) {
+      const uint8_t* prow = a.packed + o * (K / 2);
+      const uint8_t* srow = a.scales + o * nb;
+      if (a.q8)
+        row_q8_tokens(prow, srow, nb, static_cast<const PairQ8*>(a.xq), pairs, a.N, a.y + o, a.O);
+      else
+        row_tokens(prow, srow, nb, a.x, a.N, K, a.y + o, a.O);
+    }
   }
 }
 
@@ -88,19 +99,26 @@ void dequantize_blocks(const void* ctx, int64_t b0, int64_t b1) {
 
 extern "C" {
 
-// Bytes of scratch mxfp4_gemv needs for N tokens of K.
-int64_t mxfp4_gemv_scratch(int64_t N, int64_t K) {
+// Bytes of scratch mxfp4_gemv needs for N tokens of K (q8: 1 for q8 activations, 0 exact).
+int64_t mxfp4_gemv_scratch(int64_t N, int64_t K, int q8) {
+  if (q8) return N * pairs_q8_bytes(K) + 32;
   return N == 1 ? pairs_bytes(K) + 32 : N * K * static_cast<int64_t>(sizeof(float));
 }
 
 // y [N, O] fp32 = x [N, K] fp32 W^T; packed [O, K/2], scales [O, K/32]; K % 32 == 0; `scratch`
-// holds mxfp4_gemv_scratch(N, K) bytes. Rows are split over `threads` threads.
+// holds mxfp4_gemv_scratch(N, K, q8) bytes. q8: x rounded to int8 per 32-element block first (the
+// fused MoE layer's q8 path: the same bits per token). Rows are split over `threads` threads.
 void mxfp4_gemv(const float* x, int64_t N, int64_t K, const uint8_t* packed, const uint8_t* scales, int64_t O,
-                float* y, void* scratch, int threads) {
+                float* y, void* scratch, int threads, int q8) {
   const int64_t nb = K / kBlock;
-  GemvArgs args{nullptr, nullptr, N, K, O, packed, scales, y};
-  if (N == 1) {  // scratch has 32 spare bytes to align the records
-    PairX* xq = reinterpret_cast<PairX*>((reinterpret_cast<uintptr_t>(scratch) + 31) & ~uintptr_t{31});
+  GemvArgs args{nullptr, nullptr, N, K, O, packed, scales, y, q8 != 0};
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(scratch) + 31) & ~uintptr_t{31});  // 32 spare
+  if (q8) {
+    PairQ8* xq = static_cast<PairQ8*>(aligned);
+    for (int64_t t = 0; t < N; ++t) quantize_row_q8(x + t * K, nb, xq + t * ((nb + 1) / 2));
+    args.xq = xq;
+  } else if (N == 1) {
+    PairX* xq = static_cast<PairX*>(aligned);
     quantize_row(x, nb, xq);
     args.xq = xq;
   } else {

@@ -41,6 +41,22 @@ def test_cpu_kernel_matches_reference(O, K, N, close):
     close(mxfp4_moe.mxfp4_linear(x, packed, scales), want, 1e-5, "dispatcher")
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 2, 5, 100], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("O,K", SHAPES)
+def test_q8_precision_matches_reference_on_rounded_inputs(O, K, N, close):
+    """precision "q8": the reference on q8_round(x); a token's bits do not depend on N (the GEMV's
+    integer q8 path, which the fused MoE layer shares)."""
+    packed, scales = _weights(O, K, seed=O * K + N)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    got = mxfp4_moe.mxfp4_linear(x, packed, scales, precision="q8")
+    close(got, naive_mxfp4_linear(mxfp4_moe.q8_round(x), packed, scales), 1e-5, "q8")
+    if N <= mxfp4_moe.GEMV_MAX_TOKENS:
+        assert torch.equal(got, torch.cat([cpu.gemv(row[None], packed, scales, q8=True) for row in x]))
+    with pytest.raises(ValueError, match="expert precision"):
+        mxfp4_moe.mxfp4_linear(x, packed, scales, precision="int4")
+
+
 def test_grid_covers_both_cpu_paths():
     assert min(TOKENS) <= mxfp4_moe.GEMV_MAX_TOKENS < max(TOKENS)
 
@@ -65,14 +81,15 @@ def test_reference_matches_float64():
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("N", [1, 3, 100], ids=lambda n: f"N{n}")
-def test_cpu_special_scales_and_bias(N, close):
+@pytest.mark.parametrize("K", [96, 1024], ids=lambda k: f"K{k}")  # 1024: whole runs of 16 blocks (matrix_token)
+def test_cpu_special_scales_and_bias(N, K, close):
     """Scale byte 0 (2^-127), large scales and NaN blocks (0xFF) behave as the reference, bias added.
     Seeded: a 2^73 block whose 32 products nearly cancel leaves the one-token GEMV's 22-bit x within
     1e-5 of the fp32 reference for most inputs, not all (300 draws: median 1e-7, largest 9.6e-6)."""
-    packed, scales = _weights(9, 96, seed=3, special=True)
+    packed, scales = _weights(9, K, seed=3, special=True)
     g = torch.Generator().manual_seed(N)
     bias = torch.randn(9, generator=g)
-    x = torch.randn(N, 96, generator=g)
+    x = torch.randn(N, K, generator=g)
     got, want = mxfp4_moe.mxfp4_linear(x, packed, scales, bias), naive_mxfp4_linear(x, packed, scales, bias)
     assert got[:, 2].isnan().all() and not got[:, 0].isnan().any()
     close(got, want, 1e-5, "special")

@@ -1,0 +1,123 @@
+"""The CPU kernel library built for each instruction set this CPU runs (kernels/_cpu `ISAS`): every
+ISA gives the same bits as the AVX2 baseline, kernel by kernel and for a whole decode of a model. The
+baseline itself is checked against the references by the other kernel tests (run them with
+LOCALMOE_CPU_ISA=avx2 to make it the library they use); here the other ISAs are held to it. On a
+CPU with AVX2 only there is nothing to compare and these tests skip."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from localmoe.kernels import _cpu, dense_gemv, ggml_gemv, mxfp4_moe
+from localmoe.kernels.mxfp4_moe import ExpertTable
+
+from localmoe.config import EngineConfig
+from localmoe.load import load_model
+from localmoe.store.mxfp4 import quantize
+from localmoe.testing.ggml_blocks import random_blocks
+from localmoe.testing.write import write_checkpoint
+
+from .test_mxfp4_moe_layer import _experts, _routing
+
+OTHER_ISAS = [name for name in _cpu.supported_isas() if name != "avx2"] if _cpu.library() is not None else []
+pytestmark = pytest.mark.skipif(not OTHER_ISAS, reason="this CPU runs the AVX2 kernels only (or none)")
+ISA = pytest.mark.parametrize("isa", OTHER_ISAS)
+
+
+def _under_each(isa: str, fn):
+    """fn() with the AVX2 library, then with `isa`'s (fresh outputs each time)."""
+    results = []
+    for name in ("avx2", isa):
+        with _cpu.forced_isa(name) as lib:
+            assert _cpu.library() is lib
+            results.append(fn())
+    return results
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    assert a.shape == b.shape, name
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), \
+        f"{name}: {(a != b).sum().item()} of {a.numel()} values differ, largest by {(a - b).abs().max().item():.3g}"
+
+
+def test_isa_choice_and_the_forced_baseline(monkeypatch):
+    assert _cpu.supported_isas()[0] == "avx2" and _cpu.isa() in _cpu.supported_isas()
+    monkeypatch.setenv("LOCALMOE_CPU_ISA", "avx2")
+    assert _cpu.isa() == "avx2"
+    monkeypatch.setenv("LOCALMOE_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="LOCALMOE_CPU_ISA=sse2"):
+        _cpu.isa()
+
+
+@ISA
+@pytest.mark.parametrize("O,K", [(67, 224), (96, 64), (9, 32), (130, 512), (40, 2880)], ids=lambda v: str(v))
+@pytest.mark.parametrize("N", [1, 2, 5, 100])
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_mxfp4_linear(isa, precision, O, K, N):
+    """Odd block counts, row counts that are not a multiple of the row group, extreme and NaN scales."""
+    g = torch.Generator().manual_seed(O * K + N)
+    packed, scales = quantize(torch.randn(O, K, generator=g) * torch.logspace(-3, 1, O).unsqueeze(1))
+    scales[0, 0], scales[1, -1], scales[2, 0] = 0, 200, 255
+    x = torch.randn(N, K, generator=g)
+    x[0, 5] *= 1000
+    _same_bits(*_under_each(isa, lambda: mxfp4_moe.mxfp4_linear(x, packed, scales, precision=precision)),
+               f"{precision} {O}x{K} N={N}")
+
+
+@ISA
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+@pytest.mark.parametrize("N", [1, 3, 9])
+def test_mxfp4_moe_layer(isa, precision, N):
+    E, D, I, k = 6, 224, 96, 2
+    table = ExpertTable(_experts(E, D, I, seed=N), E)
+    ids, weights = _routing(N, E, k, seed=N)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(N))
+
+    def layer():
+        return mxfp4_moe.mxfp4_moe(x, ids, weights, table, "gpt_oss", (7.0, 1.702), torch.zeros(N, D),
+                                   precision=precision)
+
+    _same_bits(*_under_each(isa, layer), f"{precision} N={N}")
+
+
+@ISA
+@pytest.mark.parametrize("ggml_type", sorted(ggml_gemv.TYPES, key=int), ids=lambda t: t.name)
+@pytest.mark.parametrize("N", [1, 3])
+def test_ggml_gemv(isa, ggml_type, N):
+    O, K = 40, 512
+    blocks = torch.from_numpy(random_blocks(ggml_type, O, K, np.random.default_rng(int(ggml_type))))
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    exact = ggml_type in ggml_gemv.EXACT_X_TYPES
+    for exact_x in (False, True) if exact else (False,):
+        run = functools.partial(ggml_gemv.ggml_gemv, x, blocks, ggml_type, (O, K), exact_x=exact_x)
+        _same_bits(*_under_each(isa, run), f"{ggml_type.name} N={N} exact_x={exact_x}")
+
+
+@ISA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dense_gemv(isa, dtype):
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(200, 96, generator=g).to(dtype), torch.randn(3, 96, generator=g)
+    _same_bits(*_under_each(isa, lambda: dense_gemv.dense_gemv(x, w)), str(dtype))
+
+
+@ISA
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_gpt_oss_decode(isa, precision, tmp_path_factory):
+    """A tiny gpt-oss (MXFP4 experts) prefilled and decoded greedily through the decode plan: the
+    logits of every step."""
+    path = write_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), "tiny")
+    model = load_model(path, EngineConfig(dtype="float32", threads=2, expert_precision=precision)).model
+    prompt = torch.tensor([[5, 17, 230, 9]])
+
+    def decode():
+        cache = model.new_cache(1, 16)
+        logits = [model.forward(prompt, cache)[:, -1]]
+        for _ in range(5):
+            logits.append(model.forward(logits[-1].argmax(-1, keepdim=True), cache)[:, -1])
+        return torch.cat(logits)
+
+    _same_bits(*_under_each(isa, decode), precision)
