@@ -23,6 +23,7 @@ from localmoe.engine.quantized import BlockQuantized, keeps_blocks
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import Family, TensorMap
+from localmoe.weights import Weights, convert
 
 
 def _progress(items: list, description: str, enabled: bool):
@@ -44,7 +45,7 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
 
     Expected tensors matching `elsewhere` (a store's routed experts) are not required here;
     `finish(weights, spec)` (Family.gguf_finish) reshapes the renamed set before the checks."""
-    weights: dict[str, torch.Tensor] = {}
+    weights = Weights()
     for name in _progress(list(names), f"loading {Path(source).name}", progress):
         try:
             resolved = tensor_map.resolve(name)
@@ -59,13 +60,10 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
             if transform is not None:
                 tensor = tensor.map_rows(lambda rows, t=transform: t(rows, spec))
         else:
-            if tensor.is_floating_point():  # integer tensors (MXFP4 codes and scales) stay bytes
-                tensor = tensor.float()
-            if transform is not None:
-                tensor = transform(tensor, spec)
+            tensor = convert(tensor, transform, spec)  # large floats: to fp32 when the builder takes them
         weights[canonical] = tensor
     if finish is not None:
-        weights = finish(weights, spec)
+        weights = Weights(finish(weights, spec))
     expected = family.expected_shapes(spec)
     for canonical, shape in expected.items():
         if canonical not in weights and elsewhere is not None and elsewhere.search(canonical):
@@ -73,8 +71,8 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         if canonical not in weights:
             raise CheckpointError(f"{source}: tensor {canonical!r} is missing (required by {spec.model_type} "
                                   f"with {spec.num_layers} layers)")
-        if tuple(weights[canonical].shape) != shape:
-            raise CheckpointError(f"{source}: tensor {canonical!r} has shape {tuple(weights[canonical].shape)}, "
+        if weights.shape(canonical) != shape:
+            raise CheckpointError(f"{source}: tensor {canonical!r} has shape {weights.shape(canonical)}, "
                                   f"expected {shape} from the model config")
     optional = [re.compile(p) for p in family.optional_tensors]
     for canonical in weights.keys() - expected.keys():

@@ -141,7 +141,7 @@ class ResidentExperts:
                 parts |= {f"down.{k}": t[e] for k, t in down.items()}
                 experts.append(ExpertWeights.from_parts(parts))
         else:
-            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: t for name, t in weights.items()
+            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: weights[name] for name in weights
                                                  if name.startswith(f"{p}{e}.")}) for e in range(num_experts)]
         return cls({layer: experts})
 
