@@ -28,7 +28,8 @@ of a type without a block GEMV costs (K-quants before they had one).
 GPU (when CUDA and Triton are present): the Triton MXFP4 grouped GEMV's bytes/s over the
 device's copy bandwidth, and the KDA kernels' tokens/s.
 
-End to end (--e2e): greedy decode tokens/s of localmoe (resident, MXFP4 experts through the CPU
+End to end (--e2e): prefill tokens/s of a 2048-token prompt (in 512-token chunks on both sides, as
+served) and greedy decode tokens/s of localmoe (resident, MXFP4 experts through the CPU
 kernels with the default q8 expert precision) over llama.cpp's (llama-cpp-python, the same weights
 written as a GGUF with MXFP4 experts by benchmarks/offload.py, same threads) on the `small`
 generated gpt_oss checkpoint, each engine in its own process, twice: dense weights in fp32 on both
@@ -57,6 +58,7 @@ from common import report
 
 GOAL = 0.6  # GEMV bytes/s over memory bandwidth, one token (the kernels issue)
 E2E_PROMPT = [17, 230]
+E2E_PREFILL = 2048  # prompt tokens of the end-to-end prefill timing
 DENSE_SHAPES = {"gpt-oss small lm_head 32768x768": (32768, 768), "SmolLM2 lm_head 49152x576": (49152, 576),
                 "projection 2048x2048": (2048, 2048)}
 SHAPES = {"k3 gate/up 3072x3584": (3072, 3584), "k3 down 3584x3072": (3584, 3072), "gpt-oss 2880x2880": (2880, 2880)}
@@ -356,12 +358,20 @@ E2E_DENSE = {"f32": ("float32", "gpt_oss_small.gguf"), "bf16": ("bfloat16", "gpt
 
 
 def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int, dtype: str) -> dict:
-    """Greedy decode of `tokens` tokens after E2E_PROMPT and 3 untimed steps, in this process."""
+    """Prefill of E2E_PREFILL tokens (after a 512-token warm-up), then greedy decode of `tokens` tokens
+    after E2E_PROMPT and 3 untimed steps, in this process."""
+    long_prompt = [(i * 7919) % 30000 + 17 for i in range(E2E_PREFILL)]
     if kind == "localmoe":
         from localmoe.config import EngineConfig
+        from localmoe.engine.generate import prefill
         from localmoe.load import load_model
 
         model = load_model(src, EngineConfig(dtype=dtype, threads=threads), progress=False).model
+
+        def prefilled(ids: list[int]) -> None:
+            with torch.no_grad():
+                prefill(model, ids, model.new_cache(1, len(ids) + 8))  # in PREFILL_CHUNK chunks, as served
+
         cache = model.new_cache(1, len(E2E_PROMPT) + tokens + 8)
 
         def step(ids: list[int]) -> int:
@@ -371,20 +381,30 @@ def _e2e_child(kind: str, src: Path, gguf_path: Path, threads: int, tokens: int,
         import numpy as np
         from llama_cpp import Llama, llama_get_logits_ith
 
-        llm = Llama(model_path=str(gguf_path), n_ctx=256, n_threads=threads, n_threads_batch=threads,
-                    n_gpu_layers=0, verbose=False)
+        llm = Llama(model_path=str(gguf_path), n_ctx=E2E_PREFILL + 64, n_threads=threads, n_threads_batch=threads,
+                    n_gpu_layers=0, verbose=False)  # n_batch 512: prompts in 512-token batches, as ours
         vocab = llm.n_vocab()
+
+        def prefilled(ids: list[int]) -> None:
+            llm.reset()
+            llm.eval(ids)
 
         def step(ids: list[int]) -> int:
             llm.eval(ids)
             return int(np.argmax(np.ctypeslib.as_array(llama_get_logits_ith(llm._ctx.ctx, -1), shape=(vocab,))))
+    prefilled(long_prompt[:512])
+    start = time.perf_counter()
+    prefilled(long_prompt)
+    prefill_tok_s = E2E_PREFILL / (time.perf_counter() - start)
+    if kind == "llama":
+        llm.reset()
     out = [step(E2E_PROMPT)]
     for _ in range(3):
         out.append(step([out[-1]]))
     start = time.perf_counter()
     for _ in range(tokens):
         out.append(step([out[-1]]))
-    return {"tok_s": tokens / (time.perf_counter() - start), "tokens": out}
+    return {"tok_s": tokens / (time.perf_counter() - start), "prefill_tok_s": prefill_tok_s, "tokens": out}
 
 
 def e2e_bench(work: Path, threads: int, tokens: int, repeats: int, dense: str) -> None:
@@ -415,14 +435,16 @@ def e2e_bench(work: Path, threads: int, tokens: int, repeats: int, dense: str) -
     for kind, rs in runs.items():
         ok = [r for r in rs if "tok_s" in r]
         if ok:
-            speeds = sorted(r["tok_s"] for r in ok)
-            results[kind] = {"tok_s": speeds[-1], "median": statistics.median(speeds), "tokens": ok[0]["tokens"]}
+            speeds, prefills = sorted(r["tok_s"] for r in ok), sorted(r["prefill_tok_s"] for r in ok)
+            results[kind] = {"tok_s": speeds[-1], "median": statistics.median(speeds), "tokens": ok[0]["tokens"],
+                             "prefill": prefills[-1], "prefill_median": statistics.median(prefills)}
         elif rs:
             results[kind] = rs[0]
     print(f"End to end, gpt_oss small (8 layers, 16 experts, top-4, hidden 768), dense weights {dense} on both "
           f"sides, {threads} threads, {tokens} greedy decode tokens:")
     def shown(r: dict) -> str:
-        return (f"{r['tok_s']:7.1f} tok/s best of {repeats} (median {r['median']:.1f})" if "tok_s" in r
+        return (f"{r['tok_s']:7.1f} tok/s best of {repeats} (median {r['median']:.1f}); prefill of {E2E_PREFILL} "
+                f"tokens {r['prefill']:.0f} tok/s (median {r['prefill_median']:.0f})" if "tok_s" in r
                 else f"failed: {r['error']}")
 
     rows = [("localmoe", shown(results["localmoe"])), ("llama.cpp", llama or shown(results["llama"]))]
@@ -432,6 +454,9 @@ def e2e_bench(work: Path, threads: int, tokens: int, repeats: int, dense: str) -
         rows.append(("RATIO localmoe / llama.cpp", (f"{ours['tok_s'] / peer['tok_s']:.2f}x best, "
                                                    f"{ours['median'] / peer['median']:.2f}x median (goal >= 1.0); "
                                                    f"greedy tokens agree for the first {same} of {len(ours['tokens'])}")))
+        rows.append((f"RATIO prefill {E2E_PREFILL} tokens", (f"{ours['prefill'] / peer['prefill']:.2f}x best, "
+                                                           f"{ours['prefill_median'] / peer['prefill_median']:.2f}x "
+                                                           "median")))
     report(rows)
 
 
