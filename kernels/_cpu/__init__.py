@@ -209,6 +209,15 @@ def library() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
+def describe() -> str:
+    """One line for `localmoe run --stats`: the ISA the kernels run and their threads, or why torch runs."""
+    if library() is None:
+        reason = "LOCALMOE_NO_CPU_KERNEL=1" if os.environ.get("LOCALMOE_NO_CPU_KERNEL") == "1" else _unsupported()
+        return f"off, torch runs ({reason or 'the build failed'})"
+    forced = [name for name in ISAS if _state.get(f"lib-{name}") is _state["lib"]]  # inside forced_isa
+    return f"{forced[0] if forced else isa()}, {threads()} threads"
+
+
 @contextmanager
 def forced_isa(name: str) -> Iterator[ctypes.CDLL]:
     """Every kernel call inside runs the library built for ISA `name` (one of `supported_isas()`):

@@ -32,6 +32,7 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
             min_p, repetition_penalty, seed, stop, no_stream, as_json, show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
+    from localmoe.kernels import _cpu as cpu_kernels
     from localmoe.load import load_model
     from localmoe.paging.metrics import pager_of, stats_line
 
@@ -54,7 +55,7 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
     pager = pager_of(loaded)
     if as_json:
         out = {"model": str(loaded.source), "text": text, "finish_reason": final.finish_reason,
-               "stats": stats.to_dict()}
+               "stats": stats.to_dict(), "cpu_kernels": cpu_kernels.describe()}
         if pager is not None:
             out["paging"] = pager.stats.to_dict()
         click.echo(json.dumps(out, ensure_ascii=False))
@@ -69,6 +70,7 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
     if show_stats:
         click.echo(stats_line(loaded) or "[paging: off (experts resident, or --ram 0: the page cache decides)]",
                    err=True)
+        click.echo(f"[CPU kernels: {cpu_kernels.describe()}]", err=True)
 
 
 def main() -> None:

@@ -50,6 +50,10 @@ def test_isa_choice_and_the_forced_baseline(monkeypatch):
     monkeypatch.setenv("LOCALMOE_CPU_ISA", "sse2")
     with pytest.raises(ValueError, match="LOCALMOE_CPU_ISA=sse2"):
         _cpu.isa()
+    monkeypatch.delenv("LOCALMOE_CPU_ISA")
+    for name in _cpu.supported_isas():  # what `localmoe run --stats` prints
+        with _cpu.forced_isa(name):
+            assert _cpu.describe() == f"{name}, {_cpu.threads()} threads"
 
 
 @ISA

@@ -43,6 +43,7 @@ def test_one_slot_pager_gives_the_resident_tokens_and_counts(store):
     slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
     resident, resident_err = run_json(store)
     assert "paging" not in resident and "paging: off" in resident_err
+    assert f"[CPU kernels: {resident['cpu_kernels']}]" in resident_err  # the ISA and threads, or why torch runs
     for flags in (["--ram", str(slot)], ["--ram", str(slot), "--io", "mmap", "--policy", "lru", "--no-prefetch"]):
         paged, err = run_json(store, *flags)
         assert paged["text"] == resident["text"], flags
