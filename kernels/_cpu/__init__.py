@@ -159,6 +159,23 @@ def isa() -> str:
     return supported_isas()[-1]
 
 
+def _load_best() -> ctypes.CDLL:
+    """The library for `isa()`; where LOCALMOE_CPU_ISA names an ISA this CPU lacks, or a better ISA's
+    build fails (an old compiler), the AVX2 one, with a warning."""
+    try:
+        name = isa()
+    except ValueError as e:
+        warnings.warn(f"localmoe: {e}; using the AVX2 kernels", stacklevel=3)
+        name = "avx2"
+    try:
+        return _load(name)
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
+        if name == "avx2":
+            raise
+        warnings.warn(f"localmoe: the {name} CPU kernels did not build ({e}); using the AVX2 ones", stacklevel=3)
+        return _load("avx2")
+
+
 def _build(name: str) -> Path:
     cxx = _compiler()
     flags = FLAGS + ISAS[name][0]
@@ -199,7 +216,7 @@ def library() -> ctypes.CDLL | None:
             reason = _unsupported()
         if reason is None:
             try:
-                lib = _load(isa())
+                lib = _load_best()
             except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
                 lib, reason = None, f"build failed ({e})"
         if reason:
@@ -214,8 +231,9 @@ def describe() -> str:
     if library() is None:
         reason = "LOCALMOE_NO_CPU_KERNEL=1" if os.environ.get("LOCALMOE_NO_CPU_KERNEL") == "1" else _unsupported()
         return f"off, torch runs ({reason or 'the build failed'})"
-    forced = [name for name in ISAS if _state.get(f"lib-{name}") is _state["lib"]]  # inside forced_isa
-    return f"{forced[0] if forced else isa()}, {threads()} threads"
+    built = Path(getattr(_state["lib"], "_name", "")).name  # localmoe_cpu-<isa>-<hash>.so
+    name = next((n for n in ISAS if built.startswith(f"localmoe_cpu-{n}-")), "?")
+    return f"{name}, {threads()} threads"
 
 
 @contextmanager

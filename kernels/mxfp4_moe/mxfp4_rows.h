@@ -216,13 +216,16 @@ struct PairW {
   __m256 scale;
 };
 
-inline PairW decode_pair(__m256i q, float s0, float s1) {
+inline PairW decode_pair(__m256i q, __m256 scale) {
   const __m256i lut =
       _mm256_broadcastsi128_si256(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   return PairW{_mm256_shuffle_epi8(lut, _mm256_and_si256(q, nibble)),
-               _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble)),
-               _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0)};
+               _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble)), scale};
+}
+
+inline PairW decode_pair(__m256i q, float s0, float s1) {
+  return decode_pair(q, _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
 }
 
 // The pair's 8 int32 lane dots (lane 4h + j: elements 8j .. 8j + 7 of block h) with one token's
@@ -331,8 +334,8 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
       for (int j = 0; j < 8; ++j) {
         const uint8_t* q = prow + (p + j) * 32;
         if ((j & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + 1024), _MM_HINT_T0);
-        PairW w = decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 0.0f, 0.0f);
-        w.scale = _mm256_permutevar8x32_ps(half[j / 4], pick[j % 4]);
+        const PairW w = decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                    _mm256_permutevar8x32_ps(half[j / 4], pick[j % 4]));
         acc = pair_fma(w, x[p + j], acc);
       }
     }

@@ -56,6 +56,14 @@ def test_isa_choice_and_the_forced_baseline(monkeypatch):
             assert _cpu.describe() == f"{name}, {_cpu.threads()} threads"
 
 
+def test_an_isa_the_cpu_lacks_falls_back_to_avx2_with_a_warning(monkeypatch):
+    monkeypatch.setattr(_cpu, "_state", {})  # a fresh load, as in a new process
+    monkeypatch.setenv("LOCALMOE_CPU_ISA", "sse9")
+    with pytest.warns(UserWarning, match="LOCALMOE_CPU_ISA=sse9: this CPU runs avx2"):
+        lib = _cpu.library()
+    assert lib is not None and _cpu.describe().startswith("avx2,")
+
+
 @ISA
 @pytest.mark.parametrize("O,K", [(67, 224), (96, 64), (9, 32), (130, 512), (40, 2880)], ids=lambda v: str(v))
 @pytest.mark.parametrize("N", [1, 2, 5, 100])
