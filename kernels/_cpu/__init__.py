@@ -28,6 +28,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -186,6 +187,8 @@ def _build(name: str) -> Path:
     cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "kernels"
     target = cache / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
+        print(f"localmoe: building the CPU kernels for {name} (first use of this version here, 5-15 s)",
+              file=sys.stderr, flush=True)
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / target.name
