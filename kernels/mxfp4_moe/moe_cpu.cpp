@@ -81,16 +81,12 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
       matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, y0);
     else if (g.n == 1)
       matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes), y0);
+    else if (a.q8)
+      matrix_q8_tokens(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs,
+                       g.n, y0, a.O);
     else
-      for (int64_t o = o0; o < o1; ++o) {
-        const uint8_t* prow = packed + o * (a.K / 2);
-        const uint8_t* srow = scales + o * nb;
-        if (a.q8)
-          row_q8_tokens(prow, srow, nb, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs, g.n, y0 + o,
-                        a.O);
-        else
-          row_tokens(prow, srow, nb, a.xp + g.first * a.K, g.n, a.K, y0 + o, a.O);
-      }
+      for (int64_t o = o0; o < o1; ++o)
+        row_tokens(packed + o * (a.K / 2), scales + o * nb, nb, a.xp + g.first * a.K, g.n, a.K, y0 + o, a.O);
     if (bias != nullptr)
       for (int64_t o = o0; o < o1; ++o)
         for (int64_t t = 0; t < g.n; ++t) y0[t * a.O + o] += bias[o];

@@ -60,15 +60,10 @@ void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
     matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairQ8*>(a.xq), a.y);
   } else if (a.N == 1) {
     matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairX*>(a.xq), a.y);
+  } else if (a.q8) {
+    matrix_q8_tokens(a.packed, a.scales, K, o0, o1, static_cast<const PairQ8*>(a.xq), pairs, a.N, a.y, a.O);
   } else {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* prow = a.packed + o * (K / 2);
-      const uint8_t* srow = a.scales + o * nb;
-      if (a.q8)
-        row_q8_tokens(prow, srow, nb, static_cast<const PairQ8*>(a.xq), pairs, a.N, a.y + o, a.O);
-      else
-        row_tokens(prow, srow, nb, a.x, a.N, K, a.y + o, a.O);
-    }
+    for (int64_t o = o0; o < o1; ++o) row_tokens(a.packed + o * (K / 2), a.scales + o * nb, nb, a.x, a.N, K, a.y + o, a.O);
   }
 }
 

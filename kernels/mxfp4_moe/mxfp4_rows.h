@@ -345,36 +345,60 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
   }
 }
 
-// NT tokens' q8 records (record stride `stride` pairs) against one weight row: each pair decoded
-// once, then per token the same operations in the same order as with one token, so a token's bits
-// do not depend on how many tokens share the call. Writes y[t * O].
-template <int NT>
-inline void row_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride, float* y,
-                   int64_t O) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+// R consecutive weight rows (codes nb * 16 bytes apart, scales nb apart) against NT tokens' q8
+// records (record stride `stride` pairs): each pair decoded once per row, each token's record loaded
+// once for the R rows, then per (row, token) the same operations in the same order as with one
+// token, so a token's bits depend neither on how many tokens nor on how many rows share the call.
+// Writes y[r + t * O].
+template <int R, int NT>
+inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride, float* y,
+                    int64_t O) {
+  const int64_t pitch = nb * (kBlock / 2);
+  __m256 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
   int64_t p = 0;
   for (; 2 * p + 2 <= nb; ++p) {
-    const PairW w = row_pair(prow, srow, p);
-    for (int t = 0; t < NT; ++t) acc[t] = pair_fma(w, xq[t * stride + p], acc[t]);
+    PairW w[R];
+    for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p);
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < R; ++r) acc[r][t] = pair_fma(w[r], xq[t * stride + p], acc[r][t]);
   }
   if (2 * p < nb) {
-    const PairW w = row_last_block(prow, srow, p);
-    for (int t = 0; t < NT; ++t) acc[t] = pair_fma(w, xq[t * stride + p], acc[t]);
+    PairW w[R];
+    for (int r = 0; r < R; ++r) w[r] = row_last_block(prow + r * pitch, srow + r * nb, p);
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < R; ++r) acc[r][t] = pair_fma(w[r], xq[t * stride + p], acc[r][t]);
   }
-  for (int t = 0; t < NT; ++t) y[t * O] = hsum(acc[t]);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) y[r + t * O] = hsum(acc[r][t]);
 }
 
-// N >= 2 tokens' q8 records against one weight row, in groups of 4, 2 and 1 tokens.
-inline void row_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
-                          int64_t N, float* y, int64_t O) {
+// R rows against N >= 2 tokens' q8 records, in groups of 4, 2 and 1 tokens.
+template <int R>
+inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
+                           int64_t N, float* y, int64_t O) {
   int64_t t = 0;
-  for (; t + 4 <= N; t += 4) row_q8<4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  for (; t + 4 <= N; t += 4) rows_q8<R, 4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
   if (N - t >= 2) {
-    row_q8<2>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+    rows_q8<R, 2>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
     t += 2;
   }
-  if (N - t >= 1) row_q8<1>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  if (N - t >= 1) rows_q8<R, 1>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+}
+
+// Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against N >= 2 tokens' q8 records:
+// y[o + t * O]. With 32 vector registers (AVX-512) two rows share each load of a token's record
+// (the multi-token path is bound by those loads: +15-25 % at 8-64 tokens, Zen 4); AVX2's 16 hold one
+// row's.
+inline void matrix_q8_tokens(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1,
+                             const PairQ8* xq, int64_t stride, int64_t N, float* y, int64_t O) {
+  const int64_t nb = K / kBlock;
+  int64_t o = o0;
+#ifdef LOCALMOE_VNNI
+  for (; o + 2 <= o1; o += 2) rows_q8_tokens<2>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
+#endif
+  for (; o < o1; ++o) rows_q8_tokens<1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
 }
 
 inline int64_t pairs_q8_bytes(int64_t K) { return (K / kBlock + 1) / 2 * static_cast<int64_t>(sizeof(PairQ8)); }
