@@ -17,6 +17,8 @@ sink in one `gqa_decode` kernel call (kernels/gqa_decode).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -117,10 +119,12 @@ class GQAttention:
             if self.sinks is None and not self.window and not self._selects(keys.shape[2]):
                 mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            elif step.valid is None and not self._selects(keys.shape[2]) and flash_available(q, keys, values):
-                out = self._flash(q, keys, values, step.start, T)
             else:
-                out = self._explicit(q, keys, values, step, T)
+                out = None
+                if step.valid is None and not self._selects(keys.shape[2]) and flash_available(q, keys, values):
+                    out = _flash_or_none(lambda: self._flash(q, keys, values, step.start, T))
+                if out is None:
+                    out = self._explicit(q, keys, values, step, T)
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
         if self.gate is not None:
             out = out * torch.sigmoid(self.gate(x))
@@ -187,12 +191,26 @@ class GQAttention:
         return torch.matmul(probs, values)
 
 
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# torch's CPU flash attention with its log-sum-exp: a private op (torch >= 2.3), so a torch that lacks
+# it or changed it makes the first call fail, warn once, and leave the explicit path to every later one
+_flash_cpu = {"op": getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)}
 
 
 def flash_available(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `flash_attention` takes these: torch's CPU flash kernel, fp32 CPU tensors."""
-    return _FLASH_CPU is not None and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, keys, values))
+    return _flash_cpu["op"] is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                                for t in (q, keys, values))
+
+
+def _flash_or_none(run):
+    """run() (a `_flash` call), or None after disabling the flash path where torch's op fails."""
+    try:
+        return run()
+    except (RuntimeError, TypeError) as e:
+        _flash_cpu["op"] = None
+        warnings.warn(f"localmoe: torch's CPU flash attention failed ({e}); prefill attention with sinks or a "
+                      "window uses the explicit softmax from now on", stacklevel=3)
+        return None
 
 
 def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
@@ -200,7 +218,7 @@ def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     """softmax(q keys^T * scale + bias) values and the rows' log-sum-exp of the scores, [B, H, L, D] and
     [B, H, L], without the [L, S] score matrix (torch's CPU flash attention: blocks of queries and keys,
     an online softmax); bias [L, S] fp32 (-inf hides a key) or None."""
-    out, lse = _FLASH_CPU(q, keys, values, attn_mask=bias, scale=scale)
+    out, lse = _flash_cpu["op"](q, keys, values, attn_mask=bias, scale=scale)
     return out, lse
 
 

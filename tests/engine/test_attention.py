@@ -44,3 +44,18 @@ def test_only_fp32_cpu_tensors_take_the_flash_kernel():
     x = torch.zeros(1, 1, 2, 8)
     assert flash_available(x, x, x)
     assert not flash_available(x, x.bfloat16(), x)
+
+
+def test_a_failing_flash_op_falls_back_to_the_explicit_softmax(monkeypatch):
+    """A torch whose private flash op fails (changed or broken): one warning, then the explicit path."""
+    from localmoe.engine import attention
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setitem(attention._flash_cpu, "op", broken)
+    a = _attention(5, True)
+    q, keys, values = torch.randn(1, 2, 3 * 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16)
+    with pytest.warns(UserWarning, match="flash attention failed"):
+        assert attention._flash_or_none(lambda: a._flash(q, keys, values, 0, 4)) is None
+    assert not flash_available(q, keys, values)
