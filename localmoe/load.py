@@ -92,16 +92,17 @@ def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch
 def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], keep: bool, where: str):
     """One GGUF tensor from its stored bytes: matrices of a block type with a decode GEMV
     (kernels/ggml_gemv.TYPES) stay in their blocks when `keep` (--dtype auto); stacked MXFP4 experts
-    stay bytes (ggml blocks, for Family.gguf_finish); everything else is dequantised (F32 zero-copy).
+    stay bytes (ggml blocks, for Family.gguf_finish); F32 / F16 / BF16 come as zero-copy views, everything
+    else dequantised to fp32.
     `where` ("file: tensor 'name'") starts any error."""
-    from localmoe.store.ggml_quants import dequantize
+    from localmoe.store.ggml_quants import FLOAT_TYPES, dequantize
 
     if keep and len(shape) == 2 and keeps_blocks(ggml_type):
         return BlockQuantized(raw, ggml_type, shape)
     if ggml_type == GGMLQuantizationType.MXFP4 and len(shape) == 3:
         return raw
-    try:
-        return dequantize(raw, ggml_type, shape)
+    try:  # F16 / BF16 as zero-copy views: converted to fp32 when the builder takes them (localmoe.weights)
+        return dequantize(raw, ggml_type, shape, FLOAT_TYPES.get(ggml_type, torch.float32))
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
 

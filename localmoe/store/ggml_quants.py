@@ -22,7 +22,7 @@ T = GGMLQuantizationType
 QK_K = 256  # super-block size of the k-quants
 _CHUNK_ELEMENTS = 1 << 22  # values decoded per chunk (16 MiB of float32): bounds the temporaries
 
-_FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
+FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
 def _packed(t: torch.Tensor, align: int) -> torch.Tensor:
@@ -224,12 +224,12 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor
     T.MXFP4: _mxfp4,
 }
 
-SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (*_FLOAT_TYPES, *_BLOCK_DECODERS)
+SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (*FLOAT_TYPES, *_BLOCK_DECODERS)
 
 
 def is_supported(ggml_type: GGMLQuantizationType) -> bool:
     """Whether `dequantize` can decode this ggml type."""
-    return ggml_type in _FLOAT_TYPES or ggml_type in _BLOCK_DECODERS
+    return ggml_type in FLOAT_TYPES or ggml_type in _BLOCK_DECODERS
 
 
 def _type_name(ggml_type: object) -> str:
@@ -261,8 +261,8 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: Sequen
     if raw.numel() != n_bytes:
         raise CheckpointError(f"a {ggml_type.name} tensor of shape {shape} needs {n_bytes} bytes, got {raw.numel()}")
 
-    if ggml_type in _FLOAT_TYPES:
-        stored = _FLOAT_TYPES[ggml_type]
+    if ggml_type in FLOAT_TYPES:
+        stored = FLOAT_TYPES[ggml_type]
         return _packed(raw.reshape(-1), stored.itemsize).view(stored).reshape(shape).to(dtype)
 
     blocks = raw.reshape(-1, type_size)  # [N, type_size]
