@@ -203,6 +203,7 @@ def _build(name: str) -> Path:
 
 def _load(name: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(name)))
+    lib.isa = name  # for describe()
     for entry, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, entry)
         fn.argtypes, fn.restype = argtypes, restype
@@ -234,9 +235,7 @@ def describe() -> str:
     if library() is None:
         reason = "LOCALMOE_NO_CPU_KERNEL=1" if os.environ.get("LOCALMOE_NO_CPU_KERNEL") == "1" else _unsupported()
         return f"off, torch runs ({reason or 'the build failed'})"
-    built = Path(getattr(_state["lib"], "_name", "")).name  # localmoe_cpu-<isa>-<hash>.so
-    name = next((n for n in ISAS if built.startswith(f"localmoe_cpu-{n}-")), "?")
-    return f"{name}, {threads()} threads"
+    return f"{_state['lib'].isa}, {threads()} threads"
 
 
 @contextmanager

@@ -224,9 +224,8 @@ inline PairW decode_pair(__m256i q, __m256 scale) {
                _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble)), scale};
 }
 
-inline PairW decode_pair(__m256i q, float s0, float s1) {
-  return decode_pair(q, _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
-}
+// A block pair's weight scales as PairW holds them: [s0 x4, s1 x4].
+inline __m256 pair_scales(float s0, float s1) { return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0); }
 
 // The pair's 8 int32 lane dots (lane 4h + j: elements 8j .. 8j + 7 of block h) with one token's
 // exact records, less the +12 correction: 256 * (w . hi) + w . lo, exact in int32 (|256 * w . hi|
@@ -281,18 +280,22 @@ inline __m256 pair_fma(const PairW& w, const X& x, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_int(w, x)), _mm256_mul_ps(w.scale, _mm256_load_ps(x.scale)), acc);
 }
 
-// Block pair p of a row (codes prow, scales srow), whole: one line prefetched per 64 bytes, 1 KiB
-// ahead (+10-15 % over the hardware prefetcher alone).
-inline PairW row_pair(const uint8_t* prow, const uint8_t* srow, int64_t p) {
+// Block pair p of a row (codes prow) with its weight scales [s0 x4, s1 x4], whole: one line
+// prefetched per 64 bytes, 1 KiB ahead (+10-15 % over the hardware prefetcher alone).
+inline PairW row_pair(const uint8_t* prow, int64_t p, __m256 scale) {
   if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(prow + p * 32 + 1024), _MM_HINT_T0);
-  return decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(prow + p * 32)),
-                     kTables.half_scale[srow[2 * p]], kTables.half_scale[srow[2 * p + 1]]);
+  return decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(prow + p * 32)), scale);
+}
+
+// The same with the scales looked up from the row's scale bytes srow.
+inline PairW row_pair(const uint8_t* prow, const uint8_t* srow, int64_t p) {
+  return row_pair(prow, p, pair_scales(kTables.half_scale[srow[2 * p]], kTables.half_scale[srow[2 * p + 1]]));
 }
 
 // The odd last block p of a row: the other lane decodes code 0 against zero activations, scale 0.
 inline PairW row_last_block(const uint8_t* prow, const uint8_t* srow, int64_t p) {
   const __m128i last = _mm_loadu_si128(reinterpret_cast<const __m128i*>(prow + p * 32));
-  return decode_pair(_mm256_zextsi128_si256(last), kTables.half_scale[srow[2 * p]], 0.0f);
+  return decode_pair(_mm256_zextsi128_si256(last), pair_scales(kTables.half_scale[srow[2 * p]], 0.0f));
 }
 
 // The half scales of 16 ordinary scale bytes (1..254) without the table, into two vectors of 8
@@ -331,13 +334,8 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
         for (int j = 0; j < 8; ++j) acc = pair_fma(row_pair(prow, srow, p + j), x[p + j], acc);
         continue;
       }
-      for (int j = 0; j < 8; ++j) {
-        const uint8_t* q = prow + (p + j) * 32;
-        if ((j & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + 1024), _MM_HINT_T0);
-        const PairW w = decode_pair(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
-                                    _mm256_permutevar8x32_ps(half[j / 4], pick[j % 4]));
-        acc = pair_fma(w, x[p + j], acc);
-      }
+      for (int j = 0; j < 8; ++j)
+        acc = pair_fma(row_pair(prow, p + j, _mm256_permutevar8x32_ps(half[j / 4], pick[j % 4])), x[p + j], acc);
     }
     for (; 2 * p + 2 <= nb; ++p) acc = pair_fma(row_pair(prow, srow, p), x[p], acc);
     if (2 * p < nb) acc = pair_fma(row_last_block(prow, srow, p), x[p], acc);

@@ -140,12 +140,12 @@ class GQAttention:
         and over this call's own keys (a causal, windowed band mask, [G*T, T + window]), merged with
         the sinks through their log-sum-exps."""
         S, G = keys.shape[2], self.group
-        first = max(0, start + 1 - self.window) if self.window else 0
+        # the band: keys [lo, S) against queries start .. start + T - 1; with full attention every query
+        # sees the keys before it, unmasked
+        lo = max(0, start + 1 - self.window) if self.window else start
         parts = []  # (out [B, Hkv, G*T, D], lse [B, Hkv, G*T])
-        before = start - first if not self.window else 0  # full attention: the keys every query sees
-        if before > 0:
-            parts.append(flash_attention(q, keys[:, :, :before], values[:, :, :before], None, self.scale))
-        lo = first + before  # the band: keys [lo, S) against queries start .. start + T - 1
+        if not self.window and start > 0:
+            parts.append(flash_attention(q, keys[:, :, :start], values[:, :, :start], None, self.scale))
         key_pos = torch.arange(lo, S)[None, :]
         query_pos = torch.arange(start, start + T)[:, None]
         visible = key_pos <= query_pos
@@ -218,8 +218,7 @@ def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     """softmax(q keys^T * scale + bias) values and the rows' log-sum-exp of the scores, [B, H, L, D] and
     [B, H, L], without the [L, S] score matrix (torch's CPU flash attention: blocks of queries and keys,
     an online softmax); bias [L, S] fp32 (-inf hides a key) or None."""
-    out, lse = _flash_cpu["op"](q, keys, values, attn_mask=bias, scale=scale)
-    return out, lse
+    return _flash_cpu["op"](q, keys, values, attn_mask=bias, scale=scale)
 
 
 class SlidingAttention(GQAttention):
