@@ -90,7 +90,7 @@ def main() -> None:
                                                                 "beside the cache, on the same disk)")
     args = parser.parse_args()
 
-    from localmoe.default_model import cache_dir
+    from localmoe.paths import cache_dir
     from localmoe.store.convert import convert
     from localmoe.testing import write_checkpoint
 

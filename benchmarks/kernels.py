@@ -7,7 +7,7 @@ LOCALMOE_CPU_ISA's) is timed streaming a working set well above the last-level c
 bytes/s (codes + scales) is divided by the memory read bandwidth measured in the same process
 with the same threads (a large fp32 sum and a copy, interleaved with the kernel rounds so both
 see the same load), and its time is compared with dequantise-then-matmul in plain torch
-(`store.mxfp4.dequantize` + F.linear, what the engine did before). Prefill sizes compare the
+(`quant.mxfp4.dequantize` + F.linear, what the engine did before). Prefill sizes compare the
 dispatcher's dequantise + sgemm with the same plain-torch path; the GEMV/sgemm crossover is
 printed to justify `GEMV_MAX_TOKENS`.
 
@@ -88,7 +88,7 @@ def _each(fn, x, mats) -> None:
 
 
 def _torch_path(x, p, s):
-    from localmoe.store.mxfp4 import dequantize
+    from localmoe.quant.mxfp4 import dequantize
 
     return F.linear(x, dequantize(p, s))
 
@@ -265,7 +265,7 @@ def ggml_bench(rounds: int, quick: bool) -> None:
     from localmoe.kernels.dense_gemv import dense_gemv
     from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES, ggml_gemv, kernel_available
 
-    from localmoe.store.ggml_quants import dequantize
+    from localmoe.quant.ggml import dequantize
     from localmoe.testing.ggml_blocks import random_blocks
 
     if not kernel_available():

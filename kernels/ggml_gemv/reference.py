@@ -1,5 +1,5 @@
 """GEMV from GGUF block formats, the spec in plain PyTorch: W dequantised exactly
-(store/ggml_quants.py), x rounded to int8 per 32 values as the kernel does
+(quant/ggml.py), x rounded to int8 per 32 values as the kernel does
 (kernels/mxfp4_moe reference.q8_round: llama.cpp's Q8 activations), one matmul in x's dtype."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from localmoe.kernels.mxfp4_moe.reference import q8_round
 
-from localmoe.store.ggml_quants import dequantize
+from localmoe.quant.ggml import dequantize
 
 
 def naive_ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],

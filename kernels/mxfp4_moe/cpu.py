@@ -53,7 +53,7 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, q8: bool =
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """packed [O, K/2], scales [O, K/32] -> fp32 [O, K], equal to store.mxfp4.dequantize (-0 as +0)."""
+    """packed [O, K/2], scales [O, K/32] -> fp32 [O, K], equal to quant.mxfp4.dequantize (-0 as +0)."""
     packed, scales = packed.contiguous(), scales.contiguous()
     _check(None, packed, scales)
     w = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)

@@ -1,6 +1,6 @@
 """MXFP4 expert matmul, the spec in plain PyTorch (float32 accumulate).
 
-Weights are canonical MXFP4 (store/mxfp4.py): packed U8 [O, K/2], element 2i in the low nibble
+Weights are canonical MXFP4 (quant/mxfp4.py): packed U8 [O, K/2], element 2i in the low nibble
 of byte i; scales U8 [O, K/32], E8M0 with bias 127.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from localmoe.store.mxfp4 import dequantize
+from localmoe.quant.mxfp4 import dequantize
 
 
 def naive_mxfp4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
@@ -10,11 +9,11 @@ import click
 from localmoe.commands.base import Command
 from localmoe.commands.options import engine_config, model_options
 from localmoe.errors import LocalMoEError
+from localmoe.paths import cache_dir
 
 
 def default_sessions_path() -> Path:
-    cache = os.environ.get("LOCALMOE_CACHE") or Path.home() / ".cache" / "localmoe"
-    return Path(cache) / "sessions.db"
+    return cache_dir() / "sessions.db"
 
 
 @click.command("serve", cls=Command)

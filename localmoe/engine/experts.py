@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from localmoe.errors import CheckpointError
 from localmoe.kernels.mxfp4_moe import ExpertTable, mxfp4_linear
-from localmoe.store.mxfp4 import dequantize
+from localmoe.quant.mxfp4 import dequantize
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -32,7 +32,7 @@ PROJECTIONS = ("gate", "up", "down")
 @dataclass(frozen=True, slots=True)
 class Projection:
     """One matrix of one expert, y = x W^T (+ b): MXFP4 `packed` U8 [out, in/2] + `scales`
-    U8 [out, in/32] (canonical layout, store/mxfp4.py), or a float `weight` [out, in]."""
+    U8 [out, in/32] (canonical layout, quant/mxfp4.py), or a float `weight` [out, in]."""
 
     packed: torch.Tensor | None = None
     scales: torch.Tensor | None = None

@@ -21,17 +21,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from localmoe.kernels import dense_gemv
+from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
+from localmoe.kernels import dense_gemv, ggml_gemv
+from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
+from localmoe.paths import cache_dir
 
 COLD_BYTES = 96 << 20  # more than any desktop CPU's last-level cache
-GEMV_MAX_ROWS = 8  # above this many input rows a call is a GEMM: always compute in fp32
 
 _choice_cache: dict[str, str] = {}  # "<path>@threads" -> dtype name, mirrored on disk per machine
 
 
 def _choices_file():
-    from localmoe.default_model import cache_dir
-
     machine = f"{platform.machine()}-{platform.processor() or 'cpu'}-torch{torch.__version__}".replace("/", "_")
     return cache_dir() / "measurements" / f"gemv-dtype-{machine}.json"
 
@@ -148,9 +148,6 @@ def make_linear(parts: list, bias: torch.Tensor | None, dtype: str):
     of different types need the CPU library), the weight stays in its blocks (`BlockLinear`);
     otherwise the parts are dequantised and concatenated into a `Linear`.
     """
-    from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
-    from localmoe.kernels import ggml_gemv
-
     types = {p.ggml_type for p in parts if isinstance(p, BlockQuantized)}
     blocks = all(isinstance(p, BlockQuantized) for p in parts) and all(keeps_blocks(t) for t in types)
     if blocks and dtype == "auto" and (len(types) == 1 or ggml_gemv.kernel_available()):

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from localmoe.engine.linear import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
 from localmoe.kernels import ggml_gemv
-from localmoe.store.ggml_quants import dequantize
+from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
+from localmoe.quant.ggml import dequantize
 
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # torch's int4 GEMV takes these
 GROUP = 32  # elements per GGML block (and per int4pack scale group)

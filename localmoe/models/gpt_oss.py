@@ -27,7 +27,7 @@ from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer, gguf_float
 from localmoe.models.moe_config import require
-from localmoe.store.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
+from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.store import mxfp4
+from localmoe.quant import mxfp4
 from localmoe.store.convert_experts import (
     ERROR_BOUND,
     ExpertSource,

@@ -19,12 +19,12 @@ import math
 import torch
 
 from localmoe.errors import CheckpointError
-from localmoe.store import mxfp4
+from localmoe.quant import mxfp4
+from localmoe.quant.fp8 import DEFAULT_BLOCK, dequantize_blocks
 from localmoe.store.convert_sources import Source, TensorRef
 
 EXPERT_MODES = ("mxfp4", "keep")
 PROJECTIONS = ("gate", "up", "down")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # |x_hat - x| per element under the default (midpoint) scale rule; amax is the 32-value block's max |x|
 ERROR_BOUND = "max(|x| / 5, amax / 14, 2^-129)"
 
@@ -42,7 +42,7 @@ class ExpertSource:
         self.mxfp4_source = self.decl is not None and self.decl.format != "bf16"
         self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4"
         quant = source.config.get("quantization_config") or {}
-        self._fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
+        self._fp8_block = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
         self.names: set[str] = set()  # every checkpoint tensor read as an expert
         for layer in self.layers:
             for e in range(1 if self.decl.stacked else self.num_experts):
@@ -133,21 +133,11 @@ class ExpertSource:
                 if scale_inv:
                     out[f"{proj}.weight_scale_inv"] = scale_inv[0]
                 continue
-            x = self._fp8_dequantize(w, scale_inv[0]) if scale_inv else w
+            x = dequantize_blocks(w, scale_inv[0], self._fp8_block) if scale_inv else w
             packed, scales = mxfp4.quantize(x)
             out |= {f"{proj}.packed": packed, f"{proj}.scales": scales}
             errors[proj] = {**mxfp4.quantization_error(x, packed, scales), "numel": x.numel()}
         return out, errors
-
-    def _fp8_dequantize(self, w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-        """FP8 weights with one float scale per (bo x bi) block -> float32."""
-        bo, bi = self._fp8_block
-        rows, cols = w.shape
-        if w.dtype not in _FP8 or tuple(scale_inv.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
-            raise CheckpointError(f"weight {w.dtype} {list(w.shape)} with weight_scale_inv {list(scale_inv.shape)} "
-                                  f"is not FP8 with {bo}x{bi} block scales")
-        s = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
-        return w.float() * s
 
 
 def _check_mxfp4(proj: str, packed: torch.Tensor, scales: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from gguf import (
 )
 
 from localmoe.errors import CheckpointError
-from localmoe.store.ggml_quants import dequantize
+from localmoe.quant.ggml import dequantize
 from localmoe.store.mapped import MappedFile
 
 V = GGUFValueType

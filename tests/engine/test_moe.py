@@ -23,7 +23,7 @@ from localmoe.engine.moe import (
     situ_glu,
     swiglu,
 )
-from localmoe.store.mxfp4 import dequantize, quantize
+from localmoe.quant.mxfp4 import dequantize, quantize
 
 E, D, I = 16, 64, 32
 

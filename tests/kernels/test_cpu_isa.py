@@ -16,7 +16,7 @@ from localmoe.kernels.mxfp4_moe import ExpertTable
 
 from localmoe.config import EngineConfig
 from localmoe.load import load_model
-from localmoe.store.mxfp4 import quantize
+from localmoe.quant.mxfp4 import quantize
 from localmoe.testing.ggml_blocks import random_blocks
 from localmoe.testing.write import write_checkpoint
 

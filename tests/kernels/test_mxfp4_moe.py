@@ -10,7 +10,7 @@ from localmoe.kernels import mxfp4_moe
 from localmoe.kernels.mxfp4_moe import cpu
 from localmoe.kernels.mxfp4_moe.reference import naive_mxfp4_grouped, naive_mxfp4_linear
 
-from localmoe.store.mxfp4 import dequantize, quantize
+from localmoe.quant.mxfp4 import dequantize, quantize
 
 from .conftest import TRITON_DEVICES
 

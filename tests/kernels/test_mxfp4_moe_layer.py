@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from localmoe.kernels import mxfp4_moe
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, ExpertTable, cpu, glu, naive_mxfp4_moe
 
-from localmoe.store.mxfp4 import dequantize, quantize
+from localmoe.quant.mxfp4 import dequantize, quantize
 
 needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
 

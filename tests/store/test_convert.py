@@ -26,10 +26,10 @@ from localmoe.commands.convert import command as convert_command
 from localmoe.commands.verify import command as verify_command
 from localmoe.errors import CheckpointError
 from localmoe.models import family_for_model_type
-from localmoe.store import mxfp4
+from localmoe.quant import mxfp4
 from localmoe.store.convert import ERRORS_JOURNAL, convert
 from localmoe.store.convert_sources import HF_FILES
-from localmoe.store.ggml_quants import dequantize as ggml_dequantize
+from localmoe.quant.ggml import dequantize as ggml_dequantize
 from localmoe.store.gguf import GGUFFile
 from localmoe.store.manifest import MANIFEST, PROGRESS
 from localmoe.store.packed import PackedStore

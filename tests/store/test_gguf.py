@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as T
 
 from localmoe.default_model import default_model_path
 from localmoe.errors import CheckpointError
-from localmoe.store import ggml_quants
-from localmoe.store.ggml_quants import SUPPORTED_TYPES, dequantize
+from localmoe.quant import ggml as ggml_quants
+from localmoe.quant.ggml import SUPPORTED_TYPES, dequantize
 from localmoe.store.gguf import GGUFFile
 
 # byte offsets of the float16 fields inside each block: kept finite so the reference

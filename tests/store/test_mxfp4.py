@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from localmoe.errors import CheckpointError
-from localmoe.store import mxfp4
-from localmoe.store.mxfp4 import (
+from localmoe.quant import mxfp4
+from localmoe.quant.mxfp4 import (
     canonical_to_ggml,
     canonical_to_gpt_oss,
     dequantize,
