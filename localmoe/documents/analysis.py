@@ -1,14 +1,17 @@
 """Question answering over documents with checked citations.
 
-When every passage fits the model's context (with room for the answer) the model reads
-them all in one pass. Otherwise BM25 picks the passages closest to the question, they are
-packed into context-sized groups, the model takes cited notes on each group (map), and
-writes the answer from the notes (reduce). Either way the answer's citations are checked
-against the passages they name before the report is built."""
+Every prompt is sized from real token counts (`fit.Fitter`). When every passage fits the
+model's context with room for the answer, the model reads them all in one pass. Otherwise
+BM25 picks the passages closest to the question, they are packed into as few prompts as fit
+(at most the budget's number of calls), the model takes cited notes on each (map) and writes
+the answer from the notes (reduce). The answer's citations are checked against the passages
+they name; an answer without a checked citation comes with the retrieved passages labelled as
+uncited evidence, and a question no passage matches is answered "not found in the documents"."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,17 +21,21 @@ from localmoe.documents import prompts
 from localmoe.documents.asker import ServiceAsker
 from localmoe.documents.chunks import chunk_documents
 from localmoe.documents.citations import check_answer, evidence
+from localmoe.documents.fit import Fitter, fit_notes
 from localmoe.documents.ingest import ingest
 from localmoe.documents.records import Chunk, Ingested
 from localmoe.documents.report import Report
-from localmoe.documents.retrieval import Index
+from localmoe.documents.retrieval import Index, tokens
 
 # (stage, done, total): stage is "read" (files), "map" (passage groups) or "answer"
 Progress = Callable[[str, int, int], None]
 
-PROMPT_OVERHEAD = 160  # tokens of chat template, instructions and question beyond the passages themselves
-PASSAGE_OVERHEAD = 16  # the "[P12] file, page 3" line above each passage
 EVIDENCE_SHARE = 0.5  # a retrieved passage is quoted as evidence when its BM25 score is this share of the best
+MATCH_SHARE = 1 / 3  # a passage is relevant when it holds this share of the question's content words
+# words that ask about the documents as a whole rather than name a topic ("summarize the main points")
+WHOLE = frozenset(["summarize", "summarise", "summary", "overview", "main", "document", "documents", "file", "files",
+                   "describe", "explain", "key", "point", "points", "topic", "topics", "about", "tell", "me", "give",
+                   "list", "text", "content", "contents", "say", "says", "said", "please", "briefly", "short"])
 
 
 @dataclass(frozen=True)
@@ -36,28 +43,43 @@ class Plan:
     """How much work a budget tier buys."""
 
     passages: int  # the most passages retrieval hands on (map-reduce)
+    calls: int  # the most map calls (one more writes the answer)
     answer_tokens: int
     note_tokens: int  # per map call
     evidence: int  # retrieved passages quoted under "Evidence"
 
 
-PLANS = {"low": Plan(passages=8, answer_tokens=192, note_tokens=96, evidence=2),
-         "high": Plan(passages=32, answer_tokens=384, note_tokens=160, evidence=3),
-         "max": Plan(passages=96, answer_tokens=768, note_tokens=256, evidence=5)}
+PLANS = {"low": Plan(passages=8, calls=2, answer_tokens=192, note_tokens=96, evidence=2),
+         "high": Plan(passages=32, calls=6, answer_tokens=384, note_tokens=160, evidence=3),
+         "max": Plan(passages=96, calls=16, answer_tokens=768, note_tokens=256, evidence=5)}
+
+NOT_FOUND = "Not found in the documents: no passage matches the question's words ({words})."
 
 
-def pack(chunks: list[Chunk], sizes: dict[int, int], room: int) -> list[list[Chunk]]:
-    """Consecutive groups of chunks, each group's tokens at most `room` (a chunk too big alone is its own group)."""
-    groups: list[list[Chunk]] = []
-    used = room + 1
-    for chunk in chunks:
-        size = sizes[chunk.id] + PASSAGE_OVERHEAD
-        if used + size > room:
-            groups.append([])
-            used = 0
-        groups[-1].append(chunk)
-        used += size
-    return groups
+def whole_document(question: str) -> bool:
+    """Whether the question asks about the documents as a whole (no topic word of its own)."""
+    words = set(tokens(question))
+    return not words or words <= WHOLE
+
+
+def relevant(question: str, scored: list[tuple[Chunk, float]]) -> bool:
+    """Whether some retrieved passage holds enough of the question's content words to be about it."""
+    words = set(tokens(question)) - WHOLE or set(tokens(question))
+    need = max(1, math.ceil(len(words) * MATCH_SHARE))
+    return any(len(words & set(tokens(f"{c.location} {c.text}"))) >= need for c, _ in scored)
+
+
+def spread(chunks: list[Chunk], n: int) -> list[Chunk]:
+    """`n` chunks evenly spaced through `chunks`, in order (what a whole-document question reads)."""
+    if len(chunks) <= n:
+        return list(chunks)
+    return [chunks[i * len(chunks) // n] for i in range(n)]
+
+
+async def _ask(asker, progress, stage, done, total, system, user, reply_tokens) -> str:
+    if progress:
+        progress(stage, done, total)
+    return await asker.ask(system, user, reply_tokens)
 
 
 async def analyse(asker, ingested: Ingested, question: str, budget: str = "high",
@@ -66,63 +88,67 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
     started = time.perf_counter()
     plan = PLANS[budget]
     usage = getattr(asker, "usage", None)
-    before = (usage.prompt_tokens, usage.completion_tokens) if usage is not None else (0, 0)
+    before = (usage.prompt_tokens, usage.completion_tokens, usage.loops) if usage is not None else (0, 0, 0)
     answer_tokens = max_tokens or plan.answer_tokens
     chunks = chunk_documents(ingested.documents)
     report = Report(question=question, answer="", problems=list(ingested.problems), budget=budget,
                     sources=[str(d.path) for d in ingested.documents])
     stats = {"pages": ingested.pages, "chunks": len(chunks), "passages_read": 0, "model_calls": 0}
     if not chunks:
+        report.status, report.mode = "no_text", "none"
         report.answer = "No text could be read from the documents given; see Problems."
         report.stats = {**stats, "seconds": time.perf_counter() - started}
         return report
-    sizes = {c.id: asker.count(c.text) for c in chunks}
-    question_tokens = asker.count(question)
-    room = asker.context - answer_tokens - PROMPT_OVERHEAD - question_tokens
     index = Index(chunks)
     scored = index.search(question, max(plan.passages, plan.evidence))
+    whole = whole_document(question)
+    if not whole and not relevant(question, scored):
+        report.status, report.mode = "not_found", "retrieval"
+        report.answer = NOT_FOUND.format(words=", ".join(sorted(set(tokens(question)))) or "none")
+        report.stats = {**stats, "seconds": time.perf_counter() - started}
+        return report
     hits = [c for c, _ in scored]
     # evidence: only hits scoring near the best one (a lone shared word like "March" is no evidence)
-    strong = [c for c, score in scored[:plan.evidence] if score >= EVIDENCE_SHARE * scored[0][1]]
-    if sum(sizes.values()) + PASSAGE_OVERHEAD * len(chunks) <= room:
-        report.mode, read = "long-context", chunks
-        if progress:
-            progress("answer", 0, 1)
-        text = await asker.ask(prompts.ANSWER_SYSTEM, prompts.passages_prompt(question, chunks), answer_tokens)
-        calls = 1
+    strong = [c for c, score in scored[:plan.evidence] if score >= EVIDENCE_SHARE * scored[0][1]] if scored else []
+    answer_fit = Fitter(asker, prompts.ANSWER_SYSTEM, question, answer_tokens)
+    if answer_fit.fits(chunks):
+        report.mode, read, calls = "long-context", chunks, 1
+        text = await _ask(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM,
+                          prompts.passages_prompt(question, chunks), answer_tokens)
     else:
         report.mode = "map-reduce"
-        read = hits[:plan.passages] or chunks[:1]
-        map_room = asker.context - plan.note_tokens - PROMPT_OVERHEAD - question_tokens
-        groups = pack(read, sizes, map_room)
-        if len(groups) == 1:  # what retrieval kept fits in one pass: no notes needed
-            if progress:
-                progress("answer", 0, 1)
-            text = await asker.ask(prompts.ANSWER_SYSTEM, prompts.passages_prompt(question, groups[0]),
-                                   answer_tokens)
-            calls = 1
+        wanted = spread(chunks, plan.passages) if whole and not hits else hits[:plan.passages]
+        single = answer_fit.pack(wanted, 1)[0]
+        if len(single) == len(wanted):  # what retrieval kept fits in one pass: no notes needed
+            read, calls = single, 1
+            text = await _ask(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM,
+                              prompts.passages_prompt(question, single), answer_tokens)
         else:
+            groups = Fitter(asker, prompts.MAP_SYSTEM, question, plan.note_tokens).pack(wanted, plan.calls)
+            read = [c for g in groups for c in g]
             notes = []
             for i, group in enumerate(groups):
-                if progress:
-                    progress("map", i, len(groups))
-                note = await asker.ask(prompts.MAP_SYSTEM, prompts.passages_prompt(question, group), plan.note_tokens)
-                if note.strip() and note.strip().upper() != "NONE":
+                note = await _ask(asker, progress, "map", i, len(groups), prompts.MAP_SYSTEM,
+                                  prompts.passages_prompt(question, group), plan.note_tokens)
+                if note.strip() and note.strip().upper().rstrip(".") != "NONE":
                     notes.append(note)
+            notes = fit_notes(asker, prompts.REDUCE_SYSTEM, question, notes or ["NONE"], answer_tokens)
             if progress:
                 progress("map", len(groups), len(groups))
-                progress("answer", 0, 1)
-            text = await asker.ask(prompts.REDUCE_SYSTEM, prompts.reduce_prompt(question, notes or ["NONE"]),
-                                   answer_tokens)
+            text = await _ask(asker, progress, "answer", 0, 1, prompts.REDUCE_SYSTEM,
+                              prompts.reduce_prompt(question, notes), answer_tokens)
             calls = len(groups) + 1
     checked = check_answer(text, chunks)
     report.answer, report.citations, report.rejected = checked.text, checked.citations, checked.rejected
-    report.evidence = evidence(strong, question, chunks)
+    report.evidence = evidence(strong or read[:1], question, chunks)
+    report.status = "cited" if report.citations else "uncited"
+    report.passages = {c.id: (c.source, c.location) for c in read}
     if progress:
         progress("answer", 1, 1)
     stats.update(passages_read=len(read), model_calls=calls, seconds=time.perf_counter() - started)
     if usage is not None:
-        stats.update(prompt_tokens=usage.prompt_tokens - before[0], completion_tokens=usage.completion_tokens - before[1])
+        stats.update(prompt_tokens=usage.prompt_tokens - before[0], completion_tokens=usage.completion_tokens - before[1],
+                     loops_stopped=usage.loops - before[2])
     report.stats = stats
     return report
 

@@ -1,13 +1,16 @@
-"""The model as the analysis pipeline sees it: its context size, a token counter, and one
-question-answer turn through the chat service (sessions, budgets and formats included)."""
+"""The model as the analysis pipeline sees it: its context size, a token counter, the size of a
+whole rendered prompt, and one question-answer turn through the chat service (budgets and
+formats included) whose streamed answer is cut when it starts looping."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localmoe.documents.repetition import collapse_repeats, loop_at
 from localmoe.errors import LocalMoEError
 
 BUDGETS = ("low", "high", "max")
+LOOP_CHECK_CHARS = 24  # the loop detector looks again after this many new characters (or a newline)
 
 
 @dataclass
@@ -16,6 +19,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seconds: float = 0.0
+    loops: int = 0  # answers cut because they started repeating themselves
 
 
 @dataclass
@@ -36,21 +40,55 @@ class ServiceAsker:
         return int(self.service.context)
 
     def count(self, text: str) -> int:
+        """Tokens of `text` with the model's tokenizer."""
         return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
-    async def ask(self, system: str, user: str, max_tokens: int) -> str:
+    def _messages(self, system: str, user: str):
         from localmoe.chat.format import ChatMessage
+
+        return [ChatMessage("system", system), ChatMessage("user", user)]
+
+    def measure(self, system: str, user: str) -> int:
+        """Tokens of the whole prompt for (system, user), rendered by the model's chat template."""
+        return len(self.service.format.render(self._messages(system, user), tools=None,
+                                              reasoning_effort=self.budget))
+
+    async def ask(self, system: str, user: str, max_tokens: int) -> str:
+        """The model's answer; generation stops early when the answer starts repeating itself."""
         from localmoe.engine.sampler import SamplingParams
         from localmoe.server.service import ChatRequest
 
-        request = ChatRequest(messages=[ChatMessage("system", system), ChatMessage("user", user)],
-                              max_tokens=max_tokens, params=SamplingParams(temperature=self.temperature,
-                                                                           repetition_penalty=1.1),
+        request = ChatRequest(messages=self._messages(system, user), max_tokens=max_tokens,
+                              params=SamplingParams(temperature=self.temperature, repetition_penalty=1.1),
                               tool_mode="none", reasoning_effort=self.budget)
         stream = await self.service.chat(request)
-        result = await stream.result()
+        text, checked, looped, result = "", 0, False, None
+        async for kind, payload in stream.events():
+            if kind == "done":
+                result = payload
+                break
+            if payload.channel != "content" or not payload.text:
+                continue
+            text += payload.text
+            if "\n" in payload.text or len(text) - checked >= LOOP_CHECK_CHARS:
+                checked = len(text)
+                cut = loop_at(text)
+                if cut is not None:
+                    text, looped = text[:cut], True
+                    stream.cancel()
+                    break
         self.usage.calls += 1
-        self.usage.prompt_tokens += result.prompt_tokens
-        self.usage.completion_tokens += result.completion_tokens
-        self.usage.seconds += result.seconds
-        return result.content
+        self.usage.loops += looped
+        if result is not None:
+            self.usage.prompt_tokens += result.prompt_tokens
+            self.usage.completion_tokens += result.completion_tokens
+            self.usage.seconds += result.seconds
+            text = result.content
+            cut = loop_at(text)
+            if cut is not None:
+                text, looped = text[:cut], True
+                self.usage.loops += 1
+        else:
+            self.usage.prompt_tokens += len(stream.prompt)
+            self.usage.completion_tokens += self.count(text)
+        return collapse_repeats(text)

@@ -1,6 +1,12 @@
-"""What the model is asked: passages numbered [P<id>] with their file and location, and how to cite them."""
+"""What the model is asked: passages labelled [P<id>] with a short name for their place, and how to cite them.
+
+The label holds the file's base name and the location, each cut to a few words: the full path
+stays outside the prompt (the chunk table maps every id back to its file and location), so a
+200-character path costs the prompt no more than a short one."""
 
 from __future__ import annotations
+
+from pathlib import PurePath
 
 from localmoe.documents.records import Chunk
 
@@ -15,9 +21,21 @@ MAP_SYSTEM = ("You extract facts from numbered document passages. List only the 
 REDUCE_SYSTEM = ("You write the final answer to a question from notes taken on many document passages. Keep "
                  "every citation [P<id>: \"...\"] exactly as it appears in the notes. " + CITE_RULE)
 
+LABEL_CHARS = 40  # the most characters of a file name, and of a location, a passage label shows
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= LABEL_CHARS else text[:LABEL_CHARS - 3].rstrip() + "..."
+
+
+def label(chunk: Chunk) -> str:
+    """`[P3] report.pdf, page 3`: the id the model cites, then a short reminder of where the passage is."""
+    name = _short(PurePath(chunk.source).name or chunk.source)
+    return f"[P{chunk.id}] {name}, {_short(chunk.location)}" if chunk.location else f"[P{chunk.id}] {name}"
+
 
 def passage_block(chunk: Chunk) -> str:
-    return f"[P{chunk.id}] {chunk.where}\n{chunk.text}"
+    return f"{label(chunk)}\n{chunk.text}"
 
 
 def passages_prompt(question: str, chunks: list[Chunk]) -> str:

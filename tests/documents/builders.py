@@ -125,3 +125,29 @@ def write_corpus(folder: Path) -> dict[str, Path]:
     return {"pdf": write_pdf(folder / "plant-report.pdf"), "docx": write_docx(folder / "handbook.docx"),
             "xlsx": write_xlsx(folder / "ledger.xlsx"), "pptx": write_pptx(folder / "update.pptx"),
             "html": write_html(folder / "services.html")}
+
+
+def write_mixed_folder(folder: Path, count: int = 20) -> dict[str, Path]:
+    """`count` files of every kind (PDF, DOCX, PPTX, XLSX, HTML, Markdown, CSV, text, Python) in `folder`:
+    the corpus's five with their facts, then more of each kind with filler and their own facts."""
+    written = write_corpus(folder)
+    rng = random.Random(7)
+    n = len(written)
+    while n < count:
+        kind = ("md", "py", "csv", "txt", "pdf")[n % 5]
+        path = folder / f"extra-{n:02d}-{kind}-{'notes' if kind != 'py' else 'module'}.{kind}"
+        fact = f"Extra fact {n}: the quarry crane number {n} lifts {n * 7} tonnes."
+        if kind == "md":
+            path.write_text(f"# Notes {n}\n\n{filler_words(rng, 80)}\n\n## Crane\n\n{fact}\n", encoding="utf-8")
+        elif kind == "py":
+            path.write_text(f'"""Module {n}."""\n\n\ndef crane_{n}():\n    """{fact}"""\n    return {n * 7}\n',
+                            encoding="utf-8")
+        elif kind == "csv":
+            path.write_text(f"crane,tonnes\n{n},{n * 7}\nother,{n}\n", encoding="utf-8")
+        elif kind == "txt":
+            path.write_text(f"{filler_words(rng, 60)}\n{fact}\n{filler_words(rng, 60)}\n", encoding="utf-8")
+        else:
+            write_pdf(path, pages=3, facts={2: fact}, seed=n)
+        written[path.name] = path
+        n += 1
+    return written

@@ -29,9 +29,21 @@ class ExtractiveAsker:
     def count(self, text: str) -> int:
         return len(text.split())
 
+    def measure(self, system: str, user: str) -> int:
+        return self.count(system) + self.count(user) + 8  # 8: the chat template's own tokens
+
+    def check_fits(self, system: str, user: str, max_tokens: int) -> None:
+        """Refuse an overflowing prompt as the chat service does (prompt + max_tokens + 2 > context)."""
+        needed = self.measure(system, user)
+        self.peak = max(getattr(self, "peak", 0), needed + max_tokens)
+        if needed + max_tokens + 2 > self.context:
+            raise AssertionError(f"the prompt needs {needed} tokens + {max_tokens} for the reply, "
+                                 f"but the context holds {self.context}")
+
     async def ask(self, system: str, user: str, max_tokens: int) -> str:
         if self.crash_after is not None and len(self.prompts) >= self.crash_after:
             raise RuntimeError("the model crashed (scripted)")
+        self.check_fits(system, user, max_tokens)
         self.prompts.append((system, user))
         self.usage.calls += 1
         question = user.rsplit("Question: ", 1)[-1]
@@ -51,6 +63,24 @@ class ExtractiveAsker:
         return f'{sentence} [P{pid}: "{sentence.rstrip(".")}"]'
 
 
+class TemplateAsker(ExtractiveAsker):
+    """ExtractiveAsker that counts with a real model's tokenizer and chat template (a started Service's)
+    and its context, and refuses a prompt that would not fit exactly as the service would."""
+
+    def __init__(self, service, context: int | None = None):
+        super().__init__(context or service.context)
+        self.tokenizer, self.format = service.tokenizer, service.format
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def measure(self, system: str, user: str) -> int:
+        from localmoe.chat.format import ChatMessage
+
+        return len(self.format.render([ChatMessage("system", system), ChatMessage("user", user)], tools=None,
+                                      reasoning_effort="high"))
+
+
 class FixedAsker(ExtractiveAsker):
     """Answers every call with `text`."""
 
@@ -59,5 +89,6 @@ class FixedAsker(ExtractiveAsker):
         self.text = text
 
     async def ask(self, system: str, user: str, max_tokens: int) -> str:
+        self.check_fits(system, user, max_tokens)
         self.prompts.append((system, user))
         return self.text

@@ -17,6 +17,7 @@ import pytest
 from localmoe.documents.batch import read_questions, report_path, run_batch
 from tests.documents import builders
 
+# the second question's words are in no document: it is answered "not found" without a model call
 QUESTIONS = ["Who signed the cobalt procurement review?", "What did the Zanzibar turbine plant produce?"]
 
 
@@ -39,7 +40,7 @@ def test_crash_keeps_finished_reports_and_rerun_completes(tmp_path):
 
     folder, out = _folder(tmp_path, 5), tmp_path / "out"
     with pytest.raises(RuntimeError, match="crashed"):
-        _run(folder, out, ExtractiveAsker(crash_after=2 * len(QUESTIONS) + 1))  # dies inside the third document
+        _run(folder, out, ExtractiveAsker(crash_after=2))  # dies inside the third document
     first = sorted(out.rglob("*.md"))
     assert [p.name for p in first] == ["report-0.pdf.md", "report-1.pdf.md"]
     assert [p for p in out.iterdir() if p.name.endswith(".tmp")] == []
@@ -48,11 +49,12 @@ def test_crash_keeps_finished_reports_and_rerun_completes(tmp_path):
     asker = ExtractiveAsker()
     result = _run(folder, out, asker)
     assert sorted(result.skipped) == first and len(result.done) == 3
-    assert len(asker.prompts) == 3 * len(QUESTIONS)  # nothing finished was recomputed
+    assert len(asker.prompts) == 3  # nothing finished was recomputed; "not found" needs no model call
     assert {p: p.stat().st_mtime_ns for p in first} == stamps
     for i in range(5):
         text = report_path(out, f"report-{i}.pdf", "md").read_text()
         assert f'report-{i}.pdf, page {1 + i % 3}: "Auditor number {i} signed' in text
+        assert "Not found in the documents" in text
 
 
 def test_changed_questions_redo_reports_and_json_format(tmp_path):
