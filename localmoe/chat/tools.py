@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 from localmoe.chat.format import ToolCall
+from localmoe.pathguard import PathRefused, resolve_inside, walk_inside
 
 
 def _function(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -59,6 +60,7 @@ class ToolRunner:
         self.timeout = float(timeout)
         self.output_cap = int(output_cap)
         self.document_paths = [Path(p) for p in document_paths] if document_paths else [self.workdir]
+        self.document_roots: list[Path] = [self.workdir]  # search_documents reads only under these
 
     def run(self, call: ToolCall) -> str:
         """The tool's output as text; errors are returned as text starting with "error:"."""
@@ -85,12 +87,14 @@ class ToolRunner:
         return value
 
     def _inside(self, relative: str, tool: str) -> Path:
-        """`relative` resolved under the working directory (symbolic links followed); refuses escapes."""
-        path = (self.workdir / relative).resolve()
-        if path != self.workdir and self.workdir not in path.parents:
-            raise ToolError(f"{tool}: {relative!r} is outside the working directory {self.workdir}; "
-                            f"give a path inside it")
-        return path
+        """`relative` resolved under the working directory (localmoe.pathguard); refuses escapes."""
+        try:
+            return resolve_inside(relative, [self.workdir])
+        except PathRefused as e:
+            if e.outside:
+                raise ToolError(f"{tool}: {e.path!r} is outside the working directory {self.workdir} (or a link "
+                                f"or hard link to outside it); give a path inside it") from None
+            raise ToolError(f"{tool}: {e}") from None
 
     def _cap(self, text: str) -> str:
         if len(text) <= self.output_cap:
@@ -150,11 +154,31 @@ class ToolRunner:
             from localmoe.documents import search_documents
         except ImportError as e:
             return f"error: search_documents is not available in this installation ({e})"
-        paths = [p if p.is_absolute() else self.workdir / p for p in self.document_paths]
+        paths = self._document_files()
         try:
-            passages = search_documents(query, paths, top_k=5)
+            passages = search_documents(query, paths, top_k=5) if paths else []
         except Exception as e:  # noqa: BLE001 - the model reads the failure instead of the UI crashing
             return f"error: search_documents: {e}"
         if not passages:
             return f"no passages match {query!r}"
         return "\n\n".join(f"[{p.source}, {p.location}] (score {p.score:.2f})\n{p.text}" for p in passages)
+
+    def _document_files(self) -> list[Path]:
+        """The readable document files of `document_paths`: each path and folder entry resolved inside
+        `document_roots` (entries that lead outside are left out)."""
+        from localmoe.documents.formats import supported
+        from localmoe.documents.ingest import SKIPPED_DIRS
+
+        files: list[Path] = []
+        for path in self.document_paths:
+            try:
+                real = resolve_inside(path, self.document_roots, base=self.workdir)
+            except PathRefused as e:
+                raise ToolError(f"search_documents: {e}") from None
+            if real.is_file():
+                files.append(real)
+            elif real.is_dir():
+                files += [f for f in walk_inside(real, self.document_roots, on_refused=lambda *_: None,
+                                                 skip=lambda n: n in SKIPPED_DIRS or n.startswith("."))
+                          if supported(f)]
+        return files

@@ -39,13 +39,16 @@ def default_sessions_path() -> Path:
 @click.option("--prefix-cache", "prefix_cache_entries", type=int, default=4, show_default=True,
               help="Finished sequences whose cache a later prompt with the same start reuses (0: none).")
 @click.option("--documents-root", "documents_roots", multiple=True, metavar="FOLDER",
-              help="A folder /v1/documents may read under (repeatable). Without it the endpoints read any path "
-                   "on a localhost server and nothing on one bound to another address.")
+              help="A folder /v1/documents may read under (repeatable); without one the document endpoints "
+                   "are off (403). Paths and links are resolved and must stay inside.")
+@click.option("--allowed-hosts", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A Host header name the server answers besides the loopback names and the bound address "
+                   "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, dtype, threads, max_context, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
             max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
-            documents_roots, log_level):
+            documents_roots, allowed_hosts, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
     try:
@@ -54,6 +57,7 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
         raise LocalMoEError(f"the server needs its extra: pip install 'localmoe[server]' ({e})") from None
     from localmoe.chat.budget import ThinkingBudgets
     from localmoe.load import load_model
+    from localmoe.server.security import allowed_hosts_for
 
     if max_tokens_default < 1 or (max_tokens_limit is not None and max_tokens_limit < 1) or max_concurrency < 1:
         raise LocalMoEError("--max-tokens, --max-tokens-limit and --max-concurrency must be at least 1")
@@ -69,7 +73,8 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads,
                           prefix_cache_entries=prefix_cache_entries,
-                          documents_roots=roots if roots or not local else None)
+                          documents_roots=roots,
+                          allowed_hosts=allowed_hosts_for(host, tuple(n for h in allowed_hosts for n in h.split(","))))
     loaded = load_model(model, engine_config(dtype, threads, max_context))
     config.threads = loaded.config.resolved_threads()
     if not local and api_key is None:

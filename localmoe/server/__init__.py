@@ -23,8 +23,13 @@ def create_app(service: Service):
 def serve(loaded, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
           chat_format=None) -> None:
     """Serve `loaded` (a LoadedModel) until interrupted."""
+    from dataclasses import replace
+
     import uvicorn
 
+    from localmoe.server.security import allowed_hosts_for
+
+    config = replace(config, allowed_hosts=tuple(dict.fromkeys(config.allowed_hosts + allowed_hosts_for(host))))
     app = create_app(Service(loaded, config, chat_format))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

@@ -16,6 +16,7 @@ from localmoe.chat.sessions import SessionError, message_to_dict
 from localmoe.errors import LocalMoEError
 from localmoe.server import anthropic_routes, document_routes, openai_routes
 from localmoe.server.errors import APIError, error_response
+from localmoe.server.security import HostCheck
 from localmoe.server.service import Service
 from localmoe.server.worker import CancelledError
 
@@ -200,4 +201,5 @@ def create_app(service: Service) -> FastAPI:
                                                 *anthropic_routes.router.routes, *document_routes.router.routes)}
     app.add_middleware(AuthAndCount, service=service, known_paths=known)
     app.add_middleware(BodyLimit, limit=service.config.max_body_bytes)
+    app.add_middleware(HostCheck, allowed=service.config.allowed_hosts)
     return app

@@ -1,8 +1,12 @@
 """Document endpoints: /v1/documents/search (BM25 passages) and /v1/documents/analyze (a
 report with checked citations). Paths are files and folders on the server's machine; the
-work is the same `localmoe.documents` code `localmoe analyze` runs. With `--documents-root`
-(ServerConfig.documents_roots) a path must resolve, symlinks followed, inside one of those
-folders; others are refused with 403 before anything is read."""
+work is the same `localmoe.documents` code `localmoe analyze` runs.
+
+They read nothing unless the server was started with `--documents-root` (403 naming the
+flag). Every path, and every entry of every folder given, must resolve (symbolic links
+followed) inside one of those roots (localmoe.pathguard); otherwise the request is refused
+with 403 before any file is read.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
+from localmoe.pathguard import PathRefused, resolve_inside, shown, walk_inside
 from localmoe.server.errors import APIError
 from localmoe.server.schemas import Body
 
@@ -34,18 +39,40 @@ class AnalyzeBody(Body):
     exclude: list[str] | None = None
 
 
-def _paths(paths: list[str], roots: tuple[Path, ...] | None) -> list[Path]:
-    resolved = [Path(p).expanduser() for p in paths]
-    if roots is not None:
-        outside = [str(p) for p in resolved if not any(p.resolve().is_relative_to(root) for root in roots)]
-        if outside:
-            allowed = ", ".join(map(str, roots)) or "none: no --documents-root was given"
-            raise APIError(403, f"outside the folders this server reads documents from ({allowed}): "
-                                f"{', '.join(outside)}", param="paths")
-    missing = [str(p) for p in resolved if not p.exists()]
-    if missing:
-        raise APIError(400, f"no such file or folder on the server: {', '.join(missing)}", param="paths")
+OFF = ("the document endpoints are off: no --documents-root was given; start the server with "
+       "--documents-root FOLDER to let clients read the documents under FOLDER")
+
+
+def _check(paths: list[str], roots: tuple[Path, ...]) -> list[Path]:
+    if not roots:
+        raise APIError(403, OFF, param="paths")
+    resolved = []
+    for given in paths:
+        try:
+            real = resolve_inside(given, roots)
+            if real.is_dir():
+                for _ in walk_inside(real, roots, skip=_skipped):
+                    pass
+        except PathRefused as e:
+            status = 403 if e.outside else 400
+            raise APIError(status, f"{e} (a path, or a link in a folder given, must stay inside the "
+                                   f"--documents-root folders)", param="paths") from None
+        if not real.exists():
+            raise APIError(400, f"no such file or folder on the server: {shown(given)}", param="paths")
+        resolved.append(real)
     return resolved
+
+
+def _skipped(name: str) -> bool:
+    """What the documents' folder walk never reads (so a link there is never followed)."""
+    from localmoe.documents.ingest import SKIPPED_DIRS
+
+    return name in SKIPPED_DIRS or name.startswith(".")
+
+
+async def _paths(paths: list[str], roots: tuple[Path, ...] | None) -> list[Path]:
+    """The real paths of `paths`, each checked against `roots` (folders walked off the event loop)."""
+    return await run_in_threadpool(_check, paths, tuple(roots or ()))
 
 
 @router.post("/v1/documents/search")
@@ -53,7 +80,7 @@ async def search(body: SearchBody, request: Request):
     """The passages of `paths` that best match `query` (BM25), best first, with file and location."""
     from localmoe.documents import search_documents
 
-    paths = _paths(body.paths, request.app.state.service.config.documents_roots)
+    paths = await _paths(body.paths, request.app.state.service.config.documents_roots)
     passages = await run_in_threadpool(search_documents, body.query, paths, body.top_k)
     return {"object": "list", "data": [p.to_dict() for p in passages]}
 
@@ -64,7 +91,7 @@ async def analyze(body: AnalyzeBody, request: Request):
     from localmoe.documents import answer
 
     service = request.app.state.service
-    paths = _paths(body.paths, service.config.documents_roots)
+    paths = await _paths(body.paths, service.config.documents_roots)
     report = await answer(service, paths, body.question, body.budget, include=body.include, exclude=body.exclude,
                           max_tokens=body.max_tokens)
     return {"object": "document.report", "markdown": report.to_markdown(), **report.to_dict()}

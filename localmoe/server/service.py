@@ -40,8 +40,10 @@ class ServerConfig:
     threads: int = 0
     prefix_cache_entries: int = DEFAULT_ENTRIES  # finished sequences' caches kept for reuse (0: none)
     prefix_cache_bytes: int = DEFAULT_BYTES
-    # folders /v1/documents may read under (`--documents-root`); None: any path the server can read
-    documents_roots: tuple[Path, ...] | None = None
+    # folders /v1/documents may read under (`--documents-root`); none: the document endpoints are off
+    documents_roots: tuple[Path, ...] = ()
+    # Host header names answered (security.py; `--allowed-hosts`, "*": any); others get 403
+    allowed_hosts: tuple[str, ...] = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass

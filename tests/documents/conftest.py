@@ -21,7 +21,8 @@ def service(tmp_path_factory):
     from localmoe.server.service import ServerConfig, Service
 
     loaded = load_model(None, EngineConfig(threads=2), progress=False)
-    svc = Service(loaded, ServerConfig(sessions_path=tmp_path_factory.mktemp("sessions") / "s.db"))
+    svc = Service(loaded, ServerConfig(sessions_path=tmp_path_factory.mktemp("sessions") / "s.db",
+                                       documents_roots=(tmp_path_factory.getbasetemp().resolve(),)))
     svc.start()
     yield svc
     svc.stop()

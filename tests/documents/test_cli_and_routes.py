@@ -48,7 +48,7 @@ def client(service):
 
     from localmoe.server.app import create_app
 
-    return TestClient(create_app(service))  # no lifespan: the service fixture is already started
+    return TestClient(create_app(service), base_url="http://localhost")  # no lifespan: the service fixture is already started
 
 
 def test_search_route_ranks_the_planted_page(client, corpus):
@@ -95,14 +95,14 @@ def test_documents_root_confines_the_routes(service, small_pdf, tmp_path):
     original = service.config
     try:
         service.config = replace(original, documents_roots=(inside.resolve(),))
-        client = TestClient(create_app(service))
+        client = TestClient(create_app(service), base_url="http://localhost")
         ok = client.post("/v1/documents/search", json={"query": QUESTION, "paths": [str(inside / "report.pdf")]})
         assert ok.status_code == 200, ok.text
         for path in (small_pdf, inside / "escape.pdf", inside / ".." / small_pdf.name):
             refused = client.post("/v1/documents/search", json={"query": "x", "paths": [str(path)]})
             assert refused.status_code == 403 and "documents" in refused.json()["error"]["message"], path
         service.config = replace(original, documents_roots=())
-        none = TestClient(create_app(service)).post("/v1/documents/analyze", json={
+        none = TestClient(create_app(service), base_url="http://localhost").post("/v1/documents/analyze", json={
             "question": "x", "paths": [str(inside / "report.pdf")]})
         assert none.status_code == 403 and "no --documents-root" in none.json()["error"]["message"]
     finally:

@@ -17,6 +17,7 @@ from localmoe.ui.web.session import WebSession
 from localmoe.ui.web.transcript import call_arguments, fenced
 
 from localmoe.chat.format import REASONING_EFFORTS
+from localmoe.pathguard import PathRefused
 
 DOCUMENT_TYPES = [".txt", ".md", ".rst", ".csv", ".json", ".html", ".htm", ".pdf", ".docx", ".xlsx", ".pptx", ".py"]
 CSS = """
@@ -45,7 +46,8 @@ class WebApp:
         key = getattr(request, "session_hash", None) or "default"
         if key not in self.sessions:
             self.sessions[key] = WebSession(self.service, self.workdir, self.budget, self.tools_enabled,
-                                                 self.max_tokens, on_turn=self._turn_finished)
+                                            self.max_tokens, on_turn=self._turn_finished,
+                                            upload_root=Path(gr.utils.get_upload_folder()))
         return self.sessions[key]
 
     def _turn_finished(self, turn) -> None:
@@ -124,7 +126,10 @@ class WebApp:
 
             def set_documents(files, request: gr.Request):
                 session = self.session(request)
-                session.attach([Path(f) for f in (files or [])])
+                try:
+                    session.attach([Path(f) for f in (files or [])])
+                except PathRefused as e:
+                    return f"Not attached: {e}"
                 names = ", ".join(p.name for p in session.documents)
                 return f"Questions now go to {names}." if names else ""
 

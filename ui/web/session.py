@@ -23,7 +23,7 @@ class WebSession:
     """Per-tab state: conversation, approval gate, attached documents, chat pane."""
 
     def __init__(self, service, workdir: Path, budget: str = "high", tools_enabled: bool = True,
-                 max_tokens: int | None = None, on_turn=None):
+                 max_tokens: int | None = None, on_turn=None, upload_root: Path | None = None):
         from localmoe.ui.conversation import Conversation
 
         self.service = service
@@ -33,14 +33,24 @@ class WebSession:
         self.gate = ApprovalGate()
         self.transcript = Transcript()
         self.documents: list[Path] = []
+        self.upload_root = Path(upload_root) if upload_root is not None else None  # attached files must be inside
         self.busy = False
         self.max_tokens = max_tokens
         self.on_turn = on_turn  # called with each finished model turn's TurnResult (the app's live figures)
 
     def attach(self, paths: list[Path]) -> None:
-        """Documents the next questions are about ([] detaches); search_documents searches them too."""
+        """Documents the next questions are about ([] detaches); search_documents searches them too.
+
+        Each must resolve inside `upload_root` when one is set (localmoe.pathguard.PathRefused otherwise;
+        nothing is attached then)."""
+        runner = self.conversation.runner
+        if self.upload_root is not None and paths:
+            from localmoe.pathguard import resolve_inside
+
+            paths = [resolve_inside(p, [self.upload_root]) for p in paths]
         self.documents = [Path(p) for p in paths]
-        self.conversation.runner.document_paths = list(self.documents) or [self.conversation.runner.workdir]
+        runner.document_paths = list(self.documents) or [runner.workdir]
+        runner.document_roots = [self.upload_root] if self.documents and self.upload_root else [runner.workdir]
 
     def new_chat(self) -> None:
         self.gate.deny_pending()
