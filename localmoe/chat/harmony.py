@@ -189,6 +189,7 @@ class _Reader:
         self._stops = fmt._stops - self._ends
         self._header: dict[str, list[str]] | None = {"role": []}  # parts of the header being read
         self._part = "role"
+        self._prompted = True  # reading the header the generation prompt opened with `<|start|>assistant`
         self._channel: str | None = None  # "reasoning" | "content" | "tool" while in a body
         self._recipient = ""
         self._body: list[str] = []
@@ -200,7 +201,7 @@ class _Reader:
         if self._done:
             return []
         if token_id == ids[START]:
-            self._header, self._part, self._channel = {"role": []}, "role", None
+            self._header, self._part, self._channel, self._prompted = {"role": []}, "role", None, False
         elif token_id in (ids[CHANNEL], ids[CONSTRAIN]) and self._header is not None:
             self._part = "channel" if token_id == ids[CHANNEL] else "constrain"
             self._header.setdefault(self._part, [])
@@ -218,7 +219,11 @@ class _Reader:
         found = _RECIPIENT.search(role) or _RECIPIENT.search(channel)
         self._recipient = found[1] if found else ""
         name = channel.split()[0] if channel.split() else ""
-        if self._recipient and self._recipient != "assistant":
+        # the generation prompt wrote the first header's author; later ones the model writes
+        author = "assistant" if self._prompted or not role.split() else role.split()[0]
+        if author != "assistant":  # a tool's, user's or system's message is never the model's to write: dropped
+            self._channel = "ignored"
+        elif self._recipient and self._recipient != "assistant":
             self._channel = "tool"
         else:
             self._channel = "reasoning" if name == "analysis" else "content"

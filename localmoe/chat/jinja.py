@@ -11,6 +11,8 @@ Reading is by text: Hermes-style calls `<tool_call>{"name": ..., "arguments": {.
 `<think>...</think>` is reasoning; when the generation prompt already opened `<think>`,
 the reply starts in reasoning. Reasoning and content are stripped of surrounding
 whitespace. A `<tool_call>` block that is not a JSON object with a name stays content.
+A `<tool_response>` block is never the model's to write (small models echo the tool result
+they were shown): it is dropped, closed or not, and so is a stray closing tag.
 A template that shows no tools, tool calls or tool results (`native_tools` False, e.g.
 SmolLM2-Instruct's) gets the conversation rewritten into that Hermes convention first
 (chat/hermes_tools.py), so the model still sees its tools, calls and results.
@@ -27,6 +29,7 @@ from localmoe.chat.validate import check_effort, check_messages, check_tools
 
 THINK, END_THINK = "<think>", "</think>"
 TOOL_CALL, END_TOOL_CALL = "<tool_call>", "</tool_call>"
+TOOL_RESPONSE, END_TOOL_RESPONSE = "<tool_response>", "</tool_response>"
 
 
 def template_call(call: ToolCall) -> dict:
@@ -183,15 +186,20 @@ class _TextReader:
     """Splits decoded text on the think / tool-call markers, holding back a possible partial marker."""
 
     def __init__(self, thinks: bool, opens_thinking: bool):
-        self._markers = {"content": ([THINK] if thinks else []) + [TOOL_CALL],
-                         "reasoning": [END_THINK], "tool": [END_TOOL_CALL]}
+        self._markers = {"content": ([THINK] if thinks else []) + [TOOL_CALL, TOOL_RESPONSE, END_TOOL_RESPONSE,
+                                                                  END_TOOL_CALL],
+                         "reasoning": [END_THINK, TOOL_RESPONSE, END_TOOL_RESPONSE], "tool": [END_TOOL_CALL],
+                         "response": [END_TOOL_RESPONSE]}
         self._state = "reasoning" if opens_thinking else "content"
+        self._before_response = self._state  # the state a dropped <tool_response> block returns to
         self._buffer = ""
         self._tool: list[str] = []
         self._content, self._reasoning = _Stripped("content"), _Stripped("reasoning")
         self._calls: list[ToolCall] = []
 
     def _emit(self, text: str) -> list[Delta]:
+        if self._state == "response":
+            return []
         if self._state == "tool":
             self._tool.append(text)
             return []
@@ -204,6 +212,13 @@ class _TextReader:
             self._state, self._tool = "tool", []
         elif marker == END_THINK:
             self._state = "content"
+        elif marker == TOOL_RESPONSE:
+            self._before_response, self._state = self._state, "response"
+        elif marker == END_TOOL_RESPONSE:
+            if self._state == "response":
+                self._state = self._before_response
+        elif self._state != "tool":  # a stray </tool_call>: dropped
+            pass
         else:  # END_TOOL_CALL
             self._state = "content"
             body = "".join(self._tool)

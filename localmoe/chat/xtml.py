@@ -203,6 +203,9 @@ class _Reader:
 
     def _start_tag(self, header: str) -> list[Delta]:
         name, attrs = parse_header(header)
+        if name == "message":  # the turn is one message: the model went on to write another (a tool result...)
+            self._done = True
+            return []
         if name == "think" and "think" in self._stack:
             return []  # the model repeated the think tag the generation prompt opened
         if name == "call":
