@@ -19,7 +19,7 @@ SOURCES = {"localmoe": "localmoe", "kernels": "localmoe.kernels", "ui": "localmo
 # `__main__` modules are entry points and sit on the top tier whatever their folder.
 TIERS = [
     {"errors"},
-    {"config", "quant", "paths"},
+    {"config", "quant", "paths", "pathguard"},
     {"kernels", "store", "chat"},
     {"tokenizer"},
     {"engine"},
