@@ -90,8 +90,8 @@ def main() -> None:
                                                                 "beside the cache, on the same disk)")
     args = parser.parse_args()
 
+    from localmoe.convert import convert
     from localmoe.paths import cache_dir
-    from localmoe.store.convert import convert
     from localmoe.testing import write_checkpoint
 
     cache = args.cache or cache_dir() / "bench"

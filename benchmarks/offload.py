@@ -46,17 +46,18 @@ def child_localmoe(args) -> dict:
     import torch
 
     from localmoe.config import EngineConfig
-    from localmoe.paging import PagingConfig
+    from localmoe.load import load_model
     from localmoe.paging.budget import MemoryCgroup
-    from localmoe.paging.standalone import build_paged
+    from localmoe.paging.metrics import pager_of
     from localmoe.paging.trace import RoutingTrace
 
     group = MemoryCgroup(args.cgroup) if args.cgroup else None
     if group:
         group.add()
-    torch.set_num_threads(args.threads)
-    paging = PagingConfig(ram_budget=args.budget, policy=args.policy, io=args.io, prefetch=not args.no_prefetch)
-    model, pager = build_paged(args.store, paging, EngineConfig(dtype="float32", threads=args.threads))
+    config = EngineConfig(dtype="float32", threads=args.threads, ram_budget=args.budget, paging_policy=args.policy,
+                          paging_io=args.io, prefetch=not args.no_prefetch)
+    model = load_model(args.store, config, progress=False).model
+    pager = pager_of(model)
     trace = RoutingTrace(num_experts=model.spec.num_experts)
     for block in model.moe_blocks():
         block.router.trace = trace
@@ -163,10 +164,10 @@ def main() -> None:
 
 
 def run(args) -> None:
+    from localmoe.convert import convert
     from localmoe.paging import expert_bytes
     from localmoe.paging.budget import MemoryCgroup, cgroup_writable
     from localmoe.paging.trace import RoutingTrace
-    from localmoe.store.convert import convert
     from localmoe.store.packed import PackedStore
     from localmoe.testing import write_checkpoint
     from localmoe.testing.gpt_oss_gguf import write_gguf

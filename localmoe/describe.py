@@ -5,14 +5,12 @@ Used by `localmoe inspect` and later by the server's /v1/models and the UIs' inf
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
 
+from localmoe.checkpoint import Checkpoint, open_checkpoint
 from localmoe.config import KV_CACHE_DTYPES, EngineConfig, ModelSpec
-from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.models import family_for_gguf, family_for_model_type
 
 
 def _parameters(name: str, shape) -> int:
@@ -24,7 +22,7 @@ def _parameters(name: str, shape) -> int:
     return 2 * count if name.endswith(("weight_packed", "_blocks", ".packed")) else count
 
 
-def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None, int]:
+def _from_gguf(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None, int]:
     """As the other sources, plus about how many bytes of weights `load_model(path)` holds with
     --dtype auto and the CPU kernel library: matrices of a block type with a GEMV
     (kernels/ggml_gemv.TYPES) and stacked MXFP4 experts stay as stored, the embedding of such a type
@@ -33,15 +31,11 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None, int]:
     from gguf import GGMLQuantizationType as Q
 
     from localmoe.kernels.ggml_gemv import TYPES
-    from localmoe.store.gguf import GGUFFile
 
-    gguf = GGUFFile(path)
-    family = family_for_gguf(gguf.architecture, str(path))
-    names = gguf.tensor_names()
-    spec = family.spec_from_gguf(gguf.metadata, set(names))
+    gguf, spec = ckpt.reader, ckpt.spec
     counts, nbytes = Counter(), Counter()
     loaded = 0
-    for name in names:
+    for name in ckpt.tensor_names:
         info = gguf.info(name)
         kind = info.ggml_type.name
         counts[kind] += 1
@@ -51,11 +45,8 @@ def _from_gguf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None, int]:
     return spec, dict(counts), dict(nbytes), None, loaded
 
 
-def _from_store(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
-    from localmoe.store.packed import PackedStore
-
-    store = PackedStore(path)
-    spec = store.spec
+def _from_store(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None]:
+    store, spec = ckpt.reader, ckpt.spec
     counts, nbytes = Counter(), Counter()
     dense_params = routed = 0
     for name in store.dense_names():
@@ -90,20 +81,11 @@ def _from_config(family, spec: ModelSpec) -> tuple[ModelSpec, dict, dict, dict |
     return spec, {}, {}, {"total": other + routed, "active": other + round(routed * share)}
 
 
-def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
+def _from_hf(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None]:
     """An HF directory, or only its config (a directory holding just config.json, or a .json file)."""
-    from localmoe.store.safetensors import SafetensorsCheckpoint
-
-    config_path = path if path.is_file() else path / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path}: cannot read the model config ({e})") from None
-    family = family_for_model_type(config.get("model_type", "<missing>"), str(config_path))
-    spec = family.spec_from_hf(config)
-    if path.is_file() or not any(path.glob("*.safetensors")):
+    family, spec, checkpoint = ckpt.family, ckpt.spec, ckpt.reader
+    if ckpt.kind == "config":
         return _from_config(family, spec)
-    checkpoint = SafetensorsCheckpoint(path)
     counts, nbytes = Counter(), Counter()
     expert = family.experts.matcher() if family.experts else None
     routed = other = 0
@@ -122,19 +104,18 @@ def _from_hf(path: Path) -> tuple[ModelSpec, dict, dict, dict | None]:
     return spec, dict(counts), dict(nbytes), None
 
 
-def describe_model(path: str | Path, config: EngineConfig | None = None) -> dict:
+def describe_model(path: str | Path | None, config: EngineConfig | None = None) -> dict:
     """A JSON-able description: architecture, layer kinds, parameters, dtypes, memory estimate."""
     config = config or EngineConfig()
-    path = Path(path)
-    if not path.exists():
-        raise LocalMoEError(f"{path}: no such file or directory")
+    ckpt = open_checkpoint(path)
+    path = ckpt.path
     loaded = None  # a GGUF's bytes as loaded with its blocks kept
-    if (path / "manifest.json").is_file():
-        spec, counts, nbytes, counted = _from_store(path)
-    elif path.is_dir() or path.suffix == ".json":
-        spec, counts, nbytes, counted = _from_hf(path)
+    if ckpt.kind == "store":
+        spec, counts, nbytes, counted = _from_store(ckpt)
+    elif ckpt.kind == "gguf":
+        spec, counts, nbytes, counted, loaded = _from_gguf(ckpt)
     else:
-        spec, counts, nbytes, counted, loaded = _from_gguf(path)
+        spec, counts, nbytes, counted = _from_hf(ckpt)
     params = counted or spec.parameter_counts()
     context = config.context_for(spec)
     state = delta_state_bytes(spec)

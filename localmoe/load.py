@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from localmoe.checkpoint import Checkpoint, open_checkpoint
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.quantized import BlockQuantized, keeps_blocks
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
-from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
-from localmoe.models.base import Family, TensorMap
+from localmoe.models.base import ModelFamily, TensorMap
 from localmoe.weights import Weights, convert
 
 
@@ -38,13 +38,13 @@ def _progress(items: list, description: str, enabled: bool):
 ROUTED_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.")  # canonical names a packed store keeps apart
 
 
-def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family: Family, spec: ModelSpec,
+def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family: ModelFamily, spec: ModelSpec,
                        source: str, progress: bool, elsewhere: re.Pattern | None = None,
                        finish=None) -> dict[str, torch.Tensor]:
     """Read, rename, transform and shape-check every tensor; fail naming the tensor at fault.
 
     Expected tensors matching `elsewhere` (a store's routed experts) are not required here;
-    `finish(weights, spec)` (Family.gguf_finish) reshapes the renamed set before the checks."""
+    `finish(weights, spec)` (ModelFamily.gguf_finish) reshapes the renamed set before the checks."""
     weights = Weights()
     for name in _progress(list(names), f"loading {Path(source).name}", progress):
         try:
@@ -82,7 +82,7 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
     return weights
 
 
-def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch.Tensor], tensor_map: TensorMap,
+def build_from_tensors(family: ModelFamily, spec: ModelSpec, tensors: dict[str, torch.Tensor], tensor_map: TensorMap,
                        config: EngineConfig, source: str = "<tensors>"):
     """Build a model from checkpoint-named tensors already in memory (tests, conversions)."""
     weights = _canonical_weights(list(tensors), tensors.__getitem__, tensor_map, family, spec, source, False)
@@ -92,7 +92,7 @@ def build_from_tensors(family: Family, spec: ModelSpec, tensors: dict[str, torch
 def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], keep: bool, where: str):
     """One GGUF tensor from its stored bytes: matrices of a block type with a decode GEMV
     (kernels/ggml_gemv.TYPES) stay in their blocks when `keep` (--dtype auto); stacked MXFP4 experts
-    stay bytes (ggml blocks, for Family.gguf_finish); F32 / F16 / BF16 come as zero-copy views, everything
+    stay bytes (ggml blocks, for ModelFamily.gguf_finish); F32 / F16 / BF16 come as zero-copy views, everything
     else dequantised to fp32.
     `where` ("file: tensor 'name'") starts any error."""
     from localmoe.quant.ggml import FLOAT_TYPES, dequantize
@@ -107,114 +107,56 @@ def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tupl
         raise CheckpointError(f"{where}: {e}") from None
 
 
-def _read_gguf(path: Path, config: EngineConfig, progress: bool):
-    from localmoe.store.gguf import GGUFFile
-    from localmoe.tokenizer import tokenizer_from_gguf_metadata
-
-    gguf = GGUFFile(path)
-    family = family_for_gguf(gguf.architecture, str(path))
-    names = gguf.tensor_names()
-    spec = family.spec_from_gguf(gguf.metadata, set(names))
-    keep = config.dtype == "auto"
-
-    def read(name: str):
-        info = gguf.info(name)
-        return _ggml_tensor(gguf.raw(name), info.ggml_type, info.shape, keep, f"{path}: tensor {name!r}")
-
-    weights = _canonical_weights(names, read, family.gguf_tensors(gguf.architecture), family, spec,
-                                 str(path), progress, finish=family.gguf_finish)
-    tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, str(path))
-    return family, spec, weights, tokenizer
-
-
-def _read_hf_dir(path: Path, progress: bool):
-    from localmoe.store.safetensors import SafetensorsCheckpoint
-    from localmoe.tokenizer import tokenizer_from_hf_dir
-
-    config_path = path / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if "model_type" not in config:
-        raise CheckpointError(f"{config_path}: has no model_type field")
-    family = family_for_model_type(config["model_type"], str(config_path))
-    spec = family.spec_from_hf(config)
-    if not family.runnable:
-        raise UnsupportedModelError(f"{path}: {spec.model_type} checkpoints can be inspected and converted "
-                                    f"(localmoe inspect / convert), but this version cannot run them yet; "
-                                    f"runnable families: {', '.join(runnable_model_types())}")
-    checkpoint = SafetensorsCheckpoint(path)
-    weights = _canonical_weights(list(checkpoint.keys()), checkpoint.tensor, family.hf_tensors, family, spec,
-                                 str(path), progress)
-    return family, spec, weights, tokenizer_from_hf_dir(path)
-
-
-def _read_store(path: Path, config: EngineConfig, progress: bool):
-    """A packed store: dense tensors from its shards (checkpoint names, renamed as for the source),
-    routed experts left in the store for the provider `localmoe.paging` builds."""
+def _read_weights(ckpt: Checkpoint, config: EngineConfig, progress: bool):
+    """(weights, experts) of an opened checkpoint: every tensor renamed, transformed and shape-checked;
+    a packed store's routed experts stay in the store, served by the provider `localmoe.paging` builds."""
     from localmoe.paging import provider_for_store
-    from localmoe.store.packed import PackedStore
-    from localmoe.tokenizer import tokenizer_from_hf_dir
 
-    store = PackedStore(path)
-    spec = store.spec
-    family = family_for_model_type(spec.model_type, str(path / "manifest.json"))
-    if store.file("config") is None:
-        return _read_gguf_store(store, family, config, progress)
-    if not family.runnable:
-        raise UnsupportedModelError(f"{path}: {spec.model_type} stores can be inspected and verified, but this "
-                                    f"version cannot run them yet; runnable families: "
-                                    f"{', '.join(runnable_model_types())}")
-    weights = _canonical_weights(store.dense_names(), store.dense, family.hf_tensors, family, spec, str(path),
-                                 progress, elsewhere=ROUTED_EXPERTS)
-    experts = provider_for_store(store, spec, config) if spec.moe_layers() else None
-    return family, spec, weights, tokenizer_from_hf_dir(path), experts
+    path, family, spec = ckpt.path, ckpt.family, ckpt.spec
+    if ckpt.kind == "store" and not ckpt.config:  # converted from a GGUF
+        if ckpt.gguf_metadata is None or ckpt.reader.file("gguf_tensors") is None or family.gguf_tensors is None \
+                or not family.runnable:
+            raise UnsupportedModelError(f"{path}: stores converted from {spec.model_type} GGUF files cannot be run "
+                                        f"yet; run the GGUF file itself")
+        if spec.moe_layers() and family.gguf_experts is None:
+            raise UnsupportedModelError(f"{path}: this store keeps {spec.model_type}'s GGUF experts as dense "
+                                        f"tensors; run the GGUF file itself")
+    ckpt.require_runnable()
+    if ckpt.kind == "config":
+        raise CheckpointError(f"{path} holds no .safetensors files, only the model config; give the directory "
+                              f"with the weights (localmoe inspect reads a config alone)")
+    read = ckpt.reader.tensor if ckpt.kind == "hf" else _ggml_reader(ckpt, config.dtype == "auto")
+    finish = family.gguf_finish if ckpt.gguf_metadata is not None else None
+    store = ckpt.kind == "store"
+    weights = _canonical_weights(ckpt.tensor_names, read, ckpt.tensor_map, family, spec, str(path), progress,
+                                 elsewhere=ROUTED_EXPERTS if store else None, finish=finish)
+    experts = provider_for_store(ckpt.reader, spec, config) if store and spec.moe_layers() else None
+    return weights, experts
 
 
-def _read_gguf_store(store, family: Family, config: EngineConfig, progress: bool):
-    """A packed store converted from a GGUF: its dense tensors under their GGUF names (block types
-    as raw blocks, typed by gguf-tensors.json), the tokenizer from the saved GGUF metadata, routed
-    experts left in the store (families with `gguf_experts`: gpt-oss)."""
-    from localmoe.paging import provider_for_store
-    from localmoe.tokenizer import tokenizer_from_gguf_metadata
+def _ggml_reader(ckpt: Checkpoint, keep: bool):
+    """read(name) for a GGUF file, or a store's dense tensors: typed ones as stored, a GGUF store's raw
+    blocks (U8, typed by its gguf-tensors.json) as the GGUF file's."""
+    path = ckpt.path
+    if ckpt.kind == "gguf":
+        gguf = ckpt.reader
 
-    path, spec = store.path, store.spec
-    meta_file, types_file = store.file("gguf_metadata"), store.file("gguf_tensors")
-    if meta_file is None or types_file is None or family.gguf_tensors is None or not family.runnable:
-        raise UnsupportedModelError(f"{path}: stores converted from {spec.model_type} GGUF files cannot be run yet; "
-                                    f"run the GGUF file itself")
-    if spec.moe_layers() and family.gguf_experts is None:
-        raise UnsupportedModelError(f"{path}: this store keeps {spec.model_type}'s GGUF experts as dense tensors; "
-                                    f"run the GGUF file itself")
-    metadata = json.loads(meta_file.read_text())
-    types = json.loads(types_file.read_text())["tensors"]
-    keep = config.dtype == "auto"
+        def read(name: str):
+            info = gguf.info(name)
+            return _ggml_tensor(gguf.raw(name), info.ggml_type, info.shape, keep, f"{path}: tensor {name!r}")
 
-    def read(name: str):
-        """Typed tensors as stored; raw blocks (U8, typed by gguf-tensors.json) as _read_gguf reads them."""
+        return read
+    store = ckpt.reader
+    types = json.loads(store.file("gguf_tensors").read_text())["tensors"] if ckpt.gguf_metadata is not None else {}
+
+    def read_dense(name: str):
         tensor, info = store.dense(name), types.get(name)
         if info is None or tensor.dtype != torch.uint8 or info["ggml_type"] in ("I8", "I16", "I32", "I64"):
             return tensor
         return _ggml_tensor(tensor, GGMLQuantizationType(info["ggml_type_id"]), tuple(info["shape"]), keep,
                             f"{path}: tensor {name!r}")
 
-    weights = _canonical_weights(store.dense_names(), read, family.gguf_tensors(metadata["general.architecture"]),
-                                 family, spec, str(path), progress, elsewhere=ROUTED_EXPERTS, finish=family.gguf_finish)
-    experts = provider_for_store(store, spec, config) if spec.moe_layers() else None
-    return family, spec, weights, tokenizer_from_gguf_metadata(metadata, str(path)), experts
-
-
-def resolve_model_path(path: str | Path | None) -> Path:
-    """None -> the embedded default model (fetched on first use); otherwise an existing path."""
-    if path is None:
-        from localmoe.default_model import default_model_path
-
-        return default_model_path()
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise LocalMoEError(f"{path}: no such file or directory (expected a .gguf file or a model directory)")
-    return path
+    return read_dense
 
 
 @dataclass
@@ -267,20 +209,10 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
     """Load a GGUF file, an HF safetensors directory or a packed store (None = the embedded default model)."""
     config = config or EngineConfig(**options)
     torch.set_num_threads(config.resolved_threads())
-    path = resolve_model_path(path)
-    experts = None
-    if path.is_dir():
-        from localmoe.store.manifest import MANIFEST, PROGRESS
-
-        if (path / MANIFEST).exists() or (path / PROGRESS).exists():
-            family, spec, weights, tokenizer, experts = _read_store(path, config, progress)
-        elif not (path / "config.json").exists():
-            raise LocalMoEError(f"{path}: a model directory needs config.json (HF layout) or manifest.json "
-                                "(a localmoe packed store)")
-        else:
-            family, spec, weights, tokenizer = _read_hf_dir(path, progress)
-    else:
-        family, spec, weights, tokenizer = _read_gguf(path, config, progress)
+    ckpt = open_checkpoint(path)
+    path, family, spec = ckpt.path, ckpt.family, ckpt.spec
+    weights, experts = _read_weights(ckpt, config, progress)
+    tokenizer = ckpt.tokenizer()
     if experts is None and config.gpu_budget:
         raise LocalMoEError(f"{path}: --gpu-mem holds routed experts of a packed store, and this model is not one "
                             f"with experts; convert it (localmoe convert) or leave --gpu-mem at 0")

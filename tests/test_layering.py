@@ -23,8 +23,8 @@ TIERS = [
     {"kernels", "store", "chat"},
     {"tokenizer"},
     {"engine"},
-    {"models", "paging"},
-    {"checkpoint", "weights", "default_model"},
+    {"models", "paging", "default_model"},
+    {"checkpoint", "weights"},
     {"load", "describe", "convert"},
     {"testing", "documents", "localmoe"},
     {"server"},
@@ -39,8 +39,6 @@ TIERS = [
 KNOWN_VIOLATIONS = {
     ("localmoe.chat.tools", "documents"),  # the built-in search_documents tool (runtime's job)
     ("localmoe.documents.asker", "server"),  # ChatRequest of the service (runtime's job)
-    ("localmoe.paging.standalone", "models"),
-    ("localmoe.store.convert_sources", "models"),
 }
 
 

@@ -25,7 +25,7 @@ def command(store, prompts, prompt_file, output, max_tokens, ram, threads):
     write a profile ranking them, hottest first. Use it with `--profile FILE`
     (EngineConfig.paging_profile): the hottest experts are loaded at start and never evicted
     (at most half the RAM slots)."""
-    from localmoe.paging.cli_support import greedy, open_paged, prompt_ids
+    from localmoe.commands.paged import greedy, open_paged, prompt_ids
     from localmoe.paging.trace import RoutingTrace
 
     prompts = list(prompts) + (Path(prompt_file).read_text().splitlines() if prompt_file else [])
@@ -33,15 +33,15 @@ def command(store, prompts, prompt_file, output, max_tokens, ram, threads):
     if not prompts:
         raise click.UsageError("give at least one --prompt or --prompts FILE")
     trace = RoutingTrace()
-    model, pager, packed = open_paged(store, ram, threads=threads, trace=trace)
-    trace.num_experts = packed.spec.num_experts
+    loaded, pager = open_paged(store, ram, threads=threads, trace=trace)
+    trace.num_experts = loaded.spec.num_experts
     for prompt in prompts:
-        greedy(model, prompt_ids(packed, prompt), max_tokens)
+        greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
     pager.close()
     counts = trace.popularity()
     ranking = sorted(((layer, e, int(c[e])) for layer, c in counts.items() for e in range(len(c)) if c[e]),
                      key=lambda r: (-r[2], r[0], r[1]))
-    profile = {"format": FORMAT, "version": 1, "store": str(packed.path), "prompts": len(prompts),
+    profile = {"format": FORMAT, "version": 1, "store": str(loaded.source), "prompts": len(prompts),
                "tokens": trace.tokens, "ranking": ranking}
     Path(output).write_text(json.dumps(profile) + "\n")
     top = sum(r[2] for r in ranking[:max(1, len(ranking) // 10)]) / max(1, sum(r[2] for r in ranking))

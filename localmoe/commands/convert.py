@@ -26,8 +26,8 @@ def command(src, dst, experts, overwrite, shard_mb):
     """
     from tqdm import tqdm
 
-    from localmoe.store.convert import REPORT_FILE, convert
-    from localmoe.store.convert_experts import describe
+    from localmoe.convert import REPORT_FILE, convert
+    from localmoe.convert.experts import describe
 
     with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="convert", file=sys.stderr, disable=None,
               dynamic_ncols=True, leave=False) as bar:

@@ -21,10 +21,9 @@ def command(model, max_context, kv_cache_dtype, as_json):
     Default: the embedded model. Cache sizes are listed for every cache dtype."""
     from localmoe.config import EngineConfig
     from localmoe.describe import describe_model, format_description
-    from localmoe.load import resolve_model_path
 
     config = EngineConfig(max_context=max_context, kv_cache_dtype=kv_cache_dtype)
-    description = describe_model(resolve_model_path(model), config)
+    description = describe_model(model, config)
     click.echo(json.dumps(description, indent=2) if as_json else format_description(description))
 
 

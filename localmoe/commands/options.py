@@ -100,8 +100,8 @@ def _expert_bytes_of(model: str | None) -> int | None:
 
 def paging_fields(ctx: click.Context | None = None) -> dict:
     """EngineConfig's paging fields from the flags of the running command (empty outside one)."""
+    from localmoe.commands.paged import parse_size
     from localmoe.errors import LocalMoEError
-    from localmoe.paging.cli_support import parse_size
 
     ctx = ctx or click.get_current_context(silent=True)
     raw = dict(ctx.meta.get(_PAGING_META, {})) if ctx is not None else {}

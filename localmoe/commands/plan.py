@@ -16,8 +16,8 @@ def command(store, ram, gpu_mem, trace_path):
     """Measure disk, CPU and PCIe bandwidths, show how the packed store STORE would be placed
     (slots per tier), the hit rate each policy would reach (on --trace, else on a SYNTHETIC trace
     with published locality and on uniform routing) and the predicted decode tokens/s."""
+    from localmoe.commands.paged import parse_size
     from localmoe.paging import expert_bytes
-    from localmoe.paging.cli_support import parse_size
     from localmoe.paging.placement import measure, place, predict_decode
     from localmoe.paging.simulate import compare
     from localmoe.paging.trace import RoutingTrace, synthetic_trace

@@ -25,7 +25,7 @@ def command(store, prompt, output, max_tokens, ram, io, threads, synthetic, toke
     trace: (token, layer, experts) for every token, prompt included. The trace replays against
     any policy and budget (`localmoe plan`, benchmarks/offload.py) and is the future the Belady
     policy needs (--policy belady --trace FILE)."""
-    from localmoe.paging.cli_support import greedy, open_paged, prompt_ids
+    from localmoe.commands.paged import greedy, open_paged, prompt_ids
     from localmoe.paging.trace import RoutingTrace, synthetic_trace
     from localmoe.store.packed import PackedStore
 
@@ -38,10 +38,10 @@ def command(store, prompt, output, max_tokens, ram, io, threads, synthetic, toke
         return
     if not prompt:
         raise click.UsageError("give a PROMPT (or --synthetic)")
-    model, pager, packed = open_paged(store, ram, io=io, threads=threads, trace=(trace := RoutingTrace()))
-    trace.num_experts = packed.spec.num_experts
-    trace.label = f"recorded: {packed.path.name}, prompt {prompt[:40]!r}"
-    greedy(model, prompt_ids(packed, prompt), max_tokens)
+    loaded, pager = open_paged(store, ram, io=io, threads=threads, trace=(trace := RoutingTrace()))
+    trace.num_experts = loaded.spec.num_experts
+    trace.label = f"recorded: {loaded.source.name}, prompt {prompt[:40]!r}"
+    greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
     pager.close()
     trace.save(output)
     click.echo(f"wrote {output}: {trace.tokens} tokens x {len(trace.layers)} MoE layers, next-token reuse "

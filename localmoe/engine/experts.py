@@ -10,7 +10,7 @@ model is built (`Transformer.use_experts`).
 
 `ExpertWeights.from_parts` takes the packed store's extent parts unchanged
 (`{gate,up,down}.{packed,scales,bias}` or `{gate,up,down}.weight`, see
-store/convert_experts.py), so a paging provider can return what `PackedStore.expert` gives.
+convert/experts.py), so a paging provider can return what `PackedStore.expert` gives.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from localmoe.errors import UnsupportedModelError
-from localmoe.models.base import Family
+from localmoe.models.base import ModelFamily
 
-_FAMILIES: dict[str, Family] = {}
+_FAMILIES: dict[str, ModelFamily] = {}
 
 
-def register(family: Family) -> Family:
+def register(family: ModelFamily) -> ModelFamily:
     _FAMILIES[family.name] = family
     return family
 
@@ -28,7 +28,7 @@ def _load_builtin() -> None:
     )
 
 
-def families() -> list[Family]:
+def families() -> list[ModelFamily]:
     _load_builtin()
     return list(_FAMILIES.values())
 
@@ -45,7 +45,7 @@ def supported_gguf_architectures() -> list[str]:
     return sorted({a for f in families() for a in f.gguf_architectures})
 
 
-def family_for_model_type(model_type: str, source: str = "config.json") -> Family:
+def family_for_model_type(model_type: str, source: str = "config.json") -> ModelFamily:
     for family in families():
         if model_type in family.model_types:
             return family
@@ -53,7 +53,7 @@ def family_for_model_type(model_type: str, source: str = "config.json") -> Famil
                                 f"{', '.join(supported_model_types())}")
 
 
-def family_for_gguf(architecture: str, source: str = "GGUF file") -> Family:
+def family_for_gguf(architecture: str, source: str = "GGUF file") -> ModelFamily:
     for family in families():
         if architecture in family.gguf_architectures:
             return family

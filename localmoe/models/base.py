@@ -127,7 +127,7 @@ def gguf_float(value) -> float:
 
 
 @dataclass(frozen=True)
-class Family:
+class ModelFamily:
     """One model family: how to read its configs and tensors, and how to build it."""
 
     name: str

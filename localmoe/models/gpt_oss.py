@@ -25,7 +25,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer, gguf_float
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer, gguf_float
 from localmoe.models.moe_config import require
 from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
@@ -206,7 +206,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="gpt_oss",
     model_types=("gpt_oss",),
     gguf_architectures=("gpt-oss",),

@@ -22,7 +22,7 @@ import dataclasses
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
 from localmoe.models.kimi_linear import expected_shapes as kimi_linear_shapes
 from localmoe.models.kimi_linear import text_spec
 from localmoe.models.moe_config import require
@@ -101,7 +101,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="kimi_k3",
     model_types=("kimi_k3",),
     gguf_architectures=(),

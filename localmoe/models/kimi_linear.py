@@ -20,7 +20,7 @@ from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
 
 
@@ -173,7 +173,7 @@ def expected_shapes(spec: ModelSpec, experts=expert_shapes) -> dict[str, tuple[i
 
 _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="kimi_linear",
     model_types=("kimi_linear",),
     gguf_architectures=(),

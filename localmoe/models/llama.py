@@ -13,7 +13,7 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.models import register
-from localmoe.models.base import Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule, build_transformer
 
 
 def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
@@ -181,7 +181,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3", "smollm"),
     gguf_architectures=("llama", "qwen2", "qwen3"),

@@ -15,7 +15,7 @@ import dataclasses
 
 from localmoe.config import ModelSpec
 from localmoe.models import llama, register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
 from localmoe.models.kimi_linear import expert_shapes
 from localmoe.models.moe_config import require
 
@@ -66,7 +66,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     gguf_architectures=(),

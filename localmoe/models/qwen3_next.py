@@ -20,7 +20,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.gated_deltanet import GatedDeltaConfig
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, Family, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
 from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes
 from localmoe.models.moe_config import require
 
@@ -126,7 +126,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 _EXPERT = "model.layers.{i}.mlp.experts.{e}"
 
-FAMILY = register(Family(
+FAMILY = register(ModelFamily(
     name="qwen3_next",
     model_types=("qwen3_next",),
     gguf_architectures=(),

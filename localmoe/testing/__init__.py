@@ -11,7 +11,7 @@ CLI: `python -m localmoe.testing FAMILY PATH --size tiny|small|large --seed N`.
 """
 
 from localmoe.testing.families import FAMILIES
-from localmoe.testing.plan import Family, Plan, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, Plan, TensorSpec
 from localmoe.testing.write import SIZES, plan_checkpoint, write_checkpoint
 
-__all__ = ["FAMILIES", "SIZES", "Family", "Plan", "TensorSpec", "plan_checkpoint", "write_checkpoint"]
+__all__ = ["FAMILIES", "SIZES", "CheckpointGenerator", "Plan", "TensorSpec", "plan_checkpoint", "write_checkpoint"]

@@ -102,7 +102,7 @@ def assign_shards(tensors: list[TensorSpec], shard_bytes: int | None) -> list[li
 
 
 @dataclass(frozen=True, slots=True)
-class Family:
+class CheckpointGenerator:
     """A model family's test-checkpoint recipe.
 
     build(dims, tokenizer) -> (config.json dict, tensors); sizes: the dims of each size;

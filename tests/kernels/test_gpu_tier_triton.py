@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localmoe.convert import convert
 from localmoe.load import load_model
 from localmoe.paging.gpu import GpuSlab
 from localmoe.paging.placement import Bandwidths
-from localmoe.store.convert import convert
 from localmoe.testing import write_checkpoint
 
 from .conftest import TRITON_DEVICES, assert_close

@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from localmoe.convert import convert
 from localmoe.engine.dsa import DSAttention
 from localmoe.engine.hyper_connections import HyperConnections
 from localmoe.engine.kda import KimiDeltaAttention
@@ -19,7 +20,6 @@ from localmoe.engine.kpool_indexer import KPoolIndexer
 from localmoe.engine.mlp import GatedMLP
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import family_for_model_type
-from localmoe.store.convert import convert
 from localmoe.testing.parity import (
     assert_batch_equals_single,
     assert_chunked_prefill_and_decode_equal_full,

@@ -210,8 +210,8 @@ def test_yarn_frequencies_match_transformers(truncate):
 def test_experts_from_the_packed_store_give_bit_identical_logits(models, tmp_path):
     """A provider over `PackedStore.expert` extents (what the pager will read) needs no
     conversion step: `ExpertWeights.from_parts` takes the extent's parts as they are."""
+    from localmoe.convert import convert
     from localmoe.engine.experts import ExpertWeights
-    from localmoe.store.convert import convert
     from localmoe.store.packed import PackedStore
 
     ours, _ = models

@@ -71,8 +71,8 @@ def test_store_converted_from_the_gguf_pages_its_experts(files, tmp_path, ram):
     runs with its experts paged (resident maps, or a RAM tier of a quarter of them) and gives the
     HF checkpoint's bits."""
     from localmoe.config import EngineConfig
+    from localmoe.convert import convert
     from localmoe.paging import Pager, expert_bytes
-    from localmoe.store.convert import convert
     from localmoe.store.packed import PackedStore
 
     src, gguf = files

@@ -68,7 +68,7 @@ def test_packed_store_pages_the_experts(pair, tmp_path, experts):
     memory alignment (page-aligned extents vs views into the safetensors file; measured 9e-8).
     Quantised to MXFP4 they stay close (a few % of the range on random weights)."""
     from localmoe.config import EngineConfig
-    from localmoe.store.convert import convert
+    from localmoe.convert import convert
 
     _, path = pair
     convert(path, tmp_path / "store", experts=experts, progress=False)

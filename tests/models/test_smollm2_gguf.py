@@ -69,7 +69,7 @@ def test_answer_through_the_public_api(ours):
 
 def test_dense_gguf_store_runs(smollm2_gguf, tmp_path):
     """A dense GGUF converted to a store (raw blocks kept, typed by gguf-tensors.json) runs like the file."""
-    from localmoe.store.convert import convert
+    from localmoe.convert import convert
 
     convert(smollm2_gguf, tmp_path / "store", progress=False)
     store, file = (load_model(p, progress=False) for p in (tmp_path / "store", smollm2_gguf))

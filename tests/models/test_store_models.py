@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from localmoe.config import EngineConfig
+from localmoe.convert import convert
 from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.load import load_model
-from localmoe.store.convert import convert
 from localmoe.testing import write_checkpoint
 from localmoe.testing.parity import random_tokens
 

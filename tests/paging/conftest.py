@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from localmoe.convert import convert
 from localmoe.load import load_model
-from localmoe.store.convert import convert
 from localmoe.store.packed import PackedStore
 from localmoe.testing import write_checkpoint
 

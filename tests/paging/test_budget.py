@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from localmoe.convert import convert
 from localmoe.paging import expert_bytes
 from localmoe.paging.budget import MemoryCgroup, cgroup_writable
-from localmoe.store.convert import convert
 from localmoe.store.packed import PackedStore
 from localmoe.testing import write_checkpoint
 

@@ -24,11 +24,11 @@ from safetensors.torch import load_file, save_file
 
 from localmoe.commands.convert import command as convert_command
 from localmoe.commands.verify import command as verify_command
+from localmoe.convert import ERRORS_JOURNAL, convert
+from localmoe.convert.sources import HF_FILES
 from localmoe.errors import CheckpointError
 from localmoe.models import family_for_model_type
 from localmoe.quant import mxfp4
-from localmoe.store.convert import ERRORS_JOURNAL, convert
-from localmoe.store.convert_sources import HF_FILES
 from localmoe.quant.ggml import dequantize as ggml_dequantize
 from localmoe.store.gguf import GGUFFile
 from localmoe.store.manifest import MANIFEST, PROGRESS
@@ -398,7 +398,7 @@ def small(tmp_path_factory):
     """A `small` kimi_linear (0.55 GB) and its store converted in a subprocess, with peak RSS."""
     root = tmp_path_factory.mktemp("small")
     src = write_checkpoint("kimi_linear", root / "src", size="small", seed=0)
-    baseline = _peak_rss("import localmoe.cli, localmoe.store.convert, tqdm", [], root)
+    baseline = _peak_rss("import localmoe.cli, localmoe.convert, tqdm", [], root)
     peak = _peak_rss("runpy.run_module('localmoe', run_name='__main__', alter_sys=True)",
                      _convert_command(src, root / "reference.lmoe")[3:], root)
     return src, root / "reference.lmoe", baseline, peak

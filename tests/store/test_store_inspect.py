@@ -2,8 +2,8 @@
 
 import pytest
 
+from localmoe.convert import convert
 from localmoe.describe import describe_model
-from localmoe.store.convert import convert
 from localmoe.testing import write_checkpoint
 
 

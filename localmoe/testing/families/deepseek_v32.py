@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import dsa_indexer, experts, linear, mla, norm, router, swiglu, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -115,4 +115,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("deepseek_v32", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("deepseek_v32", build, SIZES, TOKENIZER)

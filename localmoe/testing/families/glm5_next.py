@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import F32, dsa_indexer, experts, kda, linear, mla, norm, router, swiglu, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import const, normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -182,4 +182,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("glm5_next", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("glm5_next", build, SIZES, TOKENIZER)

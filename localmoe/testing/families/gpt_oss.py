@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import MXFP4_CODES, MXFP4_SCALE, U8, linear, norm, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -123,4 +123,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("gpt_oss", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("gpt_oss", build, SIZES, TOKENIZER)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import kda, linear, mla, mxfp4_packed, norm, router, swiglu, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -204,4 +204,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("kimi_k3", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("kimi_k3", build, SIZES, TOKENIZER)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import experts, kda, linear, mla, norm, router, swiglu, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -116,4 +116,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("kimi_linear", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("kimi_linear", build, SIZES, TOKENIZER)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from localmoe.testing.layers import F32, experts, linear, norm, swiglu, tensor
-from localmoe.testing.plan import Family, TensorSpec
+from localmoe.testing.plan import CheckpointGenerator, TensorSpec
 from localmoe.testing.random_data import dt_bias, log_uniform, normal
 from localmoe.testing.tokenizer import TokenizerLayout
 
@@ -113,4 +113,4 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = Family("qwen3_next", build, SIZES, TOKENIZER)
+FAMILY = CheckpointGenerator("qwen3_next", build, SIZES, TOKENIZER)

@@ -28,30 +28,31 @@ def parse_size(text: str | int, total: int | None = None) -> int:
 
 def open_paged(store_path: str, ram: str, policy: str = "lfru", io: str = "odirect", prefetch: bool = True,
                threads: int = 0, trace=None):
-    """(model, pager, store) for a packed store with experts paged within `ram`."""
+    """(loaded model, pager) for a packed store with experts paged within `ram` (`load_model`, float32)."""
     from localmoe.config import EngineConfig
-    from localmoe.paging import PagingConfig, expert_bytes
-    from localmoe.paging.standalone import build_paged
+    from localmoe.load import load_model
+    from localmoe.paging import expert_bytes
+    from localmoe.paging.metrics import pager_of
     from localmoe.store.packed import PackedStore
 
-    store = PackedStore(store_path)
-    budget = parse_size(ram, expert_bytes(store))
-    config = EngineConfig(dtype="float32", threads=threads)
-    torch.set_num_threads(config.resolved_threads())
-    model, pager = build_paged(store, PagingConfig(ram_budget=budget, policy=policy, io=io, prefetch=prefetch), config)
+    with PackedStore(store_path) as store:
+        budget = parse_size(ram, expert_bytes(store))
+    if budget < 1:
+        raise LocalMoEError(f"--ram {ram}: these commands page the experts; give a RAM budget (8G, 512M, 25%)")
+    config = EngineConfig(dtype="float32", threads=threads, ram_budget=budget, paging_policy=policy, paging_io=io,
+                          prefetch=prefetch)
+    loaded = load_model(store_path, config, progress=False)
     if trace is not None:
-        for block in model.moe_blocks():
+        for block in loaded.model.moe_blocks():
             block.router.trace = trace
-    return model, pager, store
+    return loaded, pager_of(loaded.model)
 
 
-def prompt_ids(store, prompt: str) -> list[int]:
-    """Token ids of `prompt`: "ids:1,2,3" literally, else the store's tokenizer."""
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt`: "ids:1,2,3" literally, else the model's tokenizer."""
     if prompt.startswith("ids:"):
         return [int(x) for x in prompt[4:].split(",") if x.strip()]
-    from localmoe.tokenizer.hf import tokenizer_from_hf_dir
-
-    ids = tokenizer_from_hf_dir(store.path).encode(prompt)
+    ids = tokenizer.encode(prompt)
     if not ids:
         raise LocalMoEError("the prompt is empty")
     return ids

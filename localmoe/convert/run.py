@@ -1,7 +1,7 @@
 """`convert`: rewrite a checkpoint (HF safetensors directory or GGUF file) as a packed store.
 
-Streaming: every tensor is mapped on its own while it is written (convert_sources), dense
-ones through `add_dense_lazy`, experts one extent at a time (convert_experts), so memory
+Streaming: every tensor is mapped on its own while it is written (sources.py), dense
+ones through `add_dense_lazy`, experts one extent at a time (experts.py), so memory
 stays near the largest tensor. Atomic and resumable through PackedStoreWriter's journal;
 the resume key digests the source's identity and the options, so a changed source or
 option starts over. Quantisation errors of finished layers are journalled beside it
@@ -20,9 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.quant import mxfp4
-from localmoe.store.convert_experts import (
+from localmoe.convert.experts import (
     ERROR_BOUND,
     ExpertSource,
     add_to_record,
@@ -30,7 +28,9 @@ from localmoe.store.convert_experts import (
     new_record,
     summarize,
 )
-from localmoe.store.convert_sources import GGUF_TENSORS_FILE, ReadAhead, Source, SourceFiles, TensorRef, open_source
+from localmoe.convert.sources import GGUF_TENSORS_FILE, ReadAhead, Source, SourceFiles, TensorRef, open_source
+from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.quant import mxfp4
 from localmoe.store.manifest import MANIFEST, PARTIAL, PROGRESS, write_atomic
 from localmoe.store.packed_writer import DENSE_SHARD_BYTES, PackedStoreWriter
 

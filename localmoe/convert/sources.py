@@ -1,6 +1,6 @@
 """What `localmoe convert` reads: a checkpoint's tensors as byte ranges of its files.
 
-`open_source(path)` turns an HF safetensors directory or a GGUF file into a `Source`: the
+`open_source(path)` turns an HF safetensors directory or a GGUF file (`open_checkpoint`) into a `Source`: the
 family and ModelSpec, every tensor as a `TensorRef` (file, offset, dtype, shape), the
 files to copy and an identity digest for the resume key. Nothing is read until
 `SourceFiles.view(ref)` maps just that tensor's pages; the map goes away with the last
@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import xxhash
 
+from localmoe.checkpoint import Checkpoint, open_checkpoint
 from localmoe.config import ModelSpec
-from localmoe.errors import CheckpointError, UnsupportedModelError
-from localmoe.models import family_for_gguf, family_for_model_type
-from localmoe.models.base import Family
+from localmoe.errors import CheckpointError
+from localmoe.models.base import ModelFamily
 
 # copied from an HF directory when present: file name -> role in the store's manifest
 HF_FILES = {"config.json": "config", "generation_config.json": "generation_config", "tokenizer.json": "tokenizer",
@@ -70,7 +70,7 @@ class Source:
 
     path: Path
     kind: str  # "safetensors" | "gguf"
-    family: Family
+    family: ModelFamily
     spec: ModelSpec
     tensors: dict[str, TensorRef]
     weight_files: list[Path]
@@ -87,77 +87,60 @@ class Source:
 
 
 def open_source(path: str | os.PathLike) -> Source:
-    """The checkpoint at `path`: an HF directory with config.json and safetensors, or a .gguf file."""
-    path = Path(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"{path} has no config.json; convert an HF model directory or a .gguf file")
-        source = _open_hf(path)
-    elif path.is_file():
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise CheckpointError(f"{path} is not a GGUF file; convert an HF model directory or a .gguf file")
-        source = _open_gguf(path)
-    else:
-        raise CheckpointError(f"{path}: no such model directory or GGUF file")
+    """The checkpoint at `path` (`open_checkpoint`): an HF directory with config.json and safetensors, or a
+    .gguf file. Only headers are read: the converter maps each tensor itself."""
+    ckpt = open_checkpoint(path)
+    try:
+        if ckpt.kind == "gguf":
+            source = _gguf_source(ckpt)
+        elif ckpt.kind == "hf":
+            source = _hf_source(ckpt)
+        elif ckpt.kind == "store":
+            raise CheckpointError(f"{ckpt.path} is a packed store already; convert an HF model directory or a "
+                                  f".gguf file")
+        else:
+            raise CheckpointError(f"{ckpt.path} holds no .safetensors files, only the model config; convert an HF "
+                                  f"model directory with its weights or a .gguf file")
+    finally:
+        ckpt.close()
     source.identity = _identity(source)
     return source
 
 
-def _open_hf(path: Path) -> Source:
-    from localmoe.store.safetensors import SafetensorsCheckpoint
-
-    config_path = path / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise CheckpointError(f"{config_path}: has no model_type field")
-    family = family_for_model_type(config["model_type"], str(config_path))
-    spec = family.spec_from_hf(config)
-    with SafetensorsCheckpoint(path) as ckpt:  # headers only: the converter maps tensors itself
-        files = {name: st.path for name, st in ckpt.files.items()}
-        refs = []
-        for name in ckpt.keys():  # noqa: SIM118 - SafetensorsCheckpoint has keys() but is not iterable
-            info = ckpt.info(name)
-            refs.append(TensorRef(name, ckpt.file_of(name).path, info.offset, info.dtype, info.shape))
+def _hf_source(ckpt: Checkpoint) -> Source:
+    path, st = ckpt.path, ckpt.reader
+    files = {name: f.path for name, f in st.files.items()}
+    refs = []
+    for name in ckpt.tensor_names:
+        info = st.info(name)
+        refs.append(TensorRef(name, st.file_of(name).path, info.offset, info.dtype, info.shape))
     refs.sort(key=lambda r: (str(r.path), r.offset))
     extra = [(path / name, name, role) for name, role in HF_FILES.items() if (path / name).is_file()]
-    return Source(path, "safetensors", family, spec, {r.name: r for r in refs}, sorted(files.values()), extra,
-                  config=config)
+    return Source(path, "safetensors", ckpt.family, ckpt.spec, {r.name: r for r in refs}, sorted(files.values()),
+                  extra, config=ckpt.config)
 
 
-def _open_gguf(path: Path) -> Source:
-    from localmoe.store.gguf import GGUFFile
-
-    with GGUFFile(path) as gguf:
-        family = family_for_gguf(gguf.architecture, str(path))
-        if family.spec_from_gguf is None:
-            raise UnsupportedModelError(f"{path}: the {family.name} family cannot read GGUF files")
-        names = gguf.tensor_names()
-        spec = family.spec_from_gguf(gguf.metadata, set(names))
-        refs, types = {}, {}
-        for name in names:
-            info = gguf.info(name)
-            dtype = _GGML_PLAIN_TYPES.get(info.ggml_type.name)
-            # float tensors keep their dtype; quantised ones are stored as their raw blocks,
-            # shaped like GGUFFile.raw: [*outer dims, bytes per row]
-            shape = info.shape if dtype is not None else tuple(gguf.raw(name).shape)
-            refs[name] = TensorRef(name, path, info.offset, dtype or torch.uint8, shape)
-            types[name] = {"ggml_type": info.ggml_type.name, "ggml_type_id": int(info.ggml_type),
-                           "shape": list(info.shape)}
-        tensors_json = {"format": "localmoe-gguf-tensors", "version": 1, "gguf_version": gguf.version,
-                        "tensors": types}
-        generated = [(json.dumps(gguf.metadata, ensure_ascii=False, separators=(",", ":")).encode(),
-                      GGUF_METADATA_FILE, "gguf_metadata"),
-                     (json.dumps(tensors_json, indent=1).encode(), GGUF_TENSORS_FILE, "gguf_tensors")]
-        template = gguf.metadata.get("tokenizer.chat_template")
-        if isinstance(template, str):
-            generated.append((template.encode(), "chat_template.jinja", "chat_template"))
-    return Source(path, "gguf", family, spec, dict(sorted(refs.items(), key=lambda kv: kv[1].offset)), [path],
-                  generated=generated)
+def _gguf_source(ckpt: Checkpoint) -> Source:
+    path, gguf = ckpt.path, ckpt.reader
+    refs, types = {}, {}
+    for name in ckpt.tensor_names:
+        info = gguf.info(name)
+        dtype = _GGML_PLAIN_TYPES.get(info.ggml_type.name)
+        # float tensors keep their dtype; quantised ones are stored as their raw blocks,
+        # shaped like GGUFFile.raw: [*outer dims, bytes per row]
+        shape = info.shape if dtype is not None else tuple(gguf.raw(name).shape)
+        refs[name] = TensorRef(name, path, info.offset, dtype or torch.uint8, shape)
+        types[name] = {"ggml_type": info.ggml_type.name, "ggml_type_id": int(info.ggml_type),
+                       "shape": list(info.shape)}
+    tensors_json = {"format": "localmoe-gguf-tensors", "version": 1, "gguf_version": gguf.version, "tensors": types}
+    generated = [(json.dumps(gguf.metadata, ensure_ascii=False, separators=(",", ":")).encode(),
+                  GGUF_METADATA_FILE, "gguf_metadata"),
+                 (json.dumps(tensors_json, indent=1).encode(), GGUF_TENSORS_FILE, "gguf_tensors")]
+    template = gguf.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        generated.append((template.encode(), "chat_template.jinja", "chat_template"))
+    return Source(path, "gguf", ckpt.family, ckpt.spec, dict(sorted(refs.items(), key=lambda kv: kv[1].offset)),
+                  [path], generated=generated)
 
 
 def _identity(source: Source) -> str:

@@ -18,10 +18,10 @@ import math
 
 import torch
 
+from localmoe.convert.sources import Source, TensorRef
 from localmoe.errors import CheckpointError
 from localmoe.quant import mxfp4
 from localmoe.quant.fp8 import DEFAULT_BLOCK, dequantize_blocks
-from localmoe.store.convert_sources import Source, TensorRef
 
 EXPERT_MODES = ("mxfp4", "keep")
 PROJECTIONS = ("gate", "up", "down")
