@@ -1,18 +1,24 @@
-"""Document analysis: ingestion throughput and end-to-end time on a 200-page PDF.
+"""Document analysis quality and speed on real public documents.
 
-Builds a 200-page PDF (fpdf2, ~120 words a page, one planted fact on page 137), then prints
-  - ingestion pages/s of `localmoe.documents.ingest` and of a bare pypdf `extract_text` loop
-    over the same file (the floor: what the text layer alone costs), and their ratio;
-  - `localmoe analyze`'s end-to-end seconds on the embedded model (load excluded) per budget,
-    with the mode it chose (the PDF does not fit SmolLM2's 8K context: map-reduce), the model
-    calls, and whether the checked citation names page 137.
-Run: .venv/bin/python benchmarks/documents.py [--pages 200] [--budgets low,high] [--threads 2]
+The documents: the licence texts every Debian system ships in /usr/share/common-licenses
+(GPL-3, Apache-2.0, MPL-2.0, LGPL-2.1, GFDL-1.3, Artistic, BSD), each set as a PDF with fpdf2,
+so the benchmark needs no network. 32 questions (benchmarks/document_questions.py), each with
+words of the answer; a question's pages are the PDF pages whose text holds those words. Printed:
+  - retrieval recall@5: share of questions with one of the 5 best BM25 passages on a right page;
+  - answer accuracy: share of answers holding the answer's words (case, spacing, quotes folded);
+  - citation precision: share of the pages the report cites (its checked citations, or, when the
+    model cites nothing, its uncited evidence) that hold the answer; the model's own checked
+    citations are also counted apart;
+  - seconds per question (load excluded) and the answers' kinds (cited, uncited, not found);
+  - ingestion pages/s against a bare pypdf loop on a generated 200-page PDF (ratio).
+Run: .venv/bin/python benchmarks/documents.py [--budget low] [--model PATH] [--retrieval-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 import tempfile
 import time
@@ -21,76 +27,137 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.documents.builders writes the PDF
 
 from common import report
+from document_questions import QUESTIONS
 
-from tests.documents.builders import PDF_FACTS, write_pdf
-
-FACT_PAGE = 137
-QUESTION = "Who signed the cobalt procurement review?"
+LICENCES = Path("/usr/share/common-licenses")
 
 
-def bare_pypdf_seconds(path: Path) -> float:
+def licence_pdf(text: str, path: Path) -> Path:
+    """`text` (a plain-text licence) set as an A5 PDF (a paperback page), paragraph after paragraph, 10 pt."""
+    from fpdf import FPDF
+
+    pdf = FPDF(format=(148, 210))  # A5 in mm
+    pdf.set_auto_page_break(True, margin=15)
+    pdf.add_page()
+    pdf.set_font("Helvetica", size=10)
+    for paragraph in re.split(r"\n\s*\n", text.expandtabs(4)):
+        body = " ".join(paragraph.split()).encode("latin-1", "replace").decode("latin-1")
+        if body:
+            pdf.multi_cell(0, 5, body, new_x="LMARGIN", new_y="NEXT")
+            pdf.ln(2)
+    pdf.output(str(path))
+    return path
+
+
+def page_of(location: str) -> int | None:
+    match = re.match(r"page (\d+)", location)
+    return int(match.group(1)) if match else None
+
+
+def ingest_throughput(folder: Path) -> None:
     import pypdf
 
-    start = time.perf_counter()
-    for page in pypdf.PdfReader(str(path)).pages:
-        page.extract_text()
-    return time.perf_counter() - start
-
-
-def ingest_seconds(path: Path) -> tuple[float, int]:
     from localmoe.documents import ingest
+    from tests.documents.builders import write_pdf
 
+    pdf = write_pdf(folder / "generated.pdf", pages=200)
     start = time.perf_counter()
-    ingested = ingest([path])
-    return time.perf_counter() - start, ingested.pages
-
-
-async def analyse_once(service, path: Path, budget: str):
-    from localmoe.documents import answer
-
+    for page in pypdf.PdfReader(str(pdf)).pages:
+        page.extract_text()
+    bare = time.perf_counter() - start
     start = time.perf_counter()
-    result = await answer(service, [path], QUESTION, budget)
-    return time.perf_counter() - start, result
+    pages = ingest([pdf]).pages
+    ours = time.perf_counter() - start
+    report([("ingest (localmoe), 200-page PDF", f"{pages / ours:8.1f} pages/s"),
+            ("pypdf extract_text alone", f"{200 / bare:8.1f} pages/s"),
+            ("ratio localmoe / bare pypdf", f"{bare / ours:8.2f}")])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pages", type=int, default=200)
-    parser.add_argument("--budgets", default="low,high")
+    parser.add_argument("--budget", default="low", choices=["low", "high", "max"])
+    parser.add_argument("--model", default=None, help="a model path (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--retrieval-only", action="store_true", help="recall@5 only; no model is loaded")
+    parser.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
     args = parser.parse_args()
 
+    from localmoe.documents import analyse, ingest
+    from localmoe.documents.asker import ServiceAsker
+    from localmoe.documents.chunks import chunk_documents
+    from localmoe.documents.citations import normalize
+    from localmoe.documents.retrieval import Index
+
+    questions = QUESTIONS[: args.limit]
     with tempfile.TemporaryDirectory() as tmp:
-        pdf = write_pdf(Path(tmp) / "report.pdf", pages=args.pages, facts={FACT_PAGE: PDF_FACTS[7]})
-        print(f"{args.pages}-page PDF, {pdf.stat().st_size / 2**20:.1f} MiB, fact on page {FACT_PAGE}")
-        bare = min(bare_pypdf_seconds(pdf) for _ in range(2))
-        ours, pages = min(ingest_seconds(pdf) for _ in range(2))
-        report([("ingest (localmoe)", f"{pages / ours:8.1f} pages/s  ({ours:.2f} s, {pages} pages)"),
-                ("pypdf extract_text alone", f"{args.pages / bare:8.1f} pages/s  ({bare:.2f} s)"),
-                ("ratio localmoe / bare pypdf", f"{bare / ours:8.2f}")])
+        folder = Path(tmp)
+        ingest_throughput(folder)
+        documents = {}
+        for name in sorted({q[0] for q in questions}):
+            pdf = licence_pdf((LICENCES / name).read_text(encoding="utf-8"), folder / f"{name}.pdf")
+            ingested = ingest([pdf])
+            pages = {page_of(s.location): normalize(s.text) for s in ingested.documents[0].sections}
+            chunks = chunk_documents(ingested.documents)
+            documents[name] = (ingested, pages, Index(chunks))
+        print(f"{len(questions)} questions over {len(documents)} licences set as PDFs "
+              f"({sum(d[0].pages for d in documents.values())} pages)")
 
-        from localmoe.config import EngineConfig
-        from localmoe.load import load_model
-        from localmoe.server.service import ServerConfig, Service
+        asker = None
+        if not args.retrieval_only:
+            from localmoe.config import EngineConfig
+            from localmoe.load import load_model
+            from localmoe.server.service import ServerConfig, Service
 
-        start = time.perf_counter()
-        loaded = load_model(None, EngineConfig(threads=args.threads), progress=False)
-        service = Service(loaded, ServerConfig(threads=args.threads))
-        service.start()
-        print(f"embedded model loaded in {time.perf_counter() - start:.1f} s; context {service.context} tokens")
+            start = time.perf_counter()
+            loaded = load_model(args.model, EngineConfig(threads=args.threads), progress=False)
+            service = Service(loaded, ServerConfig(threads=args.threads))
+            service.start()
+            asker = ServiceAsker(service, args.budget)
+            print(f"model {service.model_id} loaded in {time.perf_counter() - start:.1f} s; "
+                  f"context {service.context} tokens; budget {args.budget}")
+        found = accurate = 0
+        shown = shown_right = own = own_right = 0
+        kinds: dict[str, int] = {}
+        seconds = []
         try:
-            for budget in args.budgets.split(","):
-                seconds, result = asyncio.run(analyse_once(service, pdf, budget))
-                stats = result.stats
-                cited = {c.location for c in result.citations if c.verified} | {e.location for e in result.evidence}
-                report([(f"analyze --budget {budget}", (f"{seconds:8.1f} s end to end ({result.mode}, "
-                                                      f"{stats['model_calls']} model calls, "
-                                                      f"{stats['passages_read']} of {stats['chunks']} passages, "
-                                                      f"{stats.get('prompt_tokens', 0)} prompt + "
-                                                      f"{stats.get('completion_tokens', 0)} generated tokens)")),
-                        ("  cites the fact's page", str(f"page {FACT_PAGE}" in cited))])
+            for name, question, answer_words in questions:
+                ingested, pages, index = documents[name]
+                wanted = normalize(answer_words)
+                right = {p for p, text in pages.items() if wanted in text}
+                if not right:
+                    raise SystemExit(f"{name}: {answer_words!r} is on no page of the PDF; fix the question")
+                top = {page_of(c.location) for c, _ in index.search(question, 5)}
+                found += bool(top & right)
+                line = f"{name:10} p{','.join(map(str, sorted(right))):6} recall {'yes' if top & right else 'NO '}"
+                if asker is not None:
+                    start = time.perf_counter()
+                    result = asyncio.run(analyse(asker, ingested, question, args.budget))
+                    seconds.append(time.perf_counter() - start)
+                    text = normalize(re.sub(r"\[\d+\]|\[unverified\]", "", result.answer))
+                    accurate += wanted in text
+                    kinds[result.status] = kinds.get(result.status, 0) + 1
+                    cited = result.citations or result.evidence
+                    shown += len(cited)
+                    shown_right += sum(page_of(c.location) in right for c in cited)
+                    own += len(result.citations)
+                    own_right += sum(page_of(c.location) in right for c in result.citations)
+                    line += (f"  answer {'yes' if wanted in text else 'no '}  {result.status:9} cites "
+                             f"{','.join(str(page_of(c.location)) for c in cited) or '-':8} {seconds[-1]:5.1f} s")
+                print(line + f"  {question}")
         finally:
-            service.stop()
+            if asker is not None:
+                service.stop()
+        n = len(questions)
+        rows = [("retrieval recall@5", f"{found / n:.2f} ({found}/{n}; goal 0.90)")]
+        if asker is not None:
+            rows += [("answer accuracy", f"{accurate / n:.2f} ({accurate}/{n})"),
+                     ("citation precision (cited pages)",
+                      f"{shown_right / max(shown, 1):.2f} ({shown_right}/{shown}; goal 0.90)"),
+                     ("  of the model's own checked citations", f"{own_right}/{own}"),
+                     ("answers", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))),
+                     ("seconds per question", f"{sum(seconds) / n:.1f} (max {max(seconds):.1f})"),
+                     ("loops stopped", str(asker.usage.loops))]
+        report(rows)
 
 
 if __name__ == "__main__":

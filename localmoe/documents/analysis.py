@@ -11,7 +11,6 @@ uncited evidence, and a question no passage matches is answered "not found in th
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,17 +24,12 @@ from localmoe.documents.fit import Fitter, fit_notes
 from localmoe.documents.ingest import ingest
 from localmoe.documents.records import Chunk, Ingested
 from localmoe.documents.report import Report
-from localmoe.documents.retrieval import Index, tokens
+from localmoe.documents.retrieval import Index, relevant, tokens, whole_document
 
 # (stage, done, total): stage is "read" (files), "map" (passage groups) or "answer"
 Progress = Callable[[str, int, int], None]
 
 EVIDENCE_SHARE = 0.5  # a retrieved passage is quoted as evidence when its BM25 score is this share of the best
-MATCH_SHARE = 1 / 3  # a passage is relevant when it holds this share of the question's content words
-# words that ask about the documents as a whole rather than name a topic ("summarize the main points")
-WHOLE = frozenset(["summarize", "summarise", "summary", "overview", "main", "document", "documents", "file", "files",
-                   "describe", "explain", "key", "point", "points", "topic", "topics", "about", "tell", "me", "give",
-                   "list", "text", "content", "contents", "say", "says", "said", "please", "briefly", "short"])
 
 
 @dataclass(frozen=True)
@@ -54,19 +48,6 @@ PLANS = {"low": Plan(passages=8, calls=2, answer_tokens=192, note_tokens=96, evi
          "max": Plan(passages=96, calls=16, answer_tokens=768, note_tokens=256, evidence=5)}
 
 NOT_FOUND = "Not found in the documents: no passage matches the question's words ({words})."
-
-
-def whole_document(question: str) -> bool:
-    """Whether the question asks about the documents as a whole (no topic word of its own)."""
-    words = set(tokens(question))
-    return not words or words <= WHOLE
-
-
-def relevant(question: str, scored: list[tuple[Chunk, float]]) -> bool:
-    """Whether some retrieved passage holds enough of the question's content words to be about it."""
-    words = set(tokens(question)) - WHOLE or set(tokens(question))
-    need = max(1, math.ceil(len(words) * MATCH_SHARE))
-    return any(len(words & set(tokens(f"{c.location} {c.text}"))) >= need for c, _ in scored)
 
 
 def spread(chunks: list[Chunk], n: int) -> list[Chunk]:
@@ -102,7 +83,7 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
     index = Index(chunks)
     scored = index.search(question, max(plan.passages, plan.evidence))
     whole = whole_document(question)
-    if not whole and not relevant(question, scored):
+    if not whole and not relevant(question, [f"{c.location} {c.text}" for c, _ in scored]):
         report.status, report.mode = "not_found", "retrieval"
         report.answer = NOT_FOUND.format(words=", ".join(sorted(set(tokens(question)))) or "none")
         report.stats = {**stats, "seconds": time.perf_counter() - started}

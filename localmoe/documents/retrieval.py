@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -15,9 +16,29 @@ its of on or our so such than that the their then there these they this to was w
 whom why will with you your"""))
 
 
+MATCH_SHARE = 1 / 3  # a passage is relevant when it holds this share of the question's content words
+# words that ask about the documents as a whole rather than name a topic ("summarize the main points")
+WHOLE = frozenset(["summarize", "summarise", "summary", "overview", "main", "document", "documents", "file", "files",
+                   "describe", "explain", "key", "point", "points", "topic", "topics", "about", "tell", "me", "give",
+                   "list", "text", "content", "contents", "say", "says", "said", "please", "briefly", "short"])
+
+
 def tokens(text: str) -> list[str]:
     """Lower-cased words and numbers, stopwords dropped; "12.5%" -> ["12", "5"]."""
     return [w for w in WORD.findall(text.casefold()) if w not in STOPWORDS]
+
+
+def whole_document(question: str) -> bool:
+    """Whether the question asks about the documents as a whole (no topic word of its own)."""
+    words = set(tokens(question))
+    return not words or words <= WHOLE
+
+
+def relevant(question: str, texts: list[str]) -> bool:
+    """Whether one of `texts` (retrieved passages) holds enough of the question's topic words to be about it."""
+    words = set(tokens(question)) - WHOLE or set(tokens(question))
+    need = max(1, math.ceil(len(words) * MATCH_SHARE))
+    return any(len(words & set(tokens(text))) >= need for text in texts)
 
 
 class Index:

@@ -13,7 +13,7 @@ from localmoe.documents import analyse, ingest
 from localmoe.documents.analysis import PLANS
 from localmoe.documents.repetition import collapse_repeats, loop_at
 from tests.documents import builders
-from tests.documents.scripted import FixedAsker, TemplateAsker
+from tests.documents.scripted import ExtractiveAsker, FixedAsker, TemplateAsker
 
 QUESTION = "Who signed the cobalt procurement review?"
 
@@ -118,3 +118,31 @@ def test_loops_are_found_and_collapsed():
     lines = "Answer: 42.\nA line that goes on.\nx\nA line that goes on.\nA line that goes on."
     assert loop_at(lines) is not None and collapse_repeats(lines).count("A line that goes on.") == 1
     assert loop_at("No loop: one two three four five six seven eight.") is None
+
+
+def test_search_documents_tool_says_not_found_or_gives_located_passages(tmp_path):
+    """The TUI / web app's search_documents tool: located passages, or "not found in the documents"."""
+    from localmoe.chat.format import ToolCall
+    from localmoe.chat.tools import ToolRunner
+
+    pdf = builders.write_pdf(_deep(tmp_path) / "plant-report.pdf", pages=8)
+    runner = ToolRunner(tmp_path, document_paths=[pdf])
+    found = runner.run(ToolCall("search_documents", {"query": QUESTION}))
+    assert found.startswith(f"[{pdf}, page 7]") and "Priya Ramaswamy" in found
+    missing = runner.run(ToolCall("search_documents", {"query": "giraffe tongue colour"}))
+    assert missing.startswith("not found in the documents")
+
+
+def test_web_sources_panel_labels_uncited_evidence_and_not_found(tmp_path):
+    pytest.importorskip("gradio", reason="the web app needs the ui extra")
+    from localmoe.ui.web.documents import sources_markdown
+
+    builders.write_pdf(tmp_path / "plant.pdf", pages=8)
+    ingested = ingest([tmp_path])
+    uncited = asyncio.run(analyse(FixedAsker("Somebody signed it."), ingested, QUESTION, "low"))
+    panel = sources_markdown(uncited)
+    assert "**Uncited evidence**" in panel and "**plant.pdf**, page 7" in panel
+    cited = asyncio.run(analyse(ExtractiveAsker(), ingested, QUESTION, "low"))
+    assert sources_markdown(cited).startswith("1. **plant.pdf**, page 7") and "Uncited" not in sources_markdown(cited)
+    nothing = asyncio.run(analyse(FixedAsker("x"), ingested, "What colour is the giraffe's tongue?", "low"))
+    assert "Not found in the documents" in sources_markdown(nothing)

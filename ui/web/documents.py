@@ -33,12 +33,13 @@ def citation_line(citation, number: int | None = None) -> str:
 
 
 def sources_markdown(report) -> str:
-    """The answer's checked citations ([n] in the answer), the retrieved evidence, unreadable files."""
+    """The answer's checked citations ([n] in the answer), the retrieved evidence (labelled uncited
+    evidence when the answer cites nothing checkable), unreadable files."""
     lines = [citation_line(c, i) for i, c in enumerate(report.citations, 1)]
-    if not lines:
-        lines.append("No citation in the answer could be checked against the documents.")
+    if report.status == "not_found":
+        lines.append("Not found in the documents: no passage matches the question.")
     if report.evidence:
-        lines += ["", "Passages closest to the question (quotes checked against the files):", ""]
+        lines += ([""] if lines else []) + [f"**{report.evidence_title()}**: {report.evidence_note()}", ""]
         lines += [citation_line(c) for c in report.evidence]
     if report.rejected:
         lines.append(f"\n{len(report.rejected)} citation(s) in the answer failed the check and are marked "
