@@ -355,3 +355,29 @@ def test_uploaded_file_answers_a_question_and_is_cited(page, tmp_path):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     if os.environ.get("LOCALMOE_SAVE_SCREENSHOTS"):  # refresh the picture in docs/
         shutil.copy(shot, REPO / "docs" / "images" / "web.png")
+
+
+@pytest.mark.slow
+def test_uploaded_pdf_with_a_long_name_gets_sources_not_an_error(page, tmp_path):
+    """A multi-page PDF whose name (and so its upload path) is long: the prompt is sized from real token
+    counts, so the answer comes with checked citations or labelled uncited evidence, never an error."""
+    sys.path.insert(0, str(REPO))
+    from tests.documents import builders
+
+    name = "minutes-of-the-procurement-and-audit-committee-" + "q" * 90 + ".pdf"
+    document = builders.write_pdf(tmp_path / name, pages=6, words_per_page=80,
+                                  facts={5: builders.PDF_FACTS[7]})
+    page.set_input_files("#documents input[type=file]", str(document))
+    page.wait_for_function("() => document.querySelector('#turn-status').innerText.includes('qqqq.pdf')",
+                           timeout=30_000)
+    before = len(_bot_texts(page))
+    page.fill("#message textarea", "Who signed the cobalt procurement review?")
+    page.press("#message textarea", "Enter")
+    page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
+                           "document.querySelector('#turn-status').innerText.includes('answered from')",
+                           timeout=REPLY_TIMEOUT)
+    texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
+    panel = next(t for t in texts if "qqqq.pdf" in t)
+    assert "Error" not in panel and "page 5" in panel, panel
+    assert "Uncited evidence" in panel or re.search(r"^1\. \*\*minutes", panel, re.MULTILINE), panel
+    assert "Priya Ramaswamy" in panel
