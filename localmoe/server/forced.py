@@ -1,5 +1,5 @@
 """Forced tool calls (`tool_choice` required or a named function), made reliable by
-constraining the arguments to valid JSON for the tool's schema.
+constraining the arguments to valid JSON for the tool's schema (chat/grammar.py).
 
 The format itself says how a call looks: the conversation is rendered once with a
 placeholder call appended (`SENTINEL_NAME` with `{SENTINEL_KEY: ...}` as arguments) and
@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from localmoe.chat import constrain
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.chat.grammar import tool_call_grammar
 
 SENTINEL_NAME = "zzlocalmoe_tool_name"
 SENTINEL_KEY = "zzlocalmoe_arguments"
@@ -36,11 +36,11 @@ class ForcedPlan:
     names: list[str]  # the allowed tool names
     schemas: dict[str, dict] = field(default_factory=dict)
 
-    def initial_state(self):
-        """The constraint state: segments (the name chosen among `names`), then the tool's arguments."""
+    def grammar(self) -> str:
+        """The constrained text's grammar: segments (the name chosen among `names`), then the tool's arguments."""
         if any(isinstance(s, tuple) for s in self.segments):
-            return constrain.initial_state({}, self.segments, schemas={n: self.schemas[n] for n in self.names})
-        return constrain.initial_state(self.schemas[self.names[0]], self.segments)
+            return tool_call_grammar(self.segments, {n: self.schemas[n] for n in self.names})
+        return tool_call_grammar(self.segments, {self.names[0]: self.schemas[self.names[0]]})
 
     def split(self, text: str) -> tuple[str, str] | None:
         """(tool name, argument text) from the constrained output `text`."""

@@ -12,6 +12,7 @@ from localmoe.chat import ChatFormatError, messages_from_openai
 from localmoe.server.errors import APIError, error_body
 from localmoe.server.schemas import EFFORT_TIER, ChatCompletionRequest, CompletionRequest
 from localmoe.server.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
+from localmoe.server.structured import chat_output_schema
 from localmoe.server.turn import TurnResult
 
 router = APIRouter()
@@ -50,8 +51,12 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         mode = choice
     else:
         mode, names = "named", [choice.function.name]
+    try:
+        schema = chat_output_schema(body.response_format)
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from None
     return ChatRequest(
-        messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
+        output_schema=schema, messages=messages, max_tokens=body.max_completion_tokens or body.max_tokens,
         params=sampling_params(body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty,
                                body.seed),
         tools=tools, tool_mode=mode, tool_names=names, parallel_tool_calls=body.parallel_tool_calls,

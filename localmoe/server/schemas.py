@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from localmoe.server.structured import ResponseFormat
+
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
@@ -120,10 +122,6 @@ class NamedToolChoice(Body):
 
 class StreamOptions(Body):
     include_usage: bool = False
-
-
-class ResponseFormat(Body):
-    type: Literal["text"]
 
 
 Effort = Literal["minimal", "low", "medium", "high", "max"]

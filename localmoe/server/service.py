@@ -63,6 +63,8 @@ class ChatRequest:
     seconds: float | None = None
     bytes_read: int | None = None
     session_id: str | None = None
+    output_schema: dict | None = None  # the answer is one JSON value valid against it (structured output)
+    output_param: str = "response_format"  # the request field that gave `output_schema` (named in errors)
 
 
 class Stream:
@@ -161,7 +163,7 @@ class Service:
                              if config.prefix_cache_entries > 0 else None)
         self.worker = EngineWorker(config.max_active, config.threads or None)
         self.created = int(time.time())
-        self._token_texts = None
+        self._grammar_tokenizer = None
         self.sessions = None
         if config.sessions_path is not None:
             from localmoe.chat.sessions import SessionStore
@@ -169,7 +171,7 @@ class Service:
             self.sessions = SessionStore(config.sessions_path)
 
     def start(self) -> None:
-        _ = self.token_texts  # built once, before the first forced tool call needs it
+        _ = self.grammar_tokenizer  # built once, before the first constrained request needs it
         self.worker.start()
 
     def stop(self) -> None:
@@ -178,12 +180,22 @@ class Service:
             self.sessions.close()
 
     @property
-    def token_texts(self):
-        if self._token_texts is None:
-            from localmoe.chat.constrain import TokenTexts
+    def grammar_tokenizer(self):
+        """The grammar engine's view of the tokenizer (forced tool calls, structured output)."""
+        if self._grammar_tokenizer is None:
+            from localmoe.chat.grammar import GrammarTokenizer
 
-            self._token_texts = TokenTexts.for_tokenizer(self.tokenizer)
-        return self._token_texts
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.format.stop_token_ids())
+        return self._grammar_tokenizer
+
+    def constraint(self, grammar: str, param: str):
+        """A fresh grammar state for one generation; a grammar the engine rejects is a 400 naming `param`."""
+        from localmoe.chat.grammar import Constraint, GrammarError
+
+        try:
+            return Constraint(self.grammar_tokenizer, grammar)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
 
     # ---- checks shared by the endpoints ----
 
@@ -246,12 +258,21 @@ class Service:
         if reasoning_limit is None and fmt.thinks:
             reasoning_limit = self.config.budgets.limit_for(req.reasoning_effort)
         budget = Budget(reasoning_tokens=reasoning_limit, seconds=req.seconds, bytes_read=req.bytes_read)
-        forced = None
+        forced, constraint = None, None
         if req.tool_mode in ("required", "named"):
             forced_names = req.tool_names if req.tool_mode == "named" else names
             forced = plan_forced_call(fmt, self.tokenizer, messages, tools, forced_names, prompt, req.reasoning_effort)
+            constraint = self.constraint(forced.grammar(), "tools")
+        elif req.output_schema is not None:
+            from localmoe.chat.grammar import GrammarError, json_schema_grammar
+
+            try:
+                grammar = json_schema_grammar(req.output_schema, req.output_param)
+            except GrammarError as e:
+                raise APIError(400, str(e), param=req.output_param) from None
+            constraint = self.constraint(grammar, req.output_param)
         prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
-                        forced=forced, parallel_tool_calls=req.parallel_tool_calls,
+                        forced=forced, constraint=constraint, parallel_tool_calls=req.parallel_tool_calls,
                         keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache)
         return prep, messages
 
@@ -278,8 +299,8 @@ class Service:
                                                                  reasoning=result.reasoning or None,
                                                                  tool_calls=list(result.tool_calls)))
 
-        fmt, texts = self.format, (self.token_texts if prep.forced is not None else None)
-        stream = Stream(self, lambda job: run_chat(fmt, texts, self.model, prep, job.emit, lambda: job.cancelled),
+        fmt, tokenizer = self.format, self.tokenizer
+        stream = Stream(self, lambda job: run_chat(fmt, tokenizer, self.model, prep, job.emit, lambda: job.cancelled),
                         on_done)
         stream.prompt = prep.prompt
         return stream.start()

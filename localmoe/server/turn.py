@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from localmoe.chat import constrain
 from localmoe.chat.budget import Action, Budget, BudgetTracker
 from localmoe.chat.format import Delta, ToolCall
+from localmoe.chat.grammar import Constraint
 from localmoe.engine.generate import Decoder
 from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams
@@ -38,6 +38,7 @@ class Prepared:
     stop: list[str] = field(default_factory=list)
     budget: Budget = field(default_factory=Budget)
     forced: ForcedPlan | None = None
+    constraint: Constraint | None = None  # the grammar of the forced call, or of the content (response_format)
     parallel_tool_calls: bool = True
     keep_tool_calls: bool = True  # False under tool_choice "none"
     prefix_cache: PrefixCache | None = None  # the service's: reuse a previous sequence's cache for the prompt
@@ -98,12 +99,21 @@ def _max_len(prep: Prepared, extra: int) -> int:
     return len(prep.prompt) + prep.max_tokens + extra + 2
 
 
-def run_chat(fmt, token_texts, model, prep: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> Iterator[None]:
-    """A chat turn: forced tool call (constrained) or free generation with the reasoning budget."""
+def run_chat(fmt, tokenizer, model, prep: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> Iterator[None]:
+    """A chat turn: forced tool call (constrained) or free generation with the reasoning budget
+    (its content constrained when `prep.constraint` is set)."""
     if prep.forced is not None:
-        yield from _run_forced(token_texts, model, prep, emit, cancelled)
+        yield from _run_forced(tokenizer, model, prep, emit, cancelled)
     else:
         yield from _run_free(fmt, model, prep, emit, cancelled)
+
+
+def sample_constrained(dec: Decoder, logits, constraint: Constraint) -> int:
+    """Draw the next token among those the grammar allows (the request's sampler, masked logits)."""
+    token = dec.sample(constraint.mask(logits))
+    if token != constraint.tokenizer.eos:
+        constraint.consume(token)
+    return token
 
 
 def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
@@ -119,6 +129,8 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     streamed_calls: list[ToolCall] = []
     generated: list[int] = []
     reasoning_open = fmt.thinks
+    constraint = prep.constraint
+    constrained = constraint is not None and not fmt.thinks  # a thinking model's answer is constrained after eot
     finish = "length"
 
     def publish(deltas: list[Delta]) -> bool:
@@ -153,10 +165,19 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         if logits is None:
             yield
             continue
-        token = dec.sample(logits)
+        token = sample_constrained(dec, logits, constraint) if constrained else dec.sample(logits)
         if result.completion_tokens == 0:
             result.time_to_first_token = time.perf_counter() - started
         if token in stop_ids:
+            if constraint is not None and not constrained and eot:  # no answer yet: open it, constrained
+                dec.feed(eot)
+                generated.extend(eot)
+                reasoning_open, constrained = False, True
+                if sum(publish(parser.feed(t)) for t in eot):  # every token published, then: a stop string?
+                    finish = "stop"
+                    break
+                yield
+                continue
             finish = "stop"
             break
         result.completion_tokens += 1
@@ -165,8 +186,12 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         if publish(parser.feed(token)):
             finish = "stop"
             break
+        if constrained and constraint.done:
+            finish = "stop"
+            break
         if eot and generated[-len(eot):] == eot:
             reasoning_open = False
+            constrained = constraint is not None
         if was_reasoning:
             result.reasoning_tokens += 1
         action = tracker.check(was_reasoning)
@@ -176,6 +201,7 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
             dec.feed(eot)
             generated.extend(eot)
             reasoning_open = False
+            constrained = constraint is not None
             stopped = False
             for t in eot:
                 stopped = publish(parser.feed(t)) or stopped
@@ -217,14 +243,13 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     emit("done", result)
 
 
-def _run_forced(token_texts, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
+def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     started = time.perf_counter()
-    plan = prep.forced
+    plan, constraint = prep.forced, prep.constraint
     dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)),
                   prefix_cache=prep.prefix_cache)
-    state = plan.initial_state()
     result = TurnResult(prompt_tokens=len(prep.prompt))
-    text = ""
+    ids: list[int] = []
     finish = "length"
     while result.completion_tokens < prep.max_tokens and dec.room > 0:
         if cancelled():
@@ -234,19 +259,20 @@ def _run_forced(token_texts, model, prep: Prepared, emit: Emit, cancelled) -> It
         if logits is None:
             yield
             continue
-        choice = constrain.choose_token(logits, state, token_texts, prep.params.temperature, dec.generator)
+        token = sample_constrained(dec, logits, constraint)
         if result.completion_tokens == 0:
             result.time_to_first_token = time.perf_counter() - started
-        if choice is None:
+        if token == constraint.tokenizer.eos:
+            finish = "tool_calls"
             break
-        token, state = choice
         result.completion_tokens += 1
-        text += token_texts.texts[token]
-        if constrain.is_complete(state):
+        ids.append(token)
+        if constraint.done:
             finish = "tool_calls"
             break
         dec.feed([token])
         yield
+    text = tokenizer.decode(ids)
     split = plan.split(text)
     if split is not None:
         name, arguments = split
