@@ -45,7 +45,7 @@ def _drop_cache(paths) -> None:
 def child_localmoe(args) -> dict:
     import torch
 
-    from localmoe.config import EngineConfig
+    from localmoe.config import EngineConfig, PagingConfig
     from localmoe.load import load_model
     from localmoe.paging.budget import MemoryCgroup
     from localmoe.paging.metrics import pager_of
@@ -54,8 +54,8 @@ def child_localmoe(args) -> dict:
     group = MemoryCgroup(args.cgroup) if args.cgroup else None
     if group:
         group.add()
-    config = EngineConfig(dtype="float32", threads=args.threads, ram_budget=args.budget, paging_policy=args.policy,
-                          paging_io=args.io, prefetch=not args.no_prefetch)
+    paging = PagingConfig(ram_budget=args.budget, policy=args.policy, io=args.io, prefetch=not args.no_prefetch)
+    config = EngineConfig(dtype="float32", threads=args.threads, paging=paging)
     model = load_model(args.store, config, progress=False).model
     pager = pager_of(model)
     trace = RoutingTrace(num_experts=model.spec.num_experts)

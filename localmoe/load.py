@@ -213,7 +213,7 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
     path, family, spec = ckpt.path, ckpt.family, ckpt.spec
     weights, experts = _read_weights(ckpt, config, progress)
     tokenizer = ckpt.tokenizer()
-    if experts is None and config.gpu_budget:
+    if experts is None and config.paging.gpu_budget:
         raise LocalMoEError(f"{path}: --gpu-mem holds routed experts of a packed store, and this model is not one "
                             f"with experts; convert it (localmoe convert) or leave --gpu-mem at 0")
     model = family.build(spec, weights, config, experts) if experts is not None else family.build(spec, weights,

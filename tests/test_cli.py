@@ -152,22 +152,25 @@ def test_inspect_rejects_an_unknown_cache_dtype():
 
 
 def test_engine_options_reach_the_engine_config():
-    """--expert-precision (like the paging flags) is kept on the click context and read by engine_config."""
+    """model_options hands the command one EngineConfig value: engine flags and, nested, the paging flags."""
     import click
     from click.testing import CliRunner
 
-    from localmoe.commands.options import engine_config, model_options
+    from localmoe.commands.options import model_options
 
     seen = []
 
     @click.command()
     @model_options
-    def probe(model, dtype, threads, max_context):
-        seen.append(engine_config(dtype, threads, max_context))
+    def probe(model, engine):
+        seen.append(engine)
 
     assert CliRunner().invoke(probe, []).exit_code == 0
-    assert CliRunner().invoke(probe, ["--expert-precision", "exact", "--threads", "3"]).exit_code == 0
+    flags = ["--expert-precision", "exact", "--threads", "3", "--ram", "8M", "--policy", "lru", "--no-prefetch"]
+    assert CliRunner().invoke(probe, flags).exit_code == 0
     assert (seen[0].expert_precision, seen[1].expert_precision, seen[1].threads) == ("q8", "exact", 3)
+    assert (seen[0].paging.ram_budget, seen[0].paging.policy, seen[0].paging.prefetch) == (0, "lfru", True)
+    assert (seen[1].paging.ram_budget, seen[1].paging.policy, seen[1].paging.prefetch) == (8 << 20, "lru", False)
 
 
 def test_serve_refuses_a_documents_root_that_is_not_a_folder(tmp_path):

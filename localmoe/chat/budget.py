@@ -33,6 +33,11 @@ class ThinkingBudgets:
             if value is not None and value < 1:
                 raise LocalMoEError(f"the {tier} thinking budget must be at least 1 token, not {value}")
 
+    def __str__(self) -> str:
+        """As `parse` reads it: "low=256,high=4096,max=none"."""
+        return ",".join(f"{tier}={'none' if getattr(self, tier) is None else getattr(self, tier)}"
+                        for tier in REASONING_EFFORTS)
+
     def limit_for(self, effort: str | None) -> int | None:
         """The reasoning-token limit of `effort` (None effort: the `high` tier)."""
         if effort is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, model_options
+from localmoe.commands.options import budget_option, model_options
 from localmoe.errors import LocalMoEError
 
 
@@ -21,11 +21,11 @@ def _bar(total: int, unit: str, description: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _start_service(model, dtype, threads, max_context, show: bool):
+def _start_service(model, engine, show: bool):
     from localmoe.load import load_model
     from localmoe.server.service import ServerConfig, Service
 
-    loaded = load_model(model, engine_config(dtype, threads, max_context), progress=show)
+    loaded = load_model(model, engine, progress=show)
     service = Service(loaded, ServerConfig(threads=loaded.config.resolved_threads()))
     service.start()
     return service
@@ -75,8 +75,7 @@ async def _batch(service, paths, questions_file, out, fmt, budget, include, excl
 @click.option("--questions", "questions_file", default=None, type=click.Path(path_type=Path),
               help="Batch job: a file of questions (one a line), answered for each document; needs --out FOLDER.")
 @model_options
-@click.option("--budget", type=click.Choice(["low", "high", "max"]), default="high", show_default=True,
-              help="Thinking budget and how many passages are read (low: 8, high: 32, max: 96).")
+@budget_option("Thinking budget and how many passages are read (low: 8, high: 32, max: 96).")
 @click.option("--format", "fmt", type=click.Choice(["md", "json"]), default="md", show_default=True)
 @click.option("--out", "-o", default=None, type=click.Path(path_type=Path),
               help="Write the report to this file (batch jobs: the folder of reports). Default: stdout.")
@@ -84,7 +83,7 @@ async def _batch(service, paths, questions_file, out, fmt, budget, include, excl
 @click.option("--exclude", multiple=True, help="Skip files and folders matching this glob (repeatable).")
 @click.option("--max-tokens", type=int, default=None, help="Longest answer in tokens (default: by --budget).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def command(paths, question, questions_file, model, dtype, threads, max_context, budget, fmt, out, include, exclude,
+def command(paths, question, questions_file, model, engine, budget, fmt, out, include, exclude,
             max_tokens, quiet):
     """Answer questions over documents (PDF, DOCX, PPTX, XLSX, CSV, HTML, Markdown, text, code) with
     citations to file and page/sheet/slide/line, each checked against the source text."""
@@ -98,7 +97,7 @@ def command(paths, question, questions_file, model, dtype, threads, max_context,
         if not path.exists():
             raise LocalMoEError(f"{path}: no such file or folder")
     show = not quiet and sys.stderr.isatty()
-    service = _start_service(model, dtype, threads, max_context, not quiet)
+    service = _start_service(model, engine, not quiet)
     try:
         if questions_file is not None:
             result = asyncio.run(_batch(service, list(paths), questions_file, out, fmt, budget, list(include),

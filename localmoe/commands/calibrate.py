@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
+from localmoe.commands.options import paging_options
 
 FORMAT = "localmoe-profile"
 
@@ -18,12 +19,12 @@ FORMAT = "localmoe-profile"
 @click.option("--prompts", "prompt_file", type=click.Path(dir_okay=False), help="File with one prompt per line.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @click.option("--max-tokens", type=int, default=16, show_default=True)
-@click.option("--ram", default="25%", show_default=True)
+@paging_options("store")
 @click.option("--threads", type=int, default=0)
-def command(store, prompts, prompt_file, output, max_tokens, ram, threads):
+def command(store, prompts, prompt_file, output, max_tokens, paging, threads):
     """Run the sample prompts through STORE, count how often every (layer, expert) is chosen, and
     write a profile ranking them, hottest first. Use it with `--profile FILE`
-    (EngineConfig.paging_profile): the hottest experts are loaded at start and never evicted
+    (PagingConfig.profile): the hottest experts are loaded at start and never evicted
     (at most half the RAM slots)."""
     from localmoe.commands.paged import greedy, open_paged, prompt_ids
     from localmoe.paging.trace import RoutingTrace
@@ -33,11 +34,12 @@ def command(store, prompts, prompt_file, output, max_tokens, ram, threads):
     if not prompts:
         raise click.UsageError("give at least one --prompt or --prompts FILE")
     trace = RoutingTrace()
-    loaded, pager = open_paged(store, ram, threads=threads, trace=trace)
+    loaded, pager = open_paged(store, paging, threads, trace=trace)
     trace.num_experts = loaded.spec.num_experts
     for prompt in prompts:
         greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
-    pager.close()
+    if pager is not None:
+        pager.close()
     counts = trace.popularity()
     ranking = sorted(((layer, e, int(c[e])) for layer, c in counts.items() for e in range(len(c)) if c[e]),
                      key=lambda r: (-r[2], r[0], r[1]))

@@ -7,16 +7,14 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, model_options
+from localmoe.commands.options import budget_option, model_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 
 
 @click.command("chat", cls=Command)
 @model_options
-@click.option("--budget", type=click.Choice(["low", "high", "max"]), default="high", show_default=True,
-              help="Thinking budget to start with (ctrl+b changes it in the app).")
-@click.option("--thinking-budgets", default="low=256,high=4096,max=none", show_default=True,
-              help="Reasoning-token limit of each budget tier.")
+@budget_option("Thinking budget to start with (ctrl+b changes it in the app).")
+@thinking_budgets_option
 @click.option("--max-tokens", type=int, default=1024, show_default=True, help="Most tokens of one model turn.")
 @click.option("--workdir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=".",
               show_default=True, help="Directory the built-in tools (read_file, list_dir, run_command) work in.")
@@ -29,7 +27,7 @@ from localmoe.errors import LocalMoEError
 @click.option("--session", "session_id", default=None, help="Resume this stored session.")
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file of the sessions (default: sessions.db in the localmoe cache, shared with serve).")
-def command(model, dtype, threads, max_context, budget, thinking_budgets, max_tokens, workdir, tool_timeout,
+def command(model, engine, budget, thinking_budgets, max_tokens, workdir, tool_timeout,
             tool_output_cap, document_paths, no_tools, session_id, sessions_path):
     """Chat with the model in the terminal: streaming answers, reasoning panels, tool calls you
     approve, thinking budgets, stored sessions and live paging statistics."""
@@ -37,7 +35,6 @@ def command(model, dtype, threads, max_context, budget, thinking_budgets, max_to
         from localmoe.ui.tui import ChatApp, load_service
     except ImportError as e:
         raise LocalMoEError(f"the chat app needs its extra: pip install 'localmoe[ui]' ({e})") from None
-    from localmoe.chat.budget import ThinkingBudgets
     from localmoe.chat.tools import ToolRunner
     from localmoe.commands.serve import default_sessions_path
     from localmoe.server.service import ServerConfig
@@ -50,8 +47,8 @@ def command(model, dtype, threads, max_context, budget, thinking_budgets, max_to
     except (ValueError, NotADirectoryError) as e:
         raise LocalMoEError(f"--tool-timeout / --tool-output-cap / --workdir: {e}") from None
     config = ServerConfig(max_tokens_default=max_tokens, sessions_path=Path(sessions_path or default_sessions_path()),
-                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads)
-    loader = load_service(model, engine_config(dtype, threads, max_context), config)
+                          budgets=thinking_budgets, threads=engine.threads)
+    loader = load_service(model, engine, config)
     app = ChatApp(loader=loader, model_name=Path(model).name if model else "the embedded default model",
                   workdir=workdir, budget=budget, tools_enabled=not no_tools, session_id=session_id,
                   max_tokens=max_tokens, runner=runner)

@@ -1,70 +1,114 @@
-"""Options shared by commands that load a model.
+"""Options shared by the commands, declared once.
 
-`model_options` adds --model, --dtype, --threads, --max-context, --expert-precision and the paging
-flags (--ram, --gpu-mem, --policy, --io, --no-prefetch, --profile, --trace). --expert-precision and
-the paging flags are not passed to the command function: they are kept on the click context and
-`engine_config` picks them up,
-so a command's signature and its `engine_config(dtype, threads, max_context)` call stay as they
-were when it is given paging flags.
+`model_options` adds --model, --dtype, --threads, --max-context, --kv-cache-dtype,
+--expert-precision and the paging flags, and hands the command two values: `model` (the path)
+and `engine` (the `EngineConfig` they make, its paging flags one nested `PagingConfig`).
+`paging_options(model_param)` adds only the paging flags and hands over `paging` (for commands
+that take the store as an argument). The thinking-budget options build their values here too.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import click
 
-from localmoe.config import DTYPES, EXPERT_PRECISIONS, KV_CACHE_DTYPES, EngineConfig
+from localmoe.config import (
+    DTYPES,
+    EXPERT_PRECISIONS,
+    KV_CACHE_DTYPES,
+    PAGING_IO,
+    PAGING_POLICIES,
+    EngineConfig,
+    PagingConfig,
+)
 
 kv_cache_dtype_option = click.option(
     "--kv-cache-dtype", type=click.Choice(KV_CACHE_DTYPES), default="float32", show_default=True,
     help="Storage of attention K/V and MLA latent rows; fp8 = e4m3 with one fp32 scale per token and head "
          "(about 1/4 of float32). Delta-rule state stays float32.")
 
-_PAGING_META = "localmoe.paging"  # ctx.meta key: {EngineConfig field: raw option value}
-POLICY_CHOICES = ("lru", "lfu", "lfru", "belady")
-IO_CHOICES = ("odirect", "mmap")
-
-
-def _keep(field: str):
-    def callback(ctx: click.Context, _param, value):
-        ctx.meta.setdefault(_PAGING_META, {})[field] = value
-        return value
-
-    return callback
-
-
-def _paging_option(*decls, field: str, **kwargs):
-    return click.option(*decls, expose_value=False, callback=_keep(field), **kwargs)
-
-
-paging_option_list = [
-    _paging_option("--ram", field="ram_budget", default="0", metavar="SIZE",
-                   help="Host RAM for routed-expert slots of a packed store: bytes (8G, 512M) or % of the "
-                        "store's expert bytes (25%); 0 = no pager, the OS page cache decides."),
-    _paging_option("--gpu-mem", field="gpu_budget", default="0", metavar="SIZE",
-                   help="Device memory per GPU for expert slots (needs CUDA); 0 = no GPU tier."),
-    _paging_option("--policy", field="paging_policy", type=click.Choice(POLICY_CHOICES), default="lfru",
-                   show_default=True, help="Which expert the RAM tier evicts (belady needs --trace)."),
-    _paging_option("--io", field="paging_io", type=click.Choice(IO_CHOICES), default="odirect", show_default=True,
-                   help="How extents are read: O_DIRECT preads (no page-cache copy) or mmap + madvise."),
-    _paging_option("--no-prefetch", field="no_prefetch", is_flag=True,
-                   help="No router lookahead and no parallel loads of a layer's chosen experts."),
-    _paging_option("--profile", field="paging_profile", default="", metavar="PATH",
-                   help="Calibration profile (localmoe calibrate): its hot experts are pinned in RAM."),
-    _paging_option("--trace", field="paging_trace", default="", metavar="PATH",
-                   help="Routing trace (localmoe trace) the belady oracle follows."),
+_PAGING_FLAGS = [
+    click.option("--ram", "ram", default="0", metavar="SIZE",
+                 help="Host RAM for routed-expert slots of a packed store: bytes (8G, 512M) or % of the "
+                      "store's expert bytes (25%); 0 = no pager, the OS page cache decides."),
+    click.option("--gpu-mem", "gpu_mem", default="0", metavar="SIZE",
+                 help="Device memory per GPU for expert slots (needs CUDA); 0 = no GPU tier."),
+    click.option("--policy", "policy", type=click.Choice(PAGING_POLICIES), default="lfru", show_default=True,
+                 help="Which expert the RAM tier evicts (belady needs --trace)."),
+    click.option("--io", "io", type=click.Choice(PAGING_IO), default="odirect", show_default=True,
+                 help="How extents are read: O_DIRECT preads (no page-cache copy) or mmap + madvise."),
+    click.option("--no-prefetch", "no_prefetch", is_flag=True,
+                 help="No router lookahead and no parallel loads of a layer's chosen experts."),
+    click.option("--profile", "profile", default="", metavar="PATH",
+                 help="Calibration profile (localmoe calibrate): its hot experts are pinned in RAM."),
+    click.option("--trace", "paging_trace", default="", metavar="PATH",
+                 help="Routing trace (localmoe trace) the belady oracle follows."),
 ]
+_PAGING_PARAMS = ("ram", "gpu_mem", "policy", "io", "no_prefetch", "profile", "paging_trace")
 
 
-def paging_options(function):
-    """Only the paging flags (for commands that take the model another way)."""
-    for option in reversed(paging_option_list):
+def _expert_bytes_of(model: str | None) -> int | None:
+    """Expert bytes of the packed store at `model` (for a --ram given in %), None if it is not one."""
+    from localmoe.store.manifest import MANIFEST
+
+    if model is None or not (Path(model).expanduser() / MANIFEST).exists():
+        return None
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    with PackedStore(Path(model).expanduser()) as store:
+        return expert_bytes(store)
+
+
+def _paging_config(model: str | None, ram: str, gpu_mem: str, policy: str, io: str, no_prefetch: bool, profile: str,
+                   paging_trace: str) -> PagingConfig:
+    """The PagingConfig of the paging flags; a size in % is of the packed store `model`'s expert bytes."""
+    from localmoe.commands.paged import parse_size
+    from localmoe.errors import LocalMoEError
+
+    budgets = {}
+    for field, flag, text in (("ram_budget", "--ram", ram), ("gpu_budget", "--gpu-mem", gpu_mem)):
+        total = _expert_bytes_of(model) if text.strip().endswith("%") else None
+        if text.strip().endswith("%") and total is None:
+            raise LocalMoEError(f"{flag} {text}: a percentage is of a packed store's expert bytes, and --model "
+                                f"{model} is not a packed store; give bytes (8G, 512M)")
+        budgets[field] = parse_size(text, total)
+    return PagingConfig(**budgets, policy=policy, io=io, prefetch=not no_prefetch, profile=profile,
+                        trace=paging_trace)
+
+
+def _decorate(function, options: list):
+    for option in reversed(options):
         function = option(function)
     return function
 
 
+def paging_options(model_param: str):
+    """The paging flags, handed to the command as `paging` (a PagingConfig); % sizes are of the
+    packed store named by the command's `model_param` argument."""
+
+    def decorator(function):
+        @functools.wraps(function)
+        def command(**kwargs):
+            flags = {name: kwargs.pop(name) for name in _PAGING_PARAMS}
+            return function(paging=_paging_config(kwargs.get(model_param), **flags), **kwargs)
+
+        return _decorate(command, _PAGING_FLAGS)
+
+    return decorator
+
+
 def model_options(function):
-    """--model, --dtype, --threads, --max-context and the paging flags (commands add
-    `kv_cache_dtype_option` themselves)."""
+    """--model and every engine flag; the command gets `model` and `engine` (an EngineConfig)."""
+
+    @functools.wraps(function)
+    def command(*, dtype, threads, max_context, kv_cache_dtype, expert_precision, paging, **kwargs):
+        engine = EngineConfig(dtype=dtype, threads=threads, max_context=max_context, kv_cache_dtype=kv_cache_dtype,
+                              expert_precision=expert_precision, paging=paging)
+        return function(engine=engine, **kwargs)
+
     options = [
         click.option("--model", "-m", "model", default=None, metavar="PATH",
                      help="GGUF file, HF model directory or packed store (default: the embedded "
@@ -74,56 +118,30 @@ def model_options(function):
         click.option("--threads", type=int, default=0, help="CPU threads (default: physical cores)."),
         click.option("--max-context", type=int, default=0,
                      help="Context length to allocate the cache for (default: min(model max, 8192))."),
-        _paging_option("--expert-precision", field="expert_precision", type=click.Choice(EXPERT_PRECISIONS),
-                       default="q8", show_default=True,
-                       help="MXFP4 experts' activations: q8 rounds them to int8 per 32 values (as llama.cpp; "
-                            "about 2x faster on AVX2), exact keeps float32."),
+        kv_cache_dtype_option,
+        click.option("--expert-precision", type=click.Choice(EXPERT_PRECISIONS), default="q8", show_default=True,
+                     help="MXFP4 experts' activations: q8 rounds them to int8 per 32 values (as llama.cpp; "
+                          "about 2x faster on AVX2), exact keeps float32."),
     ]
-    for option in reversed(options):
-        function = option(function)
-    return paging_options(function)
+    return _decorate(paging_options("model")(command), options)
 
 
-def _expert_bytes_of(model: str | None) -> int | None:
-    """Expert bytes of the packed store at `model` (for a --ram given in %), None if it is not one."""
-    from pathlib import Path
+def budget_option(help: str):
+    """--budget: the thinking-budget tier (low / high / max) to start with."""
+    from localmoe.chat.format import REASONING_EFFORTS
 
-    from localmoe.store.manifest import MANIFEST
-
-    if model is None or not (Path(model).expanduser() / MANIFEST).exists():
-        return None
-    from localmoe.paging import expert_bytes
-    from localmoe.store.packed import PackedStore
-
-    return expert_bytes(PackedStore(Path(model).expanduser()))
+    return click.option("--budget", type=click.Choice(REASONING_EFFORTS), default="high", show_default=True,
+                        help=help)
 
 
-def paging_fields(ctx: click.Context | None = None) -> dict:
-    """EngineConfig's paging fields from the flags of the running command (empty outside one)."""
-    from localmoe.commands.paged import parse_size
-    from localmoe.errors import LocalMoEError
+def thinking_budgets_option(function):
+    """--thinking-budgets, handed over as `thinking_budgets` (a ThinkingBudgets)."""
+    from localmoe.chat.budget import ThinkingBudgets
 
-    ctx = ctx or click.get_current_context(silent=True)
-    raw = dict(ctx.meta.get(_PAGING_META, {})) if ctx is not None else {}
-    if not raw:
-        return {}
-    fields = {k: v for k, v in raw.items() if k not in ("ram_budget", "gpu_budget", "no_prefetch")}
-    fields["prefetch"] = not raw.get("no_prefetch", False)
-    model = ctx.params.get("model")
-    for field, flag in (("ram_budget", "--ram"), ("gpu_budget", "--gpu-mem")):
-        text = str(raw.get(field, "0"))
-        total = _expert_bytes_of(model) if text.strip().endswith("%") else None
-        if text.strip().endswith("%") and total is None:
-            raise LocalMoEError(f"{flag} {text}: a percentage is of a packed store's expert bytes, and --model "
-                                f"{model} is not a packed store; give bytes (8G, 512M)")
-        fields[field] = parse_size(text, total)
-    return fields
+    @functools.wraps(function)
+    def command(*, thinking_budgets: str, **kwargs):
+        return function(thinking_budgets=ThinkingBudgets.parse(thinking_budgets), **kwargs)
 
-
-def engine_config(dtype: str, threads: int, max_context: int, kv_cache_dtype: str = "float32",
-                  **paging) -> EngineConfig:
-    """The EngineConfig of a command's flags; paging fields come from `paging` (EngineConfig names)
-    or, when not given, from the running command's paging flags."""
-    fields = paging_fields() | paging
-    return EngineConfig(dtype=dtype, threads=threads, max_context=max_context, kv_cache_dtype=kv_cache_dtype,
-                        **fields)
+    return click.option("--thinking-budgets", default=str(ThinkingBudgets()), show_default=True,
+                        help="Reasoning-token limit of each thinking-budget tier (reasoning_effort over the API).")(
+        command)

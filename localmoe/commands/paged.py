@@ -26,26 +26,19 @@ def parse_size(text: str | int, total: int | None = None) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def open_paged(store_path: str, ram: str, policy: str = "lfru", io: str = "odirect", prefetch: bool = True,
-               threads: int = 0, trace=None):
-    """(loaded model, pager) for a packed store with experts paged within `ram` (`load_model`, float32)."""
+def open_paged(store_path: str, paging, threads: int = 0, trace=None):
+    """(loaded model, its Pager or None) for a packed store, experts placed as `paging` (a PagingConfig)
+    says, weights in float32; `trace` (a RoutingTrace) records every router's choices."""
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
-    from localmoe.paging import expert_bytes
+    from localmoe.paging import attach
     from localmoe.paging.metrics import pager_of
-    from localmoe.store.packed import PackedStore
 
-    with PackedStore(store_path) as store:
-        budget = parse_size(ram, expert_bytes(store))
-    if budget < 1:
-        raise LocalMoEError(f"--ram {ram}: these commands page the experts; give a RAM budget (8G, 512M, 25%)")
-    config = EngineConfig(dtype="float32", threads=threads, ram_budget=budget, paging_policy=policy, paging_io=io,
-                          prefetch=prefetch)
-    loaded = load_model(store_path, config, progress=False)
-    if trace is not None:
-        for block in loaded.model.moe_blocks():
-            block.router.trace = trace
-    return loaded, pager_of(loaded.model)
+    loaded = load_model(store_path, EngineConfig(dtype="float32", threads=threads, paging=paging), progress=False)
+    pager = pager_of(loaded.model)
+    if trace is not None:  # the routers rewrapped, recording as well as paging
+        attach(loaded.model, pager, trace=trace, lookahead=pager is not None and pager.prefetch_enabled)
+    return loaded, pager
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -8,13 +8,12 @@ import sys
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, kv_cache_dtype_option, model_options
+from localmoe.commands.options import model_options
 
 
 @click.command("run", cls=Command)
 @click.argument("prompt")
 @model_options
-@kv_cache_dtype_option
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-tokens", type=int, default=256, show_default=True)
 @click.option("--temperature", type=float, default=0.7, show_default=True, help="0 = greedy.")
@@ -28,7 +27,7 @@ from localmoe.commands.options import engine_config, kv_cache_dtype_option, mode
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
 @click.option("--stats", "show_stats", is_flag=True,
               help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) to stderr.")
-def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, max_tokens, temperature, top_p, top_k,
+def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k,
             min_p, repetition_penalty, seed, stop, no_stream, as_json, show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
@@ -40,7 +39,7 @@ def command(prompt, model, dtype, threads, max_context, kv_cache_dtype, system, 
         prompt = sys.stdin.read()
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
-    loaded = load_model(model, engine_config(dtype, threads, max_context, kv_cache_dtype))
+    loaded = load_model(model, engine)
     stream = not (no_stream or as_json)
     parts, final = [], None
     for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system):

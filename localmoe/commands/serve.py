@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, model_options
+from localmoe.commands.options import model_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 from localmoe.paths import cache_dir
 
@@ -31,8 +31,7 @@ def default_sessions_path() -> Path:
 @click.option("--max-concurrency", type=int, default=16, show_default=True,
               help="Generations interleaved at once; more requests wait in the queue.")
 @click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")
-@click.option("--thinking-budgets", default="low=256,high=4096,max=none", show_default=True,
-              help="Reasoning-token limit of each reasoning_effort tier.")
+@thinking_budgets_option
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file for persisted sessions (default: sessions.db in the localmoe cache).")
 @click.option("--no-sessions", is_flag=True, help="Store no sessions.")
@@ -46,7 +45,7 @@ def default_sessions_path() -> Path:
                    "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def command(model, dtype, threads, max_context, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
+def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
             max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
             documents_roots, allowed_hosts, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
@@ -55,7 +54,6 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
         from localmoe.server import ServerConfig, serve
     except ImportError as e:
         raise LocalMoEError(f"the server needs its extra: pip install 'localmoe[server]' ({e})") from None
-    from localmoe.chat.budget import ThinkingBudgets
     from localmoe.load import load_model
     from localmoe.server.security import allowed_hosts_for
 
@@ -71,11 +69,11 @@ def command(model, dtype, threads, max_context, host, port, api_key, model_id, m
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
                           max_active=max_concurrency, max_body_bytes=max_body, api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
-                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads,
+                          budgets=thinking_budgets, threads=engine.threads,
                           prefix_cache_entries=prefix_cache_entries,
                           documents_roots=roots,
                           allowed_hosts=allowed_hosts_for(host, tuple(n for h in allowed_hosts for n in h.split(","))))
-    loaded = load_model(model, engine_config(dtype, threads, max_context))
+    loaded = load_model(model, engine)
     config.threads = loaded.config.resolved_threads()
     if not local and api_key is None:
         click.echo(f"localmoe: warning: serving on {host} without --api-key: anyone who can reach it can use it",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from localmoe.commands.base import Command
+from localmoe.commands.options import paging_options
 
 
 @click.command("trace", cls=Command)
@@ -12,15 +13,14 @@ from localmoe.commands.base import Command
 @click.argument("prompt", required=False)
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Trace file to write (JSON).")
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Greedy decode steps after the prompt.")
-@click.option("--ram", default="25%", show_default=True, help="Expert RAM budget: bytes (8G, 512M) or % of experts.")
-@click.option("--io", type=click.Choice(["odirect", "mmap"]), default="odirect", show_default=True)
+@paging_options("store")
 @click.option("--threads", type=int, default=0)
 @click.option("--synthetic", is_flag=True, help="Write a SYNTHETIC trace for this model's shape instead of running it.")
 @click.option("--tokens", type=int, default=400, show_default=True, help="--synthetic: decode tokens.")
 @click.option("--reuse", type=float, default=0.30, show_default=True, help="--synthetic: next-token reuse.")
 @click.option("--zipf", type=float, default=1.0, show_default=True, help="--synthetic: popularity exponent.")
 @click.option("--seed", type=int, default=0)
-def command(store, prompt, output, max_tokens, ram, io, threads, synthetic, tokens, reuse, zipf, seed):
+def command(store, prompt, output, max_tokens, paging, threads, synthetic, tokens, reuse, zipf, seed):
     """Run PROMPT (text, or ids:1,2,3) through the packed store STORE greedily and write the routing
     trace: (token, layer, experts) for every token, prompt included. The trace replays against
     any policy and budget (`localmoe plan`, benchmarks/offload.py) and is the future the Belady
@@ -38,11 +38,12 @@ def command(store, prompt, output, max_tokens, ram, io, threads, synthetic, toke
         return
     if not prompt:
         raise click.UsageError("give a PROMPT (or --synthetic)")
-    loaded, pager = open_paged(store, ram, io=io, threads=threads, trace=(trace := RoutingTrace()))
+    loaded, pager = open_paged(store, paging, threads, trace=(trace := RoutingTrace()))
     trace.num_experts = loaded.spec.num_experts
     trace.label = f"recorded: {loaded.source.name}, prompt {prompt[:40]!r}"
     greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
-    pager.close()
+    if pager is not None:
+        pager.close()
     trace.save(output)
     click.echo(f"wrote {output}: {trace.tokens} tokens x {len(trace.layers)} MoE layers, next-token reuse "
                f"{trace.reuse():.1%}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import engine_config, kv_cache_dtype_option, model_options
+from localmoe.commands.options import budget_option, model_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -16,22 +16,19 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 @click.command("web", cls=Command)
 @model_options
-@kv_cache_dtype_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but localhost lets others on the network use the model and tools.")
 @click.option("--port", type=int, default=7860, show_default=True)
 @click.option("--workdir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
               show_default=True, help="Directory the tools (read_file, list_dir, run_command) work in.")
-@click.option("--budget", type=click.Choice(["low", "high", "max"]), default="high", show_default=True,
-              help="Thinking budget a new tab starts with.")
+@budget_option("Thinking budget a new tab starts with.")
 @click.option("--no-tools", is_flag=True, help="Start with the built-in tools switched off.")
 @click.option("--max-tokens", type=int, default=None, help="Most tokens per model turn (default: the server's).")
-@click.option("--thinking-budgets", default="low=256,high=4096,max=none", show_default=True,
-              help="Reasoning-token limit of each budget tier.")
+@thinking_budgets_option
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file for persisted chats (default: sessions.db in the localmoe cache).")
 @click.option("--no-sessions", is_flag=True, help="Keep chats only in memory.")
-def command(model, dtype, threads, max_context, kv_cache_dtype, host, port, workdir, budget, no_tools, max_tokens,
+def command(model, engine, host, port, workdir, budget, no_tools, max_tokens,
             thinking_budgets, sessions_path, no_sessions):
     """Chat with the model in a browser: streaming answers, reasoning panels, approved tool calls,
     questions about uploaded documents, live speed and paging plots."""
@@ -41,7 +38,6 @@ def command(model, dtype, threads, max_context, kv_cache_dtype, host, port, work
         import starlette  # noqa: F401
     except ImportError as e:
         raise LocalMoEError(f"the web app needs its extra: pip install 'localmoe[ui]' ({e})") from None
-    from localmoe.chat.budget import ThinkingBudgets
     from localmoe.commands.serve import default_sessions_path
     from localmoe.load import load_model
     from localmoe.server.service import ServerConfig, Service
@@ -52,9 +48,9 @@ def command(model, dtype, threads, max_context, kv_cache_dtype, host, port, work
     if max_tokens is not None and max_tokens < 1:
         raise LocalMoEError(f"--max-tokens must be at least 1, not {max_tokens}")
     config = ServerConfig(sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
-                          budgets=ThinkingBudgets.parse(thinking_budgets), threads=threads)
+                          budgets=thinking_budgets, threads=engine.threads)
     click.echo("localmoe web: loading the model", err=True)
-    loaded = load_model(model, engine_config(dtype, threads, max_context, kv_cache_dtype))
+    loaded = load_model(model, engine)
     config.threads = loaded.config.resolved_threads()
     if host not in LOCAL_HOSTS:
         click.echo(f"localmoe: warning: serving on {host}: anyone who can reach it can chat and approve tool calls "

@@ -2,7 +2,7 @@
 
 `provider_for_store(store, spec, config)` is what the loader calls for a packed store: an
 `ExpertProvider` (engine/experts.py) that serves (layer, expert) requests from the store.
-With `config.ram_budget` 0 that is `StoreExperts` (maps of the store; the page cache
+With `config.paging.ram_budget` 0 that is `StoreExperts` (maps of the store; the page cache
 decides); otherwise a `Pager` over a RAM slab of that many bytes. See docs/paging.md.
 
     pager = make_pager(store, PagingConfig(ram_budget=2 << 30, policy="lfru"))
@@ -16,12 +16,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from localmoe.config import PagingConfig
 from localmoe.engine.experts import ExpertWeights
-from localmoe.paging.disk import BACKENDS, make_backend
+from localmoe.paging.disk import make_backend
 from localmoe.paging.errors import PagingError
 from localmoe.paging.hooks import attach, detach
 from localmoe.paging.pager import Pager
-from localmoe.paging.policy import POLICIES, make_policy, popularity
+from localmoe.paging.policy import make_policy, popularity
 from localmoe.paging.slab import slots_for_budget
 from localmoe.paging.stats import PagingStats
 from localmoe.paging.trace import RoutingTrace
@@ -52,37 +53,6 @@ class StoreExperts:
 
     def nbytes(self) -> int:
         return 0  # nothing held beyond the OS page cache
-
-
-@dataclass(slots=True)
-class PagingConfig:
-    ram_budget: int = 0  # bytes; 0 = no pager
-    policy: str = "lfru"
-    io: str = "odirect"
-    prefetch: bool = True
-    profile: str = ""  # calibration profile: hot experts pinned, and LFRU's popularity prior
-    trace: str = ""  # routing trace for the Belady oracle
-    io_threads: int = 4  # ~0.9 GB/s with 4 parallel reads vs ~0.5 GB/s with one on the dev machine
-    timeout: float = 30.0  # seconds before a read is declared hung
-    verify: bool = True  # check each extent's xxh3 after reading it
-
-    def __post_init__(self) -> None:
-        if self.ram_budget < 0:
-            raise PagingError(f"--ram must be >= 0 bytes, not {self.ram_budget}")
-        if self.policy not in POLICIES:
-            raise PagingError(f"unknown paging policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.io not in BACKENDS:
-            raise PagingError(f"unknown paging I/O backend {self.io!r}; choose one of {', '.join(BACKENDS)}")
-        if self.policy == "belady" and not self.trace:
-            raise PagingError("the belady policy needs --trace (a routing trace from `localmoe trace`)")
-        if self.timeout <= 0 or self.io_threads < 1:
-            raise PagingError("the I/O timeout must be > 0 s and io_threads >= 1")
-
-    @classmethod
-    def from_engine(cls, config) -> PagingConfig:
-        """From EngineConfig's `# paging` fields."""
-        return cls(ram_budget=config.ram_budget, policy=config.paging_policy, io=config.paging_io,
-                   prefetch=config.prefetch, profile=config.paging_profile, trace=config.paging_trace)
 
 
 def expert_bytes(store) -> int:
@@ -157,7 +127,7 @@ def attach_provider(model, provider, config) -> None:
     if not isinstance(provider, Pager):
         return
     attach(model, provider, lookahead=provider.prefetch_enabled)
-    slabs = gpu_tiers(config, provider.slab.slot_bytes)
+    slabs = gpu_tiers(config.paging, provider.slab.slot_bytes)
     if slabs:
         from localmoe.paging.placement import measure_devices
 
@@ -169,10 +139,10 @@ def provider_for_store(store, spec, config):
 
     The loader then calls `attach_provider(model, provider, config)` once the model is built
     (parallel loads and router lookahead for a Pager; see docs/paging.md)."""
-    paging = PagingConfig.from_engine(config)
+    paging = config.paging
     if paging.ram_budget == 0:
-        if config.gpu_budget:
-            raise PagingError(f"--gpu-mem {config.gpu_budget} bytes: the GPU tier is filled from the RAM tier; give "
+        if paging.gpu_budget:
+            raise PagingError(f"--gpu-mem {paging.gpu_budget} bytes: the GPU tier is filled from the RAM tier; give "
                               f"--ram too (bytes, or a share of the experts such as 25%)")
         return StoreExperts(store)
     return make_pager(store, paging)

@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from localmoe.config import PAGING_IO
 from localmoe.paging.errors import CorruptExpertError, PagingError, StoreChangedError
 
-BACKENDS = ("odirect", "mmap")
+BACKENDS = PAGING_IO  # the names, declared with PagingConfig
 
 
 @dataclass

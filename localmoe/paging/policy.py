@@ -21,10 +21,11 @@ import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+from localmoe.config import PAGING_POLICIES
 from localmoe.paging.errors import PagingError
 
 Key = tuple[int, int]  # (layer, expert)
-POLICIES = ("lru", "lfu", "lfru", "belady")
+POLICIES = PAGING_POLICIES  # the names, declared with PagingConfig
 
 
 class Policy:

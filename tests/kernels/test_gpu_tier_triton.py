@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localmoe.config import PagingConfig
 from localmoe.convert import convert
 from localmoe.load import load_model
 from localmoe.paging.gpu import GpuSlab
@@ -31,7 +32,7 @@ def test_gpu_tier_layer_through_triton(tmp_path, monkeypatch, device, precision)
     src = write_checkpoint("gpt_oss", tmp_path / "src", size="tiny", seed=3)
     convert(src, tmp_path / "store", experts="mxfp4")
     model = load_model(tmp_path / "store", dtype="float32", expert_precision=precision, progress=False,
-                       ram_budget=1 << 30).model
+                       paging=PagingConfig(ram_budget=1 << 30)).model
     resident = load_model(src, dtype="float32", expert_precision=precision, progress=False).model
     pager = model.moe_blocks()[0].experts
     slot = pager.slab.slot_bytes

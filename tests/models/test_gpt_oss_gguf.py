@@ -70,7 +70,7 @@ def test_store_converted_from_the_gguf_pages_its_experts(files, tmp_path, ram):
     """`localmoe convert model.gguf` splits the ggml MXFP4 experts into canonical extents, so the store
     runs with its experts paged (resident maps, or a RAM tier of a quarter of them) and gives the
     HF checkpoint's bits."""
-    from localmoe.config import EngineConfig
+    from localmoe.config import EngineConfig, PagingConfig
     from localmoe.convert import convert
     from localmoe.paging import Pager, expert_bytes
     from localmoe.store.packed import PackedStore
@@ -80,7 +80,7 @@ def test_store_converted_from_the_gguf_pages_its_experts(files, tmp_path, ram):
     store = PackedStore(tmp_path / "store")
     assert store.layers() == [0, 1, 2, 3] and len(store.experts_in(0)) == 8
     budget = 0 if ram == 0 else expert_bytes(store) // 4
-    ours = load_model(tmp_path / "store", EngineConfig(dtype="float32", expert_precision="exact", ram_budget=budget),
+    ours = load_model(tmp_path / "store", EngineConfig(dtype="float32", expert_precision="exact", paging=PagingConfig(ram_budget=budget)),
                       progress=False)
     hf = load_model(src, dtype="float32", expert_precision="exact", progress=False)
     assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (ram != 0)

@@ -67,14 +67,14 @@ def test_packed_store_pages_the_experts(pair, tmp_path, experts):
     to float32 noise: the same fp32 weights, but torch's sgemm rounds differently with the weights'
     memory alignment (page-aligned extents vs views into the safetensors file; measured 9e-8).
     Quantised to MXFP4 they stay close (a few % of the range on random weights)."""
-    from localmoe.config import EngineConfig
+    from localmoe.config import EngineConfig, PagingConfig
     from localmoe.convert import convert
 
     _, path = pair
     convert(path, tmp_path / "store", experts=experts, progress=False)
     direct = load_model(path, dtype="float32", expert_precision="exact", progress=False).model
     paged = load_model(tmp_path / "store", EngineConfig(dtype="float32", expert_precision="exact",
-                                                        ram_budget=1 << 20), progress=False).model
+                                                        paging=PagingConfig(ram_budget=1 << 20)), progress=False).model
     tokens = torch.randint(0, VOCAB_SIZE, (1, 12), generator=torch.Generator().manual_seed(2))
     a = paged.forward(tokens, paged.new_cache(1, 16), all_logits=True)
     b = direct.forward(tokens, direct.new_cache(1, 16), all_logits=True)

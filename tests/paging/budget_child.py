@@ -18,13 +18,14 @@ if mode == "cgroup":
 
 import torch
 
-from localmoe.config import EngineConfig
+from localmoe.config import EngineConfig, PagingConfig
 from localmoe.load import load_model
 from localmoe.paging import StoreExperts, detach
 from localmoe.paging.budget import drop_store_cache, rss_bytes, store_cached_bytes
 from localmoe.paging.metrics import pager_of
 
-config = EngineConfig(dtype="float32", threads=1, ram_budget=budget, paging_io="mmap" if provider == "pager" else "odirect")
+paging = PagingConfig(ram_budget=budget, io="mmap" if provider == "pager" else "odirect")
+config = EngineConfig(dtype="float32", threads=1, paging=paging)
 model = load_model(store_path, config, progress=False).model
 pager = pager_of(model)
 if provider == "mmap":  # the unbudgeted control: experts mapped from the store, the page cache decides

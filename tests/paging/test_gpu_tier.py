@@ -149,12 +149,12 @@ def test_gpu_mem_needs_a_ram_tier_and_a_store(gpt_oss, tmp_path):
     from localmoe.load import load_model
 
     with pytest.raises(PagingError, match="--ram"):
-        load_model(gpt_oss.store_path, EngineConfig(gpu_budget=1 << 30), progress=False)
+        load_model(gpt_oss.store_path, EngineConfig(paging=PagingConfig(gpu_budget=1 << 30)), progress=False)
     with pytest.raises(LocalMoEError, match="packed store"):
-        load_model(gpt_oss.src, EngineConfig(gpu_budget=1 << 30), progress=False)
+        load_model(gpt_oss.src, EngineConfig(paging=PagingConfig(gpu_budget=1 << 30)), progress=False)
     if not torch.cuda.is_available():
         with pytest.raises(PagingError, match="no CUDA"):
-            load_model(gpt_oss.store_path, EngineConfig(gpu_budget=1 << 30, ram_budget=1 << 30), progress=False)
+            load_model(gpt_oss.store_path, EngineConfig(paging=PagingConfig(gpu_budget=1 << 30, ram_budget=1 << 30)), progress=False)
 
 
 def test_gpu_stats_reach_the_summary_and_prometheus(gpt_oss):
