@@ -188,10 +188,6 @@ class ModelSpec:
             return values + 4 * sum(per_kind[kind][1] for kind in self.layer_kinds)
         return values * (4 if cache_dtype == "float32" else 2)
 
-    def sizes_cache(self) -> bool:
-        """Whether kv_bytes_per_token knows every layer kind of this model (all kinds now, DSA index keys too)."""
-        return True
-
 
 DTYPES = ("auto", "float32", "bfloat16")
 EXPERT_PRECISIONS = ("q8", "exact")  # kernels/mxfp4_moe: PRECISIONS

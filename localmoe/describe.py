@@ -120,7 +120,7 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
     context = config.context_for(spec)
     state = delta_state_bytes(spec)
     cache = cache_sizes(spec, context, state or 0)
-    kv_per_token = cache[config.kv_cache_dtype]["bytes_per_token"] if cache else None
+    kv_per_token = cache[config.kv_cache_dtype]["bytes_per_token"]
     layer_kinds = Counter(zip(spec.layer_kinds, spec.mlp_kinds))
     return {
         "path": str(path),
@@ -150,8 +150,8 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
             "kv_cache_dtype": config.kv_cache_dtype,
             "kv_cache_bytes_per_token": kv_per_token,
             "context": context,
-            "kv_cache_bytes_at_context": kv_per_token * context if kv_per_token is not None else None,
-            "kv_cache": cache,  # per cache dtype; None for layer kinds not sized yet (DSA)
+            "kv_cache_bytes_at_context": kv_per_token * context,
+            "kv_cache": cache,  # per cache dtype
             "delta_state_bytes": state,
         },
     }
@@ -160,12 +160,10 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
 MILLION = 1 << 20  # "1M tokens": K3's context of 1,048,576
 
 
-def cache_sizes(spec: ModelSpec, context: int, state: int = 0) -> dict | None:
+def cache_sizes(spec: ModelSpec, context: int, state: int = 0) -> dict:
     """Cache bytes of one sequence per KV cache dtype: per token, at `context` and at 1M tokens, and
     at 1M tokens with the constant delta-rule `state` added (engine/cache.py's layout: fp8 adds one
     fp32 scale per token and KV head, or per MLA row)."""
-    if not spec.sizes_cache():
-        return None
     sizes = {}
     for dtype in KV_CACHE_DTYPES:
         per_token = spec.kv_bytes_per_token(dtype)
@@ -230,8 +228,6 @@ def format_description(d: dict) -> str:
 
 def _cache_lines(m: dict) -> list[str]:
     """One line per cache dtype (the chosen one marked) and the constant delta-rule state."""
-    if m["kv_cache"] is None:
-        return ["kv cache       not estimated yet for DSA layers"]
     lines = []
     for i, (dtype, s) in enumerate(m["kv_cache"].items()):
         mark = " (selected)" if dtype == m["kv_cache_dtype"] else ""
