@@ -48,6 +48,10 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL,
     PRIMARY KEY (session_id, seq)
 );
+CREATE TABLE IF NOT EXISTS records (
+    session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
+    body TEXT NOT NULL
+);
 """
 
 
@@ -174,6 +178,18 @@ class SessionStore:
         return [ChatMessage(role=r[0], content=r[1], reasoning=r[2], tool_calls=_calls_from_json(r[3]), name=r[4],
                             tool_call_id=r[5]) for r in rows]
 
+    def set_record(self, session_id: str, body: str) -> None:
+        """Keep one document beside the session's messages (the Responses API's response object)."""
+        if not self.exists(session_id):
+            raise SessionError(f"no session {session_id!r}")
+        self._write([("INSERT OR REPLACE INTO records (session_id, body) VALUES (?, ?)", (session_id, body))])
+
+    def record(self, session_id: str) -> str | None:
+        """The document kept with `set_record`, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT body FROM records WHERE session_id = ?", (session_id,)).fetchone()
+        return row[0] if row else None
+
     def info(self, session_id: str) -> SessionInfo:
         with self._lock:
             row = self._db.execute(
@@ -196,6 +212,7 @@ class SessionStore:
         if not self.exists(session_id):
             raise SessionError(f"no session {session_id!r}")
         self._write([("DELETE FROM messages WHERE session_id = ?", (session_id,)),
+                     ("DELETE FROM records WHERE session_id = ?", (session_id,)),
                      ("DELETE FROM sessions WHERE id = ?", (session_id,))])
 
 

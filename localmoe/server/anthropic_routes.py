@@ -80,7 +80,9 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
         reasoning_effort=EFFORT_TIER[effort] if (effort := body.output_config and body.output_config.effort) else None,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         reasoning_tokens=reasoning_tokens, stop=list(body.stop_sequences or []), seconds=body.max_time_s,
-        bytes_read=body.max_bytes_read, session_id=body.session_id)
+        bytes_read=body.max_bytes_read, session_id=body.session_id, output_param="output_config.format",
+        output_schema=body.output_config.format.output_schema() if body.output_config and body.output_config.format
+        else None)
 
 
 def stop_reason(result: TurnResult) -> str:

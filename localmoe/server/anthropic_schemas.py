@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from localmoe.server.schemas import NAME, Body, check_parameters
+from localmoe.server.structured import JSONOutputFormat
 
 
 class TextBlock(Body):
@@ -103,7 +104,7 @@ class ThinkingAdaptive(Body):
 
 class OutputConfig(Body):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    format: None = None  # structured output formats are not supported
+    format: JSONOutputFormat | None = None  # the answer is JSON valid against its schema (the grammar engine)
 
 
 EFFORT_TIER = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}

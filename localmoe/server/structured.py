@@ -43,6 +43,16 @@ class TextFormat(_Body):
     strict: bool | None = None
 
 
+class JSONOutputFormat(_Body):
+    """Anthropic's `output_config.format`; its objects are closed, as Anthropic's structured outputs require."""
+
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+    def output_schema(self) -> dict:
+        return closed(self.schema_)
+
+
 def output_schema(kind: str, schema: dict | None, strict: bool | None) -> dict | None:
     """The schema the answer must match (None: free text). `strict` (OpenAI's default for
     Responses, opt-in for chat) closes objects to their declared properties."""

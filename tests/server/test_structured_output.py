@@ -90,3 +90,19 @@ def test_bad_formats_are_400_naming_the_field(client, fmt, field):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="default", messages=PROMPT, max_tokens=8, response_format=fmt)
     assert field in str(e.value)
+
+
+def test_anthropic_output_config_format_validates(real_server):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=real_server.url, api_key="unused", max_retries=0, timeout=300)
+    open_schema = {k: v for k, v in PERSON.items() if k != "additionalProperties"}  # Anthropic closes objects
+    for _ in range(5):
+        reply = client.messages.create(model="default", max_tokens=200, messages=PROMPT,
+                                       output_config={"format": {"type": "json_schema", "schema": open_schema}},
+                                       extra_body={"temperature": 0.7})
+        assert reply.stop_reason == "end_turn" and reply.content[0].type == "text"
+        jsonschema.validate(json.loads(reply.content[0].text), PERSON)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="default", max_tokens=8, messages=PROMPT,
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "strin"}}})
+    assert "output_config.format" in str(e.value)
