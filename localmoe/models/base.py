@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localmoe.config import ModelSpec
+from localmoe.engine.transformer import Transformer
 
 Transform = Callable[[torch.Tensor, ModelSpec], torch.Tensor]
 PLACEHOLDERS = ("i", "e")  # layer index, expert id
@@ -65,10 +66,6 @@ class TensorMap:
 def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=None):
     """The `build` of every family whose layers the shared Transformer assembles from its kinds;
     `experts`: an ExpertProvider when `weights` holds no routed experts (packed stores)."""
-    from localmoe.engine.transformer import (
-        Transformer,  # engine imports stay lazy: models is the lower layer
-    )
-
     return Transformer(spec, weights, engine_config, experts)
 
 
@@ -132,8 +129,8 @@ class ModelFamily:
 
     name: str
     model_types: tuple[str, ...]  # HF config.json `model_type` values
-    gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
     spec_from_hf: Callable[[dict], ModelSpec]
+    gguf_architectures: tuple[str, ...] = ()  # GGUF `general.architecture` values
     spec_from_gguf: Callable[[dict, set], ModelSpec] | None = None  # (metadata, tensor names)
     hf_tensors: TensorMap | None = None  # None: the engine cannot run this family yet
     gguf_tensors: Callable[[str], TensorMap] | None = None  # by GGUF architecture (permutations differ)
@@ -141,8 +138,9 @@ class ModelFamily:
     # shape checks: for tensors a GGUF splits or stores otherwise (gpt-oss's MXFP4 gate / up experts)
     gguf_finish: Callable[[dict, ModelSpec], dict] | None = None
     expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None
-    optional_tensors: tuple[str, ...] = ()  # canonical-name regexes that may be absent (e.g. a tied lm_head)
-    build: Callable | None = None  # (spec, weights: dict[str, Tensor], engine_config, experts=None) -> model
+    # canonical-name regexes that may be present without the config asking for them (a tied lm_head)
+    optional_tensors: tuple[str, ...] = (r"^lm_head\.weight$",)
+    build: Callable | None = build_transformer  # (spec, weights: dict[str, Tensor], engine_config, experts=None)
     experts: ExpertTensors | None = None  # routed experts in the HF checkpoint (MoE families)
     gguf_experts: ExpertTensors | None = None  # routed experts in the family's GGUF files
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from localmoe.config import ModelSpec
 from localmoe.engine.mla import MLAConfig
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes, mla_shapes
 from localmoe.models.moe_config import moe_placement, require
 
@@ -130,7 +130,6 @@ def experts(prefix: str) -> ExpertTensors:
                                   "down": f"{stem}.down_proj.weight"})
 
 
-DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32",), gguf_architectures=(),
+DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32",),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
-                           optional_tensors=(r"^lm_head\.weight$",), build=build_transformer,
                            experts=experts("model.")))

@@ -26,7 +26,7 @@ from localmoe.config import ModelSpec
 from localmoe.engine.kda import KDAConfig
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.deepseek_v32 import dsa_fields, experts, indexer_shapes, moe_shapes, moe_spec
 from localmoe.models.kimi_linear import kda_shapes, mla_shapes
 from localmoe.models.moe_config import require
@@ -135,7 +135,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-GLM5 = register(ModelFamily(name="glm5_next", model_types=("glm5_next",), gguf_architectures=(),
+GLM5 = register(ModelFamily(name="glm5_next", model_types=("glm5_next",),
                        spec_from_hf=glm5_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
-                       optional_tensors=(r"^lm_head\.weight$",), build=build_transformer,
                        experts=experts(_P)))

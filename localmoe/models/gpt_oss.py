@@ -25,7 +25,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer, gguf_float
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, gguf_float
 from localmoe.models.moe_config import require
 from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
@@ -216,8 +216,7 @@ FAMILY = register(ModelFamily(
     gguf_finish=gguf_finish,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    optional_tensors=(r"^lm_head\.weight$",),
-    build=build_transformer,
+   
     experts=ExpertTensors("gpt_oss_mxfp4", {"gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
                                             "down": "model.layers.{i}.mlp.experts.down_proj"}, stacked=True),
     gguf_experts=ExpertTensors("ggml_mxfp4", {p: f"blk.{{i}}.ffn_{p}_exps" for p in ("gate", "up", "down")},

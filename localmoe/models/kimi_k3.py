@@ -22,7 +22,7 @@ import dataclasses
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.kimi_linear import expected_shapes as kimi_linear_shapes
 from localmoe.models.kimi_linear import text_spec
 from localmoe.models.moe_config import require
@@ -104,11 +104,10 @@ _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"
 FAMILY = register(ModelFamily(
     name="kimi_k3",
     model_types=("kimi_k3",),
-    gguf_architectures=(),
     spec_from_hf=spec_from_hf,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    build=build_transformer,
+    optional_tensors=(),  # no tensor beyond those the config asks for
     experts=ExpertTensors("compressed_tensors_mxfp4", {"gate": f"{_EXPERT}.w1", "up": f"{_EXPERT}.w3",
                                                        "down": f"{_EXPERT}.w2"}),
 ))

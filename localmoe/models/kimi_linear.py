@@ -20,7 +20,7 @@ from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
 
 
@@ -176,12 +176,10 @@ _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
 FAMILY = register(ModelFamily(
     name="kimi_linear",
     model_types=("kimi_linear",),
-    gguf_architectures=(),
     spec_from_hf=spec_from_hf,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    optional_tensors=(r"^lm_head\.weight$",),
-    build=build_transformer,
+   
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.w1.weight", "up": f"{_EXPERT}.w3.weight",
                                    "down": f"{_EXPERT}.w2.weight"}),
 ))

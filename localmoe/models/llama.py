@@ -13,7 +13,7 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 
 
 def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
@@ -191,5 +191,4 @@ FAMILY = register(ModelFamily(
     gguf_tensors=gguf_tensors,
     expected_shapes=expected_shapes,
     optional_tensors=(r"^lm_head\.weight$", r"^rope_freqs\.weight$"),
-    build=build_transformer,
 ))

@@ -15,7 +15,7 @@ import dataclasses
 
 from localmoe.config import ModelSpec
 from localmoe.models import llama, register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.kimi_linear import expert_shapes
 from localmoe.models.moe_config import require
 
@@ -69,11 +69,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 FAMILY = register(ModelFamily(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
-    gguf_architectures=(),
     spec_from_hf=spec_from_hf,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    optional_tensors=(r"^lm_head\.weight$",),
-    build=build_transformer,
+   
     experts=ExpertTensors("bf16", {p: f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in _PROJECTIONS}),
 ))

@@ -20,7 +20,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.gated_deltanet import GatedDeltaConfig
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, build_transformer
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes
 from localmoe.models.moe_config import require
 
@@ -129,12 +129,10 @@ _EXPERT = "model.layers.{i}.mlp.experts.{e}"
 FAMILY = register(ModelFamily(
     name="qwen3_next",
     model_types=("qwen3_next",),
-    gguf_architectures=(),
     spec_from_hf=spec_from_hf,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    optional_tensors=(r"^lm_head\.weight$",),
-    build=build_transformer,
+   
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.gate_proj.weight", "up": f"{_EXPERT}.up_proj.weight",
                                    "down": f"{_EXPERT}.down_proj.weight"}),
 ))
