@@ -29,7 +29,7 @@ from localmoe.documents.retrieval import Index, relevant, tokens, whole_document
 # (stage, done, total): stage is "read" (files), "map" (passage groups) or "answer"
 Progress = Callable[[str, int, int], None]
 
-EVIDENCE_SHARE = 0.5  # a retrieved passage is quoted as evidence when its BM25 score is this share of the best
+EVIDENCE_SHARE = 0.9  # a retrieved passage is quoted as evidence when its score is this share of the best
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ class Plan:
     evidence: int  # retrieved passages quoted under "Evidence"
 
 
-PLANS = {"low": Plan(passages=8, calls=2, answer_tokens=192, note_tokens=96, evidence=2),
-         "high": Plan(passages=32, calls=6, answer_tokens=384, note_tokens=160, evidence=3),
-         "max": Plan(passages=96, calls=16, answer_tokens=768, note_tokens=256, evidence=5)}
+PLANS = {"low": Plan(passages=8, calls=2, answer_tokens=192, note_tokens=96, evidence=1),
+         "high": Plan(passages=32, calls=6, answer_tokens=384, note_tokens=160, evidence=2),
+         "max": Plan(passages=96, calls=16, answer_tokens=768, note_tokens=256, evidence=3)}
 
 NOT_FOUND = "Not found in the documents: no passage matches the question's words ({words})."
 

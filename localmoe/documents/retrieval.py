@@ -23,6 +23,13 @@ WHOLE = frozenset(["summarize", "summarise", "summary", "overview", "main", "doc
                    "list", "text", "content", "contents", "say", "says", "said", "please", "briefly", "short"])
 
 
+# a "when" (or date, year) question prefers passages holding a date: "29 June 2007", "February 1999", "March 3, 2021"
+WHEN = re.compile(r"\b(when|date|year)\b", re.IGNORECASE)
+MONTH = r"(?:january|february|march|april|may|june|july|august|september|october|november|december)"
+DATE = re.compile(rf"\b{MONTH}\b[^.\n]{{0,12}}\b(?:1[89]|20)\d\d\b|\b\d{{1,2}}\s+{MONTH}\s+\d{{4}}\b", re.IGNORECASE)
+DATE_BOOST = 1.5  # score factor for a passage holding a date, for a "when" question
+
+
 def tokens(text: str) -> list[str]:
     """Lower-cased words and numbers, stopwords dropped; "12.5%" -> ["12", "5"]."""
     return [w for w in WORD.findall(text.casefold()) if w not in STOPWORDS]
@@ -60,10 +67,13 @@ class Index:
         known = [w for w in words if w in self.bm25.vocab_dict]
         if not known:
             return []
-        k = min(top_k, len(self.chunks))
+        k = min(2 * top_k, len(self.chunks))  # twice as many, so that a boost can lift one into the top_k
         ids, scores = self.bm25.retrieve([known], k=k, show_progress=False)
         hits = [(self.chunks[int(i)], float(s)) for i, s in zip(ids[0], scores[0]) if s > 0]
-        return hits
+        if WHEN.search(query):
+            hits = [(c, s * DATE_BOOST if DATE.search(c.text) else s) for c, s in hits]
+            hits.sort(key=lambda hit: -hit[1])
+        return hits[:top_k]
 
 
 def search_documents(query: str, paths: list[Path], top_k: int = 5) -> list[Passage]:

@@ -15,7 +15,11 @@ QUESTION = "Who signed the cobalt procurement review?"
 
 @pytest.fixture(scope="module")
 def small_pdf(tmp_path_factory):
+    """A 3-page PDF at an absolute path of about 200 characters (labels in the prompt stay short)."""
     folder = tmp_path_factory.mktemp("small")
+    while len(str(folder)) < 170:
+        folder = folder / "board-minutes-and-audits"
+    folder.mkdir(parents=True)
     return builders.write_pdf(folder / "audit.pdf", pages=3, facts={2: builders.PDF_FACTS[7]}, words_per_page=40)
 
 
@@ -25,7 +29,9 @@ def test_analyze_json_report_cites_the_page(small_pdf, tmp_path):
                                           "--budget", "low", "--max-tokens", "8", "--threads", "2", "--quiet"])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
+    assert len(str(small_pdf)) >= 190 and small_pdf.is_absolute()
     assert report["mode"] == "long-context" and report["budget"] == "low"
+    assert report["status"] in ("cited", "uncited") and report["passages"][0]["source"] == str(small_pdf)
     assert report["stats"]["completion_tokens"] <= 8 and report["stats"]["pages"] == 3
     assert report["evidence"][0]["source"] == str(small_pdf) and report["evidence"][0]["location"] == "page 2"
     assert "Priya Ramaswamy" in report["evidence"][0]["quote"]
@@ -107,3 +113,9 @@ def test_documents_root_confines_the_routes(service, small_pdf, tmp_path):
         assert none.status_code == 403 and "no --documents-root" in none.json()["error"]["message"]
     finally:
         service.config = original
+
+
+def test_analyze_route_refuses_a_reply_that_leaves_no_room(client, small_pdf):
+    response = client.post("/v1/documents/analyze", json={"question": QUESTION, "paths": [str(small_pdf)],
+                                                           "max_tokens": 8150})
+    assert response.status_code == 400 and "no room for passages" in response.json()["error"]["message"]
