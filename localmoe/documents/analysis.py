@@ -121,7 +121,8 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
             calls = len(groups) + 1
     checked = check_answer(text, chunks)
     report.answer, report.citations, report.rejected = checked.text, checked.citations, checked.rejected
-    report.evidence = evidence(strong or read[:1], question, chunks)
+    # the strongest hits; when none of their sentences checks out, the first hit (or passage read) that does
+    report.evidence = evidence(strong, question, chunks) or evidence((hits + read)[:16], question, chunks)[:1]
     report.status = "cited" if report.citations else "uncited"
     report.passages = {c.id: (c.source, c.location) for c in read}
     if progress:

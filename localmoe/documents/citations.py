@@ -126,7 +126,8 @@ def check_answer(answer: str, chunks: list[Chunk]) -> CheckedAnswer:
 def best_sentence(chunk: Chunk, question: str) -> str:
     """The sentence of `chunk` sharing most words with `question` (what the evidence list quotes)."""
     wanted = set(tokens(question))
-    text = chunk.text if " | " in chunk.text else " ".join(chunk.text.split())  # tables: a row; prose: a sentence
+    # tables: a row; prose: a sentence, with line-break hyphens joined as `normalize` joins them
+    text = chunk.text if " | " in chunk.text else " ".join(re.sub(r"-\s*\n\s*", "", chunk.text).split())
     sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n", text) if len(s.split()) >= MIN_QUOTE_WORDS]
     if not sentences:
         return " ".join(chunk.text.split()[:30])

@@ -104,3 +104,13 @@ def test_scripted_wrong_quote_never_reaches_the_sources(tmp_path):
     markdown = report.to_markdown()
     sources = markdown.split("## Sources")[1] if "## Sources" in markdown else ""
     assert "Bob Smith" not in sources and "## Rejected citations" in markdown
+
+
+def test_evidence_quote_checks_across_dash_rules_and_hyphenated_breaks():
+    """A passage with a line of dashes and a word broken by a hyphen at a line end still yields a checked quote."""
+    from localmoe.documents.citations import evidence
+
+    chunk = Chunk(1, "mpl.pdf", "page 8", "Exhibit A - Notice\n---------\nThis form is subject to the Mozilla procure-\n"
+                                           "ment steward rules.")
+    (quote,) = evidence([chunk], "Who is the Mozilla procurement steward?", [chunk])
+    assert quote.verified and "procurement steward" in quote.quote
