@@ -130,7 +130,9 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     generated: list[int] = []
     reasoning_open = fmt.thinks
     constraint = prep.constraint
-    constrained = constraint is not None and not fmt.thinks  # a thinking model's answer is constrained after eot
+    # where the prompt opens the reasoning (harmony, XTML, a template ending in <think>), the answer and
+    # its constraint start after the end-of-thinking marker; elsewhere the constrained answer starts at once
+    constrained = constraint is not None and not (fmt.thinks and getattr(fmt, "opens_thinking", True))
     finish = "length"
 
     def publish(deltas: list[Delta]) -> bool:
