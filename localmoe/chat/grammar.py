@@ -54,7 +54,11 @@ class GrammarTokenizer:
         eos = stops[0] if stops else tokenizer.eos_token_id
         self.vocab_size = tokenizer.vocab_size
         self.eos = eos
-        self.llt = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        try:
+            self.llt = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        except Exception as e:  # noqa: BLE001 - whatever the engine rejects in a tokenizer, say what and where
+            raise GrammarError(f"the grammar engine cannot read this model's tokenizer ({e}); structured "
+                               f"output and forced tool calls are unavailable for it") from None
 
 
 def json_schema_grammar(schema: dict, where: str = "schema") -> str:
@@ -166,13 +170,14 @@ class Constraint:
         self._bitmask = llg.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of `logits` [1, V'] with every token the grammar forbids at -inf (V' >= vocabulary)."""
+        """A copy of `logits` [1, V'] with every token the grammar forbids at -inf (ids past the tokenizer too)."""
         _llguidance().torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        out = logits.float().clone().reshape(1, -1)
-        vocab = self.tokenizer.vocab_size
+        row = logits.float().reshape(1, -1)
+        width, vocab = row.shape[1], self.tokenizer.vocab_size
+        out = torch.full((1, max(width, vocab)), float("-inf"))
+        out[:, :min(width, vocab)] = row[:, :vocab]  # ids past the tokenizer, or missing from the head: impossible
         _llguidance().torch.apply_token_bitmask_inplace(out[:, :vocab], self._bitmask)
-        out[:, vocab:] = float("-inf")
-        return out
+        return out[:, :width]
 
     def consume(self, token: int) -> None:
         """Advance by the token drawn from the masked logits."""

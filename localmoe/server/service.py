@@ -8,6 +8,7 @@ read the job's events through a `Stream`.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -164,6 +165,7 @@ class Service:
         self.worker = EngineWorker(config.max_active, config.threads or None)
         self.created = int(time.time())
         self._grammar_tokenizer = None
+        self._grammar_error: str | None = None
         self.sessions = None
         if config.sessions_path is not None:
             from localmoe.chat.sessions import SessionStore
@@ -171,7 +173,13 @@ class Service:
             self.sessions = SessionStore(config.sessions_path)
 
     def start(self) -> None:
-        _ = self.grammar_tokenizer  # built once, before the first constrained request needs it
+        from localmoe.chat.grammar import GrammarError
+
+        try:
+            _ = self.grammar_tokenizer  # built once, before the first constrained request needs it
+        except GrammarError as e:
+            self._grammar_error = str(e)
+            print(f"localmoe serve: warning: {e}", file=sys.stderr)
         self.worker.start()
 
     def stop(self) -> None:
@@ -192,6 +200,8 @@ class Service:
         """A fresh grammar state for one generation; a grammar the engine rejects is a 400 naming `param`."""
         from localmoe.chat.grammar import Constraint, GrammarError
 
+        if self._grammar_error is not None:
+            raise APIError(400, f"{param}: {self._grammar_error}", param=param)
         try:
             return Constraint(self.grammar_tokenizer, grammar)
         except GrammarError as e:

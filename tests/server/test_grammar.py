@@ -139,3 +139,16 @@ def test_constrained_sampling_always_yields_a_valid_object(engine, tokenizer, se
     value = json.loads(tokenizer.decode(ids))
     assert {"city", "unit"} <= set(value) <= {"city", "unit", "days", "ok"}
     assert value["unit"] in ("celsius", "fahrenheit") and isinstance(value["city"], str)
+
+
+def test_mask_handles_heads_wider_and_narrower_than_the_tokenizer(engine, tokenizer):
+    allowed = Constraint(engine, grammar.json_object_grammar()).mask(torch.zeros(1, tokenizer.vocab_size))
+    allowed = set(torch.isfinite(allowed[0]).nonzero().flatten().tolist())
+    assert allowed and all(tokenizer.decode([t]).lstrip().startswith("{") for t in allowed)
+    wide = Constraint(engine, grammar.json_object_grammar()).mask(torch.zeros(1, tokenizer.vocab_size + 7))
+    assert wide.shape[1] == tokenizer.vocab_size + 7 and set(torch.isfinite(wide[0]).nonzero().flatten().tolist()) \
+        == allowed
+    narrow = Constraint(engine, grammar.json_object_grammar()).mask(torch.zeros(1, tokenizer.vocab_size - 100))
+    assert narrow.shape[1] == tokenizer.vocab_size - 100
+    assert set(torch.isfinite(narrow[0]).nonzero().flatten().tolist()) == {t for t in allowed
+                                                                            if t < tokenizer.vocab_size - 100}
