@@ -2,10 +2,10 @@
 
 Options (gpt-oss): an output bias, per-head learned `sinks` (one extra logit column in the
 softmax whose value row is zero) and a sliding window (a query at position t sees keys
-t - window + 1 .. t). Without sinks and window the fused SDPA path runs. With them, an
-unpadded prefill without top-k runs torch's CPU flash kernel (`_flash`: no score matrix, the
-sinks merged by log-sum-exp; 2.0x the explicit path's prefill speed at 8k tokens on gpt-oss);
-otherwise an explicit softmax does.
+t - window + 1 .. t). An unpadded prefill without top-k runs torch's CPU flash kernel (`_flash`:
+no score matrix, no [T, S] mask, the sinks merged by log-sum-exp; 2.0x the explicit path's
+prefill speed at 8k tokens on gpt-oss); a left-padded batch without sinks and window the fused
+SDPA path with the batch's mask; otherwise an explicit softmax runs.
 
 Qwen3-Next: RoPE on the first `rotary_dim` dims of each head only (partial_rotary_factor),
 and an output gate: q_proj rows hold [query; gate] per head, out = o_proj(attn * sigmoid(gate)).
@@ -116,9 +116,9 @@ class GQAttention:
             # Fold the G query heads of each KV head into the query axis, so K/V are never
             # repeated: q [B, Hkv, G*T, D] with row g*T + t, and the mask repeated to match.
             q = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-            if self.sinks is None and not self.window and not self._selects(keys.shape[2]):
-                mask = None if step.mask is None else step.mask.repeat(1, G, 1)[:, None]
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            if self.sinks is None and not self.window and not self._selects(keys.shape[2]) \
+                    and step.mask is not None:  # a left-padded batch
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask.repeat(1, G, 1)[:, None])
             else:
                 out = None
                 if step.valid is None and not self._selects(keys.shape[2]) and flash_available(q, keys, values):

@@ -3,7 +3,7 @@
 Per token the cache holds only c = RMSNorm(latent) [kv_lora_rank] and the shared key part
 k_r [qk_rope_head_dim] (kv_a_proj_with_mqa's two outputs). Per head h, kv_b_proj's rows
 give W_uk[h] [nope, r] and W_uv[h] [v, r]: k_h = [W_uk[h] c, k_r], v_h = W_uv[h] c.
-- expanded (prefill): build k_h, v_h for every cached token, then ordinary attention.
+- expanded (prefill): build k_h, v_h for the cached tokens (one key block at a time), then attention.
 - absorbed (decode): q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_rope_h . k_r, and
   sum_s p_s v_h(s) = W_uv[h] (sum_s p_s c_s): attend over the cached rows directly, then
   apply W_uv. Which is cheaper depends on T against the cached length; `absorb` decides.
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import ModelSpec
+from localmoe.engine.blockwise import blockwise_attention, visible_keys
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
@@ -33,8 +34,7 @@ from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode
 
-EXPAND_MAX_BYTES = 1 << 30  # above this, prefill attends over the latent rows too (no per-head K/V copies)
-SCORES_MAX_BYTES = 256 << 20  # absorbed attention materialises its scores below this, else uses SDPA
+SCORES_MAX_BYTES = 32 << 20  # fp32 scores of one key block (engine/blockwise.py): longer contexts take more blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +158,12 @@ class MLAttention:
 
     def use_absorbed(self, T: int, S: int = 0) -> bool:
         """Absorbed attention costs ~T*S*H*(2r + rope) per call, expanded ~S*H*r*(nope + v) +
-        T*S*H*(nope + rope + v): absorb while T*(2r - nope - v) < r*(nope + v), and whenever
-        expanding the S cached rows would take more than EXPAND_MAX_BYTES."""
+        T*S*H*(nope + rope + v): absorb while T*(2r - nope - v) < r*(nope + v). Either runs one key
+        block at a time (engine/blockwise.py), so neither needs memory that grows with S."""
         if self.absorb is not None:
             return self.absorb
         c = self.config
         r, nope, v = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
-        if 4 * S * c.num_heads * (nope + c.qk_rope_head_dim + v) > EXPAND_MAX_BYTES:
-            return True
         return T * (2 * r - nope - v) < r * (nope + v)
 
     def queries(self, x: torch.Tensor, step: Step | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,15 +195,18 @@ class MLAttention:
         return torch.cat([F.rms_norm(latent, (c.kv_lora_rank,), self.kv_a_norm, c.norm_eps), k_rope], dim=-1)
 
     def attend_expanded(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
-        """q_* [B, H, T, *], rows [B, S, r + rope], mask [B|1, T, S] | None -> [B, H, T, v]."""
-        r = self.config.kv_lora_rank
-        latent, k_rope = rows[..., :r], rows[..., r:]
-        k_nope = torch.einsum("bsr,hnr->bhsn", latent, self.w_uk)
-        values = torch.einsum("bsr,hvr->bhsv", latent, self.w_uv)
-        keys = torch.cat([k_nope, k_rope[:, None].expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if mask is None else mask[:, None],
-                                              scale=self.scale)
+        """q_* [B, H, T, *], rows [B, S, r + rope], mask [B|1, T, S] | None (None: causal, query t at
+        position S - T + t) -> [B, H, T, v]. Per-head keys and values are built one key block at a time."""
+        r, H = self.config.kv_lora_rank, q_nope.shape[1]
+
+        def block(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+            latent, k_rope = rows[:, lo:hi, :r], rows[:, lo:hi, r:]
+            k_nope = torch.einsum("bsr,hnr->bhsn", latent, self.w_uk)
+            keys = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
+            return keys, torch.einsum("bsr,hvr->bhsv", latent, self.w_uv)
+
+        return blockwise_attention(torch.cat([q_nope, q_rope], dim=-1), block, rows.shape[1], mask, self.scale,
+                                   max_bytes=SCORES_MAX_BYTES)
 
     def absorbed_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """q_nope [B, H, T, nope], q_rope [B, H, T, rope] -> [B, H, T, r + rope], to dot with cached rows."""
@@ -213,29 +214,28 @@ class MLAttention:
 
     def attend_absorbed(self, q_nope, q_rope, rows, mask, top_k: int | None = None) -> torch.Tensor:
         """Same contract as `attend_expanded`, attending over the cached rows directly; `top_k`: keep
-        only each query head's top_k scores (explicit scores, never SDPA)."""
+        only each query head's top_k scores (explicit scores over every key)."""
         B, H, T, _ = q_nope.shape
-        r = self.config.kv_lora_rank
+        S, r = rows.shape[1], self.config.kv_lora_rank
         q = self.absorbed_queries(q_nope, q_rope)
         if T == 1 and top_k is None and mask is None:  # unpadded decode: the mla_decode kernel
-            lengths = torch.full((B,), rows.shape[1], dtype=torch.int32, device=rows.device)
+            lengths = torch.full((B,), S, dtype=torch.int32, device=rows.device)
             out = mla_decode(q.view(B, H, -1), rows, lengths, r, self.scale)  # [B, H, r]
             return torch.einsum("bhr,hvr->bhv", out, self.w_uv)[:, :, None]
         # All heads share one key/value row per token: fold H into the query axis (row h*T + t).
         q = q.reshape(B, 1, H * T, -1)
-        rows = rows[:, None]
-        mask = None if mask is None else mask.repeat(1, H, 1)[:, None]
-        if top_k is not None or 4 * B * H * T * rows.shape[2] <= SCORES_MAX_BYTES:  # decode: one GEMM beats SDPA
-            scores = (q @ rows.transpose(-1, -2)).mul_(self.scale)
-            if mask is not None:
-                scores.masked_fill_(~mask, float("-inf"))
-            if top_k is not None:
-                if self.record_selection:
-                    self.last_selection = topk_indices(scores.view(B, H, T, -1)[:, :, -1], top_k)
-                scores = keep_topk_scores(scores, top_k)
-            out = scores.softmax(-1) @ rows[..., :r]
+        if top_k is None:
+            out = blockwise_attention(q, lambda lo, hi: (rows[:, None, lo:hi], rows[:, None, lo:hi, :r]), S, mask,
+                                      self.scale, (H, T), SCORES_MAX_BYTES)
         else:
-            out = F.scaled_dot_product_attention(q, rows, rows[..., :r], attn_mask=mask, scale=self.scale)
+            scores = (q @ rows[:, None].transpose(-1, -2)).mul_(self.scale).view(B, H, T, S)
+            visible = visible_keys(mask, T, S, 0, S)
+            if visible is not None:
+                scores.masked_fill_(~visible, float("-inf"))
+            if self.record_selection:
+                self.last_selection = topk_indices(scores[:, :, -1], top_k)
+            scores = keep_topk_scores(scores, top_k)
+            out = scores.softmax(-1).view(B, 1, H * T, S) @ rows[:, None, :, :r]
         return torch.einsum("bhtr,hvr->bhtv", out.view(B, H, T, r), self.w_uv)
 
     def attend(self, q_nope, q_rope, rows, mask) -> torch.Tensor:

@@ -16,7 +16,9 @@ class Step:
     positions: torch.Tensor  # [B|1, T] token positions (per row when the batch is left-padded)
     cos: torch.Tensor | None  # [B|1, T, 1, D] RoPE tables at those positions (None without RoPE)
     sin: torch.Tensor | None
-    mask: torch.Tensor | None  # [B|1, T, S] bool, True = may attend; None = every cached key is visible
+    # [B|1, T, S] bool, True = may attend; None when no row is padded: causal, query t sees positions
+    # <= start + t (layers build the mask per key block where they need one, engine/blockwise.py)
+    mask: torch.Tensor | None
     # [B, T] bool, False at this call's left-padding slots; None when no row is padded. Recurrent
     # layers (KDA's state and conv tail) must skip those tokens; the mask cannot tell them apart
     # when a whole prefill chunk of a row is padding.
@@ -29,7 +31,7 @@ def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None) -
     valid = None
     if cache.key_mask is None:
         positions = torch.arange(start, S).unsqueeze(0)
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None]
+        mask = None
     else:
         keys = cache.key_mask[:, :S]  # [B, S]
         positions = (keys.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
