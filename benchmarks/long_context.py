@@ -9,6 +9,13 @@ measured) and a few tokens are decoded in three modes:
   exact   no indexer; the real attention scores over all rows, keep the TOPK best (`--sparse-topk`)
 Then the logit effect of each mode against dense after a real prefill, and probe-recall of the DSA
 layers. Run: .venv/bin/python benchmarks/long_context.py [--contexts 4096,16384,65536] [--topk 2048]
+
+`--prefill-memory 16384,65536,131072`: prefill working memory of the "small" generated Kimi K3 instead.
+Per context, in a fresh process: the model is loaded, its latent caches are filled with random rows
+up to the context minus one chunk (`--real-prefill`: the whole prompt runs through the model instead;
+two cores need hours for 128k), then the last 512-token chunk runs for real. Printed: peak RSS minus
+the RSS of the loaded model, the cache's bytes, their ratio (the target: <= 1.3), and the peak extrapolated
+linearly to 1M tokens against `localmoe inspect`'s cache figure at 1M.
 """
 
 from __future__ import annotations
@@ -99,8 +106,79 @@ def logit_effect(top_ks: list[int], prompt_len: int) -> dict[int, tuple[float, f
     return out
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def prefill_memory_worker(path: str, context: int, real: bool, chunk: int = 512) -> None:
+    """One context in this (fresh) process: prints a JSON line {context, model, peak, cache} in bytes."""
+    import json
+
+    from localmoe.engine.state_cache import DeltaStateCache, LatentCache
+
+    model = load_model(path, EngineConfig(dtype="float32", max_context=context), progress=False).model
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.spec.vocab_size, (1, context), generator=g)
+    loaded = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on: loading's transients are not the prefill's
+    cache = model.new_cache(1, context)
+    done = 0 if real else context - chunk
+    for layer in cache.layers:
+        if isinstance(layer, LatentCache):
+            for start in range(0, done, 4096):
+                layer.update(start, torch.randn(1, min(4096, done - start), layer.rows.dim, generator=g))
+        elif isinstance(layer, DeltaStateCache):
+            layer.offset = done
+    cache.offset = done
+    began = time.perf_counter()
+    for start in range(done, context, chunk):
+        model.forward(tokens[:, start:start + chunk], cache)
+    print(json.dumps({"context": context, "model": loaded, "peak": _status("VmHWM") - loaded,
+                      "cache": cache.nbytes(), "seconds": time.perf_counter() - began}), flush=True)
+
+
+def prefill_memory(contexts: list[int], real: bool) -> None:
+    """The table and the 1M extrapolation (see the module docstring), one fresh process per context."""
+    import json
+    import subprocess
+    import sys
+
+    from localmoe.describe import describe_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint("kimi_k3", Path(tmp) / "small", "small", seed=0)
+        at_1m = describe_model(path, EngineConfig(dtype="float32"))["memory"]["kv_cache"]["float32"]
+        print(f"prefill working memory, small kimi_k3 (random weights), fp32 cache, chunks of 512, "
+              f"{'real prefill' if real else 'cache filled, last chunk real'}, {torch.get_num_threads()} threads")
+        print(f"{'context':>8} {'peak RSS - model':>17} {'cache':>10} {'ratio':>6} {'chunk s':>8}")
+        rows = []
+        for context in contexts:
+            args = [sys.executable, __file__, "--prefill-memory-worker", str(path), str(context)]
+            out = subprocess.run(args + (["--real-prefill"] if real else []), capture_output=True, text=True,
+                                 check=False)
+            if out.returncode:
+                raise SystemExit(f"context {context}: the worker failed:\n{out.stderr[-2000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(f"{context:>8} {row['peak'] / 2**20:>13.1f} MiB {row['cache'] / 2**20:>6.1f} MiB "
+                  f"{row['peak'] / row['cache']:>6.2f} {row['seconds']:>8.1f}", flush=True)
+        if len(rows) >= 2:
+            x = torch.tensor([float(r["context"]) for r in rows])
+            y = torch.tensor([float(r["peak"]) for r in rows])
+            slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()
+            at = y.mean() + slope * (2 ** 20 - x.mean())
+            print(f"extrapolated to 1M tokens: peak RSS - model {at / 2**30:.2f} GiB ({slope:.0f} B per token) "
+                  f"against inspect's {at_1m['total_at_1m_tokens'] / 2**30:.2f} GiB of cache "
+                  f"({at_1m['bytes_per_token']} B per token): ratio {at / at_1m['total_at_1m_tokens']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefill-memory", default="", help="contexts for the K3 prefill-memory table instead")
+    parser.add_argument("--real-prefill", action="store_true", help="with --prefill-memory: prefill every token")
+    parser.add_argument("--prefill-memory-worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--contexts", default="4096,16384,65536")
     parser.add_argument("--topk", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
@@ -111,6 +189,11 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.prefill_memory_worker:
+        return prefill_memory_worker(args.prefill_memory_worker[0], int(args.prefill_memory_worker[1]),
+                                     args.real_prefill)
+    if args.prefill_memory:
+        return prefill_memory([int(c) for c in args.prefill_memory.split(",")], args.real_prefill)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint("deepseek_v32", Path(tmp) / "small", "small", seed=0)
         loaded = load_model(path, EngineConfig(dtype="float32", max_context=max(contexts) + 16), progress=False)
