@@ -179,3 +179,64 @@ def test_langchain_structured_output_and_responses_api(real_server):
     assert answer.text.strip()
     structured = responses.with_structured_output(City).invoke("Name a city and its population.")
     assert isinstance(structured, City)
+
+
+def test_bodies_and_events_validate_against_the_sdk_types(real_server):
+    """The SDK parses leniently; validate strictly against its pydantic types instead."""
+    import httpx
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    body = {"model": "default", "input": "What's the weather in Paris?", "max_output_tokens": 48,
+            "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}, "reasoning": {
+                "effort": "low"}, "metadata": {"k": "v"}}
+    reply = httpx.post(f"{real_server.url}/v1/responses", json=body, timeout=300).json()
+    response = Response.model_validate(reply)
+    assert [item.type for item in response.output] == ["function_call"]
+    events = TypeAdapter(ResponseStreamEvent)
+    seen = []
+    with httpx.stream("POST", f"{real_server.url}/v1/responses", json={**body, "stream": True, "tools": None,
+                                                                          "tool_choice": None}, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(events.validate_json(line[len("data: "):]).type)
+    assert seen[0] == "response.created" and seen[-1] in ("response.completed", "response.incomplete")
+    stored = httpx.get(f"{real_server.url}/v1/responses/{response.id}", timeout=30).json()
+    assert Response.model_validate(stored).id == response.id
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A tiny random Kimi K3 (XTML: the prompt opens the reasoning) with small thinking budgets."""
+    from localmoe.testing import write_checkpoint
+    from tests.server.conftest import start_server
+
+    model = write_checkpoint("kimi_k3", tmp_path_factory.mktemp("k3"), "tiny", seed=0)
+    server = start_server(model, tmp_path_factory.mktemp("k3-logs"), "--max-context", "512", "--sessions",
+                          str(tmp_path_factory.mktemp("k3-db") / "s.db"), "--thinking-budgets",
+                          "low=4,high=8,max=12")
+    yield server
+    server.stop()
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(thinking_server):
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    reply = client.responses.create(model="default", input="Why is the sky blue?", reasoning={"effort": "low"},
+                                    temperature=0, max_output_tokens=40)
+    kinds = [item.type for item in reply.output]
+    assert kinds[0] == "reasoning" and "message" in kinds
+    reasoning = reply.output[0]
+    assert reasoning.content[0].type == "reasoning_text" and reasoning.content[0].text
+    assert 0 < reply.usage.output_tokens_details.reasoning_tokens <= 4  # the low budget closed it
+    with client.responses.stream(model="default", input="Why is the sky blue?", reasoning={"effort": "low"},
+                                 temperature=0, max_output_tokens=40) as stream:
+        events = list(stream)
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning.content[0].text
+    # the answer after the reasoning is what text.format constrains
+    structured = client.responses.create(
+        model="default", input="Describe a person.", reasoning={"effort": "low"}, temperature=1.0,
+        max_output_tokens=120, text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                "strict": True}})
+    assert [item.type for item in structured.output] == ["reasoning", "message"]
+    jsonschema.validate(json.loads(structured.output_text), PERSON)
