@@ -348,7 +348,8 @@ def choose_token(logits: torch.Tensor, state: State, texts: TokenTexts, temperat
         return None
     if len(valid) == 1:
         return valid[0]
-    weights = torch.softmax(row[[t for t, _ in valid]] / temperature, dim=0)
+    chosen = row[[t for t, _ in valid]].float()
+    weights = torch.softmax((chosen - chosen.max()) / temperature, dim=0)  # shifted: no inf - inf at tiny temperatures
     pick = int(torch.multinomial(weights, 1, generator=generator))
     return valid[pick]
 

@@ -8,7 +8,12 @@ template runs, into the Hermes convention the Jinja parser already reads:
   go into the system message (a new one when there is none);
 - an assistant message's calls are appended to its content as
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks;
-- tool results become one user message of `<tool_response>` blocks per run of results.
+- each run of tool results becomes one user message: "The f tool returned: ..." per result,
+  then a request to answer with them. Small models echo results shown as `<tool_response>`
+  blocks instead of answering: SmolLM2-135M, greedy, over 5 conversations with the tools
+  declared and 5 without, answered without markup in 10 of 10 this way, against 6 of 10 as
+  tool-role messages and 4 of 10 as `<tool_response>` blocks (the reply parser drops such
+  blocks, so an echo never reaches content either way).
 The parser then reads the model's calls, and a forced `tool_choice` finds the call's
 opening in the rendered text, so forced calls are written in the same convention.
 """
@@ -24,8 +29,9 @@ TOOLS_PREAMBLE = (
     "object per line:\n<tools>\n{declarations}\n</tools>\n\n"
     "To call one, answer with a JSON object holding its name and arguments inside <tool_call></tool_call> "
     'tags:\n<tool_call>\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>\n'
-    "The results come back inside <tool_response></tool_response> tags."
+    "The results come back in a user message that names the tool."
 )
+ASK = "Using {what}, answer my question in a sentence."
 
 
 def tools_system_text(tools: list[dict]) -> str:
@@ -49,18 +55,28 @@ def with_hermes_tools(messages: list[ChatMessage], tools: list[dict] | None) -> 
                         *messages[1:]]
         else:
             messages = [ChatMessage("system", declared), *messages]
+    results: list[str] = []  # the run of tool results being collected
+    called = {c.id: c.name for m in messages for c in m.tool_calls if c.id}  # a result's tool, by call id
+
+    def close_results() -> None:
+        if results:
+            what = "this result" if len(results) == 1 else "these results"
+            out.append(ChatMessage("user", "\n".join(results) + "\n" + ASK.format(what=what)))
+            results.clear()
+
     for m in messages:
+        if m.role != "tool":
+            close_results()
         if m.role == "assistant" and m.tool_calls:
             calls = "\n".join(call_text(c) for c in m.tool_calls)
             out.append(ChatMessage("assistant", f"{m.content}\n{calls}" if m.content else calls, reasoning=m.reasoning))
         elif m.role == "tool":
-            block = f"<tool_response>\n{m.content}\n</tool_response>"
-            if out and out[-1].role == "user" and out[-1].content.endswith("</tool_response>"):
-                out[-1] = ChatMessage("user", f"{out[-1].content}\n{block}")
-            else:
-                out.append(ChatMessage("user", block))
+            name = m.name or called.get(m.tool_call_id or "") or "called"
+            results.append(f"The {name} tool returned: {m.content}")
+            continue
         else:
             out.append(m)
+    close_results()
     return out
 
 

@@ -10,9 +10,12 @@ Reading is by text: Hermes-style calls `<tool_call>{"name": ..., "arguments": {.
 (Qwen, SmolLM3, ...) become tool calls, and when the template uses `<think>` (`thinks`),
 `<think>...</think>` is reasoning; when the generation prompt already opened `<think>`,
 the reply starts in reasoning. Reasoning and content are stripped of surrounding
-whitespace. A `<tool_call>` block that is not a JSON object with a name stays content.
+whitespace. The text of a `<tool_call>` block that is not a JSON object with a name, or is
+never closed, stays content without its tags: no tool markup ever reaches content.
 A `<tool_response>` block is never the model's to write (small models echo the tool result
-they were shown): it is dropped, closed or not, and so is a stray closing tag.
+they were shown): a closed one is dropped, and so is a stray closing tag; the text of one
+left open at the end is kept without its tag (a model that never closes it wrote its answer
+there).
 A template that shows no tools, tool calls or tool results (`native_tools` False, e.g.
 SmolLM2-Instruct's) gets the conversation rewritten into that Hermes convention first
 (chat/hermes_tools.py), so the model still sees its tools, calls and results.
@@ -60,8 +63,10 @@ class JinjaFormat:
         self.tokenizer = tokenizer
         self.thinks = THINK in (tokenizer.chat_template or "")
         self.opens_thinking = self.thinks and self._prompt_opens_thinking()
-        self.native_tools = template_knows_tools(
-            lambda messages, tools: tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools))
+        def render_text(messages, tools):
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+
+        self.native_tools = template_knows_tools(render_text)
 
     def _prompt_opens_thinking(self) -> bool:
         """Whether the generation prompt ends inside `<think>` (DeepSeek-R1, Qwen3-Thinking templates)."""
@@ -192,6 +197,7 @@ class _TextReader:
                          "response": [END_TOOL_RESPONSE]}
         self._state = "reasoning" if opens_thinking else "content"
         self._before_response = self._state  # the state a dropped <tool_response> block returns to
+        self._response: list[str] = []  # the text of an open <tool_response> block
         self._buffer = ""
         self._tool: list[str] = []
         self._content, self._reasoning = _Stripped("content"), _Stripped("reasoning")
@@ -199,6 +205,7 @@ class _TextReader:
 
     def _emit(self, text: str) -> list[Delta]:
         if self._state == "response":
+            self._response.append(text)
             return []
         if self._state == "tool":
             self._tool.append(text)
@@ -213,7 +220,7 @@ class _TextReader:
         elif marker == END_THINK:
             self._state = "content"
         elif marker == TOOL_RESPONSE:
-            self._before_response, self._state = self._state, "response"
+            self._before_response, self._state, self._response = self._state, "response", []
         elif marker == END_TOOL_RESPONSE:
             if self._state == "response":
                 self._state = self._before_response
@@ -223,8 +230,8 @@ class _TextReader:
             self._state = "content"
             body = "".join(self._tool)
             call = tool_call_from_json(body.strip())
-            if call is None:
-                return self._content.add(TOOL_CALL + body + END_TOOL_CALL)
+            if call is None:  # not a call after all: the text stays, the markup goes
+                return self._content.add(body)
             self._calls.append(call)
             return [Delta("tool", tool_call=call)]
         return []
@@ -247,12 +254,15 @@ class _TextReader:
         return [d for d in deltas if d.text or d.tool_call]
 
     def finish(self) -> list[Delta]:
-        """End of text: what was held back, and an unclosed `<tool_call>` as content."""
+        """End of text: what was held back, and the text of an unclosed `<tool_call>` as content."""
         rest, self._buffer = self._buffer, ""
         deltas = self._emit(rest)
+        if self._state == "response":  # never closed: its text is the answer
+            self._state = self._before_response
+            deltas += self._emit("".join(self._response))
         if self._state == "tool":
             self._state = "content"
-            deltas += self._content.add(TOOL_CALL + "".join(self._tool))
+            deltas += self._content.add("".join(self._tool))
         return deltas
 
     def reply(self) -> ParsedReply:

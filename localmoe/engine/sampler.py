@@ -3,15 +3,22 @@
 Order (as in llama.cpp and HF): repetition penalty -> temperature -> top-k -> top-p ->
 min-p -> draw. Temperature 0 means greedy. Randomness comes only from the `generator`
 passed in, so a seed reproduces a run.
+
+Safe for every finite setting: the penalised logits are clamped to finite values and
+shifted so the best is 0 before dividing by the temperature, so neither a temperature of
+1e-300 nor a repetition penalty of 1e-300 can make an inf - inf (nan) in the softmax.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from localmoe.errors import LocalMoEError
+
+FP32 = torch.finfo(torch.float32)
 
 
 @dataclass(slots=True)
@@ -24,6 +31,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        values = (self.temperature, self.top_p, self.min_p, self.repetition_penalty)
+        if not all(math.isfinite(v) for v in values):
+            raise LocalMoEError("temperature, top_p, min_p and repetition_penalty must be finite numbers")
         checks = [
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
@@ -37,7 +47,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one too small for float32 (below its smallest normal: the same argmax)."""
+        return self.temperature < FP32.tiny
 
     def make_generator(self) -> torch.Generator:
         generator = torch.Generator()
@@ -52,9 +63,11 @@ def apply_repetition_penalty(logits: torch.Tensor, history: torch.Tensor | None,
     """logits [B, V]; history [B, N] token ids: positive logits / penalty, negative * penalty (CTRL rule)."""
     if history is None or penalty == 1.0 or history.numel() == 0:
         return logits
+    info = torch.finfo(logits.dtype)
+    penalty = min(max(penalty, info.tiny), info.max)  # in the dtype's range: 1e300 would be inf, and 0 * inf nan
     seen = logits.gather(-1, history)
     seen = torch.where(seen > 0, seen / penalty, seen * penalty)
-    return logits.scatter(-1, history, seen)
+    return logits.scatter(-1, history, seen.clamp(-info.max, info.max))  # a tiny penalty must not make inf
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -81,6 +94,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
     if params.greedy:
         return logits.argmax(-1)
-    logits = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    logits = logits - logits.max(-1, keepdim=True).values  # the best is 0, so / temperature never gives inf - inf
+    logits = filter_logits(logits / min(params.temperature, FP32.max), params.top_k, params.top_p, params.min_p)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from localmoe.chat.format import ChatMessage, ToolCall
 from localmoe.server.anthropic_schemas import EFFORT_TIER, MessagesRequest
-from localmoe.server.errors import APIError, error_body
+from localmoe.server.errors import APIError, stream_error
 from localmoe.server.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.turn import TurnResult
 
@@ -177,9 +177,8 @@ async def _events(stream, mid: str, model: str, path: str):
                                                          "stop_sequence": payload.stop_sequence},
                                                "usage": {"output_tokens": payload.completion_tokens}})
                 yield _event("message_stop", {})
-    except APIError as e:
-        body = error_body(e.status, e.message, path)
-        yield f"event: error\ndata: {json.dumps(body)}\n\n"
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, never a cut connection
+        yield f"event: error\ndata: {json.dumps(stream_error(e, path), ensure_ascii=False)}\n\n"
 
 
 def stream_prompt(stream) -> list[int]:

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from localmoe.server.schemas import NAME, Body, check_parameters
+from localmoe.server.schemas import NAME, Body, RequestBody, check_parameters
 from localmoe.server.structured import JSONOutputFormat
 
 
@@ -110,7 +110,7 @@ class OutputConfig(Body):
 EFFORT_TIER = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 
-class MessagesRequest(Body):
+class MessagesRequest(RequestBody):
     model: str = Field(max_length=256)
     max_tokens: int = Field(ge=1)
     messages: list[AnthropicMessage] = Field(min_length=1, max_length=10_000)

@@ -19,18 +19,18 @@ from starlette.concurrency import run_in_threadpool
 
 from localmoe.pathguard import PathRefused, resolve_inside, shown, walk_inside
 from localmoe.server.errors import APIError
-from localmoe.server.schemas import Body
+from localmoe.server.schemas import RequestBody
 
 router = APIRouter()
 
 
-class SearchBody(Body):
+class SearchBody(RequestBody):
     query: str = Field(min_length=1, max_length=4000)
     paths: list[str] = Field(min_length=1, max_length=1000)
     top_k: int = Field(default=5, ge=1, le=100)
 
 
-class AnalyzeBody(Body):
+class AnalyzeBody(RequestBody):
     question: str = Field(min_length=1, max_length=4000)
     paths: list[str] = Field(min_length=1, max_length=1000)
     budget: Literal["low", "high", "max"] = "high"

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat import ChatFormatError, messages_from_openai
-from localmoe.server.errors import APIError, error_body
+from localmoe.server.errors import APIError, stream_error
 from localmoe.server.schemas import EFFORT_TIER, ChatCompletionRequest, CompletionRequest
 from localmoe.server.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
 from localmoe.server.structured import chat_output_schema
@@ -111,8 +111,8 @@ async def _chat_events(stream, head: dict, include_usage: bool, path: str):
                 yield chunk({}, finish_reason(payload))
                 if include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(payload)})
-    except APIError as e:
-        yield sse(error_body(e.status, e.message, path, e.param, e.code))
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error chunk, never a cut connection
+        yield sse(stream_error(e, path))
     yield sse("[DONE]")
 
 
@@ -149,8 +149,8 @@ async def _completion_events(stream, head: dict, include_usage: bool, path: str)
                                                 "logprobs": None}]})
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": usage(payload)})
-    except APIError as e:
-        yield sse(error_body(e.status, e.message, path, e.param, e.code))
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error chunk, never a cut connection
+        yield sse(stream_error(e, path))
     yield sse("[DONE]")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from localmoe.server.structured import ResponseFormat
 
@@ -15,8 +15,39 @@ NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
+def unicode_error(value: Any, where: str = "") -> str | None:
+    """Where `value` (parsed JSON) holds text that is not valid Unicode (a lone surrogate such as
+    "\\ud800", which JSON escapes can spell but no tokenizer can read), or None."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return (f"{at or 'body'}: text is not valid Unicode (a lone surrogate {item[e.start]!r} at character "
+                        f"{e.start}); send text that is valid UTF-8")
+        elif isinstance(item, dict):
+            stack += [(k, f"{at}.{k!s}".lstrip(".") if isinstance(k, str) else at) for k in item]
+            stack += [(v, f"{at}.{k}".lstrip(".")) for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(v, f"{at}.{i}".lstrip(".")) for i, v in enumerate(item)]
+    return None
+
+
 class Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestBody(Body):
+    """A whole request body: its text is checked for valid Unicode before any field is read."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        if (message := unicode_error(data)) is not None:
+            raise ValueError(message)
+        return data
 
 
 def check_json_schema(schema: Any, where: str, depth: int = 0) -> None:
@@ -128,7 +159,7 @@ Effort = Literal["minimal", "low", "medium", "high", "max"]
 EFFORT_TIER = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "max": "max"}
 
 
-class Sampling(Body):
+class Sampling(RequestBody):
     """Sampling fields both OpenAI endpoints share (top_k, min_p, repetition_penalty: extensions)."""
 
     temperature: float | None = Field(default=None, ge=0, le=2)

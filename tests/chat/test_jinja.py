@@ -120,8 +120,9 @@ def test_a_template_without_tools_gets_them_in_the_hermes_convention(smol, herme
            '\n</tools>' in text
     assert ('<|im_start|>assistant\nChecking both.\n<tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call>\n<tool_call>') in text
-    assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n"
-                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # one user turn per run of results
+    assert text.endswith("<|im_start|>user\nThe get_weather tool returned: sunny\nThe get_weather tool returned: "
+                         "rain\nUsing these results, answer my question in a sentence.<|im_end|>\n"
+                         "<|im_start|>assistant\n")  # one user turn per run of results, each naming its tool
     with_system = tok.decode(smol.render(HISTORY[:2], tools=TOOLS))
     assert with_system.startswith("<|im_start|>system\nYou help.\n\nYou can call functions")
     for i, m in enumerate(HISTORY):
@@ -169,10 +170,10 @@ def test_generation_prompt_thatopens_thinking(opened, stream):
      ParsedReply(tool_calls=[ToolCall("f", {"b": 2}, id="x")])),
     ('<tool_call>{"name": "f", "arguments": "oops"}</tool_call>',
      ParsedReply(tool_calls=[ToolCall("f", {}, raw_arguments="oops")])),
-    ("<tool_call>not json</tool_call> after", ParsedReply(content="<tool_call>not json</tool_call> after")),
+    ("<tool_call>not json</tool_call> after", ParsedReply(content="not json after")),
     ('A <tool_call>{"name": "g", "arguments": {}}</tool_call> B', ParsedReply(content="A  B",
                                                                             tool_calls=[ToolCall("g", {})])),
-    ('<tool_call>{"name": "cut", "argu', ParsedReply(content='<tool_call>{"name": "cut", "argu')),
+    ('<tool_call>{"name": "cut", "argu', ParsedReply(content='{"name": "cut", "argu')),
     ("  \n padded \n\n ", ParsedReply(content="padded")),
     ("<think>\n  r  \n</think>  c  ", ParsedReply(content="c", reasoning="r")),
     ("text ending in a partial marker <tool_c", ParsedReply(content="text ending in a partial marker <tool_c")),

@@ -25,12 +25,12 @@ def smol(smollm2_tokenizer):
 
 
 @pytest.mark.parametrize("text, content", [
-    (f"<tool_response>\n{RESULT}", ""),  # what SmolLM2 answers greedily after a tool result
+    ("<tool_response>\nIt is 18 °C.", "It is 18 °C."),  # left open: the model's answer, without the tag
     (f"<tool_response>{RESULT}</tool_response>\nIt is 18 °C and cloudy.", "It is 18 °C and cloudy."),
     (f"It is 18 °C.\n<tool_response>\n{RESULT}\n</tool_response>", "It is 18 °C."),
     ("Sure.</tool_response> Done.</tool_call>", "Sure. Done."),
     (f'<tool_response>{RESULT}</tool_response><tool_call>{{"name": "f", "arguments": {{}}}}</tool_call>', ""),
-], ids=["unclosed-echo", "echo-then-answer", "answer-then-echo", "stray-closers", "echo-then-call"])
+], ids=["left-open", "echo-then-answer", "answer-then-echo", "stray-closers", "echo-then-call"])
 def test_hermes_tool_response_is_dropped(smol, smollm2_tokenizer, stream, text, content):
     ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
     reply = smol.parse(ids)

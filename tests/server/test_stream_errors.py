@@ -1,0 +1,81 @@
+"""An error after a stream has started ends the stream with the API's error event (OpenAI: an
+`error` chunk, Anthropic: an `error` event), never a cut connection; a non-streamed request
+that fails inside the engine gets a JSON error. The engine is made to fail on purpose: the
+model's forward raises on its third call."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+USER = [{"role": "user", "content": "Tell me a story."}]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.fixture(scope="module")
+def failing(tiny_model):
+    """A TestClient over a Service whose model raises on every third forward pass."""
+    from localmoe.load import load_model
+    from localmoe.server.app import create_app
+    from localmoe.server.service import ServerConfig, Service
+
+    loaded = load_model(tiny_model)
+    forward, calls = loaded.model.forward, [0]
+
+    def flaky(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise Boom("the expert store went away")
+        return forward(*args, **kwargs)
+
+    loaded.model.forward = flaky
+    service = Service(loaded, ServerConfig(threads=1, prefix_cache_entries=0))
+    with TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False) as client:
+        yield client, calls
+
+
+def test_openai_stream_ends_with_an_error_chunk(failing):
+    client, calls = failing
+    calls[0] = 0
+    sdk = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=client, max_retries=0)
+    got: list = []
+    with pytest.raises(openai.APIError) as info:
+        got.extend(sdk.chat.completions.create(model="default", messages=USER, max_tokens=8, stream=True))
+    assert not isinstance(info.value, openai.APIConnectionError)
+    assert "Boom" in str(info.value.message) and got  # the stream had started
+    raw = client.post("/v1/chat/completions", json={"model": "default", "messages": USER, "max_tokens": 8,
+                                                    "stream": True})
+    events = [line for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert '"error"' in events[-2] and events[-1] == "data: [DONE]"
+
+
+def test_anthropic_stream_ends_with_an_error_event(failing):
+    client, calls = failing
+    calls[0] = 0
+    sdk = anthropic.Anthropic(base_url="http://localhost", api_key="x", http_client=client, max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as info, sdk.messages.stream(
+            model="default", max_tokens=8, messages=USER) as stream:
+        for _ in stream:
+            pass
+    assert "Boom" in str(info.value)
+    calls[0] = 0
+    raw = client.post("/v1/messages", json={"model": "default", "messages": USER, "max_tokens": 8, "stream": True})
+    assert raw.text.startswith("event: message_start") and "event: error\n" in raw.text
+
+
+def test_completion_stream_and_plain_requests_get_json_errors(failing):
+    client, calls = failing
+    calls[0] = 0
+    raw = client.post("/v1/completions", json={"model": "default", "prompt": "Once", "max_tokens": 8,
+                                               "stream": True})
+    assert '"error"' in raw.text and raw.text.rstrip().endswith("data: [DONE]")
+    calls[0] = 0
+    plain = client.post("/v1/chat/completions", json={"model": "default", "messages": USER, "max_tokens": 8})
+    assert plain.status_code == 500 and "Boom" in plain.json()["error"]["message"]
+    calls[0] = 1  # the next forward succeeds: the server goes on serving
+    assert client.get("/health").status_code == 200
