@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat.format import ChatMessage, ToolCall
-from localmoe.server.anthropic_schemas import EFFORT_TIER, MessagesRequest
+from localmoe.server.anthropic_schemas import EFFORT_TIER, CountTokensRequest, MessagesRequest
 from localmoe.server.errors import APIError, stream_error
 from localmoe.server.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.turn import TurnResult
@@ -75,7 +75,8 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
                                 f"({body.max_tokens})")
     return ChatRequest(
         messages=chat_messages(body), max_tokens=body.max_tokens,
-        params=sampling_params(body.temperature, body.top_p, body.top_k, None, None, None),
+        params=sampling_params(body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty,
+                               body.seed),
         tools=tools, tool_mode=mode, tool_names=names,
         reasoning_effort=EFFORT_TIER[effort] if (effort := body.output_config and body.output_config.effort) else None,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
@@ -83,6 +84,20 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
         bytes_read=body.max_bytes_read, session_id=body.session_id, output_param="output_config.format",
         output_schema=body.output_config.format.output_schema() if body.output_config and body.output_config.format
         else None)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request):
+    """The prompt tokens `messages.create` with the same body would send to the model (system, tools, effort
+    and session history included): what it reports as `input_tokens + cache_read_input_tokens`."""
+    from starlette.concurrency import run_in_threadpool
+
+    service: Service = request.app.state.service
+    service.check_model(body.model)
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else 0
+    full = body.model_copy(update={"max_tokens": body.max_tokens or budget + 1})
+    prep, _ = await run_in_threadpool(service.prepare_chat, chat_request(full))
+    return {"input_tokens": len(prep.prompt)}
 
 
 def stop_reason(result: TurnResult) -> str:

@@ -107,6 +107,8 @@ class OutputConfig(Body):
     format: JSONOutputFormat | None = None  # the answer is JSON valid against its schema (the grammar engine)
 
 
+# output_config.effort -> the thinking-budget tier (docs/api.md): low -> low, medium and high -> high,
+# xhigh and max -> max
 EFFORT_TIER = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
 
 
@@ -120,6 +122,10 @@ class MessagesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    # localmoe sampling extensions (the anthropic SDK sends these, and temperature, through extra_body)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     thinking: Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")] | None = (
         None
     )
@@ -136,3 +142,10 @@ class MessagesRequest(RequestBody):
         if self.system is None:
             return None
         return self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+
+
+class CountTokensRequest(MessagesRequest):
+    """`/v1/messages/count_tokens`: a messages body whose max_tokens is optional."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localmoe.chat.sessions import SessionError, message_to_dict
 from localmoe.errors import LocalMoEError
-from localmoe.server import anthropic_routes, document_routes, openai_routes, responses_routes
+from localmoe.server import anthropic_routes, document_routes, model_routes, openai_routes, responses_routes
 from localmoe.server.errors import APIError, error_response, status_and_message
 from localmoe.server.security import HostCheck
 from localmoe.server.service import Service
@@ -138,6 +138,7 @@ def create_app(service: Service) -> FastAPI:
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(document_routes.router)
+    app.include_router(model_routes.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):

@@ -152,11 +152,3 @@ async def _completion_events(stream, head: dict, include_usage: bool, path: str)
     except Exception as e:  # noqa: BLE001 - a started stream ends with an error chunk, never a cut connection
         yield sse(stream_error(e, path))
     yield sse("[DONE]")
-
-
-@router.get("/v1/models")
-async def models(request: Request):
-    """The served model."""
-    service = service_of(request)
-    return {"object": "list", "data": [{"id": service.model_id, "object": "model", "created": service.created,
-                                        "owned_by": "localmoe", "context_length": service.context}]}

@@ -177,3 +177,18 @@ def test_wall_clock_budget_ends_a_long_generation(gpt_oss_server):
     assert free.usage.completion_tokens > 50  # the random model goes on for long by itself
     assert timed.choices[0].finish_reason == "length"
     assert timed.usage.completion_tokens < free.usage.completion_tokens
+
+
+def test_anthropic_output_config_effort_low_caps_reasoning_like_reasoning_effort_low(gpt_oss_server):
+    """The anthropic SDK 2.x sends output_config.effort: low maps to the same tier as reasoning_effort=low."""
+    client = anthropic.Anthropic(base_url=gpt_oss_server.url, api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Think, then answer: 2+2?"}]
+    reply = client.messages.create(model="default", max_tokens=40, messages=messages,
+                                   output_config={"effort": "low"}, extra_body={"temperature": 0})
+    thinking = "".join(b.thinking for b in reply.content if b.type == "thinking")
+    text = "".join(b.text for b in reply.content if b.type == "text")
+    low, unlimited = _ask(gpt_oss_server, "low"), _ask(gpt_oss_server, "low", max_reasoning_tokens=10_000)
+    assert low.usage.completion_tokens_details.reasoning_tokens == LOW  # the cap reasoning_effort=low sets
+    assert reply.usage.output_tokens == low.usage.completion_tokens
+    assert (thinking, text) == (low.choices[0].message.model_dump().get("reasoning_content", ""),
+                                low.choices[0].message.content or "")
