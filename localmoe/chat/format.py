@@ -50,6 +50,7 @@ class ChatMessage:
 
     Assistant messages may carry `reasoning` and `tool_calls`; tool messages carry the
     result in `content` plus the tool's `name` and the `tool_call_id` they answer.
+    `interrupted`: an assistant answer cut short by its client (what had been streamed).
     """
 
     role: str
@@ -58,6 +59,7 @@ class ChatMessage:
     tool_calls: list[ToolCall] = field(default_factory=list)
     name: str | None = None
     tool_call_id: str | None = None
+    interrupted: bool = False
 
 
 @dataclass

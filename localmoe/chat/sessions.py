@@ -46,6 +46,7 @@ CREATE TABLE IF NOT EXISTS messages (
     name TEXT,
     tool_call_id TEXT,
     created REAL NOT NULL,
+    interrupted INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, seq)
 );
 CREATE TABLE IF NOT EXISTS records (
@@ -97,6 +98,9 @@ class SessionStore:
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.execute("PRAGMA busy_timeout=30000")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
+            if "interrupted" not in columns:  # a database written before partial answers were kept
+                self._db.execute("ALTER TABLE messages ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
         except sqlite3.DatabaseError as e:
             raise SessionError(f"{self.path}: cannot open the sessions database ({e}); "
                                f"move the file away to start a new one") from None
@@ -159,9 +163,9 @@ class SessionStore:
                 for i, m in enumerate(messages):
                     self._db.execute(
                         "INSERT INTO messages (session_id, seq, role, content, reasoning, tool_calls, name, "
-                        "tool_call_id, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "tool_call_id, created, interrupted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (session_id, seq + i, m.role, m.content, m.reasoning, _calls_to_json(m.tool_calls), m.name,
-                         m.tool_call_id, now))
+                         m.tool_call_id, now, int(m.interrupted)))
                 self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -173,10 +177,10 @@ class SessionStore:
         if not self.exists(session_id):
             raise SessionError(f"no session {session_id!r}")
         with self._lock:
-            rows = self._db.execute("SELECT role, content, reasoning, tool_calls, name, tool_call_id FROM messages "
-                                    "WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
+            rows = self._db.execute("SELECT role, content, reasoning, tool_calls, name, tool_call_id, interrupted "
+                                    "FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
         return [ChatMessage(role=r[0], content=r[1], reasoning=r[2], tool_calls=_calls_from_json(r[3]), name=r[4],
-                            tool_call_id=r[5]) for r in rows]
+                            tool_call_id=r[5], interrupted=bool(r[6])) for r in rows]
 
     def set_record(self, session_id: str, body: str) -> None:
         """Keep one document beside the session's messages (the Responses API's response object)."""
@@ -227,4 +231,6 @@ def message_to_dict(m: ChatMessage) -> dict:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
+    if m.interrupted:
+        out["interrupted"] = True
     return out

@@ -71,11 +71,13 @@ class ChatRequest:
 class Stream:
     """The events of one job, read from the event loop; cancels the job when abandoned."""
 
-    def __init__(self, service: Service, work, on_done=None):
+    def __init__(self, service: Service, work, on_done=None, on_interrupt=None):
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.service = service
         self.on_done = on_done
+        self.on_interrupt = on_interrupt  # called with the partial TurnResult when the client goes away
+        self.partial = TurnResult(finish_reason="cancelled")  # what has been handed out so far
         self.job = Job(work, self._put)
         self.finished = False
         self.prompt: list[int] = []
@@ -105,12 +107,25 @@ class Stream:
                     self.service.record(payload)
                     if self.on_done is not None:
                         self.on_done(payload)
+                else:
+                    self._seen(payload)
                 yield kind, payload
                 if kind == "done":
                     return
         finally:
             if not self.finished:
+                self.finished = True
                 self.cancel()
+                if self.on_interrupt is not None:
+                    self.on_interrupt(self.partial)
+
+    def _seen(self, delta) -> None:
+        if delta.tool_call is not None:
+            self.partial.tool_calls.append(delta.tool_call)
+        elif delta.channel == "reasoning":
+            self.partial.reasoning += delta.text
+        else:
+            self.partial.content += delta.text
 
     def cancel(self) -> None:
         if not self.job.cancelled:
@@ -304,14 +319,14 @@ class Service:
             session_id = req.session_id
 
             def on_done(result: TurnResult) -> None:
-                if result.finish_reason != "cancelled":
-                    self.sessions.append(session_id, ChatMessage("assistant", result.content,
-                                                                 reasoning=result.reasoning or None,
-                                                                 tool_calls=list(result.tool_calls)))
+                """The answer joins the session; one cut short by its client is kept, marked interrupted."""
+                self.sessions.append(session_id, ChatMessage(
+                    "assistant", result.content, reasoning=result.reasoning or None,
+                    tool_calls=list(result.tool_calls), interrupted=result.finish_reason == "cancelled"))
 
         fmt, tokenizer = self.format, self.tokenizer
         stream = Stream(self, lambda job: run_chat(fmt, tokenizer, self.model, prep, job.emit, lambda: job.cancelled),
-                        on_done)
+                        on_done, on_interrupt=on_done)
         stream.prompt = prep.prompt
         return stream.start()
 
