@@ -147,6 +147,35 @@ def test_many_tokens_and_no_kernel_use_the_reference_loop(monkeypatch, close):
           _float64(x[few], ids[few], weights[few], experts, "situ", (4.0, 25.0)), 2e-6, "no library")
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_prefill_runs_the_kernel_per_expert_with_few_tokens(monkeypatch, precision, close):
+    """More than GEMV_MAX_TOKENS tokens: an expert with at most EXPERT_GEMV_MAX_TOKENS of them goes through the kernel (its codes
+    read once for all its tokens), one with more through the reference; one call over the layer and one
+    call per expert (a paging provider) give the same bits, and the sum matches float64."""
+    E, D, I, k = 8, 64, 32, 2
+    N = 2 * mxfp4_moe.GEMV_MAX_TOKENS
+    experts = _experts(E, D, I, seed=16, bias=False)
+    ids, weights = _routing(N, E, k, seed=17)
+    monkeypatch.setattr(mxfp4_moe, "EXPERT_GEMV_MAX_TOKENS", N // 2)
+    ids[:, 0] = 0  # expert 0 gets every token: more than EXPERT_GEMV_MAX_TOKENS; the others fewer
+    ids[:, 1] = torch.where(ids[:, 1] == 0, 1, ids[:, 1])
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(18))
+    calls = []
+    moe = cpu.moe
+    monkeypatch.setattr(cpu, "moe", lambda *a, **kw: calls.append(a[8]) or moe(*a, **kw))
+    whole = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable(experts, E), "situ", (4.0, 25.0), torch.zeros(N, D),
+                                precision=precision)
+    assert calls == sorted(set(ids[:, 1].tolist()))  # every expert but 0, one kernel call each
+    split = torch.zeros(N, D)
+    for e in ids.unique().tolist():
+        mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable({e: experts[e]}, E), "situ", (4.0, 25.0), split, only=e,
+                            precision=precision)
+    assert torch.equal(whole, split)
+    if precision == "exact":
+        close(whole, _float64(x, ids, weights, experts, "situ", (4.0, 25.0)), 2e-6, "prefill")
+
+
 def test_expert_table_takes_only_mxfp4_experts():
     experts = _experts(2, 64, 32, seed=16)
     assert all(ExpertTable.holds(w) for w in experts.values())
