@@ -146,3 +146,41 @@ def test_web_sources_panel_labels_uncited_evidence_and_not_found(tmp_path):
     assert sources_markdown(cited).startswith("1. **plant.pdf**, page 7") and "Uncited" not in sources_markdown(cited)
     nothing = asyncio.run(analyse(FixedAsker("x"), ingested, "What colour is the giraffe's tongue?", "low"))
     assert "Not found in the documents" in sources_markdown(nothing)
+
+
+def test_service_asker_cancels_a_looping_stream():
+    """ServiceAsker reads the streamed answer, cancels the generation once it loops, keeps one copy."""
+    from localmoe.chat.format import Delta
+    from localmoe.documents.asker import ServiceAsker
+
+    class LoopingStream:
+        prompt = [1] * 40
+        cancelled = False
+        sent = 0
+
+        async def events(self):
+            for piece in ["The steward is the Mozilla Foundation.\n"] + ["See section 10.\n"] * 50:
+                if self.cancelled:
+                    return
+                self.sent += 1
+                yield "delta", Delta("content", piece)
+
+        def cancel(self):
+            self.cancelled = True
+
+    stream = LoopingStream()
+
+    class Service:
+        async def chat(self, request):
+            assert request.params.repetition_penalty > 1
+            return stream
+
+        class tokenizer:
+            @staticmethod
+            def encode(text, add_special_tokens=False):
+                return text.split()
+
+    asker = ServiceAsker(Service(), "low")
+    text = asyncio.run(asker.ask("system", "user", 500))
+    assert stream.cancelled and stream.sent < 10 and asker.usage.loops == 1
+    assert text == "The steward is the Mozilla Foundation.\nSee section 10."
