@@ -216,8 +216,7 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
     if experts is None and config.paging.gpu_budget:
         raise LocalMoEError(f"{path}: --gpu-mem holds routed experts of a packed store, and this model is not one "
                             f"with experts; convert it (localmoe convert) or leave --gpu-mem at 0")
-    model = family.build(spec, weights, config, experts) if experts is not None else family.build(spec, weights,
-                                                                                                  config)
+    model = family.build(spec, weights, config, experts)
     if experts is not None:
         from localmoe.paging import attach_provider
 

@@ -99,20 +99,16 @@ class GatedDeltaNet:
         G = Hv // Hk
         p = prefix + "linear_attn."
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = weights[p + name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{p}{name}: shape {tuple(t.shape)}, expected {shape}")
-            return t
+        def w(name: str) -> torch.Tensor:  # shapes checked on load
+            return weights[p + name]
 
         # rows per key head: [q K | k K | v G*V | z G*V] -> [all q; all k; all v; all z]
-        qkvz = get("in_proj_qkvz.weight", Hk * (2 * K + 2 * G * V), D).view(Hk, 2 * K + 2 * G * V, D)
+        qkvz = w("in_proj_qkvz.weight").view(Hk, 2 * K + 2 * G * V, D)
         q, k, v, z = (t.reshape(-1, D) for t in qkvz.split((K, K, G * V, G * V), dim=1))
-        b, a = (t.reshape(-1, D) for t in get("in_proj_ba.weight", 2 * Hv, D).view(Hk, 2 * G, D).split(G, dim=1))
+        b, a = (t.reshape(-1, D) for t in w("in_proj_ba.weight").view(Hk, 2 * G, D).split(G, dim=1))
         in_proj = Linear(torch.cat([q, k, v, z, b, a]), None, dtype)
-        return cls(c, in_proj, Linear(get("out_proj.weight", D, Hv * V), None, dtype),
-                   get("conv1d.weight", c.conv_channels, 1, c.conv_kernel)[:, 0], get("A_log", Hv),
-                   get("dt_bias", Hv), get("norm.weight", V))
+        return cls(c, in_proj, Linear(w("out_proj.weight"), None, dtype), w("conv1d.weight")[:, 0], w("A_log"),
+                   w("dt_bias"), w("norm.weight"))
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
         """The recurrent state [B, Hv, K, V] + conv tail; fp32 whatever the K/V cache `dtype`."""

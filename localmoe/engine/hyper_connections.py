@@ -24,8 +24,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from localmoe.errors import CheckpointError
-
 Sublayer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, collapsed input [B, T, D]) -> output [B, T, D]
 
 
@@ -76,18 +74,11 @@ class HyperConnections:
     @classmethod
     def from_weights(cls, spec, weights: dict[str, torch.Tensor]) -> HyperConnections:
         """From canonical `layers.{i}.hc_{attn,ffn}_{fn,base,scale}`; N = spec.hc_mult."""
-        N, D = spec.hc_mult, spec.hidden_size
-        width = (2 + N) * N
+        N = spec.hc_mult
 
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = weights[name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            return t
-
-        def hc(i: int, kind: str) -> HyperConnection:
+        def hc(i: int, kind: str) -> HyperConnection:  # shapes checked on load
             p = f"layers.{i}.hc_{kind}_"
-            return HyperConnection(get(p + "fn", width, N * D), get(p + "base", width), get(p + "scale", 3), N,
+            return HyperConnection(weights[p + "fn"], weights[p + "base"], weights[p + "scale"], N,
                                    spec.rms_norm_eps, spec.hc_eps, spec.hc_sinkhorn_iters)
 
         n = spec.num_layers

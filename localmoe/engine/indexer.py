@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import Step
-from localmoe.errors import CheckpointError
 from localmoe.kernels.topk_select import topk_select
 
 
@@ -36,17 +35,13 @@ class LightningIndexer:
     @classmethod
     def from_weights(cls, weights: dict[str, torch.Tensor], prefix: str, hidden: int, q_lora_rank: int, heads: int,
                      head_dim: int, rope_dim: int, top_k: int, dtype: str) -> LightningIndexer:
-        """From `{prefix}wq_b.weight`, `wk.weight`, `k_norm.{weight,bias}`, `weights_proj.weight`."""
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = weights[prefix + name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{prefix}{name}: shape {tuple(t.shape)}, expected {shape}")
-            return t
+        """From `{prefix}wq_b.weight`, `wk.weight`, `k_norm.{weight,bias}`, `weights_proj.weight` (shapes checked
+        on load)."""
+        def w(name: str) -> torch.Tensor:
+            return weights[prefix + name]
 
-        return cls(Linear(get("wq_b.weight", heads * head_dim, q_lora_rank), None, dtype),
-                   Linear(get("wk.weight", head_dim, hidden), None, dtype), get("k_norm.weight", head_dim),
-                   get("k_norm.bias", head_dim), Linear(get("weights_proj.weight", heads, hidden), None, "float32"),
-                   heads, head_dim, rope_dim, top_k)
+        return cls(Linear(w("wq_b.weight"), None, dtype), Linear(w("wk.weight"), None, dtype), w("k_norm.weight"),
+                   w("k_norm.bias"), Linear(w("weights_proj.weight"), None, "float32"), heads, head_dim, rope_dim, top_k)
 
     @property
     def cache_dim(self) -> int:
