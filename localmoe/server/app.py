@@ -16,6 +16,7 @@ from localmoe.chat.sessions import SessionError, message_to_dict
 from localmoe.errors import LocalMoEError
 from localmoe.server import anthropic_routes, document_routes, model_routes, openai_routes, responses_routes
 from localmoe.server.errors import APIError, error_response, status_and_message
+from localmoe.server.openapi import truthful
 from localmoe.server.security import HostCheck
 from localmoe.server.service import Service
 from localmoe.server.worker import CancelledError
@@ -150,8 +151,8 @@ def create_app(service: Service) -> FastAPI:
         return error_response(400, message, request.url.path, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException):
-        return error_response(error.status_code, str(error.detail), request.url.path)
+    async def http_error(request: Request, error: StarletteHTTPException):  # 404, and 405 with its Allow header
+        return error_response(error.status_code, str(error.detail), request.url.path, headers=error.headers)
 
     @app.exception_handler(SessionError)
     async def session_error(request: Request, error: SessionError):
@@ -207,6 +208,7 @@ def create_app(service: Service) -> FastAPI:
         store.delete(session_id)
         return {"id": session_id, "deleted": True}
 
+    app.openapi = truthful(app.openapi)
     known = {getattr(r, "path", None) for r in (*app.routes, *openai_routes.router.routes,
                                                 *anthropic_routes.router.routes, *document_routes.router.routes)}
     app.add_middleware(AuthAndCount, service=service, known_paths=known)

@@ -1,17 +1,24 @@
-"""Property-based fuzzing of every operation in the server's own OpenAPI schema: no 5xx."""
+"""Property-based fuzzing of every operation in the server's own OpenAPI schema, every check
+schemathesis has: no 5xx, every status and body as declared, invalid input rejected and
+valid input accepted. LOCALMOE_FUZZ_EXAMPLES sets the examples per operation and mode."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import positive_data_acceptance
 
 from tests.server.conftest import start_server
 
-EXAMPLES = 10  # per operation and generation mode: the whole run stays well under a minute
+# Schema-valid but refused: JSON Schema cannot say "valid Unicode" (lone surrogates are 400 here) nor the
+# checks that depend on the model (context length, a tool schema's own validity).
+EXCLUDED = [positive_data_acceptance]
+EXAMPLES = int(os.environ.get("LOCALMOE_FUZZ_EXAMPLES", "200"))  # per operation and generation mode
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def test_no_server_errors(fuzz_server):
             def run(case):
                 response = case.call(base_url=fuzz_server.url, timeout=60)
                 statuses.append(response.status_code)
-                case.validate_response(response, checks=[not_a_server_error])
+                case.validate_response(response, excluded_checks=EXCLUDED)
 
             try:
                 run()
