@@ -28,11 +28,15 @@ def unicode_error(value: Any, where: str = "") -> str | None:
                 return (f"{at or 'body'}: text is not valid Unicode (a lone surrogate {item[e.start]!r} at character "
                         f"{e.start}); send text that is valid UTF-8")
         elif isinstance(item, dict):
-            stack += [(k, f"{at}.{k!s}".lstrip(".") if isinstance(k, str) else at) for k in item]
-            stack += [(v, f"{at}.{k}".lstrip(".")) for k, v in item.items()]
+            stack += [(k, f"{at} (a key)".lstrip()) for k in item]
+            stack += [(v, f"{at}.{_printable(k)}".lstrip(".")) for k, v in item.items()]
         elif isinstance(item, list):
             stack += [(v, f"{at}.{i}".lstrip(".")) for i, v in enumerate(item)]
     return None
+
+
+def _printable(key: object) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Body(BaseModel):

@@ -23,7 +23,9 @@ EXAMPLES = int(os.environ.get("LOCALMOE_FUZZ_EXAMPLES", "200"))  # per operation
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model, tmp_path_factory):
+    # --max-body 64 MiB: a list past its declared maxItems must reach validation (400), not the body limit (413)
     server = start_server(tiny_model, tmp_path_factory.mktemp("fuzz"), "--max-context", "256", "--max-tokens", "4",
+                          "--max-body", str(64 << 20),
                           "--max-tokens-limit", "8", "--sessions", str(tmp_path_factory.mktemp("fuzzdb") / "s.db"))
     yield server
     server.stop()
