@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from localmoe.chat import ChatFormatError, ChatMessage, messages_from_openai
 from localmoe.chat.sessions import SessionError
-from localmoe.server.errors import APIError
+from localmoe.server.errors import APIError, stream_error
 from localmoe.server.responses_output import EventBuilder, items_of, usage_of
 from localmoe.server.responses_schemas import REASONING_EFFORT, ResponsesRequest, input_messages
 from localmoe.server.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
@@ -171,9 +171,10 @@ async def _events(service: Service, body: ResponsesRequest, stream, rid: str, cr
             await run_in_threadpool(_store, service, body, rid, conversation, payload, response)
             done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             yield sse({"type": done, "response": response})
-    except APIError as e:
-        yield sse({"type": "error", "code": e.code or "invalid_request_error", "message": e.message,
-                   "param": e.param})
+    except Exception as e:  # noqa: BLE001 - a started stream ends with an error event, never a cut connection
+        error = stream_error(e, "/v1/responses")["error"]
+        yield sse({"type": "error", "code": error["code"] or error["type"], "message": error["message"],
+                   "param": error["param"]})
 
 
 def _stored(service: Service, response_id: str) -> str:

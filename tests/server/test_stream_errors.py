@@ -79,3 +79,11 @@ def test_completion_stream_and_plain_requests_get_json_errors(failing):
     assert plain.status_code == 500 and "Boom" in plain.json()["error"]["message"]
     calls[0] = 1  # the next forward succeeds: the server goes on serving
     assert client.get("/health").status_code == 200
+
+
+def test_responses_stream_ends_with_an_error_event(failing):
+    client, calls = failing
+    calls[0] = 0
+    sdk = openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=client, max_retries=0)
+    events = list(sdk.responses.create(model="default", input="Tell me a story.", max_output_tokens=8, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "error" and "Boom" in events[-1].message
