@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from localmoe.server.schemas import NAME, Body, RequestBody, check_parameters
+from localmoe.server.schemas import NAME, NAME_FIELD, Body, RequestBody, check_parameters
 from localmoe.server.structured import JSONOutputFormat
 
 
@@ -62,7 +62,7 @@ class AnthropicMessage(Body):
 
 
 class AnthropicTool(Body):
-    name: str
+    name: str = Field(json_schema_extra=NAME_FIELD)
     description: str | None = Field(default=None, max_length=100_000)
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None

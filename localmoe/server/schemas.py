@@ -122,8 +122,11 @@ class MessageIn(Body):
         return "".join(p.text for p in self.content)
 
 
+NAME_FIELD = {"pattern": NAME.pattern}  # shown in the schema; the validators below give the clearer message
+
+
 class FunctionDecl(Body):
-    name: str
+    name: str = Field(json_schema_extra=NAME_FIELD)
     description: str | None = Field(default=None, max_length=100_000)
     parameters: dict | None = None
     strict: bool | None = None
