@@ -53,6 +53,8 @@ GEMV_MAX_TOKENS = 96  # measured: GEMV at 0.6x the time of dequantise + sgemm fo
 # 512-token chunk (57-113 tokens per expert): all 48 experts through the kernel took 0.06 s of CPU,
 # 0.32 s with the 11 experts above 96 tokens through the reference; larger counts are unmeasured.
 EXPERT_GEMV_MAX_TOKENS = 512
+SINGLE_TABLES_MAX = 1024  # one-expert tables kept for reuse (ExpertTable.single), cleared when full
+_SINGLE_TABLES: dict[tuple, ExpertTable] = {}
 
 
 def _check_precision(precision: str) -> None:
@@ -121,6 +123,28 @@ class ExpertTable:
             self._held += [t for t in parts if t is not None]
             rows[e] = torch.tensor([0 if t is None else t.data_ptr() for t in parts])
         self.addresses = rows
+
+    @classmethod
+    def single(cls, expert: int, w, num_experts: int) -> ExpertTable | None:
+        """`ExpertTable({expert: w}, num_experts)`, or None where `w` is not in the kernels' form (`holds` on
+        its own device). A paging provider hands out views of the same slots over and over: a table of
+        bias-free experts is kept per (expert, memory it points to) and reused (the addresses would be
+        the same; a bias may be a converted copy, so those are built each time). A kept table holds its
+        tensors: meant for providers whose weights are views of fixed slots (the pager's RAM and GPU slabs)."""
+        parts = [t for p in (w.gate, w.up, w.down) for t in (p.packed, p.scales)]
+        cacheable = all(p.bias is None for p in (w.gate, w.up, w.down)) and all(t is not None for t in parts)
+        key = (expert, *((t.data_ptr(), t.shape, t.device) for t in parts)) if cacheable else None
+        table = _SINGLE_TABLES.get(key) if cacheable else None
+        if table is not None and table.addresses.shape[0] >= num_experts:  # more (empty) rows change nothing
+            return table
+        if w.gate.packed is None or not cls.holds(w, w.gate.packed.device):
+            return None
+        table = cls({expert: w}, max(num_experts, 0 if table is None else table.addresses.shape[0]))
+        if cacheable:
+            if len(_SINGLE_TABLES) >= SINGLE_TABLES_MAX:
+                _SINGLE_TABLES.clear()
+            _SINGLE_TABLES[key] = table
+        return table
 
     @staticmethod
     def holds(w, device: str | torch.device = "cpu") -> bool:

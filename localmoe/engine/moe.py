@@ -177,8 +177,9 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
                 on_tier[tier] = (*(t.to(w.device, non_blocking=True) for t in (x, ids, weights)),
                                  torch.zeros(x.shape, dtype=x.dtype, device=w.device))
             xs, ids_, weights_, acc = on_tier[tier]
-        if kernel and ExpertTable.holds(w, w.device):
-            mxfp4_moe(xs, ids_, weights_, ExpertTable({expert: w}, chosen[-1] + 1), act.kind, act.params, acc,
+        table = ExpertTable.single(expert, w, chosen[-1] + 1) if kernel else None
+        if table is not None:
+            mxfp4_moe(xs, ids_, weights_, table, act.kind, act.params, acc,
                       only=expert, precision=precision)
             continue
         picks = (ids_.reshape(-1) == expert).nonzero().squeeze(1)

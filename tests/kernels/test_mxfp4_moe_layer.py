@@ -176,6 +176,33 @@ def test_prefill_runs_the_kernel_per_expert_with_few_tokens(monkeypatch, precisi
         close(whole, _float64(x, ids, weights, experts, "situ", (4.0, 25.0)), 2e-6, "prefill")
 
 
+@needs_cpu_kernel
+def test_single_expert_tables_are_reused_for_the_same_memory():
+    """ExpertTable.single (a pager's per-expert calls): views of the same slot memory get the kept table,
+    also when a call needs fewer rows; experts with biases are built each time; the bits are those of a
+    fresh table."""
+    E, D, I, k, N = 6, 64, 32, 2, 4
+    experts = _experts(E, D, I, seed=19, bias=False)
+    ids, weights = _routing(N, E, k, seed=20)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(21))
+    e = int(ids[0, 0])
+
+    def view(w):  # what a pager hands out again: new objects over the same memory
+        return SimpleNamespace(**{p: SimpleNamespace(packed=getattr(w, p).packed[:], scales=getattr(w, p).scales[:],
+                                                     bias=None) for p in ("gate", "up", "down")})
+
+    first = ExpertTable.single(e, view(experts[e]), E)
+    assert ExpertTable.single(e, view(experts[e]), E) is first
+    assert ExpertTable.single(e, view(experts[e]), e + 1) is first
+    assert ExpertTable.single(e + E, view(experts[e]), 2 * E) is not first  # another expert id: its own table
+    got = mxfp4_moe.mxfp4_moe(x, ids, weights, first, "situ", (4.0, 25.0), torch.zeros(N, D), only=e)
+    fresh = mxfp4_moe.mxfp4_moe(x, ids, weights, ExpertTable({e: experts[e]}, E), "situ", (4.0, 25.0),
+                                torch.zeros(N, D), only=e)
+    assert torch.equal(got, fresh)
+    biased = _experts(1, D, I, seed=22)[0]
+    assert ExpertTable.single(0, biased, 1) is not ExpertTable.single(0, biased, 1)
+
+
 def test_expert_table_takes_only_mxfp4_experts():
     experts = _experts(2, 64, 32, seed=16)
     assert all(ExpertTable.holds(w) for w in experts.values())
