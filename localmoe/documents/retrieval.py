@@ -48,6 +48,17 @@ def relevant(question: str, texts: list[str]) -> bool:
     return any(len(words & set(tokens(text))) >= need for text in texts)
 
 
+NOT_FOUND = "Not found in the documents: no passage matches the question's words ({words})."
+
+
+def not_found(question: str, texts: list[str]) -> str | None:
+    """The not-found answer when no text of `texts` (retrieved passages, "location text") is `relevant`
+    to `question`, else None: the one rule analysis, /v1/documents/search and the search tool apply."""
+    if relevant(question, texts):
+        return None
+    return NOT_FOUND.format(words=", ".join(sorted(set(tokens(question)))) or "none")
+
+
 class Index:
     """A BM25 index over chunks; `search` returns (chunk, score) best first."""
 

@@ -79,10 +79,15 @@ async def _paths(paths: list[str], roots: tuple[Path, ...] | None) -> list[Path]
 async def search(body: SearchBody, request: Request):
     """The passages of `paths` that best match `query` (BM25), best first, with file and location."""
     from localmoe.documents import search_documents
+    from localmoe.documents.retrieval import not_found
 
     paths = await _paths(body.paths, request.app.state.service.config.documents_roots)
     passages = await run_in_threadpool(search_documents, body.query, paths, body.top_k)
-    return {"object": "list", "data": [p.to_dict() for p in passages]}
+    # the not-found rule of analyze and the search tool: passages holding too few of the query's words are no answer
+    missing = not_found(body.query, [f"{p.location} {p.text}" for p in passages])
+    if missing:
+        return {"object": "list", "status": "not_found", "message": missing, "data": []}
+    return {"object": "list", "status": "found", "data": [p.to_dict() for p in passages]}
 
 
 @router.post("/v1/documents/analyze")

@@ -61,9 +61,27 @@ def test_search_route_ranks_the_planted_page(client, corpus):
     folder, _ = corpus
     response = client.post("/v1/documents/search", json={"query": QUESTION, "paths": [str(folder)], "top_k": 2})
     assert response.status_code == 200, response.text
+    assert response.json()["status"] == "found"
     best = response.json()["data"][0]
     assert (best["source"], best["location"]) == ("plant-report.pdf", "page 7")
     assert builders.PDF_FACTS[7] in " ".join(best["text"].split())
+
+
+def test_search_route_answers_not_found_as_analyze_does(client, corpus):
+    """A query sharing one stray word with the files ("plant") still gets BM25 hits, but none holds a third
+    of its topic words: the route answers not found, with analyze's message, and no passages."""
+    from localmoe.documents import search_documents
+
+    folder, _ = corpus
+    query = "Which plant keeps the zebra saxophone quartet?"
+    assert search_documents(query, [folder], 5)  # BM25 alone returns passages: the rule is what rejects them
+    response = client.post("/v1/documents/search", json={"query": query, "paths": [str(folder)]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "not_found" and body["data"] == []
+    assert body["message"].startswith("Not found in the documents") and "saxophone" in body["message"]
+    analysed = client.post("/v1/documents/analyze", json={"question": query, "paths": [str(folder)], "budget": "low"})
+    assert analysed.json()["status"] == "not_found" and analysed.json()["answer"] == body["message"]
 
 
 def test_analyze_route_returns_a_checked_report(client, small_pdf):
