@@ -5,7 +5,8 @@ model's context with room for the answer, the model reads them all in one pass. 
 BM25 picks the passages closest to the question, they are packed into as few prompts as fit
 (at most the budget's number of calls), the model takes cited notes on each (map) and writes
 the answer from the notes (reduce). The answer's citations are checked against the passages
-they name; an answer without a checked citation comes with the retrieved passages labelled as
+they name; a sentence the model left uncited is cited to the passage it draws its words from when
+one holds them (`attribution`, marked attributed); an answer without a checked citation comes with the retrieved passages labelled as
 uncited evidence, and a question no passage matches is answered "not found in the documents"."""
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from pathlib import Path
 
 from localmoe.documents import prompts
 from localmoe.documents.asker import ServiceAsker
+from localmoe.documents.attribution import attribute
 from localmoe.documents.chunks import chunk_documents
 from localmoe.documents.citations import check_answer, evidence
 from localmoe.documents.fit import Fitter, fit_notes
 from localmoe.documents.ingest import ingest
 from localmoe.documents.records import Chunk, Ingested
 from localmoe.documents.report import Report
-from localmoe.documents.retrieval import Index, relevant, tokens, whole_document
+from localmoe.documents.retrieval import Index, not_found, whole_document
 
 # (stage, done, total): stage is "read" (files), "map" (passage groups) or "answer"
 Progress = Callable[[str, int, int], None]
 
 EVIDENCE_SHARE = 0.9  # a retrieved passage is quoted as evidence when its score is this share of the best
+ATTRIBUTION_HITS, ATTRIBUTION_SHARE = 2, 0.5  # an uncited sentence may be attributed to the 2 best hits (half the best score)
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,6 @@ class Plan:
 PLANS = {"low": Plan(passages=8, calls=2, answer_tokens=192, note_tokens=96, evidence=1),
          "high": Plan(passages=32, calls=6, answer_tokens=384, note_tokens=160, evidence=2),
          "max": Plan(passages=96, calls=16, answer_tokens=768, note_tokens=256, evidence=3)}
-
-NOT_FOUND = "Not found in the documents: no passage matches the question's words ({words})."
 
 
 def spread(chunks: list[Chunk], n: int) -> list[Chunk]:
@@ -83,9 +84,9 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
     index = Index(chunks)
     scored = index.search(question, max(plan.passages, plan.evidence))
     whole = whole_document(question)
-    if not whole and not relevant(question, [f"{c.location} {c.text}" for c, _ in scored]):
-        report.status, report.mode = "not_found", "retrieval"
-        report.answer = NOT_FOUND.format(words=", ".join(sorted(set(tokens(question)))) or "none")
+    missing = None if whole else not_found(question, [f"{c.location} {c.text}" for c, _ in scored])
+    if missing:
+        report.status, report.mode, report.answer = "not_found", "retrieval", missing
         report.stats = {**stats, "seconds": time.perf_counter() - started}
         return report
     hits = [c for c, _ in scored]
@@ -120,7 +121,12 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
                               prompts.reduce_prompt(question, notes), answer_tokens)
             calls = len(groups) + 1
     checked = check_answer(text, chunks)
-    report.answer, report.citations, report.rejected = checked.text, checked.citations, checked.rejected
+    # sentences the model left uncited: cited to the passage they draw their words from, when it is one of
+    # retrieval's best passages the model read (any passage read for a whole-document question)
+    ids = {c.id for c in read}
+    best = [c for c, score in scored[:ATTRIBUTION_HITS] if score >= ATTRIBUTION_SHARE * scored[0][1] and c.id in ids]
+    text, attributed = attribute(checked.text, question, best if hits else read, len(checked.citations))
+    report.answer, report.citations, report.rejected = text, checked.citations + attributed, checked.rejected
     # the strongest hits; when none of their sentences checks out, the first hit (or passage read) that does
     report.evidence = evidence(strong, question, chunks) or evidence((hits + read)[:16], question, chunks)[:1]
     report.status = "cited" if report.citations else "uncited"

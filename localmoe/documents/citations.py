@@ -41,10 +41,12 @@ class Citation:
     claim: str  # the sentence the citation ends
     verified: bool
     reason: str = ""  # why it was rejected
+    attributed: bool = False  # attached after generation by matching the claim's words (attribution.py)
 
     def label(self) -> str:
         where = f"{self.source}, {self.location}" if self.location else self.source
-        return f'{where}: "{self.quote}"' if self.quote else where
+        text = f'{where}: "{self.quote}"' if self.quote else where
+        return text + (" (attributed)" if self.attributed else "")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -28,7 +28,7 @@ def citation_line(citation, number: int | None = None) -> str:
     """`1. **notes.txt**, lines 10-40: “quoted words”` (a Citation of localmoe.documents)."""
     where = f"**{Path(citation.source).name}**" + (f", {citation.location}" if citation.location else "")
     quote = " ".join(citation.quote.split())
-    text = where + (f": “{quote[:QUOTE_SHOWN]}”" if quote else "")
+    text = where + (f": “{quote[:QUOTE_SHOWN]}”" if quote else "") + (" (attributed)" if citation.attributed else "")
     return f"{number}. {text}" if number is not None else f"- {text}"
 
 
