@@ -12,8 +12,8 @@ template runs, into the Hermes convention the Jinja parser already reads:
   then a request to answer with them. Small models echo results shown as `<tool_response>`
   blocks instead of answering: SmolLM2-135M, greedy, over 5 conversations with the tools
   declared and 5 without, answered without markup in 10 of 10 this way, against 6 of 10 as
-  tool-role messages and 4 of 10 as `<tool_response>` blocks (the reply parser drops such
-  blocks, so an echo never reaches content either way).
+  tool-role messages and 1 of 10 as `<tool_response>` blocks (the reply parser drops such
+  closed blocks and the tags of open ones, so markup never reaches content either way).
 The parser then reads the model's calls, and a forced `tool_choice` finds the call's
 opening in the rendered text, so forced calls are written in the same convention.
 """
