@@ -60,7 +60,9 @@ class ToolRunner:
         self.timeout = float(timeout)
         self.output_cap = int(output_cap)
         self.document_paths = [Path(p) for p in document_paths] if document_paths else [self.workdir]
-        self.document_roots: list[Path] = [self.workdir]  # search_documents reads only under these
+        # search_documents reads only under these: the paths the user gave (each its own root), or the working
+        # directory; a link in them that leads out is left out
+        self.document_roots: list[Path] = [p if p.is_absolute() else self.workdir / p for p in self.document_paths]
 
     def run(self, call: ToolCall) -> str:
         """The tool's output as text; errors are returned as text starting with "error:"."""

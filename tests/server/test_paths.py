@@ -224,3 +224,22 @@ def test_web_uploads_must_come_from_the_upload_folder(tmp_path):
         with pytest.raises(PathRefused):
             session.attach([path])
     assert session.conversation.runner.document_roots == [root / "docs"]
+
+
+def test_documents_the_user_names_are_their_own_roots(tmp_path):
+    """`localmoe chat --documents FOLDER` outside the working directory: searched, but a link in it that
+    leads out of FOLDER is left out."""
+    from localmoe.chat.format import ToolCall
+    from localmoe.chat.tools import ToolRunner
+
+    root, outside = plant(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    runner = ToolRunner(work, document_paths=[root / "docs"])
+    (root / "docs" / "leak.txt").symlink_to(outside / "secret.txt")
+    try:
+        found = runner.run(ToolCall("search_documents", {"query": "lighthouse keeper tide"}))
+        assert "lighthouse" in found and SECRET not in found
+        assert runner.run(ToolCall("read_file", {"path": str(root / "docs" / "notes.txt")})).startswith("error:")
+    finally:
+        (root / "docs" / "leak.txt").unlink()
