@@ -7,10 +7,11 @@ words of the answer; a question's pages are the PDF pages whose text holds those
   - retrieval recall@5: share of questions with one of the 5 best BM25 passages on a right page;
   - answer accuracy: share of answers holding the answer's words (case, spacing, quotes folded);
   - citation precision: share of the pages the report cites (its checked citations, or, when the
-    model cites nothing, its uncited evidence) that hold the answer; the model's own checked
-    citations are also counted apart;
+    answer cites nothing, its uncited evidence) that hold the answer; the model's own checked
+    citations and the attributed ones (attached after generation) are also counted apart;
   - seconds per question (load excluded) and the answers' kinds (cited, uncited, not found);
-  - ingestion pages/s against a bare pypdf loop on a generated 200-page PDF (ratio).
+  - ingestion pages/s against a bare pypdf loop on a generated 200-page PDF (ratio);
+  - a generated 1,000-page PDF: ingestion time, and the model calls one question costs (bounded).
 Run: .venv/bin/python benchmarks/documents.py [--budget low] [--model PATH] [--retrieval-only]
 """
 
@@ -73,6 +74,35 @@ def ingest_throughput(folder: Path) -> None:
             ("ratio localmoe / bare pypdf", f"{bare / ours:8.2f}")])
 
 
+def thousand_pages(folder: Path, asker, budget: str) -> None:
+    """A generated 1,000-page PDF with one fact on page 873: ingestion time, then one question through the
+    analysis (the model given, or the scripted extractive model with --retrieval-only): its model calls
+    against the budget's bound, and the page it cites."""
+    from localmoe.documents import analyse, ingest
+    from localmoe.documents.analysis import PLANS
+    from tests.documents import builders
+    from tests.documents.scripted import ExtractiveAsker
+
+    start = time.perf_counter()
+    pdf = builders.write_pdf(folder / "thousand.pdf", pages=1000, facts={873: builders.PDF_FACTS[7]})
+    written = time.perf_counter() - start
+    start = time.perf_counter()
+    ingested = ingest([pdf])
+    read = time.perf_counter() - start
+    asker = asker or ExtractiveAsker(context=8192)
+    calls = asker.usage.calls
+    start = time.perf_counter()
+    result = asyncio.run(analyse(asker, ingested, "Who signed the cobalt procurement review?", budget))
+    answered = time.perf_counter() - start
+    cited = ",".join(f"{page_of(c.location)}" for c in result.citations or result.evidence) or "-"
+    report([("1,000-page PDF: pages / passages", f"{ingested.pages} / {result.stats['chunks']}"),
+            ("  written by fpdf2 (not counted)", f"{written:8.1f} s"),
+            ("  ingestion", f"{read:8.1f} s ({ingested.pages / read:.0f} pages/s)"),
+            ("  model calls (bound for the budget)",
+             f"{asker.usage.calls - calls} ({PLANS[budget].calls + 1}), {result.mode}"),
+            ("  answer", f"{answered:8.1f} s, {result.status}, cites page {cited} (fact on page 873)")])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="low", choices=["low", "high", "max"])
@@ -80,6 +110,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--retrieval-only", action="store_true", help="recall@5 only; no model is loaded")
     parser.add_argument("--limit", type=int, default=None, help="ask only the first N questions")
+    parser.add_argument("--no-long", action="store_true", help="skip the generated 1,000-page PDF")
     args = parser.parse_args()
 
     from localmoe.documents import analyse, ingest
@@ -116,7 +147,8 @@ def main() -> None:
             print(f"model {service.model_id} loaded in {time.perf_counter() - start:.1f} s; "
                   f"context {service.context} tokens; budget {args.budget}")
         found = accurate = 0
-        shown = shown_right = own = own_right = 0
+        shown = shown_right = own = own_right = added = added_right = 0
+        answers_cited = {"own": 0, "attributed": 0}
         kinds: dict[str, int] = {}
         seconds = []
         try:
@@ -139,21 +171,33 @@ def main() -> None:
                     cited = result.citations or result.evidence
                     shown += len(cited)
                     shown_right += sum(page_of(c.location) in right for c in cited)
-                    own += len(result.citations)
-                    own_right += sum(page_of(c.location) in right for c in result.citations)
+                    mine = [c for c in result.citations if not c.attributed]
+                    attributed = [c for c in result.citations if c.attributed]
+                    own += len(mine)
+                    own_right += sum(page_of(c.location) in right for c in mine)
+                    added += len(attributed)
+                    added_right += sum(page_of(c.location) in right for c in attributed)
+                    answers_cited["own"] += bool(mine)
+                    answers_cited["attributed"] += bool(attributed) and not mine
                     line += (f"  answer {'yes' if wanted in text else 'no '}  {result.status:9} cites "
                              f"{','.join(str(page_of(c.location)) for c in cited) or '-':8} {seconds[-1]:5.1f} s")
                 print(line + f"  {question}")
+            if not args.no_long:
+                thousand_pages(folder, asker, args.budget)
         finally:
             if asker is not None:
                 service.stop()
         n = len(questions)
+        with_citation = (f"{answers_cited['own'] + answers_cited['attributed']}/{n} (the model's own "
+                         f"{answers_cited['own']}, attributed only {answers_cited['attributed']})")
         rows = [("retrieval recall@5", f"{found / n:.2f} ({found}/{n}; goal 0.90)")]
         if asker is not None:
             rows += [("answer accuracy", f"{accurate / n:.2f} ({accurate}/{n})"),
                      ("citation precision (cited pages)",
                       f"{shown_right / max(shown, 1):.2f} ({shown_right}/{shown}; goal 0.90)"),
                      ("  of the model's own checked citations", f"{own_right}/{own}"),
+                     ("  of the attributed citations", f"{added_right}/{added}"),
+                     ("answers with a checked citation", with_citation),
                      ("answers", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))),
                      ("seconds per question", f"{sum(seconds) / n:.1f} (max {max(seconds):.1f})"),
                      ("loops stopped", str(asker.usage.loops))]
