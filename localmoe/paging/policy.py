@@ -21,6 +21,8 @@ import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from localmoe.config import PAGING_POLICIES
 from localmoe.paging.errors import PagingError
 
@@ -129,6 +131,23 @@ class LFRU(Policy):
         self.layer_expect: dict[int, float] = {}  # stays predicted by `enter` alone: its estimate summed over uses
         self.layer_seen: dict[int, int] = {}  # distinct experts seen
         self.layer: int | None = None  # layer of the latest access (its pass may be in progress)
+        self.index: dict[Key, int] = {}  # key -> row of the arrays below, which mirror the dicts above
+        self._uses, self._stays = np.zeros(0), np.zeros(0)
+        self._last = self._layer = self._expert = np.zeros(0, np.int64)
+        self._pop = np.zeros(0)
+
+    def _row(self, key: Key) -> int:
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.index)
+            if i >= len(self._uses):  # grow by doubling
+                n = max(64, 2 * i)
+                self._uses, self._stays, self._pop = (np.resize(a, n) for a in (self._uses, self._stays, self._pop))
+                self._last, self._layer, self._expert = (np.resize(a, n) for a in (self._last, self._layer, self._expert))
+            self._uses[i] = self._stays[i] = 0.0
+            self._last[i], self._layer[i], self._expert[i] = -1, key[0], key[1]
+            self._pop[i] = min(self.popularity.get(key, 0.0), 0.999)
+        return i
 
     def _weight(self, now: int) -> float:
         if now - self.base > 256 * self.half_life:
@@ -142,6 +161,8 @@ class LFRU(Policy):
                       self.layer_expect):
             for k in table:
                 table[k] *= f
+        self._uses *= f
+        self._stays *= f
         self.base = now
 
     def access(self, key: Key, now: int) -> None:
@@ -160,10 +181,13 @@ class LFRU(Policy):
             self.layer_seen[layer] = self.layer_seen.get(layer, 0) + 1
         self.last[key] = now
         self.uses[key] = self.uses.get(key, 0.0) + w
+        i = self._row(key)
+        self._last[i], self._uses[i] = now, self.uses[key]
         self.layer_uses[layer] = self.layer_uses.get(layer, 0.0) + w
         self.layer_expect[layer] = self.layer_expect.get(layer, 0.0) + expected
         if prev is not None and prev == self.pass_before.get(layer):
             self.stays[key] = self.stays.get(key, 0.0) + w
+            self._stays[i] = self.stays[key]
             self.layer_stays[layer] = self.layer_stays.get(layer, 0.0) + w
 
     def recent(self, key: Key) -> bool:
@@ -206,8 +230,61 @@ class LFRU(Policy):
         mean = min(1.0, enter + self.lift(key[0]))
         return (self.stays.get(key, 0.0) + strength * mean) / (self.uses.get(key, 0.0) + strength)
 
-    def victim(self, candidates: Iterable[Key], now: int) -> Key:
+    def naive_victim(self, candidates: Iterable[Key], now: int) -> Key:
+        """`victim` scored one candidate at a time in Python (the reference it must agree with)."""
         return min(candidates, key=lambda k: (self.next_use(k), self.last.get(k, -1), k))  # total order: any scan order agrees
+
+    def _scores(self, rows: np.ndarray) -> np.ndarray:
+        """`next_use` of each row, operation for operation (so bit for bit) as the scalar code: the
+        per-layer terms are computed in Python once per layer, then gathered per row."""
+        uses, stays, last, layers = self._uses[rows], self._stays[rows], self._last[rows], self._layer[rows]
+        present = np.flatnonzero(np.bincount(layers)).tolist()
+        n = present[-1] + 1
+        passes, sw, swm, lift, rs = (np.zeros(n) for _ in range(5))
+        stay_rate = np.zeros(n)
+        never = np.iinfo(np.int64).min
+        pass_now, pass_before = np.full(n, never), np.full(n, never)
+        for layer in present:
+            layer_uses, passes[layer], w = (self.layer_uses.get(layer, 0.0), self.passes.get(layer, 0.0),
+                                            self._layer_weight(layer))
+            if self.popularity_tokens:
+                stay_rate[layer] = self.layer_stays.get(layer, 0.0) / layer_uses if layer_uses else 0.0
+                sw[layer] = self.popularity_tokens * w
+            else:
+                idle = self.layer_seen.get(layer, 1) * passes[layer] - layer_uses
+                mean = (layer_uses - self.layer_stays.get(layer, 0.0)) / idle if idle > 0 else 0.0
+                sw[layer] = self.prior * w
+                swm[layer] = sw[layer] * mean
+            lift[layer], rs[layer] = self.lift(layer), self.reuse_prior * w
+            if self.pass_now.get(layer) is not None:
+                pass_now[layer] = self.pass_now[layer]
+            if layer == self.layer and self.pass_before.get(layer) is not None:
+                pass_before[layer] = self.pass_before[layer]
+        sw_r = sw[layers]
+        if self.popularity_tokens:
+            p = self._pop[rows]
+            prior = sw_r * np.minimum(1.0, p * (1.0 - stay_rate[layers]) / (1.0 - p))
+        else:
+            prior = swm[layers]
+        enter = (uses - stays + prior) / (np.maximum(passes[layers] - uses, 0.0) + sw_r)
+        recent = ((last == pass_now[layers]) | (last == pass_before[layers])) & (last >= 0)
+        rs_r = rs[layers]
+        reuse = (stays + rs_r * np.minimum(1.0, enter + lift[layers])) / (uses + rs_r)
+        return np.where(recent, reuse, enter)
+
+    def victim(self, candidates: Iterable[Key], now: int) -> Key:
+        cands = list(candidates)
+        try:
+            rows = np.fromiter(map(self.index.__getitem__, cands), np.intp, len(cands))
+        except KeyError:  # never accessed (e.g. only prefetched): give it a row of zeros
+            rows = np.fromiter(map(self._row, cands), np.intp, len(cands))
+        score = self._scores(rows)
+        tied = rows[score == score.min()]  # ties: least recent, then the lowest key, as `naive_victim`
+        tied = tied[self._last[tied] == self._last[tied].min()]
+        layer = self._layer[tied]
+        tied = tied[layer == layer.min()]
+        i = tied[np.argmin(self._expert[tied])]
+        return (int(self._layer[i]), int(self._expert[i]))
 
 
 def popularity(counts: Iterable[tuple[int, int, int]], tokens: int) -> dict[Key, float]:
