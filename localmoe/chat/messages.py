@@ -10,7 +10,7 @@ from localmoe.chat.format import ChatFormatError, ChatMessage, ToolCall
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def _text(value: Any, where: str) -> str:
+def content_text(value: Any, where: str) -> str:
     """A content field: a string, None, or a list of text parts."""
     if value is None:
         return ""
@@ -21,7 +21,7 @@ def _text(value: Any, where: str) -> str:
         for k, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
-                raise ChatFormatError(f"{where}[{k}]: only text parts are supported "
+                raise ChatFormatError(f"{where}[{k}].type: only text parts are supported "
                                       f"(got {kind!r}; expected {{'type': 'text', 'text': ...}})")
             texts.append(part["text"])
         return "".join(texts)
@@ -80,7 +80,7 @@ def messages_from_openai(messages: Any) -> list[ChatMessage]:
         role = message.get("role")
         if role not in _ROLES:
             raise ChatFormatError(f"{where}.role: {role!r} is not one of {', '.join(_ROLES)}")
-        m = ChatMessage(role=_ROLES[role], content=_text(message.get("content"), f"{where}.content"))
+        m = ChatMessage(role=_ROLES[role], content=content_text(message.get("content"), f"{where}.content"))
         if role == "assistant":
             key = "reasoning_content" if message.get("reasoning_content") is not None else "reasoning"
             m.reasoning = _optional_str(message, key, where)

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from localmoe.server.schemas import NAME, NAME_FIELD, Body, RequestBody, check_parameters
+from localmoe.server.schemas import MAX_SEED, NAME, NAME_FIELD, Body, RequestBody, check_parameters
 from localmoe.server.structured import JSONOutputFormat
 
 
@@ -125,7 +125,7 @@ class MessagesRequest(RequestBody):
     # localmoe sampling extensions (the anthropic SDK sends these, and temperature, through extra_body)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     thinking: Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")] | None = (
         None
     )

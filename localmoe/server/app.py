@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import hmac
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from localmoe.chat.sessions import SessionError, message_to_dict
+from localmoe.chat.sessions import SESSION_ID, SessionError, message_to_dict
 from localmoe.errors import LocalMoEError
 from localmoe.server import anthropic_routes, document_routes, model_routes, openai_routes, responses_routes
 from localmoe.server.errors import APIError, error_response, status_and_message
@@ -121,6 +122,10 @@ class AuthAndCount:
         await self.app(scope, receive, counting_send)
 
 
+# the pattern is shown in the schema; the store's check gives the clearer message
+SessionId = Annotated[str, Path(json_schema_extra={"pattern": SESSION_ID.pattern})]
+
+
 def create_app(service: Service) -> FastAPI:
     """The app over a started or not yet started `service` (started and stopped with the app)."""
 
@@ -194,7 +199,7 @@ def create_app(service: Service) -> FastAPI:
         return {"object": "list", "data": [s.to_dict() for s in sessions().list()]}
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str):
+    async def get_session(session_id: SessionId):
         """A session and every stored message (reasoning and tool calls included)."""
         store = sessions()
         store.check_id(session_id)
@@ -202,7 +207,7 @@ def create_app(service: Service) -> FastAPI:
                 "messages": [message_to_dict(m) for m in store.messages(session_id)]}
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str):
+    async def delete_session(session_id: SessionId):
         store = sessions()
         store.check_id(session_id)
         store.delete(session_id)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field
 
 from localmoe.chat import ChatFormatError
-from localmoe.server.schemas import NAME, Sampling, check_parameters
+from localmoe.chat.messages import content_text
+from localmoe.server.schemas import Body, FunctionDecl, Sampling
 from localmoe.server.structured import TextFormat
 
 # accepted and ignored: they change nothing a local server does
@@ -20,41 +21,23 @@ REASONING_EFFORT = {"none": "low", "minimal": "low", "low": "low", "medium": "hi
                     "xhigh": "max", "max": "max"}  # Responses effort -> our thinking tier
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionTool(FunctionDecl):
+    """A function tool as the Responses API declares it: the chat API's fields, flat."""
 
-
-class FunctionTool(_Body):
     type: Literal["function"]
-    name: str
-    description: str | None = Field(default=None, max_length=100_000)
-    parameters: dict | None = None
-    strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not NAME.match(v):
-            raise ValueError("function names are 1-64 letters, digits, '_', '-' or '.'")
-        return v
-
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, v: dict | None) -> dict:
-        return check_parameters(v, "parameters")
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64)
 
 
-class ReasoningConfig(_Body):
+class ReasoningConfig(Body):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; reasoning comes back whole
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, not applied
 
@@ -94,21 +77,6 @@ class ResponsesRequest(Sampling):
         return sorted(names)
 
 
-def _text(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ChatFormatError(f"{where}: expected a string or a list of content parts")
-    texts = []
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ChatFormatError(f"{where}[{k}].type: only text parts are supported (input_text, output_text), "
-                             f"not {kind!r}")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
 def _field(item: dict, key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:
@@ -142,7 +110,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ChatFormatError(f"{where}.role: one of user, system, developer, assistant, not {role!r}")
-            text = _text(item.get("content"), f"{where}.content")
+            text = content_text(item.get("content"), f"{where}.content")
             if role == "assistant":
                 message = assistant()
                 message["content"] = (message.get("content") or "") + text
@@ -156,7 +124,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         elif kind == "function_call_output":
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", where),
-                             "content": _text(output, f"{where}.output")})
+                             "content": content_text(output, f"{where}.output")})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if not isinstance(parts, list):

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from localmoe.server.structured import ResponseFormat
 
+MAX_SEED = 2**53 - 1  # the integers JSON carries exactly (RFC 8259): a schema's bound survives float parsers
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
@@ -176,7 +177,7 @@ class Sampling(RequestBody):
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)  # accepted, not applied
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False

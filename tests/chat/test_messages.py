@@ -45,7 +45,7 @@ def test_conversion():
     ([{"role": "user", "content": "x"}, {"role": "robot"}], r"^messages\[1\]\.role: 'robot'"),
     ([{"content": "x"}], r"^messages\[0\]\.role: None"),
     ([{"role": "user", "content": 3}], r"^messages\[0\]\.content: expected a string"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"^messages\[0\]\.content\[0\]: only text"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"^messages\[0\]\.content\[0\]\.type: only text"),
     ([{"role": "assistant", "tool_calls": {"a": 1}}], r"^messages\[0\]\.tool_calls: expected a list"),
     ([{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}],
      r"^messages\[0\]\.tool_calls\[0\]\.function\.name"),
