@@ -325,23 +325,28 @@ def test_budget_change_reaches_the_next_turn(page):
     assert "budget low" in page.inner_text("#turn-status")
 
 
+def _upload_and_ask(page, document, shown: str, question: str) -> str:
+    """Upload `document`, ask `question`, and return the Sources panel (the reply naming `shown`)."""
+    page.set_input_files("#documents input[type=file]", str(document))
+    page.wait_for_function(f"() => document.querySelector('#turn-status').innerText.includes({shown!r})",
+                           timeout=30_000)
+    before = len(_bot_texts(page))
+    page.fill("#message textarea", question)
+    page.press("#message textarea", "Enter")
+    page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
+                           "document.querySelector('#turn-status').innerText.includes('answered from')",
+                           timeout=REPLY_TIMEOUT)
+    texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
+    return next(t for t in texts if shown in t)  # the Sources panel names the uploaded file
+
+
 @pytest.mark.slow
 def test_uploaded_file_answers_a_question_and_is_cited(page, tmp_path):
     fact = "The harbour gate code is 4471-KESTREL."
     filler = [f"Line {i}: the harbour log records routine weather and tides." for i in range(1, 40)]
     document = tmp_path / "harbour-notes.txt"
     document.write_text("\n".join(filler[:20] + [fact] + filler[20:]) + "\n")
-    page.set_input_files("#documents input[type=file]", str(document))
-    page.wait_for_function("() => document.querySelector('#turn-status').innerText.includes('harbour-notes.txt')",
-                           timeout=30_000)
-    before = len(_bot_texts(page))
-    page.fill("#message textarea", "What is the harbour gate code?")
-    page.press("#message textarea", "Enter")
-    page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
-                           "document.querySelector('#turn-status').innerText.includes('answered from')",
-                           timeout=REPLY_TIMEOUT)
-    texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
-    panel = next(t for t in texts if "harbour-notes.txt" in t)  # the Sources panel names the uploaded file
+    panel = _upload_and_ask(page, document, "harbour-notes.txt", "What is the harbour gate code?")
     fact_line = len(filler[:20]) + 1  # 1-based line of the planted fact
     spans = [(int(lo), int(hi or lo)) for lo, hi in re.findall(r"harbour-notes\.txt\*\*, lines? (\d+)(?:-(\d+))?", panel)]
     assert any(lo <= fact_line <= hi for lo, hi in spans), f"no citation covers line {fact_line}: {panel}"
@@ -367,17 +372,7 @@ def test_uploaded_pdf_with_a_long_name_gets_sources_not_an_error(page, tmp_path)
     name = "minutes-of-the-procurement-and-audit-committee-" + "q" * 90 + ".pdf"
     document = builders.write_pdf(tmp_path / name, pages=6, words_per_page=80,
                                   facts={5: builders.PDF_FACTS[7]})
-    page.set_input_files("#documents input[type=file]", str(document))
-    page.wait_for_function("() => document.querySelector('#turn-status').innerText.includes('qqqq.pdf')",
-                           timeout=30_000)
-    before = len(_bot_texts(page))
-    page.fill("#message textarea", "Who signed the cobalt procurement review?")
-    page.press("#message textarea", "Enter")
-    page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
-                           "document.querySelector('#turn-status').innerText.includes('answered from')",
-                           timeout=REPLY_TIMEOUT)
-    texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
-    panel = next(t for t in texts if "qqqq.pdf" in t)
+    panel = _upload_and_ask(page, document, "qqqq.pdf", "Who signed the cobalt procurement review?")
     assert "Error" not in panel and "page 5" in panel, panel
     assert "Uncited evidence" in panel or re.search(r"^1\. \*\*minutes", panel, re.MULTILINE), panel
     assert "Priya Ramaswamy" in panel
