@@ -154,7 +154,7 @@ class ToolRunner:
         query = self._text_argument(arguments, "query", "search_documents")
         try:
             from localmoe.documents import search_documents
-            from localmoe.documents.retrieval import relevant
+            from localmoe.documents.retrieval import not_found
         except ImportError as e:
             return f"error: search_documents is not available in this installation ({e})"
         paths = self._document_files()
@@ -162,8 +162,8 @@ class ToolRunner:
             passages = search_documents(query, paths, top_k=5) if paths else []
         except Exception as e:  # noqa: BLE001 - the model reads the failure instead of the UI crashing
             return f"error: search_documents: {e}"
-        if not relevant(query, [f"{p.location} {p.text}" for p in passages]):
-            return f"not found in the documents: no passage matches {query!r}"
+        if (answer := not_found(query, [f"{p.location} {p.text}" for p in passages])) is not None:
+            return answer  # the same words as analyze and /v1/documents/search
         return "\n\n".join(f"[{p.source}, {p.location}] (score {p.score:.2f})\n{p.text}" for p in passages)
 
     def _document_files(self) -> list[Path]:

@@ -130,7 +130,9 @@ def test_search_documents_tool_says_not_found_or_gives_located_passages(tmp_path
     found = runner.run(ToolCall("search_documents", {"query": QUESTION}))
     assert found.startswith(f"[{pdf}, page 7]") and "Priya Ramaswamy" in found
     missing = runner.run(ToolCall("search_documents", {"query": "giraffe tongue colour"}))
-    assert missing.startswith("not found in the documents")
+    from localmoe.documents.retrieval import NOT_FOUND
+
+    assert missing == NOT_FOUND.format(words="colour, giraffe, tongue")  # analyze's and the search route's words
 
 
 def test_web_sources_panel_labels_uncited_evidence_and_not_found(tmp_path):
