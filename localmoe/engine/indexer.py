@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from localmoe.config import ModelSpec
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import Step
@@ -81,3 +82,11 @@ class LightningIndexer:
         B, T = q.shape[:2]
         positions = torch.arange(step.start, step.start + T, device=q.device).expand(B, T)
         return topk_select(q, w, keys, positions, self.top_k)
+
+
+def indexer_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """The DSA lightning indexer's `{a}indexer.*` shapes."""
+    Hi, Di, D = spec.index_n_heads, spec.index_head_dim, spec.hidden_size
+    x = a + "indexer."
+    return {x + "wq_b.weight": (Hi * Di, spec.q_lora_rank), x + "wk.weight": (Di, D), x + "k_norm.weight": (Di,),
+            x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, D)}

@@ -195,4 +195,18 @@ def state_bytes(config: KDAConfig, batch: int = 1) -> int:
     return 4 * batch * (H * K * K + (config.conv_kernel - 1) * 3 * H * K)
 
 
-__all__ = ["KDAConfig", "KimiDeltaAttention", "causal_conv", "chunk_kda", "l2norm", "recurrent_kda", "state_bytes"]
+def kda_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """A KDA layer's `self_attn.*` shapes (prefix `a`); K3's full-rank gate and padded A_log by spec."""
+    D, H, K, W = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
+    shapes = {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
+              **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
+              a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K),
+              a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "o_norm.weight": (K,),
+              a + "o_proj.weight": (D, H * K)}
+    if spec.kda_full_rank_gate:  # K3: g_proj, A_log stored padded to max(H, K)
+        return shapes | {a + "g_proj.weight": (H * K, D), a + "A_log": (max(H, K),)}
+    return shapes | {a + "g_a_proj.weight": (K, D), a + "g_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1)}
+
+
+__all__ = ["KDAConfig", "KimiDeltaAttention", "causal_conv", "chunk_kda", "kda_shapes", "l2norm", "recurrent_kda",
+           "state_bytes"]

@@ -259,3 +259,20 @@ class MLAttention:
         q_nope, q_rope = self.queries(x, step)
         rows = cache.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
         return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
+
+
+def mla_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's `self_attn.*` shapes: q directly or through q LoRA, optional output gate."""
+    D, H, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
+    n, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, D), a + "kv_a_layernorm.weight": (r,),
+              a + "kv_b_proj.weight": (H * (n + v), r), a + "o_proj.weight": (D, H * v)}
+    if spec.q_lora_rank:
+        q = spec.q_lora_rank
+        shapes |= {a + "q_a_proj.weight": (q, D), a + "q_a_layernorm.weight": (q,),
+                   a + "q_b_proj.weight": (H * (n + rope), q)}
+    else:
+        shapes[a + "q_proj.weight"] = (H * (n + rope), D)
+    if spec.mla_output_gate:
+        shapes[a + "g_proj.weight"] = (H * v, D)
+    return shapes

@@ -60,3 +60,9 @@ class GatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.glu(gate, up))
+
+
+def gated_mlp_shapes(m: str, width: int, inner: int) -> dict[str, tuple[int, ...]]:
+    """A gated MLP's `{m}{gate,up,down}_proj.weight` shapes: `width` in and out, `inner` between."""
+    return {m + "gate_proj.weight": (inner, width), m + "up_proj.weight": (inner, width),
+            m + "down_proj.weight": (width, inner)}

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from localmoe.config import ModelSpec
 from localmoe.engine.experts import (
     Activation,
     ExpertProvider,
@@ -271,3 +272,12 @@ class MoEBlock:
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.view(shape)
+
+
+def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
+    """bf16 routed experts `{m}experts.{e}.{gate,up,down}.weight` at `width` (the hidden or latent size)."""
+    Im, shapes = spec.moe_intermediate_size, {}
+    for e in range(spec.num_experts):
+        x = f"{m}experts.{e}."
+        shapes |= {x + "gate.weight": (Im, width), x + "up.weight": (Im, width), x + "down.weight": (width, Im)}
+    return shapes

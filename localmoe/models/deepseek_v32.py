@@ -16,10 +16,12 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.mla import MLAConfig
+from localmoe.engine.indexer import indexer_shapes
+from localmoe.engine.mla import MLAConfig, mla_shapes
+from localmoe.engine.mlp import gated_mlp_shapes
+from localmoe.engine.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes, mla_shapes
 from localmoe.models.moe_config import moe_placement, require
 
 _MLA = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
@@ -91,13 +93,6 @@ HF_TENSORS = TensorMap(
            TensorRule("lm_head.weight", "lm_head.weight"), *layer_rules("model.")),
     ignore=(r"rotary_emb\.inv_freq$",),
 )
-
-
-def indexer_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    Hi, Di, D = spec.index_n_heads, spec.index_head_dim, spec.hidden_size
-    x = a + "indexer."
-    return {x + "wq_b.weight": (Hi * Di, spec.q_lora_rank), x + "wk.weight": (Di, D), x + "k_norm.weight": (Di,),
-            x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, D)}
 
 
 def moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:

@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import KDAConfig
+from localmoe.engine.indexer import indexer_shapes
+from localmoe.engine.kda import KDAConfig, kda_shapes
+from localmoe.engine.mla import mla_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
-from localmoe.models.deepseek_v32 import dsa_fields, experts, indexer_shapes, moe_shapes, moe_spec
-from localmoe.models.kimi_linear import kda_shapes, mla_shapes
+from localmoe.models.deepseek_v32 import dsa_fields, experts, moe_shapes, moe_spec
 from localmoe.models.moe_config import require
 
 SOURCE = "config.json text_config"

@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import KDAConfig
-from localmoe.engine.mla import MLAConfig
+from localmoe.engine.kda import KDAConfig, kda_shapes
+from localmoe.engine.mla import MLAConfig, mla_shapes
+from localmoe.engine.mlp import gated_mlp_shapes
+from localmoe.engine.moe import expert_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
@@ -93,50 +95,6 @@ HF_TENSORS = TensorMap(
     ),
     ignore=(r"rotary_emb\.inv_freq$",),
 )
-
-
-def kda_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """A KDA layer's `self_attn.*` shapes (prefix `a`); K3's full-rank gate and padded A_log by spec."""
-    D, H, K, W = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
-    shapes = {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
-              **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
-              a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K),
-              a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "o_norm.weight": (K,),
-              a + "o_proj.weight": (D, H * K)}
-    if spec.kda_full_rank_gate:  # K3: g_proj, A_log stored padded to max(H, K)
-        return shapes | {a + "g_proj.weight": (H * K, D), a + "A_log": (max(H, K),)}
-    return shapes | {a + "g_a_proj.weight": (K, D), a + "g_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1)}
-
-
-def mla_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """An MLA layer's `self_attn.*` shapes: q directly or through q LoRA, optional output gate."""
-    D, H, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
-    n, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
-    shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, D), a + "kv_a_layernorm.weight": (r,),
-              a + "kv_b_proj.weight": (H * (n + v), r), a + "o_proj.weight": (D, H * v)}
-    if spec.q_lora_rank:
-        q = spec.q_lora_rank
-        shapes |= {a + "q_a_proj.weight": (q, D), a + "q_a_layernorm.weight": (q,),
-                   a + "q_b_proj.weight": (H * (n + rope), q)}
-    else:
-        shapes[a + "q_proj.weight"] = (H * (n + rope), D)
-    if spec.mla_output_gate:
-        shapes[a + "g_proj.weight"] = (H * v, D)
-    return shapes
-
-
-def gated_mlp_shapes(m: str, width: int, inner: int) -> dict[str, tuple[int, ...]]:
-    return {m + "gate_proj.weight": (inner, width), m + "up_proj.weight": (inner, width),
-            m + "down_proj.weight": (width, inner)}
-
-
-def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
-    """bf16 routed experts `{m}experts.{e}.{gate,up,down}.weight` at `width` (the hidden or latent size)."""
-    Im, shapes = spec.moe_intermediate_size, {}
-    for e in range(spec.num_experts):
-        x = f"{m}experts.{e}."
-        shapes |= {x + "gate.weight": (Im, width), x + "up.weight": (Im, width), x + "down.weight": (width, Im)}
-    return shapes
 
 
 def expected_shapes(spec: ModelSpec, experts=expert_shapes) -> dict[str, tuple[int, ...]]:

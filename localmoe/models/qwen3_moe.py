@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
+from localmoe.engine.moe import expert_shapes
 from localmoe.models import llama, register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.kimi_linear import expert_shapes
 from localmoe.models.moe_config import require
 
 

@@ -19,9 +19,10 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.engine.gated_deltanet import GatedDeltaConfig
+from localmoe.engine.mlp import gated_mlp_shapes
+from localmoe.engine.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.kimi_linear import expert_shapes, gated_mlp_shapes
 from localmoe.models.moe_config import require
 
 
