@@ -30,7 +30,7 @@ from localmoe.engine.experts import (
     expert_forward,
 )
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.mlp import GatedMLP, situ_glu  # noqa: F401 (situ_glu re-exported)
+from localmoe.engine.mlp import GatedMLP, gated_mlp_shapes, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.mxfp4_moe import (
     GEMV_MAX_TOKENS,
@@ -280,4 +280,17 @@ def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, .
     for e in range(spec.num_experts):
         x = f"{m}experts.{e}."
         shapes |= {x + "gate.weight": (Im, width), x + "up.weight": (Im, width), x + "down.weight": (width, Im)}
+    return shapes
+
+
+def moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias + experts + shared experts."""
+    D, E, p = spec.hidden_size, spec.num_experts, f"layers.{i}."
+    m = p + "mlp."
+    shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+    if spec.mlp_kinds[i] == "dense":
+        return shapes | gated_mlp_shapes(m, D, spec.intermediate_size)
+    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)} | expert_shapes(spec, m, D)
+    if spec.num_shared_experts:
+        shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
     return shapes

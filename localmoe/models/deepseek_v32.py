@@ -17,51 +17,15 @@ from __future__ import annotations
 
 from localmoe.config import ModelSpec
 from localmoe.engine.indexer import indexer_shapes
-from localmoe.engine.mla import MLAConfig, mla_shapes
-from localmoe.engine.mlp import gated_mlp_shapes
-from localmoe.engine.moe import expert_shapes
+from localmoe.engine.mla import mla_shapes
+from localmoe.engine.moe import moe_shapes
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.moe_config import moe_placement, require
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule
+from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require
 
 _MLA = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
         "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")
 _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
-
-
-def dsa_fields(config: dict, source: str) -> dict:
-    """The ModelSpec fields of MLA + indexer and DeepSeek routing from a (text) config dict."""
-    return dict(
-        **MLAConfig.from_hf(config).spec_fields(),
-        index_n_heads=require(config, "index_n_heads", source), index_head_dim=require(config, "index_head_dim", source),
-        index_topk=require(config, "index_topk", source),
-        scoring_func=config.get("scoring_func", "sigmoid"), norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1))
-
-
-def moe_spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str, **fields) -> ModelSpec:
-    heads = require(config, "num_attention_heads", source)
-    return ModelSpec(
-        model_type=model_type, family=model_type,
-        vocab_size=require(config, "vocab_size", source),
-        hidden_size=require(config, "hidden_size", source),
-        num_layers=require(config, "num_hidden_layers", source), num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=require(config, "v_head_dim", source),
-        intermediate_size=require(config, "intermediate_size", source),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-        rope_scaling=config.get("rope_scaling"),
-        max_position_embeddings=config.get("max_position_embeddings", 163840),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        layer_kinds=layer_kinds, mlp_kinds=mlp_kinds,
-        num_experts=require(config, "n_routed_experts", source),
-        num_experts_per_tok=require(config, "num_experts_per_tok", source),
-        moe_intermediate_size=require(config, "moe_intermediate_size", source),
-        num_shared_experts=config.get("n_shared_experts", 0),
-        **fields,
-    )
 
 
 def deepseek_spec(config: dict) -> ModelSpec:
@@ -95,19 +59,6 @@ HF_TENSORS = TensorMap(
 )
 
 
-def moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
-    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias + experts + shared experts."""
-    D, E, p = spec.hidden_size, spec.num_experts, f"layers.{i}."
-    m = p + "mlp."
-    shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-    if spec.mlp_kinds[i] == "dense":
-        return shapes | gated_mlp_shapes(m, D, spec.intermediate_size)
-    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)} | expert_shapes(spec, m, D)
-    if spec.num_shared_experts:
-        shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
-    return shapes
-
-
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     D = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
@@ -117,12 +68,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         a = f"layers.{i}.self_attn."
         shapes |= moe_shapes(spec, i) | mla_shapes(spec, a) | indexer_shapes(spec, a)
     return shapes
-
-
-def experts(prefix: str) -> ExpertTensors:
-    stem = prefix + "layers.{i}.mlp.experts.{e}"
-    return ExpertTensors("bf16", {"gate": f"{stem}.gate_proj.weight", "up": f"{stem}.up_proj.weight",
-                                  "down": f"{stem}.down_proj.weight"})
 
 
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32",),

@@ -26,11 +26,11 @@ from localmoe.config import ModelSpec
 from localmoe.engine.indexer import indexer_shapes
 from localmoe.engine.kda import KDAConfig, kda_shapes
 from localmoe.engine.mla import mla_shapes
+from localmoe.engine.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
-from localmoe.models.deepseek_v32 import dsa_fields, experts, moe_shapes, moe_spec
-from localmoe.models.moe_config import require
+from localmoe.models.moe_config import dsa_fields, experts, moe_spec, require
 
 SOURCE = "config.json text_config"
 KINDS = {"linear_attention": "kda", "indexed_attention": "dsa", "full_attention": "dsa"}  # full == indexed (HF)

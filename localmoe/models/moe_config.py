@@ -1,8 +1,12 @@
-"""Config-reading helpers shared by the MoE families (1-indexed layer lists, MoE placement)."""
+"""Config-reading helpers shared by the MoE families (1-indexed layer lists, MoE placement, the
+DeepSeek-style config and expert layout that DeepSeek-V3.2 and GLM-5-Next share)."""
 
 from __future__ import annotations
 
+from localmoe.config import ModelSpec
+from localmoe.engine.mla import MLAConfig
 from localmoe.errors import CheckpointError
+from localmoe.models.base import ExpertTensors
 
 
 def require(config: dict, key: str, source: str = "config.json"):
@@ -32,3 +36,46 @@ def moe_placement(num_layers: int, first_dense: int, frequency: int = 1, kind: s
     """DeepSeek-style placement: the first `first_dense` layers dense, then MoE every `frequency` layers."""
     return tuple(kind if i >= first_dense and (i - first_dense) % max(frequency, 1) == 0 else "dense"
                  for i in range(num_layers))
+
+
+def dsa_fields(config: dict, source: str) -> dict:
+    """The ModelSpec fields of MLA + indexer and DeepSeek routing from a (text) config dict."""
+    return dict(
+        **MLAConfig.from_hf(config).spec_fields(),
+        index_n_heads=require(config, "index_n_heads", source), index_head_dim=require(config, "index_head_dim", source),
+        index_topk=require(config, "index_topk", source),
+        scoring_func=config.get("scoring_func", "sigmoid"), norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1))
+
+
+def moe_spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str, **fields) -> ModelSpec:
+    """ModelSpec of a DeepSeek-style MoE config (`n_routed_experts`, `v_head_dim` ...); `fields` add the rest."""
+    heads = require(config, "num_attention_heads", source)
+    return ModelSpec(
+        model_type=model_type, family=model_type,
+        vocab_size=require(config, "vocab_size", source),
+        hidden_size=require(config, "hidden_size", source),
+        num_layers=require(config, "num_hidden_layers", source), num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=require(config, "v_head_dim", source),
+        intermediate_size=require(config, "intermediate_size", source),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+        rope_scaling=config.get("rope_scaling"),
+        max_position_embeddings=config.get("max_position_embeddings", 163840),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        layer_kinds=layer_kinds, mlp_kinds=mlp_kinds,
+        num_experts=require(config, "n_routed_experts", source),
+        num_experts_per_tok=require(config, "num_experts_per_tok", source),
+        moe_intermediate_size=require(config, "moe_intermediate_size", source),
+        num_shared_experts=config.get("n_shared_experts", 0),
+        **fields,
+    )
+
+
+def experts(prefix: str) -> ExpertTensors:
+    """DeepSeek-layout bf16 routed experts `{prefix}layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`."""
+    stem = prefix + "layers.{i}.mlp.experts.{e}"
+    return ExpertTensors("bf16", {"gate": f"{stem}.gate_proj.weight", "up": f"{stem}.up_proj.weight",
+                                  "down": f"{stem}.down_proj.weight"})
