@@ -283,14 +283,22 @@ def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, .
     return shapes
 
 
-def moe_shapes(spec: ModelSpec, i: int) -> dict[str, tuple[int, ...]]:
-    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias + experts + shared experts."""
+def moe_shapes(spec: ModelSpec, i: int, experts=expert_shapes) -> dict[str, tuple[int, ...]]:
+    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias (+ the latent projections of a
+    latent MoE) + routed experts + shared experts; `experts(spec, prefix, width)` gives the routed
+    experts' shapes (bf16 by default; Kimi K3 passes its MXFP4 parts)."""
     D, E, p = spec.hidden_size, spec.num_experts, f"layers.{i}."
     m = p + "mlp."
     shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
     if spec.mlp_kinds[i] == "dense":
         return shapes | gated_mlp_shapes(m, D, spec.intermediate_size)
-    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)} | expert_shapes(spec, m, D)
+    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)}
+    width = D
+    if spec.mlp_kinds[i] == "latent_moe":
+        width = spec.latent_moe_size
+        shapes |= {m + "routed_expert_down_proj.weight": (width, D), m + "routed_expert_norm.weight": (width,),
+                   m + "routed_expert_up_proj.weight": (D, width)}
+    shapes |= experts(spec, m, width)
     if spec.num_shared_experts:
         shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
     return shapes

@@ -20,19 +20,20 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
+from localmoe.engine.kda import kda_shapes
+from localmoe.engine.mla import mla_shapes
+from localmoe.engine.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.kimi_linear import expected_shapes as kimi_linear_shapes
-from localmoe.models.kimi_linear import text_spec
-from localmoe.models.moe_config import require
+from localmoe.models.moe_config import kimi_text_spec, require
 
 SOURCE = "config.json text_config"
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
     text = require(config, "text_config")
-    spec = text_spec(text, "kimi_k3", "kimi_k3", SOURCE)
+    spec = kimi_text_spec(text, "kimi_k3", "kimi_k3", SOURCE)
     act = text.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise UnsupportedModelError(f"kimi_k3: moe_router_activation_func {act!r} is not supported (sigmoid only)")
@@ -91,8 +92,15 @@ def mxfp4_expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor shapes: Kimi-Linear's layers with MXFP4 routed experts, plus attention residuals."""
     D = spec.hidden_size
-    shapes = kimi_linear_shapes(spec, mxfp4_expert_shapes)
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    for i in range(spec.num_layers):
+        a = f"layers.{i}.self_attn."
+        attention = kda_shapes(spec, a) if spec.layer_kinds[i] == "kda" else mla_shapes(spec, a)
+        shapes |= attention | moe_shapes(spec, i, mxfp4_expert_shapes)
     for stem in [*(f"layers.{i}.{s}" for i in range(spec.num_layers) for s in ("self_attention", "mlp")),
                  "output_attn"]:
         shapes |= {f"{stem}_res_norm.weight": (D,), f"{stem}_res_proj.weight": (1, D)}

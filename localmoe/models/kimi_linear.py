@@ -16,51 +16,17 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import KDAConfig, kda_shapes
-from localmoe.engine.mla import MLAConfig, mla_shapes
-from localmoe.engine.mlp import gated_mlp_shapes
-from localmoe.engine.moe import expert_shapes
+from localmoe.engine.kda import kda_shapes
+from localmoe.engine.mla import mla_shapes
+from localmoe.engine.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.moe_config import kinds_from_one_indexed, moe_placement, require
-
-
-def text_spec(config: dict, model_type: str, family: str, source: str = "config.json") -> ModelSpec:
-    """ModelSpec from a Kimi-Linear-style text config (also K3's `text_config`)."""
-    layers = require(config, "num_hidden_layers", source)
-    linear = require(config, "linear_attn_config", source)
-    kinds = kinds_from_one_indexed(layers, {"kda": linear.get("kda_layers", []),
-                                            "mla": linear.get("full_attn_layers", [])}, source)
-    heads = require(config, "num_attention_heads", source)
-    return ModelSpec(
-        model_type=model_type, family=family,
-        vocab_size=require(config, "vocab_size", source),
-        hidden_size=require(config, "hidden_size", source),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("v_head_dim") or linear.get("head_dim"),
-        intermediate_size=require(config, "intermediate_size", source),
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=config.get("model_max_length") or config.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        hidden_act=config.get("hidden_act", "silu"),
-        layer_kinds=kinds,
-        mlp_kinds=moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1),
-                                "latent_moe" if config.get("routed_expert_hidden_size") else "moe"),
-        num_experts=require(config, "num_experts", source),
-        num_experts_per_tok=require(config, "num_experts_per_token", source),
-        moe_intermediate_size=require(config, "moe_intermediate_size", source),
-        num_shared_experts=config.get("num_shared_experts", 0),
-        latent_moe_size=config.get("routed_expert_hidden_size") or 0,
-        **KDAConfig.from_hf(config, family).spec_fields(),
-        **MLAConfig.from_hf(config).spec_fields(),
-    )
+from localmoe.models.moe_config import kimi_text_spec
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
-    spec = text_spec(config, "kimi_linear", "kimi_linear")
+    spec = kimi_text_spec(config, "kimi_linear", "kimi_linear")
     act = config.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise UnsupportedModelError(f"kimi_linear: moe_router_activation_func {act!r} is not supported (sigmoid only)")
@@ -97,35 +63,21 @@ HF_TENSORS = TensorMap(
 )
 
 
-def expected_shapes(spec: ModelSpec, experts=expert_shapes) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor shapes of a Kimi-Linear-style model; `experts(spec, prefix, width)` gives the
-    routed experts' (K3 passes its MXFP4 parts)."""
-    D, E = spec.hidden_size, spec.num_experts
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical tensor shapes of a Kimi-Linear model: KDA or MLA attention per layer, DeepSeek-style MoE."""
+    D = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, D)
     for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        a = f"layers.{i}.self_attn."
         if spec.layer_kinds[i] == "kda":
             shapes |= kda_shapes(spec, a)
         else:
             if spec.q_lora_rank and spec.family == "kimi_linear":
                 raise UnsupportedModelError("kimi_linear: MLA with q_lora_rank is not supported (Kimi-Linear has none)")
             shapes |= mla_shapes(spec, a)
-        if spec.mlp_kinds[i] == "dense":
-            shapes |= gated_mlp_shapes(m, D, spec.intermediate_size)
-            continue
-        shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)}
-        width = D
-        if spec.mlp_kinds[i] == "latent_moe":
-            width = spec.latent_moe_size
-            shapes |= {m + "routed_expert_down_proj.weight": (width, D), m + "routed_expert_norm.weight": (width,),
-                       m + "routed_expert_up_proj.weight": (D, width)}
-        shapes |= experts(spec, m, width)
-        if spec.num_shared_experts:
-            shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
+        shapes |= moe_shapes(spec, i)
     return shapes
 
 

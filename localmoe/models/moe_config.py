@@ -1,9 +1,11 @@
 """Config-reading helpers shared by the MoE families (1-indexed layer lists, MoE placement, the
-DeepSeek-style config and expert layout that DeepSeek-V3.2 and GLM-5-Next share)."""
+DeepSeek-style config and expert layout that DeepSeek-V3.2 and GLM-5-Next share, the
+Kimi-Linear-style text config that Kimi-Linear and Kimi K3 share)."""
 
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
+from localmoe.engine.kda import KDAConfig
 from localmoe.engine.mla import MLAConfig
 from localmoe.errors import CheckpointError
 from localmoe.models.base import ExpertTensors
@@ -79,3 +81,36 @@ def experts(prefix: str) -> ExpertTensors:
     stem = prefix + "layers.{i}.mlp.experts.{e}"
     return ExpertTensors("bf16", {"gate": f"{stem}.gate_proj.weight", "up": f"{stem}.up_proj.weight",
                                   "down": f"{stem}.down_proj.weight"})
+
+
+def kimi_text_spec(config: dict, model_type: str, family: str, source: str = "config.json") -> ModelSpec:
+    """ModelSpec from a Kimi-Linear-style text config (also K3's `text_config`)."""
+    layers = require(config, "num_hidden_layers", source)
+    linear = require(config, "linear_attn_config", source)
+    kinds = kinds_from_one_indexed(layers, {"kda": linear.get("kda_layers", []),
+                                            "mla": linear.get("full_attn_layers", [])}, source)
+    heads = require(config, "num_attention_heads", source)
+    return ModelSpec(
+        model_type=model_type, family=family,
+        vocab_size=require(config, "vocab_size", source),
+        hidden_size=require(config, "hidden_size", source),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("v_head_dim") or linear.get("head_dim"),
+        intermediate_size=require(config, "intermediate_size", source),
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=config.get("model_max_length") or config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        hidden_act=config.get("hidden_act", "silu"),
+        layer_kinds=kinds,
+        mlp_kinds=moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1),
+                                "latent_moe" if config.get("routed_expert_hidden_size") else "moe"),
+        num_experts=require(config, "num_experts", source),
+        num_experts_per_tok=require(config, "num_experts_per_token", source),
+        moe_intermediate_size=require(config, "moe_intermediate_size", source),
+        num_shared_experts=config.get("num_shared_experts", 0),
+        latent_moe_size=config.get("routed_expert_hidden_size") or 0,
+        **KDAConfig.from_hf(config, family).spec_fields(),
+        **MLAConfig.from_hf(config).spec_fields(),
+    )
