@@ -28,6 +28,7 @@ from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.step import Step
+from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.gqa_decode import gqa_decode, step_kernel_for
 
 
@@ -233,3 +234,45 @@ class SlidingAttention(GQAttention):
 
             raise CheckpointError(f"{spec.model_type}: a sliding_attention layer needs a sliding_window size")
         return super().from_weights(spec, weights, prefix, dtype, window)
+
+
+# A GQA layer's `self_attn.*` tensors as HF Llama / Mistral / Qwen2 / Qwen3 checkpoints name them.
+GQA_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+               "o_proj.weight", "q_norm.weight", "k_norm.weight")
+
+
+def rope_from_hf(config: dict) -> tuple[float, dict | None]:
+    """RoPE theta and scaling of an HF config: transformers 5 writes `rope_parameters`, older
+    configs `rope_theta` + `rope_scaling`."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return theta, scaling
+
+
+def gqa_fields_from_hf(config: dict, model_type: str) -> dict:
+    """The ModelSpec fields of Llama-style GQA attention (heads, head dim, RoPE, Qwen2's q/k/v biases,
+    Qwen3's q/k norms) from an HF config; a sliding window is refused."""
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window="
+                                    f"{config['sliding_window']}) is not supported by the dense Llama path yet")
+    heads = config["num_attention_heads"]
+    theta, scaling = rope_from_hf(config)
+    return {"num_heads": heads, "num_kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "rope_theta": theta, "rope_scaling": scaling,
+            "attention_bias": model_type == "qwen2" or bool(config.get("attention_bias", False)),
+            "qk_norm": model_type == "qwen3"}
+
+
+def gqa_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
+    """A GQA layer's `{a}*` shapes: q/k/v/o, the q/k/v biases and q/k norms where the spec has them."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    shapes = {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
+              a + "o_proj.weight": (h, q)}
+    if spec.attention_bias:
+        shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
+    if spec.qk_norm:
+        shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
+    return shapes

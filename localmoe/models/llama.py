@@ -12,46 +12,28 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
+from localmoe.engine.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
+from localmoe.engine.mlp import gated_mlp_shapes
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 
 
-def _rope_from_hf(config: dict) -> tuple[float, dict | None]:
-    # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-    params = dict(config.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, scaling
-
-
 def spec_from_hf(config: dict) -> ModelSpec:
     model_type = config["model_type"]
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        from localmoe.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window="
-                                    f"{config['sliding_window']}) is not supported by the dense Llama path yet")
-    heads = config["num_attention_heads"]
-    theta, scaling = _rope_from_hf(config)
+    attention = gqa_fields_from_hf(config, model_type)
     return ModelSpec(
         model_type=model_type,
         family="llama",
         vocab_size=config["vocab_size"],
         hidden_size=config["hidden_size"],
         num_layers=config["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
         intermediate_size=config["intermediate_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
         hidden_act=config.get("hidden_act", "silu"),
         name=config.get("_name_or_path", ""),
+        **attention,
     )
 
 
@@ -117,10 +99,7 @@ HF_TENSORS = TensorMap(
         TensorRule("model.norm.weight", "norm.weight"),
         TensorRule("lm_head.weight", "lm_head.weight"),
         *(TensorRule(f"model.layers.{{i}}.{part}", f"layers.{{i}}.{part}") for part in (
-            "input_layernorm.weight", "post_attention_layernorm.weight",
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
-            "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+            "input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
     ),
     ignore=(r"rotary_emb\.inv_freq$",),
@@ -158,26 +137,14 @@ def gguf_tensors(architecture: str) -> TensorMap:
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
+    h = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, h), "norm.weight": (h,)}
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (spec.intermediate_size, h),
-            p + "mlp.up_proj.weight": (spec.intermediate_size, h),
-            p + "mlp.down_proj.weight": (h, spec.intermediate_size),
-        }
-        if spec.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        if spec.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   **gqa_shapes(spec, p + "self_attn."), **gated_mlp_shapes(p + "mlp.", h, spec.intermediate_size)}
     return shapes
 
 

@@ -11,11 +11,11 @@ weights renormalised when `norm_topk_prob`; no shared expert; SwiGLU experts.
 
 from __future__ import annotations
 
-import dataclasses
-
 from localmoe.config import ModelSpec
+from localmoe.engine.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
+from localmoe.engine.mlp import gated_mlp_shapes
 from localmoe.engine.moe import expert_shapes
-from localmoe.models import llama, register
+from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.moe_config import require
 
@@ -31,14 +31,20 @@ def _moe_layer(config: dict, i: int) -> bool:
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
-    dense = llama.spec_from_hf({**config, "model_type": "qwen3"})  # the attention is Qwen3's
-    layers = dense.num_layers
-    return dataclasses.replace(
-        dense, model_type="qwen3_moe", family="qwen3_moe",
+    attention = gqa_fields_from_hf(config, "qwen3")  # the attention is Qwen3's
+    layers = config["num_hidden_layers"]
+    return ModelSpec(
+        model_type="qwen3_moe", family="qwen3_moe",
+        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], num_layers=layers,
+        intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        hidden_act=config.get("hidden_act", "silu"), name=config.get("_name_or_path", ""),
         mlp_kinds=tuple("moe" if _moe_layer(config, i) else "dense" for i in range(layers)),
         num_experts=_experts(config), num_experts_per_tok=require(config, "num_experts_per_tok"),
         moe_intermediate_size=require(config, "moe_intermediate_size"),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)), scoring_func="softmax", expert_act="swiglu",
+        **attention,
     )
 
 
@@ -46,23 +52,34 @@ _PROJECTIONS = ("gate", "up", "down")
 
 HF_TENSORS = TensorMap(
     rules=(
-        *llama.HF_TENSORS.rules,
+        TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
+        TensorRule("model.norm.weight", "norm.weight"),
+        TensorRule("lm_head.weight", "lm_head.weight"),
+        *(TensorRule(f"model.layers.{{i}}.{part}", f"layers.{{i}}.{part}") for part in (
+            "input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
+            *(f"mlp.{p}_proj.weight" for p in _PROJECTIONS))),
         TensorRule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
         *(TensorRule(f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight", f"layers.{{i}}.mlp.experts.{{e}}.{p}.weight")
           for p in _PROJECTIONS),
     ),
-    ignore=llama.HF_TENSORS.ignore,
+    ignore=(r"rotary_emb\.inv_freq$",),
 )
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    shapes = llama.expected_shapes(spec)
-    D = spec.hidden_size
-    for i in spec.moe_layers():
-        m = f"layers.{i}.mlp."
-        for p in _PROJECTIONS:
-            del shapes[f"{m}{p}_proj.weight"]
-        shapes |= {m + "router.weight": (spec.num_experts, D)} | expert_shapes(spec, m, D)
+    D, moe = spec.hidden_size, set(spec.moe_layers())
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    for i in range(spec.num_layers):
+        p = f"layers.{i}."
+        m = p + "mlp."
+        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        shapes |= gqa_shapes(spec, p + "self_attn.")
+        if i in moe:
+            shapes |= {m + "router.weight": (spec.num_experts, D)} | expert_shapes(spec, m, D)
+        else:
+            shapes |= gated_mlp_shapes(m, D, spec.intermediate_size)
     return shapes
 
 
