@@ -135,16 +135,30 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     constrained = constraint is not None and not (fmt.thinks and getattr(fmt, "opens_thinking", True))
     finish = "length"
 
+    def add_call(call: ToolCall) -> None:
+        """Stream a parsed call under a fresh id, unless tool_choice "none" or one call only forbids it."""
+        if prep.keep_tool_calls and (prep.parallel_tool_calls or not streamed_calls):
+            call = ToolCall(call.name, call.arguments, new_call_id(), call.raw_arguments)
+            streamed_calls.append(call)
+            emit("delta", Delta("tool_call", tool_call=call))
+
+    def close_reasoning() -> bool:
+        """Feed the end-of-thinking marker: the answer (and its constraint) starts. True when a stop string
+        ended the content while the marker's tokens were published (every one of them is)."""
+        nonlocal reasoning_open, constrained
+        dec.feed(eot)
+        generated.extend(eot)
+        reasoning_open, constrained = False, constraint is not None
+        stopped = [publish(parser.feed(t)) for t in eot]
+        return any(stopped)
+
     def publish(deltas: list[Delta]) -> bool:
         """Emit deltas; True when a stop string ended the content."""
         nonlocal reasoning_open
         for d in deltas:
             if d.tool_call is not None:
                 reasoning_open = False
-                if prep.keep_tool_calls and (prep.parallel_tool_calls or not streamed_calls):
-                    call = ToolCall(d.tool_call.name, d.tool_call.arguments, new_call_id(), d.tool_call.raw_arguments)
-                    streamed_calls.append(call)
-                    emit("delta", Delta("tool_call", tool_call=call))
+                add_call(d.tool_call)
                 continue
             raw[d.channel] = raw.get(d.channel, "") + d.text
             if d.channel == "content":
@@ -172,10 +186,7 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
             result.time_to_first_token = time.perf_counter() - started
         if token in stop_ids:
             if constraint is not None and not constrained and eot:  # no answer yet: open it, constrained
-                dec.feed(eot)
-                generated.extend(eot)
-                reasoning_open, constrained = False, True
-                if sum(publish(parser.feed(t)) for t in eot):  # every token published, then: a stop string?
+                if close_reasoning():
                     finish = "stop"
                     break
                 yield
@@ -200,14 +211,7 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         dec.feed([token])
         if action is Action.CLOSE_THINKING and reasoning_open:
             result.reasoning_closed_by = tracker.closed_by
-            dec.feed(eot)
-            generated.extend(eot)
-            reasoning_open = False
-            constrained = constraint is not None
-            stopped = False
-            for t in eot:
-                stopped = publish(parser.feed(t)) or stopped
-            if stopped:
+            if close_reasoning():
                 finish = "stop"
                 break
         elif action is Action.STOP:
@@ -228,10 +232,7 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         if content.hit:
             finish = "stop"
         for call in reply.tool_calls[len(streamed_calls):]:
-            if prep.keep_tool_calls and (prep.parallel_tool_calls or not streamed_calls):
-                call = ToolCall(call.name, call.arguments, new_call_id(), call.raw_arguments)
-                streamed_calls.append(call)
-                emit("delta", Delta("tool_call", tool_call=call))
+            add_call(call)
     result.content = content.text
     result.stop_sequence = content.matched
     result.reasoning = raw["reasoning"] or reply.reasoning
