@@ -37,6 +37,15 @@ def finish_reason(result: TurnResult) -> str:
     return result.finish_reason if result.finish_reason in ("stop", "length", "tool_calls") else "stop"
 
 
+def tool_mode(choice: str | None, tools: list) -> tuple[str, list[str]]:
+    """OpenAI `tool_choice` ("none" / "auto" / "required", a function's name, or absent) -> (mode, names)."""
+    if choice is None:
+        return ("auto" if tools else "none"), []
+    if choice in ("none", "auto", "required"):
+        return choice, []
+    return "named", [choice]
+
+
 def chat_request(body: ChatCompletionRequest) -> ChatRequest:
     try:
         messages = messages_from_openai([m.model_dump(exclude_none=True) for m in body.messages])
@@ -44,13 +53,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         raise APIError(400, str(e), param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice
-    names: list[str] = []
-    if choice is None:
-        mode = "auto" if tools else "none"
-    elif isinstance(choice, str):
-        mode = choice
-    else:
-        mode, names = "named", [choice.function.name]
+    mode, names = tool_mode(choice if choice is None or isinstance(choice, str) else choice.function.name, tools)
     try:
         schema = chat_output_schema(body.response_format)
     except ValueError as e:

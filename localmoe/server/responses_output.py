@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 
 from localmoe.chat.format import Delta, ToolCall
+from localmoe.server.service import tool_call_dict
 
 
 def item_id(prefix: str) -> str:
@@ -34,12 +35,17 @@ def message_item(text: str, mid: str | None = None, status: str = "completed") -
             "content": [text_part(text)] if status == "completed" else []}
 
 
+def arguments_of(call: ToolCall) -> str:
+    """A call's arguments as the JSON text the API carries."""
+    return tool_call_dict(call)["function"]["arguments"]
+
+
 def call_item(call: ToolCall, arguments: str, status: str = "completed") -> dict:
     return {"id": item_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
             "arguments": arguments if status == "completed" else "", "status": status}
 
 
-def items_of(result, arguments_of) -> list[dict]:
+def items_of(result) -> list[dict]:
     """A finished turn's output items: reasoning, the message, then the calls."""
     items = []
     if result.reasoning:
@@ -61,8 +67,7 @@ def usage_of(result) -> dict:
 class EventBuilder:
     """Turns a turn's deltas into Responses stream events and collects the output items."""
 
-    def __init__(self, arguments_of):
-        self.arguments_of = arguments_of
+    def __init__(self):
         self.items: list[dict] = []
         self._open: dict | None = None  # the reasoning or message item being streamed
         self._text = ""
@@ -71,7 +76,7 @@ class EventBuilder:
         if d.tool_call is not None:
             events = self._close()
             index = len(self.items)
-            arguments = self.arguments_of(d.tool_call)
+            arguments = arguments_of(d.tool_call)
             item = call_item(d.tool_call, arguments)
             added = {**item, "arguments": "", "status": "in_progress"}
             self.items.append(item)

@@ -20,20 +20,13 @@ from starlette.concurrency import run_in_threadpool
 from localmoe.chat import ChatFormatError, ChatMessage, messages_from_openai
 from localmoe.chat.sessions import SessionError
 from localmoe.server.errors import APIError, stream_error
+from localmoe.server.openai_routes import service_of, tool_mode
 from localmoe.server.responses_output import EventBuilder, items_of, usage_of
 from localmoe.server.responses_schemas import REASONING_EFFORT, ResponsesRequest, input_messages
-from localmoe.server.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
+from localmoe.server.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.structured import output_schema
 
 router = APIRouter()
-
-
-def service_of(request: Request) -> Service:
-    return request.app.state.service
-
-
-def arguments_of(call) -> str:
-    return tool_call_dict(call)["function"]["arguments"]
 
 
 def _sessions(service: Service, param: str):
@@ -65,13 +58,8 @@ def _chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> tuple[C
             m.name = called.get(m.tool_call_id or "")
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type", "strict"})}
              for t in body.tools or []]
-    choice, names = body.tool_choice, []
-    if choice is None:
-        mode = "auto" if tools else "none"
-    elif isinstance(choice, str):
-        mode = choice
-    else:
-        mode, names = "named", [choice.name]
+    choice = body.tool_choice
+    mode, names = tool_mode(choice if choice is None or isinstance(choice, str) else choice.name, tools)
     effort = body.reasoning.effort if body.reasoning else None
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
@@ -141,7 +129,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         return StreamingResponse(_events(service, body, stream, rid, created, conversation),
                                  media_type="text/event-stream")
     result = await stream.result(request.is_disconnected)
-    response = _response(body, rid, created, service.model_id, items_of(result, arguments_of), result)
+    response = _response(body, rid, created, service.model_id, items_of(result), result)
     await run_in_threadpool(_store, service, body, rid, conversation, result, response)
     return response
 
@@ -155,7 +143,7 @@ async def _events(service: Service, body: ResponsesRequest, stream, rid: str, cr
         sequence += 1
         return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
-    builder = EventBuilder(arguments_of)
+    builder = EventBuilder()
     pending = _response(body, rid, created, service.model_id, [], status="in_progress")
     yield sse({"type": "response.created", "response": pending})
     yield sse({"type": "response.in_progress", "response": pending})

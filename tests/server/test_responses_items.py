@@ -54,10 +54,10 @@ def test_unsupported_fields_are_named():
 
 
 def test_stream_events_open_and_close_each_item_in_order():
-    builder = EventBuilder(lambda call: '{"city": "Paris"}')
+    builder = EventBuilder()
     events = []
     for d in (Delta("reasoning", "Hm"), Delta("reasoning", "m."), Delta("content", "It is "),
-              Delta("content", "sunny."), Delta("tool_call", tool_call=ToolCall("get_weather", {}, "call_9"))):
+              Delta("content", "sunny."), Delta("tool_call", tool_call=ToolCall("get_weather", {"city": "Paris"}, "call_9"))):
         events += builder.delta(d)
     events += builder.finish(TurnResult(tool_calls=[ToolCall("get_weather", {}, "call_9")]))
     kinds = [e["type"] for e in events]
@@ -78,7 +78,7 @@ def test_stream_events_open_and_close_each_item_in_order():
 
 
 def test_a_turn_that_wrote_nothing_still_answers_with_a_message():
-    builder = EventBuilder(lambda call: "{}")
+    builder = EventBuilder()
     events = builder.finish(TurnResult())
     assert [e["type"] for e in events] == ["response.output_item.added", "response.content_part.added",
                                           "response.output_text.done", "response.content_part.done",
