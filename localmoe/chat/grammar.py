@@ -162,7 +162,7 @@ class Constraint:
     """One generation's grammar state: `mask` the logits, `consume` the token drawn, `done` at the end."""
 
     def __init__(self, tokenizer: GrammarTokenizer, grammar: str):
-        llg = _llguidance()
+        self._llg = llg = _llguidance()
         self.tokenizer = tokenizer
         self.matcher = llg.LLMatcher(tokenizer.llt, grammar, log_level=0)
         if self.matcher.is_error():
@@ -171,12 +171,12 @@ class Constraint:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` [1, V'] with every token the grammar forbids at -inf (ids past the tokenizer too)."""
-        _llguidance().torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        self._llg.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         row = logits.float().reshape(1, -1)
         width, vocab = row.shape[1], self.tokenizer.vocab_size
         out = torch.full((1, max(width, vocab)), float("-inf"))
         out[:, :min(width, vocab)] = row[:, :vocab]  # ids past the tokenizer, or missing from the head: impossible
-        _llguidance().torch.apply_token_bitmask_inplace(out[:, :vocab], self._bitmask)
+        self._llg.torch.apply_token_bitmask_inplace(out[:, :vocab], self._bitmask)
         return out[:, :width]
 
     def consume(self, token: int) -> None:
