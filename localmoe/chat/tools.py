@@ -170,7 +170,7 @@ class ToolRunner:
         """The readable document files of `document_paths`: each path and folder entry resolved inside
         `document_roots` (entries that lead outside are left out)."""
         from localmoe.documents.formats import supported
-        from localmoe.documents.ingest import SKIPPED_DIRS
+        from localmoe.documents.ingest import skipped
 
         files: list[Path] = []
         for path in self.document_paths:
@@ -182,6 +182,5 @@ class ToolRunner:
                 files.append(real)
             elif real.is_dir():
                 files += [f for f in walk_inside(real, self.document_roots, on_refused=lambda *_: None,
-                                                 skip=lambda n: n in SKIPPED_DIRS or n.startswith("."))
-                          if supported(f)]
+                                                 skip=skipped) if supported(f)]
         return files

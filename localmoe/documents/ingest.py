@@ -15,6 +15,14 @@ from localmoe.errors import LocalMoEError
 # directories a folder walk never enters (unless a path names them directly)
 SKIPPED_DIRS = {".git", ".hg", ".svn", "__pycache__", "node_modules", ".venv", "venv", ".mypy_cache",
                 ".pytest_cache", ".ruff_cache", ".tox", "dist", "build", ".ipynb_checkpoints"}
+
+
+def skipped(name: str) -> bool:
+    """Whether a folder walk passes over the entry `name`: hidden, or one of SKIPPED_DIRS (the server's
+    and the tools' path checks walk with the same rule, so what they check is what is read)."""
+    return name.startswith(".") or name in SKIPPED_DIRS
+
+
 MAX_FILE_BYTES = 512 << 20  # larger files are refused with a message rather than read into memory
 
 Progress = Callable[[int, int, Path], None]  # (files done, files in all, the file just read)
@@ -51,7 +59,7 @@ def collect_named(paths: list[Path], include: list[str] | None = None,
             for item in sorted(path.rglob("*")):
                 relative = item.relative_to(path).as_posix()
                 parts = relative.split("/")
-                if any(p in SKIPPED_DIRS or p.startswith(".") for p in parts[:-1]) or parts[-1].startswith("."):
+                if any(skipped(p) for p in parts[:-1]) or parts[-1].startswith("."):
                     continue
                 if exclude and any(_matches("/".join(parts[:i + 1]), exclude) for i in range(len(parts))):
                     continue

@@ -44,6 +44,8 @@ OFF = ("the document endpoints are off: no --documents-root was given; start the
 
 
 def _check(paths: list[str], roots: tuple[Path, ...]) -> list[Path]:
+    from localmoe.documents.ingest import skipped
+
     if not roots:
         raise APIError(403, OFF, param="paths")
     resolved = []
@@ -51,7 +53,7 @@ def _check(paths: list[str], roots: tuple[Path, ...]) -> list[Path]:
         try:
             real = resolve_inside(given, roots)
             if real.is_dir():
-                for _ in walk_inside(real, roots, skip=_skipped):
+                for _ in walk_inside(real, roots, skip=skipped):  # what the documents' walk reads
                     pass
         except PathRefused as e:
             status = 403 if e.outside else 400
@@ -61,13 +63,6 @@ def _check(paths: list[str], roots: tuple[Path, ...]) -> list[Path]:
             raise APIError(400, f"no such file or folder on the server: {shown(given)}", param="paths")
         resolved.append(real)
     return resolved
-
-
-def _skipped(name: str) -> bool:
-    """What the documents' folder walk never reads (so a link there is never followed)."""
-    from localmoe.documents.ingest import SKIPPED_DIRS
-
-    return name in SKIPPED_DIRS or name.startswith(".")
 
 
 async def _paths(paths: list[str], roots: tuple[Path, ...] | None) -> list[Path]:
