@@ -103,5 +103,17 @@ async def wait_until(pilot, predicate, timeout: float = 120.0, what: str = "cond
         await pilot.pause(0.1)
 
 
+async def click_when_shown(pilot, widget, timeout: float = 30.0) -> None:
+    """Click `widget` once the layout has settled on it; a click computed before the chat scrolled
+    lands elsewhere (pilot.click reports it), so try again until it hits, failing after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await pilot.pause(0.05)
+        if widget.region.area and widget.region in pilot.app.screen.region and await pilot.click(widget):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s trying to click {widget!r}")
+
+
 async def approve_all(call) -> bool:
     return True
