@@ -145,3 +145,10 @@ def thinking_budgets_option(function):
     return click.option("--thinking-budgets", default=str(ThinkingBudgets()), show_default=True,
                         help="Reasoning-token limit of each thinking-budget tier (reasoning_effort over the API).")(
         command)
+
+
+allowed_hosts_option = click.option(
+    "--allowed-hosts", "allowed_hosts", multiple=True, metavar="NAME",
+    callback=lambda ctx, param, value: tuple(n for v in value for n in v.split(",")),
+    help="A Host header name the server answers besides the loopback names and the bound address "
+         "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")

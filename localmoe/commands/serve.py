@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import model_options, thinking_budgets_option
+from localmoe.commands.options import allowed_hosts_option, model_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 from localmoe.paths import cache_dir
 
@@ -40,9 +40,7 @@ def default_sessions_path() -> Path:
 @click.option("--documents-root", "documents_roots", multiple=True, metavar="FOLDER",
               help="A folder /v1/documents may read under (repeatable); without one the document endpoints "
                    "are off (403). Paths and links are resolved and must stay inside.")
-@click.option("--allowed-hosts", "allowed_hosts", multiple=True, metavar="NAME",
-              help="A Host header name the server answers besides the loopback names and the bound address "
-                   "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")
+@allowed_hosts_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
@@ -72,7 +70,7 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
                           budgets=thinking_budgets, threads=engine.threads,
                           prefix_cache_entries=prefix_cache_entries,
                           documents_roots=roots,
-                          allowed_hosts=allowed_hosts_for(host, tuple(n for h in allowed_hosts for n in h.split(","))))
+                          allowed_hosts=allowed_hosts_for(host, allowed_hosts))
     loaded = load_model(model, engine)
     config.threads = loaded.config.resolved_threads()
     if not local and api_key is None:

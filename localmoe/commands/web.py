@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import budget_option, model_options, thinking_budgets_option
+from localmoe.commands.options import allowed_hosts_option, budget_option, model_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -19,6 +19,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but localhost lets others on the network use the model and tools.")
 @click.option("--port", type=int, default=7860, show_default=True)
+@allowed_hosts_option
 @click.option("--workdir", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
               show_default=True, help="Directory the tools (read_file, list_dir, run_command) work in.")
 @budget_option("Thinking budget a new tab starts with.")
@@ -28,7 +29,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file for persisted chats (default: sessions.db in the localmoe cache).")
 @click.option("--no-sessions", is_flag=True, help="Keep chats only in memory.")
-def command(model, engine, host, port, workdir, budget, no_tools, max_tokens,
+def command(model, engine, host, port, allowed_hosts, workdir, budget, no_tools, max_tokens,
             thinking_budgets, sessions_path, no_sessions):
     """Chat with the model in a browser: streaming answers, reasoning panels, approved tool calls,
     questions about uploaded documents, live speed and paging plots."""
@@ -59,7 +60,7 @@ def command(model, engine, host, port, workdir, budget, no_tools, max_tokens,
     service.start()
     try:
         launch(WebApp(service, workdir=workdir, budget=budget, tools_enabled=not no_tools, max_tokens=max_tokens),
-               host=host, port=port)
+               host=host, port=port, allowed_hosts=allowed_hosts)
     finally:
         service.stop()
 

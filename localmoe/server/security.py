@@ -43,7 +43,7 @@ class HostCheck:
         self.any = "*" in self.allowed
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.any:
+        if scope["type"] not in ("http", "websocket") or self.any:
             return await self.app(scope, receive, send)
         raw = next((v for k, v in scope.get("headers") or [] if k == b"host"), None)
         name = host_name(raw.decode("latin-1")) if raw is not None else ""
@@ -53,4 +53,7 @@ class HostCheck:
         message = (f"the Host header ({given}) is not a name this server answers to "
                    f"({', '.join(sorted(self.allowed))}); a server reached by another name must be started with "
                    f"--allowed-hosts NAME")
+        if scope["type"] == "websocket":  # refuse the handshake (a browser sees the close, code 1008)
+            await receive()
+            return await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
         return await error_response(403, message, scope["path"])(scope, receive, send)

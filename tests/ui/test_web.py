@@ -316,6 +316,19 @@ def test_page_streams_a_reply_that_matches_the_stored_session(page, web_server):
     assert 1 <= tokens <= 16 and "budget high" in status  # --max-tokens 16, the default budget
 
 
+def test_page_refuses_a_foreign_host_header(web_server):
+    """DNS rebinding: a page served as evil.example that resolves to 127.0.0.1 gets nothing, not the
+    page, not its queue (which could send messages and approve tool calls)."""
+    import httpx
+
+    url = web_server[0]
+    for path in ("", "config", "gradio_api/queue/join"):
+        refused = httpx.get(url + path, headers={"Host": "evil.example"}, timeout=10)
+        assert refused.status_code == 403, (path, refused.status_code)
+        assert "evil.example" in refused.json()["error"]["message"] and "--allowed-hosts" in refused.text
+    assert httpx.get(url, headers={"Host": f"localhost:{url.rsplit(':', 1)[1].strip('/')}"}, timeout=10).status_code == 200
+
+
 @pytest.mark.slow
 def test_budget_change_reaches_the_next_turn(page):
     page.click("#budget input")

@@ -15,9 +15,11 @@ from localmoe.ui.web.live import LiveHistory
 from localmoe.ui.web.model_info import model_markdown
 from localmoe.ui.web.session import WebSession
 from localmoe.ui.web.transcript import call_arguments, fenced
+from starlette.middleware import Middleware
 
 from localmoe.chat.format import REASONING_EFFORTS
 from localmoe.pathguard import PathRefused
+from localmoe.server.security import HostCheck, allowed_hosts_for
 
 DOCUMENT_TYPES = [".txt", ".md", ".rst", ".csv", ".json", ".html", ".htm", ".pdf", ".docx", ".xlsx", ".pptx", ".py"]
 CSS = """
@@ -173,13 +175,19 @@ def theme():
     return gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["ui-monospace", "monospace"])
 
 
-def launch(app: WebApp, host: str = "127.0.0.1", port: int = 7860, block: bool = True):
-    """Serve the page; with block=False return (demo, url) and keep serving in the background."""
+def launch(app: WebApp, host: str = "127.0.0.1", port: int = 7860, block: bool = True,
+           allowed_hosts: tuple[str, ...] = ()):
+    """Serve the page; with block=False return (demo, url) and keep serving in the background.
+
+    Like the API server, the page answers only requests whose Host header is a loopback name, the
+    bound address or one of `allowed_hosts` (the DNS-rebinding defence: a page elsewhere must not
+    drive the chat or approve its tool calls)."""
     demo = app.build()
     demo.queue(default_concurrency_limit=None)
+    host_check = Middleware(HostCheck, allowed=allowed_hosts_for(host, allowed_hosts))
     _, url, _ = demo.launch(server_name=host, server_port=port, share=False, inbrowser=False, quiet=True,
                             prevent_thread_lock=True, ssr_mode=False, theme=theme(), css=CSS,
-                            footer_links=["settings"])
+                            footer_links=["settings"], app_kwargs={"middleware": [host_check]})
     if block:
         print(f"localmoe web: serving on {url}", flush=True)
         demo.block_thread()
