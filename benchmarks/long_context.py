@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from localmoe.config import EngineConfig
-from localmoe.engine.dsa import DSAttention
+from localmoe.engine.layers.dsa import DSAttention
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
 

@@ -53,7 +53,7 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     num_shared_experts: int = 0
     latent_moe_size: int = 0  # K3 latent MoE: experts run at this width (routed_expert_hidden_size); 0 = hidden
-    # Routing and expert activation (engine/moe.py), named after the HF config keys
+    # Routing and expert activation (engine/layers/moe.py), named after the HF config keys
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax" (gpt-oss: top-k logits, then softmax)
     norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
     routed_scaling_factor: float = 1.0
@@ -67,22 +67,22 @@ class ModelSpec:
     glu_limit: float = 0.0
     situ_beta: float = 4.0  # K3 SiTU-GLU: situ_beta*tanh(g/situ_beta)*sigmoid(g) * ... (activation_situ_beta)
     situ_linear_beta: float = 25.0  # ... * situ_linear_beta*tanh(u/situ_linear_beta) (activation_situ_linear_beta)
-    # K3 attention residuals (engine/attn_res.py): layers per stored block; 0 = plain residual adds
+    # K3 attention residuals (engine/layers/attn_res.py): layers per stored block; 0 = plain residual adds
     attn_res_block_size: int = 0
-    # GLM-5-Next manifold hyper-connections (engine/hyper_connections.py): hc_mult residual streams
+    # GLM-5-Next manifold hyper-connections (engine/layers/hyper_connections.py): hc_mult residual streams
     # mixed around every sublayer; 0 = plain residual adds
     hc_mult: int = 0
     hc_eps: float = 1e-6  # floor added to the pre / comb weights and to the Sinkhorn denominators
     hc_sinkhorn_iters: int = 20
     sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
-    # KDA layers (engine/kda.py: KDAConfig.spec_fields / from_spec)
+    # KDA layers (engine/layers/kda.py: KDAConfig.spec_fields / from_spec)
     kda_num_heads: int = 0
     kda_head_dim: int = 0
     kda_conv_kernel: int = 4
     kda_bounded_gate: bool = False  # K3: lower_bound * sigmoid(...); Kimi-Linear: -exp(A) * softplus(...)
     kda_gate_lower_bound: float = -5.0
     kda_full_rank_gate: bool = False  # K3: g_proj; Kimi-Linear: low-rank g_b(g_a(x))
-    # MLA layers (engine/mla.py: MLAConfig.spec_fields / from_spec)
+    # MLA layers (engine/layers/mla.py: MLAConfig.spec_fields / from_spec)
     q_lora_rank: int = 0  # 0 = q projected directly
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -96,17 +96,17 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen3-Next: its one shared expert's width
-    # Gated DeltaNet layers (engine/gated_deltanet.py: GatedDeltaConfig.spec_fields / from_spec)
+    # Gated DeltaNet layers (engine/layers/gated_deltanet.py: GatedDeltaConfig.spec_fields / from_spec)
     gdn_num_key_heads: int = 0
     gdn_num_value_heads: int = 0
     gdn_key_head_dim: int = 0
     gdn_value_head_dim: int = 0
     gdn_conv_kernel: int = 4
-    # DSA layers (engine/dsa.py, engine/indexer.py): the lightning indexer
+    # DSA layers (engine/layers/dsa.py, engine/layers/indexer.py): the lightning indexer
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
-    # GLM-5-Next k-pool indexer (engine/kpool_indexer.py): index keys are scored in pools of
+    # GLM-5-Next k-pool indexer (engine/layers/kpool_indexer.py): index keys are scored in pools of
     # index_kpool consecutive tokens (0 = per token, DeepSeek); the query's incomplete pool is
     # appended raw when index_kpool_tail (`index_kpool_always_select_tail`)
     index_kpool: int = 0
@@ -172,7 +172,7 @@ class ModelSpec:
         """
         gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
         mla = (self.kv_lora_rank + self.qk_rope_head_dim, 1)
-        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/index_cache.py);
+        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/layers/index_cache.py);
         # k-pool indexers also keep each token's pool-gate logits, as many again
         index_dim = self.index_head_dim * (2 if self.index_kpool else 1)
         index_blocks = -(-index_dim // min(128, index_dim)) if index_dim else 0

@@ -91,12 +91,12 @@ def naive_mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
     return out
 
 
-SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # engine/moe.py RoutingRule.scoring, in route.h's order
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")  # engine/layers/moe.py RoutingRule.scoring, in route.h's order
 
 
 def naive_route(logits: torch.Tensor, top_k: int, scoring: str, correction: torch.Tensor | None = None,
                 renormalize: bool = False, scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> (weights [N, k], ids [N, k] int64), engine/moe.py's `route` without group-limited
+    """logits [N, E] -> (weights [N, k], ids [N, k] int64), engine/layers/moe.py's `route` without group-limited
     top-k: scores by `scoring`; the k largest of scores + correction, largest first, ties to the lower id;
     weights = scores at ids (topk_softmax: the softmax of the chosen logits), renormalised if asked,
     times `scaling`."""

@@ -1,5 +1,5 @@
 // MoE routing of one token from its router logits, in C for the fused routed-experts call
-// (moe_cpu.cpp `mxfp4_moe_routed`): the engine's `route` (engine/moe.py) without group-limited
+// (moe_cpu.cpp `mxfp4_moe_routed`): the engine's `route` (engine/layers/moe.py) without group-limited
 // top-k, which stays in torch. reference.naive_route is the same rule in PyTorch.
 //
 //   scoring 0 "softmax":      scores = softmax(logits) over all E experts

@@ -66,7 +66,7 @@ def find_tokens(prompt: list[int], tokenizer, text: str) -> list[int]:
 
 def sparse_layers(model) -> dict[int, object]:
     """Mixers that select: DSA layers, and dense MLA/GQA layers when `sparse_topk` is set."""
-    from localmoe.engine.dsa import DSAttention
+    from localmoe.engine.layers.dsa import DSAttention
 
     found = {}
     for i, (_, mixer, _, _) in enumerate(model.layers):

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.engine.attention import GQAttention
+from localmoe.engine.layers.attention import GQAttention
+from localmoe.engine.layers.mlp import GatedMLP
+from localmoe.engine.layers.moe import MoEBlock, Router
 from localmoe.engine.linear import Linear
-from localmoe.engine.mlp import GatedMLP
-from localmoe.engine.moe import MoEBlock, Router
 from localmoe.engine.quantized import BlockLinear
 from localmoe.kernels import decode_layers
 from localmoe.kernels.gqa_decode import StepKernel

@@ -1,8 +1,8 @@
 """The decoder-only transformer, assembled per layer from the kinds a ModelSpec lists.
 
 Each layer is (norm, mixer, norm, MLP) with plain residual adds, or a residual scheme that
-runs the layers itself: Kimi K3's attention residuals (engine/attn_res.py, `spec.attn_res_block_size`)
-or GLM-5-Next's hyper-connections (engine/hyper_connections.py, `spec.hc_mult`); the mixer is chosen by
+runs the layers itself: Kimi K3's attention residuals (engine/layers/attn_res.py, `spec.attn_res_block_size`)
+or GLM-5-Next's hyper-connections (engine/layers/hyper_connections.py, `spec.hc_mult`); the mixer is chosen by
 `spec.layer_kinds[i]` from MIXERS and the MLP by `spec.mlp_kinds[i]` from MLPS. A new
 layer kind is a class with `from_weights(spec, weights, prefix, dtype)`, `new_cache(batch,
 max_len)`, `nbytes()` and `__call__(x, step, cache)`, registered here.
@@ -14,19 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import EngineConfig, ModelSpec
-from localmoe.engine.attention import GQAttention, SlidingAttention
-from localmoe.engine.attn_res import AttentionResiduals
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
-from localmoe.engine.dsa import DSAttention
 from localmoe.engine.experts import ExpertProvider
-from localmoe.engine.gated_deltanet import GatedDeltaNet
-from localmoe.engine.hyper_connections import HyperConnections
-from localmoe.engine.kda import KimiDeltaAttention
+from localmoe.engine.layers.attention import GQAttention, SlidingAttention
+from localmoe.engine.layers.attn_res import AttentionResiduals
+from localmoe.engine.layers.dsa import DSAttention
+from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
+from localmoe.engine.layers.hyper_connections import HyperConnections
+from localmoe.engine.layers.kda import KimiDeltaAttention
+from localmoe.engine.layers.mla import MLAttention
+from localmoe.engine.layers.mlp import ACTIVATIONS, GatedMLP
+from localmoe.engine.layers.moe import MoEBlock
 from localmoe.engine.linear import make_linear
-from localmoe.engine.mla import MLAttention
-from localmoe.engine.mlp import ACTIVATIONS, GatedMLP
-from localmoe.engine.moe import MoEBlock
 from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step

@@ -7,7 +7,7 @@ Checkpoint facts: routed experts per expert in bf16 `mlp.experts.{e}.{gate,up,do
 Quirks, each covered by tests/models/test_deepseek_v32.py:
 - `mlp.gate.*` is the router: renamed to `mlp.router.weight` / `mlp.router.e_score_correction_bias`;
   sigmoid scores, bias for selection only, renormalised, times `routed_scaling_factor`.
-- MLA's rope part uses interleaved pairs, the indexer half-split RoPE (engine/mla.py, indexer.py);
+- MLA's rope part uses interleaved pairs, the indexer half-split RoPE (engine/layers/mla.py, indexer.py);
   under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
 - `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights and the
   MTP layer (`model.layers.{num_hidden_layers}`) are not read: convert to bf16 first.
@@ -16,9 +16,9 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.indexer import indexer_shapes
-from localmoe.engine.mla import mla_shapes
-from localmoe.engine.moe import moe_shapes
+from localmoe.engine.layers.indexer import indexer_shapes
+from localmoe.engine.layers.mla import mla_shapes
+from localmoe.engine.layers.moe import moe_shapes
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require

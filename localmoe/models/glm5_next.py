@@ -5,14 +5,14 @@ text tower under `model.language_model.`, `lm_head` at the top; the vision tower
 is not read.
 
 Quirks, each covered by tests/models/test_glm5_next.py:
-- hyper-connections (engine/hyper_connections.py): `hc_{attn,ffn}_{fn,base,scale}` per layer; the
+- hyper-connections (engine/layers/hyper_connections.py): `hc_{attn,ffn}_{fn,base,scale}` per layer; the
   output is the mean of the streams, then `norm` and `lm_head`.
 - KDA (`linear_attention`): lower-bounded "safe" gate (`linear_lower_bound` / `gate_lower_bound`,
   None: Kimi-Linear's softplus gate), low-rank output gate `g_a_proj`/`g_b_proj`, `A_log` [H],
   separate q/k/v convs; sizes from `linear_attn_config` or the flat `linear_*` fields.
 - DSA (`indexed_attention`): MLA with q LoRA and no rope part (`qk_rope_head_dim` 0); its norms
   use `rms_norm_eps`; the indexer scores pools of `index_kpool` tokens
-  (`index_kpool_compress_{gate,ape}`, engine/kpool_indexer.py). Layers that reuse another layer's
+  (`index_kpool_compress_{gate,ape}`, engine/layers/kpool_indexer.py). Layers that reuse another layer's
   selection (`indexer_types` "shared") are refused.
 - every SwiGLU clamps at `swiglu_limit` (dense, shared and routed experts).
 The MTP layer (`layers.{num_hidden_layers}`) is not read.
@@ -23,10 +23,10 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.indexer import indexer_shapes
-from localmoe.engine.kda import KDAConfig, kda_shapes
-from localmoe.engine.mla import mla_shapes
-from localmoe.engine.moe import moe_shapes
+from localmoe.engine.layers.indexer import indexer_shapes
+from localmoe.engine.layers.kda import KDAConfig, kda_shapes
+from localmoe.engine.layers.mla import mla_shapes
+from localmoe.engine.layers.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule

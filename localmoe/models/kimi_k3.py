@@ -12,7 +12,7 @@ Quirks, each covered by tests/models/test_kimi_k3.py:
 - latent MoE: `routed_expert_down_proj` -> experts (SiTU-GLU) -> `routed_expert_norm` ->
   `routed_expert_up_proj`; sigmoid router with correction bias; 2 shared experts fused.
 - attention residuals (`attn_res_block_size`): `self_attention_res_*`, `mlp_res_*`,
-  `model.output_attn_res_*` (engine/attn_res.py).
+  `model.output_attn_res_*` (engine/layers/attn_res.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import kda_shapes
-from localmoe.engine.mla import mla_shapes
-from localmoe.engine.moe import moe_shapes
+from localmoe.engine.layers.kda import kda_shapes
+from localmoe.engine.layers.mla import mla_shapes
+from localmoe.engine.layers.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule

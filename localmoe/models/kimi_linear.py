@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import kda_shapes
-from localmoe.engine.mla import mla_shapes
-from localmoe.engine.moe import moe_shapes
+from localmoe.engine.layers.kda import kda_shapes
+from localmoe.engine.layers.mla import mla_shapes
+from localmoe.engine.layers.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
-from localmoe.engine.mlp import gated_mlp_shapes
+from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
+from localmoe.engine.layers.mlp import gated_mlp_shapes
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 

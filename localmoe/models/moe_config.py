@@ -5,8 +5,8 @@ Kimi-Linear-style text config that Kimi-Linear and Kimi K3 share)."""
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import KDAConfig
-from localmoe.engine.mla import MLAConfig
+from localmoe.engine.layers.kda import KDAConfig
+from localmoe.engine.layers.mla import MLAConfig
 from localmoe.errors import CheckpointError
 from localmoe.models.base import ExpertTensors
 

@@ -12,9 +12,9 @@ weights renormalised when `norm_topk_prob`; no shared expert; SwiGLU experts.
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
-from localmoe.engine.mlp import gated_mlp_shapes
-from localmoe.engine.moe import expert_shapes
+from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
+from localmoe.engine.layers.mlp import gated_mlp_shapes
+from localmoe.engine.layers.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.moe_config import require

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.gated_deltanet import GatedDeltaConfig
-from localmoe.engine.mlp import gated_mlp_shapes
-from localmoe.engine.moe import expert_shapes
+from localmoe.engine.layers.gated_deltanet import GatedDeltaConfig
+from localmoe.engine.layers.mlp import gated_mlp_shapes
+from localmoe.engine.layers.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.moe_config import require

@@ -10,7 +10,7 @@ it over and computing it on the CPU where it sits.
 
 A slab works on any torch device. The CLI makes CUDA slabs only (`paging.gpu_tiers`); the tests
 also run the whole tier on "cpu" slabs, which exercises every decision and the separate sums
-of engine/moe.dispatch without a GPU.
+of engine/layers/moe.dispatch without a GPU.
 """
 
 from __future__ import annotations

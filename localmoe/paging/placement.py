@@ -93,7 +93,7 @@ def measure_cpu_expert(store, repeats: int = 3) -> float:
     import torch
 
     from localmoe.engine.experts import ExpertWeights, expert_forward
-    from localmoe.engine.moe import swiglu
+    from localmoe.engine.layers.moe import swiglu
 
     layer = store.layers()[0]
     w = ExpertWeights.from_parts(store.expert(layer, store.experts_in(layer)[0]))
@@ -128,7 +128,7 @@ def measure_gpu_expert(store, device, repeats: int = 3) -> float:
     import torch
 
     from localmoe.engine.experts import ExpertWeights, expert_forward
-    from localmoe.engine.moe import swiglu
+    from localmoe.engine.layers.moe import swiglu
 
     layer = store.layers()[0]
     w = ExpertWeights.from_parts({k: t.to(device) for k, t in store.expert(layer, store.experts_in(layer)[0]).items()})

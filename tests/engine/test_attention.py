@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.engine.attention import GQAttention, flash_available
+from localmoe.engine.layers.attention import GQAttention, flash_available
 from localmoe.engine.step import Step
 
 pytestmark = pytest.mark.skipif(not flash_available(torch.zeros(1), torch.zeros(1), torch.zeros(1)),
@@ -48,7 +48,7 @@ def test_only_fp32_cpu_tensors_take_the_flash_kernel():
 
 def test_a_failing_flash_op_falls_back_to_the_explicit_softmax(monkeypatch):
     """A torch whose private flash op fails (changed or broken): one warning, then the explicit path."""
-    from localmoe.engine import attention
+    from localmoe.engine.layers import attention
 
     def broken(*args, **kwargs):
         raise RuntimeError("no such kernel")

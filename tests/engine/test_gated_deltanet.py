@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import ModelSpec
-from localmoe.engine.gated_deltanet import GatedDeltaConfig, GatedDeltaNet, state_bytes
+from localmoe.engine.layers.gated_deltanet import GatedDeltaConfig, GatedDeltaNet, state_bytes
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
 

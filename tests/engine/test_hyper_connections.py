@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from localmoe.engine.hyper_connections import HyperConnection, HyperConnections, sinkhorn
+from localmoe.engine.layers.hyper_connections import HyperConnection, HyperConnections, sinkhorn
 
 N, D, NORM_EPS, HC_EPS, ITERS = 3, 8, 1e-5, 1e-6, 20
 

@@ -8,7 +8,7 @@ import torch
 from localmoe.kernels.topk_select import topk_select
 
 from localmoe.config import EngineConfig
-from localmoe.engine.index_cache import IndexKeyCache
+from localmoe.engine.layers.index_cache import IndexKeyCache
 from localmoe.engine.step import Step
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint

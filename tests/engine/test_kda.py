@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.kda import (
+from localmoe.engine.layers.kda import (
     KDAConfig,
     KimiDeltaAttention,
     chunk_kda,
@@ -321,7 +321,7 @@ def test_real_checkpoint_layers_match_transformers(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from localmoe.engine.mla import MLAConfig, MLAttention
+    from localmoe.engine.layers.mla import MLAConfig, MLAttention
     from localmoe.testing import write_checkpoint
 
     write_checkpoint("kimi_linear", tmp_path, "tiny")

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from localmoe.engine.kpool_indexer import KPoolIndexer
+from localmoe.engine.layers.kpool_indexer import KPoolIndexer
 from localmoe.engine.step import Step
 
 HIDDEN, HEADS, DI = 12, 2, 4

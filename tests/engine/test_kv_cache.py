@@ -14,7 +14,7 @@ import localmoe.testing
 from localmoe.config import KV_CACHE_DTYPES
 from localmoe.engine import cache as cache_module
 from localmoe.engine.cache import KVCache, ModelCache, PagedBuffer, dequantize_fp8, quantize_fp8
-from localmoe.engine.kda import KDAConfig, state_bytes
+from localmoe.engine.layers.kda import KDAConfig, state_bytes
 from localmoe.engine.state_cache import DeltaStateCache, LatentCache, StateRollbackError
 from localmoe.models import family_for_model_type
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.mla import MLAConfig, MLAttention
+from localmoe.engine.layers.mla import MLAConfig, MLAttention
 from localmoe.engine.step import make_step
 from localmoe.testing import plan_checkpoint
 
@@ -179,7 +179,7 @@ def test_checkpoint_layout_and_config(family):
 
 
 def test_absorbed_sdpa_branch_equals_matmul_branch(monkeypatch):
-    from localmoe.engine import mla
+    from localmoe.engine.layers import mla
 
     x = inputs(20)
     mixer = layer("kimi_k3", absorb=True)
@@ -202,7 +202,7 @@ def test_from_spec_round_trip(name):
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])
 def test_mla_blockwise_prefill_equals_one_block(monkeypatch, absorb):
     """Both MLA forms over many 64-key blocks (causal, then left-padded) = the same call in one block."""
-    from localmoe.engine import mla
+    from localmoe.engine.layers import mla
 
     x = inputs(300)
     mask = torch.ones(2, 300, dtype=torch.bool)

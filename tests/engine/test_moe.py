@@ -11,9 +11,8 @@ import torch
 from localmoe.kernels.mxfp4_moe import glu
 
 from localmoe.engine.experts import ExpertWeights, Projection, ResidentExperts
-from localmoe.engine.linear import Linear
-from localmoe.engine.mlp import GatedMLP
-from localmoe.engine.moe import (
+from localmoe.engine.layers.mlp import GatedMLP
+from localmoe.engine.layers.moe import (
     ExpertGLU,
     LatentProjection,
     MoEBlock,
@@ -23,6 +22,7 @@ from localmoe.engine.moe import (
     situ_glu,
     swiglu,
 )
+from localmoe.engine.linear import Linear
 from localmoe.quant.mxfp4 import dequantize, quantize
 
 E, D, I = 16, 64, 32

@@ -17,7 +17,7 @@ from localmoe.testing import write_checkpoint
 SCRIPT = r"""
 import json, sys, torch
 from localmoe.config import EngineConfig
-from localmoe.engine import mla
+from localmoe.engine.layers import mla
 from localmoe.engine.cache import KVCache
 from localmoe.engine.state_cache import DeltaStateCache, LatentCache
 from localmoe.load import load_model

@@ -57,7 +57,7 @@ def test_chunk(B, T, H, K, V, steep, device, close):
 @pytest.mark.parametrize("T", [1, 63, 130], ids=lambda t: f"T{t}")
 def test_engine_chunked_matches_reference(T, close):
     """The CPU prefill path (kernels/kda/cpu.py, as the engine reaches it) against the same spec."""
-    from localmoe.engine.kda import chunk_kda as engine_chunk
+    from localmoe.engine.layers.kda import chunk_kda as engine_chunk
 
     args = _inputs(1, T, 2, 32, 32, seed=T)
     o_ref, s_ref = naive_recurrent_kda(*args)

@@ -311,9 +311,9 @@ def test_cpu_routing_matches_float64(scoring, correction, renormalize, scaling, 
 
 
 def test_naive_route_is_the_engines_route():
-    """The kernels' routing reference against engine/moe.py's `route` (torch.topk): the same experts and
+    """The kernels' routing reference against engine/layers/moe.py's `route` (torch.topk): the same experts and
     weights on random logits (no ties), for every scoring."""
-    from localmoe.engine.moe import RoutingRule, route
+    from localmoe.engine.layers.moe import RoutingRule, route
 
     logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(30))
     corr = torch.randn(16, generator=torch.Generator().manual_seed(31)) * 0.2

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.engine.dsa import DSAttention
-from localmoe.engine.index_cache import DSACache
+from localmoe.engine.layers.dsa import DSAttention
+from localmoe.engine.layers.index_cache import DSACache
 from localmoe.models import family_for_model_type
 from localmoe.testing.parity import (
     assert_chunked_prefill_and_decode_equal_full,

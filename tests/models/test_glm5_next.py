@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from localmoe.convert import convert
-from localmoe.engine.dsa import DSAttention
-from localmoe.engine.hyper_connections import HyperConnections
-from localmoe.engine.kda import KimiDeltaAttention
-from localmoe.engine.kpool_indexer import KPoolIndexer
-from localmoe.engine.mlp import GatedMLP
+from localmoe.engine.layers.dsa import DSAttention
+from localmoe.engine.layers.hyper_connections import HyperConnections
+from localmoe.engine.layers.kda import KimiDeltaAttention
+from localmoe.engine.layers.kpool_indexer import KPoolIndexer
+from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import family_for_model_type
 from localmoe.testing.parity import (

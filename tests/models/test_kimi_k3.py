@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from localmoe.config import EngineConfig
-from localmoe.engine.attn_res import AttentionResiduals, depth_mix
-from localmoe.engine.moe import MoEBlock
+from localmoe.engine.layers.attn_res import AttentionResiduals, depth_mix
+from localmoe.engine.layers.moe import MoEBlock
 from localmoe.load import load_model
 from localmoe.models import family_for_model_type
 from localmoe.testing import write_checkpoint

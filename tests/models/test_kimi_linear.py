@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.engine.moe import MoEBlock
+from localmoe.engine.layers.moe import MoEBlock
 from localmoe.models import family_for_model_type
 from localmoe.testing.parity import (
     assert_batch_equals_single,

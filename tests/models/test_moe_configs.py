@@ -70,8 +70,8 @@ def test_one_indexed_lists_are_checked():
 def test_kda_and_mla_settings_survive_the_spec(checkpoint):
     """The Kimi families carry KDA/MLA settings through ModelSpec (and so through a store manifest)."""
     from localmoe.config import ModelSpec
-    from localmoe.engine.kda import KDAConfig
-    from localmoe.engine.mla import MLAConfig
+    from localmoe.engine.layers.kda import KDAConfig
+    from localmoe.engine.layers.mla import MLAConfig
 
     name, _, config = checkpoint
     if name not in ("kimi_linear", "kimi_k3"):

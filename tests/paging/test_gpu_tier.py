@@ -1,7 +1,7 @@
 """GPU tiers: placement between copying an expert to its GPU and computing it on the CPU.
 
 Every test runs on "cpu" slabs, a GPU tier whose device is the host: the tier's decisions, copies,
-evictions, pins and the separate per-tier sums in engine/moe.dispatch are the same code as on a GPU,
+evictions, pins and the separate per-tier sums in engine/layers/moe.dispatch are the same code as on a GPU,
 only the device differs. Where CUDA exists the same tests also run on "cuda:0".
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.engine.moe import MoEBlock
+from localmoe.engine.layers.moe import MoEBlock
 from localmoe.paging import PagingConfig, attach, make_pager
 from localmoe.paging.errors import PagingError
 from localmoe.paging.gpu import GpuSlab

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import ModelSpec
-from localmoe.engine.kda import causal_conv, l2norm
+from localmoe.engine.layers.kda import causal_conv, l2norm
 from localmoe.engine.linear import Linear
 from localmoe.engine.state_cache import DeltaStateCache
 from localmoe.engine.step import Step
@@ -128,7 +128,7 @@ class GatedDeltaNet:
         if cache.offset != step.start:
             raise LocalMoEError(f"Gated DeltaNet cache holds {cache.offset} tokens but this step starts at "
                                 f"{step.start}")
-        valid = step.valid  # [B, T] False at left padding (see engine/kda.valid_tokens)
+        valid = step.valid  # [B, T] False at left padding (see engine/layers/kda.valid_tokens)
         if valid is not None:
             x = x * valid[..., None]
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)

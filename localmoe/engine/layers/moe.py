@@ -29,8 +29,8 @@ from localmoe.engine.experts import (
     ResidentExperts,
     expert_forward,
 )
+from localmoe.engine.layers.mlp import GatedMLP, gated_mlp_shapes, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.engine.mlp import GatedMLP, gated_mlp_shapes, situ_glu  # noqa: F401 (situ_glu re-exported)
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.mxfp4_moe import (
     GEMV_MAX_TOKENS,

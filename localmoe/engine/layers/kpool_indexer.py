@@ -1,4 +1,4 @@
-"""GLM-5-Next's k-pool indexer: DSA's lightning indexer (engine/indexer.py) scoring POOLS of
+"""GLM-5-Next's k-pool indexer: DSA's lightning indexer (engine/layers/indexer.py) scoring POOLS of
 `index_kpool` = P consecutive tokens instead of single tokens.
 
 Per token the cache keeps the index key k [Di] = LayerNorm(wk(x)) and its pool-gate logits
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from localmoe.engine.indexer import LightningIndexer
+from localmoe.engine.layers.indexer import LightningIndexer
 from localmoe.engine.linear import Linear
 from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError

@@ -1,8 +1,8 @@
-"""DSA: DeepSeek sparse attention = MLA (engine/mla.py) attending only to the `index_topk`
-cached tokens the lightning indexer (engine/indexer.py) picks for each query.
+"""DSA: DeepSeek sparse attention = MLA (engine/layers/mla.py) attending only to the `index_topk`
+cached tokens the lightning indexer (engine/layers/indexer.py) picks for each query.
 
-- the cache is a `DSACache` (engine/index_cache.py): MLA latent rows + one index key per token
-  (GLM-5-Next's k-pool indexer, engine/kpool_indexer.py: the key and its pool-gate logits).
+- the cache is a `DSACache` (engine/layers/index_cache.py): MLA latent rows + one index key per token
+  (GLM-5-Next's k-pool indexer, engine/layers/kpool_indexer.py: the key and its pool-gate logits).
 - while no query can lose a token (`indexer.dense_context`), nothing is dropped: plain (causal) MLA.
 - decode (T <= GATHER_MAX_T): the selected latent rows are gathered, [B, T, k, r + rope], and the
   absorbed attention runs over those k rows only, so its cost stops growing with the context.
@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.index_cache import DSACache
-from localmoe.engine.indexer import LightningIndexer
-from localmoe.engine.kpool_indexer import KPoolIndexer
-from localmoe.engine.mla import MLAConfig, MLAttention
+from localmoe.engine.layers.index_cache import DSACache
+from localmoe.engine.layers.indexer import LightningIndexer
+from localmoe.engine.layers.kpool_indexer import KPoolIndexer
+from localmoe.engine.layers.mla import MLAConfig, MLAttention
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode_sparse
