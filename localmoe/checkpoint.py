@@ -28,7 +28,7 @@ class Checkpoint:
     kind: str  # one of KINDS
     family: ModelFamily
     spec: ModelSpec
-    reader: object = None  # GGUFFile, SafetensorsCheckpoint or PackedStore (None for a config alone)
+    reader: object = None  # GGUFFile / GGUFSplit, SafetensorsCheckpoint or PackedStore (None for a config alone)
     config: dict = field(default_factory=dict)  # the HF config.json ({} for a GGUF file)
     gguf_metadata: dict | None = None  # a GGUF file's, or a store converted from one
 
@@ -101,9 +101,9 @@ def open_checkpoint(path: str | Path | None) -> Checkpoint:
 
 
 def _open_gguf(path: Path) -> Checkpoint:
-    from localmoe.store.gguf import GGUFFile
+    from localmoe.store.gguf_split import open_gguf
 
-    gguf = GGUFFile(path)
+    gguf = open_gguf(path)
     family = family_for_gguf(gguf.architecture, str(path))
     if family.spec_from_gguf is None:
         raise UnsupportedModelError(f"{path}: the {family.name} family cannot read GGUF files")

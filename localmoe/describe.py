@@ -124,6 +124,7 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
     layer_kinds = Counter(zip(spec.layer_kinds, spec.mlp_kinds))
     return {
         "path": str(path),
+        **({"files": [str(p) for p in ckpt.reader.files]} if ckpt.kind == "gguf" else {}),  # a split GGUF's parts
         "name": spec.name,
         "model_type": spec.model_type,
         "family": spec.family,
@@ -206,6 +207,8 @@ def format_description(d: dict) -> str:
     lines = [
         f"model          {d['name'] or Path(d['path']).name}",
         f"architecture   {d['model_type']} (family {d['family']})",
+        *([f"files          {len(d['files'])} parts: {Path(d['files'][0]).name} ... {Path(d['files'][-1]).name}"]
+          if len(d.get("files", ())) > 1 else []),
         f"layers         {d['layers']}: " + ", ".join(f"{n} x {k}" for k, n in d["layer_kinds"].items()),
         (f"dimensions     hidden {d['hidden_size']}, heads {d['heads']} (kv {d['kv_heads']}) x {d['head_dim']}, "
          f"mlp {d['intermediate_size']}, vocab {d['vocab_size']}"),

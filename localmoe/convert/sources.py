@@ -129,7 +129,7 @@ def _gguf_source(ckpt: Checkpoint) -> Source:
         # float tensors keep their dtype; quantised ones are stored as their raw blocks,
         # shaped like GGUFFile.raw: [*outer dims, bytes per row]
         shape = info.shape if dtype is not None else tuple(gguf.raw(name).shape)
-        refs[name] = TensorRef(name, path, info.offset, dtype or torch.uint8, shape)
+        refs[name] = TensorRef(name, gguf.file_of(name), info.offset, dtype or torch.uint8, shape)
         types[name] = {"ggml_type": info.ggml_type.name, "ggml_type_id": int(info.ggml_type),
                        "shape": list(info.shape)}
     tensors_json = {"format": "localmoe-gguf-tensors", "version": 1, "gguf_version": gguf.version, "tensors": types}
@@ -139,8 +139,9 @@ def _gguf_source(ckpt: Checkpoint) -> Source:
     template = gguf.metadata.get("tokenizer.chat_template")
     if isinstance(template, str):
         generated.append((template.encode(), "chat_template.jinja", "chat_template"))
-    return Source(path, "gguf", ckpt.family, ckpt.spec, dict(sorted(refs.items(), key=lambda kv: kv[1].offset)),
-                  [path], generated=generated)
+    order = {p: i for i, p in enumerate(gguf.files)}  # a split model: part after part
+    refs = dict(sorted(refs.items(), key=lambda kv: (order[kv[1].path], kv[1].offset)))
+    return Source(path, "gguf", ckpt.family, ckpt.spec, refs, list(gguf.files), generated=generated)
 
 
 def _identity(source: Source) -> str:

@@ -229,6 +229,16 @@ class GGUFFile(MappedFile):
         """Tensor names, in file order."""
         return self.keys()
 
+    @property
+    def files(self) -> list[Path]:
+        """The files holding the tensors: this one (a split model has several, store/gguf_split.py)."""
+        return [self.path]
+
+    def file_of(self, name: str) -> Path:
+        """The file holding tensor `name`."""
+        self.info(name)
+        return self.path
+
     def info(self, name: str) -> GGUFTensorInfo:
         """Name, ggml type, PyTorch-order shape, stored byte count and absolute offset of one tensor."""
         return super().info(name)

@@ -87,9 +87,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
 
 def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer embedded in the GGUF file at `path` (CheckpointError if the file is unreadable)."""
-    from localmoe.store.gguf import GGUFFile  # the header parser; imported here as it pulls in torch
+    from localmoe.store.gguf_split import open_gguf  # the header parser; imported here as it pulls in torch
 
-    with GGUFFile(path) as f:
+    with open_gguf(path) as f:
         return tokenizer_from_gguf_metadata(f.metadata, source=os.path.basename(path))
 
 
