@@ -2,7 +2,8 @@
 a whole MoE layer's routed experts (`mxfp4_moe`), W as canonical MXFP4 bytes.
 
 `mxfp4_linear`, y = x W^T (+ b):
-- CUDA tensors with Triton: `triton.mxfp4_grouped` (decode in registers, fp32 `tl.dot`).
+- CUDA tensors with Triton: `triton.mxfp4_grouped` (a GEMV up to 16 rows per expert, fp32 `tl.dot`
+  tiles above; tile tables built on the device, no host sync).
 - CPU with the C++ kernel (cpu.py): N <= GEMV_MAX_TOKENS tokens stream the codes once through
   `cpu.gemv`; more tokens dequantise with `cpu.dequantize` and run one fp32 sgemm (F.linear),
   where the matmul, not the bytes, is the cost.

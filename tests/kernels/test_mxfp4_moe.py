@@ -12,7 +12,7 @@ from localmoe.kernels.mxfp4_moe.reference import naive_mxfp4_grouped, naive_mxfp
 
 from localmoe.quant.mxfp4 import dequantize, quantize
 
-from .conftest import TRITON_DEVICES
+from .conftest import TRITON_DEVICES, assert_close
 
 needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
 
@@ -160,30 +160,162 @@ def test_fallback_without_cpu_kernel(monkeypatch, close):
 
 # ---- Triton (interpreter on CPU tensors; CUDA where present) ----
 
+def _grouped_case(M: int, E: int, O: int, K: int, counts: str, seed: int):
+    """Stacked experts and ids: "uneven" (random, the last expert empty), "skewed" (most rows on one
+    expert, others empty) or "even" (the same number per expert, sorted: a batch's decode)."""
+    g = torch.Generator().manual_seed(seed)
+    packed, scales = quantize(torch.randn(E, O, K, generator=g) * 0.1)
+    if counts == "uneven":
+        ids = torch.randint(0, max(1, E - 1), (M,), generator=g)
+    elif counts == "skewed":
+        ids = torch.where(torch.rand(M, generator=g) < 0.8, E // 2, torch.randint(0, E, (M,), generator=g))
+    else:
+        ids = torch.arange(M) % E
+    return packed, scales, ids, torch.randn(E, O, generator=g), torch.randn(M, K, generator=g)
+
+
+GROUPED = [pytest.param(1, 5, 72, 96, "uneven", id="M1"),  # K = 96: not a multiple of any K block
+           pytest.param(7, 5, 72, 96, "uneven", id="M7-E5"),
+           pytest.param(24, 6, 40, 160, "skewed", id="M24-skewed"),
+           pytest.param(48, 3, 24, 64, "even", id="M48-16each"),
+           pytest.param(2, 1, 16, 2048, "even", id="M2-K2048-splitK"),
+           pytest.param(200, 5, 72, 96, "uneven", id="M200-dot")]
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("M", [1, 63, 200], ids=lambda m: f"M{m}")
-def test_triton_grouped_matches_reference(M, dtype, device, close):
+@pytest.mark.parametrize("M,E,O,K,counts", GROUPED)
+def test_triton_grouped_matches_reference(M, E, O, K, counts, dtype, device, close):
+    """Every shape class the dispatcher tells apart (GEMV with 1-16 rows per expert, split K, tl.dot
+    tiles), with empty experts, uneven counts and a bias, against the fp32 reference."""
     from localmoe.kernels.mxfp4_moe import triton as tk
 
-    E, O, K = 5, 72, 96  # O not a multiple of the 64-row tile; K = 1.5 tiles of 64
-    g = torch.Generator().manual_seed(M)
-    w = torch.randn(E, O, K, generator=g) * 0.1
-    packed, scales = quantize(w)
-    ids = torch.randint(0, E - 1, (M,), generator=g)  # expert E-1 unused
-    bias = torch.randn(E, O, generator=g)
-    x = torch.randn(M, K, generator=g).to(dtype)
+    packed, scales, ids, bias, x = _grouped_case(M, E, O, K, counts, seed=M * K)
+    x = x.to(dtype)
     want = naive_mxfp4_grouped(x.float(), packed, scales, ids, bias)
-    got = tk.mxfp4_grouped(x.to(device), packed.to(device), scales.to(device), ids.to(device), bias.to(device))
-    close(got.float(), want, 1e-5 if dtype == torch.float32 else 2.0 ** -10, "grouped")
+    on = [t.to(device) for t in (x, packed, scales, ids, bias)]
+    close(tk.mxfp4_grouped(*on).float(), want, 1e-5 if dtype == torch.float32 else 2.0 ** -10, "grouped")
+    close(tk.mxfp4_grouped(*on[:4]).float(), naive_mxfp4_grouped(x.float(), packed, scales, ids), 1e-5 if
+          dtype == torch.float32 else 2.0 ** -10, "grouped, no bias")
+
+
+def test_dispatch_by_shape():
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    assert tk.gemv_config(16, 896, 3072, 3584)["BLOCK_N"] == 1  # one K3 token: 16 of 896 experts
+    assert tk.gemv_config(32 * 16, 32, 2880, 2880)["BLOCK_N"] == 16
+    assert tk.gemv_config(1, 1, 64, 4096)["SPLIT_K"] > 1  # one row of one small matrix: K split
+    assert tk.gemv_config(32 * 17, 32, 2880, 2880) is None  # prefill: tl.dot tiles
+    assert [case.values[0] for case in GROUPED][-1] > tk.GEMV_MAX_ROWS * GROUPED[-1].values[1]
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_triton_nan_scale(device):
+@pytest.mark.parametrize("block_n", [1, 2, 4, 8, 16], ids=lambda n: f"BN{n}")
+def test_triton_gemv_every_tile_height(block_n, device, close):
+    """Each GEMV tile height on the same rows (rows of one expert spread over several tiles)."""
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    packed, scales, ids, bias, x = _grouped_case(21, 4, 24, 96, "skewed", seed=block_n)
+    cfg = dict(tk.gemv_config(4, 4, 24, 96), BLOCK_N=block_n)
+    got = tk.mxfp4_grouped(*(t.to(device) for t in (x, packed, scales, ids, bias)), config=cfg)
+    close(got, naive_mxfp4_grouped(x, packed, scales, ids, bias), 1e-5, f"BLOCK_N {block_n}")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("counts", ["uneven", "skewed", "even"])
+def test_tile_tables_on_device(counts, device):
+    """The one-program kernel and the torch ops build the same tables; every row is in exactly one tile
+    of its own expert, tiles past the real count are empty, and the count stays under the shape bound."""
+    from localmoe.kernels.mxfp4_moe import triton_tiles as tt
+
+    M, E = 37, 6
+    ids = _grouped_case(M, E, 1, 32, counts, seed=1)[2].to(device)
+    for block_n in (1, 4, 16):
+        tables = tt.plan_triton(ids, E, block_n)
+        assert all(torch.equal(a, b) for a, b in zip(tables, tt.plan_torch(ids, E, block_n)))
+        rows, sorted_ids, start, expert = (t.cpu().long() for t in tables)
+        assert torch.equal(sorted_ids, ids.cpu()[rows]) and torch.equal(rows.sort().values, torch.arange(M))
+        real = start < M
+        want = sum(-(-n // block_n) for n in torch.bincount(ids.cpu(), minlength=E).tolist())
+        assert int(real.sum()) == want <= tt.max_tiles(M, E, block_n) == start.numel() and not real[want:].any()
+        covered = [p for s, e in zip(start[real].tolist(), expert[real].tolist())
+                   for p in range(s, min(s + block_n, M)) if sorted_ids[p] == e]
+        assert sorted(covered) == list(range(M))
+
+
+class _NoSync(torch.overrides.TorchFunctionMode):
+    """Fails on any torch call that reads a device tensor on the host or copies host data to the device."""
+
+    BANNED = frozenset({"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__index__", "__float__", "tensor",
+              "bincount", "nonzero", "unique", "masked_select", "repeat_interleave"})
+
+    def __init__(self):
+        super().__init__()
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if not self.paused and name in self.BANNED:
+            raise AssertionError(f"host sync or host-to-device copy: torch {name}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("M", [3, 200, 2000], ids=lambda m: f"M{m}")
+def test_wrapper_never_syncs(M, monkeypatch):
+    """Around the kernel launches, the wrapper (tile tables, grid, split-K sum) never reads a tensor on the
+    host: `.tolist()` / `.item()` / `bool()` / `torch.tensor(...)` fail here (the old `_tiles` did)."""
+    from localmoe.kernels.mxfp4_moe import triton as tk
+    from localmoe.kernels.mxfp4_moe import triton_tiles as tt
+
+    guard, launched = _NoSync(), []
+
+    def launch(kernel, grid, *args, **consts):  # the kernels themselves are not run (the interpreter syncs)
+        assert all(isinstance(n, int) for n in grid), "grid from shapes alone"
+        launched.append(kernel)
+
+    monkeypatch.setattr(tt, "_launch", launch)
+    monkeypatch.setattr(tk, "_launch", launch)
+    packed, scales, ids, bias, x = _grouped_case(M, 7, 16, 64, "uneven", seed=M)
+    with guard:
+        tk.mxfp4_grouped(x, packed, scales, ids, bias)
+        tk.mxfp4_grouped(x[:1], packed, scales, ids[:1])
+    assert len(launched) == 4 - (M > tt.PLAN_MAX_ROWS)
+    with pytest.raises(AssertionError, match="host sync"), guard:
+        torch.bincount(ids).tolist()  # what the old wrapper did: the guard sees it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [16, 128, 600], ids=lambda m: f"M{m}")
+def test_cuda_no_sync_and_graph_capture(M):
+    """On CUDA: no synchronising call (sync debug mode "error"), and the call replays in a CUDA graph."""
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    packed, scales, ids, bias, x = (t.cuda() for t in _grouped_case(M, 32, 64, 256, "uneven", seed=M))
+    want = tk.mxfp4_grouped(x, packed, scales, ids, bias)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tk.mxfp4_grouped(x, packed, scales, ids, bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        y = tk.mxfp4_grouped(x, packed, scales, ids, bias)
+    ids.copy_(ids.flip(0))
+    x.copy_(x.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(y, want.flip(0), 1e-6, "replayed graph, rows permuted")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("N", [1, 100], ids=lambda n: f"N{n}")
+def test_triton_nan_scale(N, device):
     from localmoe.kernels.mxfp4_moe import triton as tk
 
     packed, scales = _weights(8, 64, seed=9, special=True)
-    x = torch.randn(2, 64)
+    x = torch.randn(N, 64)
     got = tk.mxfp4_linear(x.to(device), packed.to(device), scales.to(device)).cpu()
     want = naive_mxfp4_linear(x, packed, scales)
     assert torch.equal(got.isnan(), want.isnan())
