@@ -39,24 +39,33 @@ def test_gpu_tier_layer_through_triton(tmp_path, monkeypatch, device, precision)
     import localmoe.kernels.mxfp4_moe as dispatchers
     from localmoe.kernels.mxfp4_moe import triton as tk
 
-    calls = []
+    slab = GpuSlab(device if device == "cpu" else "cuda:0", 64 * slot, slot)
+    base, end = slab.memory.data_ptr(), slab.memory.data_ptr() + slab.memory.nbytes
+    on_slab = []  # per Triton call: are its weights views of the GPU tier's slots?
     grouped = tk.mxfp4_grouped
-    monkeypatch.setattr(tk, "mxfp4_grouped", lambda *a, **k: calls.append(a[0].device) or grouped(*a, **k))
+    monkeypatch.setattr(tk, "mxfp4_grouped",
+                        lambda *a, **k: on_slab.append(base <= a[1].data_ptr() < end) or grouped(*a, **k))
     if device == "cpu":
         monkeypatch.setattr(dispatchers, "usable", lambda t: True)
         monkeypatch.setattr(dispatchers.cpu, "library", lambda: None)
-    pager.use_gpus([GpuSlab(device if device == "cpu" else "cuda:0", 64 * slot, slot)], COPY_ALWAYS)
+    pager.use_gpus([slab], COPY_ALWAYS)
     block, reference = model.moe_blocks()[1], resident.moe_blocks()[1]
     x = torch.randn(1, 7, block.router.linear.weight.shape[1], generator=torch.Generator().manual_seed(0))
     _, ids = reference.router(x.reshape(-1, x.shape[-1]))
-    for e in ids.unique().tolist()[1::2]:  # half the chosen experts in the GPU tier, half on the CPU
+    on_gpu = ids.unique().tolist()[1::2]  # half the chosen experts in the GPU tier, half on the CPU
+    for e in on_gpu:
         pager.placed(block.layer, e, tokens=1)
     pager.bandwidths = Bandwidths(disk=1e9, cpu_expert=1e12, pcie=1e6, gpu_expert=1e12)  # the rest stays
+    pager.stats.computed.clear()  # the placements above are set-up: count the forward's experts only
+    on_slab.clear()
     try:
         got = block(x)
     finally:
         pager.close()
-    assert set(pager.stats.computed) == {"ram", "gpu0"}
-    assert len(calls) >= 3 * pager.stats.computed["gpu0"]  # gate, up, down of each GPU-tier expert in Triton
+    assert pager.stats.computed == {"ram": ids.unique().numel() - len(on_gpu), "gpu0": len(on_gpu)}
+    # gate, up and down of each GPU-tier expert in Triton, on the tier's slots; on the interpreter the
+    # CPU tier's experts run Triton too (no C library), from RAM slots
+    assert on_slab.count(True) == 3 * len(on_gpu)
+    assert on_slab.count(False) == (3 * pager.stats.computed["ram"] if device == "cpu" else 0)
     want = reference(x)
     assert_close(got, want, 1e-5, f"GPU-tier layer ({precision})")
