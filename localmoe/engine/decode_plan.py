@@ -8,7 +8,10 @@
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
-Plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
+- hybrid (Kimi K3, Kimi-Linear): KDA and MLA (absorbed, NoPE) mixers, dense or MoE MLPs (latent
+  projection, shared experts), plain or attention residuals (`_hybrid`); routed experts in the kernel where resident, else
+  called back into the engine (a pager), with the same bits.
+The GQA forms take plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
 experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
 """
@@ -18,11 +21,15 @@ from __future__ import annotations
 import torch
 
 from localmoe.engine.layers.attention import GQAttention
+from localmoe.engine.layers.attn_res import AttentionResiduals
+from localmoe.engine.layers.kda import KimiDeltaAttention
+from localmoe.engine.layers.mla import MLAttention
 from localmoe.engine.layers.mlp import GatedMLP
-from localmoe.engine.layers.moe import MoEBlock, Router
+from localmoe.engine.layers.moe import MoEBlock, Router, dispatch
 from localmoe.engine.linear import Linear
 from localmoe.engine.quantized import BlockLinear
 from localmoe.kernels import decode_layers
+from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS
 
@@ -53,16 +60,21 @@ def _matrix(linear) -> tuple | None:
 
 
 class DecodePlan:
-    def __init__(self, model, decoder, parts: list[tuple]):
+    def __init__(self, model, decoder, parts: list[tuple], run=None, plain_routers: bool = True):
         self.model, self.decoder = model, decoder
         self.parts = parts  # (owner, attribute, the object it held at build time) for `current`
+        self.plain_routers = plain_routers  # the kernel routes: paging hooks around a router need op by op
+        self._run = run  # the hybrid form's own run(plan, tokens, cache)
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
         """The plan, or None. The Transformer tries again at every decode step while there is none, so
         each form stops at the first layer that does not qualify (a few microseconds)."""
-        if (model.residuals is not None or not decode_layers.available() or not model.layers
-                or not _fp32_vectors(model.norm)):
+        if not decode_layers.available() or not model.layers or not _fp32_vectors(model.norm):
+            return None
+        if isinstance(model.layers[0][1], (KimiDeltaAttention, MLAttention)):
+            return cls._hybrid(model)
+        if model.residuals is not None:
             return None
         if isinstance(model.layers[0][3], MoEBlock):
             return cls._moe(model)
@@ -94,6 +106,10 @@ class DecodePlan:
         return cls(model, decoder, parts)
 
     @classmethod
+    def _hybrid(cls, model) -> DecodePlan | None:
+        return _hybrid(cls, model)
+
+    @classmethod
     def _dense(cls, model) -> DecodePlan | None:
         spec = model.spec
         if spec.hidden_act != "silu" or spec.glu_limit:
@@ -121,13 +137,15 @@ class DecodePlan:
 
     def current(self) -> bool:
         """Whether every layer still holds what the plan was built from."""
-        return all(getattr(owner, name) is held for owner, name, held in self.parts) and all(
-            type(held) is Router for _, name, held in self.parts if name == "router")
+        return all(getattr(owner, name) is held for owner, name, held in self.parts) and (not self.plain_routers or all(
+            type(held) is Router for _, name, held in self.parts if name == "router"))
 
     def run(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
         """tokens [1, 1] -> the final-normed hidden state [1, 1, hidden], the cache advanced; None (nothing
         done) where this call must run op by op: a padded cache, a top-k attention selection or a
         cache that cannot be written in place."""
+        if self._run is not None:
+            return self._run(self, tokens, cache)
         pos = cache.offset
         if cache.key_mask is not None or pos + 1 > cache.max_len:
             return None
@@ -141,3 +159,146 @@ class DecodePlan:
         h = self.decoder(x, pos, model.rope.cos[pos], model.rope.sin[pos])
         cache.advance(1)
         return h.view(1, 1, -1)
+
+
+# ---- the hybrid form (kernels/decode_layers/hybrid.py) ----
+
+def _glu(spec) -> tuple | None:
+    """The glu.h (kind, p0, p1) of the dense MLPs and shared experts (`mlp.glu_for`), or None."""
+    if spec.hidden_act == "situ":
+        return GLU_KINDS.index("situ"), spec.situ_beta, spec.situ_linear_beta
+    if spec.hidden_act == "silu":
+        return GLU_KINDS.index("swiglu"), float(spec.glu_limit or 0.0), 0.0
+    return None
+
+
+def _checked(*matrices) -> bool:
+    return all(m is not None and _fp32_vectors(m[4]) for m in matrices)
+
+
+def _kda_layer(mixer: KimiDeltaAttention) -> dict | None:
+    c = mixer.config
+    d = {"in_proj": _matrix(mixer.in_proj), "f_b": _matrix(mixer.f_b_proj),
+         "g_b": None if mixer.g_b_proj is None else _matrix(mixer.g_b_proj), "conv": mixer.conv_weight,
+         "decay": mixer.decay_rate.reshape(-1), "dt_bias": mixer.dt_bias.reshape(-1), "o_norm": mixer.o_norm,
+         "heads": c.num_heads, "head_dim": c.head_dim, "conv_kernel": c.conv_kernel, "bounded": c.bounded_gate,
+         "lower_bound": c.gate_lower_bound, "eps": c.norm_eps}
+    ok = _checked(d["in_proj"], d["f_b"]) and (mixer.g_b_proj is None or _checked(d["g_b"]))
+    ok = ok and _fp32_vectors(d["conv"], d["decay"], d["dt_bias"], d["o_norm"])
+    return d if ok and c.head_dim <= hybrid.MAX_HEAD_DIM and c.conv_kernel >= 2 else None
+
+
+def _mla_layer(mixer: MLAttention) -> dict | None:
+    c = mixer.config
+    if (not c.use_nope or mixer.sparse_topk is not None or mixer.absorb is False
+            or c.kv_lora_rank > hybrid.MAX_LATENT or c.qk_rope_head_dim > 128):
+        return None
+    d = {"q_a": None if mixer.q_a_proj is None else _matrix(mixer.q_a_proj), "q_b": _matrix(mixer.q_proj),
+         "kv_a": _matrix(mixer.kv_a_proj), "g": None if mixer.g_proj is None else _matrix(mixer.g_proj),
+         "q_a_norm": mixer.q_a_norm, "kv_a_norm": mixer.kv_a_norm, "w_uk": mixer.w_uk, "w_uv": mixer.w_uv,
+         "heads": c.num_heads, "kv_rank": c.kv_lora_rank, "nope": c.qk_nope_head_dim, "rope": c.qk_rope_head_dim,
+         "vdim": c.v_head_dim, "scale": mixer.scale, "eps": c.norm_eps}
+    ok = _checked(d["q_b"], d["kv_a"]) and all(_checked(d[n]) for n in ("q_a", "g") if d[n] is not None)
+    return d if ok and (d["q_a"] is None) == (mixer.q_a_proj is None) and _fp32_vectors(
+        d["q_a_norm"], d["kv_a_norm"], d["w_uk"], d["w_uv"]) else None
+
+
+def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
+    """The MLP's fields of a HybridLayer and the parts `current` checks, or None."""
+    shared = mlp.shared if isinstance(mlp, MoEBlock) else mlp
+    d: dict = {"moe": isinstance(mlp, MoEBlock)}
+    if shared is not None:
+        if type(shared) is not GatedMLP or glu is None:
+            return None
+        d |= {"gate_up": _matrix(shared.gate_up), "down": _matrix(shared.down), "glu": glu}
+        if not _checked(d["gate_up"], d["down"]):
+            return None
+    if not d["moe"]:
+        return d, []
+    if mlp.experts is None:
+        return None
+    if mlp.latent is not None:
+        lat = mlp.latent
+        d |= {"lat_down": _matrix(lat.down), "lat_up": _matrix(lat.up), "lat_norm": lat.norm, "lat_eps": lat.eps}
+        if not (_checked(d["lat_down"], d["lat_up"]) and _fp32_vectors(lat.norm)):
+            return None
+    table = mlp.routed_table(1)
+    if table is not None:  # routing and the resident experts inside the kernel, else the engine's callback
+        router = mlp.router
+        d |= {"router_w": router.linear.weight, "router_b": router.linear.bias, "correction": router.correction_bias,
+              "table": table.addresses, "keep": table, "scoring": SCORINGS.index(router.rule.scoring),
+              "renormalize": router.rule.renormalize, "scaling": router.rule.scaling, "experts": router.linear.weight.shape[0],
+              "intermediate": table.intermediate, "top_k": router.rule.top_k,
+              "expert_glu": (GLU_KINDS.index(mlp.act.kind), mlp.act.p0, mlp.act.p1)}
+        if not _fp32_vectors(router.linear.weight, router.linear.bias, router.correction_bias):
+            return None
+    else:
+        d |= {"scoring": 0, "renormalize": 0, "scaling": 1.0, "experts": 0, "intermediate": 0, "top_k": 0,
+              "expert_glu": (0, 0.0, 0.0)}
+    return d, [(mlp, "router", mlp.router), (mlp, "experts", mlp.experts)]
+
+
+def _routed(model):
+    """The decoder's experts callback: layer `index`'s routing of h and its experts on x, as MoEBlock runs them."""
+    def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        block = model.layers[index][3]
+        weights, ids = block.router(h)
+        return dispatch(x, weights, ids, block.experts, block.layer, block.act, block.precision)
+    return experts
+
+
+def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor | None:
+    pos = cache.offset
+    if cache.key_mask is not None or pos + 1 > cache.max_len:
+        return None
+    model, decoder, states = plan.model, plan.decoder, []
+    for i, (_, mixer, _, _) in enumerate(model.layers):
+        layer = cache.layers[i]
+        if isinstance(mixer, KimiDeltaAttention):
+            if layer.offset != pos or layer.state.shape[0] != 1:
+                return None
+            layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
+            decoder.set_kda(i, layer.state, layer.conv_tail)
+            states.append(layer)
+        else:
+            pool = layer.rows.flat_pool(pos + 1)  # [1, 1, capacity, r + rope]
+            if pool is None:
+                return None
+            decoder.set_rows(i, pool)
+    h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos)
+    for layer in states:
+        layer.offset += 1
+    cache.advance(1)
+    return h.view(1, 1, -1)
+
+
+def _hybrid(cls, model) -> DecodePlan | None:
+    """Kimi K3 / Kimi-Linear: every layer KDA or NoPE MLA with a dense MLP or a MoE block; plain or attention
+    residuals; fp32, bf16 or GGUF-block matrices."""
+    residuals = model.residuals
+    if residuals is not None and not (type(residuals) is AttentionResiduals and residuals.eps == model.eps
+                                      and len(model.layers) // residuals.block_size + 2 <= hybrid.MAX_BLOCKS
+                                      and _fp32_vectors(residuals.output_query, *residuals.attn_queries,
+                                                        *residuals.mlp_queries)):
+        return None
+    if type(model.embed) is not torch.Tensor:
+        return None
+    glu, layers, parts = _glu(model.spec), [], []
+    for i, (attn_norm, mixer, mlp_norm, mlp) in enumerate(model.layers):
+        kind = {KimiDeltaAttention: "kda", MLAttention: "mla"}.get(type(mixer))
+        mix = None if kind is None else (_kda_layer if kind == "kda" else _mla_layer)(mixer)
+        o_proj = _matrix(mixer.o_proj) if mix is not None else None
+        m = _mlp_layer(mlp, glu) if type(mlp) in (GatedMLP, MoEBlock) else None
+        if mix is None or m is None or not _checked(o_proj) or not _fp32_vectors(attn_norm, mlp_norm):
+            return None
+        d = {"attn_norm": attn_norm, "mlp_norm": mlp_norm, "mixer": kind, kind: mix, "o_proj": o_proj, **m[0]}
+        if residuals is not None:
+            d["attn_query"], d["mlp_query"] = residuals.attn_queries[i], residuals.mlp_queries[i]
+        layers.append(d)
+        parts += m[1]
+    block_size = residuals.block_size if residuals is not None else 0
+    decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
+                                   model.config.expert_precision == "q8", block_size,
+                                   None if residuals is None else residuals.output_query, _routed(model))
+    return cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
+

@@ -66,13 +66,21 @@ def private_tmp():
 def ckpts(private_tmp):
     root = private_tmp / "ckpts"
     root.mkdir()
-    # gpt_oss ships MXFP4 (repacked losslessly); kimi_linear's bf16 experts are kept as they are
-    return {"gpt_oss": Checkpoint("gpt_oss", root, "mxfp4"), "kimi_linear": Checkpoint("kimi_linear", root, "keep")}
+    # gpt_oss and kimi_k3 ship MXFP4 (repacked losslessly); kimi_linear's bf16 experts are kept as they are
+    return {"gpt_oss": Checkpoint("gpt_oss", root, "mxfp4"), "kimi_linear": Checkpoint("kimi_linear", root, "keep"),
+            "kimi_k3": Checkpoint("kimi_k3", root, "mxfp4")}
 
 
 @pytest.fixture
 def gpt_oss(ckpts):
     c = ckpts["gpt_oss"]
+    yield c
+    c.restore()
+
+
+@pytest.fixture
+def kimi_k3(ckpts):
+    c = ckpts["kimi_k3"]
     yield c
     c.restore()
 

@@ -75,6 +75,16 @@ def test_kimi_linear_bit_identical(kimi_linear, policy, prefetch):
     _assert_identical(kimi_linear, tokens, logits)
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_kimi_k3_bit_identical(kimi_k3, policy):
+    """Resident decode routes and runs the MXFP4 experts inside the fused hybrid kernel; paged decode runs the
+    same kernel with the experts called back through the pager: the same bits."""
+    assert type(kimi_k3.model._plan.decoder).__name__ == "HybridDecoder"
+    b = _slot_budgets(kimi_k3.store())["1-per-layer"]
+    tokens, logits, _ = _paged_run(kimi_k3, b, policy, "odirect", True)
+    _assert_identical(kimi_k3, tokens, logits)
+
+
 def test_resident_differs_when_an_expert_differs(gpt_oss):
     """The comparison can fail: a pager serving one wrong expert changes the logits."""
     store = gpt_oss.store()

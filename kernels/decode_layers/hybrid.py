@@ -1,0 +1,181 @@
+"""`decode_hybrid` (hybrid_cpu.cpp) bound to a model's layers: KDA and absorbed-MLA mixers, dense or MoE
+MLPs (latent projection, shared experts), plain or attention residuals, for one decode token of one
+sequence in one call (Kimi K3, Kimi-Linear).
+
+The kernel is the op-by-op engine step (engine/layers/: kda.py, mla.py, moe.py, attn_res.py)
+in fp32 C++; tests/kernels/test_decode_hybrid.py checks it against that path (the reference) within
+1e-5 of the logit range and the AVX2 build against the AVX-512 one bit for bit. Routed experts run in
+the kernel where a layer gives a resident MXFP4 table, else through `experts(layer, h, x)` -> [W], called
+back from the kernel (the engine routes h and dispatches x to its provider: a pager, bf16 experts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from localmoe.kernels._cpu import library, threads
+
+from . import Matrix
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+NO_MATRIX = (None, 0, 0, 0, None)
+MAX_HEAD_DIM, MAX_LATENT = 512, 1024  # hybrid_mixers.h stack buffers: KDA K, MLA kv_lora_rank (+ rope <= 128)
+MAX_BLOCKS = 62  # attention-residual blocks per token (hybrid_cpu.cpp depth_mix scores)
+
+
+class Kda(ctypes.Structure):
+    """hybrid_mixers.h `struct Kda`."""
+
+    _fields_ = [("in_proj", Matrix), ("f_b", Matrix), ("g_b", Matrix), ("conv", _p), ("decay", _p), ("dt_bias", _p),
+                ("o_norm", _p), ("state", _p), ("tail", _p), ("heads", _i), ("head_dim", _i), ("conv_kernel", _i),
+                ("bounded", _i), ("lower_bound", _f), ("eps", _f)]
+
+
+class Mla(ctypes.Structure):
+    """hybrid_mixers.h `struct Mla`."""
+
+    _fields_ = [("q_a", Matrix), ("q_b", Matrix), ("kv_a", Matrix), ("g", Matrix), ("q_a_norm", _p),
+                ("kv_a_norm", _p), ("w_uk", _p), ("w_uv", _p), ("rows", _p), ("heads", _i), ("kv_rank", _i),
+                ("nope", _i), ("rope", _i), ("vdim", _i), ("scale", _f), ("eps", _f)]
+
+
+class HybridLayer(ctypes.Structure):
+    """hybrid_cpu.cpp `struct HybridLayer`."""
+
+    _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("attn_query", _p), ("mlp_query", _p), ("mixer", _i),
+                ("kda", Kda), ("mla", Mla), ("o_proj", Matrix), ("moe", _i), ("gate_up", Matrix), ("down", Matrix),
+                ("glu", _i), ("glu_p0", _f), ("glu_p1", _f), ("lat_down", Matrix), ("lat_up", Matrix),
+                ("lat_norm", _p), ("lat_eps", _f), ("router_w", _p), ("router_b", _p), ("correction", _p),
+                ("table", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i), ("intermediate", _i),
+                ("top_k", _i), ("expert_glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
+
+
+ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _p, _p, _p)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _matrix(m: tuple) -> Matrix:
+    data, kind, rows, cols, bias = m
+    return Matrix(_ptr(data), kind, rows, cols, _ptr(bias))
+
+
+def _view(address: int, n: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+
+
+class HybridDecoder:
+    """The model's layers as a ctypes array, built once. Each entry of `layers` is a dict:
+    attn_norm, mlp_norm ([D] fp32), attn_query / mlp_query ([D] or None), mixer "kda" or "mla" with its
+    dict under that key (matrices as (data, type, rows, cols, bias) tuples of decode_layers.Matrix, fp32
+    vectors; see `_kda`, `_mla`), o_proj; moe (bool), gate_up / down (dense MLP or shared experts, or
+    None), glu (glu.h kind, p0, p1); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
+    router_w / router_b / correction, table (ExpertTable.addresses or None: the callback), scoring,
+    renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
+    returns layer `index`'s routed-expert sum [W] for a layer without a table. The caller sets each
+    layer's cache pointers before a call (`set_kda`, `set_rows`)."""
+
+    def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool,
+                 block_size: int, output_query: torch.Tensor | None, experts=None):
+        self.held = [layers, final_norm, output_query]
+        self.hidden, self.final_norm, self.eps, self.q8 = hidden, final_norm, eps, q8
+        self.block_size, self.output_query = block_size, output_query
+        self.layers = (HybridLayer * len(layers))()
+        top_k = moe_bytes = widest = 0
+        lib = library()
+        for c, d in zip(self.layers, layers):
+            for name in ("attn_norm", "mlp_norm", "attn_query", "mlp_query", "lat_norm", "router_w", "router_b",
+                         "correction", "table"):
+                setattr(c, name, _ptr(d.get(name)))
+            c.mixer = 0 if d["mixer"] == "kda" else 1
+            if c.mixer == 0:
+                self._kda(c.kda, d["kda"])
+            else:
+                self._mla(c.mla, d["mla"])
+            c.o_proj = _matrix(d["o_proj"])
+            c.moe = int(d["moe"])
+            for name in ("gate_up", "down", "lat_down", "lat_up"):
+                setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
+            c.glu, c.glu_p0, c.glu_p1 = d.get("glu", (0, 0.0, 0.0))
+            widest = max(widest, *(m[3] for m in self._matrices(d)))
+            if c.moe:
+                c.lat_eps = d.get("lat_eps", 0.0)
+                for name in ("scoring", "renormalize", "experts", "intermediate", "top_k"):
+                    setattr(c, name, int(d[name]))
+                c.expert_glu, c.p0, c.p1 = d["expert_glu"]
+                c.scaling = d["scaling"]
+                top_k = max(top_k, c.top_k)
+                width = c.lat_down.rows or hidden
+                if c.table:
+                    moe_bytes = max(moe_bytes, lib.mxfp4_moe_routed_scratch(1, c.top_k, width, c.intermediate,
+                                                                            c.experts))
+        floats = lib.decode_hybrid_scratch(ctypes.addressof(self.layers), len(layers), hidden, block_size)
+        self.scratch = torch.empty(floats)
+        self.moe_scratch = torch.empty(max(moe_bytes, 64), dtype=torch.uint8)
+        self.xq = torch.empty(lib.decode_dense_xq_bytes(widest), dtype=torch.uint8)
+        self.ids, self.weights = torch.empty(max(top_k, 1), dtype=torch.int64), torch.empty(max(top_k, 1))
+        self.widths = [c.lat_down.rows or hidden for c in self.layers]
+        self.experts, self.error = experts, None
+        self.callback = ExpertsFn(self._experts)
+
+    @staticmethod
+    def _matrices(d: dict) -> list[tuple]:
+        mixer = d[d["mixer"]]
+        ms = [d["o_proj"], *(d.get(n) for n in ("gate_up", "down", "lat_down", "lat_up"))]
+        ms += [mixer.get(n) for n in ("in_proj", "f_b", "g_b", "q_a", "q_b", "kv_a", "g")]
+        return [m for m in ms if m is not None]
+
+    @staticmethod
+    def _kda(c: Kda, d: dict) -> None:
+        for name in ("in_proj", "f_b", "g_b"):
+            setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
+        for name in ("conv", "decay", "dt_bias", "o_norm"):
+            setattr(c, name, _ptr(d[name]))
+        for name in ("heads", "head_dim", "conv_kernel", "bounded"):
+            setattr(c, name, int(d[name]))
+        c.lower_bound, c.eps = d["lower_bound"], d["eps"]
+
+    @staticmethod
+    def _mla(c: Mla, d: dict) -> None:
+        for name in ("q_a", "q_b", "kv_a", "g"):
+            setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
+        for name in ("q_a_norm", "kv_a_norm", "w_uk", "w_uv"):
+            setattr(c, name, _ptr(d.get(name)))
+        for name in ("heads", "kv_rank", "nope", "rope", "vdim"):
+            setattr(c, name, int(d[name]))
+        c.scale, c.eps = d["scale"], d["eps"]
+
+    def set_kda(self, i: int, state: torch.Tensor, tail: torch.Tensor) -> None:
+        """Layer i's recurrent state [1, H, K, K] and conv tail [1, W-1, 3 H K], fp32 contiguous (updated in place)."""
+        kda = self.layers[i].kda
+        kda.state, kda.tail = state.data_ptr(), tail.data_ptr()
+
+    def set_rows(self, i: int, rows: torch.Tensor) -> None:
+        """Layer i's latent cache pool: fp32 rows [capacity, r + rope] from its start (the token's row is written)."""
+        self.layers[i].mla.rows = rows.data_ptr()
+
+    def _experts(self, index: int, h: int, x: int, out: int) -> int:
+        try:
+            y = self.experts(index, _view(h, self.hidden).view(1, -1), _view(x, self.widths[index]).view(1, -1))
+            _view(out, self.widths[index]).copy_(y.view(-1))
+            return 0
+        except BaseException as e:  # noqa: BLE001 (raised again by __call__, outside the kernel)
+            self.error = e
+            return 1
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x [hidden] fp32 contiguous (the token's embedding; overwritten), cache position `pos` -> the
+        final-normed hidden state [hidden]."""
+        h = torch.empty(self.hidden)
+        failed = library().decode_hybrid(
+            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, self.block_size,
+            _ptr(self.output_query), self.final_norm.data_ptr(), self.eps, int(self.q8), h.data_ptr(),
+            self.ids.data_ptr(), self.weights.data_ptr(), self.scratch.data_ptr(), self.moe_scratch.data_ptr(),
+            self.xq.data_ptr(), self.callback, threads())
+        if failed:
+            error, self.error = self.error, None
+            raise error
+        return h

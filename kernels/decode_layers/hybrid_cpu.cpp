@@ -1,0 +1,199 @@
+// Every layer of a hybrid model for one decode token, in one call: KDA and absorbed MLA mixers
+// (hybrid_mixers.h), a dense gated MLP or a MoE block (optional latent projection: down, experts, norm,
+// up; optional shared experts), and either plain residuals or Kimi K3's attention residuals (depth
+// mixing over stored block representations). Kimi K3 and Kimi-Linear decode through it
+// (engine/decode_plan.py). Per layer, as engine/transformer.py and engine/layers/attn_res.py run it op by op:
+//   plain:     a = mixer(rms(x)); x += a; m = mlp(rms(x)); x += m
+//   attn-res:  h = mix([blocks, ps], attn_query) (ps alone before the first block); every block_size
+//              layers ps is stored as a block and restarted; ps (+)= mixer(rms(h));
+//              h = mix([blocks, ps], mlp_query); ps += mlp(rms(h)); at the end mix(output_query)
+// then the final norm. Routed experts run through mxfp4_moe_routed (routing in C) where the layer holds
+// a resident MXFP4 table, else through `experts`, a callback into the engine (a pager, bf16 experts):
+// the callback routes h and runs the experts on the experts' input, giving the same bits as the
+// table call, so paged decode equals resident decode bit for bit.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "../_cpu/glu.h"
+#include "hybrid_mixers.h"
+
+using localmoe::Matrix;
+using localmoe_hybrid::dot;
+using localmoe_hybrid::rms_norm;
+
+extern "C" {
+void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
+                      int scoring, int renormalize, float scaling, const float* x, int64_t N, int64_t D, int64_t I,
+                      int64_t k, const int64_t* table, int64_t E, int glu, float p0, float p1, float* out,
+                      int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8);
+}
+
+// One layer, as kernels/decode_layers/hybrid.py `HybridLayer` (ctypes) lays it out.
+struct HybridLayer {
+  const float* attn_norm;
+  const float* mlp_norm;
+  const float* attn_query;  // attention-residual pseudo-queries [D]; null under plain residuals
+  const float* mlp_query;
+  int64_t mixer;  // 0 KDA, 1 MLA
+  localmoe_hybrid::Kda kda;
+  localmoe_hybrid::Mla mla;
+  Matrix o_proj;  // the mixer's output projection [D, H v]
+  // MLP: a dense gated MLP (moe 0), or the MoE's shared experts (rows 0: none)
+  int64_t moe;
+  Matrix gate_up, down;  // [gate I; up I] rows, [D, I]
+  int64_t glu;           // glu.h kind of the dense MLP / shared experts
+  float glu_p0, glu_p1;
+  Matrix lat_down, lat_up;  // latent MoE [L, D], [D, L]; rows 0: experts at the hidden width
+  const float* lat_norm;    // [L]
+  float lat_eps;
+  const float* router_w;  // [E, D] fp32
+  const float* router_b;
+  const float* correction;
+  const int64_t* table;  // resident MXFP4 experts (ExpertTable.addresses); null: the callback
+  int64_t scoring, renormalize, experts, intermediate, top_k, expert_glu;
+  float scaling, p0, p1;
+};
+
+// (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop.
+typedef int (*ExpertsFn)(int64_t layer, const float* h, const float* x, float* out);
+
+namespace {
+
+struct Buffers {
+  float *h, *hn, *a, *m, *mix, *lat, *y, *mlp, *mixer;
+  float* blocks;  // attention residuals: stored blocks [nblocks, D]
+};
+
+// out = softmax_n(rsqrt(mean(V_n^2) + eps) (V_n . q)) . V over V = [blocks..., ps]
+void depth_mix(const float* blocks, int64_t nb, const float* ps, const float* q, int64_t D, float eps, float* out) {
+  float score[64];
+  float mx = -INFINITY;
+  for (int64_t n = 0; n <= nb; ++n) {
+    const float* v = n < nb ? blocks + n * D : ps;
+    score[n] = dot(v, q, D) / std::sqrt(dot(v, v, D) / static_cast<float>(D) + eps);
+    mx = std::max(mx, score[n]);
+  }
+  float total = 0.0f;
+  for (int64_t n = 0; n <= nb; ++n) total += (score[n] = std::exp(score[n] - mx));
+  std::memset(out, 0, D * sizeof(float));
+  for (int64_t n = 0; n <= nb; ++n) localmoe_hybrid::axpy(score[n] / total, n < nb ? blocks + n * D : ps, out, D);
+}
+
+// m [D] = the layer's MLP of hn [D].
+int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* m, Buffers& b, ExpertsFn experts,
+        int q8, int64_t* ids, float* weights, void* moe_scratch, void* xq, int threads) {
+  std::memset(m, 0, D * sizeof(float));
+  if (L.moe) {
+    const int64_t W = L.lat_down.rows ? L.lat_down.rows : D;
+    const float* ex = hn;
+    if (L.lat_down.rows) {
+      localmoe::matvec(L.lat_down, hn, b.lat, xq, threads);
+      ex = b.lat;
+    }
+    float* y = L.lat_down.rows ? b.y : m;
+    std::memset(y, 0, W * sizeof(float));
+    if (L.table) {
+      mxfp4_moe_routed(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                       static_cast<int>(L.renormalize), L.scaling, ex, 1, W, L.intermediate, L.top_k, L.table,
+                       L.experts, static_cast<int>(L.expert_glu), L.p0, L.p1, y, ids, weights, moe_scratch, threads, q8);
+    } else if (experts(index, hn, ex, y) != 0) {
+      return 1;
+    }
+    if (L.lat_down.rows) {
+      rms_norm(y, L.lat_norm, W, L.lat_eps, y);
+      localmoe::matvec(L.lat_up, y, m, xq, threads);
+    }
+  }
+  if (L.gate_up.rows) {  // the dense MLP, or the shared experts added to the routed sum
+    const int64_t I = L.gate_up.rows / 2;
+    localmoe::matvec(L.gate_up, hn, b.mlp, xq, threads);
+    localmoe::glu_rows(static_cast<int>(L.glu), b.mlp, b.mlp + I, I, L.glu_p0, L.glu_p1);
+    float* s = b.mlp + 2 * I;
+    localmoe::matvec(L.down, b.mlp, s, xq, threads);
+    for (int64_t i = 0; i < D; ++i) m[i] += s[i];
+  }
+  return 0;
+}
+
+void mixer(const HybridLayer& L, const float* hn, int64_t pos, float* a, Buffers& b, void* xq, int threads) {
+  if (L.mixer == 0)
+    localmoe_hybrid::kda_step(L.kda, hn, b.mixer, b.mixer + L.kda.heads * L.kda.head_dim, xq, threads);
+  else
+    localmoe_hybrid::mla_step(L.mla, hn, pos, b.mixer, b.mixer + L.mla.heads * L.mla.vdim, xq, threads);
+  localmoe::matvec(L.o_proj, b.mixer, a, xq, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Floats of `scratch` decode_hybrid needs for these layers (the MoE kernel's scratch and xq are apart).
+int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, int64_t block_size) {
+  int64_t widest = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const HybridLayer& L = layers[l];
+    const int64_t mix = L.mixer == 0 ? L.kda.heads * L.kda.head_dim + localmoe_hybrid::kda_scratch(L.kda)
+                                     : L.mla.heads * L.mla.vdim + localmoe_hybrid::mla_scratch(L.mla);
+    widest = std::max(widest, std::max(mix, L.gate_up.rows + D) + 3 * L.lat_down.rows);
+  }
+  const int64_t blocks = block_size ? n / block_size + 2 : 0;
+  return 64 + (6 + blocks) * D + widest;
+}
+
+// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state. block_size 0: plain
+// residuals, else attention residuals with queries per layer and `output_query`. Returns 0, or 1 where
+// the experts callback asked to stop (h is then undefined).
+int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, int64_t block_size,
+                  const float* output_query, const float* final_norm, float eps, int q8, float* h, int64_t* ids,
+                  float* weights, float* scratch, void* moe_scratch, void* xq, ExpertsFn experts, int threads) {
+  Buffers b{};
+  float* p = scratch;
+  for (float** f : {&b.hn, &b.a, &b.m, &b.mix}) *f = p, p += D;
+  b.blocks = p;
+  p += block_size ? (n / block_size + 2) * D : 0;
+  int64_t L0 = 0;  // the widest latent MoE
+  for (int64_t l = 0; l < n; ++l) L0 = std::max(L0, layers[l].lat_down.rows);
+  b.lat = p;
+  b.y = b.lat + L0;
+  b.mlp = b.y + L0;
+  b.mixer = b.mlp;  // the mixer and the MLP never need their scratch at the same time
+  if (!block_size) {
+    rms_norm(x, layers[0].attn_norm, D, eps, b.hn);
+    for (int64_t l = 0; l < n; ++l) {
+      const HybridLayer& L = layers[l];
+      mixer(L, b.hn, pos, b.a, b, xq, threads);
+      for (int64_t i = 0; i < D; ++i) x[i] += b.a[i];
+      rms_norm(x, L.mlp_norm, D, eps, b.hn);
+      if (mlp(L, l, D, b.hn, b.m, b, experts, q8, ids, weights, moe_scratch, xq, threads)) return 1;
+      for (int64_t i = 0; i < D; ++i) x[i] += b.m[i];
+      rms_norm(x, l + 1 < n ? layers[l + 1].attn_norm : final_norm, D, eps, l + 1 < n ? b.hn : h);
+    }
+    return 0;
+  }
+  float* ps = x;  // the running partial sum of the current block
+  int64_t nb = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const HybridLayer& L = layers[l];
+    const float* in = ps;
+    if (nb) {
+      depth_mix(b.blocks, nb, ps, L.attn_query, D, eps, b.mix);
+      in = b.mix;
+    }
+    const bool restart = l % block_size == 0;
+    rms_norm(in, L.attn_norm, D, eps, b.hn);
+    if (restart) std::memcpy(b.blocks + nb++ * D, ps, D * sizeof(float));
+    mixer(L, b.hn, pos, b.a, b, xq, threads);
+    for (int64_t i = 0; i < D; ++i) ps[i] = restart ? b.a[i] : ps[i] + b.a[i];
+    depth_mix(b.blocks, nb, ps, L.mlp_query, D, eps, b.mix);
+    rms_norm(b.mix, L.mlp_norm, D, eps, b.hn);
+    if (mlp(L, l, D, b.hn, b.m, b, experts, q8, ids, weights, moe_scratch, xq, threads)) return 1;
+    for (int64_t i = 0; i < D; ++i) ps[i] += b.m[i];
+  }
+  depth_mix(b.blocks, nb, ps, output_query, D, eps, b.mix);
+  rms_norm(b.mix, final_norm, D, eps, h);
+  return 0;
+}
+
+}  // extern "C"

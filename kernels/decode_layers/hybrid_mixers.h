@@ -1,0 +1,242 @@
+// The mixers of the hybrid decode stack (hybrid_cpu.cpp) for one token: KDA (Kimi-Linear, Kimi K3) and
+// absorbed MLA over the latent cache (NoPE: Kimi), plus the vector helpers they share. Each is the engine's
+// op-by-op step (engine/layers/kda.py, engine/layers/mla.py) in fp32; loops are written with AVX2 intrinsics or as plain
+// in-order scalar code, so the AVX2 and AVX-512 builds give the same bits.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "../_cpu/matrix.h"
+#include "../_cpu/pool.h"
+#include "../_cpu/vec_math.h"
+
+namespace localmoe_hybrid {
+
+using localmoe::Matrix;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = localmoe::hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[j] += s * x[j]
+inline void axpy(float s, const float* x, float* y, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, _mm256_fmadd_ps(vs, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+  for (; j < n; ++j) y[j] += s * x[j];
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w (w null: no weight); out may be x.
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w ? x[i] * r * w[i] : x[i] * r;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// ---- KDA: one token of one layer ----
+
+struct Kda {
+  Matrix in_proj;  // rows [q k v (3 H K) | f_a (K) | b (H) | gate (H K full rank, else K)]
+  Matrix f_b;      // [H K, K]
+  Matrix g_b;      // [H K, K] low-rank gate (Kimi-Linear); rows 0 under K3's full-rank gate
+  const float* conv;     // [3 H K, W]
+  const float* decay;    // [H] exp(A_log)
+  const float* dt_bias;  // [H K]
+  const float* o_norm;   // [K]
+  float* state;          // [H, K, K] fp32, updated
+  float* tail;           // [W-1, 3 H K], updated
+  int64_t heads, head_dim, conv_kernel, bounded;
+  float lower_bound, eps;
+};
+
+// Floats of scratch `kda_step` needs.
+inline int64_t kda_scratch(const Kda& a) { return a.in_proj.rows + 3 * a.heads * a.head_dim; }
+
+struct KdaHeads {
+  const Kda* a;
+  const float *q, *k, *v, *g, *beta;
+  float* o;
+};
+
+inline void kda_heads(const void* ctx, int64_t begin, int64_t end) {
+  const KdaHeads& c = *static_cast<const KdaHeads*>(ctx);
+  const int64_t K = c.a->head_dim;
+  alignas(32) float ak[512], aq[512], rk[512], rq[512], u[512];
+  for (int64_t h = begin; h < end; ++h) {
+    const float *q = c.q + h * K, *k = c.k + h * K, *v = c.v + h * K, *g = c.g + h * K;
+    float* S = c.a->state + h * K * K;
+    float* o = c.o + h * K;
+    for (int64_t i = 0; i < K; ++i) {
+      const float a = std::exp(g[i]);
+      ak[i] = k[i] * a;
+      aq[i] = q[i] * a;
+    }
+    std::memset(rk, 0, K * sizeof(float));
+    std::memset(rq, 0, K * sizeof(float));
+    for (int64_t i = 0; i < K; ++i) {  // decayed S^T k and S^T q
+      axpy(ak[i], S + i * K, rk, K);
+      axpy(aq[i], S + i * K, rq, K);
+    }
+    const float qk = dot(q, k, K), beta = c.beta[h];
+    for (int64_t j = 0; j < K; ++j) {
+      u[j] = beta * (v[j] - rk[j]);
+      o[j] = rq[j] + qk * u[j];
+    }
+    for (int64_t i = 0; i < K; ++i) {  // S <- diag(exp(g)) S + k u^T
+      const __m256 a = _mm256_set1_ps(std::exp(g[i])), ki = _mm256_set1_ps(k[i]);
+      float* row = S + i * K;
+      int64_t j = 0;
+      for (; j + 8 <= K; j += 8)
+        _mm256_storeu_ps(row + j, _mm256_fmadd_ps(ki, _mm256_loadu_ps(u + j), _mm256_mul_ps(a, _mm256_loadu_ps(row + j))));
+      for (; j < K; ++j) row[j] = k[i] * u[j] + std::exp(g[i]) * row[j];
+    }
+  }
+}
+
+// x [D] (normed) -> o [H K] (before o_proj), the state and conv tail advanced by one token.
+inline void kda_step(const Kda& a, const float* x, float* o, float* scratch, void* xq, int threads) {
+  const int64_t H = a.heads, K = a.head_dim, C = 3 * H * K, W = a.conv_kernel;
+  float* y = scratch;  // in_proj output
+  float* f = y + a.in_proj.rows;
+  float* gate = f + H * K;
+  float* beta = gate + H * K;
+  localmoe::matvec(a.in_proj, x, y, xq, threads);
+  // depthwise causal conv over [tail; x], then SiLU; the tail shifts by one
+  for (int64_t c = 0; c < C; ++c) {
+    const float* w = a.conv + c * W;
+    float s = a.tail[c] * w[0];
+    for (int64_t j = 1; j < W - 1; ++j) s = s + a.tail[j * C + c] * w[j];
+    s = W > 1 ? s + y[c] * w[W - 1] : y[c] * w[0];
+    for (int64_t j = 0; j + 1 < W - 1; ++j) a.tail[j * C + c] = a.tail[(j + 1) * C + c];
+    if (W > 1) a.tail[(W - 2) * C + c] = y[c];
+    y[c] = s * sigmoid(s);
+  }
+  float *q = y, *k = y + H * K, *v = y + 2 * H * K;
+  for (int64_t h = 0; h < H; ++h) {  // l2norm (eps inside the root), q scaled by K^-0.5
+    const float rq = 1.0f / std::sqrt(dot(q + h * K, q + h * K, K) + 1e-6f);
+    const float rk = 1.0f / std::sqrt(dot(k + h * K, k + h * K, K) + 1e-6f);
+    const float sq = 1.0f / std::sqrt(static_cast<float>(K));
+    for (int64_t i = 0; i < K; ++i) {
+      q[h * K + i] = q[h * K + i] * rq * sq;
+      k[h * K + i] = k[h * K + i] * rk;
+    }
+  }
+  localmoe::matvec(a.f_b, y + C, f, xq, threads);  // f_b(f_a x) [H K]: the log-decay below
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < K; ++i) {
+      const float t = f[h * K + i] + a.dt_bias[h * K + i];
+      f[h * K + i] = a.bounded ? a.lower_bound * sigmoid(a.decay[h] * t)
+                               : -a.decay[h] * (t > 20.0f ? t : std::log1p(std::exp(t)));
+    }
+  for (int64_t h = 0; h < H; ++h) beta[h] = sigmoid(y[C + K + h]);
+  const float* g_in = y + C + K + H;
+  if (a.g_b.rows) {
+    localmoe::matvec(a.g_b, g_in, gate, xq, threads);
+  } else {
+    std::memcpy(gate, g_in, H * K * sizeof(float));
+  }
+  KdaHeads ctx{&a, q, k, v, f, beta, o};
+  localmoe::parallel(kda_heads, &ctx, H, 1, threads);
+  for (int64_t h = 0; h < H; ++h) {
+    rms_norm(o + h * K, a.o_norm, K, a.eps, o + h * K);
+    for (int64_t i = 0; i < K; ++i) o[h * K + i] *= sigmoid(gate[h * K + i]);
+  }
+}
+
+// ---- MLA, absorbed, NoPE (Kimi): one token of one layer ----
+
+struct Mla {
+  Matrix q_a;   // [q_rank, D]; rows 0: no q LoRA (q_b is q_proj)
+  Matrix q_b;   // [H (nope + rope), q_rank | D]
+  Matrix kv_a;  // [r + rope, D]
+  Matrix g;     // [H v, D] output gate; rows 0: none
+  const float* q_a_norm;
+  const float* kv_a_norm;
+  const float* w_uk;  // [H, nope, r]
+  const float* w_uv;  // [H, v, r]
+  float* rows;        // the latent cache [capacity, r + rope] fp32; this token's row written at pos
+  int64_t heads, kv_rank, nope, rope, vdim;
+  float scale, eps;
+};
+
+inline int64_t mla_scratch(const Mla& m) { return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim; }
+
+struct MlaHeads {
+  const Mla* m;
+  const float* q;  // [H, nope + rope]
+  float* out;      // [H, v]
+  int64_t length;  // rows attended: pos + 1
+};
+
+inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
+  const MlaHeads& c = *static_cast<const MlaHeads*>(ctx);
+  const Mla& m = *c.m;
+  const int64_t r = m.kv_rank, R = r + m.rope, qd = m.nope + m.rope;
+  alignas(32) float qa[1152], acc[1024], p[64];
+  for (int64_t h = begin; h < end; ++h) {
+    const float* q = c.q + h * qd;
+    std::memset(qa, 0, r * sizeof(float));
+    for (int64_t n = 0; n < m.nope; ++n) axpy(q[n], m.w_uk + (h * m.nope + n) * r, qa, r);  // W_uk^T q_nope
+    std::memcpy(qa + r, q + m.nope, m.rope * sizeof(float));
+    std::memset(acc, 0, r * sizeof(float));
+    float mx = -INFINITY, l = 0.0f;
+    for (int64_t s0 = 0; s0 < c.length; s0 += 64) {  // online softmax, 64 keys at a time
+      const int64_t n = std::min<int64_t>(64, c.length - s0);
+      float bm = -INFINITY;
+      for (int64_t s = 0; s < n; ++s) {
+        p[s] = dot(qa, m.rows + (s0 + s) * R, R) * m.scale;
+        bm = std::max(bm, p[s]);
+      }
+      const float nm = std::max(mx, bm), corr = std::exp(mx - nm);
+      if (corr != 1.0f) {
+        for (int64_t i = 0; i < r; ++i) acc[i] *= corr;
+      }
+      l *= corr;
+      for (int64_t s = 0; s < n; ++s) {
+        const float e = std::exp(p[s] - nm);
+        l += e;
+        axpy(e, m.rows + (s0 + s) * R, acc, r);
+      }
+      mx = nm;
+    }
+    const float inv = 1.0f / l;
+    for (int64_t i = 0; i < r; ++i) acc[i] *= inv;
+    for (int64_t v = 0; v < m.vdim; ++v) c.out[h * m.vdim + v] = dot(m.w_uv + (h * m.vdim + v) * r, acc, r);
+  }
+}
+
+// x [D] (normed) -> o [H v] (gated, before o_proj); the token's latent row written at `pos`.
+inline void mla_step(const Mla& m, const float* x, int64_t pos, float* o, float* scratch, void* xq, int threads) {
+  float* cq = scratch;
+  float* q = cq + m.q_a.rows;
+  float* gate = q + m.q_b.rows;
+  const float* qin = x;
+  if (m.q_a.rows) {
+    localmoe::matvec(m.q_a, x, cq, xq, threads);
+    rms_norm(cq, m.q_a_norm, m.q_a.rows, m.eps, cq);
+    qin = cq;
+  }
+  localmoe::matvec(m.q_b, qin, q, xq, threads);
+  float* row = m.rows + pos * (m.kv_rank + m.rope);
+  localmoe::matvec(m.kv_a, x, row, xq, threads);
+  rms_norm(row, m.kv_a_norm, m.kv_rank, m.eps, row);
+  MlaHeads ctx{&m, q, o, pos + 1};
+  localmoe::parallel(mla_heads, &ctx, m.heads, 1, threads);
+  if (m.g.rows) {
+    localmoe::matvec(m.g, x, gate, xq, threads);
+    for (int64_t i = 0; i < m.heads * m.vdim; ++i) o[i] *= sigmoid(gate[i]);
+  }
+}
+
+}  // namespace localmoe_hybrid

@@ -1,0 +1,74 @@
+"""The fused hybrid decode stack (kernels/decode_layers/hybrid_cpu.cpp, bound by engine/decode_plan.py):
+KDA, absorbed MLA, attention residuals, latent MoE and shared experts for one decode token in one call,
+against the op-by-op engine (its PyTorch reference), and its AVX2 build against its AVX-512 build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels import _cpu
+
+from localmoe.config import EngineConfig
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+
+pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
+
+PROMPT = list(range(3, 73))  # 70 tokens: MLA attends over more than one 64-key block
+STEPS = 10
+
+
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear"])
+def checkpoint(request, tmp_path_factory):
+    return write_checkpoint(request.param, tmp_path_factory.mktemp(request.param), size="tiny", seed=3)
+
+
+def _load(path, dtype="float32", precision="exact"):
+    return load_model(path, EngineConfig(dtype=dtype, max_context=128, expert_precision=precision),
+                      progress=False).model
+
+
+def _decode(model, planned: bool) -> torch.Tensor:
+    """Logits [STEPS, V] of STEPS greedy decode steps after PROMPT; `planned`: through the decode plan."""
+    model._plan = None
+    if not planned:
+        model._planned_step = lambda tokens, cache: None
+    cache = model.new_cache(1, 128)
+    logits = model.forward(torch.tensor([PROMPT]), cache)
+    out = []
+    for _ in range(STEPS):
+        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
+        out.append(logits[0, -1])
+    if planned:
+        assert type(model._plan.decoder).__name__ == "HybridDecoder"
+    else:
+        del model._planned_step
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_matches_op_by_op(checkpoint, dtype):
+    model = _load(checkpoint, dtype)
+    want, got = _decode(model, False), _decode(model, True)
+    scale = want.amax(-1) - want.amin(-1)
+    err = ((got - want).abs().amax(-1) / scale).max().item()
+    assert err < 1e-5, f"fused decode differs from op by op by {err:.2e} of the logit range"
+
+
+def test_a_wrong_weight_is_seen(checkpoint):
+    """The comparison can fail: one changed MLP norm weight moves the fused logits."""
+    model = _load(checkpoint)
+    want = _decode(model, True)
+    model.layers[1][2][0] += 0.5
+    assert not torch.allclose(_decode(model, True), want, rtol=0, atol=1e-3)
+
+
+@pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_avx2_equals_avx512(checkpoint, precision):
+    model = _load(checkpoint, precision=precision)
+    runs = {}
+    for isa in ("avx2", "avx512vnni"):
+        with _cpu.forced_isa(isa):
+            runs[isa] = _decode(model, True)
+    assert torch.equal(runs["avx2"], runs["avx512vnni"])
