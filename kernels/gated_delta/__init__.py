@@ -1,24 +1,30 @@
-"""Gated DeltaNet dispatcher: Triton on GPU tensors; elsewhere KDA's vectorised CPU forms with the
-per-head decay repeated over the key channels (Gated DeltaNet is KDA with one decay per head)."""
+"""Gated DeltaNet dispatcher. CUDA: flash-linear-attention's kernels where fla-core imports
+(kernels/kda/fla_ops.py), else our Triton; elsewhere KDA's vectorised CPU forms with the per-head decay
+repeated over the key channels (Gated DeltaNet is KDA with one decay per head)."""
 
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
 from localmoe.kernels.gated_delta.reference import naive_recurrent_gated_delta
 from localmoe.kernels.kda import cpu as kda_cpu
+from localmoe.kernels.kda import fla_ops
 
 RECURRENT_MAX_T = 8
 
 
 def gated_delta(q, k, v, g, beta, state):
     """q, k: [B, T, H, K]; v: [B, T, H, V]; g, beta: [B, T, H]; state: [B, H, K, V] -> (o, state) fp32."""
+    recurrent = q.shape[1] <= RECURRENT_MAX_T
     if usable(q):
+        if fla_ops.ops() is not None:
+            op = "fused_recurrent_gated_delta_rule" if recurrent else "chunk_gated_delta_rule"
+            return fla_ops.run(op, q, k, v, g, beta, state)
         from localmoe.kernels.gated_delta import triton as tk
 
-        fn = tk.fused_recurrent_gated_delta if q.shape[1] <= RECURRENT_MAX_T else tk.chunk_gated_delta
+        fn = tk.fused_recurrent_gated_delta if recurrent else tk.chunk_gated_delta
         return fn(q, k, v, g, beta, state)
     per_channel = g.unsqueeze(-1).expand(*g.shape, q.shape[-1])  # [B, T, H, K]: the same decay for every channel
-    fn = kda_cpu.recurrent_kda if q.shape[1] <= RECURRENT_MAX_T else kda_cpu.chunk_kda
+    fn = kda_cpu.recurrent_kda if recurrent else kda_cpu.chunk_kda
     return fn(q, k, v, per_channel, beta, state)
 
 
