@@ -25,8 +25,9 @@ blocks (x rounded to int8 per 32 values), a 4096 x 4096 projection, N = 1 and 4:
 the same run's memory bandwidth, and speed over the GEMV of a bf16 copy (dense_gemv), what a matrix
 of a type without a block GEMV costs (K-quants before they had one).
 
-GPU (when CUDA and Triton are present): the Triton MXFP4 grouped GEMV's bytes/s over the
-device's copy bandwidth, and the KDA kernels' tokens/s.
+GPU (when CUDA and Triton are present): benchmarks/gpu_kernels.py (the MXFP4 grouped GEMV's bytes/s over
+the device's copy bandwidth beside torch's bf16 bmm, KDA / Gated DeltaNet tokens/s beside fla's, a
+summary with each figure beside its goal).
 
 End to end (--e2e): prefill tokens/s of a 2048-token prompt (in 512-token chunks on both sides, as
 served) and greedy decode tokens/s of localmoe (resident, MXFP4 experts through the CPU
@@ -306,52 +307,10 @@ def ggml_bench(rounds: int, quick: bool) -> None:
 
 
 def gpu_bench() -> None:
-    from localmoe.kernels._triton import HAVE_TRITON
+    """The GPU section: benchmarks/gpu_kernels.py (skipped without CUDA and Triton)."""
+    from gpu_kernels import run
 
-    if not (torch.cuda.is_available() and HAVE_TRITON):
-        print("GPU: skipped (needs CUDA and triton)")
-        return
-    from localmoe.kernels.kda import chunk_kda, recurrent_kda
-    from localmoe.kernels.mxfp4_moe import triton as tk
-
-    dev = "cuda"
-    buf = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(buf)
-
-    def timed(fn, *args, repeats=10):
-        fn(*args)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(*args)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - start)
-        return best
-
-    bw = 2 * buf.nbytes / timed(dst.copy_, buf)
-    print(f"GPU {torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
-    rows = []
-    for name, (O, K) in SHAPES.items():
-        E = 32
-        packed, scales = (t.to(dev) for t in _random_mxfp4(O, K, 1)[0])
-        packed, scales = packed.expand(E, O, K // 2).contiguous(), scales.expand(E, O, K // 32).contiguous()
-        for N in (1, 8):
-            x = torch.randn(N * E, K, device=dev, dtype=torch.bfloat16)
-            ids = torch.arange(E, device=dev).repeat_interleave(N)
-            t = timed(tk.mxfp4_grouped, x, packed, scales, ids)
-            ratio = (packed.nbytes + scales.nbytes) / t / bw
-            rows.append((f"{name} x{E} experts N={N}", f"{ratio:.2f} of copy bandwidth"))
-    B, H, K = 1, 32, 128
-    for T, fn in ((1, recurrent_kda), (4096, chunk_kda)):
-        q, k, v = (torch.randn(B, T, H, K, device=dev) for _ in range(3))
-        k = F.normalize(k, dim=-1)
-        g = -torch.rand(B, T, H, K, device=dev) * 0.1
-        beta = torch.rand(B, T, H, device=dev)
-        s = torch.zeros(B, H, K, K, device=dev)
-        t = timed(fn, q, k, v, g, beta, s)
-        rows.append((f"kda {fn.__name__} T={T} H={H} K={K}", f"{B * T / t:,.0f} tokens/s"))
-    report(rows)
+    run()
 
 
 E2E_DENSE = {"f32": ("float32", "gpt_oss_small.gguf"), "bf16": ("bfloat16", "gpt_oss_small_bf16.gguf")}

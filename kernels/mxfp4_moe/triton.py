@@ -159,23 +159,31 @@ def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, i
     y = x.new_empty(M, O)
     if M == 0:
         return y
-    b = bias.contiguous() if bias is not None else y
-    strides = (packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1))
+    b = None if bias is None else bias.contiguous()
     cfg = config or gemv_config(M, E, O, K)
     if cfg is None:
         block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(M, min(E, M)))))
         rows, sorted_ids, tile_start, tile_expert = plan(ids, E, block_m)
-        _launch(_dot_kernel, (tile_start.numel(), triton.cdiv(O, 64)), x, packed, scales, b, y, rows, sorted_ids,
-                tile_start, tile_expert, M, O, K, x.stride(0), *strides, y.stride(0), HAS_BIAS=bias is not None,
-                BLOCK_M=block_m, BLOCK_O=64, BLOCK_K=64)
+        _launch(_dot_kernel, (tile_start.numel(), triton.cdiv(O, 64)), x, packed, scales, y if b is None else b, y,
+                rows, sorted_ids, tile_start, tile_expert, M, O, K, x.stride(0), packed.stride(0), packed.stride(1),
+                scales.stride(0), scales.stride(1), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
+                BLOCK_O=64, BLOCK_K=64)
         return y
-    rows, sorted_ids, tile_start, tile_expert = plan(ids, E, cfg["BLOCK_N"])
+    return gemv(x, packed, scales, b, plan(ids, E, cfg["BLOCK_N"]), cfg, y)
+
+
+def gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+         tables: tuple[torch.Tensor, ...], cfg: dict, y: torch.Tensor) -> torch.Tensor:
+    """The GEMV kernel (and its split-K sum) into y [M, O] over tile tables built for cfg["BLOCK_N"]:
+    `mxfp4_grouped` without the checks and the tables (benchmarks time it alone)."""
+    M, K = x.shape
+    O = packed.shape[1]
     split = cfg["SPLIT_K"]
     out = y if split == 1 else torch.empty(split, M, O, dtype=torch.float32, device=x.device)
-    grid = (tile_start.numel(), triton.cdiv(O, cfg["BLOCK_O"]), split)
-    _launch(_gemv_kernel, grid, x, packed, scales, b, out, rows, sorted_ids, tile_start, tile_expert, M, O, K,
-            x.stride(0), *strides, out.stride(0) if split > 1 else 0, out.stride(-2), HAS_BIAS=bias is not None,
-            **cfg)
+    grid = (tables[2].numel(), triton.cdiv(O, cfg["BLOCK_O"]), split)
+    _launch(_gemv_kernel, grid, x, packed, scales, y if bias is None else bias, out, *tables, M, O, K,
+            x.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+            out.stride(0) if split > 1 else 0, out.stride(-2), HAS_BIAS=bias is not None, **cfg)
     if split > 1:
         torch.sum(out, dim=0, out=y) if y.dtype == torch.float32 else y.copy_(out.sum(0))
     return y
