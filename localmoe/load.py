@@ -92,15 +92,22 @@ def build_from_tensors(family: ModelFamily, spec: ModelSpec, tensors: dict[str, 
 def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, ...], keep: bool, where: str):
     """One GGUF tensor from its stored bytes: matrices of a block type with a decode GEMV
     (kernels/ggml_gemv.TYPES) stay in their blocks when `keep` (--dtype auto); stacked MXFP4 experts
-    stay bytes (ggml blocks, for ModelFamily.gguf_finish); F32 / F16 / BF16 come as zero-copy views, everything
-    else dequantised to fp32.
+    stay bytes (ggml blocks, for ModelFamily.gguf_finish), stacked experts of other block types a 3-D
+    BlockQuantized (split per expert by gguf_finish, computed from their blocks); F32 / F16 / BF16 come as
+    zero-copy views, everything else dequantised to fp32.
     `where` ("file: tensor 'name'") starts any error."""
-    from localmoe.quant.ggml import FLOAT_TYPES, dequantize
+    from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES, dequantize
 
     if keep and len(shape) == 2 and keeps_blocks(ggml_type):
         return BlockQuantized(raw, ggml_type, shape)
     if ggml_type == GGMLQuantizationType.MXFP4 and len(shape) == 3:
         return raw
+    if len(shape) == 3 and ggml_type not in FLOAT_TYPES and ggml_type != GGMLQuantizationType.F32:
+        # stacked experts of a block type stay in their blocks: each expert is computed from them
+        if ggml_type not in SUPPORTED_TYPES:
+            raise CheckpointError(f"{where}: ggml type {ggml_type.name} is not supported for experts; supported: "
+                                  f"{', '.join(t.name for t in SUPPORTED_TYPES)}")
+        return BlockQuantized(raw, ggml_type, shape)
     try:  # F16 / BF16 as zero-copy views: converted to fp32 when the builder takes them (localmoe.weights)
         return dequantize(raw, ggml_type, shape, FLOAT_TYPES.get(ggml_type, torch.float32))
     except CheckpointError as e:

@@ -8,7 +8,10 @@ Parts, in extent order, for each projection P of gate, up, down:
   F32 bias kept).
 - kept (`--experts keep`, bf16/f16/fp8 sources): `P.weight` as stored, plus
   `P.weight_scale_inv` for block-scaled FP8.
-MXFP4 sources are repacked (bytes moved, never requantised); other sources are quantised
+- GGUF experts of a block type (Q4_K, Q8_0, ...; llama.cpp's stacked `ffn_*_exps`): `P.q4_k`, `P.q8_0`,
+  ... U8 [out, row bytes], the file's blocks of that expert unchanged, whatever `--experts` says
+  (engine/experts.py computes from them); GGUF float experts (F32 / F16 / BF16) follow `--experts`.
+MXFP4 sources are repacked (bytes moved, never requantised); other float sources are quantised
 with `mxfp4.quantize` and every tensor's error is measured (`quantization_error`).
 """
 
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from gguf import GGML_QUANT_SIZES
 
 from localmoe.convert.sources import Source, TensorRef
 from localmoe.errors import CheckpointError
@@ -39,8 +44,10 @@ class ExpertSource:
         self.decl = source.family.gguf_experts if source.kind == "gguf" else source.family.experts
         self.layers = source.spec.moe_layers() if self.decl is not None else []
         self.num_experts = source.spec.num_experts
-        self.mxfp4_source = self.decl is not None and self.decl.format != "bf16"
-        self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4"
+        self.mxfp4_source = self.decl is not None and self.decl.format not in ("bf16", "ggml")
+        floats = self.decl is None or self.decl.format != "ggml" or any(
+            source.tensors[n].dtype.is_floating_point for n in self._all_names())
+        self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4" and floats
         quant = source.config.get("quantization_config") or {}
         self._fp8_block = tuple(quant.get("weight_block_size") or DEFAULT_BLOCK)
         self.names: set[str] = set()  # every checkpoint tensor read as an expert
@@ -54,10 +61,15 @@ class ExpertSource:
                                                   f"{list(ref.shape)}; config.json says {self.num_experts} experts")
                         self.names.add(name)
 
+    def _all_names(self) -> list[str]:
+        return [n for layer in self.layers for names in self._names(layer, 0).values() for n in names]
+
     @property
     def stored_format(self) -> str:
         if not self.layers:
             return "none"
+        if self.decl.format == "ggml" and not self.quantises:
+            return "ggml-blocks-kept"
         return "mxfp4-repacked" if self.mxfp4_source else ("mxfp4-quantized" if self.quantises else "kept")
 
     def _names(self, layer: int, e: int) -> dict[str, list[str]]:
@@ -90,6 +102,8 @@ class ExpertSource:
                 out = self._gpt_oss(tensors)
             elif self.decl.format == "ggml_mxfp4":
                 out = self._ggml(tensors)
+            elif self.decl.format == "ggml":
+                out, errors = self._ggml_blocks(layer, tensors)
             else:
                 out, errors = self._dense_experts(tensors)
             _check_shapes(out)
@@ -122,9 +136,26 @@ class ExpertSource:
             out |= {f"{proj}.packed": packed, f"{proj}.scales": scales, f"{proj}.bias": bias.float()}
         return out
 
-    def _dense_experts(self, tensors: dict[str, list[torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict]:
+    def _ggml_blocks(self, layer: int, tensors: dict[str, list[torch.Tensor]]
+                     ) -> tuple[dict[str, torch.Tensor], dict]:
+        """A GGUF's stacked experts of any ggml type: blocks kept as `P.<type>`, floats as `_dense_experts`."""
+        out, floats = {}, {}
+        for proj, names in self._names(layer, 0).items():
+            (t,) = tensors[proj]
+            if t.is_floating_point():
+                floats[proj] = tensors[proj]
+                continue
+            qtype = self.source.ggml_types[names[0]]
+            if t.dim() != 2 or t.shape[1] % GGML_QUANT_SIZES[qtype][1]:
+                raise CheckpointError(f"{proj} is {t.dtype} {list(t.shape)}, not rows of {qtype.name} blocks")
+            out[f"{proj}.{qtype.name.lower()}"] = t
+        dense, errors = self._dense_experts(floats, tuple(floats))
+        return out | dense, errors
+
+    def _dense_experts(self, tensors: dict[str, list[torch.Tensor]], projections: tuple[str, ...] = PROJECTIONS
+                       ) -> tuple[dict[str, torch.Tensor], dict]:
         out, errors = {}, {}
-        for proj in PROJECTIONS:
+        for proj in projections:
             w, *scale_inv = tensors[proj]
             if w.dim() != 2 or not (w.is_floating_point()):
                 raise CheckpointError(f"{proj} is {w.dtype} {list(w.shape)}, not a float matrix")
@@ -151,6 +182,12 @@ def _logical(parts: dict[str, torch.Tensor], proj: str) -> tuple[int, int] | Non
     if f"{proj}.packed" in parts:
         r, half = parts[f"{proj}.packed"].shape
         return r, 2 * half
+    from gguf import GGMLQuantizationType
+
+    for name, t in parts.items():
+        if name.startswith(f"{proj}.") and name[len(proj) + 1:].upper() in GGMLQuantizationType.__members__:
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name[len(proj) + 1:].upper()]]
+            return t.shape[0], t.shape[1] // type_size * block_size
     w = parts.get(f"{proj}.weight")
     return None if w is None else tuple(w.shape)
 

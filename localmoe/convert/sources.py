@@ -66,7 +66,7 @@ class TensorRef:
 
 @dataclass
 class Source:
-    """A checkpoint to convert. `tensors` is in file order; `ggml_types` only for GGUF."""
+    """A checkpoint to convert. `tensors` is in file order (part after part for a split GGUF)."""
 
     path: Path
     kind: str  # "safetensors" | "gguf"
@@ -78,6 +78,7 @@ class Source:
     generated: list[tuple[bytes, str, str]] = field(default_factory=list)  # (data, name in the store, role)
     config: dict = field(default_factory=dict)  # HF config.json ({} for GGUF)
     identity: str = ""  # digest of every input the output depends on
+    ggml_types: dict = field(default_factory=dict)  # GGUF: tensor name -> GGMLQuantizationType
 
     def ref(self, name: str, what: str = "tensor") -> TensorRef:
         try:
@@ -122,9 +123,10 @@ def _hf_source(ckpt: Checkpoint) -> Source:
 
 def _gguf_source(ckpt: Checkpoint) -> Source:
     path, gguf = ckpt.path, ckpt.reader
-    refs, types = {}, {}
+    refs, types, ggml_types = {}, {}, {}
     for name in ckpt.tensor_names:
         info = gguf.info(name)
+        ggml_types[name] = info.ggml_type
         dtype = _GGML_PLAIN_TYPES.get(info.ggml_type.name)
         # float tensors keep their dtype; quantised ones are stored as their raw blocks,
         # shaped like GGUFFile.raw: [*outer dims, bytes per row]
@@ -141,7 +143,8 @@ def _gguf_source(ckpt: Checkpoint) -> Source:
         generated.append((template.encode(), "chat_template.jinja", "chat_template"))
     order = {p: i for i, p in enumerate(gguf.files)}  # a split model: part after part
     refs = dict(sorted(refs.items(), key=lambda kv: (order[kv[1].path], kv[1].offset)))
-    return Source(path, "gguf", ckpt.family, ckpt.spec, refs, list(gguf.files), generated=generated)
+    return Source(path, "gguf", ckpt.family, ckpt.spec, refs, list(gguf.files), generated=generated,
+                  ggml_types=ggml_types)
 
 
 def _identity(source: Source) -> str:

@@ -9,8 +9,15 @@ memory; the pager adds providers behind the same interface and is swapped in aft
 model is built (`Transformer.use_experts`).
 
 `ExpertWeights.from_parts` takes the packed store's extent parts unchanged
-(`{gate,up,down}.{packed,scales,bias}` or `{gate,up,down}.weight`, see
-convert/experts.py), so a paging provider can return what `PackedStore.expert` gives.
+(`{gate,up,down}.{packed,scales,bias}`, `{gate,up,down}.weight`, or a GGUF's blocks as
+`{gate,up,down}.{q4_k,q6_k,...}`: see convert/experts.py), so a paging provider can return what
+`PackedStore.expert` gives.
+
+GGML-block experts (a GGUF's Q4_K, Q8_0, ...: `Projection.weight` a `BlockQuantized`) are computed
+from their blocks: at expert precision "q8" a call of up to GEMV_MAX_TOKENS rows runs
+`kernels/ggml_gemv` (x rounded to int8 per 32 values, llama.cpp's trade) where the type has a
+GEMV; otherwise (and at "exact") the one expert is dequantised for the call, bit-exact against
+gguf's numpy dequantisers, and multiplied in fp32.
 """
 
 from __future__ import annotations
@@ -22,17 +29,34 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
-from localmoe.kernels.mxfp4_moe import ExpertTable, mxfp4_linear
+from localmoe.kernels import ggml_gemv
+from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, ExpertTable, mxfp4_linear
+from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES
 from localmoe.quant.mxfp4 import dequantize
 
 PROJECTIONS = ("gate", "up", "down")
+# extent part suffix -> ggml block type of a GGUF's expert kept in its blocks (`gate.q4_k`, ...)
+BLOCK_PARTS = {t.name.lower(): t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES and t != GGMLQuantizationType.F32}
+
+
+def block_part(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> BlockQuantized:
+    """An extent part of ggml blocks U8 [out, row bytes] as the BlockQuantized weight [out, in]."""
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] % type_size:
+        raise CheckpointError(f"a {ggml_type.name} expert part is {raw.dtype} {list(raw.shape)}, not rows of "
+                              f"{type_size}-byte blocks")
+    return BlockQuantized(raw, ggml_type, (raw.shape[0], raw.shape[1] // type_size * block_size))
 
 
 @dataclass(frozen=True, slots=True)
 class Projection:
     """One matrix of one expert, y = x W^T (+ b): MXFP4 `packed` U8 [out, in/2] + `scales`
-    U8 [out, in/32] (canonical layout, quant/mxfp4.py), or a float `weight` [out, in]."""
+    U8 [out, in/32] (canonical layout, quant/mxfp4.py), or a `weight` [out, in]: a float tensor or
+    a GGUF's blocks (`BlockQuantized`)."""
 
     packed: torch.Tensor | None = None
     scales: torch.Tensor | None = None
@@ -44,22 +68,34 @@ class Projection:
             raise CheckpointError("an expert projection needs either MXFP4 packed+scales or a weight")
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [out, in] as `dtype`, dequantised now if MXFP4 (a per-call temporary)."""
+        """The weight [out, in] as `dtype`, dequantised now if MXFP4 or GGML blocks (a per-call temporary)."""
+        if isinstance(self.weight, BlockQuantized):
+            return self.weight.float().to(dtype)
         if self.weight is not None:
             return self.weight.to(dtype)
         return dequantize(self.packed, self.scales, dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, in] fp32 -> [N, out] fp32; MXFP4 goes straight from its bytes (kernels/mxfp4_moe)."""
-        if self.weight is None:
+    def __call__(self, x: torch.Tensor, precision: str = "exact") -> torch.Tensor:
+        """x [N, in] fp32 -> [N, out] fp32; MXFP4 goes straight from its bytes (kernels/mxfp4_moe), GGML
+        blocks through kernels/ggml_gemv at "q8" (module doc)."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        w = self.weight
+        if w is None:
             return mxfp4_linear(x, self.packed, self.scales, self.bias)
-        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if isinstance(w, BlockQuantized):
+            if precision == "q8" and x.shape[0] <= GEMV_MAX_TOKENS and w.ggml_type in ggml_gemv.TYPES:
+                return ggml_gemv.ggml_gemv(x.float().contiguous(), w.raw.contiguous(), w.ggml_type, w.shape, bias)
+            return F.linear(x, w.float().to(device=x.device, dtype=x.dtype), bias)
+        return F.linear(x, w.to(x.dtype), bias)
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.packed, self.scales, self.weight, self.bias) if t is not None)
+        weight = self.weight.raw if isinstance(self.weight, BlockQuantized) else self.weight
+        return sum(t.nbytes for t in (self.packed, self.scales, weight, self.bias) if t is not None)
 
     @property
     def device(self) -> torch.device:
+        if isinstance(self.weight, BlockQuantized):
+            return self.weight.raw.device
         return (self.weight if self.weight is not None else self.packed).device
 
 
@@ -73,10 +109,17 @@ class ExpertWeights:
 
     @classmethod
     def from_parts(cls, parts: Mapping[str, torch.Tensor]) -> ExpertWeights:
-        """From `{proj}.{packed,scales,weight,bias}` tensors (the packed store's extent parts)."""
+        """From `{proj}.{packed,scales,weight,bias}` tensors (the packed store's extent parts), a GGUF's
+        blocks as `{proj}.{q4_k,...}` (BLOCK_PARTS)."""
         try:
-            return cls(*(Projection(**{k: parts.get(f"{p}.{k}") for k in ("packed", "scales", "weight", "bias")})
-                         for p in PROJECTIONS))
+            projections = []
+            for p in PROJECTIONS:
+                fields = {k: parts.get(f"{p}.{k}") for k in ("packed", "scales", "weight", "bias")}
+                for suffix, ggml_type in BLOCK_PARTS.items():
+                    if f"{p}.{suffix}" in parts:
+                        fields["weight"] = block_part(parts[f"{p}.{suffix}"], ggml_type)
+                projections.append(Projection(**fields))
+            return cls(*projections)
         except CheckpointError as e:
             raise CheckpointError(f"expert parts {sorted(parts)}: {e}") from None
 
@@ -92,10 +135,11 @@ class ExpertWeights:
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) [N, I] -> [N, I]
 
 
-def expert_forward(w: ExpertWeights, x: torch.Tensor, act: Activation) -> torch.Tensor:
+def expert_forward(w: ExpertWeights, x: torch.Tensor, act: Activation, precision: str = "exact") -> torch.Tensor:
     """x [N, in] fp32 -> [N, out] fp32 through one expert; MXFP4 matrices are used from their bytes
-    by the `mxfp4_linear` dispatcher (CPU kernel, Triton on GPU, or the dequantising reference)."""
-    return w.down(act(w.gate(x), w.up(x)))
+    by the `mxfp4_linear` dispatcher (CPU kernel, Triton on GPU, or the dequantising reference), GGML
+    blocks as `Projection` says for `precision`."""
+    return w.down(act(w.gate(x, precision), w.up(x, precision)), precision)
 
 
 class ExpertProvider(Protocol):

@@ -69,7 +69,7 @@ def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=Non
     return Transformer(spec, weights, engine_config, experts)
 
 
-EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4", "ggml_mxfp4")
+EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4", "ggml_mxfp4", "ggml")
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,8 @@ class ExpertTensors:
       `{stem}_scales` U8 [E, out, in/32] and `{stem}_bias` [E, out]
     - "ggml_mxfp4" (GGUF): a stem of stacked tensors; `{stem}.weight` ggml `block_mxfp4` bytes
       U8 [E, out, in/32 * 17] and `{stem}.bias` F32 [E, out] (llama.cpp's gpt-oss)
+    - "ggml" (GGUF): a stem; `{stem}.weight` [E, out, in] of any ggml type, block types as their raw
+      bytes [E, out, row bytes] (llama.cpp's qwen3moe, deepseek2, ...)
     With `stacked`, dim 0 of each tensor indexes the expert.
     """
 
@@ -105,12 +107,15 @@ class ExpertTensors:
             return [f"{stem}_blocks", f"{stem}_scales", f"{stem}_bias"]
         if self.format == "ggml_mxfp4":
             return [f"{stem}.weight", f"{stem}.bias"]
+        if self.format == "ggml":
+            return [f"{stem}.weight"]
         return [stem]
 
     def matcher(self) -> re.Pattern:
         """A regex matching every routed-expert tensor name of the checkpoint."""
         suffix = {"bf16": "", "compressed_tensors_mxfp4": r"\.weight_(?:packed|scale)",
-                  "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)", "ggml_mxfp4": r"\.(?:weight|bias)"}[self.format]
+                  "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)", "ggml_mxfp4": r"\.(?:weight|bias)",
+                  "ggml": r"\.weight"}[self.format]
         stems = [re.escape(p).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for p in self.patterns.values()]
         return re.compile("^(?:" + "|".join(stems) + ")" + suffix + "$")
 

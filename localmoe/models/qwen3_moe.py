@@ -7,6 +7,11 @@ experts per id `mlp.experts.{e}.{gate,up,down}_proj.weight` (bf16, [I, D] / [D, 
 
 Quirks, each covered by tests/models/test_qwen3_moe.py: softmax over all experts, top-k, the chosen
 weights renormalised when `norm_topk_prob`; no shared expert; SwiGLU experts.
+
+GGUF (`qwen3moe`, llama.cpp's layout; tests/models/test_moe_gguf.py): experts stacked per layer as
+`blk.N.ffn_{gate,up,down}_exps.weight` in any ggml type, split per expert on load (models/gguf_experts.py);
+llama.cpp always renormalises the chosen weights (`expert_weights_norm` overrides when written); a layer
+without `ffn_gate_inp` is dense. q/k rows are not permuted (NeoX RoPE).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from localmoe.engine.layers.mlp import gated_mlp_shapes
 from localmoe.engine.layers.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
+from localmoe.models.gguf_experts import GGUFKeys, gguf_stacked_experts, stacked_expert_rules, unstack_experts
 from localmoe.models.moe_config import require
 
 
@@ -48,6 +54,28 @@ def spec_from_hf(config: dict) -> ModelSpec:
     )
 
 
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF config the `qwen3moe.*` metadata was converted from."""
+    key = GGUFKeys(metadata, "qwen3moe")
+    layers = key("block_count")
+    heads = key("attention.head_count")
+    config = {
+        "model_type": "qwen3_moe", "_name_or_path": metadata.get("general.name", ""),
+        "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length", 0), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", key("embedding_length") // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": key("rope.freq_base", 1e6),
+        "rope_scaling": key.rope_scaling(), "max_position_embeddings": key("context_length", 40960),
+        "vocab_size": key.vocab_size(), "num_experts": key("expert_count"),
+        "num_experts_per_tok": key("expert_used_count"),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),  # llama.cpp's qwen3moe graph always renormalises
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    return spec_from_hf(config)
+
+
 _PROJECTIONS = ("gate", "up", "down")
 
 HF_TENSORS = TensorMap(
@@ -64,6 +92,23 @@ HF_TENSORS = TensorMap(
     ),
     ignore=(r"rotary_emb\.inv_freq$",),
 )
+
+
+_GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+               **{f"attn_{'output' if p == 'o' else p}.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
+               "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+               "ffn_gate_inp.weight": "mlp.router.weight",
+               **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in _PROJECTIONS}}
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"),
+        TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in _GGUF_LAYER.items()),
+        *stacked_expert_rules(),
+    ))
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -87,8 +132,13 @@ FAMILY = register(ModelFamily(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
     spec_from_hf=spec_from_hf,
+    gguf_architectures=("qwen3moe",),
+    spec_from_gguf=spec_from_gguf,
+    gguf_tensors=gguf_tensors,
+    gguf_finish=unstack_experts,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
    
     experts=ExpertTensors("bf16", {p: f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in _PROJECTIONS}),
+    gguf_experts=gguf_stacked_experts(),
 ))

@@ -87,6 +87,38 @@ def _gguf_tensors(ckpt, layers: int, experts: str = "mxfp4", dense: str = "f32")
     return out
 
 
+def add_tokenizer(w, src: Path, vocab_size: int, chat_template: bool = False) -> None:
+    """The generated checkpoint's byte-level BPE as `tokenizer.ggml.*` metadata (llama.cpp's `gpt2` model),
+    padded to `vocab_size` with unused tokens; with `chat_template`, tokenizer_config.json's template."""
+    import gguf
+
+    tok = json.loads((src / "tokenizer.json").read_text())
+    gen = json.loads((src / "generation_config.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    special = {t["id"] for t in tok["added_tokens"] if t.get("special", True)}
+    added = {t["id"] for t in tok["added_tokens"]} - special  # llama.cpp: USER_DEFINED, matched whole
+    names = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in vocab.items():
+        names[i] = text
+        types[i] = (gguf.TokenType.CONTROL if i in special else
+                    gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the generated checkpoints' ByteLevel pre-tokenizer (real gpt-oss: "gpt-4o")
+    w.add_token_list(names)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if gen.get("bos_token_id") is not None:
+        w.add_bos_token_id(gen["bos_token_id"])
+    eos = gen["eos_token_id"]
+    w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    if gen.get("pad_token_id") is not None:
+        w.add_pad_token_id(gen["pad_token_id"])
+    template = json.loads((src / "tokenizer_config.json").read_text()).get("chat_template")
+    if chat_template and template:
+        w.add_chat_template(template)
+
+
 def write_gguf(src: Path, dst: Path, experts: str = "mxfp4", dense: str = "f32", omit: tuple[str, ...] = ()) -> Path:
     """Write the gpt_oss HF checkpoint `src` as a llama.cpp GGUF (dense F32, experts MXFP4), streaming.
 
@@ -102,8 +134,6 @@ def write_gguf(src: Path, dst: Path, experts: str = "mxfp4", dense: str = "f32",
     from localmoe.store.safetensors import SafetensorsCheckpoint
 
     cfg = json.loads((src / "config.json").read_text())
-    tok = json.loads((src / "tokenizer.json").read_text())
-    gen = json.loads((src / "generation_config.json").read_text())
     ckpt = SafetensorsCheckpoint(src)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, "gpt-oss")
@@ -128,22 +158,7 @@ def write_gguf(src: Path, dst: Path, experts: str = "mxfp4", dense: str = "f32",
     w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
     w.add_rope_scaling_yarn_beta_fast(float(rs.get("beta_fast") or 32))
     w.add_rope_scaling_yarn_beta_slow(float(rs.get("beta_slow") or 1))
-    # tokenizer: byte-level BPE, padded to vocab_size with unused tokens
-    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
-    special = {t["id"] for t in tok["added_tokens"]}
-    names = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
-    types = [gguf.TokenType.UNUSED] * cfg["vocab_size"]
-    for text, i in vocab.items():
-        names[i] = text
-        types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")  # the generated checkpoints' ByteLevel pre-tokenizer (real gpt-oss: "gpt-4o")
-    w.add_token_list(names)
-    w.add_token_types(types)
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(gen["bos_token_id"])
-    eos = gen["eos_token_id"]
-    w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    add_tokenizer(w, src, cfg["vocab_size"])
     tensors = [t for t in _gguf_tensors(ckpt, cfg["num_hidden_layers"], experts, dense) if t[0] not in omit]
     shapes = {}
     for name, make, raw in tensors:  # shapes without materialising experts: derive from the checkpoint

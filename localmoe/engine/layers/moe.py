@@ -185,7 +185,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
             continue
         picks = (ids_.reshape(-1) == expert).nonzero().squeeze(1)
         rows = picks // k
-        y = expert_forward(w, xs.index_select(0, rows), act)
+        y = expert_forward(w, xs.index_select(0, rows), act, precision)
         acc.index_add_(0, rows, y * weights_.reshape(-1)[picks, None])
     for *_, acc in on_tier.values():
         out += acc.to(out.device)

@@ -1,0 +1,86 @@
+"""What the MoE families share about llama.cpp's GGUF layout: metadata read as the HF config it came
+from, and stacked `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols] split into the canonical
+per-expert `layers.N.mlp.experts.{e}.{gate,up,down}.weight`.
+
+The stacked tensors arrive as the loader reads them: float tensors (F32 / F16 / BF16, converted to
+fp32 when taken) or, for every block type, a 3-D `BlockQuantized` over the file's bytes; each
+expert becomes a view (expert e's rows of blocks), so nothing is copied or dequantised here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localmoe.config import ModelSpec
+from localmoe.engine.quantized import BlockQuantized
+from localmoe.errors import CheckpointError
+from localmoe.models.base import ExpertTensors, TensorRule, gguf_float
+
+PROJECTIONS = ("gate", "up", "down")
+STACKED = "layers.{i}.mlp.experts.{p}_exps"  # canonical name of a stacked tensor until gguf_finish splits it
+
+
+class GGUFKeys:
+    """`{arch}.*` metadata values; CheckpointError naming a missing key. Float32 values come back as
+    the decimals they were written from (`gguf_float`)."""
+
+    def __init__(self, metadata: dict, arch: str):
+        self.metadata, self.arch = metadata, arch
+
+    def __call__(self, name: str, default=None, required: bool = True):
+        value = self.metadata.get(f"{self.arch}.{name}", default)
+        if value is None and required:
+            raise CheckpointError(f"GGUF metadata lacks {self.arch}.{name}")
+        return gguf_float(value) if isinstance(value, float) else value
+
+    def vocab_size(self) -> int:
+        return self.metadata.get(f"{self.arch}.vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens", ()))
+
+    def rope_scaling(self) -> dict | None:
+        """`rope.scaling.*` as an HF `rope_scaling` (YaRN and linear; none when absent)."""
+        kind = self.metadata.get(f"{self.arch}.rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        scaling = {"rope_type": kind, "factor": self("rope.scaling.factor")}
+        if kind == "yarn":
+            scaling["original_max_position_embeddings"] = self("rope.scaling.original_context_length")
+            for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                if (value := self(f"rope.scaling.{key}", required=False)) is not None:
+                    scaling[hf] = value
+        return scaling
+
+
+def stacked_expert_rules() -> tuple[TensorRule, ...]:
+    """`blk.{i}.ffn_{p}_exps.weight` -> the stacked canonical name `gguf_finish` splits."""
+    return tuple(TensorRule(f"blk.{{i}}.ffn_{p}_exps.weight", STACKED.replace("{p}", p)) for p in PROJECTIONS)
+
+
+def gguf_stacked_experts() -> ExpertTensors:
+    """The converter's view of the same tensors: stacked, any ggml type (convert/experts.py)."""
+    return ExpertTensors("ggml", {p: f"blk.{{i}}.ffn_{p}_exps" for p in PROJECTIONS}, stacked=True)
+
+
+def _expert(t, e: int):
+    if isinstance(t, BlockQuantized):
+        return BlockQuantized(t.raw[e], t.ggml_type, t.shape[1:])
+    return t[e]
+
+
+def unstack_experts(weights: dict, spec: ModelSpec) -> dict:
+    """`gguf_finish` of the stacked-expert families: each MoE layer's stacked gate / up / down become
+    per-expert `layers.{i}.mlp.experts.{e}.{p}.weight` views; a missing one leaves its canonical
+    tensors missing, for the shape checks to name."""
+    for i in spec.moe_layers():
+        for p in PROJECTIONS:
+            name = STACKED.format(i=i, p=p)
+            if name not in weights:
+                continue
+            stacked = weights.pop(name)
+            if stacked.shape[0] != spec.num_experts:
+                raise CheckpointError(f"tensor blk.{i}.ffn_{p}_exps.weight holds {stacked.shape[0]} experts, the "
+                                      f"metadata says {spec.num_experts}")
+            if isinstance(stacked, torch.Tensor) and stacked.is_floating_point():
+                stacked = stacked.float()
+            for e in range(spec.num_experts):
+                weights[f"layers.{i}.mlp.experts.{e}.{p}.weight"] = _expert(stacked, e)
+    return weights

@@ -1,0 +1,193 @@
+"""A generated MoE checkpoint written as the GGUF llama.cpp makes of it, and its dequantised twin.
+
+`write_moe_gguf(src, dst, types)` writes the HF checkpoint `src` (`localmoe.testing`) in llama.cpp's
+layout for the family (`ARCHS`: the architecture name, metadata keys and tensor names of
+convert_hf_to_gguf.py; experts stacked as `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols]),
+each tensor in the ggml type `types` gives it:
+- "f32" / "bf16": the checkpoint's values (bf16: its bits), norms and the router F32 as llama.cpp keeps them;
+- "q8_0", "q4_0", ...: every matrix in that type;
+- "q4_k_m": llama-quantize's Q4_K_M mix: Q4_K, with attn_v and ffn_down (experts too) in Q6_K on
+  the layers `use_more_bits` picks, output Q6_K.
+Types the `gguf` package quantises (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16) hold the checkpoint's values
+quantised; the others (the K-quants) hold random blocks of the weights' magnitude (`ggml_blocks`).
+The GGUF is then the ground truth: `write_dequantized(src, gguf, dst)` writes the HF checkpoint again
+with every tensor replaced by the GGUF's values as `gguf.quants.dequantize` (an independent reader)
+decodes them, in F32: the reference a GGUF loader must match.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from localmoe.testing.ggml_blocks import STEP_FIELDS, random_blocks
+from localmoe.testing.gpt_oss_gguf import add_tokenizer
+
+PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One family's GGUF layout: architecture name, metadata writer, per-layer tensor names."""
+
+    name: str
+    metadata: Callable  # (writer, config) -> None
+    layer: dict[str, str]  # HF name under `model.layers.{i}.` -> GGUF name under `blk.{i}.`
+    experts: str  # HF name of expert e's projection P under `model.layers.{i}.`, with {e} and {p}
+    top: dict[str, str]  # HF name -> GGUF name outside the layers
+
+
+def _qwen3moe_metadata(w, c: dict) -> None:
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_freq_base(float(c["rope_theta"]))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+ARCHS = {
+    "qwen3_moe": Arch("qwen3moe", _qwen3moe_metadata, {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight"}, "mlp.experts.{e}.{p}.weight", _TOP),
+}
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama-quantize's layers that get the larger type in a *_M mix."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
+    """The ggml type `types` gives GGUF tensor `name` (None: F32)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if len(shape) < 2 or name.endswith("ffn_gate_inp.weight"):
+        return Q.F32  # norms and the router stay F32 (llama.cpp never quantises them)
+    if types == "f32":
+        return Q.F32
+    if types == "q4_k_m":
+        more = name.startswith("blk.") and _use_more_bits(int(name.split(".")[1]), layers)
+        if name == "output.weight" or (more and (".attn_v." in name or ".ffn_down" in name)):
+            return Q.Q6_K
+        return Q.Q4_K
+    return Q[types.upper()]
+
+
+def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
+    """float32 [..., cols] -> the stored array for `qtype` (bytes for block types)."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+    if qtype == Q.F32:
+        return values.astype(np.float32)
+    if qtype in (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+        return gguf.quants.quantize(values.astype(np.float32), qtype)
+    if qtype not in STEP_FIELDS:
+        raise ValueError(f"write_moe_gguf cannot make {qtype.name} blocks")
+    # K-quants: random blocks whose largest values are about the weights' (q * d * 6-bit scale ~ 63 * 15 d)
+    rows = int(np.prod(values.shape[:-1]))
+    amax = float(np.abs(values).max()) or 1e-2
+    step = (amax / 2000, amax / 600)
+    return random_blocks(qtype, rows, values.shape[-1], rng, step).reshape(*values.shape[:-1], -1)
+
+
+def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], np.ndarray]]]:
+    """(GGUF name, producer of float32 values) in llama.cpp's order."""
+    def f32(name):
+        return lambda: ckpt.tensor(name).float().numpy()
+
+    out = [(arch.top["model.embed_tokens.weight"], f32("model.embed_tokens.weight"))]
+    E = config["num_experts"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items()]
+        for short, hf in PROJ.items():
+            names = [p + arch.experts.format(e=e, p=hf) for e in range(E)]
+            out.append((f"blk.{i}.ffn_{short}_exps.weight",
+                        lambda names=names: np.stack([ckpt.tensor(n).float().numpy() for n in names])))
+    out += [(arch.top["model.norm.weight"], f32("model.norm.weight")), (arch.top["lm_head.weight"], f32("lm_head.weight"))]
+    return out
+
+
+def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> Path:
+    """Write the generated checkpoint `src` as llama.cpp's GGUF of its family, in `types` (module doc)."""
+    import gguf
+
+    from localmoe.store.safetensors import SafetensorsCheckpoint
+
+    config = json.loads((src / "config.json").read_text())
+    arch = ARCHS[config["model_type"]]
+    ckpt = SafetensorsCheckpoint(src)
+    rng = np.random.default_rng(seed)
+    tmp = dst.with_name(dst.name + ".partial")
+    w = gguf.GGUFWriter(tmp, arch.name)
+    w.add_name(f"localmoe test {src.name}")
+    arch.metadata(w, config)
+    add_tokenizer(w, src, config["vocab_size"], chat_template=True)
+    layers = config["num_hidden_layers"]
+    for name, make in _hf_tensors(ckpt, arch, config):
+        values = make()
+        qtype = ggml_type_for(name, values.shape, types, layers)
+        data = _encode(values, qtype, rng)
+        w.add_tensor(name, data, raw_dtype=None if qtype == gguf.GGMLQuantizationType.F32 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
+    """The HF checkpoint `src` again, every tensor replaced by the GGUF's values (F32), decoded by
+    `gguf.GGUFReader` + `gguf.quants.dequantize`; config and tokenizer files copied."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((src / "config.json").read_text())
+    arch = ARCHS[config["model_type"]]
+    to_hf = {v: k for k, v in arch.top.items()}
+    reader = gguf.GGUFReader(gguf_path)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        values = values.reshape(tuple(int(n) for n in reversed(t.shape)))
+        if t.name in to_hf:
+            tensors[to_hf[t.name]] = torch.from_numpy(values.copy())
+            continue
+        _, i, rest = t.name.split(".", 2)
+        p = f"model.layers.{i}."
+        if rest.endswith("_exps.weight"):
+            hf = PROJ[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
+            for e in range(values.shape[0]):
+                tensors[p + arch.experts.format(e=e, p=hf)] = torch.from_numpy(values[e].copy())
+        else:
+            tensors[p + {v: k for k, v in arch.layer.items()}[rest]] = torch.from_numpy(values.copy())
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, dst / f.name)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
