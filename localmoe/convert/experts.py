@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import torch
-
 from gguf import GGML_QUANT_SIZES
 
 from localmoe.convert.sources import Source, TensorRef

@@ -28,7 +28,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localmoe.engine.quantized import BlockQuantized
