@@ -17,14 +17,20 @@ import numpy as np
 def split_gguf(src: Path, dst: Path, parts: int) -> list[Path]:
     """Write `src` as `parts` files named after `dst` (`dst.stem-00001-of-0000N.gguf`, ...) in
     `dst`'s folder; returns their paths in order."""
+    return rewrite_gguf(src, dst, parts=parts)
+
+
+def rewrite_gguf(src: Path, dst: Path, *, parts: int = 1, omit: tuple[str, ...] = ()) -> list[Path]:
+    """`src` written again by GGUFWriter: split into `parts` files (1: one file at `dst`), without the
+    tensors named in `omit` (a broken file, for error tests). Returns the files written."""
     import gguf
 
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
-    tensors = list(reader.tensors)
-    if not 1 < parts <= len(tensors):
+    tensors = [t for t in reader.tensors if t.name not in omit]
+    if not 1 <= parts <= len(tensors):
         raise ValueError(f"{src} has {len(tensors)} tensors: it cannot be split into {parts} parts")
-    writer = gguf.GGUFWriter(dst, arch, split_max_tensors=math.ceil(len(tensors) / parts))
+    writer = gguf.GGUFWriter(dst, arch, split_max_tensors=math.ceil(len(tensors) / parts) if parts > 1 else 0)
     V = gguf.GGUFValueType
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
@@ -32,7 +38,7 @@ def split_gguf(src: Path, dst: Path, parts: int) -> list[Path]:
         vtype = field.types[0]
         sub = field.types[-1] if vtype == V.ARRAY else None
         if sub == V.ARRAY:
-            raise ValueError(f"{src}: nested array {key!r} is not copied by split_gguf")
+            raise ValueError(f"{src}: nested array {key!r} is not copied by rewrite_gguf")
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     for t in tensors:
         data = np.ascontiguousarray(t.data)

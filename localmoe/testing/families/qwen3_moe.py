@@ -20,9 +20,9 @@ from localmoe.testing.tokenizer import TokenizerLayout
 SIZES = {
     "tiny": {"hidden": 256, "layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 64, "experts": 8, "top_k": 2,
              "moe_inter": 256, "inter": 512},
-    "small": {"hidden": 1024, "layers": 8, "heads": 16, "kv_heads": 4, "head_dim": 64, "experts": 64, "top_k": 8,
+    "small": {"hidden": 1024, "layers": 6, "heads": 16, "kv_heads": 4, "head_dim": 64, "experts": 16, "top_k": 4,
               "moe_inter": 512, "inter": 2048, "vocab": 32768},
-    "large": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 128, "top_k": 8,
+    "large": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 64, "top_k": 8,
               "moe_inter": 768, "inter": 6144, "vocab": 32768},
 }
 

@@ -1,0 +1,137 @@
+"""MoE GGUFs in llama.cpp's layout (`localmoe.testing.moe_gguf`: its architecture names, metadata keys,
+tensor names, stacked `*_exps` experts, block types mixed per tensor as llama-quantize's Q4_K_M mixes
+them) against the same weights in the HF layout, dequantised by the `gguf` package's own numpy
+dequantisers: resident, from a converted store, and paged at 25% RAM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from localmoe.config import EngineConfig, PagingConfig
+from localmoe.engine.quantized import BlockQuantized
+from localmoe.errors import CheckpointError
+from localmoe.load import load_model
+from localmoe.store.gguf import GGUFFile
+from localmoe.testing import write_checkpoint
+from localmoe.testing.moe_gguf import write_dequantized, write_moe_gguf
+
+PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
+TYPES = ["f32", "bf16", "q8_0", "q4_k_m"]
+FAMILIES = ["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_gguf")
+    return {family: write_checkpoint(family, root / family, size="tiny", seed=3) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def pair(source, tmp_path_factory):
+    """(GGUF, its dequantised HF twin) per (family, types), written once."""
+    cache = {}
+
+    def get(family: str, types: str):
+        if (family, types) not in cache:
+            root = tmp_path_factory.mktemp(f"{family}_{types}")
+            gguf = write_moe_gguf(source[family], root / f"{family}.{types}.gguf", types)
+            cache[family, types] = gguf, write_dequantized(source[family], gguf, root / "dequantized")
+        return cache[family, types]
+
+    return get
+
+
+def _run(model, steps: int = 6) -> list[torch.Tensor]:
+    """Prefill logits, then greedy decode steps' logits."""
+    cache = model.new_cache(1, PROMPT.shape[1] + steps + 1)
+    out = [model.forward(PROMPT, cache, all_logits=True)]
+    for _ in range(steps):
+        out.append(model.forward(out[-1][:, -1:].argmax(-1), cache))
+    return out
+
+
+def _load(path, **kw):
+    return load_model(path, EngineConfig(dtype="float32", expert_precision="exact", **kw), progress=False)
+
+
+@pytest.mark.parametrize("types", TYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_matches_its_dequantised_hf_twin(pair, family, types):
+    """Same spec from the metadata as from config.json, same tokenizer, and prefill + cached decode
+    bit-identical: our block decoders equal gguf's, so the fp32 weights are the same numbers."""
+    gguf, twin = pair(family, types)
+    ours, ref = _load(gguf), _load(twin)
+    assert dataclasses.replace(ours.spec, name="") == ref.spec
+    kinds = {GGUFFile(gguf).info(n).ggml_type for n in GGUFFile(gguf).tensor_names()}
+    if types == "q4_k_m":
+        assert {Q.Q4_K, Q.Q6_K, Q.F32} <= kinds  # mixed per tensor
+    for step, (a, b) in enumerate(zip(_run(ours.model), _run(ref.model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    text = "<|im_start|>user\nThe capital of France is Paris, 2026.<|im_end|>"
+    assert ours.tokenizer.encode(text) == ref.tokenizer.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ours.chat_prompt(messages) == ref.chat_prompt(messages)  # the template came from the GGUF
+
+
+def test_block_experts_stay_blocks_and_q8_follows_the_gemv_reference(pair):
+    """Resident K-quant experts are BlockQuantized views of the file (no float copy); at expert precision
+    q8 one expert's projections equal the ggml GEMV reference (x rounded to int8, llama.cpp's trade), and the
+    model's logits stay within 0.5% of the range of the exact ones."""
+    from localmoe.kernels.ggml_gemv import naive_ggml_gemv
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    exact, q8 = _load(gguf), load_model(gguf, dtype="float32", expert_precision="q8", progress=False)
+    w = q8.model.moe_blocks()[2].experts.get(2, 5)
+    assert isinstance(w.gate.weight, BlockQuantized) and w.down.weight.ggml_type == Q.Q6_K  # layer 2: more bits
+    x = torch.randn(3, w.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    for proj in (w.gate, w.up):
+        want = naive_ggml_gemv(x, proj.weight.raw, proj.weight.ggml_type, proj.weight.shape)
+        torch.testing.assert_close(proj(x, "q8"), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.gate(x), x @ w.gate.dense().T, rtol=0, atol=0)  # exact: dequantised fp32
+    a, b = _run(q8.model, 0)[0], _run(exact.model, 0)[0]
+    assert (a - b).abs().max() <= 5e-3 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("ram", [0, "25%"])
+def test_converted_store_keeps_the_blocks_and_pages(pair, tmp_path, ram):
+    """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts (`down.q6_k` where
+    llama-quantize gave layer 2 more bits), lossless; the store gives the GGUF's bits resident and with a
+    RAM tier of a quarter of the experts (paged == resident)."""
+    from localmoe.convert import convert
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    report = convert(gguf, tmp_path / "store", progress=False).report
+    assert report["experts"]["stored"] == "ggml-blocks-kept" and report["experts"]["lossless"]
+    store = PackedStore(tmp_path / "store")
+    assert [p.name for p in store.layout(0).parts] == ["gate.q4_k", "up.q4_k", "down.q4_k"]
+    assert [p.name for p in store.layout(2).parts] == ["gate.q4_k", "up.q4_k", "down.q6_k"]
+    budget = 0 if ram == 0 else expert_bytes(store) // 4
+    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+    assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (ram != 0)
+    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_float_experts_keep_converts_exactly(pair, tmp_path):
+    from localmoe.convert import convert
+
+    gguf, twin = pair("qwen3_moe", "f32")
+    convert(gguf, tmp_path / "store", experts="keep", progress=False)
+    for a, b in zip(_run(_load(tmp_path / "store").model), _run(_load(twin).model)):
+        assert torch.equal(a, b)
+
+
+def test_missing_expert_tensor_is_named(source, tmp_path):
+    from localmoe.testing.gguf_split import rewrite_gguf
+
+    path = write_moe_gguf(source["qwen3_moe"], tmp_path / "ok.gguf", "q8_0")
+    rewrite_gguf(path, tmp_path / "broken.gguf", omit=("blk.1.ffn_up_exps.weight",))
+    with pytest.raises(CheckpointError, match=r"broken\.gguf: tensor 'layers\.1\.mlp\.experts\.0\.up\.weight' is "
+                                              r"missing"):
+        load_model(tmp_path / "broken.gguf", dtype="float32", progress=False)
