@@ -156,6 +156,7 @@ def gemv_bench(clock: Clock, device: str, bw: float, shapes: dict, E: int, summa
             t_kernel, _ = clock(tk.gemv, x, packed, scales, None, tables, cfg, y)
             t_path, how = clock(mxfp4_moe.mxfp4_grouped, x, packed, scales, ids)
             t_eager, _ = clock(mxfp4_moe.mxfp4_grouped, x, packed, scales, ids, graph=False)
+            t_dot = clock(tk.mxfp4_grouped, x, packed, scales, ids, None, "dot")[0] if N > 1 else None
             xb = x.view(E, N, K)
             xd = xb.to(torch.bfloat16)
             t_bmm, _ = clock(torch.bmm, xd, dense.transpose(1, 2))
@@ -168,10 +169,13 @@ def gemv_bench(clock: Clock, device: str, bw: float, shapes: dict, E: int, summa
             print(f"  {name} {O}x{K} N={N:<2} {cfg}: kernel {t_kernel * 1e6:7.1f} us = {r_kernel:.2f} of copy bw; "
                   f"call path {t_path * 1e6:7.1f} us = {r_path:.2f} ({how}), eager {t_eager * 1e6:7.1f} us = "
                   f"{r_eager:.2f}; bf16 bmm {t_bmm * 1e6:7.1f} us = {r_bmm:.2f} of copy bw, ours/bmm time "
-                  f"{t_path / t_bmm:.2f}; rel. error vs bmm {err:.1e}")
+                  f"{t_path / t_bmm:.2f}; rel. error vs bmm {err:.1e}"
+                  + (f"; tl.dot tiles instead {t_dot * 1e6:7.1f} us" if t_dot else ""))
             for key, value in (("kernel", r_kernel), ("path", r_path), ("eager", r_eager)):
                 worst[key, N] = min(worst.get((key, N), 9.9), value)
             worst["time", N] = max(worst.get(("time", N), 0.0), t_path / t_bmm)
+            if t_dot:
+                worst["dot", N] = max(worst.get(("dot", N), 0.0), t_kernel / t_dot)
     for N in ROWS:
         k_goal = f"goal >= {GOALS['gemv_kernel']} at N=1" if N == 1 else "no goal at N>1"
         summary.add(f"GEMV N={N} kernel alone, worst shape", f"{worst['kernel', N]:.2f} of copy bw", k_goal,
@@ -183,30 +187,38 @@ def gemv_bench(clock: Clock, device: str, bw: float, shapes: dict, E: int, summa
         summary.add(f"GEMV N={N} engine call path (eager), worst", f"{worst['eager', N]:.2f} of copy bw")
         summary.add(f"GEMV N={N} time over bf16 bmm, worst shape", f"{worst['time', N]:.2f}x", "goal < 1.0",
                     worst["time", N] < 1.0)
+        if ("dot", N) in worst:
+            summary.add(f"GEMV N={N} time over tl.dot tiles, worst", f"{worst['dot', N]:.2f}x",
+                        "above 1: move GEMV_MAX_ROWS down")
+
+
+SWEEP_16 = [{"BLOCK_O": o, "BLOCK_K": k, "SPLIT_K": 1, "num_warps": w} for o, k, w in
+            [(8, 64, 4), (16, 64, 4), (8, 128, 4), (4, 256, 4), (16, 64, 8)]]
 
 
 def gemv_sweep(clock: Clock, device: str, bw: float, shapes: dict, E: int, summary: Summary) -> None:
-    """N = 1 on the first shape with other tile sizes than gemv_config's: where to tune."""
+    """N = 1 and 16 on the first shape with other tile sizes than gemv_config's: where to tune."""
     import triton
     from localmoe.kernels.mxfp4_moe import triton as tk
     from localmoe.kernels.mxfp4_moe.triton_tiles import plan
 
     name, (O, K) = next(iter(shapes.items()))
     packed, scales, _ = _experts(O, K, E, device)
-    x = torch.randn(E, K, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    ids = torch.arange(E, device=device)
-    tables, y = plan(ids, E, 1), x.new_empty(E, O)
-    print(f"\n== GEMV tile sweep, {name} {O}x{K}, N=1 (kernel alone; default {tk.gemv_config(E, E, O, K)})")
-    best = (0.0, None)
-    for cfg in SWEEP if device == "cuda" else SWEEP[:2]:
-        cfg = dict(cfg, BLOCK_N=1, BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(K)))
-        if device != "cuda":
-            cfg.pop("num_warps")
-        t, _ = clock(tk.gemv, x, packed, scales, None, tables, cfg, y)
-        ratio = (packed.nbytes + scales.nbytes) / t / bw
-        print(f"  {cfg}: {t * 1e6:7.1f} us = {ratio:.2f} of copy bw")
-        best = max(best, (ratio, cfg), key=lambda b: b[0])
-    summary.add("GEMV N=1 best swept tile (kernel alone)", f"{best[0]:.2f} of copy bw with {best[1]}")
+    for N, configs in ((1, SWEEP), (16, SWEEP_16)):
+        x = torch.randn(E * N, K, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        tables, y = plan(torch.arange(E, device=device).repeat_interleave(N), E, N), x.new_empty(E * N, O)
+        print(f"\n== GEMV tile sweep, {name} {O}x{K}, N={N} (kernel alone; default "
+              f"{tk.gemv_config(E * N, E, O, K)})")
+        best = (0.0, None)
+        for cfg in configs if device == "cuda" else configs[:2]:
+            cfg = dict(cfg, BLOCK_N=N, BLOCK_K=min(cfg["BLOCK_K"], triton.next_power_of_2(K)))
+            if device != "cuda":
+                cfg.pop("num_warps")
+            t, _ = clock(tk.gemv, x, packed, scales, None, tables, cfg, y)
+            ratio = (packed.nbytes + scales.nbytes) / t / bw
+            print(f"  {cfg}: {t * 1e6:7.1f} us = {ratio:.2f} of copy bw")
+            best = max(best, (ratio, cfg), key=lambda b: b[0])
+        summary.add(f"GEMV N={N} best swept tile (kernel alone)", f"{best[0]:.2f} of copy bw with {best[1]}")
 
 
 def _reference_as_fla(op: str, q, k, v, g, beta, state):

@@ -11,7 +11,8 @@ BLOCK_N rows of ONE expert and BLOCK_O output rows of that expert's weight.
   summed, then multiplied by the block's scale. Where rows are few (one token, few experts) K is split
   over SPLIT_K programs writing fp32 partials that one sum adds (deterministic, no atomics).
 - `tl.dot` (prefill): the codes of a [BLOCK_O, BLOCK_K] slice are decoded and scaled into fp32 registers
-  and multiplied by a tile of BLOCK_M rows with an fp32 `tl.dot`.
+  and multiplied by a tile of BLOCK_M rows with `tl.dot`: on tensor cores in bf16 for bf16 x (both
+  operands exact in bf16), in fp32 ("ieee") for fp32 / fp16 x.
 
 Decoding e2m1 (s e1 e0 m): the 3 magnitude bits shifted into an fp16's exponent and mantissa are the
 value times 2^-14 (e = 0, m = 1 lands on fp16's subnormal 2^-15 = 0.5 * 2^-14), the sign bit goes to
@@ -62,29 +63,29 @@ def _gemv_kernel(x_ptr, p_ptr, s_ptr, b_ptr, y_ptr, rows_ptr, sorted_ptr, tile_s
         rows = tl.load(rows_ptr + offs_n, mask=mask_n, other=0)
         offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
         mask_o = offs_o < O
-        byte = tl.arange(0, BLOCK_K // 2)
         blk = tl.arange(0, BLOCK_K // 32)
-        w_rows = p_ptr + e.to(tl.int64) * stride_pe + offs_o[:, None] * stride_po  # [BO, 1]
-        s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_o[:, None] * stride_so
-        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm  # [BN, 1]
+        byte = blk[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]  # [1, NB, 16]: 16 bytes per 32-value block
+        w_rows = p_ptr + e.to(tl.int64) * stride_pe + offs_o[:, None, None] * stride_po  # [BO, 1, 1]
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_o[:, None] * stride_so  # [BO, 1]
+        x_rows = x_ptr + rows[:, None, None].to(tl.int64) * stride_xm  # [BN, 1, 1]
+        w_mask, x_mask = mask_o[:, None, None], mask_n[:, None, None]
         per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = pid_k * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
-        acc = tl.zeros((BLOCK_N, BLOCK_O), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_O, BLOCK_K // 32), dtype=tl.float32)  # per block, scaled
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kb = k0 // 2 + byte
+            kb = tl.multiple_of(k0 // 2, 16) + byte
             mk = kb < K // 2
-            codes = tl.load(w_rows + kb[None, :], mask=mask_o[:, None] & mk[None, :], other=0).to(tl.int32)
-            lo = _e2m1_x16k(codes)  # [BO, BK/2]: element 2i
+            codes = tl.load(w_rows + kb, mask=w_mask & mk, other=0).to(tl.int32)  # [BO, NB, 16]
+            lo = _e2m1_x16k(codes)  # element 2i of byte i
             hi = _e2m1_x16k(codes >> 4)  # element 2i + 1
-            mx = mask_n[:, None] & mk[None, :]
-            xe = tl.load(x_rows + 2 * kb[None, :], mask=mx, other=0.0).to(tl.float32) * 16384.0  # [BN, BK/2]
-            xo = tl.load(x_rows + 2 * kb[None, :] + 1, mask=mx, other=0.0).to(tl.float32) * 16384.0
-            prod = lo[None, :, :] * xe[:, None, :] + hi[None, :, :] * xo[:, None, :]  # [BN, BO, BK/2]
-            part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_O, BLOCK_K // 32, 16)), axis=3)  # per 32-value block
+            xe = tl.load(x_rows + 2 * kb, mask=x_mask & mk, other=0.0).to(tl.float32) * 16384.0  # [BN, NB, 16]
+            xo = tl.load(x_rows + 2 * kb + 1, mask=x_mask & mk, other=0.0).to(tl.float32) * 16384.0
+            part = tl.sum(lo[None, :, :, :] * xe[:, None, :, :] + hi[None, :, :, :] * xo[:, None, :, :], axis=3)
             kblk = k0 // 32 + blk
             sb = tl.load(s_rows + kblk[None, :], mask=mask_o[:, None] & (kblk < K // 32)[None, :], other=127)
-            acc += tl.sum(part * _scale(sb.to(tl.int32))[None, :, :], axis=2)
+            acc += part * _scale(sb.to(tl.int32))[None, :, :]  # [BN, BO, NB]
+        acc = tl.sum(acc, axis=2)
         if HAS_BIAS:
             bias = tl.load(b_ptr + e.to(tl.int64) * O + offs_o, mask=mask_o & (offs_o * 0 + pid_k == 0), other=0.0)
             acc += bias.to(tl.float32)[None, :]
@@ -95,7 +96,8 @@ def _gemv_kernel(x_ptr, p_ptr, s_ptr, b_ptr, y_ptr, rows_ptr, sorted_ptr, tile_s
 @triton.jit
 def _dot_kernel(x_ptr, p_ptr, s_ptr, b_ptr, y_ptr, rows_ptr, sorted_ptr, tile_start_ptr, tile_expert_ptr,
                 M, O, K, stride_xm, stride_pe, stride_po, stride_se, stride_so, stride_ym,
-                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                BF16: tl.constexpr):
     tile = tl.program_id(0)
     pid_o = tl.program_id(1)
     start = tl.load(tile_start_ptr + tile)
@@ -122,7 +124,10 @@ def _dot_kernel(x_ptr, p_ptr, s_ptr, b_ptr, y_ptr, rows_ptr, sorted_ptr, tile_st
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
                          mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32) * 16384.0
-            acc += tl.dot(xt, tl.trans(w), input_precision="ieee")
+            if BF16:  # both operands exact in bf16 (w is e2m1 x 2^(s - 141)): tensor cores, fp32 accumulate
+                acc += tl.dot(xt.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            else:
+                acc += tl.dot(xt, tl.trans(w), input_precision="ieee")
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * O + offs_o, mask=mask_o, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_o[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -145,10 +150,10 @@ def gemv_config(M: int, E: int, O: int, K: int) -> dict | None:
 
 
 def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor,
-                  bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, config: dict | str | None = None) -> torch.Tensor:
     """x [M, K] (fp32/fp16/bf16), packed [E, O, K/2], scales [E, O, K/32] uint8, ids [M] int (in [0, E)),
     bias [E, O] or None -> [M, O] in x's dtype (fp32 accumulate). `config` overrides `gemv_config`'s
-    GEMV tile sizes (benchmarks)."""
+    GEMV tile sizes, or "dot" forces `tl.dot` tiles (benchmarks)."""
     M, K = x.shape
     E, O, half = packed.shape
     assert half * 2 == K and K % 32 == 0, "packed [E, O, K/2] with K % 32 == 0"
@@ -160,14 +165,14 @@ def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, i
     if M == 0:
         return y
     b = None if bias is None else bias.contiguous()
-    cfg = config or gemv_config(M, E, O, K)
+    cfg = None if config == "dot" else config or gemv_config(M, E, O, K)
     if cfg is None:
         block_m = min(64, max(16, triton.next_power_of_2(triton.cdiv(M, min(E, M)))))
         rows, sorted_ids, tile_start, tile_expert = plan(ids, E, block_m)
         _launch(_dot_kernel, (tile_start.numel(), triton.cdiv(O, 64)), x, packed, scales, y if b is None else b, y,
                 rows, sorted_ids, tile_start, tile_expert, M, O, K, x.stride(0), packed.stride(0), packed.stride(1),
                 scales.stride(0), scales.stride(1), y.stride(0), HAS_BIAS=b is not None, BLOCK_M=block_m,
-                BLOCK_O=64, BLOCK_K=64)
+                BLOCK_O=64, BLOCK_K=64, BF16=x.dtype == torch.bfloat16)
         return y
     return gemv(x, packed, scales, b, plan(ids, E, cfg["BLOCK_N"]), cfg, y)
 

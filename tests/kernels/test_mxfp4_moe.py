@@ -199,6 +199,21 @@ def test_triton_grouped_matches_reference(M, E, O, K, counts, dtype, device, clo
           dtype == torch.float32 else 2.0 ** -10, "grouped, no bias")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter has no bf16)")
+@pytest.mark.parametrize("config", [None, "dot"], ids=["by-shape", "dot"])
+@pytest.mark.parametrize("M,E,O,K,counts", GROUPED)
+def test_cuda_bf16(M, E, O, K, counts, config, close):
+    """bf16 x (the engine's dtype on a GPU): the GEMV, and the tensor-core `tl.dot` tiles at every shape,
+    within bf16's output rounding of the fp32 reference on the same x."""
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    packed, scales, ids, bias, x = _grouped_case(M, E, O, K, counts, seed=M * K + 1)
+    x = x.to(torch.bfloat16)
+    got = tk.mxfp4_grouped(*(t.cuda() for t in (x, packed, scales, ids, bias)), config=config)
+    assert got.dtype == torch.bfloat16
+    close(got.float(), naive_mxfp4_grouped(x.float(), packed, scales, ids, bias), 2.0 ** -8, "bf16")
+
+
 def test_dispatch_by_shape():
     from localmoe.kernels.mxfp4_moe import triton as tk
 
