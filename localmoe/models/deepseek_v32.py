@@ -11,16 +11,34 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
   under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
 - `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights and the
   MTP layer (`model.layers.{num_hidden_layers}`) are not read: convert to bf16 first.
+
+GGUF (`deepseek32`, llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
+per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode) and `attn_v_b`
+[H, v, kv_lora]; `gguf_finish` joins them back. The indexer is `indexer.{attn_q_b,attn_k,k_norm,proj}`,
+the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts stacked (split per
+expert, models/gguf_experts.py). YaRN's `mscale_all_dim` comes back from `rope.scaling.yarn_log_multiplier`
+(written as 0.1 x mscale_all_dim; `mscale` is taken equal to it, as in every DeepSeek release); the
+appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is dropped.
 """
 
 from __future__ import annotations
+
+import torch
 
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.indexer import indexer_shapes
 from localmoe.engine.layers.mla import mla_shapes
 from localmoe.engine.layers.moe import moe_shapes
+from localmoe.engine.quantized import BlockQuantized
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
+from localmoe.models.gguf_experts import (
+    GGUFKeys,
+    as_float,
+    gguf_stacked_experts,
+    stacked_expert_rules,
+    unstack_experts,
+)
 from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require
 
 _MLA = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
@@ -59,6 +77,85 @@ HF_TENSORS = TensorMap(
 )
 
 
+_GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
+
+
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF config the `deepseek32.*` metadata was converted from."""
+    key = GGUFKeys(metadata, "deepseek32")
+    layers = key("block_count") - key("nextn_predict_layers", 0)
+    heads, rope = key("attention.head_count"), key("rope.dimension_count")
+    scaling = key.rope_scaling()
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling["type"] = scaling.pop("rope_type")  # DeepSeek's configs spell it `type`
+        log_mul = key("rope.scaling.yarn_log_multiplier", required=False)
+        if log_mul:
+            scaling["mscale"] = scaling["mscale_all_dim"] = round(log_mul / 0.1, 6)
+    gating = key("expert_gating_func", 2)
+    if gating not in _GATING:
+        from localmoe.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"GGUF deepseek32.expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
+    config = {
+        "model_type": "deepseek_v32", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": heads,  # llama.cpp writes 1 (MLA as MQA)
+        "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"),
+        "index_n_heads": key("attention.indexer.head_count"), "index_head_dim": key("attention.indexer.key_length"),
+        "index_topk": key("attention.indexer.top_k"),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "num_experts_per_tok": key("expert_used_count"), "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "scoring_func": _GATING[gating], "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": scaling, "max_position_embeddings": key("context_length", 163840),
+        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    return deepseek_spec(config)
+
+
+_GGUF_ATTN = {"attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_layernorm", "attn_q_b": "q_b_proj", "attn_q": "q_proj",
+              "attn_kv_a_mqa": "kv_a_proj_with_mqa", "attn_kv_a_norm": "kv_a_layernorm", "attn_output": "o_proj",
+              "attn_k_b": "k_b", "attn_v_b": "v_b",  # joined into kv_b_proj by gguf_finish
+              "indexer.attn_q_b": "indexer.wq_b", "indexer.attn_k": "indexer.wk", "indexer.proj": "indexer.weights_proj"}
+GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+              **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in _GGUF_ATTN.items()},
+              "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+              "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+              "ffn_gate_inp.weight": "mlp.router.weight", "exp_probs_b.bias": "mlp.router.e_score_correction_bias",
+              **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+              **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in GGUF_LAYER.items()),
+        *stacked_expert_rules(),
+    ), ignore=(r"\.nextn\.",))
+
+
+def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
+    """kv_b_proj [H (nope + v), r] from llama.cpp's per-head k_b [H, r, nope] and v_b [H, v, r]; the MTP
+    block's tensors (layers past num_layers) dropped; attention matrices kept in blocks (--dtype auto)
+    dequantised (the MLA and indexer builders take float weights); routed experts split per expert."""
+    for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
+        del weights[name]
+    for name in [n for n in weights if ".self_attn." in n]:
+        if isinstance(weights[name], BlockQuantized):
+            weights[name] = weights[name].float()
+    for i in range(spec.num_layers):
+        a = f"layers.{i}.self_attn."
+        if a + "k_b.weight" in weights and a + "v_b.weight" in weights:
+            k_b, v_b = as_float(weights.pop(a + "k_b.weight")), as_float(weights.pop(a + "v_b.weight"))
+            weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+    return unstack_experts(weights, spec)
+
+
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     D = spec.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
@@ -72,4 +169,6 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32",),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
-                           experts=experts("model.")))
+                           experts=experts("model."), gguf_architectures=("deepseek32",),
+                           spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=gguf_finish,
+                           gguf_experts=gguf_stacked_experts()))

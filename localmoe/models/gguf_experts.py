@@ -60,6 +60,11 @@ def gguf_stacked_experts() -> ExpertTensors:
     return ExpertTensors("ggml", {p: f"blk.{{i}}.ffn_{p}_exps" for p in PROJECTIONS}, stacked=True)
 
 
+def as_float(t) -> torch.Tensor:
+    """A GGUF tensor as the loader gave it (a float tensor or BlockQuantized) in fp32."""
+    return t.float()
+
+
 def _expert(t, e: int):
     if isinstance(t, BlockQuantized):
         return BlockQuantized(t.raw[e], t.ggml_type, t.shape[1:])

@@ -114,7 +114,10 @@ def add_tokenizer(w, src: Path, vocab_size: int, chat_template: bool = False) ->
     w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     if gen.get("pad_token_id") is not None:
         w.add_pad_token_id(gen["pad_token_id"])
-    template = json.loads((src / "tokenizer_config.json").read_text()).get("chat_template")
+    tok_config = json.loads((src / "tokenizer_config.json").read_text())
+    if tok_config.get("add_bos_token"):
+        w.add_add_bos_token(True)  # as gguf.SpecialVocab writes it from tokenizer_config.json
+    template = tok_config.get("chat_template")
     if chat_template and template:
         w.add_chat_template(template)
 

@@ -38,9 +38,71 @@ class Arch:
 
     name: str
     metadata: Callable  # (writer, config) -> None
-    layer: dict[str, str]  # HF name under `model.layers.{i}.` -> GGUF name under `blk.{i}.`
+    layer: dict[str, str]  # HF name under `model.layers.{i}.` -> GGUF name under `blk.{i}.` (those present)
     experts: str  # HF name of expert e's projection P under `model.layers.{i}.`, with {e} and {p}
     top: dict[str, str]  # HF name -> GGUF name outside the layers
+    # HF layer tensor -> (GGUF names, split(values, config) -> their values, join(values, config) -> HF values)
+    split: dict = None
+
+
+def _kv_b_split(kv_b: np.ndarray, c: dict) -> list[np.ndarray]:
+    """kv_b_proj [H (nope + v), r] -> k_b [H, r, nope] (transposed, for absorbed decode) and v_b [H, v, r]."""
+    H, nope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["v_head_dim"]
+    per_head = kv_b.reshape(H, nope + v, -1)
+    return [np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(per_head[:, nope:])]
+
+
+def _kv_b_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
+    k_b, v_b = parts
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+
+
+def _deepseek32_metadata(w, c: dict) -> None:
+    arch = "deepseek32"
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(1)  # MLA written as MQA
+    w.add_rope_freq_base(float(c["rope_theta"]))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_uint32(f"{arch}.expert_gating_func", 2 if c["scoring_func"] == "sigmoid" else 1)
+    w.add_uint32(f"{arch}.leading_dense_block_count", c["first_k_dense_replace"])
+    w.add_uint32(f"{arch}.vocab_size", c["vocab_size"])
+    w.add_uint32(f"{arch}.attention.q_lora_rank", c["q_lora_rank"])
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", c["kv_lora_rank"])
+    w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    w.add_value_length(c["kv_lora_rank"])
+    w.add_uint32(f"{arch}.attention.key_length_mla", c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length_mla", c["v_head_dim"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_uint32(f"{arch}.expert_shared_count", c["n_shared_experts"])
+    w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
+    if c["norm_topk_prob"]:
+        w.add_bool(f"{arch}.expert_weights_norm", True)
+    w.add_rope_dimension_count(c["qk_rope_head_dim"])
+    rs = c["rope_scaling"]
+    w.add_rope_scaling_type(gguf_rope_type(rs))
+    w.add_rope_scaling_factor(rs["factor"])
+    w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(float(rs["beta_fast"]))
+    w.add_rope_scaling_yarn_beta_slow(float(rs["beta_slow"]))
+    w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rs["mscale_all_dim"])
+    w.add_uint32(f"{arch}.attention.indexer.head_count", c["index_n_heads"])
+    w.add_uint32(f"{arch}.attention.indexer.key_length", c["index_head_dim"])
+    w.add_uint32(f"{arch}.attention.indexer.top_k", c["index_topk"])
+
+
+def gguf_rope_type(rope_scaling: dict):
+    import gguf
+
+    return gguf.RopeScalingType.YARN if rope_scaling.get("type", rope_scaling.get("rope_type")) == "yarn" else \
+        gguf.RopeScalingType.LINEAR
 
 
 def _qwen3moe_metadata(w, c: dict) -> None:
@@ -69,6 +131,19 @@ ARCHS = {
         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
         "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
         "mlp.gate.weight": "ffn_gate_inp.weight"}, "mlp.experts.{e}.{p}.weight", _TOP),
+    "deepseek_v32": Arch("deepseek32", _deepseek32_metadata, {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
+            ("q_a_proj", "attn_q_a"), ("q_a_layernorm", "attn_q_a_norm"), ("q_b_proj", "attn_q_b"),
+            ("kv_a_proj_with_mqa", "attn_kv_a_mqa"), ("kv_a_layernorm", "attn_kv_a_norm"), ("o_proj", "attn_output"),
+            ("indexer.wq_b", "indexer.attn_q_b"), ("indexer.wk", "indexer.attn_k"),
+            ("indexer.k_norm", "indexer.k_norm"), ("indexer.weights_proj", "indexer.proj"))},
+        "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
+        "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
+        **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}},
+        "mlp.experts.{e}.{p}.weight", _TOP,
+        split={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}),
 }
 
 
@@ -89,9 +164,14 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
     if types == "q4_k_m":
         more = name.startswith("blk.") and _use_more_bits(int(name.split(".")[1]), layers)
         if name == "output.weight" or (more and (".attn_v." in name or ".ffn_down" in name)):
-            return Q.Q6_K
-        return Q.Q4_K
-    return Q[types.upper()]
+            qtype = Q.Q6_K
+        else:
+            qtype = Q.Q4_K
+    else:
+        qtype = Q[types.upper()]
+    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return Q.F32  # rows too short for the blocks: llama-quantize falls back to a float type too
+    return qtype
 
 
 def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
@@ -118,14 +198,20 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
         return lambda: ckpt.tensor(name).float().numpy()
 
     out = [(arch.top["model.embed_tokens.weight"], f32("model.embed_tokens.weight"))]
-    E = config["num_experts"]
+    E = config.get("num_experts") or config["n_routed_experts"]
+    names = set(ckpt.keys())
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items()]
+        out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items() if p + src in names]
+        for src, (dsts, split, _) in (arch.split or {}).items():
+            for k, dst in enumerate(dsts):
+                out.append((f"blk.{i}.{dst}", lambda src=p + src, k=k, split=split: split(f32(src)(), config)[k]))
+        if p + arch.experts.format(e=0, p="gate_proj") not in names:
+            continue  # a dense layer
         for short, hf in PROJ.items():
-            names = [p + arch.experts.format(e=e, p=hf) for e in range(E)]
+            stack = [p + arch.experts.format(e=e, p=hf) for e in range(E)]
             out.append((f"blk.{i}.ffn_{short}_exps.weight",
-                        lambda names=names: np.stack([ckpt.tensor(n).float().numpy() for n in names])))
+                        lambda stack=stack: np.stack([ckpt.tensor(n).float().numpy() for n in stack])))
     out += [(arch.top["model.norm.weight"], f32("model.norm.weight")), (arch.top["lm_head.weight"], f32("lm_head.weight"))]
     return out
 
@@ -171,6 +257,8 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
     to_hf = {v: k for k, v in arch.top.items()}
     reader = gguf.GGUFReader(gguf_path)
     tensors: dict[str, torch.Tensor] = {}
+    pending: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (layer prefix, HF name) -> split parts read
+    split_of = {dst: (src, dsts, join) for src, (dsts, _, join) in (arch.split or {}).items() for dst in dsts}
     for t in reader.tensors:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         values = values.reshape(tuple(int(n) for n in reversed(t.shape)))
@@ -183,6 +271,12 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
             hf = PROJ[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
             for e in range(values.shape[0]):
                 tensors[p + arch.experts.format(e=e, p=hf)] = torch.from_numpy(values[e].copy())
+        elif rest in split_of:
+            hf_name, dsts, join = split_of[rest]
+            got = pending.setdefault((p, hf_name), {})
+            got[rest] = values
+            if len(got) == len(dsts):
+                tensors[p + hf_name] = torch.from_numpy(np.ascontiguousarray(join([got[d] for d in dsts], config)))
         else:
             tensors[p + {v: k for k, v in arch.layer.items()}[rest]] = torch.from_numpy(values.copy())
     dst.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,10 @@ from localmoe.testing import write_checkpoint
 from localmoe.testing.moe_gguf import write_dequantized, write_moe_gguf
 
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
-TYPES = ["f32", "bf16", "q8_0", "q4_k_m"]
-FAMILIES = ["qwen3_moe"]
+# the tiny deepseek_v32 is 64 wide: too narrow for K-quant rows (llama-quantize would fall back to F32 too)
+CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m")] + \
+        [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")]
+FAMILIES = sorted({family for family, _ in CASES})
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +60,12 @@ def _load(path, **kw):
     return load_model(path, EngineConfig(dtype="float32", expert_precision="exact", **kw), progress=False)
 
 
-@pytest.mark.parametrize("types", TYPES)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_gguf_matches_its_dequantised_hf_twin(pair, family, types):
+@pytest.mark.parametrize(("family", "types"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_gguf_matches_its_dequantised_hf_twin(pair, source, family, types):
     """Same spec from the metadata as from config.json, same tokenizer, and prefill + cached decode
-    bit-identical: our block decoders equal gguf's, so the fp32 weights are the same numbers."""
+    within 1e-5 of the logit range (our block decoders equal gguf's, so the fp32 weights are the same
+    numbers; measured: bit-identical for qwen3moe, 1.2e-7 for deepseek32, whose twin's F32 matrices take
+    other CPU GEMM paths than the GGUF's views). Unquantised types also equal the bf16 source exactly."""
     gguf, twin = pair(family, types)
     ours, ref = _load(gguf), _load(twin)
     assert dataclasses.replace(ours.spec, name="") == ref.spec
@@ -70,8 +73,12 @@ def test_gguf_matches_its_dequantised_hf_twin(pair, family, types):
     if types == "q4_k_m":
         assert {Q.Q4_K, Q.Q6_K, Q.F32} <= kinds  # mixed per tensor
     for step, (a, b) in enumerate(zip(_run(ours.model), _run(ref.model))):
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
-    text = "<|im_start|>user\nThe capital of France is Paris, 2026.<|im_end|>"
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-5 * (b.max() - b.min()).item(), f"step {step}: max diff {diff:.3e}"
+    if types in ("f32", "bf16"):
+        for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(source[family]).model))):
+            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    text = "The capital of France is Paris, 2026."
     assert ours.tokenizer.encode(text) == ref.tokenizer.encode(text)
     messages = [{"role": "user", "content": "Hi"}]
     assert ours.chat_prompt(messages) == ref.chat_prompt(messages)  # the template came from the GGUF
@@ -94,6 +101,25 @@ def test_block_experts_stay_blocks_and_q8_follows_the_gemv_reference(pair):
     torch.testing.assert_close(w.gate(x), x @ w.gate.dense().T, rtol=0, atol=0)  # exact: dequantised fp32
     a, b = _run(q8.model, 0)[0], _run(exact.model, 0)[0]
     assert (a - b).abs().max() <= 5e-3 * (b.max() - b.min())
+
+
+@pytest.mark.parametrize("ram", [0, "25%"])
+def test_deepseek32_store_pages(pair, tmp_path, ram):
+    """deepseek32 (MLA + DSA indexer + shared experts + a dense first layer) from a converted Q8_0 store:
+    the GGUF's bits, resident and paged."""
+    from localmoe.convert import convert
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    gguf, _ = pair("deepseek_v32", "q8_0")
+    convert(gguf, tmp_path / "store", progress=False)
+    store = PackedStore(tmp_path / "store")
+    assert store.layers() == [1, 2, 3] and [p.name for p in store.layout(1).parts] == ["gate.q8_0", "up.q8_0",
+                                                                                         "down.q8_0"]
+    budget = 0 if ram == 0 else expert_bytes(store) // 4
+    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
 
 @pytest.mark.parametrize("ram", [0, "25%"])
