@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 (`deepseek_v32`, transformers `DeepseekV32ForCausalLM`): MLA with RoPE on the
 shared rope part and the DSA lightning indexer in every layer, sigmoid-routed MoE with
-correction bias and group-limited top-k, shared experts.
+correction bias and group-limited top-k, shared experts. DeepSeek-V3 / V3.1 / R1 (`deepseek_v3`,
+`DeepseekV3ForCausalLM`) is the same model without the indexer: plain MLA layers.
 
 Checkpoint facts: routed experts per expert in bf16 `mlp.experts.{e}.{gate,up,down}_proj`.
 
@@ -12,7 +13,7 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
 - `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights and the
   MTP layer (`model.layers.{num_hidden_layers}`) are not read: convert to bf16 first.
 
-GGUF (`deepseek32`, llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
+GGUF (`deepseek32`, and `deepseek2` for V3 without the indexer; llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
 per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode) and `attn_v_b`
 [H, v, kv_lora]; `gguf_finish` joins them back. The indexer is `indexer.{attn_q_b,attn_k,k_norm,proj}`,
 the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts stacked (split per
@@ -47,8 +48,13 @@ _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights
 
 
 def deepseek_spec(config: dict) -> ModelSpec:
+    """DeepSeek-V3.2 (`deepseek_v32`: MLA + the DSA indexer in every layer) or DeepSeek-V3 / V3.1 / R1
+    (`deepseek_v3`: the same model without the indexer, plain MLA)."""
     layers = require(config, "num_hidden_layers")
-    return moe_spec(config, "deepseek_v32", ("dsa",) * layers,
+    model_type = config.get("model_type", "deepseek_v32")
+    if model_type == "deepseek_v3":  # no indexer: its fields zero
+        config = {**config, "index_n_heads": 0, "index_head_dim": 0, "index_topk": 0}
+    return moe_spec(config, model_type, ("mla" if model_type == "deepseek_v3" else "dsa",) * layers,
                     moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
                     "config.json", **dsa_fields(config, "config.json"))
 
@@ -81,8 +87,11 @@ _GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 
 
 def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
-    """The spec of the HF config the `deepseek32.*` metadata was converted from."""
-    key = GGUFKeys(metadata, "deepseek32")
+    """The spec of the HF config the `deepseek32.*` (V3.2) or `deepseek2.*` (V3, V3.1, R1: no indexer)
+    metadata was converted from."""
+    arch = metadata["general.architecture"]
+    key = GGUFKeys(metadata, arch)
+    indexer = arch == "deepseek32"
     layers = key("block_count") - key("nextn_predict_layers", 0)
     heads, rope = key("attention.head_count"), key("rope.dimension_count")
     scaling = key.rope_scaling()
@@ -95,16 +104,16 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
     if gating not in _GATING:
         from localmoe.errors import UnsupportedModelError
 
-        raise UnsupportedModelError(f"GGUF deepseek32.expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
+        raise UnsupportedModelError(f"GGUF {arch}.expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
     config = {
-        "model_type": "deepseek_v32", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "model_type": "deepseek_v32" if indexer else "deepseek_v3", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
         "num_attention_heads": heads, "num_key_value_heads": heads,  # llama.cpp writes 1 (MLA as MQA)
         "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
         "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
         "v_head_dim": key("attention.value_length_mla"),
-        "index_n_heads": key("attention.indexer.head_count"), "index_head_dim": key("attention.indexer.key_length"),
-        "index_topk": key("attention.indexer.top_k"),
+        **({"index_n_heads": key("attention.indexer.head_count"), "index_head_dim": key("attention.indexer.key_length"),
+            "index_topk": key("attention.indexer.top_k")} if indexer else {}),
         "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
         "num_experts_per_tok": key("expert_used_count"), "first_k_dense_replace": key("leading_dense_block_count", 0),
         "n_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
@@ -163,12 +172,14 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, D)
     for i in range(spec.num_layers):
         a = f"layers.{i}.self_attn."
-        shapes |= moe_shapes(spec, i) | mla_shapes(spec, a) | indexer_shapes(spec, a)
+        shapes |= moe_shapes(spec, i) | mla_shapes(spec, a)
+        if spec.layer_kinds[i] == "dsa":
+            shapes |= indexer_shapes(spec, a)
     return shapes
 
 
-DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32",),
+DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3"),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
-                           experts=experts("model."), gguf_architectures=("deepseek32",),
+                           experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2"),
                            spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=gguf_finish,
                            gguf_experts=gguf_stacked_experts()))

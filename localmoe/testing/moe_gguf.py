@@ -57,8 +57,18 @@ def _kv_b_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
 
 
+def _deepseek2_metadata(w, c: dict) -> None:
+    _deepseek_metadata(w, c, "deepseek2")
+
+
 def _deepseek32_metadata(w, c: dict) -> None:
-    arch = "deepseek32"
+    _deepseek_metadata(w, c, "deepseek32")
+    w.add_uint32("deepseek32.attention.indexer.head_count", c["index_n_heads"])
+    w.add_uint32("deepseek32.attention.indexer.key_length", c["index_head_dim"])
+    w.add_uint32("deepseek32.attention.indexer.top_k", c["index_topk"])
+
+
+def _deepseek_metadata(w, c: dict, arch: str) -> None:
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
@@ -93,9 +103,6 @@ def _deepseek32_metadata(w, c: dict) -> None:
     w.add_rope_scaling_yarn_beta_fast(float(rs["beta_fast"]))
     w.add_rope_scaling_yarn_beta_slow(float(rs["beta_slow"]))
     w.add_float32(f"{arch}.rope.scaling.yarn_log_multiplier", 0.1 * rs["mscale_all_dim"])
-    w.add_uint32(f"{arch}.attention.indexer.head_count", c["index_n_heads"])
-    w.add_uint32(f"{arch}.attention.indexer.key_length", c["index_head_dim"])
-    w.add_uint32(f"{arch}.attention.indexer.top_k", c["index_topk"])
 
 
 def gguf_rope_type(rope_scaling: dict):
@@ -124,14 +131,7 @@ def _qwen3moe_metadata(w, c: dict) -> None:
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
-ARCHS = {
-    "qwen3_moe": Arch("qwen3moe", _qwen3moe_metadata, {
-        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "mlp.gate.weight": "ffn_gate_inp.weight"}, "mlp.experts.{e}.{p}.weight", _TOP),
-    "deepseek_v32": Arch("deepseek32", _deepseek32_metadata, {
+_DEEPSEEK_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for deepseek2 / deepseek32)
         "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
         **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
             ("q_a_proj", "attn_q_a"), ("q_a_layernorm", "attn_q_a_norm"), ("q_b_proj", "attn_q_b"),
@@ -141,9 +141,20 @@ ARCHS = {
         "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
         "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
         **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
-        **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}},
-        "mlp.experts.{e}.{p}.weight", _TOP,
-        split={"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}),
+        **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
+_DEEPSEEK_SPLIT = {"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}
+
+ARCHS = {
+    "qwen3_moe": Arch("qwen3moe", _qwen3moe_metadata, {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight"}, "mlp.experts.{e}.{p}.weight", _TOP),
+    "deepseek_v32": Arch("deepseek32", _deepseek32_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
+                         split=_DEEPSEEK_SPLIT),
+    "deepseek_v3": Arch("deepseek2", _deepseek2_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
+                        split=_DEEPSEEK_SPLIT),
 }
 
 

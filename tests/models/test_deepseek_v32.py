@@ -119,3 +119,13 @@ def test_cache_sizing_counts_the_index_keys(models, dtype):
     with kv_cache_dtype(ours.model, dtype):
         cache = ours.model.new_cache(1, 64)
     assert ours.spec.kv_bytes_per_token(dtype) == sum(layer.bytes_per_token() for layer in cache.layers)
+
+
+def test_deepseek_v3_without_the_indexer_matches_transformers(tmp_path_factory):
+    """DeepSeek-V3 (`deepseek_v3`: the V3.2 layout without the indexer, plain MLA layers) against
+    transformers' `DeepseekV3ForCausalLM`."""
+    path = tiny_checkpoint("deepseek_v3", tmp_path_factory)
+    ours, reference = load_pair(path, transformers.AutoModelForCausalLM, attn_implementation="eager")
+    assert ours.spec.layer_kinds == ("mla",) * 4 and ours.spec.index_topk == 0
+    assert_prefill_and_greedy_decode_match(ours.model, reference, random_tokens(PREFILL, 1, ours.spec.vocab_size),
+                                           DECODE)

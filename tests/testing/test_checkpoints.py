@@ -20,7 +20,7 @@ from localmoe.testing import FAMILIES, plan_checkpoint, write_checkpoint
 from localmoe.testing.__main__ import main as cli_main
 from localmoe.testing.plan import GB
 
-HF_FAMILIES = ["kimi_linear", "gpt_oss", "qwen3_next", "qwen3_moe", "deepseek_v32", "glm5_next"]  # transformers 5.23 has these
+HF_FAMILIES = ["kimi_linear", "gpt_oss", "qwen3_next", "qwen3_moe", "deepseek_v32", "deepseek_v3", "glm5_next"]  # transformers 5.23 has these
 
 
 def _read_config(path: Path) -> dict:

@@ -7,5 +7,5 @@ from localmoe.testing.plan import CheckpointGenerator
 
 FAMILIES: dict[str, CheckpointGenerator] = {
     f.name: f for f in (kimi_linear.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, deepseek_v32.FAMILY, glm5_next.FAMILY,
-                        kimi_k3.FAMILY, qwen3_moe.FAMILY)
+                        kimi_k3.FAMILY, qwen3_moe.FAMILY, deepseek_v32.V3)
 }

@@ -116,3 +116,15 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
 
 
 FAMILY = CheckpointGenerator("deepseek_v32", build, SIZES, TOKENIZER)
+
+
+def build_v3(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list[TensorSpec]]:
+    """DeepSeek-V3 (`deepseek_v3`, transformers `DeepseekV3ForCausalLM`): V3.2 without the indexer."""
+    config, tensors = build(d, tok)
+    for key in ("index_n_heads", "index_head_dim", "index_topk"):
+        del config[key]
+    config.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    return config, [t for t in tensors if ".indexer." not in t.name]
+
+
+V3 = CheckpointGenerator("deepseek_v3", build_v3, SIZES, TOKENIZER)
