@@ -1,0 +1,237 @@
+"""Kimi K3 (and Kimi-Linear, Qwen3-Next) decode and prefill on the CPU: localmoe against llama.cpp on the same weights.
+
+Each model is a generated random checkpoint (`localmoe.testing`, real layout), converted to GGUF by llama.cpp's
+own `convert_hf_to_gguf.py` from the llama-cpp-python sdist (fetched with `pip download` unless --llama-src
+names an unpacked one; it needs the `gguf` package, and the test tokenizer's pre-tokenizer hash, unknown to
+the converter, is mapped to `gpt-2`: it only touches tokenizer metadata). localmoe runs the HF checkpoint,
+llama.cpp (llama-cpp-python) the GGUF: f32 dense weights in both (or bf16 with --dtype bf16), the same MXFP4
+experts, the same threads, greedy. The engines alternate in separate processes (benchmarks/alternate.py),
+`--pairs` rounds; printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
+the fraction of the memory bandwidth (weight bytes read per decode token over a read bandwidth measured
+after every round) and how far the two engines' logits at the prompt's last position differ (max |diff| over
+the logit range; llama.cpp's KV cache at f32).
+
+    python benchmarks/k3_cpu.py [--models kimi_k3:small,kimi_linear:small] [--threads 2] [--pairs 4]
+                                [--prompt 72] [--decode 64] [--dtype f32|bf16] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from alternate import alternate, emit, median_ratio
+
+LLAMA_CPP_VERSION = "0.3.36"
+CONVERT = """import sys, runpy
+sys.path[:0] = [{gguf_py!r}, {src!r}]
+import conversion.base as base
+for cls in list(vars(base).values()):  # the generated tokenizer's pre-tokenizer hash is not in llama.cpp's table
+    if isinstance(cls, type) and "get_vocab_base_pre" in vars(cls):
+        cls.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def prompt_ids(n: int) -> list[int]:
+    rng = random.Random(0)
+    return [rng.randrange(10, 600) for _ in range(n)]  # inside the 640-token test tokenizer
+
+
+def llama_src(work: Path, given: str | None) -> Path:
+    """The vendored llama.cpp folder of the llama-cpp-python sdist (downloaded and unpacked once into `work`)."""
+    if given:
+        return Path(given)
+    root = work / f"llama_cpp_python-{LLAMA_CPP_VERSION}"
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(work)], check=True)
+        with tarfile.open(work / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz") as tar:
+            wanted = [m for m in tar.getmembers() if "/vendor/llama.cpp/" in m.name and (
+                m.name.endswith("convert_hf_to_gguf.py") or "/gguf-py/" in m.name or "/conversion/" in m.name)]
+            tar.extractall(work, members=wanted, filter="data")
+    return root / "vendor" / "llama.cpp"
+
+
+def prepare(family: str, size: str, dtype: str, work: Path, src: Path) -> tuple[Path, Path]:
+    """(HF checkpoint, GGUF of it by llama.cpp's converter), made once in `work`."""
+    from localmoe.testing import write_checkpoint
+
+    hf = work / f"{family}-{size}"
+    if not (hf / "config.json").exists():
+        write_checkpoint(family, hf, size, seed=0, progress=False)
+    gguf = work / f"{family}-{size}-{dtype}.gguf"
+    if not gguf.exists():
+        code = CONVERT.format(gguf_py=str(src / "gguf-py"), src=str(src), script=str(src / "convert_hf_to_gguf.py"))
+        tmp = gguf.with_suffix(".tmp")
+        done = subprocess.run([sys.executable, "-c", code, str(hf), "--outtype", dtype, "--outfile", str(tmp)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"llama.cpp's converter failed on {hf.name}:\n{done.stderr[-3000:]}")
+        tmp.rename(gguf)
+    return hf, gguf
+
+
+def decode_bytes(model) -> int:
+    """Weight bytes one decode token reads: every dense matrix and the head (not the embedding table), and
+    top_k experts per MoE layer."""
+    blocks = model.moe_blocks()
+    providers = {id(b.experts): b.experts for b in blocks}
+    experts = sum(p.nbytes() for p in providers.values())
+    total = model.weight_bytes() - (0 if model.head_shares_embedding() else model.embed.nbytes) - experts
+    per_expert = experts / max(1, sum(b.router.linear.weight.shape[0] for b in blocks))
+    return int(total + per_expert * sum(b.router.rule.top_k for b in blocks))
+
+
+def localmoe_worker(args) -> None:
+    import numpy as np
+    import torch
+
+    from localmoe.config import EngineConfig
+    from localmoe.engine.generate import prefill
+    from localmoe.load import load_model
+
+    torch.set_num_threads(args.threads)
+    dtype = {"f32": "float32", "bf16": "bfloat16"}[args.dtype]
+    context = args.prompt + args.decode + 16
+    config = EngineConfig(dtype=dtype, max_context=context, expert_precision=args.expert_precision)
+    model = load_model(args.path, config, progress=False).model
+    prompt = prompt_ids(args.prompt)
+
+    def run(prompt, decode):
+        cache = model.new_cache(1, context)
+        start = time.perf_counter()
+        logits = prefill(model, prompt, cache)
+        prefill_s, first = time.perf_counter() - start, logits
+        start = time.perf_counter()
+        for _ in range(decode):
+            logits = model.forward(logits.argmax(-1).view(1, 1), cache)[:, -1]
+        return prefill_s, time.perf_counter() - start, first
+
+    run(prompt[:8], 4)  # warm up: kernel library, decode plan
+    prefill_s, decode_s, first = run(prompt, args.decode)
+    if args.logits:
+        np.save(args.logits, first[0].float().numpy())
+    emit({"prefill": args.prompt / prefill_s, "decode": args.decode / decode_s, "bytes": decode_bytes(model),
+          "fused": type(getattr(model._plan, "decoder", None)).__name__})
+
+
+def llama_worker(args) -> None:
+    import llama_cpp
+    import numpy as np
+    from llama_cpp import Llama
+
+    context = args.prompt + args.decode + 16
+    llm = Llama(args.path, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=context, n_batch=512,
+                type_k=0, type_v=0, verbose=False)  # GGML_TYPE_F32 K/V cache
+    prompt = prompt_ids(args.prompt)
+
+    def last_logits():  # Llama.scores holds logits only with logits_all: read the context's own
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
+    def run(prompt, decode):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - start
+        first = last_logits().copy()
+        start = time.perf_counter()
+        for _ in range(decode):
+            llm.eval([int(np.argmax(last_logits()))])
+        return prefill_s, time.perf_counter() - start, first
+
+    run(prompt[:8], 4)
+    prefill_s, decode_s, first = run(prompt, args.decode)
+    if args.logits:
+        np.save(args.logits, first)
+    emit({"prefill": args.prompt / prefill_s, "decode": args.decode / decode_s})
+
+
+def compare(family: str, size: str, args, work: Path, src: Path) -> None:
+    import numpy as np
+    import torch
+    from common import memory_read_bandwidth
+
+    hf, gguf = prepare(family, size, args.dtype, work, src)
+    common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode),
+              "--dtype", args.dtype, "--expert-precision", args.expert_precision]
+    me = Path(__file__).resolve()
+    logits = {name: work / f"{family}-{size}-{name}.npy" for name in ("localmoe", "llama.cpp")}
+    workers = {"localmoe": [str(me), "--worker", "localmoe", "--path", str(hf), "--logits", str(logits["localmoe"]),
+                            *common],
+               "llama.cpp": [str(me), "--worker", "llama", "--path", str(gguf), "--logits", str(logits["llama.cpp"]),
+                             *common]}
+    torch.set_num_threads(args.threads)
+    bandwidth: list[float] = []
+
+    def show(r: int, res: dict) -> None:
+        ours, theirs = res["localmoe"], res["llama.cpp"]
+        print(f"  round {r + 1}: decode {ours['decode']:6.1f} vs {theirs['decode']:6.1f} tok/s "
+              f"({ours['decode'] / theirs['decode']:.2f}x), prefill {ours['prefill']:6.1f} vs "
+              f"{theirs['prefill']:6.1f} tok/s ({ours['prefill'] / theirs['prefill']:.2f}x), "
+              f"read bandwidth {bandwidth[-1] / 1e9:.1f} GB/s", flush=True)
+
+    print(f"{family} {size}, {args.dtype} dense weights, MXFP4 experts ({args.expert_precision} in localmoe), "
+          f"{args.threads} threads, "
+          f"{args.prompt}-token prompt, {args.decode} greedy tokens, {args.pairs} alternating rounds", flush=True)
+    res = alternate(workers, args.pairs, between=lambda: bandwidth.append(memory_read_bandwidth()), show=show)
+    ours, theirs = res["localmoe"], res["llama.cpp"]
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("decode", "prefill")} for k, v in res.items()}
+    bytes_ = ours[0]["bytes"]
+    bw = statistics.median(bandwidth)
+    a, b = np.load(logits["localmoe"]), np.load(logits["llama.cpp"])
+    spread = float(b.max() - b.min())
+    print(f"  medians: decode {med['localmoe']['decode']:.1f} vs {med['llama.cpp']['decode']:.1f} tok/s, "
+          f"localmoe / llama.cpp {median_ratio([r['decode'] for r in ours], [r['decode'] for r in theirs]):.2f}x; "
+          f"prefill {med['localmoe']['prefill']:.1f} vs {med['llama.cpp']['prefill']:.1f} tok/s, "
+          f"{median_ratio([r['prefill'] for r in ours], [r['prefill'] for r in theirs]):.2f}x; localmoe prefill / "
+          f"decode {med['localmoe']['prefill'] / med['localmoe']['decode']:.2f}")
+    print(f"  {bytes_ / 1e6:.1f} MB of weights per decode token, read bandwidth {bw / 1e9:.1f} GB/s: localmoe at "
+          f"{bytes_ * med['localmoe']['decode'] / bw:.2f} of it, llama.cpp at "
+          f"{bytes_ * med['llama.cpp']['decode'] / bw:.2f}; localmoe decode path: {ours[0]['fused'] or 'op by op'}")
+    print(f"  logits at the prompt's last position: max |localmoe - llama.cpp| = {np.abs(a - b).max() / spread:.2e} "
+          f"of the range, same argmax: {int(a.argmax()) == int(b.argmax())}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="kimi_k3:small", help="family:size, comma-separated")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=72)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
+    parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8",
+                        help="localmoe's MXFP4 expert activations (q8: int8 per 32 values, as llama.cpp's)")
+    parser.add_argument("--work", help="folder for checkpoints, GGUFs and the sdist (kept; default: a temporary one)")
+    parser.add_argument("--llama-src", help="an unpacked llama.cpp source folder with convert_hf_to_gguf.py")
+    parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--logits", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        (localmoe_worker if args.worker == "localmoe" else llama_worker)(args)
+        return
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise SystemExit("needs llama-cpp-python (pip install llama-cpp-python==0.3.36) and gguf") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        src = llama_src(work, args.llama_src)
+        for item in args.models.split(","):
+            family, _, size = item.partition(":")
+            compare(family, size or "small", args, work, src)
+
+
+if __name__ == "__main__":
+    main()
