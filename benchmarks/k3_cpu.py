@@ -102,7 +102,7 @@ def localmoe_worker(args) -> None:
     torch.set_num_threads(args.threads)
     dtype = {"f32": "float32", "bf16": "bfloat16"}[args.dtype]
     context = args.prompt + args.decode + 16
-    config = EngineConfig(dtype=dtype, max_context=context, expert_precision=args.expert_precision)
+    config = EngineConfig(dtype=dtype, threads=args.threads, max_context=context, expert_precision=args.expert_precision)
     model = load_model(args.path, config, progress=False).model
     prompt = prompt_ids(args.prompt)
 
