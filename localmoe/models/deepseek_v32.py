@@ -24,19 +24,19 @@ appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is droppe
 
 from __future__ import annotations
 
-import torch
-
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.indexer import indexer_shapes
 from localmoe.engine.layers.mla import mla_shapes
 from localmoe.engine.layers.moe import moe_shapes
-from localmoe.engine.quantized import BlockQuantized
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
+    MLA_GGUF,
+    MOE_GGUF,
     GGUFKeys,
-    as_float,
+    dequantize_attention,
     gguf_stacked_experts,
+    join_kv_b,
     stacked_expert_rules,
     unstack_experts,
 )
@@ -126,17 +126,10 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
     return deepseek_spec(config)
 
 
-_GGUF_ATTN = {"attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_layernorm", "attn_q_b": "q_b_proj", "attn_q": "q_proj",
-              "attn_kv_a_mqa": "kv_a_proj_with_mqa", "attn_kv_a_norm": "kv_a_layernorm", "attn_output": "o_proj",
-              "attn_k_b": "k_b", "attn_v_b": "v_b",  # joined into kv_b_proj by gguf_finish
-              "indexer.attn_q_b": "indexer.wq_b", "indexer.attn_k": "indexer.wk", "indexer.proj": "indexer.weights_proj"}
-GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-              **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in _GGUF_ATTN.items()},
-              "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
-              "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
-              "ffn_gate_inp.weight": "mlp.router.weight", "exp_probs_b.bias": "mlp.router.e_score_correction_bias",
-              **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
-              **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
+GGUF_LAYER = {**MOE_GGUF, **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in MLA_GGUF.items()},
+              **{f"indexer.{g}.weight": f"self_attn.indexer.{h}.weight"
+                 for g, h in (("attn_q_b", "wq_b"), ("attn_k", "wk"), ("k_norm", "k_norm"), ("proj", "weights_proj"))},
+              "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias"}
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
@@ -149,19 +142,12 @@ def gguf_tensors(architecture: str) -> TensorMap:
 
 
 def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
-    """kv_b_proj [H (nope + v), r] from llama.cpp's per-head k_b [H, r, nope] and v_b [H, v, r]; the MTP
-    block's tensors (layers past num_layers) dropped; attention matrices kept in blocks (--dtype auto)
-    dequantised (the MLA and indexer builders take float weights); routed experts split per expert."""
+    """kv_b_proj joined back (join_kv_b); the MTP block's tensors (layers past num_layers) dropped;
+    attention matrices kept in blocks dequantised; routed experts split per expert."""
     for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
         del weights[name]
-    for name in [n for n in weights if ".self_attn." in n]:
-        if isinstance(weights[name], BlockQuantized):
-            weights[name] = weights[name].float()
-    for i in range(spec.num_layers):
-        a = f"layers.{i}.self_attn."
-        if a + "k_b.weight" in weights and a + "v_b.weight" in weights:
-            k_b, v_b = as_float(weights.pop(a + "k_b.weight")), as_float(weights.pop(a + "v_b.weight"))
-            weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+    dequantize_attention(weights)
+    join_kv_b(weights, spec)
     return unstack_experts(weights, spec)
 
 

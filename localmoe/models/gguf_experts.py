@@ -1,6 +1,7 @@
 """What the MoE families share about llama.cpp's GGUF layout: metadata read as the HF config it came
-from, and stacked `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols] split into the canonical
-per-expert `layers.N.mlp.experts.{e}.{gate,up,down}.weight`.
+from, stacked `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols] split into the canonical
+per-expert `layers.N.mlp.experts.{e}.{gate,up,down}.weight`, MLA's `kv_b_proj` joined back from
+llama.cpp's `attn_k_b` / `attn_v_b`, and the tensors names that DeepSeek-style MoE layers share.
 
 The stacked tensors arrive as the loader reads them: float tensors (F32 / F16 / BF16, converted to
 fp32 when taken) or, for every block type, a 3-D `BlockQuantized` over the file's bytes; each
@@ -89,3 +90,30 @@ def unstack_experts(weights: dict, spec: ModelSpec) -> dict:
             for e in range(spec.num_experts):
                 weights[f"layers.{i}.mlp.experts.{e}.{p}.weight"] = _expert(stacked, e)
     return weights
+
+
+def join_kv_b(weights: dict, spec: ModelSpec) -> None:
+    """MLA's kv_b_proj [H (nope + v), r] from llama.cpp's per-head k_b [H, r, nope] (transposed for the
+    absorbed decode) and v_b [H, v, r], canonical `self_attn.k_b.weight` / `v_b.weight`."""
+    for i in range(spec.num_layers):
+        a = f"layers.{i}.self_attn."
+        if a + "k_b.weight" in weights and a + "v_b.weight" in weights:
+            k_b, v_b = as_float(weights.pop(a + "k_b.weight")), as_float(weights.pop(a + "v_b.weight"))
+            weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+
+
+def dequantize_attention(weights: dict) -> None:
+    """Attention matrices kept in blocks (--dtype auto) as fp32: the MLA, indexer and KDA builders take floats."""
+    for name in [n for n in weights if ".self_attn." in n]:
+        if isinstance(weights[name], BlockQuantized):
+            weights[name] = weights[name].float()
+
+
+MLA_GGUF = {"attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_layernorm", "attn_q_b": "q_b_proj", "attn_q": "q_proj",
+            "attn_kv_a_mqa": "kv_a_proj_with_mqa", "attn_kv_a_norm": "kv_a_layernorm", "attn_output": "o_proj",
+            "attn_k_b": "k_b", "attn_v_b": "v_b"}  # llama.cpp name -> canonical `self_attn.*` (k_b / v_b: join_kv_b)
+# DeepSeek-style MoE and norms: llama.cpp name under `blk.{i}.` -> canonical name under `layers.{i}.`
+MOE_GGUF = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+            "ffn_gate_inp.weight": "mlp.router.weight", "exp_probs_b.bias": "mlp.router.e_score_correction_bias",
+            **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in PROJECTIONS},
+            **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in PROJECTIONS}}

@@ -9,11 +9,19 @@ Quirks, each covered by tests/models/test_kimi_linear.py:
 - router: sigmoid scores, correction bias for selection only, renormalised (`moe_renormalize`),
   times `routed_scaling_factor` (2.446); shared experts added unscaled.
 - KDA layers use the Kimi-Linear gate (-exp(A_log) * softplus); MLA layers are NoPE without q LoRA.
+
+GGUF (`kimi-linear`, llama.cpp's layout; tests/models/test_moe_gguf.py): a layer is MLA where
+`attention.head_count_kv[i]` > 0, KDA where it is 0; KDA tensors are `ssm_*` (`ssm_a` holds -exp(A_log),
+read back as log(-ssm_a); the convs are [1, H K, 1, W]; `ssm_dt.bias` is dt_bias), the KDA heads are
+`attention.head_count` (llama.cpp writes no other count); MLA's kv_b_proj is joined from `attn_k_b` /
+`attn_v_b`; routed experts stacked (models/gguf_experts.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.kda import kda_shapes
@@ -22,6 +30,16 @@ from localmoe.engine.layers.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
+from localmoe.models.gguf_experts import (
+    MLA_GGUF,
+    MOE_GGUF,
+    GGUFKeys,
+    dequantize_attention,
+    gguf_stacked_experts,
+    join_kv_b,
+    stacked_expert_rules,
+    unstack_experts,
+)
 from localmoe.models.moe_config import kimi_text_spec
 
 
@@ -36,6 +54,74 @@ def spec_from_hf(config: dict) -> ModelSpec:
         routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
         n_group=int(config.get("num_expert_group") or 1) if config.get("use_grouped_topk", True) else 1,
         topk_group=int(config.get("topk_group") or 1) if config.get("use_grouped_topk", True) else 1)
+
+
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF config the `kimi-linear.*` metadata was converted from."""
+    key = GGUFKeys(metadata, "kimi-linear")
+    layers, heads, rope = key("block_count"), key("attention.head_count"), key("rope.dimension_count")
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    full = [i + 1 for i, n in enumerate(kv_heads) if n]
+    gating = key("expert_gating_func", 2)
+    if gating != 2:
+        raise UnsupportedModelError(f"GGUF kimi-linear.expert_gating_func {gating} is not supported (sigmoid, 2, only)")
+    config = {
+        "model_type": "kimi_linear", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"), "mla_use_nope": True,
+        "linear_attn_config": {"full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+                               "num_heads": heads, "head_dim": key("kda.head_dim"),
+                               "short_conv_kernel_size": key("ssm.conv_kernel", 4)},
+        "num_experts": key("expert_count"), "num_experts_per_token": key("expert_used_count"),
+        "num_shared_experts": key("expert_shared_count", 0), "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "moe_renormalize": bool(key("expert_weights_norm", True)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        "num_expert_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "model_max_length": key("context_length", 1048576),
+        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    return spec_from_hf(config)
+
+
+def _conv_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """[1, H K, 1, W] (llama.cpp) -> [H K, 1, W]."""
+    return t.reshape(t.shape[-3], 1, t.shape[-1])
+
+
+def _a_log_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """llama.cpp stores -exp(A_log)."""
+    return torch.log(-t)
+
+
+_GGUF_KDA = {**{f"attn_{x}.weight": (f"{x}_proj.weight", None) for x in "qkv"},
+             **{f"ssm_conv1d_{x}.weight": (f"{x}_conv1d.weight", _conv_from_gguf) for x in "qkv"},
+             "ssm_f_a.weight": ("f_a_proj.weight", None), "ssm_f_b.weight": ("f_b_proj.weight", None),
+             "ssm_beta.weight": ("b_proj.weight", None), "ssm_g_a.weight": ("g_a_proj.weight", None),
+             "ssm_g_b.weight": ("g_b_proj.weight", None), "ssm_a": ("A_log", _a_log_from_gguf),
+             "ssm_dt.bias": ("dt_bias", None), "ssm_norm.weight": ("o_norm.weight", None)}
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in MLA_GGUF.items()},
+             **{g: (f"self_attn.{h}", fix) for g, (h, fix) in _GGUF_KDA.items()},
+             **{g: (h, None) for g, h in MOE_GGUF.items()}}
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", fix) for g, (h, fix) in layer.items()),
+        *stacked_expert_rules(),
+    ))
+
+
+def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
+    """kv_b_proj joined back, attention matrices kept in blocks dequantised, routed experts split per expert."""
+    dequantize_attention(weights)
+    join_kv_b(weights, spec)
+    return unstack_experts(weights, spec)
 
 
 _KDA = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
@@ -87,6 +173,11 @@ FAMILY = register(ModelFamily(
     name="kimi_linear",
     model_types=("kimi_linear",),
     spec_from_hf=spec_from_hf,
+    gguf_architectures=("kimi-linear",),
+    spec_from_gguf=spec_from_gguf,
+    gguf_tensors=gguf_tensors,
+    gguf_finish=gguf_finish,
+    gguf_experts=gguf_stacked_experts(),
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
    

@@ -43,6 +43,7 @@ class Arch:
     top: dict[str, str]  # HF name -> GGUF name outside the layers
     # HF layer tensor -> (GGUF names, split(values, config) -> their values, join(values, config) -> HF values)
     split: dict = None
+    proj: dict = None  # GGUF short name -> the HF expert projection name (default PROJ)
 
 
 def _kv_b_split(kv_b: np.ndarray, c: dict) -> list[np.ndarray]:
@@ -55,6 +56,53 @@ def _kv_b_split(kv_b: np.ndarray, c: dict) -> list[np.ndarray]:
 def _kv_b_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
     k_b, v_b = parts
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+
+
+def _kimi_linear_metadata(w, c: dict) -> None:
+    arch, lin = "kimi-linear", c["linear_attn_config"]
+    w.add_context_length(c["model_max_length"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv([1 if i + 1 in lin["full_attn_layers"] else 0 for i in range(c["num_hidden_layers"])])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["num_experts"])
+    w.add_expert_used_count(c["num_experts_per_token"])
+    w.add_uint32(f"{arch}.expert_gating_func", 2)
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_uint32(f"{arch}.vocab_size", c["vocab_size"])
+    w.add_uint32(f"{arch}.ssm.conv_kernel", lin["short_conv_kernel_size"])
+    w.add_uint32(f"{arch}.kda.head_dim", lin["head_dim"])
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", c["kv_lora_rank"])
+    w.add_rope_dimension_count(c["qk_rope_head_dim"])
+    w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    w.add_uint32(f"{arch}.attention.key_length_mla", c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length_mla", c["v_head_dim"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_uint32(f"{arch}.expert_shared_count", c["num_shared_experts"])
+    w.add_uint32(f"{arch}.leading_dense_block_count", c["first_k_dense_replace"])
+    w.add_float32(f"{arch}.expert_weights_scale", c["routed_scaling_factor"])
+
+
+def _conv_split(v: np.ndarray, c: dict) -> list[np.ndarray]:
+    return [v.reshape(1, v.shape[0], 1, v.shape[-1])]  # [H K, 1, W] -> llama.cpp's [1, H K, 1, W]
+
+
+def _conv_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
+    return parts[0].reshape(parts[0].shape[1], 1, parts[0].shape[-1])
+
+
+def _a_split(v: np.ndarray, c: dict) -> list[np.ndarray]:
+    import torch
+
+    return [(-torch.from_numpy(v).exp()).numpy()]  # llama.cpp stores -exp(A_log)
+
+
+def _a_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
+    import torch
+
+    return torch.log(-torch.from_numpy(parts[0])).numpy()
 
 
 def _deepseek2_metadata(w, c: dict) -> None:
@@ -144,6 +192,22 @@ _DEEPSEEK_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for 
         **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
 _DEEPSEEK_SPLIT = {"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}
 
+_KIMI_LINEAR_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for kimi-linear)
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
+        ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
+        ("f_a_proj", "ssm_f_a"), ("f_b_proj", "ssm_f_b"), ("b_proj", "ssm_beta"), ("g_a_proj", "ssm_g_a"),
+        ("g_b_proj", "ssm_g_b"), ("o_norm", "ssm_norm"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"),
+        ("kv_a_layernorm", "attn_kv_a_norm"))},
+    "self_attn.dt_bias": "ssm_dt.bias",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"block_sparse_moe.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
+    **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
+_KIMI_LINEAR_SPLIT = {**_DEEPSEEK_SPLIT, "self_attn.A_log": (("ssm_a",), _a_split, _a_join),
+                      **{f"self_attn.{x}_conv1d.weight": ((f"ssm_conv1d_{x}.weight",), _conv_split, _conv_join)
+                         for x in "qkv"}}
+
 ARCHS = {
     "qwen3_moe": Arch("qwen3moe", _qwen3moe_metadata, {
         "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -155,6 +219,9 @@ ARCHS = {
                          split=_DEEPSEEK_SPLIT),
     "deepseek_v3": Arch("deepseek2", _deepseek2_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
                         split=_DEEPSEEK_SPLIT),
+    "kimi_linear": Arch("kimi-linear", _kimi_linear_metadata, _KIMI_LINEAR_LAYER,
+                        "block_sparse_moe.experts.{e}.{p}.weight", _TOP, split=_KIMI_LINEAR_SPLIT,
+                        proj={"gate": "w1", "up": "w3", "down": "w2"}),
 }
 
 
@@ -168,8 +235,10 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if len(shape) < 2 or name.endswith("ffn_gate_inp.weight"):
-        return Q.F32  # norms and the router stay F32 (llama.cpp never quantises them)
+    if (len(shape) < 2 or not name.endswith(".weight") or name.endswith(("_norm.weight", "ffn_gate_inp.weight",
+                                                                          "indexer.proj.weight"))
+            or ".ssm_conv1d_" in name):
+        return Q.F32  # convert_hf_to_gguf.py keeps these F32 (vectors, norms, routers, convs, ssm_a, biases)
     if types == "f32":
         return Q.F32
     if types == "q4_k_m":
@@ -215,11 +284,14 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
         p = f"model.layers.{i}."
         out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items() if p + src in names]
         for src, (dsts, split, _) in (arch.split or {}).items():
+            if p + src not in names:
+                continue
             for k, dst in enumerate(dsts):
                 out.append((f"blk.{i}.{dst}", lambda src=p + src, k=k, split=split: split(f32(src)(), config)[k]))
-        if p + arch.experts.format(e=0, p="gate_proj") not in names:
+        proj = arch.proj or PROJ
+        if p + arch.experts.format(e=0, p=proj["gate"]) not in names:
             continue  # a dense layer
-        for short, hf in PROJ.items():
+        for short, hf in proj.items():
             stack = [p + arch.experts.format(e=e, p=hf) for e in range(E)]
             out.append((f"blk.{i}.ffn_{short}_exps.weight",
                         lambda stack=stack: np.stack([ckpt.tensor(n).float().numpy() for n in stack])))
@@ -279,7 +351,7 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
         _, i, rest = t.name.split(".", 2)
         p = f"model.layers.{i}."
         if rest.endswith("_exps.weight"):
-            hf = PROJ[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
+            hf = (arch.proj or PROJ)[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
             for e in range(values.shape[0]):
                 tensors[p + arch.experts.format(e=e, p=hf)] = torch.from_numpy(values[e].copy())
         elif rest in split_of:

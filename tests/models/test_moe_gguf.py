@@ -22,7 +22,8 @@ from localmoe.testing.moe_gguf import write_dequantized, write_moe_gguf
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # the tiny deepseek_v32 is 64 wide: too narrow for K-quant rows (llama-quantize would fall back to F32 too)
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m")] + \
-        [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")]
+        [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
+        [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")]
 FAMILIES = sorted({family for family, _ in CASES})
 
 
@@ -104,14 +105,15 @@ def test_block_experts_stay_blocks_and_q8_follows_the_gemv_reference(pair):
 
 
 @pytest.mark.parametrize("ram", [0, "25%"])
-def test_deepseek32_store_pages(pair, tmp_path, ram):
-    """deepseek32 (MLA + DSA indexer + shared experts + a dense first layer) from a converted Q8_0 store:
-    the GGUF's bits, resident and paged."""
+@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_linear"])
+def test_mla_families_store_pages(pair, tmp_path, family, ram):
+    """deepseek32 (MLA + DSA indexer) and kimi-linear (KDA + MLA), shared experts and a dense first layer,
+    from a converted Q8_0 store: the GGUF's bits, resident and paged."""
     from localmoe.convert import convert
     from localmoe.paging import expert_bytes
     from localmoe.store.packed import PackedStore
 
-    gguf, _ = pair("deepseek_v32", "q8_0")
+    gguf, _ = pair(family, "q8_0")
     convert(gguf, tmp_path / "store", progress=False)
     store = PackedStore(tmp_path / "store")
     assert store.layers() == [1, 2, 3] and [p.name for p in store.layout(1).parts] == ["gate.q8_0", "up.q8_0",
