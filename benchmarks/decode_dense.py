@@ -1,20 +1,25 @@
 """Decode speed of the embedded dense model: localmoe vs transformers (and llama.cpp if installed).
 
-All peers run in this process, on the same GGUF, with the same thread count, greedy,
-after the same prompt. Prints tokens/s, ratios, the fraction of the memory-bandwidth
-limit reached, and localmoe's Python/dispatch overhead per token (measured by running
-the same layer graph with tiny matrices, so that nearly all remaining time is overhead).
+The peers run on the same GGUF, with the same thread count, greedy, after the same prompt. localmoe
+and llama.cpp alternate in separate processes for `--pairs` rounds (benchmarks/alternate.py: the median
+of the per-round ratios); transformers runs once in this process. Prints tokens/s, ratios, the
+fraction of the memory-bandwidth limit reached, and localmoe's Python/dispatch overhead per token
+(measured by running the same layer graph with tiny matrices, so that nearly all remaining time is
+overhead).
 
-    python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--skip-transformers] [--quant q4_k_m]
+    python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--pairs 4] [--skip-transformers] [--quant q4_k_m]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
+from pathlib import Path
 
 import torch
+from alternate import alternate, emit, median_ratio
 from common import memory_read_bandwidth, report
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -72,22 +77,39 @@ def time_transformers(gguf_path, prompt_ids: list[int], tokens: int) -> tuple[fl
     return tokens / elapsed, generated
 
 
-def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) -> tuple[float, list[int]] | None:
-    try:
-        import llama_cpp
-        import numpy as np
-    except ImportError:
-        return None
+def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) -> tuple[float, list[int]]:
+    import llama_cpp
+    import numpy as np
+
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                           logits_all=False, verbose=False)
+
+    def last_logits():  # Llama.scores holds logits only with logits_all: read the context's own
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+
     llm.eval(prompt_ids)
     generated = []
     start = time.perf_counter()
     for _ in range(tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(last_logits()))
         generated.append(token)
         llm.eval([token])
     return tokens / (time.perf_counter() - start), generated
+
+
+def worker(args) -> None:
+    """One timed run in this process (the parent alternates these): RESULT {"decode": tok/s, "tokens": [...]}."""
+    prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
+    if args.worker == "llama":
+        time_llama_cpp(args.path, prompt_ids, 8, args.threads)  # warm up
+        rate, tokens = time_llama_cpp(args.path, prompt_ids, args.tokens, args.threads)
+    else:
+        from localmoe.load import load_model
+
+        loaded = load_model(Path(args.path), threads=args.threads, dtype=args.dtype, progress=False)
+        time_localmoe(loaded, prompt_ids, 8)  # warm up
+        rate, tokens = time_localmoe(loaded, prompt_ids, args.tokens)
+    emit({"decode": rate, "tokens": tokens})
 
 
 QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
@@ -117,11 +139,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--pairs", type=int, default=4, help="alternating localmoe / llama.cpp rounds")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--quant", choices=sorted(QUANTS), help="decode the default model requantised by "
                         "llama.cpp's own quantiser to this type (needs llama-cpp-python): a real K-quant file")
+    parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-ids", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.worker:
+        worker(args)
+        return
 
     from localmoe.default_model import default_model_path
     from localmoe.load import load_model
@@ -148,11 +177,22 @@ def main() -> None:
         rows += [("transformers", f"{theirs:.1f} tokens/s"),
                  ("localmoe / transformers", (f"{ours / theirs:.2f}x (goal >= 3x); greedy tokens equal: "
                                              f"{same}/{args.tokens}"))]
-    cpp = time_llama_cpp(gguf_path, prompt_ids, args.tokens, args.threads)
-    if cpp is None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
         rows.append(("llama.cpp", "not installed (pip install llama-cpp-python to compare)"))
     else:
-        rows += [("llama.cpp", f"{cpp[0]:.1f} tokens/s"), ("localmoe / llama.cpp", f"{ours / cpp[0]:.2f}x")]
+        common = ["--path", str(gguf_path), "--threads", str(args.threads), "--tokens", str(args.tokens),
+                  "--dtype", args.dtype, "--prompt-ids", ",".join(map(str, prompt_ids))]
+        me = str(Path(__file__).resolve())
+        res = alternate({"localmoe": [me, "--worker", "localmoe", *common], "llama.cpp": [me, "--worker", "llama", *common]},
+                        args.pairs)
+        ours_runs, cpp_runs = [r["decode"] for r in res["localmoe"]], [r["decode"] for r in res["llama.cpp"]]
+        same = sum(a == b for a, b in zip(res["localmoe"][0]["tokens"], res["llama.cpp"][0]["tokens"]))
+        rows += [("alternating rounds", ", ".join(f"{a:.1f} vs {b:.1f}" for a, b in zip(ours_runs, cpp_runs))),
+                 ("llama.cpp", f"{statistics.median(cpp_runs):.1f} tokens/s (median of {args.pairs})"),
+                 ("localmoe / llama.cpp", (f"{median_ratio(ours_runs, cpp_runs):.2f}x (median of the rounds' ratios); "
+                                          f"greedy tokens equal: {same}/{args.tokens}"))]
     report(rows)
 
 
