@@ -38,6 +38,6 @@ def test_gpu_kernels_smoke_run():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = done.stdout.split("== SUMMARY")[-1]
     assert "FAILED" not in done.stdout, done.stdout[-3000:]
-    for figure in ("copy bandwidth", "GEMV N=1 kernel alone", "GEMV N=16 time over bf16 bmm",
+    for figure in ("copy bandwidth", "MXFP4 N=1 GEMV kernel alone", "MXFP4 N=16 call path time over bf16 bmm",
                    "kda recurrent T=1 per layer", "gdn chunk T=80 dispatcher time over fla's", "GEMV N=1 best swept tile"):
         assert figure in summary, f"{figure!r} missing from the summary:\n{summary}"
