@@ -39,13 +39,15 @@ deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
-FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "qwen3_next")
+EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}  # the generated Qwen3-Next has no MTP block (the converter expects one)
 TOLERANCE = 1e-5  # of the logit range (issue 24's acceptance)
 
 
 def convert(src: Path, hf: Path, outtype: str, out: Path) -> None:
     code = CONVERT.format(gguf_py=str(src / "gguf-py"), src=str(src), script=str(src / "convert_hf_to_gguf.py"))
-    done = subprocess.run([sys.executable, "-c", code, str(hf), "--outtype", outtype, "--outfile", str(out)],
+    extra = EXTRA_ARGS.get(hf.name, [])
+    done = subprocess.run([sys.executable, "-c", code, str(hf), "--outtype", outtype, "--outfile", str(out), *extra],
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp's converter failed on {hf.name} ({outtype}):\n{done.stderr[-3000:]}")

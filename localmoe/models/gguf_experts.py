@@ -102,9 +102,10 @@ def join_kv_b(weights: dict, spec: ModelSpec) -> None:
             weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
-def dequantize_attention(weights: dict) -> None:
-    """Attention matrices kept in blocks (--dtype auto) as fp32: the MLA, indexer and KDA builders take floats."""
-    for name in [n for n in weights if ".self_attn." in n]:
+def dequantize_attention(weights: dict, markers: tuple[str, ...] = (".self_attn.",)) -> None:
+    """Attention matrices kept in blocks (--dtype auto) as fp32: the MLA, indexer, KDA and Gated DeltaNet
+    builders take floats (`markers`: the name parts of the tensors to dequantise)."""
+    for name in [n for n in weights if any(m in n for m in markers)]:
         if isinstance(weights[name], BlockQuantized):
             weights[name] = weights[name].float()
 

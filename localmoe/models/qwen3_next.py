@@ -11,6 +11,11 @@ Quirks, each covered by tests/models/test_qwen3_next.py:
   the first `partial_rotary_factor` (0.25) of each head.
 - `mlp.gate` is the router (softmax, top-k renormalised by `norm_topk_prob`);
   `mlp.shared_expert.*` the shared expert, scaled by sigmoid(`mlp.shared_expert_gate`).
+
+GGUF (`qwen3next`, llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp stores the `(1 + w)` norms
+with the 1 added (read as they are), `in_proj_qkvz` as `attn_qkv` (every head's q, then k, then v) and
+`attn_gate` (z), joined back into Qwen's per-key-head order by `gguf_finish`; `ssm_a` = -exp(A_log), the conv
+squeezed to [C, W], `ssm_dt.bias` = dt_bias; the MTP block is not read.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ from localmoe.engine.layers.mlp import gated_mlp_shapes
 from localmoe.engine.layers.moe import expert_shapes
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
+from localmoe.models.gguf_experts import (
+    GGUFKeys,
+    dequantize_attention,
+    gguf_stacked_experts,
+    stacked_expert_rules,
+    unstack_experts,
+)
 from localmoe.models.moe_config import require
 
 
@@ -60,6 +72,90 @@ def spec_from_hf(config: dict) -> ModelSpec:
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
         **GatedDeltaConfig.from_hf(config).spec_fields(),
     )
+
+
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF config the `qwen3next.*` metadata was converted from."""
+    key = GGUFKeys(metadata, "qwen3next")
+    layers, heads = key("block_count") - key("nextn_predict_layers", 0), key("attention.head_count")
+    head_dim = key("attention.key_length", key("embedding_length") // heads)
+    recurrent = key("attention.recurrent_layers", required=False)
+    v_heads = key("ssm.time_step_rank")
+    config = {
+        "model_type": "qwen3_next", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads), "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "rope_theta": key("rope.freq_base", 1e7),
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "max_position_embeddings": key("context_length", 262144), "vocab_size": key.vocab_size(),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "full_attention_interval": key("full_attention_interval", 4),
+        **({"layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]}
+           if recurrent else {}),
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names],
+        "num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": v_heads,
+        "linear_key_head_dim": key("ssm.state_size"), "linear_value_head_dim": key("ssm.inner_size") // v_heads,
+        "linear_conv_kernel_dim": key("ssm.conv_kernel", 4),
+    }
+    return spec_from_hf(config)
+
+
+def _conv_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    return t.reshape(t.shape[0], 1, t.shape[-1])  # llama.cpp squeezes [C, 1, W] to [C, W]
+
+
+def _a_log_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    return torch.log(-t)  # llama.cpp stores -exp(A_log)
+
+
+_GGUF_LAYER = {
+    "attn_norm.weight": ("input_layernorm.weight", None), "post_attention_norm.weight":
+        ("post_attention_layernorm.weight", None),  # llama.cpp added the 1 already
+    **{f"attn_{'output' if p == 'o' else p}.weight": (f"self_attn.{p}_proj.weight", None) for p in "qkvo"},
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", None), "attn_k_norm.weight": ("self_attn.k_norm.weight", None),
+    "attn_qkv.weight": ("linear_attn.qkv.weight", None), "attn_gate.weight": ("linear_attn.z.weight", None),
+    "ssm_ba.weight": ("linear_attn.in_proj_ba.weight", None), "ssm_conv1d.weight": ("linear_attn.conv1d.weight",
+                                                                                   _conv_from_gguf),
+    "ssm_a": ("linear_attn.A_log", _a_log_from_gguf), "ssm_dt.bias": ("linear_attn.dt_bias", None),
+    "ssm_norm.weight": ("linear_attn.norm.weight", None), "ssm_out.weight": ("linear_attn.out_proj.weight", None),
+    "ffn_gate_inp.weight": ("mlp.router.weight", None),
+    "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", None),
+    **{f"ffn_{m}_shexp.weight": (f"mlp.shared_experts.{m}_proj.weight", None) for m in ("gate", "up", "down")},
+    **{f"ffn_{m}.weight": (f"mlp.{m}_proj.weight", None) for m in ("gate", "up", "down")},
+}
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", fix) for g, (h, fix) in _GGUF_LAYER.items()),
+        *stacked_expert_rules(),
+    ), ignore=(r"\.nextn\.",))
+
+
+def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
+    """in_proj_qkvz in Qwen's per-key-head order [q_h, k_h, v_h, z_h] from llama.cpp's attn_qkv (all q, all k,
+    all v) and attn_gate (z); the MTP block dropped; linear-attention matrices kept in blocks dequantised;
+    routed experts split per expert."""
+    for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
+        del weights[name]
+    dequantize_attention(weights, (".linear_attn.",))
+    c = GatedDeltaConfig.from_spec(spec)
+    Hk, K, GV = c.num_key_heads, c.key_head_dim, c.num_value_heads // c.num_key_heads * c.value_head_dim
+    for i in range(spec.num_layers):
+        a = f"layers.{i}.linear_attn."
+        if a + "qkv.weight" in weights and a + "z.weight" in weights:
+            qkv, z = weights.pop(a + "qkv.weight").float(), weights.pop(a + "z.weight").float()
+            D = qkv.shape[-1]
+            q, k, v = qkv.split([Hk * K, Hk * K, Hk * GV])
+            parts = [q.reshape(Hk, K, D), k.reshape(Hk, K, D), v.reshape(Hk, GV, D), z.reshape(Hk, GV, D)]
+            weights[a + "in_proj_qkvz.weight"] = torch.cat(parts, dim=1).reshape(-1, D)
+    return unstack_experts(weights, spec)
 
 
 def plus_one(tensor: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
@@ -131,6 +227,11 @@ FAMILY = register(ModelFamily(
     name="qwen3_next",
     model_types=("qwen3_next",),
     spec_from_hf=spec_from_hf,
+    gguf_architectures=("qwen3next",),
+    spec_from_gguf=spec_from_gguf,
+    gguf_tensors=gguf_tensors,
+    gguf_finish=gguf_finish,
+    gguf_experts=gguf_stacked_experts(),
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
    

@@ -44,6 +44,7 @@ class Arch:
     # HF layer tensor -> (GGUF names, split(values, config) -> their values, join(values, config) -> HF values)
     split: dict = None
     proj: dict = None  # GGUF short name -> the HF expert projection name (default PROJ)
+    top_fix: dict = None  # HF name outside the layers -> (to GGUF values, back to HF values)
 
 
 def _kv_b_split(kv_b: np.ndarray, c: dict) -> list[np.ndarray]:
@@ -192,6 +193,64 @@ _DEEPSEEK_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for 
         **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
 _DEEPSEEK_SPLIT = {"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}
 
+def _qwen3next_metadata(w, c: dict) -> None:
+    arch = "qwen3next"
+    _qwen3moe_metadata(w, c)
+    w.add_uint32(f"{arch}.expert_shared_feed_forward_length", c["shared_expert_intermediate_size"])
+    w.add_uint32(f"{arch}.ssm.conv_kernel", c["linear_conv_kernel_dim"])
+    w.add_uint32(f"{arch}.ssm.state_size", c["linear_key_head_dim"])
+    w.add_uint32(f"{arch}.ssm.group_count", c["linear_num_key_heads"])
+    w.add_uint32(f"{arch}.ssm.time_step_rank", c["linear_num_value_heads"])
+    w.add_uint32(f"{arch}.ssm.inner_size", c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    w.add_uint32(f"{arch}.full_attention_interval", c.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(c["head_dim"] * c["partial_rotary_factor"]))
+
+
+def _qkvz_split(v: np.ndarray, c: dict) -> list[np.ndarray]:
+    """Qwen's per-key-head [q_h, k_h, v_h, z_h] rows -> llama.cpp's attn_qkv (all q, all k, all v) and attn_gate."""
+    Hk, K = c["linear_num_key_heads"], c["linear_key_head_dim"]
+    GV = c["linear_num_value_heads"] // Hk * c["linear_value_head_dim"]
+    heads = v.reshape(Hk, 2 * K + 2 * GV, -1)
+    q, k, vv, z = (heads[:, a:b].reshape(-1, v.shape[-1]) for a, b in
+                   ((0, K), (K, 2 * K), (2 * K, 2 * K + GV), (2 * K + GV, 2 * K + 2 * GV)))
+    return [np.concatenate([q, k, vv]), np.ascontiguousarray(z)]
+
+
+def _qkvz_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
+    qkv, z = parts
+    Hk, K = c["linear_num_key_heads"], c["linear_key_head_dim"]
+    GV = c["linear_num_value_heads"] // Hk * c["linear_value_head_dim"]
+    D = qkv.shape[-1]
+    q, k, v = np.split(qkv, [Hk * K, 2 * Hk * K])
+    return np.concatenate([q.reshape(Hk, K, D), k.reshape(Hk, K, D), v.reshape(Hk, GV, D), z.reshape(Hk, GV, D)],
+                          axis=1).reshape(-1, D)
+
+
+def _plus_one(v: np.ndarray, c: dict) -> list[np.ndarray]:
+    return [v + np.float32(1)]  # llama.cpp stores Qwen3-Next's (1 + w) norms with the 1 added
+
+
+def _minus_one(parts: list[np.ndarray], c: dict) -> np.ndarray:
+    return parts[0] - np.float32(1)
+
+
+_QWEN3NEXT_LAYER = {
+    **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
+        ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))},
+    **{f"linear_attn.{h}.weight": f"{g}.weight" for h, g in (
+        ("in_proj_ba", "ssm_ba"), ("norm", "ssm_norm"), ("out_proj", "ssm_out"))},
+    "linear_attn.dt_bias": "ssm_dt.bias", "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    **{f"mlp.shared_expert.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()}}
+_QWEN3NEXT_SPLIT = {
+    "linear_attn.in_proj_qkvz.weight": (("attn_qkv.weight", "attn_gate.weight"), _qkvz_split, _qkvz_join),
+    "linear_attn.conv1d.weight": (("ssm_conv1d.weight",), lambda v, c: [v.reshape(v.shape[0], v.shape[-1])],
+                                  lambda p, c: p[0].reshape(p[0].shape[0], 1, p[0].shape[-1])),
+    "linear_attn.A_log": (("ssm_a",), _a_split, _a_join),
+    **{h: ((g,), _plus_one, _minus_one) for h, g in (
+        ("input_layernorm.weight", "attn_norm.weight"), ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+        ("self_attn.q_norm.weight", "attn_q_norm.weight"), ("self_attn.k_norm.weight", "attn_k_norm.weight"))}}
+
 _KIMI_LINEAR_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for kimi-linear)
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
@@ -222,6 +281,8 @@ ARCHS = {
     "kimi_linear": Arch("kimi-linear", _kimi_linear_metadata, _KIMI_LINEAR_LAYER,
                         "block_sparse_moe.experts.{e}.{p}.weight", _TOP, split=_KIMI_LINEAR_SPLIT,
                         proj={"gate": "w1", "up": "w3", "down": "w2"}),
+    "qwen3_next": Arch("qwen3next", _qwen3next_metadata, _QWEN3NEXT_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
+                       split=_QWEN3NEXT_SPLIT, top_fix={"model.norm.weight": (_plus_one, _minus_one)}),
 }
 
 
@@ -236,8 +297,9 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
 
     Q = gguf.GGMLQuantizationType
     if (len(shape) < 2 or not name.endswith(".weight") or name.endswith(("_norm.weight", "ffn_gate_inp.weight",
+                                                                          "ffn_gate_inp_shexp.weight",
                                                                           "indexer.proj.weight"))
-            or ".ssm_conv1d_" in name):
+            or ".ssm_conv1d" in name):
         return Q.F32  # convert_hf_to_gguf.py keeps these F32 (vectors, norms, routers, convs, ssm_a, biases)
     if types == "f32":
         return Q.F32
@@ -296,6 +358,8 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
             out.append((f"blk.{i}.ffn_{short}_exps.weight",
                         lambda stack=stack: np.stack([ckpt.tensor(n).float().numpy() for n in stack])))
     out += [(arch.top["model.norm.weight"], f32("model.norm.weight")), (arch.top["lm_head.weight"], f32("lm_head.weight"))]
+    for hf, (fix, _) in (arch.top_fix or {}).items():
+        out = [(g, (lambda make=make, fix=fix: fix(make(), config)[0]) if g == arch.top[hf] else make) for g, make in out]
     return out
 
 
@@ -346,7 +410,8 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         values = values.reshape(tuple(int(n) for n in reversed(t.shape)))
         if t.name in to_hf:
-            tensors[to_hf[t.name]] = torch.from_numpy(values.copy())
+            fix = (arch.top_fix or {}).get(to_hf[t.name])
+            tensors[to_hf[t.name]] = torch.from_numpy(np.ascontiguousarray(fix[1]([values], config) if fix else values))
             continue
         _, i, rest = t.name.split(".", 2)
         p = f"model.layers.{i}."
