@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything localmoe checks on a GPU, in one call of a lent machine (5-8 of its 15 minutes; every
-# step has its own timeout, 470 s in all, so the whole stays under 8 minutes):
+# step has its own timeout, 460 s in all, so the whole stays under 8 minutes):
 #   1. the CUDA cases of every kernel test (tests/kernels: each Triton kernel and fla's KDA / Gated
 #      DeltaNet against the PyTorch references; the MXFP4 wrapper under sync debug mode "error" and
 #      captured in a CUDA graph; the GPU tier through Triton) and of the GPU tier (tests/paging);
@@ -39,7 +39,7 @@ python3 -c "from localmoe.kernels.kda import fla_ops; import fla; print('fla-cor
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 
 echo "== 1. CUDA tests"
-timeout 140 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/kernels tests/paging/test_gpu_tier.py \
+timeout 160 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/kernels tests/paging/test_gpu_tier.py \
   tests/paging/test_metrics_placement.py 2>&1 | tee "$out/tests.log" | tail -25
 
 echo "== 2. GPU kernel figures"
@@ -47,11 +47,11 @@ timeout 190 python3 benchmarks/kernels.py --gpu-only 2>&1 | tee "$out/kernels.lo
 
 echo "== 3. GPU tier decode (gpt-oss small, RAM tier 25% of the experts)"
 work=/tmp/gpu_check_model
-timeout 30 python3 -m localmoe.testing gpt_oss "$work/src" --size small --seed 0 > /dev/null \
-  && timeout 30 python3 -m localmoe convert "$work/src" "$work/store" > /dev/null 2>&1 || echo "model setup failed"
+timeout 25 python3 -m localmoe.testing gpt_oss "$work/src" --size small --seed 0 > /dev/null \
+  && timeout 25 python3 -m localmoe convert "$work/src" "$work/store" > /dev/null 2>&1 || echo "model setup failed"
 for gpu in 0 4G; do
   echo "-- --gpu-mem $gpu"
-  timeout 40 python3 -m localmoe run "The capital of France is" -m "$work/store" --ram 25% --gpu-mem "$gpu" \
+  timeout 30 python3 -m localmoe run "The capital of France is" -m "$work/store" --ram 25% --gpu-mem "$gpu" \
     --max-tokens 32 --temperature 0 --stats 2>&1 | tee -a "$out/tier.log" | tail -4
 done
 echo "== done in $(( $(date +%s) - started )) s; tests: $(tail -1 "$out/tests.log")"
