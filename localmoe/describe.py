@@ -25,7 +25,7 @@ def _parameters(name: str, shape) -> int:
 def _from_gguf(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None, int]:
     """As the other sources, plus about how many bytes of weights `load_model(path)` holds with
     --dtype auto and the CPU kernel library: matrices of a block type with a GEMV
-    (kernels/ggml_gemv.TYPES) and stacked MXFP4 experts stay as stored, the embedding of such a type
+    (kernels/ggml_gemv.TYPES) and stacked experts of a block type stay as stored, the embedding of such a type
     too (a tied head shares it); other matrices become bf16 (what auto picks where bf16 GEMV is
     sound), vectors fp32."""
     from gguf import GGMLQuantizationType as Q
@@ -40,7 +40,8 @@ def _from_gguf(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None, in
         kind = info.ggml_type.name
         counts[kind] += 1
         nbytes[kind] += info.nbytes
-        stays = (len(info.shape) == 2 and info.ggml_type in TYPES) or (len(info.shape) == 3 and info.ggml_type == Q.MXFP4)
+        stays = (len(info.shape) == 2 and info.ggml_type in TYPES) or (  # stacked experts of any block type
+            len(info.shape) == 3 and info.ggml_type not in (Q.F32, Q.F16, Q.BF16))
         loaded += info.nbytes if stays else math.prod(info.shape) * (2 if len(info.shape) >= 2 else 4)
     return spec, dict(counts), dict(nbytes), None, loaded
 

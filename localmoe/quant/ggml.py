@@ -210,6 +210,34 @@ def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(d)
 
 
+# the 16 non-uniform 4-bit levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl)
+_IQ4_KVALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                            dtype=torch.float32)
+
+
+def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_iq4_nl (32 values): d f16 | qs[16]; element j in the low nibble of byte j, j + 16 in the high one
+    # value = d * kvalues[nibble]
+    out.copy_(_IQ4_KVALUES.take(_nibbles(blocks[:, 2:]).long()))
+    out.mul_(_f16(blocks, 0))
+
+
+def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
+    # block_iq4_xs (256 values): d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 sub-blocks of 32, each as an
+    # IQ4_NL block with the step (d * (ls - 32)), ls = 4 low bits from scales_l, 2 high bits from scales_h
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)  # [N, 1]
+    h = _packed(blocks[:, 2:4], 2).view(torch.int16).to(torch.int32) & 0xFFFF  # [N, 1]
+    high = torch.stack([(h >> (2 * i)) & 3 for i in range(8)], dim=1).reshape(n, 8)
+    lo = blocks[:, 4:8].to(torch.int32)
+    low = torch.stack([lo & 0x0F, lo >> 4], dim=-1).reshape(n, 8)
+    dl = (d * ((low | (high << 4)) - 32).to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
+    q = _unpack(blocks[:, 8:].reshape(n, 8, 16), (0, 4), 0x0F).reshape(n, 8, 32)
+    view = out.view(n, 8, 32)
+    view.copy_(_IQ4_KVALUES.take(q.long()))
+    view.mul_(dl)
+
+
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], None]] = {
     T.Q4_0: _q4_0,
     T.Q4_1: _q4_1,
@@ -222,6 +250,8 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
+    T.IQ4_NL: _iq4_nl,
+    T.IQ4_XS: _iq4_xs,
 }
 
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (*FLOAT_TYPES, *_BLOCK_DECODERS)

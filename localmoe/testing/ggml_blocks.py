@@ -1,5 +1,5 @@
 """Random GGUF quantised blocks for tests: every bit pattern of the codes, scales and mins of these
-types is a valid block, so tests draw the bytes directly (gguf's quantiser does not produce the
+types (IQ4_NL / IQ4_XS included: any nibble is a level, any 6-bit scale valid) is a valid block, so tests draw the bytes directly (gguf's quantiser does not produce the
 K-quants) and keep only the fp16 step fields finite and small."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # byte offsets of each block's fp16 fields: steps (d), and mins (Q4_1/Q5_1's m, the K-quants' dmin)
 STEP_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
-               Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+               Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 
 
 def random_blocks(ggml_type, rows: int, cols: int, rng: np.random.Generator,

@@ -5,11 +5,11 @@ layout for the family (`ARCHS`: the architecture name, metadata keys and tensor 
 convert_hf_to_gguf.py; experts stacked as `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols]),
 each tensor in the ggml type `types` gives it:
 - "f32" / "bf16": the checkpoint's values (bf16: its bits), norms and the router F32 as llama.cpp keeps them;
-- "q8_0", "q4_0", ...: every matrix in that type;
+- "q8_0", "q4_0", "iq4_xs", ...: every matrix in that type;
 - "q4_k_m": llama-quantize's Q4_K_M mix: Q4_K, with attn_v and ffn_down (experts too) in Q6_K on
   the layers `use_more_bits` picks, output Q6_K.
 Types the `gguf` package quantises (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16) hold the checkpoint's values
-quantised; the others (the K-quants) hold random blocks of the weights' magnitude (`ggml_blocks`).
+quantised; the others (the K-quants, IQ4_NL, IQ4_XS) hold random blocks of the weights' magnitude (`ggml_blocks`).
 The GGUF is then the ground truth: `write_dequantized(src, gguf, dst)` writes the HF checkpoint again
 with every tensor replaced by the GGUF's values as `gguf.quants.dequantize` (an independent reader)
 decodes them, in F32: the reference a GGUF loader must match.
@@ -30,6 +30,7 @@ from localmoe.testing.ggml_blocks import STEP_FIELDS, random_blocks
 from localmoe.testing.gpt_oss_gguf import add_tokenizer
 
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+AMPLITUDE = {"IQ4_NL": 127, "IQ4_XS": 32 * 127}  # largest |value| / step of random blocks (else K-quants' 945)
 
 
 @dataclass(frozen=True)
@@ -327,10 +328,11 @@ def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
         return gguf.quants.quantize(values.astype(np.float32), qtype)
     if qtype not in STEP_FIELDS:
         raise ValueError(f"write_moe_gguf cannot make {qtype.name} blocks")
-    # K-quants: random blocks whose largest values are about the weights' (q * d * 6-bit scale ~ 63 * 15 d)
+    # K-quants, IQ4: random blocks whose largest values are about the weights' (|value| <= step * AMPLITUDE)
     rows = int(np.prod(values.shape[:-1]))
     amax = float(np.abs(values).max()) or 1e-2
-    step = (amax / 2000, amax / 600)
+    amplitude = AMPLITUDE.get(qtype.name, 945)  # K-quants: 6-bit scale x 4-bit code, 63 * 15
+    step = (amax / amplitude / 2, amax / amplitude * 1.5)
     return random_blocks(qtype, rows, values.shape[-1], rng, step).reshape(*values.shape[:-1], -1)
 
 

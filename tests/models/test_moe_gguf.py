@@ -21,7 +21,7 @@ from localmoe.testing.moe_gguf import write_dequantized, write_moe_gguf
 
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # the tiny deepseek_v32 is 64 wide: too narrow for K-quant rows (llama-quantize would fall back to F32 too)
-CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m")] + \
+CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
         [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")]
 FAMILIES = sorted({family for family, _ in CASES})

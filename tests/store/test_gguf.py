@@ -23,7 +23,7 @@ from localmoe.store.gguf import GGUFFile
 # byte offsets of the float16 fields inside each block: kept finite so the reference
 # (and we) never multiply by NaN/inf, whose payloads need not match bit for bit
 F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
-              T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: []}
+              T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [], T.IQ4_NL: [0], T.IQ4_XS: [0]}
 QUANTIZABLE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}  # gguf.quants.quantize does these
 
 
@@ -227,11 +227,11 @@ def test_written_file_with_every_supported_type(tmp_path):
 
 
 def test_unsupported_tensor_type_names_file_and_tensor(tmp_path):
-    raw = np.zeros((2, GGML_QUANT_SIZES[T.IQ4_NL][1]), dtype=np.uint8)
-    _write_gguf(tmp_path / "iq4.gguf", {"w": (raw, T.IQ4_NL)})
-    f = GGUFFile(tmp_path / "iq4.gguf")
-    assert f.info("w").shape == (2, 32)
-    with pytest.raises(CheckpointError, match=r"iq4.gguf: tensor 'w': ggml tensor type IQ4_NL is not supported"):
+    raw = np.zeros((2, GGML_QUANT_SIZES[T.IQ2_XXS][1]), dtype=np.uint8)
+    _write_gguf(tmp_path / "iq2.gguf", {"w": (raw, T.IQ2_XXS)})
+    f = GGUFFile(tmp_path / "iq2.gguf")
+    assert f.info("w").shape == (2, 256)
+    with pytest.raises(CheckpointError, match=r"iq2.gguf: tensor 'w': ggml tensor type IQ2_XXS is not supported"):
         f.tensor("w")
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
         f.info("nope")
