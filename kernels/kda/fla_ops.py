@@ -27,9 +27,9 @@ FLA_VERSION = "0.6"  # the version measured (on an H200, torch 2.11 + Triton 3.6
 @functools.cache
 def ops() -> dict | None:
     """fla's four ops by name, or None where fla-core is not installed or does not import."""
-    if importlib.util.find_spec("fla") is None:
-        return None
     try:
+        if importlib.util.find_spec("fla") is None:
+            return None
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except Exception:  # noqa: BLE001 - a broken or mismatched install falls back to our kernels

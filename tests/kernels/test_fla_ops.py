@@ -4,9 +4,10 @@ the CPU), and, with CUDA and fla-core, fla's kernels against our references."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import inspect
 import os
+import sys
 
 import pytest
 import torch
@@ -17,8 +18,20 @@ from localmoe.kernels.gated_delta.reference import naive_recurrent_gated_delta
 from localmoe.kernels.kda import fla_ops
 from localmoe.kernels.kda.reference import naive_recurrent_kda
 
-HAVE_FLA = importlib.util.find_spec("fla") is not None
+try:
+    HAVE_FLA = bool(importlib.metadata.version("fla-core"))
+except importlib.metadata.PackageNotFoundError:
+    HAVE_FLA = False
 needs_fla = pytest.mark.skipif(not HAVE_FLA, reason="needs fla-core (the gpu extra)")
+
+
+@pytest.fixture
+def real_fla(monkeypatch):
+    """fla importable for one test (tests/conftest.py hides it from transformers' CPU references)."""
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    fla_ops.ops.cache_clear()
+    yield
+    fla_ops.ops.cache_clear()
 
 
 def _inputs(B, T, H, K, V, per_head: bool, seed: int = 0, bounded: bool = False):
@@ -50,7 +63,7 @@ def _fla_naive(op: str):
 
 @needs_fla
 @pytest.mark.parametrize("op", fla_ops.OPS)
-def test_arguments_match_fla_semantics(op, close):
+def test_arguments_match_fla_semantics(op, close, real_fla):
     """Our inputs mapped by fla_arguments and given to fla's naive reference of the op give our reference's
     output and state: scale, gate, beta and state layout mean the same on both sides."""
     T = 64 if op.startswith("chunk") else 5  # fla's naive chunk form wants whole chunks
@@ -115,7 +128,7 @@ def test_dispatchers_take_fla_on_gpu_tensors(T, monkeypatch, close):
 @needs_fla
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("op", [op for op in fla_ops.OPS if op.startswith("fused_recurrent")])
-def test_fla_recurrent_kernels_under_interpreter(op, close):
+def test_fla_recurrent_kernels_under_interpreter(op, close, real_fla):
     """fla's own recurrent Triton kernels (not only its naive references) run on CPU tensors under the
     interpreter: through fla_arguments they give our reference's output and state (its chunk kernels
     need a GPU driver)."""
@@ -133,7 +146,7 @@ needs_cuda_fla = pytest.mark.skipif(not (HAVE_FLA and torch.cuda.is_available())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("T", [1, 63, 500], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("per_head", [False, True], ids=["kda", "gated_delta"])
-def test_fla_on_cuda_matches_reference(per_head, T, dtype, close):
+def test_fla_on_cuda_matches_reference(per_head, T, dtype, close, real_fla):
     """The dispatchers on CUDA (fla's kernels) against our float32 references; bf16 inputs are compared
     with the reference on the same rounded inputs."""
     assert fla_ops.ops() is not None, "fla-core is installed but does not import"
@@ -143,7 +156,7 @@ def test_fla_on_cuda_matches_reference(per_head, T, dtype, close):
     want = _ours("gated_delta" if per_head else "kda", *[t.float() for t in inputs], state)
     dispatch = gdn_dispatch.gated_delta if per_head else kda_dispatch.kda
     o, s = dispatch(*[t.cuda() for t in inputs], state.cuda())
-    tol = 5e-3 if dtype == torch.float32 else 2e-2  # fla's fp32 tl.dot may run in tf32
+    tol = 5e-3 if dtype == torch.float32 else 5e-2  # fla's fp32 tl.dot may run in tf32; bf16 inside
     close(o, want[0], tol, "o")
     close(s, want[1], tol, "state")
     if not per_head and T > kda_dispatch.RECURRENT_MAX_T:  # K3's bounded gate through fla's safe-gate path
