@@ -164,6 +164,7 @@ def main() -> None:
 
 
 def run(args) -> None:
+    from localmoe.checkpoint import store_spec
     from localmoe.convert import convert
     from localmoe.paging import expert_bytes
     from localmoe.paging.budget import MemoryCgroup, cgroup_writable
@@ -236,7 +237,8 @@ def run(args) -> None:
           f"(read {ram['read_seconds']:.1f} s, stalled {ram['stall_seconds']:.1f} s); prefetch precision "
           f"{pf['precision']:.1%}, recall {pf['recall']:.1%}")
     recorded = RoutingTrace.load(work / "offload-trace.json")
-    print_policy_ratios(recorded, store.spec.num_experts, store.spec.num_experts_per_tok, slots)
+    spec = store_spec(store)
+    print_policy_ratios(recorded, spec.num_experts, spec.num_experts_per_tok, slots)
 
 
 def print_policy_ratios(recorded, num_experts: int, top_k: int, slots: int) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from localmoe.config import ModelSpec
-from localmoe.errors import CheckpointError, UnsupportedModelError
+from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import ModelFamily, TensorMap
 
@@ -126,12 +126,24 @@ def _open_hf(path: Path) -> Checkpoint:
     return Checkpoint(path, "hf", family, spec, SafetensorsCheckpoint(path), config=config)
 
 
+def store_spec(store) -> ModelSpec:
+    """The ModelSpec of a PackedStore's manifest (also one written before the spec held sub-configs)."""
+    from localmoe.engine.specs import spec_from_dict
+
+    try:
+        return spec_from_dict(store.manifest.model_spec)
+    except (KeyError, TypeError, ValueError, LocalMoEError) as e:
+        raise CheckpointError(f"{store.path / 'manifest.json'} is corrupt: model_spec is not a valid ModelSpec "
+                              f"({type(e).__name__}: {e}); convert the model again") from None
+
+
 def _open_store(path: Path) -> Checkpoint:
     from localmoe.store.packed import PackedStore
 
     store = PackedStore(path)
-    family = family_for_model_type(store.spec.model_type, str(path / "manifest.json"))
+    spec = store_spec(store)
+    family = family_for_model_type(spec.model_type, str(path / "manifest.json"))
     config_file, meta_file = store.file("config"), store.file("gguf_metadata")
     config = json.loads(config_file.read_text()) if config_file is not None else {}
     metadata = json.loads(meta_file.read_text()) if config_file is None and meta_file is not None else None
-    return Checkpoint(path, "store", family, store.spec, store, config=config, gguf_metadata=metadata)
+    return Checkpoint(path, "store", family, spec, store, config=config, gguf_metadata=metadata)

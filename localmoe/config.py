@@ -18,6 +18,8 @@ from localmoe.errors import LocalMoEError
 # "dsa": MLA + lightning indexer; "kda": Kimi delta attention; "gated_delta": Gated DeltaNet
 ATTENTION_KINDS = ("attention", "sliding_attention", "mla", "dsa", "kda", "gated_delta")
 MLP_KINDS = ("dense", "moe", "latent_moe")
+# ModelSpec fields holding the Config of an engine/layers/<kind>.py (None where the model has no such layer)
+SUB_CONFIGS = ("mla", "dsa", "kda", "gated_delta", "attn_res", "hyper_connections")
 
 
 @dataclass(slots=True)
@@ -67,50 +69,20 @@ class ModelSpec:
     glu_limit: float = 0.0
     situ_beta: float = 4.0  # K3 SiTU-GLU: situ_beta*tanh(g/situ_beta)*sigmoid(g) * ... (activation_situ_beta)
     situ_linear_beta: float = 25.0  # ... * situ_linear_beta*tanh(u/situ_linear_beta) (activation_situ_linear_beta)
-    # K3 attention residuals (engine/layers/attn_res.py): layers per stored block; 0 = plain residual adds
-    attn_res_block_size: int = 0
-    # GLM-5-Next manifold hyper-connections (engine/layers/hyper_connections.py): hc_mult residual streams
-    # mixed around every sublayer; 0 = plain residual adds
-    hc_mult: int = 0
-    hc_eps: float = 1e-6  # floor added to the pre / comb weights and to the Sinkhorn denominators
-    hc_sinkhorn_iters: int = 20
     sliding_window: int = 0  # keys a `sliding_attention` layer sees, its own position included
-    # KDA layers (engine/layers/kda.py: KDAConfig.spec_fields / from_spec)
-    kda_num_heads: int = 0
-    kda_head_dim: int = 0
-    kda_conv_kernel: int = 4
-    kda_bounded_gate: bool = False  # K3: lower_bound * sigmoid(...); Kimi-Linear: -exp(A) * softplus(...)
-    kda_gate_lower_bound: float = -5.0
-    kda_full_rank_gate: bool = False  # K3: g_proj; Kimi-Linear: low-rank g_b(g_a(x))
-    # MLA layers (engine/layers/mla.py: MLAConfig.spec_fields / from_spec)
-    q_lora_rank: int = 0  # 0 = q projected directly
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    mla_output_gate: bool = False  # K3: o_proj(attn * sigmoid(g_proj(x)))
-    mla_use_nope: bool = False
-    mla_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm epsilon (GLM-5-Next: rms_norm_eps)
     # Qwen3-Next full attention: RoPE on the first partial_rotary_factor * head_dim dims of each
     # head; q_proj twice as wide ([query; gate] per head), output * sigmoid(gate)
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
     shared_expert_intermediate_size: int = 0  # Qwen3-Next: its one shared expert's width
-    # Gated DeltaNet layers (engine/layers/gated_deltanet.py: GatedDeltaConfig.spec_fields / from_spec)
-    gdn_num_key_heads: int = 0
-    gdn_num_value_heads: int = 0
-    gdn_key_head_dim: int = 0
-    gdn_value_head_dim: int = 0
-    gdn_conv_kernel: int = 4
-    # DSA layers (engine/layers/dsa.py, engine/layers/indexer.py): the lightning indexer
-    index_n_heads: int = 0
-    index_head_dim: int = 0
-    index_topk: int = 0
-    # GLM-5-Next k-pool indexer (engine/layers/kpool_indexer.py): index keys are scored in pools of
-    # index_kpool consecutive tokens (0 = per token, DeepSeek); the query's incomplete pool is
-    # appended raw when index_kpool_tail (`index_kpool_always_select_tail`)
-    index_kpool: int = 0
-    index_kpool_tail: bool = True
+    # One sub-config per layer kind the model has (None where it has none), each the `Config` of
+    # its engine/layers/<kind>.py: the kind's own facts, as the family parsed them.
+    mla: Any = None  # mla.Config of the `mla` layers
+    dsa: Any = None  # dsa.Config of the `dsa` layers (its MLA and its lightning indexer)
+    kda: Any = None  # kda.Config of the `kda` layers
+    gated_delta: Any = None  # gated_deltanet.Config of the `gated_delta` layers
+    attn_res: Any = None  # attn_res.Config: K3's attention residuals replace the plain residual adds
+    hyper_connections: Any = None  # hyper_connections.Config: GLM-5-Next's hc_mult residual streams
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:
@@ -126,14 +98,14 @@ class ModelSpec:
         if self.num_heads % self.num_kv_heads:
             raise LocalMoEError(f"{self.model_type}: num_heads={self.num_heads} is not a multiple of "
                                 f"num_kv_heads={self.num_kv_heads}")
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        """Build from a dict, ignoring keys that are not fields (e.g. from a newer manifest)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        for kind in SUB_CONFIGS:
+            width = getattr(getattr(self, kind), "hidden_size", self.hidden_size)
+            if width != self.hidden_size:
+                raise LocalMoEError(f"{self.model_type}: the {kind} config's hidden_size={width} is not the "
+                                    f"model's {self.hidden_size}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (sub-configs as nested dicts); `engine.specs.spec_from_dict` reads it back."""
         data = dataclasses.asdict(self)
         data["layer_kinds"], data["mlp_kinds"] = list(self.layer_kinds), list(self.mlp_kinds)
         return data
@@ -171,12 +143,13 @@ class ModelSpec:
         Sliding-window layers are counted at full length (the cache keeps every position).
         """
         gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
-        mla = (self.kv_lora_rank + self.qk_rope_head_dim, 1)
-        # DSA: the MLA row plus one index key (fp8: one scale per block of up to 128 values, engine/layers/index_cache.py);
-        # k-pool indexers also keep each token's pool-gate logits, as many again
-        index_dim = self.index_head_dim * (2 if self.index_kpool else 1)
-        index_blocks = -(-index_dim // min(128, index_dim)) if index_dim else 0
-        dsa = (mla[0] + index_dim, 1 + index_blocks)
+        mla = (self.mla.row_dim, 1) if self.mla is not None else (0, 0)
+        dsa = (0, 0)
+        if self.dsa is not None:
+            # the MLA row plus one index key (fp8: one scale per block of up to 128 values, layers/index_cache.py);
+            # k-pool indexers also keep each token's pool-gate logits, as many again
+            index_dim = self.dsa.index_cache_dim
+            dsa = (self.dsa.mla.row_dim + index_dim, 1 + -(-index_dim // min(128, index_dim)))
         per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": mla, "dsa": dsa, "kda": (0, 0),
                     "gated_delta": (0, 0)}
         values = sum(per_kind[kind][0] for kind in self.layer_kinds)

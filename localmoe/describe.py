@@ -182,9 +182,9 @@ def delta_state_bytes(spec: ModelSpec, batch: int = 1) -> int | None:
     kda = spec.layer_kinds.count("kda")
     if not kda:
         return 0
-    from localmoe.engine.layers.kda import KDAConfig, state_bytes
+    from localmoe.engine.layers.kda import state_bytes
 
-    return kda * state_bytes(KDAConfig.from_spec(spec), batch)
+    return kda * state_bytes(spec.kda, batch)
 
 
 def _size(n: float) -> str:

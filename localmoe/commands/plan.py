@@ -16,6 +16,7 @@ def command(store, ram, gpu_mem, trace_path):
     """Measure disk, CPU and PCIe bandwidths, show how the packed store STORE would be placed
     (slots per tier), the hit rate each policy would reach (on --trace, else on a SYNTHETIC trace
     with published locality and on uniform routing) and the predicted decode tokens/s."""
+    from localmoe.checkpoint import store_spec
     from localmoe.commands.paged import parse_size
     from localmoe.paging import expert_bytes
     from localmoe.paging.placement import measure, place, predict_decode
@@ -24,7 +25,7 @@ def command(store, ram, gpu_mem, trace_path):
     from localmoe.store.packed import PackedStore
 
     packed = PackedStore(store)
-    spec = packed.spec
+    spec = store_spec(packed)
     total = expert_bytes(packed)
     slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
     budget = parse_size(ram, total)

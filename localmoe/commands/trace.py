@@ -25,12 +25,12 @@ def command(store, prompt, output, max_tokens, paging, threads, synthetic, token
     trace: (token, layer, experts) for every token, prompt included. The trace replays against
     any policy and budget (`localmoe plan`, benchmarks/offload.py) and is the future the Belady
     policy needs (--policy belady --trace FILE)."""
+    from localmoe.checkpoint import open_checkpoint
     from localmoe.commands.paged import greedy, open_paged, prompt_ids
     from localmoe.paging.trace import RoutingTrace, synthetic_trace
-    from localmoe.store.packed import PackedStore
 
     if synthetic:
-        spec = PackedStore(store).spec
+        spec = open_checkpoint(store).spec
         trace = synthetic_trace(spec.moe_layers(), spec.num_experts, spec.num_experts_per_tok, tokens, reuse, zipf,
                                 seed)
         trace.save(output)

@@ -1,11 +1,13 @@
 """The decoder-only transformer, assembled per layer from the kinds a ModelSpec lists.
 
 Each layer is (norm, mixer, norm, MLP) with plain residual adds, or a residual scheme that
-runs the layers itself: Kimi K3's attention residuals (engine/layers/attn_res.py, `spec.attn_res_block_size`)
-or GLM-5-Next's hyper-connections (engine/layers/hyper_connections.py, `spec.hc_mult`); the mixer is chosen by
-`spec.layer_kinds[i]` from MIXERS and the MLP by `spec.mlp_kinds[i]` from MLPS. A new
-layer kind is a class with `from_weights(spec, weights, prefix, dtype)`, `new_cache(batch,
-max_len)`, `nbytes()` and `__call__(x, step, cache)`, registered here.
+runs the layers itself: Kimi K3's attention residuals (layers/attn_res.py, `spec.attn_res`)
+or GLM-5-Next's hyper-connections (layers/hyper_connections.py, `spec.hyper_connections`). The
+mixer of layer i is the module MIXERS[spec.layer_kinds[i]], its MLP MLPS[spec.mlp_kinds[i]]: each
+a file of engine/layers/ with a `Config` (`layer_config` finds it: the spec's sub-config of that
+kind, or derived from the spec's common fields), `tensors(cfg, prefix)` (composed here into a
+model's expected shapes: `model_tensors`) and `build(cfg, weights, prefix, device, dtype)` -> a
+layer with `new_cache(batch, max_len, dtype)`, `nbytes()` and `__call__(x, step, cache)`.
 """
 
 from __future__ import annotations
@@ -17,55 +19,59 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.experts import ExpertProvider
-from localmoe.engine.layers.attention import GQAttention, SlidingAttention
-from localmoe.engine.layers.attn_res import AttentionResiduals
+from localmoe.engine.layers import attention, attn_res, dsa, gated_deltanet, hyper_connections, kda, mla, mlp, moe
 from localmoe.engine.layers.dsa import DSAttention
-from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
-from localmoe.engine.layers.hyper_connections import HyperConnections
-from localmoe.engine.layers.kda import KimiDeltaAttention
-from localmoe.engine.layers.mla import MLAttention
-from localmoe.engine.layers.mlp import ACTIVATIONS, GatedMLP
+from localmoe.engine.layers.mlp import ACTIVATIONS
 from localmoe.engine.layers.moe import MoEBlock
 from localmoe.engine.linear import make_linear
 from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
-from localmoe.errors import LocalMoEError, UnsupportedModelError
+from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.rms_norm import add_rms_norm
 
 SMALL_STEP_TOKENS = 8  # tokens of one call (batch x new) up to which it counts as a decode step
 
-MIXERS = {"attention": GQAttention, "sliding_attention": SlidingAttention, "kda": KimiDeltaAttention,
-          "mla": MLAttention, "dsa": DSAttention, "gated_delta": GatedDeltaNet}
+MIXERS = {"attention": attention, "sliding_attention": attention, "mla": mla, "dsa": dsa, "kda": kda,
+          "gated_delta": gated_deltanet}
+MLPS = {"dense": mlp, "moe": moe, "latent_moe": moe}
 
 
-class SigmoidGatedMLP:
-    """Qwen3-Next's shared expert: sigmoid(x . w_gate) * mlp(x), the gate one scalar per token."""
-
-    def __init__(self, mlp: GatedMLP, gate: torch.Tensor):
-        self.mlp, self.gate = mlp, make_linear([gate], None, "float32")  # gate [1, hidden]
-
-    def nbytes(self) -> int:
-        return self.mlp.nbytes() + self.gate.nbytes()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.gate(x)) * self.mlp(x)
-
-
-def moe_block(spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
-    """A MoEBlock whose shared experts are gated when `{prefix}mlp.shared_expert_gate.weight` exists."""
-    block = MoEBlock.from_weights(spec, weights, prefix, dtype)
-    gate = weights.get(prefix + "mlp.shared_expert_gate.weight")
-    if gate is not None:
-        if block.shared is None:
-            raise LocalMoEError(f"{prefix}mlp.shared_expert_gate.weight: the layer has no shared expert to gate")
-        block.shared = SigmoidGatedMLP(block.shared, gate)
-    return block
+def layer_config(spec: ModelSpec, kind: str):
+    """The Config of a layer kind (ATTENTION_KINDS or MLP_KINDS) in this model: the spec's sub-config of that
+    name (mla, dsa, kda, gated_delta), else the one its common fields give (attention, MLP, MoE)."""
+    if kind in ("attention", "sliding_attention"):
+        if kind == "sliding_attention" and not spec.sliding_window:
+            raise CheckpointError(f"{spec.model_type}: a sliding_attention layer needs a sliding_window size")
+        return attention.Config.of(spec, spec.sliding_window if kind == "sliding_attention" else 0)
+    if kind in MLPS:
+        return mlp.Config.of(spec) if kind == "dense" else moe.Config.of(spec, latent=kind == "latent_moe")
+    cfg = getattr(spec, kind)
+    if cfg is None:
+        raise LocalMoEError(f"{spec.model_type}: the spec lists {kind} layers but has no {kind} config")
+    return cfg
 
 
-MLPS = {"dense": GatedMLP.from_weights, "moe": moe_block, "latent_moe": moe_block}  # latent: from its weights
+def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor's shape, composed from the layer kinds: embedding, norms, each layer's mixer and
+    MLP (`experts(cfg, prefix)`: the routed experts' parts, bf16 by default), the residual scheme, lm_head."""
+    D = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, D)
+    configs = {kind: layer_config(spec, kind) for kind in {*spec.layer_kinds, *spec.mlp_kinds}}
+    for i, (mixer, ffn) in enumerate(zip(spec.layer_kinds, spec.mlp_kinds)):
+        p = f"layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        shapes |= MIXERS[mixer].tensors(configs[mixer], p)
+        shapes |= mlp.tensors(configs[ffn], p) if ffn == "dense" else moe.tensors(configs[ffn], p, experts)
+    if spec.attn_res is not None:
+        shapes |= attn_res.tensors(spec.attn_res)
+    if spec.hyper_connections is not None:
+        shapes |= hyper_connections.tensors(spec.hyper_connections)
+    return shapes
 
 
 def _head(weight, dtype: str):
@@ -107,25 +113,27 @@ class Transformer:
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")
         rotary_dim = int(spec.head_dim * spec.partial_rotary_factor)
-        if any(kind in ("mla", "dsa") for kind in spec.layer_kinds) and not spec.mla_use_nope:
-            rotary_dim = spec.qk_rope_head_dim  # DeepSeek MLA rotates only the shared rope part (and the indexer)
+        latent = spec.mla or (spec.dsa.mla if spec.dsa is not None else None)
+        if latent is not None and not latent.use_nope:
+            rotary_dim = latent.qk_rope_head_dim  # DeepSeek MLA rotates only the shared rope part (and the indexer)
         self.rope = RotaryTable(rotary_dim, spec.rope_theta, None if freq_factors is not None else spec.rope_scaling,
                                 self.max_context, freq_factors=freq_factors)
         self.layers = []
+        configs = {kind: layer_config(spec, kind) for kind in {*spec.layer_kinds, *spec.mlp_kinds}}
         for i in range(spec.num_layers):
-            p = f"layers.{i}."
+            p, kind, ffn = f"layers.{i}.", spec.layer_kinds[i], spec.mlp_kinds[i]
             self.layers.append((weights[p + "input_layernorm.weight"].float(),
-                                MIXERS[spec.layer_kinds[i]].from_weights(spec, weights, p, config.dtype),
+                                MIXERS[kind].build(configs[kind], weights, p, dtype=config.dtype),
                                 weights[p + "post_attention_layernorm.weight"].float(),
-                                MLPS[spec.mlp_kinds[i]](spec, weights, p, config.dtype)))
+                                MLPS[ffn].build(configs[ffn], weights, p, dtype=config.dtype)))
             mixer = self.layers[-1][1]
             if config.sparse_topk is not None and hasattr(mixer, "sparse_topk") and not isinstance(mixer, DSAttention):
                 mixer.sparse_topk = config.sparse_topk  # dense MLA/GQA only: DSA layers select with their indexer
         self.residuals = None  # or a scheme with run(x, attn, mlp) -> [B, T, D] and nbytes()
-        if spec.attn_res_block_size:
-            self.residuals = AttentionResiduals.from_weights(spec, weights)
-        elif spec.hc_mult:
-            self.residuals = HyperConnections.from_weights(spec, weights)
+        if spec.attn_res is not None:
+            self.residuals = attn_res.build(spec.attn_res, weights)
+        elif spec.hyper_connections is not None:
+            self.residuals = hyper_connections.build(spec.hyper_connections, weights)
         for block in self.moe_blocks():
             block.precision = config.expert_precision
         if experts is not None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.transformer import Transformer
+from localmoe.engine.transformer import Transformer, model_tensors
 
 Transform = Callable[[torch.Tensor, ModelSpec], torch.Tensor]
 PLACEHOLDERS = ("i", "e")  # layer index, expert id
@@ -142,7 +142,8 @@ class ModelFamily:
     # (canonical weights, spec) -> canonical weights, after renaming a GGUF's tensors and before the
     # shape checks: for tensors a GGUF splits or stores otherwise (gpt-oss's MXFP4 gate / up experts)
     gguf_finish: Callable[[dict, ModelSpec], dict] | None = None
-    expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] | None = None
+    # canonical name -> shape of every tensor the spec asks for; default: composed from the layer kinds
+    expected_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]] = model_tensors
     # canonical-name regexes that may be present without the config asking for them (a tied lm_head)
     optional_tensors: tuple[str, ...] = (r"^lm_head\.weight$",)
     build: Callable | None = build_transformer  # (spec, weights: dict[str, Tensor], engine_config, experts=None)

@@ -25,9 +25,6 @@ appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is droppe
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.indexer import indexer_shapes
-from localmoe.engine.layers.mla import mla_shapes
-from localmoe.engine.layers.moe import moe_shapes
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
@@ -52,11 +49,10 @@ def deepseek_spec(config: dict) -> ModelSpec:
     (`deepseek_v3`: the same model without the indexer, plain MLA)."""
     layers = require(config, "num_hidden_layers")
     model_type = config.get("model_type", "deepseek_v32")
-    if model_type == "deepseek_v3":  # no indexer: its fields zero
-        config = {**config, "index_n_heads": 0, "index_head_dim": 0, "index_topk": 0}
-    return moe_spec(config, model_type, ("mla" if model_type == "deepseek_v3" else "dsa",) * layers,
+    indexer = model_type != "deepseek_v3"
+    return moe_spec(config, model_type, ("dsa" if indexer else "mla",) * layers,
                     moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
-                    "config.json", **dsa_fields(config, "config.json"))
+                    "config.json", **dsa_fields(config, "config.json", indexer))
 
 
 def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]:
@@ -151,21 +147,8 @@ def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
     return unstack_experts(weights, spec)
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    D = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for i in range(spec.num_layers):
-        a = f"layers.{i}.self_attn."
-        shapes |= moe_shapes(spec, i) | mla_shapes(spec, a)
-        if spec.layer_kinds[i] == "dsa":
-            shapes |= indexer_shapes(spec, a)
-    return shapes
-
-
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3"),
-                           spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
+                           spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS,
                            experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2"),
                            spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=gguf_finish,
                            gguf_experts=gguf_stacked_experts()))

@@ -23,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.indexer import indexer_shapes
-from localmoe.engine.layers.kda import KDAConfig, kda_shapes
-from localmoe.engine.layers.mla import mla_shapes
-from localmoe.engine.layers.moe import moe_shapes
+from localmoe.engine.layers import hyper_connections, kda
+from localmoe.engine.transformer import model_tensors
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
@@ -36,17 +34,17 @@ SOURCE = "config.json text_config"
 KINDS = {"linear_attention": "kda", "indexed_attention": "dsa", "full_attention": "dsa"}  # full == indexed (HF)
 
 
-def kda_config(text: dict) -> KDAConfig:
+def kda_config(text: dict) -> kda.Config:
     """KDA sizes and gate from `linear_attn_config` (as released) or the flat `linear_*` fields."""
     linear = text.get("linear_attn_config") or {}
     bound = linear.get("gate_lower_bound", text.get("linear_lower_bound", -5.0))
     if bound is None and linear and linear.get("safe_gate", True):  # as transformers reads the dict
         bound = -5.0
-    return KDAConfig(num_heads=linear.get("num_heads", text.get("linear_num_heads", 64)),
-                     head_dim=linear.get("head_dim", text.get("linear_head_dim", 128)),
-                     conv_kernel=linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
-                     bounded_gate=bound is not None, gate_lower_bound=-5.0 if bound is None else float(bound),
-                     full_rank_gate=False, norm_eps=text.get("rms_norm_eps", 1e-5))
+    return kda.Config(num_heads=linear.get("num_heads", text.get("linear_num_heads", 64)),
+                      head_dim=linear.get("head_dim", text.get("linear_head_dim", 128)),
+                      conv_kernel=linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
+                      bounded_gate=bound is not None, gate_lower_bound=-5.0 if bound is None else float(bound),
+                      full_rank_gate=False, norm_eps=text.get("rms_norm_eps", 1e-5), hidden_size=text["hidden_size"])
 
 
 def indexer_types(text: dict, layers: int) -> list[str]:
@@ -76,14 +74,17 @@ def glm5_spec(config: dict) -> ModelSpec:
     if text.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"glm5_next: hidden_act {text['hidden_act']!r} is not supported (silu only)")
     eps = text.get("rms_norm_eps", 1e-5)
-    spec = moe_spec(text, "glm5_next", kinds, mlp, SOURCE, **dsa_fields(text, SOURCE),
-                    **kda_config(text).spec_fields(), glu_limit=float(text.get("swiglu_limit", 10.0)),
-                    hc_mult=int(text.get("hc_mult", 4)), hc_eps=float(text.get("hc_eps", 1e-6)),
-                    hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-                    index_kpool=int(text.get("index_kpool", 16)),
-                    index_kpool_tail=bool(text.get("index_kpool_always_select_tail", True)))
-    return dataclasses.replace(spec, rms_norm_eps=eps, mla_norm_eps=eps, mla_use_nope=True,
-                               max_position_embeddings=text.get("max_position_embeddings", 1048576))
+    fields = dsa_fields(text, SOURCE)
+    latent = dataclasses.replace(fields["dsa"].mla, use_nope=True, scale_factor=1.0, norm_eps=eps)
+    fields["dsa"] = dataclasses.replace(fields["dsa"], mla=latent, index_kpool=int(text.get("index_kpool", 16)),
+                                        index_kpool_tail=bool(text.get("index_kpool_always_select_tail", True)))
+    spec = moe_spec(text, "glm5_next", kinds, mlp, SOURCE, **fields, kda=kda_config(text),
+                    glu_limit=float(text.get("swiglu_limit", 10.0)))
+    return dataclasses.replace(
+        spec, rms_norm_eps=eps, max_position_embeddings=text.get("max_position_embeddings", 1048576),
+        hyper_connections=hyper_connections.Config(int(text.get("hc_mult", 4)), L, spec.hidden_size,
+                                                   float(text.get("hc_eps", 1e-6)),
+                                                   int(text.get("hc_sinkhorn_iters", 20)), eps))
 
 
 _P = "model.language_model."
@@ -115,24 +116,10 @@ HF_TENSORS = TensorMap(
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    D, N = spec.hidden_size, spec.hc_mult
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        shapes |= moe_shapes(spec, i)
-        for s in ("attn", "ffn"):
-            shapes |= {f"{p}hc_{s}_fn": ((2 + N) * N, N * D), f"{p}hc_{s}_base": ((2 + N) * N,),
-                       f"{p}hc_{s}_scale": (3,)}
-        if spec.layer_kinds[i] == "kda":
-            shapes |= kda_shapes(spec, a) | {a + "A_log": (spec.kda_num_heads,)}
-        else:
-            x = a + "indexer."
-            shapes |= mla_shapes(spec, a) | indexer_shapes(spec, a)
-            shapes |= {x + "index_kpool_compress_ape": (spec.index_kpool, spec.index_head_dim),
-                       x + "index_kpool_compress_gate": (spec.index_head_dim, D)}
+    """The composed shapes, with KDA's `A_log` stored as [H]."""
+    shapes = model_tensors(spec)
+    for i in (i for i, kind in enumerate(spec.layer_kinds) if kind == "kda"):
+        shapes[f"layers.{i}.self_attn.A_log"] = (spec.kda.num_heads,)
     return shapes
 
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.kda import kda_shapes
-from localmoe.engine.layers.mla import mla_shapes
-from localmoe.engine.layers.moe import moe_shapes
+from localmoe.engine.layers import attn_res, moe
+from localmoe.engine.transformer import model_tensors
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
@@ -49,7 +48,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
         norm_topk_prob=bool(text.get("moe_renormalize", True)),
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         n_group=int(text.get("num_expert_group") or 1), topk_group=int(text.get("topk_group") or 1),
-        attn_res_block_size=int(require(text, "attn_res_block_size", SOURCE)))
+        attn_res=attn_res.Config(int(require(text, "attn_res_block_size", SOURCE)), spec.num_layers, spec.hidden_size,
+                                 spec.rms_norm_eps))
 
 
 _P = "language_model.model."
@@ -81,30 +81,19 @@ HF_TENSORS = TensorMap(
 )
 
 
-def mxfp4_expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
+def mxfp4_expert_shapes(cfg: moe.Config, m: str) -> dict[str, tuple[int, ...]]:
     """Routed experts as MXFP4 parts: packed U8 [out, in/2] and scales U8 [out, in/32]."""
-    Im, shapes = spec.moe_intermediate_size, {}
-    for e in range(spec.num_experts):
+    Im, W, shapes = cfg.moe_intermediate_size, cfg.width, {}
+    for e in range(cfg.num_experts):
         x = f"{m}experts.{e}."
-        for proj, (out, inp) in (("gate", (Im, width)), ("up", (Im, width)), ("down", (width, Im))):
+        for proj, (out, inp) in (("gate", (Im, W)), ("up", (Im, W)), ("down", (W, Im))):
             shapes |= {f"{x}{proj}.packed": (out, inp // 2), f"{x}{proj}.scales": (out, inp // 32)}
     return shapes
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Canonical tensor shapes: Kimi-Linear's layers with MXFP4 routed experts, plus attention residuals."""
-    D = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for i in range(spec.num_layers):
-        a = f"layers.{i}.self_attn."
-        attention = kda_shapes(spec, a) if spec.layer_kinds[i] == "kda" else mla_shapes(spec, a)
-        shapes |= attention | moe_shapes(spec, i, mxfp4_expert_shapes)
-    for stem in [*(f"layers.{i}.{s}" for i in range(spec.num_layers) for s in ("self_attention", "mlp")),
-                 "output_attn"]:
-        shapes |= {f"{stem}_res_norm.weight": (D,), f"{stem}_res_proj.weight": (1, D)}
-    return shapes
+    return model_tensors(spec, mxfp4_expert_shapes)
 
 
 _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"

@@ -24,9 +24,6 @@ import dataclasses
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.kda import kda_shapes
-from localmoe.engine.layers.mla import mla_shapes
-from localmoe.engine.layers.moe import moe_shapes
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
@@ -48,6 +45,8 @@ def spec_from_hf(config: dict) -> ModelSpec:
     act = config.get("moe_router_activation_func", "sigmoid")
     if act != "sigmoid":
         raise UnsupportedModelError(f"kimi_linear: moe_router_activation_func {act!r} is not supported (sigmoid only)")
+    if spec.mla.q_lora_rank:
+        raise UnsupportedModelError("kimi_linear: MLA with q_lora_rank is not supported (Kimi-Linear has none)")
     return dataclasses.replace(
         spec, scoring_func="sigmoid", expert_act="swiglu",
         norm_topk_prob=bool(config.get("moe_renormalize", True)),
@@ -149,24 +148,6 @@ HF_TENSORS = TensorMap(
 )
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Canonical tensor shapes of a Kimi-Linear model: KDA or MLA attention per layer, DeepSeek-style MoE."""
-    D = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for i in range(spec.num_layers):
-        a = f"layers.{i}.self_attn."
-        if spec.layer_kinds[i] == "kda":
-            shapes |= kda_shapes(spec, a)
-        else:
-            if spec.q_lora_rank and spec.family == "kimi_linear":
-                raise UnsupportedModelError("kimi_linear: MLA with q_lora_rank is not supported (Kimi-Linear has none)")
-            shapes |= mla_shapes(spec, a)
-        shapes |= moe_shapes(spec, i)
-    return shapes
-
-
 _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
 
 FAMILY = register(ModelFamily(
@@ -179,7 +160,6 @@ FAMILY = register(ModelFamily(
     gguf_finish=gguf_finish,
     gguf_experts=gguf_stacked_experts(),
     hf_tensors=HF_TENSORS,
-    expected_shapes=expected_shapes,
    
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.w1.weight", "up": f"{_EXPERT}.w3.weight",
                                    "down": f"{_EXPERT}.w2.weight"}),

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
-from localmoe.engine.layers.mlp import gated_mlp_shapes
+from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 
@@ -136,18 +135,6 @@ def gguf_tensors(architecture: str) -> TensorMap:
     )
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    h = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, h), "norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   **gqa_shapes(spec, p + "self_attn."), **gated_mlp_shapes(p + "mlp.", h, spec.intermediate_size)}
-    return shapes
-
-
 FAMILY = register(ModelFamily(
     name="llama",
     model_types=("llama", "mistral", "qwen2", "qwen3", "smollm"),
@@ -156,6 +143,5 @@ FAMILY = register(ModelFamily(
     spec_from_gguf=spec_from_gguf,
     hf_tensors=HF_TENSORS,
     gguf_tensors=gguf_tensors,
-    expected_shapes=expected_shapes,
     optional_tensors=(r"^lm_head\.weight$", r"^rope_freqs\.weight$"),
 ))

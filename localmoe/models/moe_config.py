@@ -5,8 +5,7 @@ Kimi-Linear-style text config that Kimi-Linear and Kimi K3 share)."""
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.kda import KDAConfig
-from localmoe.engine.layers.mla import MLAConfig
+from localmoe.engine.layers import dsa, kda, mla
 from localmoe.errors import CheckpointError
 from localmoe.models.base import ExpertTensors
 
@@ -40,15 +39,14 @@ def moe_placement(num_layers: int, first_dense: int, frequency: int = 1, kind: s
                  for i in range(num_layers))
 
 
-def dsa_fields(config: dict, source: str) -> dict:
-    """The ModelSpec fields of MLA + indexer and DeepSeek routing from a (text) config dict."""
-    return dict(
-        **MLAConfig.from_hf(config).spec_fields(),
-        index_n_heads=require(config, "index_n_heads", source), index_head_dim=require(config, "index_head_dim", source),
-        index_topk=require(config, "index_topk", source),
-        scoring_func=config.get("scoring_func", "sigmoid"), norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-        n_group=int(config.get("n_group") or 1), topk_group=int(config.get("topk_group") or 1))
+def dsa_fields(config: dict, source: str, indexer: bool = True) -> dict:
+    """The ModelSpec fields of DSA layers (MLA + indexer; without the `indexer`: plain MLA layers) and DeepSeek
+    routing from a (text) config dict."""
+    layers = {"dsa": dsa.Config.from_hf(config, source)} if indexer else {"mla": mla.Config.from_hf(config)}
+    return {**layers, "scoring_func": config.get("scoring_func", "sigmoid"),
+            "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+            "n_group": int(config.get("n_group") or 1), "topk_group": int(config.get("topk_group") or 1)}
 
 
 def moe_spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str, **fields) -> ModelSpec:
@@ -111,6 +109,5 @@ def kimi_text_spec(config: dict, model_type: str, family: str, source: str = "co
         moe_intermediate_size=require(config, "moe_intermediate_size", source),
         num_shared_experts=config.get("num_shared_experts", 0),
         latent_moe_size=config.get("routed_expert_hidden_size") or 0,
-        **KDAConfig.from_hf(config, family).spec_fields(),
-        **MLAConfig.from_hf(config).spec_fields(),
+        kda=kda.Config.from_hf(config, family), mla=mla.Config.from_hf(config),
     )

@@ -17,9 +17,7 @@ without `ffn_gate_inp` is dense. q/k rows are not permuted (NeoX RoPE).
 from __future__ import annotations
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf, gqa_shapes
-from localmoe.engine.layers.mlp import gated_mlp_shapes
-from localmoe.engine.layers.moe import expert_shapes
+from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import GGUFKeys, gguf_stacked_experts, stacked_expert_rules, unstack_experts
@@ -111,23 +109,6 @@ def gguf_tensors(architecture: str) -> TensorMap:
     ))
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    D, moe = spec.hidden_size, set(spec.moe_layers())
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        m = p + "mlp."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-        shapes |= gqa_shapes(spec, p + "self_attn.")
-        if i in moe:
-            shapes |= {m + "router.weight": (spec.num_experts, D)} | expert_shapes(spec, m, D)
-        else:
-            shapes |= gated_mlp_shapes(m, D, spec.intermediate_size)
-    return shapes
-
-
 FAMILY = register(ModelFamily(
     name="qwen3_moe",
     model_types=("qwen3_moe",),
@@ -137,7 +118,6 @@ FAMILY = register(ModelFamily(
     gguf_tensors=gguf_tensors,
     gguf_finish=unstack_experts,
     hf_tensors=HF_TENSORS,
-    expected_shapes=expected_shapes,
    
     experts=ExpertTensors("bf16", {p: f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in _PROJECTIONS}),
     gguf_experts=gguf_stacked_experts(),

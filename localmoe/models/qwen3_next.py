@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers.gated_deltanet import GatedDeltaConfig
-from localmoe.engine.layers.mlp import gated_mlp_shapes
-from localmoe.engine.layers.moe import expert_shapes
+from localmoe.engine.layers import gated_deltanet
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
@@ -70,7 +68,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
         num_shared_experts=1 if config.get("shared_expert_intermediate_size") else 0,
         shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
         norm_topk_prob=bool(config.get("norm_topk_prob", True)),
-        **GatedDeltaConfig.from_hf(config).spec_fields(),
+        gated_delta=gated_deltanet.Config.from_hf(config),
     )
 
 
@@ -190,37 +188,6 @@ HF_TENSORS = TensorMap(
 )
 
 
-def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    D, E, c = spec.hidden_size, spec.num_experts, GatedDeltaConfig.from_spec(spec)
-    H, Hkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (spec.vocab_size, D), "norm.weight": (D,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, D)
-    G = c.num_value_heads // c.num_key_heads
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-        if spec.layer_kinds[i] == "gated_delta":
-            a, Hk, Hv, K, V = p + "linear_attn.", c.num_key_heads, c.num_value_heads, c.key_head_dim, c.value_head_dim
-            shapes |= {a + "in_proj_qkvz.weight": (Hk * (2 * K + 2 * G * V), D), a + "in_proj_ba.weight": (2 * Hv, D),
-                       a + "conv1d.weight": (c.conv_channels, 1, c.conv_kernel), a + "A_log": (Hv,),
-                       a + "dt_bias": (Hv,), a + "norm.weight": (V,), a + "out_proj.weight": (D, Hv * V)}
-        else:
-            a = p + "self_attn."
-            shapes |= {a + "q_proj.weight": (2 * H * hd, D), a + "k_proj.weight": (Hkv * hd, D),
-                       a + "v_proj.weight": (Hkv * hd, D), a + "o_proj.weight": (D, H * hd),
-                       a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
-        m = p + "mlp."
-        if spec.mlp_kinds[i] == "dense":
-            shapes |= gated_mlp_shapes(m, D, spec.intermediate_size)
-            continue
-        shapes |= {m + "router.weight": (E, D)} | expert_shapes(spec, m, D)
-        if spec.num_shared_experts:
-            shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.shared_expert_intermediate_size)
-            shapes[m + "shared_expert_gate.weight"] = (1, D)
-    return shapes
-
-
 _EXPERT = "model.layers.{i}.mlp.experts.{e}"
 
 FAMILY = register(ModelFamily(
@@ -233,7 +200,6 @@ FAMILY = register(ModelFamily(
     gguf_finish=gguf_finish,
     gguf_experts=gguf_stacked_experts(),
     hf_tensors=HF_TENSORS,
-    expected_shapes=expected_shapes,
    
     experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.gate_proj.weight", "up": f"{_EXPERT}.up_proj.weight",
                                    "down": f"{_EXPERT}.down_proj.weight"}),

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from localmoe.config import ModelSpec
-from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.errors import CheckpointError
 from localmoe.store.extents import (
     ExpertLayout,
 )
@@ -74,12 +73,7 @@ class PackedStore:
             text = manifest_path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise CheckpointError(f"{manifest_path} is corrupt: not UTF-8 text; convert the model again") from None
-        self.manifest = Manifest.parse(text, manifest_path)
-        try:
-            self.spec = ModelSpec.from_dict(self.manifest.model_spec)
-        except (TypeError, ValueError, LocalMoEError) as e:
-            raise CheckpointError(f"{manifest_path} is corrupt: model_spec is not a valid ModelSpec ({e}); "
-                                  f"convert the model again") from None
+        self.manifest = Manifest.parse(text, manifest_path)  # its model_spec: checkpoint.store_spec reads it
         for rec in [*self.manifest.files, *self.manifest.dense_shards]:
             self._check_size(rec.file, rec.nbytes, "")
         self._layers: dict[int, tuple[LayerRecord, ExpertLayout, dict[int, int]]] = {}

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
-from localmoe.engine.layers.gated_deltanet import GatedDeltaConfig, GatedDeltaNet, state_bytes
+from localmoe.engine.layers.gated_deltanet import Config, build, state_bytes, tensors
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
 
@@ -56,10 +55,7 @@ def reference(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor
     return o.reshape(B, T, -1) @ w["out_proj.weight"].T
 
 
-def spec() -> ModelSpec:
-    return ModelSpec(model_type="t", family="t", vocab_size=8, hidden_size=D, num_layers=1, num_heads=2,
-                     num_kv_heads=2, head_dim=8, intermediate_size=8, layer_kinds=("gated_delta",),
-                     **GatedDeltaConfig(HK, HV, K, V, W).spec_fields())
+CONFIG = Config(HK, HV, K, V, W, hidden_size=D)
 
 
 def step(start: int, T: int) -> Step:
@@ -68,7 +64,7 @@ def step(start: int, T: int) -> Step:
 
 def test_prefill_and_decode_match_the_float64_rederivation():
     weights = random_weights()
-    layer = GatedDeltaNet.from_weights(spec(), weights, "layers.0.", "float32")
+    layer = build(CONFIG, weights, "layers.0.", dtype="float32")
     x = torch.randn(2, 11, D, generator=torch.Generator().manual_seed(1))
     expected = reference(weights, x)
     cache = layer.new_cache(2, 16)
@@ -78,12 +74,17 @@ def test_prefill_and_decode_match_the_float64_rederivation():
     assert cache.nbytes() == state_bytes(layer.config, batch=2)
 
 
+def test_tensors_are_what_build_reads():
+    """`tensors` names every weight `build` reads, at its shape (what the loader checks before building)."""
+    assert {k: tuple(v.shape) for k, v in random_weights().items()} == tensors(CONFIG, "layers.0.")
+
+
 def test_value_heads_must_be_a_multiple_of_key_heads():
     with pytest.raises(LocalMoEError, match="multiple of linear_num_key_heads"):
-        GatedDeltaConfig(num_key_heads=4, num_value_heads=6, key_head_dim=8, value_head_dim=8)
+        Config(num_key_heads=4, num_value_heads=6, key_head_dim=8, value_head_dim=8)
 
 
 def test_a_cache_at_another_offset_is_refused():
-    layer = GatedDeltaNet.from_weights(spec(), random_weights(), "layers.0.", "float32")
+    layer = build(CONFIG, random_weights(), "layers.0.", dtype="float32")
     with pytest.raises(LocalMoEError, match="starts at 3"):
         layer(torch.zeros(1, 1, D), step(3, 1), layer.new_cache(1, 8))

@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.layers.kda import (
-    KDAConfig,
+    Config,
     KimiDeltaAttention,
+    build,
     chunk_kda,
     l2norm,
     recurrent_kda,
     state_bytes,
+    tensors,
 )
 from localmoe.engine.state_cache import DeltaStateCache, StateRollbackError
 from localmoe.engine.step import make_step
@@ -23,17 +25,13 @@ from localmoe.testing import plan_checkpoint
 
 D, H, K, W = 64, 4, 16, 4
 VARIANTS = {
-    "kimi_linear": KDAConfig(H, K, W, bounded_gate=False, full_rank_gate=False, norm_eps=1e-5),
-    "kimi_k3": KDAConfig(H, K, W, bounded_gate=True, gate_lower_bound=-5.0, full_rank_gate=True, norm_eps=1e-5),
+    "kimi_linear": Config(H, K, W, bounded_gate=False, full_rank_gate=False, norm_eps=1e-5, hidden_size=D),
+    "kimi_k3": Config(H, K, W, bounded_gate=True, gate_lower_bound=-5.0, full_rank_gate=True, norm_eps=1e-5,
+                      hidden_size=D),
 }
 
 
-class Spec:  # the two ModelSpec fields from_weights reads when given an explicit KDAConfig
-    hidden_size = D
-    rms_norm_eps = 1e-5
-
-
-def random_weights(config: KDAConfig, seed: int = 0, prefix: str = "layers.0.self_attn.") -> dict[str, torch.Tensor]:
+def random_weights(config: Config, seed: int = 0, prefix: str = "layers.0.self_attn.") -> dict[str, torch.Tensor]:
     """KDA weights in Moonshot's on-disk layout (A_log padded to max(H, K) for K3)."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -60,7 +58,7 @@ def random_weights(config: KDAConfig, seed: int = 0, prefix: str = "layers.0.sel
 
 def layer(variant: str, seed: int = 0) -> KimiDeltaAttention:
     config = VARIANTS[variant]
-    return KimiDeltaAttention.from_weights(Spec, random_weights(config, seed), "layers.0.", "float32", config)
+    return build(config, random_weights(config, seed), "layers.0.", dtype="float32")
 
 
 def run(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,10 +158,8 @@ def hf_layer_and_ours(seed: int = 0):
         elif "conv1d" not in name:
             sd[name] = t
     hf.load_state_dict(sd, strict=True)
-    mine = KimiDeltaAttention.from_weights(Spec, {"layers.0.self_attn." + k: v for k, v in ours.items()},
-                                           "layers.0.", "float32",
-                                           KDAConfig.from_hf({"linear_attn_config": config_dict, "rms_norm_eps": 1e-5},
-                                                             "kimi_linear"))
+    config = Config.from_hf({"linear_attn_config": config_dict, "rms_norm_eps": 1e-5, "hidden_size": D}, "kimi_linear")
+    mine = build(config, {"layers.0.self_attn." + k: v for k, v in ours.items()}, "layers.0.", dtype="float32")
     return hf, mine
 
 
@@ -179,7 +175,7 @@ def test_matches_transformers_kimi_linear():
     torch.testing.assert_close(got_steps, expected, rtol=1e-4, atol=1e-6)
 
 
-def float64_kda(w: dict[str, torch.Tensor], config: KDAConfig, x: torch.Tensor) -> torch.Tensor:
+def float64_kda(w: dict[str, torch.Tensor], config: Config, x: torch.Tensor) -> torch.Tensor:
     """The layer re-derived from the formulas, token by token, in float64 (own code, no engine imports)."""
     w = {k.removeprefix("layers.0.self_attn."): v.double() for k, v in w.items()}
     x = x.double()
@@ -216,7 +212,7 @@ def float64_kda(w: dict[str, torch.Tensor], config: KDAConfig, x: torch.Tensor) 
 def test_gates_match_float64_derivation(variant):
     config = VARIANTS[variant]
     weights = random_weights(config, seed=4)
-    mixer = KimiDeltaAttention.from_weights(Spec, weights, "layers.0.", "float32", config)
+    mixer = build(config, weights, "layers.0.", dtype="float32")
     x = torch.randn(2, 70, D, generator=torch.Generator().manual_seed(5))
     expected = float64_kda(weights, config, x).float()
     torch.testing.assert_close(run(mixer, x, [70]), expected, rtol=1e-4, atol=1e-5)
@@ -234,14 +230,14 @@ def test_checkpoint_layout_and_config(family):
     """The tiny real-layout checkpoints' names/shapes load, and the variant comes from the family."""
     plan = plan_checkpoint(family, "tiny")
     text = plan.config.get("text_config", plan.config)
-    config = KDAConfig.from_hf(text, family)
+    config = Config.from_hf(text, family)
     assert config.bounded_gate == config.full_rank_gate == (family == "kimi_k3")
     assert (config.num_heads, config.head_dim, config.conv_kernel, config.gate_lower_bound) == (H, K, W, -5.0)
     prefix = "language_model.model." if family == "kimi_k3" else "model."
     gen = torch.Generator().manual_seed(0)
     weights = {t.name.removeprefix(prefix): torch.rand(t.shape, generator=gen) * 0.1 for t in plan.tensors
                if t.name.startswith(prefix + "layers.0.self_attn.")}
-    mixer = KimiDeltaAttention.from_weights(Spec, weights, "layers.0.", "float32", config)
+    mixer = build(config, weights, "layers.0.", dtype="float32")
     cache = mixer.new_cache(1, 8)
     assert cache.nbytes() == state_bytes(config) == 4 * (H * K * K + (W - 1) * 3 * H * K)
     assert torch.isfinite(run(mixer, torch.randn(1, 8, D), [6, 1, 1])).all()
@@ -251,7 +247,7 @@ def test_from_hf_rejects_unknown_family():
     from localmoe.errors import LocalMoEError
 
     with pytest.raises(LocalMoEError, match="no variant"):
-        KDAConfig.from_hf({"linear_attn_config": {"num_heads": 1, "head_dim": 8}}, "qwen3_next")
+        Config.from_hf({"linear_attn_config": {"num_heads": 1, "head_dim": 8}}, "qwen3_next")
 
 
 def test_state_cache_trim_rules():
@@ -297,20 +293,12 @@ def test_step_valid_is_used_when_present():
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3"])
-def test_from_spec_round_trip(family):
-    """The ModelSpec fields `spec_fields` names are what `from_weights` reads when no config is given."""
-    from types import SimpleNamespace
-
-    from localmoe.errors import LocalMoEError
-
-    plan = plan_checkpoint(family, "tiny")
-    config = KDAConfig.from_hf(plan.config.get("text_config", plan.config), family)
-    spec = SimpleNamespace(model_type=family, hidden_size=D, rms_norm_eps=1e-5, **config.spec_fields())
-    assert KDAConfig.from_spec(spec) == config
-    mixer = KimiDeltaAttention.from_weights(spec, random_weights(config), "layers.0.", "float32")
-    assert mixer.config == config
-    with pytest.raises(LocalMoEError, match="lacks the KDA fields"):
-        KDAConfig.from_spec(SimpleNamespace(model_type=family, rms_norm_eps=1e-5))
+def test_tensors_are_what_build_reads(family):
+    """`tensors` names every weight `build` reads, at its shape (what the loader checks before building)."""
+    config = VARIANTS[family]
+    weights = random_weights(config)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == tensors(config, "layers.0.")
+    assert build(config, weights, "layers.0.").config == config
 
 
 def test_real_checkpoint_layers_match_transformers(tmp_path):
@@ -321,7 +309,7 @@ def test_real_checkpoint_layers_match_transformers(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from localmoe.engine.layers.mla import MLAConfig, MLAttention
+    from localmoe.engine.layers import mla as mla_layer
     from localmoe.testing import write_checkpoint
 
     write_checkpoint("kimi_linear", tmp_path, "tiny")
@@ -331,8 +319,8 @@ def test_real_checkpoint_layers_match_transformers(tmp_path):
     for shard in sorted(tmp_path.glob("*.safetensors")):
         weights |= {k.removeprefix("model."): v for k, v in load_file(shard).items()}
     x = torch.randn(2, 70, D, generator=torch.Generator().manual_seed(8))
-    kda = KimiDeltaAttention.from_weights(Spec, weights, "layers.0.", "float32", KDAConfig.from_hf(config, "kimi_linear"))
-    mla = MLAttention.from_weights(Spec, weights, "layers.3.", "float32", MLAConfig.from_hf(config))
+    kda = build(Config.from_hf(config, "kimi_linear"), weights, "layers.0.", dtype="float32")
+    mla = mla_layer.build(mla_layer.Config.from_hf(config), weights, "layers.3.", dtype="float32")
     causal = torch.full((70, 70), float("-inf")).triu(1)[None, None]
     with torch.no_grad():
         expected_kda = hf.model.layers[0].self_attn(x)

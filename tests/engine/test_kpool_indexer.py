@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from localmoe.engine.layers.kpool_indexer import KPoolIndexer
+from localmoe.engine.linear import Linear
 from localmoe.engine.step import Step
 
 HIDDEN, HEADS, DI = 12, 2, 4
@@ -18,12 +19,15 @@ HIDDEN, HEADS, DI = 12, 2, 4
 
 def indexer(pool: int, top_k: int, tail: bool) -> KPoolIndexer:
     g = torch.Generator().manual_seed(pool * 100 + top_k)
-    p = "x."
     shapes = {"wq_b.weight": (HEADS * DI, 6), "wk.weight": (DI, HIDDEN), "weights_proj.weight": (HEADS, HIDDEN),
               "index_kpool_compress_gate": (DI, HIDDEN), "index_kpool_compress_ape": (pool, DI)}
-    weights = {p + name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
-    weights |= {p + "k_norm.weight": torch.ones(DI), p + "k_norm.bias": torch.zeros(DI)}
-    return KPoolIndexer.from_weights(weights, p, HIDDEN, 6, HEADS, DI, 0, top_k, "float32", pool=pool, tail=tail)
+    weights = {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
+    weights |= {"k_norm.weight": torch.ones(DI), "k_norm.bias": torch.zeros(DI)}
+    return KPoolIndexer(*(Linear(weights[n], None, "float32") for n in ("wq_b.weight", "wk.weight")),
+                        weights["k_norm.weight"], weights["k_norm.bias"],
+                        Linear(weights["weights_proj.weight"], None, "float32"), HEADS, DI, 0, top_k,
+                        gate=Linear(weights["index_kpool_compress_gate"], None, "float32"),
+                        ape=weights["index_kpool_compress_ape"], pool=pool, tail=tail)
 
 
 def step_for(pads: list[int], start: int, T: int) -> Step:

@@ -14,7 +14,7 @@ import localmoe.testing
 from localmoe.config import KV_CACHE_DTYPES
 from localmoe.engine import cache as cache_module
 from localmoe.engine.cache import KVCache, ModelCache, PagedBuffer, dequantize_fp8, quantize_fp8
-from localmoe.engine.layers.kda import KDAConfig, state_bytes
+from localmoe.engine.layers.kda import state_bytes
 from localmoe.engine.state_cache import DeltaStateCache, LatentCache, StateRollbackError
 from localmoe.models import family_for_model_type
 
@@ -176,7 +176,7 @@ def test_spec_bytes_per_token_equal_what_the_layer_caches_store(family, dtype):
         if kind in ("attention", "sliding_attention"):
             total += KVCache(1, spec.num_kv_heads, 8, spec.head_dim, dtype).bytes_per_token()
         elif kind == "mla":
-            total += LatentCache(1, 8, spec.kv_lora_rank + spec.qk_rope_head_dim, dtype).bytes_per_token()
+            total += LatentCache(1, 8, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim, dtype).bytes_per_token()
         else:
             assert kind in MIXERS and kind == "kda"  # constant state: nothing per token
     assert spec.kv_bytes_per_token(dtype) == total > 0
@@ -188,7 +188,8 @@ def test_kimi_k3_real_config_has_the_published_dimensions():
     assert (spec.num_layers, spec.hidden_size, spec.vocab_size) == (93, 7168, 163840)
     assert spec.layer_kinds.count("mla") == 24 and spec.layer_kinds.count("kda") == 69
     assert [i + 1 for i, k in enumerate(spec.layer_kinds) if k == "mla"] == [*range(4, 93, 4), 93]
-    assert (spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim) == (512, 64, 128, 128)
+    assert (spec.mla.kv_lora_rank, spec.mla.qk_rope_head_dim, spec.mla.qk_nope_head_dim, spec.mla.v_head_dim) == \
+        (512, 64, 128, 128)
     assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (896, 16, 3072)
     assert spec.max_position_embeddings == MILLION
     assert spec.mlp_kinds[0] == "dense" and spec.intermediate_size == 33792
@@ -196,10 +197,9 @@ def test_kimi_k3_real_config_has_the_published_dimensions():
 
 def test_kimi_k3_fp8_cache_at_a_million_tokens_fits_in_32_gb():
     spec = _spec("kimi_k3", json.loads(K3_REAL.read_text()))
-    kda = KDAConfig.from_spec(spec)
     per_token = spec.kv_bytes_per_token("fp8")
     assert per_token == 24 * (512 + 64 + 4)  # 24 MLA layers x (576 fp8 values + one fp32 scale)
-    state = 69 * state_bytes(kda)
+    state = 69 * state_bytes(spec.kda)
     assert state == 69 * 4 * (96 * 128 * 128 + 3 * 3 * 96 * 128)  # fp32 state + 3-tap conv tails of q, k, v
     total = per_token * MILLION + state
     print(f"K3 at 1M tokens: fp8 latents {per_token * MILLION / 1e9:.2f} GB + delta state {state / 1e9:.2f} GB "

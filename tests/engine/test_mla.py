@@ -6,22 +6,18 @@ import pytest
 import torch
 
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.layers.mla import MLAConfig, MLAttention
+from localmoe.engine.layers.mla import Config, MLAttention, build, tensors
 from localmoe.engine.step import make_step
 from localmoe.testing import plan_checkpoint
 
 D, H, R, NOPE, ROPE, V = 64, 4, 32, 16, 8, 16
 CONFIGS = {
-    "kimi_linear": MLAConfig(H, None, R, NOPE, ROPE, V, output_gate=False, use_nope=True),
-    "kimi_k3": MLAConfig(H, 24, R, NOPE, ROPE, V, output_gate=True, use_nope=True),
+    "kimi_linear": Config(H, None, R, NOPE, ROPE, V, output_gate=False, use_nope=True, hidden_size=D),
+    "kimi_k3": Config(H, 24, R, NOPE, ROPE, V, output_gate=True, use_nope=True, hidden_size=D),
 }
 
 
-class Spec:  # the ModelSpec field from_weights reads when given an explicit MLAConfig
-    hidden_size = D
-
-
-def random_weights(c: MLAConfig, seed: int = 0, prefix: str = "layers.0.self_attn.") -> dict[str, torch.Tensor]:
+def random_weights(c: Config, seed: int = 0, prefix: str = "layers.0.self_attn.") -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
@@ -41,7 +37,7 @@ def random_weights(c: MLAConfig, seed: int = 0, prefix: str = "layers.0.self_att
 
 
 def layer(name: str, seed: int = 0, absorb: bool | None = None) -> MLAttention:
-    mixer = MLAttention.from_weights(Spec, random_weights(CONFIGS[name], seed), "layers.0.", "float32", CONFIGS[name])
+    mixer = build(CONFIGS[name], random_weights(CONFIGS[name], seed), "layers.0.", dtype="float32")
     mixer.absorb = absorb
     return mixer
 
@@ -103,8 +99,8 @@ def test_matches_transformers_kimi_linear(q_lora_rank):
                               qk_rope_head_dim=ROPE, v_head_dim=V)
     config._attn_implementation = "eager"
     hf = KimiLinearAttention(config, 1).float().eval()
-    ours = MLAConfig.from_hf(config.to_dict() | {"mla_use_nope": True})
-    assert ours == MLAConfig(H, q_lora_rank, R, NOPE, ROPE, V, output_gate=False, use_nope=True)
+    ours = Config.from_hf(config.to_dict() | {"mla_use_nope": True})
+    assert ours == Config(H, q_lora_rank, R, NOPE, ROPE, V, output_gate=False, use_nope=True, hidden_size=D)
     weights = random_weights(ours, seed=2, prefix="")
     hf.load_state_dict(weights, strict=True)
     T = 24
@@ -113,14 +109,13 @@ def test_matches_transformers_kimi_linear(q_lora_rank):
     with torch.no_grad():
         expected, _ = hf(x, attention_mask=causal)
     for absorb in (False, True):
-        mixer = MLAttention.from_weights(Spec, {"layers.0.self_attn." + k: v for k, v in weights.items()},
-                                         "layers.0.", "float32", ours)
+        mixer = build(ours, {"layers.0.self_attn." + k: v for k, v in weights.items()}, "layers.0.", dtype="float32")
         mixer.absorb = absorb
         torch.testing.assert_close(run(mixer, x, [T]), expected, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(run(mixer, x, [20, 1, 1, 1, 1]), expected, rtol=1e-4, atol=1e-6)
 
 
-def float64_mla(w: dict[str, torch.Tensor], c: MLAConfig, x: torch.Tensor) -> torch.Tensor:
+def float64_mla(w: dict[str, torch.Tensor], c: Config, x: torch.Tensor) -> torch.Tensor:
     """Gated MLA re-derived per head in float64, expanded, causal (own code, no engine imports)."""
     w = {k.removeprefix("layers.0.self_attn."): v.double() for k, v in w.items()}
     x = x.double()
@@ -148,7 +143,7 @@ def float64_mla(w: dict[str, torch.Tensor], c: MLAConfig, x: torch.Tensor) -> to
 def test_k3_gated_output_matches_float64_derivation(absorb):
     c = CONFIGS["kimi_k3"]
     weights = random_weights(c, seed=4)
-    mixer = MLAttention.from_weights(Spec, weights, "layers.0.", "float32", c)
+    mixer = build(c, weights, "layers.0.", dtype="float32")
     mixer.absorb = absorb
     x = inputs(30, seed=5)
     expected = float64_mla(weights, c, x).float()
@@ -168,13 +163,13 @@ def test_cache_holds_only_latent_and_rope_part():
 def test_checkpoint_layout_and_config(family):
     plan = plan_checkpoint(family, "tiny")
     text = plan.config.get("text_config", plan.config)
-    c = MLAConfig.from_hf(text)
+    c = Config.from_hf(text)
     assert c.use_nope and c.output_gate == (family == "kimi_k3") and (c.q_lora_rank is None) == (family != "kimi_k3")
     prefix = "language_model.model." if family == "kimi_k3" else "model."
     gen = torch.Generator().manual_seed(0)
     weights = {t.name.removeprefix(prefix): torch.rand(t.shape, generator=gen) * 0.1 for t in plan.tensors
                if t.name.startswith(prefix + "layers.3.self_attn.")}
-    mixer = MLAttention.from_weights(Spec, weights, "layers.3.", "float32", c)
+    mixer = build(c, weights, "layers.3.", dtype="float32")
     assert torch.isfinite(run(mixer, inputs(8, B=1), [6, 1, 1])).all()
 
 
@@ -189,14 +184,12 @@ def test_absorbed_sdpa_branch_equals_matmul_branch(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_from_spec_round_trip(name):
-    from types import SimpleNamespace
-
+def test_tensors_are_what_build_reads(name):
+    """`tensors` names every weight `build` reads, at its shape (what the loader checks before building)."""
     c = CONFIGS[name]
-    spec = SimpleNamespace(model_type=name, hidden_size=D, num_heads=H, **c.spec_fields())
-    assert MLAConfig.from_spec(spec) == c
-    mixer = MLAttention.from_weights(spec, random_weights(c), "layers.0.", "float32")
-    assert mixer.config == c
+    weights = random_weights(c)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == tensors(c, "layers.0.")
+    assert build(c, weights, "layers.0.").config == c
 
 
 @pytest.mark.parametrize("absorb", [False, True], ids=["expanded", "absorbed"])

@@ -11,7 +11,7 @@ import torch
 from localmoe.kernels.mxfp4_moe import glu
 
 from localmoe.engine.experts import ExpertWeights, Projection, ResidentExperts
-from localmoe.engine.layers.mlp import GatedMLP
+from localmoe.engine.layers.mlp import GatedMLP, situ_glu
 from localmoe.engine.layers.moe import (
     ExpertGLU,
     LatentProjection,
@@ -19,7 +19,6 @@ from localmoe.engine.layers.moe import (
     Router,
     RoutingRule,
     route,
-    situ_glu,
     swiglu,
 )
 from localmoe.engine.linear import Linear

@@ -48,7 +48,7 @@ def test_spec_reads_the_deepseek_facts(models):
     spec = models[0].spec
     assert spec.layer_kinds == ("dsa",) * 4 and spec.mlp_kinds == ("dense", "moe", "moe", "moe")
     assert (spec.scoring_func, spec.n_group, spec.topk_group, spec.routed_scaling_factor) == ("sigmoid", 2, 1, 2.5)
-    assert (spec.index_n_heads, spec.index_head_dim, spec.mla_use_nope) == (2, 16, False)
+    assert (spec.dsa.index_n_heads, spec.dsa.index_head_dim, spec.dsa.mla.use_nope) == (2, 16, False)
     assert all(isinstance(mixer, DSAttention) for _, mixer, _, _ in models[0].model.layers)
 
 
@@ -73,11 +73,11 @@ def test_selection_changes_the_output_below_the_context(models, checkpoint, tmp_
     ours = models[0]
     tokens = random_tokens(40, 5, ours.spec.vocab_size)
     got = ours.model.forward(tokens, ours.model.new_cache(1, 40), all_logits=True)
-    if ours.spec.index_topk >= 40:
+    if ours.spec.dsa.index_topk >= 40:
         pytest.skip("no token is dropped at this index_topk")
     dense = with_topk(checkpoint, tmp_path_factory, 64)[0].model
     full = dense.forward(tokens, dense.new_cache(1, 40), all_logits=True)
-    k = ours.spec.index_topk
+    k = ours.spec.dsa.index_topk
     torch.testing.assert_close(got[:, :k], full[:, :k], rtol=1e-5, atol=1e-5)  # queries seeing <= k tokens
     assert (got[:, k:] - full[:, k:]).abs().max() > 1e-3
 
@@ -87,7 +87,7 @@ def test_prefill_then_decode_equals_full_forward(models):
     depend on the call's shape (kernels/topk_select tie rule); gathered decode against masked
     prefill on the same selection is tests/engine/test_indexer.py's."""
     model, vocab = models[0].model, models[0].spec.vocab_size
-    if models[0].spec.index_topk < 50:
+    if models[0].spec.dsa.index_topk < 50:
         pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(50, 2, vocab)
     cache = assert_chunked_prefill_and_decode_equal_full(model, tokens, (30,), 64, rtol=1e-4, atol=1e-5)
@@ -105,7 +105,7 @@ def test_fp8_index_keys_are_compact_and_close(models):
         cache = model.new_cache(1, 40)
         model.forward(tokens, cache)
     index = cache.layers[0].index
-    assert index.bytes_per_token() == ours.spec.index_head_dim + 4
+    assert index.bytes_per_token() == ours.spec.dsa.index_head_dim + 4
     exact = exact_cache.layers[0].index.rows.read(40)
     lossy = index.rows.read(40)
     scale = exact.abs().amax(-1, keepdim=True)
@@ -126,6 +126,6 @@ def test_deepseek_v3_without_the_indexer_matches_transformers(tmp_path_factory):
     transformers' `DeepseekV3ForCausalLM`."""
     path = tiny_checkpoint("deepseek_v3", tmp_path_factory)
     ours, reference = load_pair(path, transformers.AutoModelForCausalLM, attn_implementation="eager")
-    assert ours.spec.layer_kinds == ("mla",) * 4 and ours.spec.index_topk == 0
+    assert ours.spec.layer_kinds == ("mla",) * 4 and ours.spec.dsa is None
     assert_prefill_and_greedy_decode_match(ours.model, reference, random_tokens(PREFILL, 1, ours.spec.vocab_size),
                                            DECODE)

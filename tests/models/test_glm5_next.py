@@ -62,9 +62,11 @@ def test_spec_reads_the_glm5_facts(models):
     ours = models[0]
     spec = ours.spec
     assert spec.layer_kinds == ("kda", "kda", "kda", "dsa") and spec.mlp_kinds == ("dense", "moe", "moe", "moe")
-    assert (spec.hc_mult, spec.hc_sinkhorn_iters, spec.index_kpool, spec.index_kpool_tail) == (2, 20, 2, True)
-    assert (spec.kda_bounded_gate, spec.kda_full_rank_gate, spec.kda_gate_lower_bound) == (True, False, -5.0)
-    assert (spec.mla_use_nope, spec.qk_rope_head_dim, spec.rms_norm_eps, spec.mla_norm_eps) == (True, 0, 1e-5, 1e-5)
+    assert (spec.hyper_connections.mult, spec.hyper_connections.sinkhorn_iters) == (2, 20)
+    assert (spec.dsa.index_kpool, spec.dsa.index_kpool_tail) == (2, True)
+    assert (spec.kda.bounded_gate, spec.kda.full_rank_gate, spec.kda.gate_lower_bound) == (True, False, -5.0)
+    latent = spec.dsa.mla
+    assert (latent.use_nope, latent.qk_rope_head_dim, spec.rms_norm_eps, latent.norm_eps) == (True, 0, 1e-5, 1e-5)
     assert (spec.scoring_func, spec.routed_scaling_factor, spec.glu_limit) == ("sigmoid", 2.5, 10.0)
     model = ours.model
     assert isinstance(model.residuals, HyperConnections)
@@ -102,13 +104,13 @@ def test_selection_changes_the_output_below_the_context(models, checkpoint, tmp_
     """With index_topk < the positions, logits differ from the no-drop model: selection really happens;
     queries that see fewer than index_topk + kpool tokens lose nothing."""
     ours = models[0]
-    if ours.spec.index_topk >= 40:
+    if ours.spec.dsa.index_topk >= 40:
         pytest.skip("no token is dropped at this index_topk")
     tokens = random_tokens(40, 5, ours.spec.vocab_size)
     got = ours.model.forward(tokens, ours.model.new_cache(1, 40), all_logits=True)
     dense = with_topk(checkpoint, tmp_path_factory, 64, reference=False)[0].model
     full = dense.forward(tokens, dense.new_cache(1, 40), all_logits=True)
-    n = ours.spec.index_topk + ours.spec.index_kpool - 1
+    n = ours.spec.dsa.index_topk + ours.spec.dsa.index_kpool - 1
     torch.testing.assert_close(got[:, :n], full[:, :n], rtol=1e-5, atol=1e-5)
     assert (got[:, n:] - full[:, n:]).abs().max() > 1e-3
 
@@ -117,7 +119,7 @@ def test_prefill_then_decode_equals_full_forward(models):
     """Pool scores tie at relu zeros on a random tiny model, and torch.topk breaks ties by the call's
     shape (kernels/topk_select): with selection, chunked and whole prefill may keep different tied pools."""
     model, vocab = models[0].model, models[0].spec.vocab_size
-    if models[0].spec.index_topk < 50:
+    if models[0].spec.dsa.index_topk < 50:
         pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(50, 2, vocab)
     assert_chunked_prefill_and_decode_equal_full(model, tokens, (23, 41), 64, rtol=1e-4, atol=1e-5)
@@ -134,7 +136,7 @@ def test_left_padded_row_pools_from_its_first_token(models):
     shape torch.topk breaks relu-zero ties in, so this runs where nothing is dropped; pools starting at
     the first real token under selection: tests/engine/test_kpool_indexer.py (tie-free data)."""
     model, vocab = models[0].model, models[0].spec.vocab_size
-    if models[0].spec.index_topk + models[0].spec.index_kpool <= 13:
+    if models[0].spec.dsa.index_topk + models[0].spec.dsa.index_kpool <= 13:
         pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(20, 4, vocab, batch=2)
     mask = torch.ones(2, 20, dtype=torch.bool)
@@ -149,7 +151,7 @@ def test_cache_sizing_counts_keys_and_pool_gates(models, dtype):
     ours = models[0]
     with kv_cache_dtype(ours.model, dtype):
         cache = ours.model.new_cache(1, 64)
-    assert cache.layers[3].index.dim == 2 * ours.spec.index_head_dim
+    assert cache.layers[3].index.dim == 2 * ours.spec.dsa.index_head_dim
     per_token = sum(layer.bytes_per_token() for layer in cache.layers if hasattr(layer, "bytes_per_token"))
     assert ours.spec.kv_bytes_per_token(dtype) == per_token  # KDA layers: a constant-size state
 
@@ -171,7 +173,7 @@ def test_every_swiglu_is_clamped_at_swiglu_limit(models):
 def test_packed_store_gives_the_hf_directory_logits(models, checkpoint, tmp_path):
     """A converted store (bf16 experts kept) runs with its experts left in the store, bit-identically."""
     ours = models[0]
-    if ours.spec.index_topk != 4:
+    if ours.spec.dsa.index_topk != 4:
         pytest.skip("once is enough")
     convert(ours.source, tmp_path / "store", experts="keep")
     store = load_ours(tmp_path / "store").model

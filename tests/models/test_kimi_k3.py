@@ -43,8 +43,8 @@ def test_spec_reads_the_k3_facts(ours, oracle):
     assert spec.layer_kinds == tuple("mla" if i + 1 in full else "kda" for i in range(c["num_hidden_layers"]))
     assert spec.mlp_kinds[0] == "dense" and set(spec.mlp_kinds[1:]) == {"latent_moe"}
     assert (spec.scoring_func, spec.expert_act, spec.hidden_act) == ("sigmoid", "situ", "situ")
-    assert (spec.kda_bounded_gate, spec.kda_full_rank_gate, spec.mla_output_gate, spec.mla_use_nope) == (True,) * 4
-    assert spec.attn_res_block_size == c["attn_res_block_size"]
+    assert (spec.kda.bounded_gate, spec.kda.full_rank_gate, spec.mla.output_gate, spec.mla.use_nope) == (True,) * 4
+    assert spec.attn_res.block_size == c["attn_res_block_size"]
     assert spec.latent_moe_size == c["routed_expert_hidden_size"]
 
 

@@ -69,18 +69,18 @@ def test_one_indexed_lists_are_checked():
 
 def test_kda_and_mla_settings_survive_the_spec(checkpoint):
     """The Kimi families carry KDA/MLA settings through ModelSpec (and so through a store manifest)."""
-    from localmoe.config import ModelSpec
-    from localmoe.engine.layers.kda import KDAConfig
-    from localmoe.engine.layers.mla import MLAConfig
+    from localmoe.engine.layers import kda, mla
+    from localmoe.engine.specs import spec_from_dict
 
     name, _, config = checkpoint
     if name not in ("kimi_linear", "kimi_k3"):
         pytest.skip("no KDA/MLA layers")
-    spec = ModelSpec.from_dict(family_for_model_type(config["model_type"]).spec_from_hf(config).to_dict())
+    parsed = family_for_model_type(config["model_type"]).spec_from_hf(config)
+    spec = spec_from_dict(json.loads(json.dumps(parsed.to_dict())))
     text = config.get("text_config", config)
-    assert KDAConfig.from_spec(spec) == KDAConfig.from_hf(text, name)
-    assert MLAConfig.from_spec(spec) == MLAConfig.from_hf(text)
-    assert spec.kda_bounded_gate == spec.kda_full_rank_gate == (name == "kimi_k3")
+    assert spec == parsed
+    assert spec.kda == kda.Config.from_hf(text, name) and spec.mla == mla.Config.from_hf(text)
+    assert spec.kda.bounded_gate == spec.kda.full_rank_gate == (name == "kimi_k3")
     # cache per token: MLA latent + rope part only; KDA layers hold a constant state
     mla_layers = spec.layer_kinds.count("mla")
     assert spec.kv_bytes_per_token(4) == mla_layers * (text["kv_lora_rank"] + text["qk_rope_head_dim"]) * 4

@@ -33,7 +33,7 @@ def models(tmp_path_factory):
 def test_spec_reads_the_qwen3_next_facts(models):
     spec = models[0].spec
     assert spec.layer_kinds == ("gated_delta", "gated_delta", "gated_delta", "attention")  # interval 4
-    assert (spec.gdn_num_key_heads, spec.gdn_num_value_heads) == (2, 4)  # grouped: 2 value heads per key head
+    assert (spec.gated_delta.num_key_heads, spec.gated_delta.num_value_heads) == (2, 4)  # grouped: 2 value heads per key head
     assert (spec.partial_rotary_factor, spec.attn_output_gate, spec.norm_topk_prob) == (0.25, True, True)
     assert isinstance(models[0].model.layers[0][1], GatedDeltaNet)
 

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from gguf import GGMLQuantizationType
 from safetensors.torch import load_file, save_file
 
+from localmoe.checkpoint import store_spec
 from localmoe.commands.convert import command as convert_command
 from localmoe.commands.verify import command as verify_command
 from localmoe.convert import ERRORS_JOURNAL, convert
@@ -117,9 +118,10 @@ def test_dense_tensors_files_and_spec_are_copied_unchanged(tiny, family):
         for name, role in HF_FILES.items():
             if (src / name).exists():
                 assert store.file(role).read_bytes() == (src / name).read_bytes(), name
-        assert store.spec == family_for_model_type(_config(src)["model_type"]).spec_from_hf(_config(src))
-        assert store.layers() == store.spec.moe_layers()
-        assert all(store.experts_in(layer) == list(range(store.spec.num_experts)) for layer in store.layers())
+        spec = store_spec(store)
+        assert spec == family_for_model_type(_config(src)["model_type"]).spec_from_hf(_config(src))
+        assert store.layers() == spec.moe_layers()
+        assert all(store.experts_in(layer) == list(range(spec.num_experts)) for layer in store.layers())
         assert store.verify() == []
 
 
@@ -308,7 +310,7 @@ def test_smollm2_gguf_keeps_its_raw_blocks_metadata_and_tokenizer(smollm2_gguf, 
         assert tokenizer_from_gguf_metadata(metadata, "store").encode(text) == \
             tokenizer_from_gguf(smollm2_gguf).encode(text)
         assert store.file("chat_template").read_text() == gguf.metadata["tokenizer.chat_template"]
-        assert store.spec.model_type == "llama" and store.spec.num_layers == 30
+        assert store.manifest.model_spec["model_type"] == "llama" and store_spec(store).num_layers == 30
         assert store.verify() == []
 
 

@@ -1,1 +1,10 @@
-"""Layer kinds, one file each: its `Config`, its tensors' shapes and its construction from weights."""
+"""Layer kinds, one file each: its `Config`, its tensors' shapes (`tensors`) and its construction from the
+loader's checked weights (`build`), on a device."""
+
+from __future__ import annotations
+
+
+def on_device(tensor, device: str = "cpu"):
+    """`tensor` on `device`; None stays None, and on the CPU every weight stays the object the loader gave
+    (zero-copy views of the file, GGUF blocks)."""
+    return tensor if tensor is None or str(device) == "cpu" else tensor.to(device)

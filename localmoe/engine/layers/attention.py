@@ -18,12 +18,13 @@ sink in one `gqa_decode` kernel call (kernels/gqa_decode).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
 from localmoe.engine.cache import KVCache
+from localmoe.engine.layers import on_device
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
@@ -32,20 +33,48 @@ from localmoe.errors import UnsupportedModelError
 from localmoe.kernels.gqa_decode import gqa_decode, step_kernel_for
 
 
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A GQA layer, from the model's common attention fields (`Config.of(spec)`: GGUF and HF parsers of
+    every dense and MoE family fill them; sinks come with the checkpoint's `sinks` tensors)."""
+
+    hidden_size: int  # D
+    num_heads: int  # H
+    num_kv_heads: int  # H_kv
+    head_dim: int
+    bias: bool = False  # q/k/v biases (Qwen2, gpt-oss)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    output_gate: bool = False  # Qwen3-Next: q_proj rows hold [query; gate] per head
+    sinks: bool = False  # gpt-oss: per-head sink logits and an o_proj bias
+    window: int = 0  # keys a sliding layer sees, its own position included; 0 = full attention
+    partial_rotary_factor: float = 1.0  # RoPE on the first factor * head_dim dims of each head
+    norm_eps: float = 1e-6  # q/k norm epsilon (the model's rms_norm_eps)
+
+    @classmethod
+    def of(cls, spec, window: int = 0, sinks: bool = False) -> Config:
+        """The attention of a ModelSpec (its common fields); `window` for sliding layers."""
+        return cls(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.attention_bias,
+                   spec.qk_norm, spec.attn_output_gate, sinks, window, spec.partial_rotary_factor, spec.rms_norm_eps)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
 class GQAttention:
     """q/k/v from one fused projection; H query heads share H_kv key/value heads."""
 
-    def __init__(self, spec: ModelSpec, qkv: Linear, o_proj: Linear,
+    def __init__(self, cfg: Config, qkv: Linear, o_proj: Linear,
                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None, window: int = 0, gate: Linear | None = None):
-        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+                 sinks: torch.Tensor | None = None, gate: Linear | None = None):
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.group = self.heads // self.kv_heads
         self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.qkv, self.o_proj = qkv, o_proj
-        self.q_norm, self.k_norm, self.eps = q_norm, k_norm, spec.rms_norm_eps
-        self.window = window  # 0 = full attention
+        self.q_norm, self.k_norm, self.eps = q_norm, k_norm, cfg.norm_eps
+        self.window = cfg.window  # 0 = full attention
         self.gate = gate  # Qwen3-Next output gate [H*D, hidden]
-        self.rotary_dim = int(self.head_dim * spec.partial_rotary_factor)
+        self.rotary_dim = cfg.rotary_dim
         self.sparse_topk: int | None = None  # EngineConfig.sparse_topk, set by the Transformer
         # probe-recall: keep the keys each query head of the call's LAST query kept, [B, H, k]
         self.record_selection, self.last_selection = False, None
@@ -61,24 +90,6 @@ class GQAttention:
             self.fused_step = step_kernel_for(qkv.weight, qkv.bias, o_proj.weight, o_proj.bias, self.heads,
                                               self.kv_heads, self.head_dim, self.rotary_dim, self.head_sinks,
                                               self.scale, *norms, self.eps)
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     window: int = 0):
-        """From canonical `{prefix}self_attn.{q,k,v,o}_proj.*` (+ optional biases, q/k norms, sinks)."""
-        p = prefix + "self_attn."
-        bias = None
-        if spec.attention_bias:
-            bias = torch.cat([weights[p + "q_proj.bias"], weights[p + "k_proj.bias"], weights[p + "v_proj.bias"]])
-        q_proj, gate = weights[p + "q_proj.weight"], None
-        if spec.attn_output_gate:  # rows per head: [query D | gate D]
-            H, D = spec.num_heads, spec.head_dim
-            q_proj, g_rows = q_proj.view(H, 2, D, -1).unbind(1)
-            q_proj, gate = q_proj.reshape(H * D, -1), make_linear([g_rows.reshape(H * D, -1)], None, dtype)
-        qkv = make_linear([q_proj, weights[p + "k_proj.weight"], weights[p + "v_proj.weight"]], bias, dtype)
-        return cls(spec, qkv, make_linear([weights[p + "o_proj.weight"]], weights.get(p + "o_proj.bias"), dtype),
-                   weights.get(p + "q_norm.weight"), weights.get(p + "k_norm.weight"), weights.get(p + "sinks"),
-                   window, gate)
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> KVCache:
         """A paged K/V cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
@@ -222,20 +233,6 @@ def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     return _flash_cpu["op"](q, keys, values, attn_mask=bias, scale=scale)
 
 
-class SlidingAttention(GQAttention):
-    """GQAttention over the last `spec.sliding_window` positions (gpt-oss `sliding_attention` layers)."""
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     window: int = 0):
-        window = window or spec.sliding_window
-        if not window:
-            from localmoe.errors import CheckpointError
-
-            raise CheckpointError(f"{spec.model_type}: a sliding_attention layer needs a sliding_window size")
-        return super().from_weights(spec, weights, prefix, dtype, window)
-
-
 # A GQA layer's `self_attn.*` tensors as HF Llama / Mistral / Qwen2 / Qwen3 checkpoints name them.
 GQA_TENSORS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
                "o_proj.weight", "q_norm.weight", "k_norm.weight")
@@ -265,14 +262,38 @@ def gqa_fields_from_hf(config: dict, model_type: str) -> dict:
             "qk_norm": model_type == "qwen3"}
 
 
-def gqa_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """A GQA layer's `{a}*` shapes: q/k/v/o, the q/k/v biases and q/k norms where the spec has them."""
-    h, d = spec.hidden_size, spec.head_dim
-    q, kv = spec.num_heads * d, spec.num_kv_heads * d
-    shapes = {a + "q_proj.weight": (q, h), a + "k_proj.weight": (kv, h), a + "v_proj.weight": (kv, h),
-              a + "o_proj.weight": (h, q)}
-    if spec.attention_bias:
+def tensors(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s `self_attn.*` shapes: q/k/v/o, and the biases, q/k norms, output gate and sinks the
+    config has."""
+    a, h, d = prefix + "self_attn.", cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {a + "q_proj.weight": (2 * q if cfg.output_gate else q, h), a + "k_proj.weight": (kv, h),
+              a + "v_proj.weight": (kv, h), a + "o_proj.weight": (h, q)}
+    if cfg.bias:
         shapes |= {a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)}
-    if spec.qk_norm:
+    if cfg.qk_norm:
         shapes |= {a + "q_norm.weight": (d,), a + "k_norm.weight": (d,)}
+    if cfg.sinks:
+        shapes |= {a + "o_proj.bias": (h,), a + "sinks": (cfg.num_heads,)}
     return shapes
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> GQAttention:
+    """A GQA layer from canonical `{prefix}self_attn.{q,k,v,o}_proj.*` (+ the biases, q/k norms and sinks the
+    weights hold; shapes checked on load), on `device`."""
+    p = prefix + "self_attn."
+
+    def w(name: str) -> torch.Tensor | None:
+        t = weights.get(p + name)
+        return on_device(t, device)
+
+    bias = torch.cat([w("q_proj.bias"), w("k_proj.bias"), w("v_proj.bias")]) if cfg.bias else None
+    q_proj, gate = w("q_proj.weight"), None
+    if cfg.output_gate:  # rows per head: [query D | gate D]
+        H, D = cfg.num_heads, cfg.head_dim
+        q_proj, g_rows = q_proj.view(H, 2, D, -1).unbind(1)
+        q_proj, gate = q_proj.reshape(H * D, -1), make_linear([g_rows.reshape(H * D, -1)], None, dtype)
+    qkv = make_linear([q_proj, w("k_proj.weight"), w("v_proj.weight")], bias, dtype)
+    return GQAttention(cfg, qkv, make_linear([w("o_proj.weight")], w("o_proj.bias"), dtype), w("q_norm.weight"),
+                       w("k_norm.weight"), w("sinks"), gate)

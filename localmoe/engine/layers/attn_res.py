@@ -15,10 +15,32 @@ is sensitive to summation order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from localmoe.engine.layers import on_device
+
 Sublayer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, normalised-input source x) -> output
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """K3's attention residuals (ModelSpec.attn_res): one depth mix before every sublayer and the output."""
+
+    block_size: int  # layers per stored block (`attn_res_block_size`)
+    num_layers: int
+    hidden_size: int  # D, the model's
+    eps: float = 1e-6  # the mixes' RMS floor (the model's rms_norm_eps)
+
+
+def tensors(cfg: Config, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """`layers.{i}.{self_attention,mlp}_res_{norm,proj}.weight` and `output_attn_res_{norm,proj}.weight`."""
+    stems = [*(f"{prefix}layers.{i}.{s}" for i in range(cfg.num_layers) for s in ("self_attention", "mlp")),
+             prefix + "output_attn"]
+    D = cfg.hidden_size
+    return {name: shape for stem in stems
+            for name, shape in ((f"{stem}_res_norm.weight", (D,)), (f"{stem}_res_proj.weight", (1, D)))}
 
 
 def residual_query(weights: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
@@ -41,16 +63,6 @@ class AttentionResiduals:
         self.block_size, self.eps = block_size, eps
         self.attn_queries, self.mlp_queries, self.output_query = attn_queries, mlp_queries, output_query
 
-    @classmethod
-    def from_weights(cls, spec, weights: dict[str, torch.Tensor]) -> AttentionResiduals:
-        """From canonical `layers.{i}.{self_attention,mlp}_res_{norm,proj}.weight` and
-        `output_attn_res_{norm,proj}.weight`."""
-        n = spec.num_layers
-        return cls(spec.attn_res_block_size,
-                   [residual_query(weights, f"layers.{i}.self_attention") for i in range(n)],
-                   [residual_query(weights, f"layers.{i}.mlp") for i in range(n)],
-                   residual_query(weights, "output_attn"), spec.rms_norm_eps)
-
     def nbytes(self) -> int:
         return sum(q.nbytes for q in (*self.attn_queries, *self.mlp_queries, self.output_query))
 
@@ -68,3 +80,14 @@ class AttentionResiduals:
             h = depth_mix([*blocks, partial], self.mlp_queries[i], self.eps)
             partial = partial + mlp(i, h)
         return depth_mix([*blocks, partial], self.output_query, self.eps)
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "", device: str = "cpu"
+          ) -> AttentionResiduals:
+    """The per-layer queries from `tensors(cfg, prefix)`'s weights (shapes checked on load), on `device`."""
+    def query(stem: str) -> torch.Tensor:
+        return on_device(residual_query(weights, prefix + stem), device)
+
+    n = cfg.num_layers
+    return AttentionResiduals(cfg.block_size, [query(f"layers.{i}.self_attention") for i in range(n)],
+                              [query(f"layers.{i}.mlp") for i in range(n)], query("output_attn"), cfg.eps)

@@ -11,42 +11,96 @@ cached tokens the lightning indexer (engine/layers/indexer.py) picks for each qu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-from localmoe.config import ModelSpec
+from localmoe.engine.layers import mla, on_device
 from localmoe.engine.layers.index_cache import DSACache
 from localmoe.engine.layers.indexer import LightningIndexer
 from localmoe.engine.layers.kpool_indexer import KPoolIndexer
-from localmoe.engine.layers.mla import MLAConfig, MLAttention
+from localmoe.engine.linear import Linear
 from localmoe.engine.step import Step
-from localmoe.errors import LocalMoEError
+from localmoe.errors import CheckpointError, LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode_sparse
 
 GATHER_MAX_T = 8  # queries per call up to which the selected rows are gathered instead of masked
 
 
-class DSAttention(MLAttention):
-    """MLA + lightning indexer; `index_topk` from the spec (EngineConfig.sparse_topk does not apply)."""
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A DSA layer: its MLA (which needs q LoRA: the indexer reads its output) and its lightning indexer."""
+
+    mla: mla.Config
+    index_n_heads: int  # Hi
+    index_head_dim: int  # Di
+    index_topk: int  # tokens each query keeps
+    # GLM-5-Next's k-pool indexer (kpool_indexer.py): index keys scored in pools of index_kpool consecutive
+    # tokens (0 = per token, DeepSeek); the query's incomplete pool is appended raw when index_kpool_tail
+    index_kpool: int = 0
+    index_kpool_tail: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.mla.q_lora_rank:
+            raise LocalMoEError("a DSA layer needs q LoRA (the indexer reads its output)")
+        if not (self.index_n_heads and self.index_head_dim and self.index_topk):
+            raise LocalMoEError("DSA layers need index_n_heads, index_head_dim and index_topk")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], source: str = "config.json", **fields) -> Config:
+        """From a DeepSeek-style (text) config.json dict; `fields` override (e.g. GLM-5-Next's k-pool)."""
+        try:
+            return cls(mla.Config.from_hf(config), index_n_heads=config["index_n_heads"],
+                       index_head_dim=config["index_head_dim"], index_topk=config["index_topk"], **fields)
+        except KeyError as e:
+            raise CheckpointError(f"{source}: field {e.args[0]!r} is missing (needed by the DSA layers)") from None
+
+    @property
+    def hidden_size(self) -> int:
+        return self.mla.hidden_size
+
+    @property
+    def index_cache_dim(self) -> int:
+        """Values the index cache keeps per token: the key (and, k-pool, its pool-gate logits)."""
+        return self.index_head_dim * (2 if self.index_kpool else 1)
+
+
+def tensors(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s MLA shapes and its indexer's `self_attn.indexer.*` (k-pool: gate and ape too)."""
+    Hi, Di, D = cfg.index_n_heads, cfg.index_head_dim, cfg.mla.hidden_size
+    x = prefix + "self_attn.indexer."
+    shapes = mla.tensors(cfg.mla, prefix) | {
+        x + "wq_b.weight": (Hi * Di, cfg.mla.q_lora_rank), x + "wk.weight": (Di, D), x + "k_norm.weight": (Di,),
+        x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, D)}
+    if cfg.index_kpool:
+        shapes |= {x + "index_kpool_compress_ape": (cfg.index_kpool, Di), x + "index_kpool_compress_gate": (Di, D)}
+    return shapes
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> DSAttention:
+    """A DSA layer (MLA + lightning or k-pool indexer) from layer `prefix`'s weights, on `device`."""
+    layer = DSAttention(cfg.mla, *mla.parts(cfg.mla, weights, prefix, device, dtype))
+    x = prefix + "self_attn.indexer."
+
+    def w(name: str) -> torch.Tensor:
+        return on_device(weights[x + name], device)
+
+    parts = (Linear(w("wq_b.weight"), None, dtype), Linear(w("wk.weight"), None, dtype), w("k_norm.weight"),
+             w("k_norm.bias"), Linear(w("weights_proj.weight"), None, "float32"), cfg.index_n_heads,
+             cfg.index_head_dim, cfg.mla.qk_rope_head_dim, cfg.index_topk)
+    layer.indexer = LightningIndexer(*parts) if not cfg.index_kpool else KPoolIndexer(
+        *parts, gate=Linear(w("index_kpool_compress_gate"), None, dtype), ape=w("index_kpool_compress_ape"),
+        pool=cfg.index_kpool, tail=cfg.index_kpool_tail)
+    return layer
+
+
+class DSAttention(mla.MLAttention):
+    """MLA + lightning indexer; `index_topk` from the config (EngineConfig.sparse_topk does not apply)."""
 
     indexer: LightningIndexer
     last_selection: torch.Tensor | None  # [B, T, k] of the latest call, kept only while `record_selection`
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     config: MLAConfig | None = None) -> DSAttention:
-        c = config or MLAConfig.from_spec(spec)
-        if not c.q_lora_rank:
-            raise LocalMoEError(f"{spec.model_type}: a DSA layer needs q LoRA (the indexer reads its output)")
-        if not (spec.index_n_heads and spec.index_head_dim and spec.index_topk):
-            raise LocalMoEError(f"{spec.model_type}: DSA layers need index_n_heads, index_head_dim and index_topk "
-                                "from config.json")
-        layer = super().from_weights(spec, weights, prefix, dtype, c)
-        args = (weights, prefix + "self_attn.indexer.", spec.hidden_size, c.q_lora_rank, spec.index_n_heads,
-                spec.index_head_dim, c.qk_rope_head_dim, spec.index_topk, dtype)
-        layer.indexer = (KPoolIndexer.from_weights(*args, pool=spec.index_kpool, tail=spec.index_kpool_tail)
-                         if spec.index_kpool else LightningIndexer.from_weights(*args))
-        layer.record_selection, layer.last_selection = False, None
-        return layer
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DSACache:
         """Latent rows and index keys, both in the K/V cache `dtype` (fp8: one scale per row / key block)."""

@@ -9,7 +9,7 @@ j of the values reads key head j // G, like grouped-query attention).
 Output: out_proj(RMSNorm_head(o) * silu(z)) (a gated RMSNorm, plain `x * w`).
 
 Qwen stores the input projections grouped per KEY head (`in_proj_qkvz` rows per key head:
-q [K], k [K], v [G V], z [G V]; `in_proj_ba`: b [G], a [G]); `from_weights` reorders them
+q [K], k [K], v [G V], z [G V]; `in_proj_ba`: b [G], a [G]); `build` reorders them
 once into one fused projection [q; k; v; z; b; a]. The delta rule runs through the
 `localmoe.kernels.gated_delta` dispatcher.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
+from localmoe.engine.layers import on_device
 from localmoe.engine.layers.kda import causal_conv, l2norm
 from localmoe.engine.linear import Linear
 from localmoe.engine.state_cache import DeltaStateCache
@@ -32,8 +32,8 @@ from localmoe.kernels.gated_delta import gated_delta
 
 
 @dataclass(frozen=True, slots=True)
-class GatedDeltaConfig:
-    """Gated DeltaNet dimensions."""
+class Config:
+    """Gated DeltaNet dimensions (ModelSpec.gated_delta)."""
 
     num_key_heads: int  # Hk (q and k heads)
     num_value_heads: int  # Hv, a multiple of Hk
@@ -41,6 +41,7 @@ class GatedDeltaConfig:
     value_head_dim: int  # V
     conv_kernel: int = 4
     norm_eps: float = 1e-6  # the gated output norm's epsilon (the model's rms_norm_eps)
+    hidden_size: int = 0  # D, the model's
 
     def __post_init__(self) -> None:
         if self.num_key_heads < 1 or self.num_value_heads % self.num_key_heads:
@@ -48,27 +49,16 @@ class GatedDeltaConfig:
                                 f"linear_num_key_heads={self.num_key_heads}")
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> GatedDeltaConfig:
+    def from_hf(cls, config: dict[str, Any]) -> Config:
         """From a Qwen3-Next config.json dict (`linear_*` keys)."""
         try:
             return cls(num_key_heads=config["linear_num_key_heads"], num_value_heads=config["linear_num_value_heads"],
                        key_head_dim=config["linear_key_head_dim"], value_head_dim=config["linear_value_head_dim"],
-                       conv_kernel=config.get("linear_conv_kernel_dim", 4), norm_eps=config.get("rms_norm_eps", 1e-6))
+                       conv_kernel=config.get("linear_conv_kernel_dim", 4), norm_eps=config.get("rms_norm_eps", 1e-6),
+                       hidden_size=config["hidden_size"])
         except KeyError as e:
             raise CheckpointError(f"config.json: field {e.args[0]!r} is missing (needed by the Gated DeltaNet "
                                   "layers)") from None
-
-    def spec_fields(self) -> dict[str, Any]:
-        """The ModelSpec fields that carry this config (`from_spec` reads them back)."""
-        return {"gdn_num_key_heads": self.num_key_heads, "gdn_num_value_heads": self.num_value_heads,
-                "gdn_key_head_dim": self.key_head_dim, "gdn_value_head_dim": self.value_head_dim,
-                "gdn_conv_kernel": self.conv_kernel}
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> GatedDeltaConfig:
-        return cls(num_key_heads=spec.gdn_num_key_heads, num_value_heads=spec.gdn_num_value_heads,
-                   key_head_dim=spec.gdn_key_head_dim, value_head_dim=spec.gdn_value_head_dim,
-                   conv_kernel=spec.gdn_conv_kernel, norm_eps=spec.rms_norm_eps)
 
     @property
     def conv_channels(self) -> int:
@@ -78,7 +68,7 @@ class GatedDeltaConfig:
 class GatedDeltaNet:
     """One Gated DeltaNet layer; q, k, v, z, b, a from one fused Linear."""
 
-    def __init__(self, config: GatedDeltaConfig, in_proj: Linear, out_proj: Linear, conv_weight: torch.Tensor,
+    def __init__(self, config: Config, in_proj: Linear, out_proj: Linear, conv_weight: torch.Tensor,
                  A_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor):
         self.config = c = config
         Hv, V = c.num_value_heads, c.value_head_dim
@@ -89,26 +79,6 @@ class GatedDeltaNet:
         self.dt_bias = dt_bias.float()  # [Hv]
         self.norm = norm.float()  # [V]
         self.group = Hv // c.num_key_heads
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     config: GatedDeltaConfig | None = None) -> GatedDeltaNet:
-        """From `{prefix}linear_attn.*` as Qwen stores it (projections grouped per key head)."""
-        c = config or GatedDeltaConfig.from_spec(spec)
-        Hk, Hv, K, V, D = c.num_key_heads, c.num_value_heads, c.key_head_dim, c.value_head_dim, spec.hidden_size
-        G = Hv // Hk
-        p = prefix + "linear_attn."
-
-        def w(name: str) -> torch.Tensor:  # shapes checked on load
-            return weights[p + name]
-
-        # rows per key head: [q K | k K | v G*V | z G*V] -> [all q; all k; all v; all z]
-        qkvz = w("in_proj_qkvz.weight").view(Hk, 2 * K + 2 * G * V, D)
-        q, k, v, z = (t.reshape(-1, D) for t in qkvz.split((K, K, G * V, G * V), dim=1))
-        b, a = (t.reshape(-1, D) for t in w("in_proj_ba.weight").view(Hk, 2 * G, D).split(G, dim=1))
-        in_proj = Linear(torch.cat([q, k, v, z, b, a]), None, dtype)
-        return cls(c, in_proj, Linear(w("out_proj.weight"), None, dtype), w("conv1d.weight")[:, 0], w("A_log"),
-                   w("dt_bias"), w("norm.weight"))
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
         """The recurrent state [B, Hv, K, V] + conv tail; fp32 whatever the K/V cache `dtype`."""
@@ -128,7 +98,7 @@ class GatedDeltaNet:
         if cache.offset != step.start:
             raise LocalMoEError(f"Gated DeltaNet cache holds {cache.offset} tokens but this step starts at "
                                 f"{step.start}")
-        valid = step.valid  # [B, T] False at left padding (see engine/layers/kda.valid_tokens)
+        valid = step.valid  # [B, T] False at left padding (see kda.py)
         if valid is not None:
             x = x * valid[..., None]
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
@@ -146,7 +116,36 @@ class GatedDeltaNet:
         return self.out_proj(o.reshape(B, T, Hv * V))
 
 
-def state_bytes(config: GatedDeltaConfig, batch: int = 1) -> int:
+def state_bytes(config: Config, batch: int = 1) -> int:
     """Bytes of one layer's cache: fp32 state + conv tail (independent of the context length)."""
     c = config
     return 4 * batch * (c.num_value_heads * c.key_head_dim * c.value_head_dim + (c.conv_kernel - 1) * c.conv_channels)
+
+
+def tensors(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s `linear_attn.*` shapes as Qwen stores them (projections grouped per key head)."""
+    a, D = prefix + "linear_attn.", cfg.hidden_size
+    Hk, Hv, K, V = cfg.num_key_heads, cfg.num_value_heads, cfg.key_head_dim, cfg.value_head_dim
+    G = Hv // Hk
+    return {a + "in_proj_qkvz.weight": (Hk * (2 * K + 2 * G * V), D), a + "in_proj_ba.weight": (2 * Hv, D),
+            a + "conv1d.weight": (cfg.conv_channels, 1, cfg.conv_kernel), a + "A_log": (Hv,),
+            a + "dt_bias": (Hv,), a + "norm.weight": (V,), a + "out_proj.weight": (D, Hv * V)}
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> GatedDeltaNet:
+    """A Gated DeltaNet layer from layer `prefix`'s `linear_attn.*` (shapes checked on load), on `device`."""
+    Hk, K, V, D = cfg.num_key_heads, cfg.key_head_dim, cfg.value_head_dim, cfg.hidden_size
+    G = cfg.num_value_heads // Hk
+    p = prefix + "linear_attn."
+
+    def w(name: str) -> torch.Tensor:
+        return on_device(weights[p + name], device)
+
+    # rows per key head: [q K | k K | v G*V | z G*V] -> [all q; all k; all v; all z]
+    qkvz = w("in_proj_qkvz.weight").view(Hk, 2 * K + 2 * G * V, D)
+    q, k, v, z = (t.reshape(-1, D) for t in qkvz.split((K, K, G * V, G * V), dim=1))
+    b, a = (t.reshape(-1, D) for t in w("in_proj_ba.weight").view(Hk, 2 * G, D).split(G, dim=1))
+    in_proj = Linear(torch.cat([q, k, v, z, b, a]), None, dtype)
+    return GatedDeltaNet(cfg, in_proj, Linear(w("out_proj.weight"), None, dtype), w("conv1d.weight")[:, 0],
+                         w("A_log"), w("dt_bias"), w("norm.weight"))

@@ -20,11 +20,33 @@ Checkpoint names: `layers.{i}.hc_{attn,ffn}_{fn,base,scale}` (fn [(2 + N) N, N D
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from localmoe.engine.layers import on_device
+
 Sublayer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, collapsed input [B, T, D]) -> output [B, T, D]
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """GLM-5-Next's hyper-connections (ModelSpec.hyper_connections)."""
+
+    mult: int  # N residual streams (`hc_mult`)
+    num_layers: int
+    hidden_size: int  # D, the model's
+    eps: float = 1e-6  # floor added to the pre / comb weights and to the Sinkhorn denominators (`hc_eps`)
+    sinkhorn_iters: int = 20  # `hc_sinkhorn_iters`
+    norm_eps: float = 1e-6  # the RMS normalisation of the streams (the model's rms_norm_eps)
+
+
+def tensors(cfg: Config, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """`layers.{i}.hc_{attn,ffn}_{fn,base,scale}` of every layer."""
+    N, D = cfg.mult, cfg.hidden_size
+    return {f"{prefix}layers.{i}.hc_{s}_{t}": shape for i in range(cfg.num_layers) for s in ("attn", "ffn")
+            for t, shape in (("fn", ((2 + N) * N, N * D)), ("base", ((2 + N) * N,)), ("scale", (3,)))}
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -71,19 +93,6 @@ class HyperConnections:
     def __init__(self, attn: list[HyperConnection], mlp: list[HyperConnection], streams: int):
         self.attn, self.mlp, self.streams = attn, mlp, streams
 
-    @classmethod
-    def from_weights(cls, spec, weights: dict[str, torch.Tensor]) -> HyperConnections:
-        """From canonical `layers.{i}.hc_{attn,ffn}_{fn,base,scale}`; N = spec.hc_mult."""
-        N = spec.hc_mult
-
-        def hc(i: int, kind: str) -> HyperConnection:  # shapes checked on load
-            p = f"layers.{i}.hc_{kind}_"
-            return HyperConnection(weights[p + "fn"], weights[p + "base"], weights[p + "scale"], N,
-                                   spec.rms_norm_eps, spec.hc_eps, spec.hc_sinkhorn_iters)
-
-        n = spec.num_layers
-        return cls([hc(i, "attn") for i in range(n)], [hc(i, "ffn") for i in range(n)], N)
-
     def nbytes(self) -> int:
         return sum(h.nbytes() for h in (*self.attn, *self.mlp))
 
@@ -94,3 +103,14 @@ class HyperConnections:
             streams = attn_hc(streams, lambda h, i=i: attn(i, h))
             streams = mlp_hc(streams, lambda h, i=i: mlp(i, h))
         return streams.mean(-2)
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "", device: str = "cpu") -> HyperConnections:
+    """Every layer's hyper-connections from `tensors(cfg, prefix)`'s weights (shapes checked on load), on `device`."""
+    def hc(i: int, kind: str) -> HyperConnection:
+        p = f"{prefix}layers.{i}.hc_{kind}_"
+        return HyperConnection(*(on_device(weights[p + t], device) for t in ("fn", "base", "scale")), cfg.mult,
+                               cfg.norm_eps, cfg.eps, cfg.sinkhorn_iters)
+
+    n = cfg.num_layers
+    return HyperConnections([hc(i, "attn") for i in range(n)], [hc(i, "ffn") for i in range(n)], cfg.mult)

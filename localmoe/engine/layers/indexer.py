@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import Step
@@ -32,17 +31,6 @@ class LightningIndexer:
         self.k_norm_weight, self.k_norm_bias = k_norm_weight.float(), k_norm_bias.float()
         self.heads, self.head_dim, self.rope_dim, self.top_k = heads, head_dim, rope_dim, top_k
         self.weight_scale = (heads * head_dim) ** -0.5  # Hi^-0.5 on the head weights, Di^-0.5 softmax scale
-
-    @classmethod
-    def from_weights(cls, weights: dict[str, torch.Tensor], prefix: str, hidden: int, q_lora_rank: int, heads: int,
-                     head_dim: int, rope_dim: int, top_k: int, dtype: str) -> LightningIndexer:
-        """From `{prefix}wq_b.weight`, `wk.weight`, `k_norm.{weight,bias}`, `weights_proj.weight` (shapes checked
-        on load)."""
-        def w(name: str) -> torch.Tensor:
-            return weights[prefix + name]
-
-        return cls(Linear(w("wq_b.weight"), None, dtype), Linear(w("wk.weight"), None, dtype), w("k_norm.weight"),
-                   w("k_norm.bias"), Linear(w("weights_proj.weight"), None, "float32"), heads, head_dim, rope_dim, top_k)
 
     @property
     def cache_dim(self) -> int:
@@ -82,11 +70,3 @@ class LightningIndexer:
         B, T = q.shape[:2]
         positions = torch.arange(step.start, step.start + T, device=q.device).expand(B, T)
         return topk_select(q, w, keys, positions, self.top_k)
-
-
-def indexer_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """The DSA lightning indexer's `{a}indexer.*` shapes."""
-    Hi, Di, D = spec.index_n_heads, spec.index_head_dim, spec.hidden_size
-    x = a + "indexer."
-    return {x + "wq_b.weight": (Hi * Di, spec.q_lora_rank), x + "wk.weight": (Di, D), x + "k_norm.weight": (Di,),
-            x + "k_norm.bias": (Di,), x + "weights_proj.weight": (Hi, D)}

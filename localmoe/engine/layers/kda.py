@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
+from localmoe.engine.layers import on_device
 from localmoe.engine.linear import Linear
 from localmoe.engine.state_cache import DeltaStateCache
 from localmoe.engine.step import Step
@@ -37,8 +37,8 @@ KDA_VARIANTS = {
 
 
 @dataclass(frozen=True, slots=True)
-class KDAConfig:
-    """KDA dimensions and variant flags."""
+class Config:
+    """KDA dimensions and variant flags (ModelSpec.kda)."""
 
     num_heads: int  # H
     head_dim: int  # K (= V)
@@ -47,9 +47,10 @@ class KDAConfig:
     gate_lower_bound: float = -5.0
     full_rank_gate: bool = False  # K3's g_proj instead of the low-rank g_b(g_a(x))
     norm_eps: float = 1e-6  # o_norm epsilon (the model's rms_norm_eps)
+    hidden_size: int = 0  # D, the model's
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any], family: str) -> KDAConfig:
+    def from_hf(cls, config: dict[str, Any], family: str) -> Config:
         """From a Kimi-Linear-style text config (`linear_attn_config` sub-dict) and the family name."""
         if family not in KDA_VARIANTS:
             raise LocalMoEError(f"KDA: no variant known for family {family!r} ({', '.join(KDA_VARIANTS)})")
@@ -57,23 +58,8 @@ class KDAConfig:
         return cls(num_heads=linear["num_heads"], head_dim=linear["head_dim"],
                    conv_kernel=linear.get("short_conv_kernel_size", 4),
                    gate_lower_bound=float(linear.get("gate_lower_bound", -5.0)),
-                   norm_eps=config.get("rms_norm_eps", 1e-6), **KDA_VARIANTS[family])
-
-    def spec_fields(self) -> dict[str, Any]:
-        """The ModelSpec fields that carry this config (`from_spec` reads them back)."""
-        return {"kda_num_heads": self.num_heads, "kda_head_dim": self.head_dim, "kda_conv_kernel": self.conv_kernel,
-                "kda_bounded_gate": self.bounded_gate, "kda_gate_lower_bound": self.gate_lower_bound,
-                "kda_full_rank_gate": self.full_rank_gate}
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> KDAConfig:
-        """From the `kda_*` fields of a ModelSpec."""
-        try:
-            return cls(num_heads=spec.kda_num_heads, head_dim=spec.kda_head_dim, conv_kernel=spec.kda_conv_kernel,
-                       bounded_gate=spec.kda_bounded_gate, gate_lower_bound=spec.kda_gate_lower_bound,
-                       full_rank_gate=spec.kda_full_rank_gate, norm_eps=spec.rms_norm_eps)
-        except AttributeError as e:
-            raise LocalMoEError(f"{spec.model_type}: ModelSpec lacks the KDA fields ({e})") from None
+                   norm_eps=config.get("rms_norm_eps", 1e-6), hidden_size=config["hidden_size"],
+                   **KDA_VARIANTS[family])
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -94,19 +80,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor) -> tu
     return out, xs[:, T:].clone()  # a copy: a view would keep all of xs alive in the cache
 
 
-def valid_tokens(step: Step, T: int) -> torch.Tensor | None:
-    """[B, T] bool, False at left-padding slots of this call; None when no row is padded.
-
-    From `step.valid` (engine/step.py), not from the mask: when a whole prefill chunk of a
-    row is padding, its last query row sees only itself and would pass for a real token.
-    """
-    return step.valid
-
-
 class KimiDeltaAttention:
     """One KDA layer; all input projections (q, k, v, f_a, b, g_a | g_proj) fused into one Linear."""
 
-    def __init__(self, config: KDAConfig, in_proj: Linear, f_b_proj: Linear, g_b_proj: Linear | None,
+    def __init__(self, config: Config, in_proj: Linear, f_b_proj: Linear, g_b_proj: Linear | None,
                  o_proj: Linear, conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                  o_norm: torch.Tensor):
         self.config = config
@@ -118,34 +95,6 @@ class KimiDeltaAttention:
         self.decay_rate = A_log.float().exp().view(1, 1, H, 1)  # exp(A_log[h])
         self.dt_bias = dt_bias.float().view(H, K)
         self.o_norm = o_norm.float()
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     config: KDAConfig | None = None) -> KimiDeltaAttention:
-        """From `{prefix}self_attn.*` as Moonshot stores it (separate q/k/v_conv1d, forget gate inline)."""
-        c = config or KDAConfig.from_spec(spec)
-        H, K, W, D = c.num_heads, c.head_dim, c.conv_kernel, spec.hidden_size
-        p = prefix + "self_attn."
-
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = weights[p + name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{p}{name}: shape {tuple(t.shape)}, expected {shape}")
-            return t
-
-        gate = [get("g_proj.weight", H * K, D)] if c.full_rank_gate else [get("g_a_proj.weight", K, D)]
-        in_proj = torch.cat([get("q_proj.weight", H * K, D), get("k_proj.weight", H * K, D),
-                             get("v_proj.weight", H * K, D), get("f_a_proj.weight", K, D),
-                             get("b_proj.weight", H, D), *gate])
-        conv = torch.cat([get(f"{x}_conv1d.weight", H * K, 1, W)[:, 0] for x in "qkv"])
-        A_log = weights[p + "A_log"].flatten()
-        if A_log.numel() < H:
-            raise CheckpointError(f"{p}A_log: {A_log.numel()} values for {H} heads")
-        g_b = None if c.full_rank_gate else Linear(get("g_b_proj.weight", H * K, K), None, dtype)
-        return cls(c, Linear(in_proj, None, dtype), Linear(get("f_b_proj.weight", H * K, K), None, dtype), g_b,
-                   Linear(get("o_proj.weight", D, H * K), None, dtype), conv,
-                   A_log[:H],  # K3 stores A_log padded to max(H, K); the first H are live
-                   get("dt_bias", H * K), get("o_norm.weight", K))
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
         """The recurrent state; it stays fp32 whatever the K/V cache `dtype` (state_cache.py says why)."""
@@ -170,7 +119,9 @@ class KimiDeltaAttention:
         H, K = self.config.num_heads, self.config.head_dim
         if cache.offset != step.start:
             raise LocalMoEError(f"KDA cache holds {cache.offset} tokens but this step starts at {step.start}")
-        valid = valid_tokens(step, T)
+        # [B, T] False at left padding; from step.valid, not the mask: when a whole prefill chunk of a row is
+        # padding, its last query row sees only itself and would pass for a real token
+        valid = step.valid
         if valid is not None:  # zeroed padding: the conv tail sees zeros, as at the start of a sequence
             x = x * valid[..., None]
         qkv, f, b, gate = self.in_proj(x).split(self.split, dim=-1)
@@ -189,24 +140,48 @@ class KimiDeltaAttention:
         return self.o_proj(o.reshape(B, T, H * K))
 
 
-def state_bytes(config: KDAConfig, batch: int = 1) -> int:
+def state_bytes(config: Config, batch: int = 1) -> int:
     """Bytes of one layer's cache: fp32 state + conv tails (independent of the context length)."""
     H, K = config.num_heads, config.head_dim
     return 4 * batch * (H * K * K + (config.conv_kernel - 1) * 3 * H * K)
 
 
-def kda_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """A KDA layer's `self_attn.*` shapes (prefix `a`); K3's full-rank gate and padded A_log by spec."""
-    D, H, K, W = spec.hidden_size, spec.kda_num_heads, spec.kda_head_dim, spec.kda_conv_kernel
+def tensors(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s `self_attn.*` shapes; K3's full-rank gate and padded A_log by the variant."""
+    a, D, H, K, W = prefix + "self_attn.", cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.conv_kernel
     shapes = {a + "q_proj.weight": (H * K, D), a + "k_proj.weight": (H * K, D), a + "v_proj.weight": (H * K, D),
               **{a + f"{x}_conv1d.weight": (H * K, 1, W) for x in "qkv"},
               a + "f_a_proj.weight": (K, D), a + "f_b_proj.weight": (H * K, K),
               a + "dt_bias": (H * K,), a + "b_proj.weight": (H, D), a + "o_norm.weight": (K,),
               a + "o_proj.weight": (D, H * K)}
-    if spec.kda_full_rank_gate:  # K3: g_proj, A_log stored padded to max(H, K)
+    if cfg.full_rank_gate:  # K3: g_proj, A_log stored padded to max(H, K)
         return shapes | {a + "g_proj.weight": (H * K, D), a + "A_log": (max(H, K),)}
     return shapes | {a + "g_a_proj.weight": (K, D), a + "g_b_proj.weight": (H * K, K), a + "A_log": (1, 1, H, 1)}
 
 
-__all__ = ["KDAConfig", "KimiDeltaAttention", "causal_conv", "chunk_kda", "kda_shapes", "l2norm", "recurrent_kda",
-           "state_bytes"]
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> KimiDeltaAttention:
+    """A KDA layer from layer `prefix`'s `self_attn.*` as Moonshot stores it (separate q/k/v_conv1d, forget gate
+    inline; shapes checked on load), on `device`."""
+    H = cfg.num_heads
+    p = prefix + "self_attn."
+
+    def w(name: str) -> torch.Tensor:
+        return on_device(weights[p + name], device)
+
+    gate = [w("g_proj.weight")] if cfg.full_rank_gate else [w("g_a_proj.weight")]
+    in_proj = torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight"), w("f_a_proj.weight"),
+                         w("b_proj.weight"), *gate])
+    conv = torch.cat([w(f"{x}_conv1d.weight")[:, 0] for x in "qkv"])
+    A_log = w("A_log").flatten()
+    if A_log.numel() < H:
+        raise CheckpointError(f"{p}A_log: {A_log.numel()} values for {H} heads")
+    g_b = None if cfg.full_rank_gate else Linear(w("g_b_proj.weight"), None, dtype)
+    return KimiDeltaAttention(cfg, Linear(in_proj, None, dtype), Linear(w("f_b_proj.weight"), None, dtype), g_b,
+                              Linear(w("o_proj.weight"), None, dtype), conv,
+                              A_log[:H],  # K3 stores A_log padded to max(H, K); the first H are live
+                              w("dt_bias"), w("o_norm.weight"))
+
+
+__all__ = ["KDA_VARIANTS", "Config", "KimiDeltaAttention", "build", "causal_conv", "chunk_kda", "l2norm",
+           "recurrent_kda", "state_bytes", "tensors"]

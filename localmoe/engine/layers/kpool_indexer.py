@@ -25,7 +25,7 @@ import torch
 from localmoe.engine.layers.indexer import LightningIndexer
 from localmoe.engine.linear import Linear
 from localmoe.engine.step import Step
-from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.errors import LocalMoEError
 
 
 def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor
@@ -61,27 +61,12 @@ def key_validity(step: Step, B: int, S: int) -> torch.Tensor:
 class KPoolIndexer(LightningIndexer):
     """A LightningIndexer (wq_b, wk, k_norm, weights_proj) plus the pool gate [Di, hidden] and ape [P, Di]."""
 
-    pool: int
-    tail: bool
-    gate: Linear
-    ape: torch.Tensor
-
-    @classmethod
-    def from_weights(cls, weights: dict[str, torch.Tensor], prefix: str, hidden: int, q_lora_rank: int, heads: int,
-                     head_dim: int, rope_dim: int, top_k: int, dtype: str, pool: int = 16,
-                     tail: bool = True) -> KPoolIndexer:
-        """The indexer's tensors plus `{prefix}index_kpool_compress_{gate,ape}`; `pool` = index_kpool."""
-        if pool < 1 or top_k % pool:
-            raise LocalMoEError(f"index_topk {top_k} must be a positive multiple of index_kpool {pool}")
-        layer = super().from_weights(weights, prefix, hidden, q_lora_rank, heads, head_dim, rope_dim, top_k, dtype)
-        for name, shape in (("gate", (head_dim, hidden)), ("ape", (pool, head_dim))):
-            t = weights[f"{prefix}index_kpool_compress_{name}"]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{prefix}index_kpool_compress_{name}: shape {tuple(t.shape)}, expected {shape}")
-        layer.gate = Linear(weights[prefix + "index_kpool_compress_gate"], None, dtype)
-        layer.ape = weights[prefix + "index_kpool_compress_ape"].float()
-        layer.pool, layer.tail = pool, tail
-        return layer
+    def __init__(self, *indexer, gate: Linear, ape: torch.Tensor, pool: int = 16, tail: bool = True):
+        """`indexer`: LightningIndexer's arguments; `pool` = index_kpool, `tail` = index_kpool_tail."""
+        super().__init__(*indexer)
+        if pool < 1 or self.top_k % pool:
+            raise LocalMoEError(f"index_topk {self.top_k} must be a positive multiple of index_kpool {pool}")
+        self.gate, self.ape, self.pool, self.tail = gate, ape.float(), pool, tail
 
     @property
     def cache_dim(self) -> int:

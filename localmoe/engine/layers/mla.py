@@ -7,7 +7,7 @@ give W_uk[h] [nope, r] and W_uv[h] [v, r]: k_h = [W_uk[h] c, k_r], v_h = W_uv[h]
 - absorbed (decode): q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_rope_h . k_r, and
   sum_s p_s v_h(s) = W_uv[h] (sum_s p_s c_s): attend over the cached rows directly, then
   apply W_uv. Which is cheaper depends on T against the cached length; `absorb` decides.
-Kimi applies no rotary to the "rope" part (`mla_use_nope`); DeepSeek rotates q_rope and k_rope
+Kimi applies no rotary to the "rope" part (`use_nope`); DeepSeek rotates q_rope and k_rope
 with RoPE over adjacent pairs (interleaved), done here as a de-interleave followed by the
 half-split rotation (the dot products are the same), and stores k_rope rotated. K3 gates the
 output: o_proj(attn * sigmoid(g_proj(x))). Softmax scale (qk_nope + qk_rope)^-0.5, times
@@ -24,22 +24,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
 from localmoe.engine.blockwise import blockwise_attention, visible_keys
+from localmoe.engine.layers import on_device
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.state_cache import LatentCache
 from localmoe.engine.step import Step
-from localmoe.errors import CheckpointError, LocalMoEError
+from localmoe.errors import LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode
 
 SCORES_MAX_BYTES = 32 << 20  # fp32 scores of one key block (engine/blockwise.py): longer contexts take more blocks
 
 
 @dataclass(frozen=True, slots=True)
-class MLAConfig:
-    """MLA dimensions and flags."""
+class Config:
+    """MLA dimensions and flags (ModelSpec.mla; ModelSpec.dsa.mla for DSA layers)."""
 
     num_heads: int  # H
     q_lora_rank: int | None  # None: one q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
@@ -51,34 +51,18 @@ class MLAConfig:
     use_nope: bool = True  # Kimi: no rotary on the "rope" part
     norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm epsilon (DeepSeek's and Kimi's RMSNorm default)
     scale_factor: float = 1.0  # multiplies the softmax scale (DeepSeek YaRN: mscale^2)
+    hidden_size: int = 0  # D, the model's
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> MLAConfig:
+    def from_hf(cls, config: dict[str, Any]) -> Config:
         """From a DeepSeek/Kimi-style (text) config.json dict."""
+        use_nope = bool(config.get("mla_use_nope", False))
         return cls(num_heads=config["num_attention_heads"], q_lora_rank=config.get("q_lora_rank") or None,
                    kv_lora_rank=config["kv_lora_rank"], qk_nope_head_dim=config["qk_nope_head_dim"],
                    qk_rope_head_dim=config["qk_rope_head_dim"], v_head_dim=config["v_head_dim"],
-                   output_gate=bool(config.get("mla_use_output_gate", False)),
-                   use_nope=bool(config.get("mla_use_nope", False)))
-
-    def spec_fields(self) -> dict[str, Any]:
-        """The ModelSpec fields that carry this config (`from_spec` reads them back; num_heads is spec.num_heads)."""
-        return {"q_lora_rank": self.q_lora_rank or 0, "kv_lora_rank": self.kv_lora_rank,
-                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "v_head_dim": self.v_head_dim, "mla_output_gate": self.output_gate, "mla_use_nope": self.use_nope,
-                "mla_norm_eps": self.norm_eps}
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> MLAConfig:
-        """From the MLA fields of a ModelSpec (`q_lora_rank` 0 = no q LoRA)."""
-        try:
-            return cls(num_heads=spec.num_heads, q_lora_rank=spec.q_lora_rank or None,
-                       kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_head_dim,
-                       qk_rope_head_dim=spec.qk_rope_head_dim, v_head_dim=spec.v_head_dim,
-                       output_gate=spec.mla_output_gate, use_nope=spec.mla_use_nope, norm_eps=spec.mla_norm_eps,
-                       scale_factor=1.0 if spec.mla_use_nope else yarn_scale_factor(spec.rope_scaling))
-        except AttributeError as e:
-            raise LocalMoEError(f"{spec.model_type}: ModelSpec lacks the MLA fields ({e})") from None
+                   output_gate=bool(config.get("mla_use_output_gate", False)), use_nope=use_nope,
+                   scale_factor=1.0 if use_nope else yarn_scale_factor(config.get("rope_scaling")),
+                   hidden_size=config["hidden_size"])
 
     @property
     def row_dim(self) -> int:
@@ -105,7 +89,7 @@ def rotate_interleaved(x: torch.Tensor, step: Step) -> torch.Tensor:
 class MLAttention:
     """MLA over a `LatentCache`; kv_b_proj kept once, in fp32, as W_uk / W_uv per head."""
 
-    def __init__(self, config: MLAConfig, q_a_proj: Linear | None, q_a_norm: torch.Tensor | None, q_proj: Linear,
+    def __init__(self, config: Config, q_a_proj: Linear | None, q_a_norm: torch.Tensor | None, q_proj: Linear,
                  kv_a_proj: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o_proj: Linear,
                  g_proj: Linear | None = None):
         self.config = config
@@ -119,33 +103,6 @@ class MLAttention:
         self.sparse_topk: int | None = None  # EngineConfig.sparse_topk, set by the Transformer
         # probe-recall: keep the keys each head of the call's LAST query kept, [B, H, k]
         self.record_selection, self.last_selection = False, None
-
-    @classmethod
-    def from_weights(cls, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str, dtype: str,
-                     config: MLAConfig | None = None) -> MLAttention:
-        """From canonical `{prefix}self_attn.*` (DeepSeek names, kv_b_proj not absorbed)."""
-        c = config or MLAConfig.from_spec(spec)
-        H, D, r = c.num_heads, spec.hidden_size, c.kv_lora_rank
-        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-        p = prefix + "self_attn."
-
-        def get(name: str, *shape: int) -> torch.Tensor:
-            t = weights[p + name]
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{p}{name}: shape {tuple(t.shape)}, expected {shape}")
-            return t
-
-        def lin(name: str, *shape: int) -> Linear:
-            return Linear(get(name + ".weight", *shape), None, dtype)
-
-        if c.q_lora_rank is None:
-            q_a, q_norm, q = None, None, lin("q_proj", H * qk, D)
-        else:
-            q_a, q_norm = lin("q_a_proj", c.q_lora_rank, D), get("q_a_layernorm.weight", c.q_lora_rank).float()
-            q = lin("q_b_proj", H * qk, c.q_lora_rank)
-        return cls(c, q_a, q_norm, q, lin("kv_a_proj_with_mqa", c.row_dim, D), get("kv_a_layernorm.weight", r),
-                   get("kv_b_proj.weight", H * (c.qk_nope_head_dim + c.v_head_dim), r),
-                   lin("o_proj", D, H * c.v_head_dim), lin("g_proj", H * c.v_head_dim, D) if c.output_gate else None)
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> LatentCache:
         """A paged latent cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
@@ -261,18 +218,41 @@ class MLAttention:
         return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
 
 
-def mla_shapes(spec: ModelSpec, a: str) -> dict[str, tuple[int, ...]]:
-    """An MLA layer's `self_attn.*` shapes: q directly or through q LoRA, optional output gate."""
-    D, H, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank
-    n, rope, v = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+def tensors(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s `self_attn.*` shapes: q directly or through q LoRA, optional output gate."""
+    a, D, H, r = prefix + "self_attn.", cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    n, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, D), a + "kv_a_layernorm.weight": (r,),
               a + "kv_b_proj.weight": (H * (n + v), r), a + "o_proj.weight": (D, H * v)}
-    if spec.q_lora_rank:
-        q = spec.q_lora_rank
+    if cfg.q_lora_rank:
+        q = cfg.q_lora_rank
         shapes |= {a + "q_a_proj.weight": (q, D), a + "q_a_layernorm.weight": (q,),
                    a + "q_b_proj.weight": (H * (n + rope), q)}
     else:
         shapes[a + "q_proj.weight"] = (H * (n + rope), D)
-    if spec.mla_output_gate:
+    if cfg.output_gate:
         shapes[a + "g_proj.weight"] = (H * v, D)
     return shapes
+
+
+def parts(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> tuple:
+    """MLAttention's constructor arguments after `cfg` from canonical `{prefix}self_attn.*` (DeepSeek names,
+    kv_b_proj not absorbed; shapes checked on load)."""
+    p = prefix + "self_attn."
+
+    def lin(name: str) -> Linear:
+        return Linear(on_device(weights[p + name + ".weight"], device), None, dtype)
+
+    q_a, q_norm = None, None
+    if cfg.q_lora_rank:
+        q_a, q_norm = lin("q_a_proj"), on_device(weights[p + "q_a_layernorm.weight"], device).float()
+    return (q_a, q_norm, lin("q_b_proj" if cfg.q_lora_rank else "q_proj"), lin("kv_a_proj_with_mqa"),
+            on_device(weights[p + "kv_a_layernorm.weight"], device), on_device(weights[p + "kv_b_proj.weight"], device),
+            lin("o_proj"), lin("g_proj") if cfg.output_gate else None)
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> MLAttention:
+    """An MLA layer from layer `prefix`'s weights, on `device`."""
+    return MLAttention(cfg, *parts(cfg, weights, prefix, device, dtype))

@@ -12,7 +12,7 @@ The block asks its `ExpertProvider` for experts by (layer, expert id); see exper
 Families describe their routing and expert activation with ModelSpec fields named after
 their HF config keys (`scoring_func`, `norm_topk_prob`, `routed_scaling_factor`, `n_group`,
 `topk_group`, `expert_act`, `swiglu_limit`, `swiglu_alpha`; `glu_limit`: GLM-5-Next's clamped
-SwiGLU), read in `MoEBlock.from_weights`.
+SwiGLU), read into a `Config` by `Config.of`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from localmoe.config import ModelSpec
 from localmoe.engine.experts import (
     Activation,
     ExpertProvider,
     ResidentExperts,
     expert_forward,
 )
-from localmoe.engine.layers.mlp import GatedMLP, gated_mlp_shapes, situ_glu  # noqa: F401 (situ_glu re-exported)
+from localmoe.engine.layers import mlp, on_device
+from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.mxfp4_moe import (
@@ -202,6 +202,19 @@ class LatentProjection:
         return self.down.nbytes() + self.norm.nbytes + self.up.nbytes()
 
 
+class SigmoidGatedMLP:
+    """Qwen3-Next's shared expert: sigmoid(x . w_gate) * mlp(x), the gate one scalar per token."""
+
+    def __init__(self, mlp: GatedMLP, gate: torch.Tensor):
+        self.mlp, self.gate = mlp, make_linear([gate], None, "float32")  # gate [1, hidden]
+
+    def nbytes(self) -> int:
+        return self.mlp.nbytes() + self.gate.nbytes()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x)) * self.mlp(x)
+
+
 class MoEBlock:
     """sum over the k chosen experts of weight * expert(x), plus shared experts if any."""
 
@@ -210,33 +223,6 @@ class MoEBlock:
         self.router, self.experts, self.layer, self.act = router, experts, layer, act
         self.shared, self.latent = shared, latent
         self.precision = "exact"  # MXFP4 experts: EngineConfig.expert_precision, set by the Transformer
-
-    @classmethod
-    def from_weights(cls, spec, weights: dict[str, torch.Tensor], prefix: str, dtype: str) -> MoEBlock:
-        """From canonical `{prefix}mlp.router.{weight,bias,e_score_correction_bias}`, routed experts
-        under `{prefix}mlp.experts.` (see ResidentExperts; none: the block waits for a provider from
-        `Transformer.use_experts`, e.g. a packed store's pager), optional `mlp.shared_experts.*` and,
-        for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`."""
-        p = prefix + "mlp."
-        layer = int(prefix.split(".")[1])
-        rule = RoutingRule(top_k=spec.num_experts_per_tok, scoring=spec.scoring_func,
-                           renormalize=spec.norm_topk_prob, scaling=spec.routed_scaling_factor,
-                           n_group=spec.n_group, topk_group=spec.topk_group)
-        router = Router(weights[p + "router.weight"], weights.get(p + "router.bias"), rule,
-                        weights.get(p + "router.e_score_correction_bias"))
-        has_experts = any(p + f"experts.{stem}.{kind}" in weights for stem in ("0.gate", "gate_up_proj")
-                          for kind in ("packed", "weight"))
-        experts = ResidentExperts.from_weights(weights, prefix, layer, spec.num_experts) if has_experts else None
-        shared = None
-        if p + "shared_experts.gate_proj.weight" in weights:
-            shared = GatedMLP.from_weights(spec, weights, p + "shared_experts.", dtype, stem="")
-        latent = None
-        if p + "routed_expert_down_proj.weight" in weights:
-            latent = LatentProjection(make_linear([weights[p + "routed_expert_down_proj.weight"]], None, dtype),
-                                      weights[p + "routed_expert_norm.weight"],
-                                      make_linear([weights[p + "routed_expert_up_proj.weight"]], None, dtype),
-                                      spec.rms_norm_eps)
-        return cls(router, experts, layer, expert_activation(spec), shared, latent)
 
     def routed_table(self, tokens: int) -> ExpertTable | None:
         """The provider's whole-layer kernel table where routing can join the experts' kernel call: a
@@ -274,31 +260,92 @@ class MoEBlock:
         return y.view(shape)
 
 
-def expert_shapes(spec: ModelSpec, m: str, width: int) -> dict[str, tuple[int, ...]]:
-    """bf16 routed experts `{m}experts.{e}.{gate,up,down}.weight` at `width` (the hidden or latent size)."""
-    Im, shapes = spec.moe_intermediate_size, {}
-    for e in range(spec.num_experts):
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A MoE layer: router rule, routed experts (at the latent width for K3's latent MoE), shared experts."""
+
+    hidden_size: int  # D
+    num_experts: int  # E
+    moe_intermediate_size: int  # each routed expert's I
+    rule: RoutingRule
+    act: ExpertGLU  # the routed experts' activation
+    shared: mlp.Config | None = None  # the shared experts, fused into one gated MLP
+    shared_gate: bool = False  # Qwen3-Next: the shared expert scaled by sigmoid(`mlp.shared_expert_gate`)
+    correction_bias: bool = False  # DeepSeek / Kimi: `router.e_score_correction_bias` biases the choice
+    latent_size: int = 0  # K3 latent MoE: experts run at this width (down, experts, norm, up); 0 = D
+    norm_eps: float = 1e-6  # the latent norm's (the model's rms_norm_eps)
+
+    @classmethod
+    def of(cls, spec, latent: bool = False) -> Config:
+        """A ModelSpec's MoE layers (`latent` for its `latent_moe` ones) from its common MoE fields."""
+        rule = RoutingRule(top_k=spec.num_experts_per_tok, scoring=spec.scoring_func, renormalize=spec.norm_topk_prob,
+                           scaling=spec.routed_scaling_factor, n_group=spec.n_group, topk_group=spec.topk_group)
+        inner = spec.shared_expert_intermediate_size or spec.num_shared_experts * spec.moe_intermediate_size
+        shared = mlp.Config.of(spec, inner) if spec.num_shared_experts else None
+        return cls(spec.hidden_size, spec.num_experts, spec.moe_intermediate_size, rule, expert_activation(spec), shared,
+                   bool(spec.shared_expert_intermediate_size), spec.scoring_func == "sigmoid",
+                   spec.latent_moe_size if latent else 0, spec.rms_norm_eps)
+
+    @property
+    def width(self) -> int:
+        """The routed experts' input and output width."""
+        return self.latent_size or self.hidden_size
+
+
+def expert_shapes(cfg: Config, m: str) -> dict[str, tuple[int, ...]]:
+    """bf16 routed experts `{m}experts.{e}.{gate,up,down}.weight` at the config's width."""
+    Im, W, shapes = cfg.moe_intermediate_size, cfg.width, {}
+    for e in range(cfg.num_experts):
         x = f"{m}experts.{e}."
-        shapes |= {x + "gate.weight": (Im, width), x + "up.weight": (Im, width), x + "down.weight": (width, Im)}
+        shapes |= {x + "gate.weight": (Im, W), x + "up.weight": (Im, W), x + "down.weight": (W, Im)}
     return shapes
 
 
-def moe_shapes(spec: ModelSpec, i: int, experts=expert_shapes) -> dict[str, tuple[int, ...]]:
-    """Layer i's norms and MLP: dense SwiGLU, or router + correction bias (+ the latent projections of a
-    latent MoE) + routed experts + shared experts; `experts(spec, prefix, width)` gives the routed
-    experts' shapes (bf16 by default; Kimi K3 passes its MXFP4 parts)."""
-    D, E, p = spec.hidden_size, spec.num_experts, f"layers.{i}."
-    m = p + "mlp."
-    shapes = {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-    if spec.mlp_kinds[i] == "dense":
-        return shapes | gated_mlp_shapes(m, D, spec.intermediate_size)
-    shapes |= {m + "router.weight": (E, D), m + "router.e_score_correction_bias": (E,)}
-    width = D
-    if spec.mlp_kinds[i] == "latent_moe":
-        width = spec.latent_moe_size
-        shapes |= {m + "routed_expert_down_proj.weight": (width, D), m + "routed_expert_norm.weight": (width,),
-                   m + "routed_expert_up_proj.weight": (D, width)}
-    shapes |= experts(spec, m, width)
-    if spec.num_shared_experts:
-        shapes |= gated_mlp_shapes(m + "shared_experts.", D, spec.num_shared_experts * spec.moe_intermediate_size)
+def tensors(cfg: Config, prefix: str, experts=expert_shapes) -> dict[str, tuple[int, ...]]:
+    """Layer `prefix`'s `mlp.*`: router (+ correction bias), the latent projections of a latent MoE, routed
+    experts (`experts(cfg, "{prefix}mlp.")`: bf16 by default; Kimi K3 passes its MXFP4 parts), shared experts."""
+    D, m = cfg.hidden_size, prefix + "mlp."
+    shapes = {m + "router.weight": (cfg.num_experts, D)}
+    if cfg.correction_bias:
+        shapes[m + "router.e_score_correction_bias"] = (cfg.num_experts,)
+    if cfg.latent_size:
+        L = cfg.latent_size
+        shapes |= {m + "routed_expert_down_proj.weight": (L, D), m + "routed_expert_norm.weight": (L,),
+                   m + "routed_expert_up_proj.weight": (D, L)}
+    shapes |= experts(cfg, m)
+    if cfg.shared is not None:
+        shapes |= mlp.tensors(cfg.shared, prefix, "mlp.shared_experts.")
+        if cfg.shared_gate:
+            shapes[m + "shared_expert_gate.weight"] = (1, D)
     return shapes
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: str = "cpu",
+          dtype: str = "auto") -> MoEBlock:
+    """From canonical `{prefix}mlp.router.{weight,bias,e_score_correction_bias}`, routed experts under
+    `{prefix}mlp.experts.` (see ResidentExperts; none: the block waits for a provider from
+    `Transformer.use_experts`, e.g. a packed store's pager), `mlp.shared_experts.*` (+ `mlp.shared_expert_gate`)
+    and, for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`; on `device` (routed experts stay
+    where their provider keeps them)."""
+    p = prefix + "mlp."
+    layer = int(prefix.split(".")[1])
+
+    def w(name: str) -> torch.Tensor | None:
+        t = weights.get(p + name)
+        return on_device(t, device)
+
+    router = Router(w("router.weight"), w("router.bias"), cfg.rule, w("router.e_score_correction_bias"))
+    has_experts = any(p + f"experts.{stem}.{kind}" in weights for stem in ("0.gate", "gate_up_proj")
+                      for kind in ("packed", "weight"))
+    experts = ResidentExperts.from_weights(weights, prefix, layer, cfg.num_experts) if has_experts else None
+    shared = None
+    if cfg.shared is not None:
+        shared = mlp.build(cfg.shared, weights, prefix, device, dtype, "mlp.shared_experts.")
+        if cfg.shared_gate:
+            shared = SigmoidGatedMLP(shared, w("shared_expert_gate.weight"))
+    latent = None
+    if cfg.latent_size:
+        latent = LatentProjection(make_linear([w("routed_expert_down_proj.weight")], None, dtype),
+                                  w("routed_expert_norm.weight"),
+                                  make_linear([w("routed_expert_up_proj.weight")], None, dtype), cfg.norm_eps)
+    return MoEBlock(router, experts, layer, cfg.act, shared, latent)
