@@ -143,7 +143,7 @@ def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
     for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
         del weights[name]
     dequantize_attention(weights, (".linear_attn.",))
-    c = GatedDeltaConfig.from_spec(spec)
+    c = spec.gated_delta
     Hk, K, GV = c.num_key_heads, c.key_head_dim, c.num_value_heads // c.num_key_heads * c.value_head_dim
     for i in range(spec.num_layers):
         a = f"layers.{i}.linear_attn."
