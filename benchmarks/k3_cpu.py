@@ -30,6 +30,7 @@ from pathlib import Path
 from alternate import alternate, emit, median_ratio
 
 LLAMA_CPP_VERSION = "0.3.36"
+CONVERT_ARGS = {"qwen3_next": ["--no-mtp"]}  # the generated Qwen3-Next has no MTP layer (the converter assumes one)
 CONVERT = """import sys, runpy
 sys.path[:0] = [{gguf_py!r}, {src!r}]
 import conversion.base as base
@@ -72,7 +73,8 @@ def prepare(family: str, size: str, dtype: str, work: Path, src: Path) -> tuple[
     if not gguf.exists():
         code = CONVERT.format(gguf_py=str(src / "gguf-py"), src=str(src), script=str(src / "convert_hf_to_gguf.py"))
         tmp = gguf.with_suffix(".tmp")
-        done = subprocess.run([sys.executable, "-c", code, str(hf), "--outtype", dtype, "--outfile", str(tmp)],
+        done = subprocess.run([sys.executable, "-c", code, str(hf), "--outtype", dtype, "--outfile", str(tmp),
+                               *CONVERT_ARGS.get(family, [])],
                               capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"llama.cpp's converter failed on {hf.name}:\n{done.stderr[-3000:]}")
@@ -121,7 +123,7 @@ def localmoe_worker(args) -> None:
     if args.logits:
         np.save(args.logits, first[0].float().numpy())
     emit({"prefill": args.prompt / prefill_s, "decode": args.decode / decode_s, "bytes": decode_bytes(model),
-          "fused": type(getattr(model._plan, "decoder", None)).__name__})
+          "fused": type(model._plan.decoder).__name__ if model._plan is not None else ""})
 
 
 def llama_worker(args) -> None:
@@ -179,7 +181,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
               f"{theirs['prefill']:6.1f} tok/s ({ours['prefill'] / theirs['prefill']:.2f}x), "
               f"read bandwidth {bandwidth[-1] / 1e9:.1f} GB/s", flush=True)
 
-    print(f"{family} {size}, {args.dtype} dense weights, MXFP4 experts ({args.expert_precision} in localmoe), "
+    print(f"{family} {size}, {args.dtype} dense weights, routed experts as stored (MXFP4 ones at "
+          f"{args.expert_precision} in localmoe), "
           f"{args.threads} threads, "
           f"{args.prompt}-token prompt, {args.decode} greedy tokens, {args.pairs} alternating rounds", flush=True)
     res = alternate(workers, args.pairs, between=lambda: bandwidth.append(memory_read_bandwidth()), show=show)
