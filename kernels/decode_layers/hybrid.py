@@ -1,8 +1,9 @@
-"""`decode_hybrid` (hybrid_cpu.cpp) bound to a model's layers: KDA and absorbed-MLA mixers, dense or MoE
-MLPs (latent projection, shared experts), plain or attention residuals, for one decode token of one
-sequence in one call (Kimi K3, Kimi-Linear).
+"""`decode_hybrid` (hybrid_cpu.cpp) bound to a model's layers: KDA, Gated DeltaNet, absorbed-MLA and GQA
+mixers, dense or MoE MLPs (latent projection, shared experts, a shared-expert gate), plain or attention
+residuals, for one decode token of one sequence in one call (Kimi K3, Kimi-Linear, Qwen3-Next).
 
-The kernel is the op-by-op engine step (engine/layers/: kda.py, mla.py, moe.py, attn_res.py)
+The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.py, mla.py, attention.py, moe.py,
+attn_res.py)
 in fp32 C++; tests/kernels/test_decode_hybrid.py checks it against that path (the reference) within
 1e-5 of the logit range and the AVX2 build against the AVX-512 one bit for bit. Routed experts run in
 the kernel where a layer gives a resident MXFP4 table, else through `experts(layer, h, x)` -> [W], called
@@ -40,12 +41,32 @@ class Mla(ctypes.Structure):
                 ("nope", _i), ("rope", _i), ("vdim", _i), ("scale", _f), ("eps", _f)]
 
 
+class Gdn(ctypes.Structure):
+    """hybrid_mixers.h `struct Gdn`."""
+
+    _fields_ = [("in_proj", Matrix), ("conv", _p), ("decay", _p), ("dt_bias", _p), ("norm", _p), ("state", _p),
+                ("tail", _p), ("key_heads", _i), ("value_heads", _i), ("key_dim", _i), ("value_dim", _i),
+                ("conv_kernel", _i), ("eps", _f)]
+
+
+class Gqa(ctypes.Structure):
+    """hybrid_cpu.cpp `struct Gqa`."""
+
+    _fields_ = [("qkv", Matrix), ("gate", Matrix), ("q_norm", _p), ("k_norm", _p), ("sinks", _p), ("kpool", _p),
+                ("vpool", _p), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("rot", _i), ("head_stride", _i),
+                ("window", _i), ("scale", _f), ("eps", _f)]
+
+
+MIXERS = ("kda", "mla", "gdn", "gqa")  # hybrid_cpu.cpp HybridLayer.mixer
+
+
 class HybridLayer(ctypes.Structure):
     """hybrid_cpu.cpp `struct HybridLayer`."""
 
     _fields_ = [("attn_norm", _p), ("mlp_norm", _p), ("attn_query", _p), ("mlp_query", _p), ("mixer", _i),
-                ("kda", Kda), ("mla", Mla), ("o_proj", Matrix), ("moe", _i), ("gate_up", Matrix), ("down", Matrix),
-                ("glu", _i), ("glu_p0", _f), ("glu_p1", _f), ("lat_down", Matrix), ("lat_up", Matrix),
+                ("kda", Kda), ("mla", Mla), ("gdn", Gdn), ("gqa", Gqa), ("o_proj", Matrix), ("moe", _i),
+                ("gate_up", Matrix), ("down", Matrix), ("glu", _i), ("glu_p0", _f), ("glu_p1", _f),
+                ("shared_gate", _p), ("lat_down", Matrix), ("lat_up", Matrix),
                 ("lat_norm", _p), ("lat_eps", _f), ("router_w", _p), ("router_b", _p), ("correction", _p),
                 ("table", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i), ("intermediate", _i),
                 ("top_k", _i), ("expert_glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
@@ -69,14 +90,14 @@ def _view(address: int, n: int) -> torch.Tensor:
 
 class HybridDecoder:
     """The model's layers as a ctypes array, built once. Each entry of `layers` is a dict:
-    attn_norm, mlp_norm ([D] fp32), attn_query / mlp_query ([D] or None), mixer "kda" or "mla" with its
+    attn_norm, mlp_norm ([D] fp32), attn_query / mlp_query ([D] or None), mixer (one of MIXERS) with its
     dict under that key (matrices as (data, type, rows, cols, bias) tuples of decode_layers.Matrix, fp32
-    vectors; see `_kda`, `_mla`), o_proj; moe (bool), gate_up / down (dense MLP or shared experts, or
-    None), glu (glu.h kind, p0, p1); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
+    vectors: the fields of the struct of that name), o_proj; moe (bool), gate_up / down (dense MLP or
+    shared experts, or None), glu (glu.h kind, p0, p1), shared_gate ([D] or None); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
     router_w / router_b / correction, table (ExpertTable.addresses or None: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
     returns layer `index`'s routed-expert sum [W] for a layer without a table. The caller sets each
-    layer's cache pointers before a call (`set_kda`, `set_rows`)."""
+    layer's cache pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
 
     def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool,
                  block_size: int, output_query: torch.Tensor | None, experts=None):
@@ -88,13 +109,10 @@ class HybridDecoder:
         lib = library()
         for c, d in zip(self.layers, layers):
             for name in ("attn_norm", "mlp_norm", "attn_query", "mlp_query", "lat_norm", "router_w", "router_b",
-                         "correction", "table"):
+                         "correction", "table", "shared_gate"):
                 setattr(c, name, _ptr(d.get(name)))
-            c.mixer = 0 if d["mixer"] == "kda" else 1
-            if c.mixer == 0:
-                self._kda(c.kda, d["kda"])
-            else:
-                self._mla(c.mla, d["mla"])
+            c.mixer = MIXERS.index(d["mixer"])
+            self._fill(getattr(c, d["mixer"]), d[d["mixer"]])
             c.o_proj = _matrix(d["o_proj"])
             c.moe = int(d["moe"])
             for name in ("gate_up", "down", "lat_down", "lat_up"):
@@ -125,33 +143,30 @@ class HybridDecoder:
     def _matrices(d: dict) -> list[tuple]:
         mixer = d[d["mixer"]]
         ms = [d["o_proj"], *(d.get(n) for n in ("gate_up", "down", "lat_down", "lat_up"))]
-        ms += [mixer.get(n) for n in ("in_proj", "f_b", "g_b", "q_a", "q_b", "kv_a", "g")]
+        ms += [mixer.get(n) for n in ("in_proj", "f_b", "g_b", "q_a", "q_b", "kv_a", "g", "qkv", "gate")]
         return [m for m in ms if m is not None]
 
     @staticmethod
-    def _kda(c: Kda, d: dict) -> None:
-        for name in ("in_proj", "f_b", "g_b"):
-            setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
-        for name in ("conv", "decay", "dt_bias", "o_norm"):
-            setattr(c, name, _ptr(d[name]))
-        for name in ("heads", "head_dim", "conv_kernel", "bounded"):
-            setattr(c, name, int(d[name]))
-        c.lower_bound, c.eps = d["lower_bound"], d["eps"]
+    def _fill(c: ctypes.Structure, d: dict) -> None:
+        """A mixer struct from its dict: Matrix fields from tuples (absent: none), pointers from tensors, numbers."""
+        for name, kind in c._fields_:
+            value = d.get(name)
+            if kind is Matrix:
+                setattr(c, name, _matrix(value or NO_MATRIX))
+            elif kind is _p:
+                setattr(c, name, _ptr(value))
+            elif value is not None:
+                setattr(c, name, float(value) if kind is _f else int(value))
 
-    @staticmethod
-    def _mla(c: Mla, d: dict) -> None:
-        for name in ("q_a", "q_b", "kv_a", "g"):
-            setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
-        for name in ("q_a_norm", "kv_a_norm", "w_uk", "w_uv"):
-            setattr(c, name, _ptr(d.get(name)))
-        for name in ("heads", "kv_rank", "nope", "rope", "vdim"):
-            setattr(c, name, int(d[name]))
-        c.scale, c.eps = d["scale"], d["eps"]
+    def set_state(self, i: int, state: torch.Tensor, tail: torch.Tensor) -> None:
+        """Layer i's recurrent state [1, H, K, V] and conv tail [1, W-1, C], fp32 contiguous (updated in place)."""
+        mixer = getattr(self.layers[i], MIXERS[self.layers[i].mixer])
+        mixer.state, mixer.tail = state.data_ptr(), tail.data_ptr()
 
-    def set_kda(self, i: int, state: torch.Tensor, tail: torch.Tensor) -> None:
-        """Layer i's recurrent state [1, H, K, K] and conv tail [1, W-1, 3 H K], fp32 contiguous (updated in place)."""
-        kda = self.layers[i].kda
-        kda.state, kda.tail = state.data_ptr(), tail.data_ptr()
+    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Layer i's (GQA) K/V pools [1, Hkv, capacity, D] fp32 (written in place)."""
+        gqa = self.layers[i].gqa
+        gqa.kpool, gqa.vpool, gqa.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
 
     def set_rows(self, i: int, rows: torch.Tensor) -> None:
         """Layer i's latent cache pool: fp32 rows [capacity, r + rope] from its start (the token's row is written)."""
@@ -166,12 +181,14 @@ class HybridDecoder:
             self.error = e
             return 1
 
-    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x [hidden] fp32 contiguous (the token's embedding; overwritten), cache position `pos` -> the
-        final-normed hidden state [hidden]."""
+    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor | None = None,
+                 signed_sin: torch.Tensor | None = None) -> torch.Tensor:
+        """x [hidden] fp32 contiguous (the token's embedding; overwritten), cache position `pos`, the RoPE
+        tables [rot] at it for GQA layers -> the final-normed hidden state [hidden]."""
         h = torch.empty(self.hidden)
         failed = library().decode_hybrid(
-            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, self.block_size,
+            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, _ptr(cos),
+            _ptr(signed_sin), self.block_size,
             _ptr(self.output_query), self.final_norm.data_ptr(), self.eps, int(self.q8), h.data_ptr(),
             self.ids.data_ptr(), self.weights.data_ptr(), self.scratch.data_ptr(), self.moe_scratch.data_ptr(),
             self.xq.data_ptr(), self.callback, threads())

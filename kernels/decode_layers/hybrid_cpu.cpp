@@ -1,7 +1,8 @@
-// Every layer of a hybrid model for one decode token, in one call: KDA and absorbed MLA mixers
-// (hybrid_mixers.h), a dense gated MLP or a MoE block (optional latent projection: down, experts, norm,
-// up; optional shared experts), and either plain residuals or Kimi K3's attention residuals (depth
-// mixing over stored block representations). Kimi K3 and Kimi-Linear decode through it
+// Every layer of a hybrid model for one decode token, in one call: KDA, Gated DeltaNet and absorbed MLA
+// mixers (hybrid_mixers.h) or GQA (gqa_step.h, with Qwen3-Next's sigmoid output gate), a dense gated MLP
+// or a MoE block (optional latent projection: down, experts, norm, up; optional shared experts, optionally
+// behind a sigmoid gate), and either plain residuals or Kimi K3's attention residuals (depth mixing over
+// stored block representations). Kimi K3, Kimi-Linear and Qwen3-Next decode through it
 // (engine/decode_plan.py). Per layer, as engine/transformer.py and engine/layers/attn_res.py run it op by op:
 //   plain:     a = mixer(rms(x)); x += a; m = mlp(rms(x)); x += m
 //   attn-res:  h = mix([blocks, ps], attn_query) (ps alone before the first block); every block_size
@@ -17,6 +18,7 @@
 #include <cstring>
 
 #include "../_cpu/glu.h"
+#include "../gqa_decode/gqa_step.h"
 #include "hybrid_mixers.h"
 
 using localmoe::Matrix;
@@ -30,21 +32,37 @@ void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const f
                       int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8);
 }
 
+// A GQA mixer: qkv rows [q H D | k Hkv D | v Hkv D], per-head q/k RMSNorm (null: none), RoPE over the
+// first `rot` dims, the K/V pools written in place, an optional output gate [H D, hidden].
+struct Gqa {
+  Matrix qkv, gate;
+  const float* q_norm;
+  const float* k_norm;
+  const float* sinks;
+  float* kpool;
+  float* vpool;
+  int64_t heads, kv_heads, head_dim, rot, head_stride, window;
+  float scale, eps;
+};
+
 // One layer, as kernels/decode_layers/hybrid.py `HybridLayer` (ctypes) lays it out.
 struct HybridLayer {
   const float* attn_norm;
   const float* mlp_norm;
   const float* attn_query;  // attention-residual pseudo-queries [D]; null under plain residuals
   const float* mlp_query;
-  int64_t mixer;  // 0 KDA, 1 MLA
+  int64_t mixer;  // 0 KDA, 1 MLA, 2 Gated DeltaNet, 3 GQA
   localmoe_hybrid::Kda kda;
   localmoe_hybrid::Mla mla;
+  localmoe_hybrid::Gdn gdn;
+  Gqa gqa;
   Matrix o_proj;  // the mixer's output projection [D, H v]
   // MLP: a dense gated MLP (moe 0), or the MoE's shared experts (rows 0: none)
   int64_t moe;
   Matrix gate_up, down;  // [gate I; up I] rows, [D, I]
   int64_t glu;           // glu.h kind of the dense MLP / shared experts
   float glu_p0, glu_p1;
+  const float* shared_gate;  // [D]: shared experts scaled by sigmoid(shared_gate . h) (Qwen3-Next); or null
   Matrix lat_down, lat_up;  // latent MoE [L, D], [D, L]; rows 0: experts at the hidden width
   const float* lat_norm;    // [L]
   float lat_eps;
@@ -112,16 +130,55 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
     localmoe::glu_rows(static_cast<int>(L.glu), b.mlp, b.mlp + I, I, L.glu_p0, L.glu_p1);
     float* s = b.mlp + 2 * I;
     localmoe::matvec(L.down, b.mlp, s, xq, threads);
+    if (L.shared_gate) {
+      const float gate = localmoe_hybrid::sigmoid(dot(L.shared_gate, hn, D));
+      for (int64_t i = 0; i < D; ++i) s[i] = gate * s[i];
+    }
     for (int64_t i = 0; i < D; ++i) m[i] += s[i];
   }
   return 0;
 }
 
-void mixer(const HybridLayer& L, const float* hn, int64_t pos, float* a, Buffers& b, void* xq, int threads) {
-  if (L.mixer == 0)
-    localmoe_hybrid::kda_step(L.kda, hn, b.mixer, b.mixer + L.kda.heads * L.kda.head_dim, xq, threads);
-  else
-    localmoe_hybrid::mla_step(L.mla, hn, pos, b.mixer, b.mixer + L.mla.heads * L.mla.vdim, xq, threads);
+int64_t gqa_scratch(const Gqa& g) {
+  return localmoe_gqa::step_scratch(g.heads, g.kv_heads, g.head_dim) + g.gate.rows;
+}
+
+// out [H D] = attention(rope(norm(qkv x))) * sigmoid(gate x); K/V written at `pos`.
+void gqa_mixer(const Gqa& g, const float* x, int64_t pos, const float* cos, const float* ssin, float* out,
+               float* scratch, void* xq, int threads) {
+  const int64_t H = g.heads, Hkv = g.kv_heads, D = g.head_dim;
+  const Matrix none{nullptr, localmoe::kF32, 0, H * D, nullptr};  // the attention output stays in scratch
+  const int64_t first = g.window ? std::max<int64_t>(0, pos + 1 - g.window) : 0;
+  localmoe_gqa::attention_step(x, g.qkv, none, H, Hkv, D, g.rot, cos, ssin, g.kpool, g.vpool, g.head_stride, pos,
+                               first, g.sinks, g.scale, g.q_norm, g.k_norm, g.eps, out, scratch, xq, threads);
+  const float* attn = scratch + (H + 2 * Hkv) * D;
+  std::memcpy(out, attn, H * D * sizeof(float));
+  if (g.gate.rows) {
+    float* gate = scratch + localmoe_gqa::step_scratch(H, Hkv, D);
+    localmoe::matvec(g.gate, x, gate, xq, threads);
+    for (int64_t i = 0; i < H * D; ++i) out[i] *= localmoe_hybrid::sigmoid(gate[i]);
+  }
+}
+
+// The mixer's output width (the o_proj input).
+int64_t mixer_width(const HybridLayer& L) {
+  switch (L.mixer) {
+    case 0: return L.kda.heads * L.kda.head_dim;
+    case 1: return L.mla.heads * L.mla.vdim;
+    case 2: return L.gdn.value_heads * L.gdn.value_dim;
+    default: return L.gqa.heads * L.gqa.head_dim;
+  }
+}
+
+void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos, const float* ssin, float* a,
+           Buffers& b, void* xq, int threads) {
+  float* scratch = b.mixer + mixer_width(L);
+  switch (L.mixer) {
+    case 0: localmoe_hybrid::kda_step(L.kda, hn, b.mixer, scratch, xq, threads); break;
+    case 1: localmoe_hybrid::mla_step(L.mla, hn, pos, b.mixer, scratch, xq, threads); break;
+    case 2: localmoe_hybrid::gdn_step(L.gdn, hn, b.mixer, scratch, xq, threads); break;
+    default: gqa_mixer(L.gqa, hn, pos, cos, ssin, b.mixer, scratch, xq, threads);
+  }
   localmoe::matvec(L.o_proj, b.mixer, a, xq, threads);
 }
 
@@ -134,18 +191,23 @@ int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, i
   int64_t widest = 0;
   for (int64_t l = 0; l < n; ++l) {
     const HybridLayer& L = layers[l];
-    const int64_t mix = L.mixer == 0 ? L.kda.heads * L.kda.head_dim + localmoe_hybrid::kda_scratch(L.kda)
-                                     : L.mla.heads * L.mla.vdim + localmoe_hybrid::mla_scratch(L.mla);
+    const int64_t own = L.mixer == 0   ? localmoe_hybrid::kda_scratch(L.kda)
+                        : L.mixer == 1 ? localmoe_hybrid::mla_scratch(L.mla)
+                        : L.mixer == 2 ? localmoe_hybrid::gdn_scratch(L.gdn)
+                                       : gqa_scratch(L.gqa);
+    const int64_t mix = mixer_width(L) + own;
     widest = std::max(widest, std::max(mix, L.gate_up.rows + D) + 3 * L.lat_down.rows);
   }
   const int64_t blocks = block_size ? n / block_size + 2 : 0;
   return 64 + (6 + blocks) * D + widest;
 }
 
-// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state. block_size 0: plain
+// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state; cos / ssin: the RoPE
+// tables at `pos` for GQA layers (null without any). block_size 0: plain
 // residuals, else attention residuals with queries per layer and `output_query`. Returns 0, or 1 where
 // the experts callback asked to stop (h is then undefined).
-int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, int64_t block_size,
+int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                  const float* ssin, int64_t block_size,
                   const float* output_query, const float* final_norm, float eps, int q8, float* h, int64_t* ids,
                   float* weights, float* scratch, void* moe_scratch, void* xq, ExpertsFn experts, int threads) {
   Buffers b{};
@@ -163,7 +225,7 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
     rms_norm(x, layers[0].attn_norm, D, eps, b.hn);
     for (int64_t l = 0; l < n; ++l) {
       const HybridLayer& L = layers[l];
-      mixer(L, b.hn, pos, b.a, b, xq, threads);
+      mixer(L, b.hn, pos, cos, ssin, b.a, b, xq, threads);
       for (int64_t i = 0; i < D; ++i) x[i] += b.a[i];
       rms_norm(x, L.mlp_norm, D, eps, b.hn);
       if (mlp(L, l, D, b.hn, b.m, b, experts, q8, ids, weights, moe_scratch, xq, threads)) return 1;
@@ -184,7 +246,7 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
     const bool restart = l % block_size == 0;
     rms_norm(in, L.attn_norm, D, eps, b.hn);
     if (restart) std::memcpy(b.blocks + nb++ * D, ps, D * sizeof(float));
-    mixer(L, b.hn, pos, b.a, b, xq, threads);
+    mixer(L, b.hn, pos, cos, ssin, b.a, b, xq, threads);
     for (int64_t i = 0; i < D; ++i) ps[i] = restart ? b.a[i] : ps[i] + b.a[i];
     depth_mix(b.blocks, nb, ps, L.mlp_query, D, eps, b.mix);
     rms_norm(b.mix, L.mlp_norm, D, eps, b.hn);

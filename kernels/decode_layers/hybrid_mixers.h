@@ -63,43 +63,71 @@ struct Kda {
 // Floats of scratch `kda_step` needs.
 inline int64_t kda_scratch(const Kda& a) { return a.in_proj.rows + 3 * a.heads * a.head_dim; }
 
-struct KdaHeads {
-  const Kda* a;
+// The delta rule for one token over value heads [begin, end): value head h reads key head h / group;
+// the log-decay is per channel (KDA: g [H K]) or one per head (Gated DeltaNet: g [H]).
+struct DeltaHeads {
   const float *q, *k, *v, *g, *beta;
-  float* o;
+  float *o, *state;
+  int64_t K, V, group, scalar_decay;
 };
 
-inline void kda_heads(const void* ctx, int64_t begin, int64_t end) {
-  const KdaHeads& c = *static_cast<const KdaHeads*>(ctx);
-  const int64_t K = c.a->head_dim;
-  alignas(32) float ak[512], aq[512], rk[512], rq[512], u[512];
+inline void delta_heads(const void* ctx, int64_t begin, int64_t end) {
+  const DeltaHeads& c = *static_cast<const DeltaHeads*>(ctx);
+  const int64_t K = c.K, V = c.V;
+  alignas(32) float a[512], ak[512], aq[512], rk[512], rq[512], u[512];
   for (int64_t h = begin; h < end; ++h) {
-    const float *q = c.q + h * K, *k = c.k + h * K, *v = c.v + h * K, *g = c.g + h * K;
-    float* S = c.a->state + h * K * K;
-    float* o = c.o + h * K;
+    const float *q = c.q + (h / c.group) * K, *k = c.k + (h / c.group) * K, *v = c.v + h * V;
+    float* S = c.state + h * K * V;
+    float* o = c.o + h * V;
     for (int64_t i = 0; i < K; ++i) {
-      const float a = std::exp(g[i]);
-      ak[i] = k[i] * a;
-      aq[i] = q[i] * a;
+      a[i] = std::exp(c.scalar_decay ? c.g[h] : c.g[h * K + i]);
+      ak[i] = k[i] * a[i];
+      aq[i] = q[i] * a[i];
     }
-    std::memset(rk, 0, K * sizeof(float));
-    std::memset(rq, 0, K * sizeof(float));
+    std::memset(rk, 0, V * sizeof(float));
+    std::memset(rq, 0, V * sizeof(float));
     for (int64_t i = 0; i < K; ++i) {  // decayed S^T k and S^T q
-      axpy(ak[i], S + i * K, rk, K);
-      axpy(aq[i], S + i * K, rq, K);
+      axpy(ak[i], S + i * V, rk, V);
+      axpy(aq[i], S + i * V, rq, V);
     }
     const float qk = dot(q, k, K), beta = c.beta[h];
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; j < V; ++j) {
       u[j] = beta * (v[j] - rk[j]);
       o[j] = rq[j] + qk * u[j];
     }
     for (int64_t i = 0; i < K; ++i) {  // S <- diag(exp(g)) S + k u^T
-      const __m256 a = _mm256_set1_ps(std::exp(g[i])), ki = _mm256_set1_ps(k[i]);
-      float* row = S + i * K;
+      const __m256 ai = _mm256_set1_ps(a[i]), ki = _mm256_set1_ps(k[i]);
+      float* row = S + i * V;
       int64_t j = 0;
-      for (; j + 8 <= K; j += 8)
-        _mm256_storeu_ps(row + j, _mm256_fmadd_ps(ki, _mm256_loadu_ps(u + j), _mm256_mul_ps(a, _mm256_loadu_ps(row + j))));
-      for (; j < K; ++j) row[j] = k[i] * u[j] + std::exp(g[i]) * row[j];
+      for (; j + 8 <= V; j += 8)
+        _mm256_storeu_ps(row + j, _mm256_fmadd_ps(ki, _mm256_loadu_ps(u + j), _mm256_mul_ps(ai, _mm256_loadu_ps(row + j))));
+      for (; j < V; ++j) row[j] = k[i] * u[j] + a[i] * row[j];
+    }
+  }
+}
+
+// Depthwise causal conv of y [C] over the tail [W-1, C] (W >= 2; the tail shifts by one), then SiLU.
+inline void conv_silu(float* y, const float* conv, float* tail, int64_t C, int64_t W) {
+  for (int64_t c = 0; c < C; ++c) {
+    const float* w = conv + c * W;
+    float s = tail[c] * w[0];
+    for (int64_t j = 1; j < W - 1; ++j) s = s + tail[j * C + c] * w[j];
+    s = s + y[c] * w[W - 1];
+    for (int64_t j = 0; j + 1 < W - 1; ++j) tail[j * C + c] = tail[(j + 1) * C + c];
+    tail[(W - 2) * C + c] = y[c];
+    y[c] = s * sigmoid(s);
+  }
+}
+
+// q, k [heads, K] <- l2norm (eps inside the root); q scaled by K^-0.5.
+inline void qk_l2norm(float* q, float* k, int64_t heads, int64_t K) {
+  const float sq = 1.0f / std::sqrt(static_cast<float>(K));
+  for (int64_t h = 0; h < heads; ++h) {
+    const float rq = 1.0f / std::sqrt(dot(q + h * K, q + h * K, K) + 1e-6f);
+    const float rk = 1.0f / std::sqrt(dot(k + h * K, k + h * K, K) + 1e-6f);
+    for (int64_t i = 0; i < K; ++i) {
+      q[h * K + i] = q[h * K + i] * rq * sq;
+      k[h * K + i] = k[h * K + i] * rk;
     }
   }
 }
@@ -112,26 +140,9 @@ inline void kda_step(const Kda& a, const float* x, float* o, float* scratch, voi
   float* gate = f + H * K;
   float* beta = gate + H * K;
   localmoe::matvec(a.in_proj, x, y, xq, threads);
-  // depthwise causal conv over [tail; x], then SiLU; the tail shifts by one
-  for (int64_t c = 0; c < C; ++c) {
-    const float* w = a.conv + c * W;
-    float s = a.tail[c] * w[0];
-    for (int64_t j = 1; j < W - 1; ++j) s = s + a.tail[j * C + c] * w[j];
-    s = W > 1 ? s + y[c] * w[W - 1] : y[c] * w[0];
-    for (int64_t j = 0; j + 1 < W - 1; ++j) a.tail[j * C + c] = a.tail[(j + 1) * C + c];
-    if (W > 1) a.tail[(W - 2) * C + c] = y[c];
-    y[c] = s * sigmoid(s);
-  }
+  conv_silu(y, a.conv, a.tail, C, W);
   float *q = y, *k = y + H * K, *v = y + 2 * H * K;
-  for (int64_t h = 0; h < H; ++h) {  // l2norm (eps inside the root), q scaled by K^-0.5
-    const float rq = 1.0f / std::sqrt(dot(q + h * K, q + h * K, K) + 1e-6f);
-    const float rk = 1.0f / std::sqrt(dot(k + h * K, k + h * K, K) + 1e-6f);
-    const float sq = 1.0f / std::sqrt(static_cast<float>(K));
-    for (int64_t i = 0; i < K; ++i) {
-      q[h * K + i] = q[h * K + i] * rq * sq;
-      k[h * K + i] = k[h * K + i] * rk;
-    }
-  }
+  qk_l2norm(q, k, H, K);
   localmoe::matvec(a.f_b, y + C, f, xq, threads);  // f_b(f_a x) [H K]: the log-decay below
   for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < K; ++i) {
@@ -146,11 +157,51 @@ inline void kda_step(const Kda& a, const float* x, float* o, float* scratch, voi
   } else {
     std::memcpy(gate, g_in, H * K * sizeof(float));
   }
-  KdaHeads ctx{&a, q, k, v, f, beta, o};
-  localmoe::parallel(kda_heads, &ctx, H, 1, threads);
+  DeltaHeads ctx{q, k, v, f, beta, o, a.state, K, K, 1, 0};
+  localmoe::parallel(delta_heads, &ctx, H, 1, threads);
   for (int64_t h = 0; h < H; ++h) {
     rms_norm(o + h * K, a.o_norm, K, a.eps, o + h * K);
     for (int64_t i = 0; i < K; ++i) o[h * K + i] *= sigmoid(gate[h * K + i]);
+  }
+}
+
+// ---- Gated DeltaNet (Qwen3-Next): one token of one layer ----
+
+struct Gdn {
+  Matrix in_proj;        // rows [q (Hk K) | k (Hk K) | v (Hv V) | z (Hv V) | b (Hv) | a (Hv)]
+  const float* conv;     // [C, W], C = 2 Hk K + Hv V
+  const float* decay;    // [Hv] exp(A_log)
+  const float* dt_bias;  // [Hv]
+  const float* norm;     // [V]
+  float* state;          // [Hv, K, V] fp32, updated
+  float* tail;           // [W-1, C], updated
+  int64_t key_heads, value_heads, key_dim, value_dim, conv_kernel;
+  float eps;
+};
+
+inline int64_t gdn_scratch(const Gdn& a) { return a.in_proj.rows + 2 * a.value_heads; }
+
+// x [D] (normed) -> o [Hv V] (before out_proj), the state and conv tail advanced by one token.
+inline void gdn_step(const Gdn& a, const float* x, float* o, float* scratch, void* xq, int threads) {
+  const int64_t Hk = a.key_heads, Hv = a.value_heads, K = a.key_dim, V = a.value_dim;
+  const int64_t C = 2 * Hk * K + Hv * V;
+  float* y = scratch;
+  float* g = y + a.in_proj.rows;
+  float* beta = g + Hv;
+  localmoe::matvec(a.in_proj, x, y, xq, threads);
+  conv_silu(y, a.conv, a.tail, C, a.conv_kernel);
+  qk_l2norm(y, y + Hk * K, Hk, K);
+  const float *z = y + C, *b = z + Hv * V, *al = b + Hv;
+  for (int64_t h = 0; h < Hv; ++h) {
+    const float t = al[h] + a.dt_bias[h];
+    g[h] = -a.decay[h] * (t > 20.0f ? t : std::log1p(std::exp(t)));
+    beta[h] = sigmoid(b[h]);
+  }
+  DeltaHeads ctx{y, y + Hk * K, y + 2 * Hk * K, g, beta, o, a.state, K, V, Hv / Hk, 1};
+  localmoe::parallel(delta_heads, &ctx, Hv, 1, threads);
+  for (int64_t h = 0; h < Hv; ++h) {  // gated RMSNorm: norm(o) * silu(z)
+    rms_norm(o + h * V, a.norm, V, a.eps, o + h * V);
+    for (int64_t i = 0; i < V; ++i) o[h * V + i] *= z[h * V + i] * sigmoid(z[h * V + i]);
   }
 }
 

@@ -22,6 +22,7 @@ import torch
 
 from localmoe.engine.layers.attention import GQAttention
 from localmoe.engine.layers.attn_res import AttentionResiduals
+from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
 from localmoe.engine.layers.kda import KimiDeltaAttention
 from localmoe.engine.layers.mla import MLAttention
 from localmoe.engine.layers.mlp import GatedMLP
@@ -72,7 +73,7 @@ class DecodePlan:
         each form stops at the first layer that does not qualify (a few microseconds)."""
         if not decode_layers.available() or not model.layers or not _fp32_vectors(model.norm):
             return None
-        if isinstance(model.layers[0][1], (KimiDeltaAttention, MLAttention)):
+        if any(isinstance(mixer, (KimiDeltaAttention, MLAttention, GatedDeltaNet)) for _, mixer, _, _ in model.layers):
             return cls._hybrid(model)
         if model.residuals is not None:
             return None
@@ -188,9 +189,32 @@ def _kda_layer(mixer: KimiDeltaAttention) -> dict | None:
     return d if ok and c.head_dim <= hybrid.MAX_HEAD_DIM and c.conv_kernel >= 2 else None
 
 
+def _gdn_layer(mixer: GatedDeltaNet) -> dict | None:
+    c = mixer.config
+    d = {"in_proj": _matrix(mixer.in_proj), "conv": mixer.conv_weight, "decay": mixer.decay_rate,
+         "dt_bias": mixer.dt_bias, "norm": mixer.norm, "key_heads": c.num_key_heads, "value_heads": c.num_value_heads,
+         "key_dim": c.key_head_dim, "value_dim": c.value_head_dim, "conv_kernel": c.conv_kernel, "eps": c.norm_eps}
+    ok = _checked(d["in_proj"]) and _fp32_vectors(d["conv"], d["decay"], d["dt_bias"], d["norm"])
+    return d if ok and max(c.key_head_dim, c.value_head_dim) <= hybrid.MAX_HEAD_DIM and c.conv_kernel >= 2 else None
+
+
+def _gqa_layer(mixer: GQAttention, model) -> dict | None:
+    """Full attention (Qwen3-Next's gated, q/k-normed, partially rotated layers) as the dense plan takes it."""
+    norms = [None if n is None else n.float().contiguous() for n in (mixer.q_norm, mixer.k_norm)]
+    if not ((norms[0] is None) == (norms[1] is None) and mixer.head_dim % 8 == 0 and mixer.head_dim <= 512
+            and mixer.rotary_dim % 2 == 0 and 0 < mixer.rotary_dim <= mixer.head_dim
+            and _fp32_vectors(mixer.head_sinks) and model.rope.cos.shape[-1] == mixer.rotary_dim):
+        return None
+    d = {"qkv": _matrix(mixer.qkv), "gate": None if mixer.gate is None else _matrix(mixer.gate),
+         "q_norm": norms[0], "k_norm": norms[1], "sinks": mixer.head_sinks, "heads": mixer.heads,
+         "kv_heads": mixer.kv_heads, "head_dim": mixer.head_dim, "rot": mixer.rotary_dim, "window": mixer.window,
+         "scale": mixer.scale, "eps": mixer.eps}
+    return d if _checked(d["qkv"]) and (mixer.gate is None or _checked(d["gate"])) else None
+
+
 def _mla_layer(mixer: MLAttention) -> dict | None:
     c = mixer.config
-    if (not c.use_nope or mixer.sparse_topk is not None or mixer.absorb is False
+    if (not c.use_nope or mixer.absorb is False
             or c.kv_lora_rank > hybrid.MAX_LATENT or c.qk_rope_head_dim > 128):
         return None
     d = {"q_a": None if mixer.q_a_proj is None else _matrix(mixer.q_a_proj), "q_b": _matrix(mixer.q_proj),
@@ -207,6 +231,11 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
     """The MLP's fields of a HybridLayer and the parts `current` checks, or None."""
     shared = mlp.shared if isinstance(mlp, MoEBlock) else mlp
     d: dict = {"moe": isinstance(mlp, MoEBlock)}
+    gate = getattr(shared, "gate", None)  # Qwen3-Next's SigmoidGatedMLP (engine/transformer.py): gate [1, D]
+    if d["moe"] and gate is not None and type(gate) is Linear and gate.weight.shape[0] == 1:
+        if not _fp32_vectors(gate.weight, gate.bias) or gate.bias is not None:
+            return None
+        d["shared_gate"], shared = gate.weight[0], shared.mlp
     if shared is not None:
         if type(shared) is not GatedMLP or glu is None:
             return None
@@ -254,18 +283,26 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
     model, decoder, states = plan.model, plan.decoder, []
     for i, (_, mixer, _, _) in enumerate(model.layers):
         layer = cache.layers[i]
-        if isinstance(mixer, KimiDeltaAttention):
+        if getattr(mixer, "sparse_topk", None) is not None and mixer.sparse_topk < pos + 1:
+            return None  # top-k selection drops keys now: op by op
+        if isinstance(mixer, (KimiDeltaAttention, GatedDeltaNet)):
             if layer.offset != pos or layer.state.shape[0] != 1:
                 return None
             layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
-            decoder.set_kda(i, layer.state, layer.conv_tail)
+            decoder.set_state(i, layer.state, layer.conv_tail)
             states.append(layer)
+        elif isinstance(mixer, GQAttention):
+            pools = layer.decode_pools(pos)
+            if pools is None:
+                return None
+            decoder.set_pools(i, *pools)
         else:
             pool = layer.rows.flat_pool(pos + 1)  # [1, 1, capacity, r + rope]
             if pool is None:
                 return None
             decoder.set_rows(i, pool)
-    h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos)
+    rope = (model.rope.cos[pos], model.rope.sin[pos]) if plan.rope else (None, None)
+    h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos, *rope)
     for layer in states:
         layer.offset += 1
     cache.advance(1)
@@ -273,8 +310,8 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
 
 
 def _hybrid(cls, model) -> DecodePlan | None:
-    """Kimi K3 / Kimi-Linear: every layer KDA or NoPE MLA with a dense MLP or a MoE block; plain or attention
-    residuals; fp32, bf16 or GGUF-block matrices."""
+    """Kimi K3 / Kimi-Linear / Qwen3-Next: every layer KDA, Gated DeltaNet, NoPE MLA or GQA with a dense MLP or
+    a MoE block; plain or attention residuals; fp32, bf16 or GGUF-block matrices."""
     residuals = model.residuals
     if residuals is not None and not (type(residuals) is AttentionResiduals and residuals.eps == model.eps
                                       and len(model.layers) // residuals.block_size + 2 <= hybrid.MAX_BLOCKS
@@ -285,9 +322,10 @@ def _hybrid(cls, model) -> DecodePlan | None:
         return None
     glu, layers, parts = _glu(model.spec), [], []
     for i, (attn_norm, mixer, mlp_norm, mlp) in enumerate(model.layers):
-        kind = {KimiDeltaAttention: "kda", MLAttention: "mla"}.get(type(mixer))
-        mix = None if kind is None else (_kda_layer if kind == "kda" else _mla_layer)(mixer)
-        o_proj = _matrix(mixer.o_proj) if mix is not None else None
+        kind = {KimiDeltaAttention: "kda", MLAttention: "mla", GatedDeltaNet: "gdn", GQAttention: "gqa"}.get(type(mixer))
+        mix = None if kind is None else {"kda": _kda_layer, "mla": _mla_layer, "gdn": _gdn_layer,
+                                         "gqa": lambda m: _gqa_layer(m, model)}[kind](mixer)
+        o_proj = _matrix(mixer.out_proj if kind == "gdn" else mixer.o_proj) if mix is not None else None
         m = _mlp_layer(mlp, glu) if type(mlp) in (GatedMLP, MoEBlock) else None
         if mix is None or m is None or not _checked(o_proj) or not _fp32_vectors(attn_norm, mlp_norm):
             return None
@@ -300,5 +338,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
                                    model.config.expert_precision == "q8", block_size,
                                    None if residuals is None else residuals.output_query, _routed(model))
-    return cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
+    plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
+    plan.rope = any(d["mixer"] == "gqa" for d in layers)
+    return plan
 
