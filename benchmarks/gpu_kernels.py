@@ -237,11 +237,11 @@ def delta_bench(clock: Clock, device: str, T_chunk: int, H: int, K: int, summary
     from localmoe.kernels.kda import fla_ops
     from localmoe.kernels.kda import triton as kda_triton
 
-    fla, fla_run = fla_ops.ops() is not None, fla_ops.run
-    about = f"fla-core {__import__('fla').__version__}" if fla else "not available (our Triton only)"
     if smoke:  # fla's chunk kernels need a GPU: its figures come from a stand-in, to run the code around them
-        fla, about = True, "smoke stand-in (the reference)"
-        fla_run = _reference_as_fla
+        fla, fla_run, about = True, _reference_as_fla, "smoke stand-in (the reference)"
+    else:
+        fla, fla_run = fla_ops.ops() is not None, fla_ops.run
+        about = f"fla-core {__import__('fla').__version__}" if fla else "not available (our Triton only)"
     print(f"\n== KDA / Gated DeltaNet, B=1, H={H}, K=V={K}, fp32 inputs (the engine's); fla: {about}")
     for kind in ("kda", "gdn"):
         dispatch = kda.kda if kind == "kda" else gdn.gated_delta
