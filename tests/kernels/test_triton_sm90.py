@@ -2,7 +2,8 @@
 ptxas, ahead of time, for every variant the dispatcher launches (GEMV tile heights, split K, the PTX decode
 and its Triton-ops twin, tl.dot tiles in bf16 and fp32 with and without a masked K, the tile-table kernel).
 A kernel that does not compile would otherwise first fail on the one GPU run. Also checks that the GEMV's
-code loads stay 16-byte vectors (why it splits whole slices from a masked last one).
+code loads stay 16-byte vectors (why it splits whole slices from a masked last one), and that the PTX decode
+gives the codec's values for every code byte (its instructions emulated).
 
 The compiles run in a child process: under TRITON_INTERPRET=1 (conftest) the kernels are interpreter
 functions, which cannot be compiled.
@@ -106,6 +107,52 @@ def test_compiles_for_sm90(compiled, name):
     if name == "tile-tables":
         assert facts["barrier"]  # between writing the ranks and reading them
     assert compiled["_split_k"], "no variant exercised split K"
+
+
+def _emulate_ptx(asm: str, word: int) -> list[int]:
+    """Run _DECODE_PTX's prmt / shl / and / or on one 32-bit input ($4); returns $0..$3."""
+    regs = {"$4": word}
+    for line in asm.strip().strip("{}").splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *args = [a.strip() for a in rest.split(",")]
+        a, b, *c = [regs[t] if t in regs else int(t, 0) for t in args]
+        if op == "prmt.b32":  # byte i of the result = byte (selector nibble i) of {b, a}
+            pool = [(a >> 8 * i) & 255 for i in range(4)] + [(b >> 8 * i) & 255 for i in range(4)]
+            regs[dst] = sum(pool[(c[0] >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "shl.b32":
+            regs[dst] = (a << b) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[dst] = a & b
+        else:
+            assert op == "or.b32", f"emulate {op}"
+            regs[dst] = a | b
+    return [regs[f"${i}"] for i in range(4)]
+
+
+def test_ptx_decode_emulated_matches_the_codec():
+    """Every code byte, in each of the 4 positions of the register: the fp16 patterns of its two nibbles are
+    the codec's values times 2^-14, signs (and -0) included."""
+    import torch
+    from localmoe.kernels.mxfp4_moe import triton as tk
+
+    from localmoe.quant.mxfp4 import dequantize
+
+    asm = str(tk._DECODE_PTX.value if hasattr(tk._DECODE_PTX, "value") else tk._DECODE_PTX)
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = dequantize(codes.view(16, 16), torch.full((16, 1), 127, dtype=torch.uint8)).view(256, 2) * 2.0 ** -14
+    for shift in range(4):  # byte b at position shift, the other positions other bytes
+        got = []
+        for b in range(256):
+            word = sum(((b + 37 * i) % 256 if i != shift else b) << 8 * i for i in range(4))
+            out = _emulate_ptx(asm, word)
+            halves = [(out[j // 2] >> 16 * (j % 2)) & 0xFFFF for j in range(4)]  # lo elements 0..3
+            halves += [(out[2 + j // 2] >> 16 * (j % 2)) & 0xFFFF for j in range(4)]  # hi elements 0..3
+            got.append([halves[shift], halves[4 + shift]])
+        got = torch.tensor(got, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), f"byte position {shift}"
 
 
 if __name__ == "__main__":
