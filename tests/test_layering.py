@@ -20,7 +20,7 @@ SOURCES = {"localmoe": "localmoe", "kernels": "localmoe.kernels", "ui": "localmo
 TIERS = [
     {"errors"},
     {"config", "quant", "paths", "pathguard"},
-    {"kernels", "store", "chat"},
+    {"kernels", "store", "chat", "vision"},
     {"tokenizer"},
     {"engine"},
     {"models", "paging", "default_model"},

@@ -1,0 +1,193 @@
+"""The Kimi MoonViT vision tower (Kimi-VL, Kimi K2.5, Kimi K3) and its multimodal projector.
+
+Patches of `patch_size` pixels are embedded by a linear map (the checkpoint's Conv2d with stride =
+kernel), a learned [pos_emb_height, pos_emb_width, D] grid is resampled bicubically to each image's
+patch grid and added, and encoder layers (pre-LayerNorm, bidirectional attention with axial 2D rotary
+over the whole head dim, GELU-tanh MLP) run over each image separately. After the final LayerNorm each
+`merge_kernel` block of patches becomes one token: the projector LayerNorms each patch, concatenates
+the block (kh * kw * D) and maps it through Linear -> GELU -> Linear to the text model's width.
+The result replaces the image's placeholder tokens in the text embedding, one row per merged token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from localmoe.engine.layers import on_device
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A MoonViT tower + projector, from an HF `vision_config` (`Config.from_hf`)."""
+
+    hidden_size: int = 1152  # D
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    num_layers: int = 27
+    patch_size: int = 14
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    merge_kernel: tuple[int, int] = (2, 2)
+    rope_theta: float = 10000.0
+    text_hidden_size: int = 7168  # the projector's output width
+    projection_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_dim(self) -> int:
+        return self.hidden_size * self.merge_kernel[0] * self.merge_kernel[1]
+
+    @classmethod
+    def from_hf(cls, vision: dict, text_hidden_size: int, projection_eps: float = 1e-5) -> Config:
+        """From an HF `vision_config` dict (transformers' `Kimi_K25VisionConfig` field names)."""
+        rope = vision.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: "
+                             "the MoonViT tower has axial 2D rotary only")
+        if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"vision_config.hidden_act {vision['hidden_act']!r}: MoonViT uses gelu_pytorch_tanh")
+        d = cls()
+        return cls(hidden_size=vision.get("hidden_size", d.hidden_size),
+                   intermediate_size=vision.get("intermediate_size", d.intermediate_size),
+                   num_heads=vision.get("num_attention_heads", d.num_heads),
+                   num_layers=vision.get("num_hidden_layers", d.num_layers),
+                   patch_size=vision.get("patch_size", d.patch_size),
+                   pos_emb_height=vision.get("pos_emb_height", d.pos_emb_height),
+                   pos_emb_width=vision.get("pos_emb_width", d.pos_emb_width),
+                   merge_kernel=tuple(vision.get("merge_kernel_size", d.merge_kernel)),
+                   rope_theta=float(rope.get("rope_theta", d.rope_theta)),
+                   text_hidden_size=text_hidden_size, projection_eps=projection_eps)
+
+
+def tensors(cfg: Config, prefix: str = "vision_tower.", projector: str = "mm_projector.") -> dict[str, tuple[int, ...]]:
+    """The tower's tensors under `prefix` and the projector's under `projector` (HF names)."""
+    D, inner, p, M = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.merged_dim
+    out = {prefix + "patch_embed.proj.weight": (D, 3, p, p), prefix + "patch_embed.proj.bias": (D,),
+           prefix + "patch_embed.pos_emb.position_embeddings": (cfg.pos_emb_height, cfg.pos_emb_width, D)}
+    for i in range(cfg.num_layers):
+        ly = f"{prefix}layers.{i}."
+        for norm in ("norm1", "norm2"):
+            out[ly + norm + ".weight"] = out[ly + norm + ".bias"] = (D,)
+        for proj in ("q_proj", "k_proj", "v_proj", "proj"):
+            out[ly + f"attn.{proj}.weight"], out[ly + f"attn.{proj}.bias"] = (D, D), (D,)
+        out[ly + "mlp.fc1.weight"], out[ly + "mlp.fc1.bias"] = (inner, D), (inner,)
+        out[ly + "mlp.fc2.weight"], out[ly + "mlp.fc2.bias"] = (D, inner), (D,)
+    out[prefix + "final_layernorm.weight"] = out[prefix + "final_layernorm.bias"] = (D,)
+    out[projector + "pre_norm.weight"] = out[projector + "pre_norm.bias"] = (D,)
+    out[projector + "in_proj.weight"], out[projector + "in_proj.bias"] = (M, M), (M,)
+    out[projector + "out_proj.weight"], out[projector + "out_proj.bias"] = (cfg.text_hidden_size, M), \
+        (cfg.text_hidden_size,)
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class MoonViT:
+    """The tower and projector: `__call__(patches, grids)` -> one [tokens, text_hidden] tensor per image."""
+
+    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, projector: str):
+        self.cfg, self.w, self.prefix, self.projector = cfg, w, prefix, projector
+        hd = cfg.head_dim
+        # axial rotary: head_dim / 4 frequencies per axis, interleaved (w, h) and repeated over both halves
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.w.values())
+
+    def _p(self, name: str) -> torch.Tensor:
+        return self.w[self.prefix + name]
+
+    def _pos_embed(self, h: int, w: int) -> torch.Tensor:
+        """The learned grid resampled to h x w patches (bicubic, half-pixel centres): [h * w, D]."""
+        table = self._p("patch_embed.pos_emb.position_embeddings")
+        if table.shape[:2] == (h, w):
+            return table.reshape(h * w, -1)
+        grid = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
+        return grid[0].permute(1, 2, 0).reshape(h * w, -1)
+
+    def _rotary(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [h * w, head_dim] of the raster patch grid."""
+        hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        fh = hs.reshape(-1, 1).float() * self.inv_freq  # [N, hd/4]
+        fw = ws.reshape(-1, 1).float() * self.inv_freq
+        f = torch.stack([fw, fh], dim=-1).flatten(1)  # [N, hd/2]: w0, h0, w1, h1, ...
+        f = torch.cat([f, f], dim=-1)
+        return f.cos(), f.sin()
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg, ly = self.cfg, f"layers.{i}."
+        D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+
+        def lin(name, t):
+            return F.linear(t, self._p(ly + name + ".weight"), self._p(ly + name + ".bias"))
+
+        def norm(name, t):
+            return F.layer_norm(t, (D,), self._p(ly + name + ".weight"), self._p(ly + name + ".bias"), 1e-5)
+
+        a = norm("norm1", x)
+        N = a.shape[0]
+        q, k, v = (lin(f"attn.{n}", a).view(N, H, hd) for n in ("q_proj", "k_proj", "v_proj"))
+        c, s = cos[:, None], sin[:, None]
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        x = x + lin("attn.proj", o.transpose(0, 1).reshape(N, D))
+        m = norm("norm2", x)
+        return x + lin("mlp.fc2", F.gelu(lin("mlp.fc1", m), approximate="tanh"))
+
+    def encode(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """One image's tower output before the projector: patches [h * w, 3, p, p] in raster order ->
+        [h * w / (kh * kw), kh * kw, D], each merge block's patches together (row-major in the block)."""
+        cfg = self.cfg
+        h, w = grid
+        kh, kw = cfg.merge_kernel
+        if patches.shape != (h * w, 3, cfg.patch_size, cfg.patch_size):
+            raise ValueError(f"image patches {tuple(patches.shape)} do not match its grid {h}x{w} "
+                             f"of {cfg.patch_size}-pixel patches")
+        if h % kh or w % kw:
+            raise ValueError(f"image grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
+        proj = self._p("patch_embed.proj.weight")
+        x = F.linear(patches.float().reshape(h * w, -1), proj.reshape(proj.shape[0], -1),
+                     self._p("patch_embed.proj.bias"))
+        x = x + self._pos_embed(h, w)
+        cos, sin = self._rotary(h, w)
+        for i in range(cfg.num_layers):
+            x = self._layer(i, x, cos, sin)
+        D = cfg.hidden_size
+        x = F.layer_norm(x, (D,), self._p("final_layernorm.weight"), self._p("final_layernorm.bias"), 1e-5)
+        x = x.view(h // kh, kh, w // kw, kw, D).permute(0, 2, 1, 3, 4)
+        return x.reshape(-1, kh * kw, D)
+
+    def project(self, merged: torch.Tensor) -> torch.Tensor:
+        """The multimodal projector: [T, kh * kw, D] -> [T, text_hidden]."""
+        P, cfg = self.projector, self.cfg
+        x = F.layer_norm(merged, (cfg.hidden_size,), self.w[P + "pre_norm.weight"], self.w[P + "pre_norm.bias"],
+                         cfg.projection_eps).reshape(merged.shape[0], -1)
+        x = F.gelu(F.linear(x, self.w[P + "in_proj.weight"], self.w[P + "in_proj.bias"]))
+        return F.linear(x, self.w[P + "out_proj.weight"], self.w[P + "out_proj.bias"])
+
+    @torch.no_grad()
+    def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Images' patches concatenated [sum h * w, 3, p, p] with their grids -> per image [tokens, text_hidden]."""
+        out, start = [], 0
+        for h, w in grids:
+            out.append(self.project(self.encode(patches[start:start + h * w], (h, w))))
+            start += h * w
+        if start != patches.shape[0]:
+            raise ValueError(f"{patches.shape[0]} patches given for grids holding {start}")
+        return out
+
+
+def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "vision_tower.",
+          projector: str = "mm_projector.", device: str = "cpu") -> MoonViT:
+    """From the loader's checked weights (`tensors(cfg, prefix, projector)`), in fp32 on `device`."""
+    names = tensors(cfg, prefix, projector)
+    return MoonViT(cfg, {n: on_device(weights[n], device).float() for n in names}, prefix, projector)
