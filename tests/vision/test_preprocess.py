@@ -66,3 +66,22 @@ def test_bad_images_are_refused_by_name(data, match):
 def test_image_hash_is_content_addressed():
     a, b = png(Image.new("RGB", (2, 2), (1, 1, 1))), png(Image.new("RGB", (2, 2), (2, 2, 2)))
     assert images.image_hash(a) == images.image_hash(bytes(a)) != images.image_hash(b)
+
+
+def test_qwen3vl_patches_are_merge_block_ordered_and_repeated_in_time():
+    from localmoe.vision.qwen3vl import Processor as QwenProcessor
+
+    proc = QwenProcessor(patch_size=4, min_pixels=64, max_pixels=4096)
+    rng = np.random.default_rng(1)
+    arr = rng.integers(0, 256, size=(16, 24, 3), dtype=np.uint8)  # already a multiple of 8: not resized
+    patches, grid = proc(Image.fromarray(arr))
+    assert grid == (4, 6) and proc.tokens(16, 24) == 6 and patches.shape == (24, 3 * 2 * 4 * 4)
+    x = torch.from_numpy(arr).permute(2, 0, 1).float() / 255 * 2 - 1
+    # the 4th patch is block (0, 0)'s bottom-right patch: rows 4..7, columns 4..7; both time slots equal
+    p = patches[3].view(3, 2, 4, 4)
+    assert torch.allclose(p[:, 0], x[:, 4:8, 4:8], atol=1e-6) and torch.equal(p[:, 0], p[:, 1])
+    # the 5th patch starts block (0, 1): rows 0..3, columns 8..11
+    assert torch.allclose(patches[4].view(3, 2, 4, 4)[:, 0], x[:, 0:4, 8:12], atol=1e-6)
+    assert proc.sizes(10, 10) == (8, 8) and proc.sizes(100, 100) == (64, 64)  # area kept in [64, 4096]
+    with pytest.raises(images.ImageError, match="aspect ratio"):
+        proc.sizes(1, 300)
