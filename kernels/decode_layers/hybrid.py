@@ -84,6 +84,21 @@ def _matrix(m: tuple) -> Matrix:
     return Matrix(_ptr(data), kind, rows, cols, _ptr(bias))
 
 
+def dense_expert(x: torch.Tensor, parts: tuple, glu: tuple, weight: float, out: torch.Tensor,
+                 scratch: torch.Tensor, xq: torch.Tensor) -> None:
+    """out [W] += weight * down(glu(gate x, up x)) for one token x [D] fp32 and one expert whose gate, up, down
+    are (data, type, rows, cols, bias) Matrix tuples; `scratch` >= 2 I + W floats, `xq` the matvec scratch
+    for the widest input (`xq_bytes`)."""
+    gate, up, down = (_matrix(m) for m in parts)
+    library().dense_expert(x.data_ptr(), ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), glu[0], glu[1],
+                           glu[2], weight, out.data_ptr(), scratch.data_ptr(), xq.data_ptr(), threads())
+
+
+def xq_bytes(cols: int) -> int:
+    """Bytes of matvec scratch for inputs of up to `cols` values."""
+    return library().decode_dense_xq_bytes(cols)
+
+
 def _view(address: int, n: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
 

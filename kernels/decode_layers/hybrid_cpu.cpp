@@ -186,6 +186,20 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
 
 extern "C" {
 
+// out [W] += weight * down(glu(gate x, up x)): one routed expert with dense matrices (fp32, bf16, GGUF
+// blocks) for one token, as the engine calls it from the experts callback (every provider the same code,
+// so paged and resident experts give the same bits); scratch: 2 I + W floats, xq: matvec scratch.
+void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Matrix* down, int glu, float p0, float p1,
+                  float weight, float* out, float* scratch, void* xq, int threads) {
+  const int64_t I = gate->rows, W = down->rows;
+  float *g = scratch, *u = scratch + I, *y = scratch + 2 * I;
+  localmoe::matvec(*gate, x, g, xq, threads);
+  localmoe::matvec(*up, x, u, xq, threads);
+  localmoe::glu_rows(glu, g, u, I, p0, p1);
+  localmoe::matvec(*down, g, y, xq, threads);
+  for (int64_t i = 0; i < W; ++i) out[i] += weight * y[i];
+}
+
 // Floats of `scratch` decode_hybrid needs for these layers (the MoE kernel's scratch and xq are apart).
 int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, int64_t block_size) {
   int64_t widest = 0;

@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import torch
 
+from localmoe.engine.experts import expert_forward
 from localmoe.engine.layers.attention import GQAttention
 from localmoe.engine.layers.attn_res import AttentionResiduals
 from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
 from localmoe.engine.layers.kda import KimiDeltaAttention
 from localmoe.engine.layers.mla import MLAttention
 from localmoe.engine.layers.mlp import GatedMLP
-from localmoe.engine.layers.moe import MoEBlock, Router, dispatch
+from localmoe.engine.layers.moe import ExpertGLU, MoEBlock, Router, dispatch
 from localmoe.engine.linear import Linear
 from localmoe.engine.quantized import BlockLinear
 from localmoe.kernels import decode_layers
 from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.gqa_decode import StepKernel
-from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS
+from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
 
 
 def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
@@ -267,12 +268,54 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
     return d, [(mlp, "router", mlp.router), (mlp, "experts", mlp.experts)]
 
 
+def _dense_parts(w) -> tuple | None:
+    """An expert's (gate, up, down) as decode_layers Matrix tuples where all three are dense CPU tensors."""
+    parts = []
+    for proj in (w.gate, w.up, w.down):
+        t = proj.weight
+        if not (type(t) is torch.Tensor and t.dtype in decode_layers.MATRIX_TYPES and t.is_contiguous()
+                and t.device.type == "cpu" and _fp32_vectors(proj.bias)):
+            return None
+        parts.append((t, decode_layers.MATRIX_TYPES[t.dtype], t.shape[0], t.shape[1], proj.bias))
+    return tuple(parts)
+
+
 def _routed(model):
-    """The decoder's experts callback: layer `index`'s routing of h and its experts on x, as MoEBlock runs them."""
+    """The decoder's experts callback: layer `index`'s routing of h and its experts on x, in increasing id as
+    `moe.dispatch` adds them: MXFP4 experts through the MoE kernel one call each (the bits of the resident
+    layer's in-kernel call), dense ones through `hybrid.dense_expert`, others (and experts a pager places on
+    a GPU tier) as the engine runs them. Resident and paged experts take the same path: the same bits."""
+    buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
     def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         block = model.layers[index][3]
         weights, ids = block.router(h)
-        return dispatch(x, weights, ids, block.experts, block.layer, block.act, block.precision)
+        provider, act = block.experts, block.act
+        if not isinstance(act, ExpertGLU):
+            return dispatch(x, weights, ids, provider, block.layer, act, block.precision)
+        placed = getattr(provider, "placed", None)
+        out = torch.zeros_like(x)
+        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
+        for expert, weight in chosen:
+            w, tier = (provider.get(block.layer, expert), "ram") if placed is None else placed(block.layer, expert, 1)
+            if tier != "ram":  # a GPU tier's copy: computed there
+                out += weight * expert_forward(w, x.to(w.device), act, block.precision).to(out.device)
+                continue
+            parts = _dense_parts(w)
+            if parts is not None:
+                inner = parts[0][2]
+                if buffers.get(index, (torch.empty(0),))[0].numel() < 2 * inner + x.shape[-1]:
+                    buffers[index] = (torch.empty(2 * inner + x.shape[-1]),
+                                      torch.empty(hybrid.xq_bytes(max(x.shape[-1], inner)), dtype=torch.uint8))
+                hybrid.dense_expert(x[0], parts, (GLU_KINDS.index(act.kind), *act.params), weight, out[0],
+                                    *buffers[index])
+                continue
+            table = ExpertTable.single(expert, w, chosen[-1][0] + 1)
+            if table is not None:
+                mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, only=expert, precision=block.precision)
+            else:
+                out += weight * expert_forward(w, x, act, block.precision)
+        return out
     return experts
 
 
