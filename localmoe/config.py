@@ -83,6 +83,8 @@ class ModelSpec:
     gated_delta: Any = None  # gated_deltanet.Config of the `gated_delta` layers
     attn_res: Any = None  # attn_res.Config: K3's attention residuals replace the plain residual adds
     hyper_connections: Any = None  # hyper_connections.Config: GLM-5-Next's hc_mult residual streams
+    vision: Any = None  # vision_moonvit.Config / vision_qwen3vl.Config: the image tower (engine/images.py)
+    image_token_id: int = -1  # the prompt's image placeholder token; its rows take the image embeddings
 
     def __post_init__(self) -> None:
         if not self.layer_kinds:

@@ -8,7 +8,16 @@ import dataclasses
 from typing import Any
 
 from localmoe.config import SUB_CONFIGS, ModelSpec
-from localmoe.engine.layers import attn_res, dsa, gated_deltanet, hyper_connections, kda, mla
+from localmoe.engine.layers import (
+    attn_res,
+    dsa,
+    gated_deltanet,
+    hyper_connections,
+    kda,
+    mla,
+    vision_moonvit,
+    vision_qwen3vl,
+)
 
 
 def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
@@ -17,6 +26,8 @@ def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
     Keys that are no fields (from a newer manifest) are ignored; a missing field raises KeyError / TypeError."""
     names = {f.name for f in dataclasses.fields(ModelSpec)}
     common = {k: v for k, v in data.items() if k in names and k not in SUB_CONFIGS}
+    if common.get("vision") is not None:
+        common["vision"] = _vision(common["vision"])
     if not any(k in data for k in SUB_CONFIGS):
         return ModelSpec(**common, **_flat_sub_configs(data))
     return ModelSpec(**common, **{k: None if data.get(k) is None else _config(CONFIG_TYPES[k], data[k])
@@ -25,6 +36,12 @@ def spec_from_dict(data: dict[str, Any]) -> ModelSpec:
 
 CONFIG_TYPES = {"mla": mla.Config, "dsa": dsa.Config, "kda": kda.Config, "gated_delta": gated_deltanet.Config,
                 "attn_res": attn_res.Config, "hyper_connections": hyper_connections.Config}  # by SUB_CONFIGS
+
+
+def _vision(data: dict[str, Any]):
+    """The image tower's Config (the Qwen3-VL one is the one with deep-stack layers); lists back to tuples."""
+    cls = vision_qwen3vl.Config if "deepstack_visual_indexes" in data else vision_moonvit.Config
+    return _config(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
 
 def _config(cls, data: dict[str, Any]):

@@ -19,6 +19,7 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.experts import ExpertProvider
+from localmoe.engine.images import build_vision, embed_with_images, vision_tensors
 from localmoe.engine.layers import attention, attn_res, dsa, gated_deltanet, hyper_connections, kda, mla, mlp, moe
 from localmoe.engine.layers.dsa import DSAttention
 from localmoe.engine.layers.mlp import ACTIVATIONS
@@ -71,7 +72,7 @@ def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple
         shapes |= attn_res.tensors(spec.attn_res)
     if spec.hyper_connections is not None:
         shapes |= hyper_connections.tensors(spec.hyper_connections)
-    return shapes
+    return shapes | vision_tensors(spec)
 
 
 def _head(weight, dtype: str):
@@ -138,6 +139,7 @@ class Transformer:
             block.precision = config.expert_precision
         if experts is not None:
             self.use_experts(experts)
+        self.vision = build_vision(spec, weights)  # None without an image tower (engine/images.py)
         self._plan: DecodePlan | None = None  # engine/decode_plan.py, built at the first decode step
         if any(block.experts is None for block in self.moe_blocks()):
             raise LocalMoEError(f"{spec.model_type}: the weights hold no routed experts and no expert provider "
@@ -152,13 +154,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None = None,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] (left-padded rows marked False in mask [B, T]) -> logits [B, T|1, V] fp32.
 
         Appends the new tokens to `cache`; prefill and decode are the same call. Decode-sized calls
         (at most SMALL_STEP_TOKENS tokens) run torch single-threaded and the CPU kernels on every
-        thread (kernels/_cpu `small_steps`).
+        thread (kernels/_cpu `small_steps`). `image_embeds` [n, D]: the rows of the n image placeholder
+        tokens in `tokens`, in order (the vision tower's projected features).
         """
+        if image_embeds is not None:
+            return self._forward(tokens, cache, mask, all_logits, image_embeds)
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
                 if tokens.numel() == 1 and mask is None:
@@ -169,13 +174,15 @@ class Transformer:
         return self._forward(tokens, cache, mask, all_logits)
 
     def _forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
-                 all_logits: bool) -> torch.Tensor:
+                 all_logits: bool, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
         T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)
         step = make_step(cache, start, T, self.rope)
         hidden = self.spec.hidden_size
-        x = self.embed(tokens) if isinstance(self.embed, BlockEmbedding) else F.embedding(tokens, self.embed)
+        lookup = self.embed if isinstance(self.embed, BlockEmbedding) else (lambda t: F.embedding(t, self.embed))
+        x = lookup(tokens) if image_embeds is None else \
+            embed_with_images(lookup, tokens, self.spec.image_token_id, image_embeds)
         if self.residuals is not None:
             def attn(i: int, h: torch.Tensor) -> torch.Tensor:
                 norm, mixer, _, _ = self.layers[i]
@@ -225,6 +232,7 @@ class Transformer:
         routed experts as their providers hold them now)."""
         total = (0 if self.head_shares_embedding() else self.embed.nbytes) + self.lm_head.nbytes() + self.norm.nbytes
         total += self.residuals.nbytes() if self.residuals is not None else 0
+        total += self.vision.nbytes() if self.vision is not None else 0
         providers = {id(b.experts): b.experts for b in self.moe_blocks() if b.experts is not None}
         total += sum(p.nbytes() for p in providers.values())
         return total + sum(mixer.nbytes() + mlp.nbytes() for _, mixer, _, mlp in self.layers)

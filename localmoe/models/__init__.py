@@ -21,6 +21,7 @@ def _load_builtin() -> None:
         glm5_next,
         gpt_oss,
         kimi_k3,
+        kimi_k25,
         kimi_linear,
         llama,
         qwen3_moe,

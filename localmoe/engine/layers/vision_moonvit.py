@@ -66,29 +66,38 @@ class Config:
 
 
 def tensors(cfg: Config, prefix: str = "vision_tower.", projector: str = "mm_projector.") -> dict[str, tuple[int, ...]]:
-    """The tower's tensors under `prefix` and the projector's under `projector` (HF names)."""
+    """The tower's tensors under `prefix` and the projector's under `projector`, in the released checkpoints'
+    layout (Kimi-VL, K2.5, K3): fused `wqkv` whose q and k rows pair each rotary dimension with the next
+    (interleaved, as a complex number), `norm0` / `norm1`, `mlp.fc0` / `mlp.fc1`, projector `proj.0` / `proj.2`."""
     D, inner, p, M = cfg.hidden_size, cfg.intermediate_size, cfg.patch_size, cfg.merged_dim
     out = {prefix + "patch_embed.proj.weight": (D, 3, p, p), prefix + "patch_embed.proj.bias": (D,),
-           prefix + "patch_embed.pos_emb.position_embeddings": (cfg.pos_emb_height, cfg.pos_emb_width, D)}
+           prefix + "patch_embed.pos_emb.weight": (cfg.pos_emb_height, cfg.pos_emb_width, D)}
     for i in range(cfg.num_layers):
-        ly = f"{prefix}layers.{i}."
-        for norm in ("norm1", "norm2"):
-            out[ly + norm + ".weight"] = out[ly + norm + ".bias"] = (D,)
-        for proj in ("q_proj", "k_proj", "v_proj", "proj"):
-            out[ly + f"attn.{proj}.weight"], out[ly + f"attn.{proj}.bias"] = (D, D), (D,)
-        out[ly + "mlp.fc1.weight"], out[ly + "mlp.fc1.bias"] = (inner, D), (inner,)
-        out[ly + "mlp.fc2.weight"], out[ly + "mlp.fc2.bias"] = (D, inner), (D,)
-    out[prefix + "final_layernorm.weight"] = out[prefix + "final_layernorm.bias"] = (D,)
+        b = f"{prefix}encoder.blocks.{i}."
+        for norm in ("norm0", "norm1"):
+            out[b + norm + ".weight"] = out[b + norm + ".bias"] = (D,)
+        out[b + "wqkv.weight"], out[b + "wqkv.bias"] = (3 * D, D), (3 * D,)
+        out[b + "wo.weight"], out[b + "wo.bias"] = (D, D), (D,)
+        out[b + "mlp.fc0.weight"], out[b + "mlp.fc0.bias"] = (inner, D), (inner,)
+        out[b + "mlp.fc1.weight"], out[b + "mlp.fc1.bias"] = (D, inner), (D,)
+    out[prefix + "encoder.final_layernorm.weight"] = out[prefix + "encoder.final_layernorm.bias"] = (D,)
     out[projector + "pre_norm.weight"] = out[projector + "pre_norm.bias"] = (D,)
-    out[projector + "in_proj.weight"], out[projector + "in_proj.bias"] = (M, M), (M,)
-    out[projector + "out_proj.weight"], out[projector + "out_proj.bias"] = (cfg.text_hidden_size, M), \
+    out[projector + "proj.0.weight"], out[projector + "proj.0.bias"] = (M, M), (M,)
+    out[projector + "proj.2.weight"], out[projector + "proj.2.bias"] = (cfg.text_hidden_size, M), \
         (cfg.text_hidden_size,)
     return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary's partner: [x1, x2] -> [-x2, x1] over the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotary: x [N, H, hd] with dims (2r, 2r+1) a complex number turned by angles [N, hd/2]."""
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles)[:, None]).flatten(-2)
 
 
 class MoonViT:
@@ -108,23 +117,21 @@ class MoonViT:
 
     def _pos_embed(self, h: int, w: int) -> torch.Tensor:
         """The learned grid resampled to h x w patches (bicubic, half-pixel centres): [h * w, D]."""
-        table = self._p("patch_embed.pos_emb.position_embeddings")
+        table = self._p("patch_embed.pos_emb.weight")
         if table.shape[:2] == (h, w):
             return table.reshape(h * w, -1)
         grid = F.interpolate(table.permute(2, 0, 1)[None], size=(h, w), mode="bicubic", align_corners=False)
         return grid[0].permute(1, 2, 0).reshape(h * w, -1)
 
-    def _rotary(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [h * w, head_dim] of the raster patch grid."""
+    def _rotary(self, h: int, w: int) -> torch.Tensor:
+        """Angles [h * w, head_dim / 2] of the raster patch grid, one per rotary pair: w0, h0, w1, h1, ..."""
         hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
         fh = hs.reshape(-1, 1).float() * self.inv_freq  # [N, hd/4]
         fw = ws.reshape(-1, 1).float() * self.inv_freq
-        f = torch.stack([fw, fh], dim=-1).flatten(1)  # [N, hd/2]: w0, h0, w1, h1, ...
-        f = torch.cat([f, f], dim=-1)
-        return f.cos(), f.sin()
+        return torch.stack([fw, fh], dim=-1).flatten(1)
 
-    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        cfg, ly = self.cfg, f"layers.{i}."
+    def _layer(self, i: int, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        cfg, ly = self.cfg, f"encoder.blocks.{i}."
         D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
 
         def lin(name, t):
@@ -133,15 +140,12 @@ class MoonViT:
         def norm(name, t):
             return F.layer_norm(t, (D,), self._p(ly + name + ".weight"), self._p(ly + name + ".bias"), 1e-5)
 
-        a = norm("norm1", x)
-        N = a.shape[0]
-        q, k, v = (lin(f"attn.{n}", a).view(N, H, hd) for n in ("q_proj", "k_proj", "v_proj"))
-        c, s = cos[:, None], sin[:, None]
-        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        N = x.shape[0]
+        q, k, v = lin("wqkv", norm("norm0", x)).view(N, 3, H, hd).unbind(1)
+        q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
         o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        x = x + lin("attn.proj", o.transpose(0, 1).reshape(N, D))
-        m = norm("norm2", x)
-        return x + lin("mlp.fc2", F.gelu(lin("mlp.fc1", m), approximate="tanh"))
+        x = x + lin("wo", o.transpose(0, 1).reshape(N, D))
+        return x + lin("mlp.fc1", F.gelu(lin("mlp.fc0", norm("norm1", x)), approximate="tanh"))
 
     def encode(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """One image's tower output before the projector: patches [h * w, 3, p, p] in raster order ->
@@ -158,11 +162,12 @@ class MoonViT:
         x = F.linear(patches.float().reshape(h * w, -1), proj.reshape(proj.shape[0], -1),
                      self._p("patch_embed.proj.bias"))
         x = x + self._pos_embed(h, w)
-        cos, sin = self._rotary(h, w)
+        angles = self._rotary(h, w)
         for i in range(cfg.num_layers):
-            x = self._layer(i, x, cos, sin)
+            x = self._layer(i, x, angles)
         D = cfg.hidden_size
-        x = F.layer_norm(x, (D,), self._p("final_layernorm.weight"), self._p("final_layernorm.bias"), 1e-5)
+        x = F.layer_norm(x, (D,), self._p("encoder.final_layernorm.weight"), self._p("encoder.final_layernorm.bias"),
+                         1e-5)
         x = x.view(h // kh, kh, w // kw, kw, D).permute(0, 2, 1, 3, 4)
         return x.reshape(-1, kh * kw, D)
 
@@ -171,8 +176,8 @@ class MoonViT:
         P, cfg = self.projector, self.cfg
         x = F.layer_norm(merged, (cfg.hidden_size,), self.w[P + "pre_norm.weight"], self.w[P + "pre_norm.bias"],
                          cfg.projection_eps).reshape(merged.shape[0], -1)
-        x = F.gelu(F.linear(x, self.w[P + "in_proj.weight"], self.w[P + "in_proj.bias"]))
-        return F.linear(x, self.w[P + "out_proj.weight"], self.w[P + "out_proj.bias"])
+        x = F.gelu(F.linear(x, self.w[P + "proj.0.weight"], self.w[P + "proj.0.bias"]))
+        return F.linear(x, self.w[P + "proj.2.weight"], self.w[P + "proj.2.bias"])
 
     @torch.no_grad()
     def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> list[torch.Tensor]:
