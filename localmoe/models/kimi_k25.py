@@ -55,11 +55,7 @@ def _rules() -> tuple[TensorRule, ...]:
     text = [TensorRule(TEXT + r.source, r.target, r.transform) for r in deepseek.rules]
     text = [r for r in text if r.source != TEXT + "lm_head.weight"] + [TensorRule(TEXT + "lm_head.weight",
                                                                                   "lm_head.weight")]
-    vision = [TensorRule(n, n) for n in vision_moonvit.tensors(vision_moonvit.Config(num_layers=1))
-              if ".blocks.0." not in n]
-    vision += [TensorRule(f"vision_tower.encoder.blocks.{{i}}.{n}", f"vision_tower.encoder.blocks.{{i}}.{n}")
-               for n in ("norm0.weight", "norm0.bias", "norm1.weight", "norm1.bias", "wqkv.weight", "wqkv.bias",
-                         "wo.weight", "wo.bias", "mlp.fc0.weight", "mlp.fc0.bias", "mlp.fc1.weight", "mlp.fc1.bias")]
+    vision = [TensorRule(n, n) for n in vision_moonvit.name_patterns()]
     rules = text + vision
     for released, saved in _SPELLINGS:
         rules += [TensorRule(saved + r.source[len(released):], r.target, r.transform)

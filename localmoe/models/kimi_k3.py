@@ -13,6 +13,8 @@ Quirks, each covered by tests/models/test_kimi_k3.py:
   `routed_expert_up_proj`; sigmoid router with correction bias; 2 shared experts fused.
 - attention residuals (`attn_res_block_size`): `self_attention_res_*`, `mlp_res_*`,
   `model.output_attn_res_*` (engine/layers/attn_res.py).
+- a `vision_config` adds the MoonViT tower and projector (`vision_tower.*`, `mm_projector.*`, as Kimi K2.5's;
+  tests/models/test_kimi_k3_vision.py); without one, tower tensors in the checkpoint stay unused.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from localmoe.config import ModelSpec
-from localmoe.engine.layers import attn_res, moe
+from localmoe.engine.layers import attn_res, moe, vision_moonvit
 from localmoe.engine.transformer import model_tensors
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
@@ -49,7 +51,18 @@ def spec_from_hf(config: dict) -> ModelSpec:
         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
         n_group=int(text.get("num_expert_group") or 1), topk_group=int(text.get("topk_group") or 1),
         attn_res=attn_res.Config(int(require(text, "attn_res_block_size", SOURCE)), spec.num_layers, spec.hidden_size,
-                                 spec.rms_norm_eps))
+                                 spec.rms_norm_eps),
+        **_vision(config, spec.hidden_size))
+
+
+def _vision(config: dict, text_hidden: int) -> dict:
+    """The MoonViT tower when the config has a `vision_config` (engine/layers/vision_moonvit.py); image
+    placeholder `media_placeholder_token_id` (or `image_token_id`), 163605 by default."""
+    if not config.get("vision_config"):
+        return {}
+    eps = config.get("projection_layer_norm_eps", config["vision_config"].get("projector_ln_eps", 1e-5))
+    return {"vision": vision_moonvit.Config.from_hf(config["vision_config"], text_hidden, eps),
+            "image_token_id": int(config.get("media_placeholder_token_id", config.get("image_token_id", 163605)))}
 
 
 _P = "language_model.model."
@@ -76,8 +89,9 @@ HF_TENSORS = TensorMap(
         TensorRule("language_model.lm_head.weight", "lm_head.weight"),
         *(TensorRule(f"{_P}layers.{{i}}.{n}", f"layers.{{i}}.{n}") for n in _LAYER),
         *(TensorRule(f"{_P}layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
+        *(TensorRule(n, n) for n in vision_moonvit.name_patterns()),  # read when the config has a vision_config
     ),
-    ignore=(r"rotary_emb\.inv_freq$", r"^(vision_tower|mm_projector|multi_modal_projector)\."),
+    ignore=(r"rotary_emb\.inv_freq$", r"^multi_modal_projector\."),
 )
 
 
@@ -104,7 +118,8 @@ FAMILY = register(ModelFamily(
     spec_from_hf=spec_from_hf,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-    optional_tensors=(),  # no tensor beyond those the config asks for
+    # no tensor beyond those the config asks for, but a tower a text-only config leaves unused
+    optional_tensors=(r"^(vision_tower|mm_projector)\.",),
     experts=ExpertTensors("compressed_tensors_mxfp4", {"gate": f"{_EXPERT}.w1", "up": f"{_EXPERT}.w3",
                                                        "down": f"{_EXPERT}.w2"}),
 ))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from localmoe.engine.layers import vision_moonvit
+from localmoe.testing.vision import moonvit_released_layout
 
 transformers = pytest.importorskip("transformers")
 k25 = pytest.importorskip("transformers.models.kimi_k25.configuration_kimi_k25")
@@ -24,34 +25,7 @@ def reference():
     with torch.no_grad():  # non-trivial norms and biases
         for p in [*tower.parameters(), *proj.parameters()]:
             p.add_(torch.randn_like(p) * 0.1)
-    return cfg, tower, proj, released_layout(tower.state_dict(), proj.state_dict(), VISION["num_attention_heads"])
-
-
-def interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Half-split rotary rows (transformers) back to the released interleaved pairs: row a * hd/2 + r -> 2r + a."""
-    half = w.shape[0] // heads // 2
-    return w.reshape(heads, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def released_layout(tower: dict, proj: dict, heads: int) -> dict:
-    """transformers' module names -> the released checkpoint's (fused, interleaved wqkv; norm0/1; fc0/1)."""
-    out = {"vision_tower.patch_embed.proj." + k: tower["patch_embed.proj." + k] for k in ("weight", "bias")}
-    out["vision_tower.patch_embed.pos_emb.weight"] = tower["patch_embed.pos_emb.position_embeddings"]
-    layers = {int(k.split(".")[1]) for k in tower if k.startswith("layers.")}
-    for i in layers:
-        a, b = f"layers.{i}.", f"vision_tower.encoder.blocks.{i}."
-        for t in ("weight", "bias"):
-            out[b + "wqkv." + t] = torch.cat([interleave(tower[a + f"attn.q_proj.{t}"], heads),
-                                              interleave(tower[a + f"attn.k_proj.{t}"], heads),
-                                              tower[a + f"attn.v_proj.{t}"]])
-            for theirs, ours in (("attn.proj", "wo"), ("norm1", "norm0"), ("norm2", "norm1"), ("mlp.fc1", "mlp.fc0"),
-                                 ("mlp.fc2", "mlp.fc1")):
-                out[b + ours + "." + t] = tower[a + theirs + "." + t]
-            out["vision_tower.encoder.final_layernorm." + t] = tower["final_layernorm." + t]
-            out["mm_projector.pre_norm." + t] = proj["pre_norm." + t]
-            out["mm_projector.proj.0." + t] = proj["in_proj." + t]
-            out["mm_projector.proj.2." + t] = proj["out_proj." + t]
-    return out
+    return cfg, tower, proj, moonvit_released_layout(tower.state_dict(), proj.state_dict(), VISION["num_attention_heads"])
 
 
 @pytest.mark.parametrize("grids", [[(8, 8)], [(6, 10), (4, 2)]], ids=["table-size", "resampled-two-images"])

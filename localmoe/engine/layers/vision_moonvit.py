@@ -45,7 +45,12 @@ class Config:
 
     @classmethod
     def from_hf(cls, vision: dict, text_hidden_size: int, projection_eps: float = 1e-5) -> Config:
-        """From an HF `vision_config` dict (transformers' `Kimi_K25VisionConfig` field names)."""
+        """From an HF `vision_config` dict: transformers' `Kimi_K25VisionConfig` field names, or the
+        remote-code names of the released configs (`vt_*`, `init_pos_emb_*`; unverified against a K3 config)."""
+        aliases = {"vt_hidden_size": "hidden_size", "vt_intermediate_size": "intermediate_size",
+                   "vt_num_attention_heads": "num_attention_heads", "vt_num_hidden_layers": "num_hidden_layers",
+                   "init_pos_emb_height": "pos_emb_height", "init_pos_emb_width": "pos_emb_width"}
+        vision = {**{aliases[k]: v for k, v in vision.items() if k in aliases}, **vision}
         rope = vision.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: "
@@ -86,6 +91,12 @@ def tensors(cfg: Config, prefix: str = "vision_tower.", projector: str = "mm_pro
     out[projector + "proj.2.weight"], out[projector + "proj.2.bias"] = (cfg.text_hidden_size, M), \
         (cfg.text_hidden_size,)
     return out
+
+
+def name_patterns(prefix: str = "vision_tower.", projector: str = "mm_projector.") -> list[str]:
+    """Every tensor name of the tower and projector with `{i}` for the block index (a family's TensorRules)."""
+    names = tensors(Config(num_layers=1), prefix, projector)
+    return [n.replace(".blocks.0.", ".blocks.{i}.") for n in names]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
