@@ -151,3 +151,27 @@ def test_packed_store_keeps_the_tower_dense_beside_the_paged_experts(models, che
     got = packed.model.forward(prompt, packed.model.new_cache(1, prompt.shape[1]), all_logits=True, image_embeds=embeds)
     want = ours.model.forward(prompt, ours.model.new_cache(1, prompt.shape[1]), all_logits=True, image_embeds=embeds)
     assert torch.equal(got, want)
+
+
+def test_generated_checkpoint_matches_transformers_with_an_image(tmp_path):
+    """`python -m localmoe.testing kimi_k25` writes the released layout, which transformers reads too."""
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("kimi_k25", tmp_path / "gen", "tiny", seed=0)
+    ours = load_ours(path)
+    reference = load_reference(transformers.Kimi_K25ForConditionalGeneration, path, attn_implementation="eager")
+    pad = ours.spec.image_token_id
+    assert ours.tokenizer.encode("<|media_pad|>", add_special_tokens=False) == [pad]
+    patches, grid_thw = image_inputs()
+    prompt = prompt_with_images()
+    prompt[prompt == IMAGE_TOKEN] = pad
+    with torch.no_grad():
+        want = reference(input_ids=prompt, pixel_values=patches, image_grid_thw=grid_thw).logits
+        features = reference.model.get_image_features(patches, grid_thw).pooler_output
+    embeds = ours.model.vision(patches, GRIDS)
+    for g, e in zip(embeds, features, strict=True):
+        assert max_diff(g, e)[0] <= 1e-5 * (e.max() - e.min()).item()
+    got = ours.model.forward(prompt, ours.model.new_cache(1, prompt.shape[1]), all_logits=True,
+                             image_embeds=torch.cat(embeds))
+    assert max_diff(got, want)[0] <= 1e-4 * (want.max() - want.min()).item()
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
