@@ -34,35 +34,56 @@ def _from_gguf(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None, in
 
     gguf, spec = ckpt.reader, ckpt.spec
     counts, nbytes = Counter(), Counter()
-    loaded = 0
+    loaded = routed = other = 0
     for name in ckpt.tensor_names:
         info = gguf.info(name)
         kind = info.ggml_type.name
         counts[kind] += 1
         nbytes[kind] += info.nbytes
+        if "_exps." in name:  # llama.cpp's stacked routed experts
+            routed += math.prod(info.shape)
+        else:
+            other += math.prod(info.shape)
         stays = (len(info.shape) == 2 and info.ggml_type in TYPES) or (  # stacked experts of any block type
             len(info.shape) == 3 and info.ggml_type not in (Q.F32, Q.F16, Q.BF16))
         loaded += info.nbytes if stays else math.prod(info.shape) * (2 if len(info.shape) >= 2 else 4)
-    return spec, dict(counts), dict(nbytes), None, loaded
+    counted = None
+    if routed and spec.num_experts:  # a token uses k of E routed experts
+        counted = {"total": other + routed, "active": other + round(routed * spec.num_experts_per_tok / spec.num_experts)}
+    return spec, dict(counts), dict(nbytes), counted, loaded
 
 
 def _from_store(ckpt: Checkpoint) -> tuple[ModelSpec, dict, dict, dict | None]:
+    """As the other sources; a store converted from a GGUF names its ggml types (its dense blocks from
+    gguf-tensors.json, its experts' blocks from the part suffix, `gate.q4_k`) and counts their values."""
+    import json
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     store, spec = ckpt.reader, ckpt.spec
+    ggml = store.file("gguf_tensors")
+    ggml = json.loads(ggml.read_text())["tensors"] if ggml is not None else {}
     counts, nbytes = Counter(), Counter()
     dense_params = routed = 0
     for name in store.dense_names():
         tensor = store.dense(name)
         kind = str(tensor.dtype).removeprefix("torch.")
+        if name in ggml:
+            kind = ggml[name]["ggml_type"]
         counts[kind] += 1
         nbytes[kind] += tensor.nbytes
-        dense_params += tensor.numel()
+        dense_params += math.prod(ggml[name]["shape"]) if name in ggml else tensor.numel()
     for layer in store.layers():
         layout, experts = store.layout(layer), len(store.experts_in(layer))
         for part in layout.parts:
-            kind = str(part.dtype).removeprefix("torch.")
+            kind, params = str(part.dtype).removeprefix("torch."), _parameters(part.name, part.shape)
+            suffix = part.name.rsplit(".", 1)[-1].upper()
+            if suffix in GGMLQuantizationType.__members__:  # a GGUF expert's blocks
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType[suffix]]
+                kind, params = suffix, part.shape[0] * (part.shape[1] // size) * block
             counts[kind] += experts
             nbytes[kind] += experts * part.nbytes
-            routed += experts * _parameters(part.name, part.shape)
+            routed += experts * params
     if not spec.num_experts:  # dense (e.g. from a GGUF, whose blocks are stored as bytes): count from the spec
         return spec, dict(counts), dict(nbytes), None
     share = spec.num_experts_per_tok / spec.num_experts

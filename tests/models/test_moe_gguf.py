@@ -146,6 +146,23 @@ def test_converted_store_keeps_the_blocks_and_pages(pair, tmp_path, ram):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
 
+def test_inspect_reports_types_and_parameters(pair, source, tmp_path):
+    """`localmoe inspect` of the Q4_K_M GGUF and of its store: bytes per ggml type (the store names its
+    experts' blocks from the part suffix), and the HF checkpoint's parameter counts, total and active."""
+    from localmoe.convert import convert
+    from localmoe.describe import describe_model
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    convert(gguf, tmp_path / "store", progress=False)
+    want = describe_model(source["qwen3_moe"])
+    for path in (gguf, tmp_path / "store"):
+        d = describe_model(path)
+        assert (d["parameters_total"], d["parameters_active"]) == (want["parameters_total"], want["parameters_active"])
+        assert {"Q4_K", "Q6_K", "F32"} == set(d["tensor_dtypes"])
+    g, st = describe_model(gguf)["tensor_dtypes"], describe_model(tmp_path / "store")["tensor_dtypes"]
+    assert {k: v["bytes"] for k, v in g.items()} == {k: v["bytes"] for k, v in st.items()}
+
+
 def test_float_experts_keep_converts_exactly(pair, tmp_path):
     from localmoe.convert import convert
 
