@@ -102,7 +102,7 @@ def _ggml_tensor(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tupl
         return BlockQuantized(raw, ggml_type, shape)
     if ggml_type == GGMLQuantizationType.MXFP4 and len(shape) == 3:
         return raw
-    if len(shape) == 3 and ggml_type not in FLOAT_TYPES and ggml_type != GGMLQuantizationType.F32:
+    if len(shape) == 3 and ggml_type not in FLOAT_TYPES:
         # stacked experts of a block type stay in their blocks: each expert is computed from them
         if ggml_type not in SUPPORTED_TYPES:
             raise CheckpointError(f"{where}: ggml type {ggml_type.name} is not supported for experts; supported: "

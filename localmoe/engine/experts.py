@@ -39,7 +39,7 @@ from localmoe.quant.mxfp4 import dequantize
 
 PROJECTIONS = ("gate", "up", "down")
 # extent part suffix -> ggml block type of a GGUF's expert kept in its blocks (`gate.q4_k`, ...)
-BLOCK_PARTS = {t.name.lower(): t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES and t != GGMLQuantizationType.F32}
+BLOCK_PARTS = {t.name.lower(): t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES}
 
 
 def block_part(raw: torch.Tensor, ggml_type: GGMLQuantizationType) -> BlockQuantized:
