@@ -25,10 +25,12 @@ from localmoe.commands.options import model_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Print the answer only when it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="An image to show the model before the prompt (repeatable; a model with a vision tower).")
 @click.option("--stats", "show_stats", is_flag=True,
               help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) to stderr.")
 def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k,
-            min_p, repetition_penalty, seed, stop, no_stream, as_json, show_stats):
+            min_p, repetition_penalty, seed, stop, no_stream, as_json, images, show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
     from localmoe.kernels import _cpu as cpu_kernels
@@ -42,7 +44,8 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
     loaded = load_model(model, engine)
     stream = not (no_stream or as_json)
     parts, final = [], None
-    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system):
+    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system,
+                                images=images):
         parts.append(chunk.text)
         if stream and chunk.text:
             sys.stdout.write(chunk.text)
@@ -70,6 +73,9 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         click.echo(stats_line(loaded) or "[paging: off (experts resident, or --ram 0: the page cache decides)]",
                    err=True)
         click.echo(f"[CPU kernels: {cpu_kernels.describe()}]", err=True)
+        if images:
+            enc = loaded.image_encoder
+            click.echo(f"[images: {len(images)} ({enc.encoded} encoded) in {enc.seconds:.2f} s]", err=True)
 
 
 def main() -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 from PIL import Image
 
+from localmoe.errors import LocalMoEError
+
 MAX_SIDE = 16384  # pixels: larger images are refused, not decoded
 MAX_PIXELS = 64 * 1024 * 1024
 
 
-class ImageError(ValueError):
+class ImageError(LocalMoEError, ValueError):
     """An input that is not a usable image; the message names it and says what is wrong."""
 
 

@@ -1,0 +1,69 @@
+"""Images in a prompt: the placeholder rows reach the model through chunked prefill (`ImageFeed`), are
+encoded once per image content, and `localmoe run --image` shows them to a vision model."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+from localmoe.cli import cli
+from localmoe.engine.generate import prefill
+from localmoe.engine.images import ImageFeed, image_text
+from localmoe.engine.sampler import SamplingParams
+from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import load_ours
+
+
+def png(seed: int, size=(60, 40)) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint("kimi_k25", tmp_path_factory.mktemp("k25"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load_ours(checkpoint)
+
+
+def test_chunked_prefill_through_an_image_equals_one_forward(loaded):
+    rows = [loaded.image_encoder.encode(png(1)), loaded.image_encoder.encode(png(2, (30, 30)))]
+    ids = loaded.tokenizer.encode("look: " + image_text(rows[0]) + " and " + image_text(rows[1]) + " now",
+                                  add_special_tokens=False)
+    assert ids.count(loaded.spec.image_token_id) == sum(r.shape[0] for r in rows) == 6 + 4  # 40x60 px: 4x6 patches; 30x30 px padded to 56x56: 4x4
+    model = loaded.model
+    want = model.forward(torch.tensor([ids]), model.new_cache(1, 64), image_embeds=torch.cat(rows))[:, -1]
+    got = prefill(ImageFeed(model, rows), ids, model.new_cache(1, 64), chunk=4)  # chunks split the first image
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_stream_with_images_encodes_each_image_once(loaded):
+    greedy = SamplingParams(temperature=0)
+    first = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(3)])
+    before = loaded.image_encoder.encoded
+    again = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(3)])
+    other = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(4)])
+    assert again.text == first.text and loaded.image_encoder.encoded == before + 1  # png(3) came from the cache
+    assert first.stats.prompt_tokens == other.stats.prompt_tokens  # same size: same placeholders
+
+
+def test_run_image_option(checkpoint, tmp_path):
+    (tmp_path / "a.png").write_bytes(png(5))
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    runner = CliRunner()
+    ok = runner.invoke(cli, ["run", "--model", str(checkpoint), "--image", str(tmp_path / "a.png"), "--max-tokens",
+                             "3", "--stats", "hi"])
+    assert ok.exit_code == 0, ok.output
+    assert "[images: 1 (1 encoded)" in ok.output
+    bad = runner.invoke(cli, ["run", "--model", str(checkpoint), "--image", str(tmp_path / "bad.png"), "hi"])
+    assert bad.exit_code == 1 and "bad.png: not a readable image" in bad.output
