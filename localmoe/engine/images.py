@@ -41,7 +41,7 @@ def embed_with_images(lookup: Callable[[torch.Tensor], torch.Tensor], tokens: to
         raise LocalMoEError(f"the prompt holds {n} image placeholder tokens (id {image_token_id}) but the "
                             f"images give {image_embeds.shape[0]} embeddings: render the prompt from the same images")
     x = lookup(tokens.masked_fill(mask, 0))
-    x[mask] = image_embeds.to(x.dtype)
+    x[mask] = image_embeds.to(x.device, x.dtype)
     return x
 
 
