@@ -10,7 +10,8 @@ Parts, in extent order, for each projection P of gate, up, down:
   `P.weight_scale_inv` for block-scaled FP8.
 - GGUF experts of a block type (Q4_K, Q8_0, ...; llama.cpp's stacked `ffn_*_exps`): `P.q4_k`, `P.q8_0`,
   ... U8 [out, row bytes], the file's blocks of that expert unchanged, whatever `--experts` says
-  (engine/experts.py computes from them); GGUF float experts (F32 / F16 / BF16) follow `--experts`.
+  (engine/experts.py computes from them); ggml MXFP4 ones without biases (K3) repacked as `P.packed` /
+  `P.scales`; GGUF float experts (F32 / F16 / BF16) follow `--experts`.
 MXFP4 sources are repacked (bytes moved, never requantised); other float sources are quantised
 with `mxfp4.quantize` and every tensor's error is measured (`quantization_error`).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localmoe.convert.sources import Source, TensorRef
 from localmoe.errors import CheckpointError
@@ -147,6 +148,10 @@ class ExpertSource:
             qtype = self.source.ggml_types[names[0]]
             if t.dim() != 2 or t.shape[1] % GGML_QUANT_SIZES[qtype][1]:
                 raise CheckpointError(f"{proj} is {t.dtype} {list(t.shape)}, not rows of {qtype.name} blocks")
+            if qtype == GGMLQuantizationType.MXFP4:  # K3: repacked to the canonical MXFP4 (bytes moved)
+                out[f"{proj}.packed"], out[f"{proj}.scales"] = mxfp4.ggml_to_canonical(
+                    t.reshape(t.shape[0], -1, mxfp4.GGML_BLOCK_BYTES))
+                continue
             out[f"{proj}.{qtype.name.lower()}"] = t
         dense, errors = self._dense_experts(floats, tuple(floats))
         return out | dense, errors

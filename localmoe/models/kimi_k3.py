@@ -15,11 +15,20 @@ Quirks, each covered by tests/models/test_kimi_k3.py:
   `model.output_attn_res_*` (engine/layers/attn_res.py).
 - a `vision_config` adds the MoonViT tower and projector (`vision_tower.*`, `mm_projector.*`, as Kimi K2.5's;
   tests/models/test_kimi_k3_vision.py); without one, tower tensors in the checkpoint stay unused.
+
+GGUF (`kimi-k3`, llama.cpp's layout; tests/models/test_moe_gguf.py): Kimi-Linear's names (models/kimi_linear.py)
+plus `ssm_g` (KDA's full-rank gate) and `attn_gate` (MLA's output gate), both `g_proj`; `ssm_a` holds
+-exp(A_log[:H]) (read back as log(-ssm_a), padded with zeros to max(H, K)); the latent MoE as
+`ffn_routed_{down,norm,up}`; each attention-residual pair fused into `{attn,ffn,output}_res_score` =
+res_norm * res_proj (read back as a norm of ones and the score as proj: the mix multiplies the two); routed
+experts stacked ggml MXFP4 without biases, repacked to the canonical MXFP4 per expert (bytes moved).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from localmoe.config import ModelSpec
 from localmoe.engine.layers import attn_res, moe, vision_moonvit
@@ -27,7 +36,18 @@ from localmoe.engine.transformer import model_tensors
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
+from localmoe.models.gguf_experts import (
+    MLA_GGUF,
+    MOE_GGUF,
+    PROJECTIONS,
+    STACKED,
+    GGUFKeys,
+    dequantize_attention,
+    join_kv_b,
+    stacked_expert_rules,
+)
 from localmoe.models.moe_config import kimi_text_spec, require
+from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
 SOURCE = "config.json text_config"
 
@@ -110,12 +130,110 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return model_tensors(spec, mxfp4_expert_shapes)
 
 
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF config the `kimi-k3.*` metadata was converted from (text only: llama.cpp skips the
+    tower)."""
+    key = GGUFKeys(metadata, "kimi-k3")
+    layers, heads, rope = key("block_count"), key("attention.head_count"), key("rope.dimension_count")
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    full = [i + 1 for i, n in enumerate(kv_heads) if n]
+    gating = key("expert_gating_func", 2)
+    if gating != 2:
+        raise UnsupportedModelError(f"GGUF kimi-k3.expert_gating_func {gating} is not supported (sigmoid, 2, only)")
+    text = {
+        "model_type": "kimi_linear", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "routed_expert_hidden_size": key("expert_latent_length"),
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"), "mla_use_nope": True,
+        "mla_use_output_gate": any(n.endswith(".attn_gate.weight") for n in tensor_names),
+        "linear_attn_config": {"full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+                               "num_heads": heads, "head_dim": key("kda.head_dim"),
+                               "short_conv_kernel_size": key("ssm.conv_kernel", 4),
+                               "gate_lower_bound": key("kda.gate_lower_bound", -5.0), "use_full_rank_gate": True},
+        "attn_res_block_size": key("attn_res.block_size"),
+        "num_experts": key("expert_count"), "num_experts_per_token": key("expert_used_count"),
+        "num_shared_experts": key("expert_shared_count", 0), "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "moe_renormalize": bool(key("expert_weights_norm", True)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        "num_expert_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "hidden_act": "situ", "activation_situ_beta": key("activation.situ_beta"),
+        "activation_situ_linear_beta": key("activation.situ_linear_beta"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "model_max_length": key("context_length", 1048576),
+        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    return spec_from_hf({"model_type": "kimi_k3", "text_config": text})
+
+
+def _conv_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """[1, H K, 1, W] (llama.cpp) -> [H K, 1, W]."""
+    return t.reshape(t.shape[-3], 1, t.shape[-1])
+
+
+_GGUF_KDA = {**{f"attn_{x}.weight": f"{x}_proj.weight" for x in "qkv"},
+             **{f"ssm_conv1d_{x}.weight": f"{x}_conv1d.weight" for x in "qkv"},
+             "ssm_f_a.weight": "f_a_proj.weight", "ssm_f_b.weight": "f_b_proj.weight", "ssm_beta.weight": "b_proj.weight",
+             "ssm_g.weight": "g_proj.weight", "attn_gate.weight": "g_proj.weight", "ssm_a": "A_log",
+             "ssm_dt.bias": "dt_bias", "ssm_norm.weight": "o_norm.weight"}
+_GGUF_RES = {"attn_res_score.weight": "self_attention_res_proj.weight", "ffn_res_score.weight": "mlp_res_proj.weight"}
+_GGUF_LATENT = {f"ffn_routed_{p}.weight": f"mlp.routed_expert_{p}{'' if p == 'norm' else '_proj'}.weight"
+                for p in ("down", "norm", "up")}
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    """llama.cpp's `kimi-k3` names -> canonical ones (`gguf_finish` completes A_log, the residual norms, experts)."""
+    layer = {**{f"{g}.weight": f"self_attn.{h}.weight" for g, h in MLA_GGUF.items()},
+             **{g: f"self_attn.{h}" for g, h in _GGUF_KDA.items()}, **MOE_GGUF, **_GGUF_RES, **_GGUF_LATENT}
+    conv = {f"ssm_conv1d_{x}.weight" for x in "qkv"}
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"), TensorRule("output_res_score.weight", "output_attn_res_proj.weight"),
+        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", _conv_from_gguf if g in conv else None)
+          for g, h in layer.items()),
+        *stacked_expert_rules(),
+    ))
+
+
+def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
+    """A_log from -exp(A_log[:H]) padded back to max(H, K); each fused residual score as a norm of ones and
+    the score as proj [1, D]; kv_b_proj joined; attention matrices kept in blocks dequantised; each layer's
+    stacked ggml MXFP4 experts [E, rows, in/32 * 17] as canonical `experts.{e}.{p}.packed` / `.scales`."""
+    dequantize_attention(weights)
+    join_kv_b(weights, spec)
+    pad = max(spec.kda.num_heads, spec.kda.head_dim) if spec.kda else 0
+    for name in [n for n in weights if n.endswith(".A_log")]:
+        a_log = torch.log(-weights[name].float().flatten())
+        weights[name] = torch.cat([a_log, a_log.new_zeros(max(pad - a_log.numel(), 0))])
+    for name in [n for n in weights if n.endswith("_res_proj.weight")]:
+        score = weights[name].float().flatten()
+        weights[name] = score[None]
+        weights[name.replace("_res_proj.", "_res_norm.")] = torch.ones_like(score)
+    for i in spec.moe_layers():
+        for p in PROJECTIONS:
+            if (name := STACKED.format(i=i, p=p)) not in weights:
+                continue
+            raw = weights.pop(name)
+            packed, scales = ggml_to_canonical(raw.reshape(*raw.shape[:2], -1, GGML_BLOCK_BYTES))
+            for e in range(packed.shape[0]):
+                weights[f"layers.{i}.mlp.experts.{e}.{p}.packed"] = packed[e]
+                weights[f"layers.{i}.mlp.experts.{e}.{p}.scales"] = scales[e]
+    return weights
+
+
 _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"
 
 FAMILY = register(ModelFamily(
     name="kimi_k3",
     model_types=("kimi_k3",),
     spec_from_hf=spec_from_hf,
+    gguf_architectures=("kimi-k3",),
+    spec_from_gguf=spec_from_gguf,
+    gguf_tensors=gguf_tensors,
+    gguf_finish=gguf_finish,
+    gguf_experts=ExpertTensors("ggml", {p: f"blk.{{i}}.ffn_{p}_exps" for p in PROJECTIONS}, stacked=True),
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
     # no tensor beyond those the config asks for, but a tower a text-only config leaves unused

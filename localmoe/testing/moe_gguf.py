@@ -3,7 +3,7 @@
 `write_moe_gguf(src, dst, types)` writes the HF checkpoint `src` (`localmoe.testing`) in llama.cpp's
 layout for the family (`ARCHS`: the architecture name, metadata keys and tensor names of
 convert_hf_to_gguf.py; experts stacked as `blk.N.ffn_{gate,up,down}_exps.weight` [E, rows, cols]),
-each tensor in the ggml type `types` gives it:
+each tensor in the ggml type `types` gives it (Kimi K3: testing/k3_gguf.py, its experts always MXFP4):
 - "f32" / "bf16": the checkpoint's values (bf16: its bits), norms and the router F32 as llama.cpp keeps them;
 - "q8_0", "q4_0", "iq4_xs", ...: every matrix in that type;
 - "q4_k_m": llama-quantize's Q4_K_M mix: Q4_K, with attn_v and ffn_down (experts too) in Q6_K on
@@ -61,7 +61,7 @@ def _kv_b_join(parts: list[np.ndarray], c: dict) -> np.ndarray:
 
 
 def _kimi_linear_metadata(w, c: dict) -> None:
-    arch, lin = "kimi-linear", c["linear_attn_config"]
+    arch, lin = w.arch, c["linear_attn_config"]  # kimi-linear, or kimi-k3 (testing/k3_gguf.py adds its keys)
     w.add_context_length(c["model_max_length"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
@@ -372,6 +372,10 @@ def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> P
     from localmoe.store.safetensors import SafetensorsCheckpoint
 
     config = json.loads((src / "config.json").read_text())
+    if config["model_type"] == "kimi_k3":
+        from localmoe.testing.k3_gguf import write_k3_gguf
+
+        return write_k3_gguf(src, dst, types, seed)
     arch = ARCHS[config["model_type"]]
     ckpt = SafetensorsCheckpoint(src)
     rng = np.random.default_rng(seed)
@@ -402,6 +406,10 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
     from safetensors.torch import save_file
 
     config = json.loads((src / "config.json").read_text())
+    if config["model_type"] == "kimi_k3":
+        from localmoe.testing.k3_gguf import write_k3_dequantized
+
+        return write_k3_dequantized(src, gguf_path, dst)
     arch = ARCHS[config["model_type"]]
     to_hf = {v: k for k, v in arch.top.items()}
     reader = gguf.GGUFReader(gguf_path)

@@ -23,7 +23,8 @@ PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # the tiny deepseek_v32 is 64 wide: too narrow for K-quant rows (llama-quantize would fall back to F32 too)
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
-        [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")]
+        [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")] + \
+        [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")]  # K3: experts MXFP4 in every file, as llama.cpp writes them
 FAMILIES = sorted({family for family, _ in CASES})
 
 
@@ -180,3 +181,29 @@ def test_missing_expert_tensor_is_named(source, tmp_path):
     with pytest.raises(CheckpointError, match=r"broken\.gguf: tensor 'layers\.1\.mlp\.experts\.0\.up\.weight' is "
                                               r"missing"):
         load_model(tmp_path / "broken.gguf", dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("ram", [0, "25%"])
+def test_k3_store_repacks_mxfp4_experts_and_pages(pair, source, tmp_path, ram):
+    """K3's Q8_0 GGUF converted to a store: its stacked ggml MXFP4 experts become the canonical MXFP4 parts,
+    byte for byte those of the store converted from the HF checkpoint (the same codes and scales); the store
+    gives the GGUF's bits resident and with a quarter of the experts in RAM."""
+    from localmoe.convert import convert
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    gguf, _ = pair("kimi_k3", "q8_0")
+    report = convert(gguf, tmp_path / "store", progress=False).report
+    assert report["experts"]["lossless"]
+    convert(source["kimi_k3"], tmp_path / "hf_store", progress=False)
+    store, hf_store = PackedStore(tmp_path / "store"), PackedStore(tmp_path / "hf_store")
+    assert store.layers() == hf_store.layers() == list(range(1, 7))
+    assert [p.name for p in store.layout(1).parts] == [f"{p}.{k}" for p in ("gate", "up", "down")
+                                                       for k in ("packed", "scales")]
+    for layer, e in ((1, 0), (4, 15), (6, 7)):
+        ours, theirs = store.expert(layer, e), hf_store.expert(layer, e)
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    budget = 0 if ram == 0 else expert_bytes(store) // 4
+    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
