@@ -63,6 +63,14 @@ class TensorMap:
         raise KeyError(name)
 
 
+def hf_rules(layer: tuple[str, ...], src: str = "model.") -> tuple[TensorRule, ...]:
+    """An HF checkpoint's embedding, final norm and lm_head, and the `{src}layers.{i}.{name}` of `layer`
+    kept under their names (`layers.{i}.{name}`)."""
+    return (TensorRule(src + "embed_tokens.weight", "embed_tokens.weight"), TensorRule(src + "norm.weight", "norm.weight"),
+            TensorRule("lm_head.weight", "lm_head.weight"),
+            *(TensorRule(f"{src}layers.{{i}}.{name}", f"layers.{{i}}.{name}") for name in layer))
+
+
 def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=None):
     """The `build` of every family whose layers the shared Transformer assembles from its kinds;
     `experts`: an ExpertProvider when `weights` holds no routed experts (packed stores)."""

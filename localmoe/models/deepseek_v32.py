@@ -32,9 +32,9 @@ from localmoe.models.gguf_experts import (
     MOE_GGUF,
     GGUFKeys,
     dequantize_attention,
+    gguf_moe_tensors,
     gguf_stacked_experts,
     join_kv_b,
-    stacked_expert_rules,
     unstack_experts,
 )
 from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require
@@ -129,12 +129,7 @@ GGUF_LAYER = {**MOE_GGUF, **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in 
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    return TensorMap(rules=(
-        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
-        TensorRule("output.weight", "lm_head.weight"),
-        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in GGUF_LAYER.items()),
-        *stacked_expert_rules(),
-    ), ignore=(r"\.nextn\.",))
+    return gguf_moe_tensors(GGUF_LAYER, ignore=(r"\.nextn\.",))
 
 
 def gguf_finish(weights: dict, spec: ModelSpec) -> dict:

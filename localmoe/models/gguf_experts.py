@@ -15,7 +15,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
-from localmoe.models.base import ExpertTensors, TensorRule, gguf_float
+from localmoe.models.base import ExpertTensors, TensorMap, TensorRule, gguf_float
 
 PROJECTIONS = ("gate", "up", "down")
 STACKED = "layers.{i}.mlp.experts.{p}_exps"  # canonical name of a stacked tensor until gguf_finish splits it
@@ -54,6 +54,17 @@ class GGUFKeys:
 def stacked_expert_rules() -> tuple[TensorRule, ...]:
     """`blk.{i}.ffn_{p}_exps.weight` -> the stacked canonical name `gguf_finish` splits."""
     return tuple(TensorRule(f"blk.{{i}}.ffn_{p}_exps.weight", STACKED.replace("{p}", p)) for p in PROJECTIONS)
+
+
+def gguf_moe_tensors(layer: dict, ignore: tuple[str, ...] = ()) -> TensorMap:
+    """A llama.cpp MoE GGUF's TensorMap: token_embd / output_norm / output, `blk.{i}.{name}` -> `layers.{i}.{canonical}`
+    for each entry of `layer` (the canonical name, or (canonical name, transform)), the stacked routed experts."""
+    pairs = ((g, (h, None) if isinstance(h, str) else h) for g, h in layer.items())
+    return TensorMap(rules=(
+        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", fix) for g, (h, fix) in pairs), *stacked_expert_rules(),
+    ), ignore=ignore)
 
 
 def gguf_stacked_experts() -> ExpertTensors:

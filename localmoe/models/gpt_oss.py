@@ -26,7 +26,7 @@ from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, gguf_float
-from localmoe.models.moe_config import require
+from localmoe.models.moe_config import dims, require
 from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
 
@@ -41,18 +41,11 @@ def spec_from_hf(config: dict) -> ModelSpec:
     layers = require(config, "num_hidden_layers")
     types = config.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
                                           for i in range(layers)]
-    heads = require(config, "num_attention_heads")
     theta, scaling = _rope(config)
     if config.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"gpt_oss: hidden_act {config['hidden_act']!r} is not supported (silu only)")
     return ModelSpec(
-        model_type="gpt_oss", family="gpt_oss",
-        vocab_size=require(config, "vocab_size"),
-        hidden_size=require(config, "hidden_size"),
-        num_layers=layers, num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate_size=require(config, "intermediate_size"),
+        model_type="gpt_oss", family="gpt_oss", **dims(config),
         rms_norm_eps=config.get("rms_norm_eps", 1e-5),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -216,7 +209,6 @@ FAMILY = register(ModelFamily(
     gguf_finish=gguf_finish,
     hf_tensors=HF_TENSORS,
     expected_shapes=expected_shapes,
-   
     experts=ExpertTensors("gpt_oss_mxfp4", {"gate_up": "model.layers.{i}.mlp.experts.gate_up_proj",
                                             "down": "model.layers.{i}.mlp.experts.down_proj"}, stacked=True),
     gguf_experts=ExpertTensors("ggml_mxfp4", {p: f"blk.{{i}}.ffn_{p}_exps" for p in ("gate", "up", "down")},

@@ -26,15 +26,15 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, hf_rules
 from localmoe.models.gguf_experts import (
     MLA_GGUF,
     MOE_GGUF,
     GGUFKeys,
     dequantize_attention,
+    gguf_moe_tensors,
     gguf_stacked_experts,
     join_kv_b,
-    stacked_expert_rules,
     unstack_experts,
 )
 from localmoe.models.moe_config import kimi_text_spec
@@ -108,12 +108,7 @@ def gguf_tensors(architecture: str) -> TensorMap:
     layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in MLA_GGUF.items()},
              **{g: (f"self_attn.{h}", fix) for g, (h, fix) in _GGUF_KDA.items()},
              **{g: (h, None) for g, h in MOE_GGUF.items()}}
-    return TensorMap(rules=(
-        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
-        TensorRule("output.weight", "lm_head.weight"),
-        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", fix) for g, (h, fix) in layer.items()),
-        *stacked_expert_rules(),
-    ))
+    return gguf_moe_tensors(layer)
 
 
 def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
@@ -135,13 +130,8 @@ _MOE = [("gate.weight", "router.weight"), ("gate.e_score_correction_bias", "rout
 
 HF_TENSORS = TensorMap(
     rules=(
-        TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
-        TensorRule("model.norm.weight", "norm.weight"),
-        TensorRule("lm_head.weight", "lm_head.weight"),
-        *(TensorRule(f"model.layers.{{i}}.{n}", f"layers.{{i}}.{n}")
-          for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                    *(f"self_attn.{t}" for t in _KDA + _MLA),
-                    *(f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")))),
+        *hf_rules(("input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in _KDA + _MLA),
+                   *(f"mlp.{m}_proj.weight" for m in ("gate", "up", "down")))),
         *(TensorRule(f"model.layers.{{i}}.block_sparse_moe.{src}", f"layers.{{i}}.mlp.{dst}") for src, dst in _MOE),
     ),
     ignore=(r"rotary_emb\.inv_freq$",),
@@ -151,16 +141,7 @@ HF_TENSORS = TensorMap(
 _EXPERT = "model.layers.{i}.block_sparse_moe.experts.{e}"
 
 FAMILY = register(ModelFamily(
-    name="kimi_linear",
-    model_types=("kimi_linear",),
-    spec_from_hf=spec_from_hf,
-    gguf_architectures=("kimi-linear",),
-    spec_from_gguf=spec_from_gguf,
-    gguf_tensors=gguf_tensors,
-    gguf_finish=gguf_finish,
-    gguf_experts=gguf_stacked_experts(),
-    hf_tensors=HF_TENSORS,
-   
-    experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.w1.weight", "up": f"{_EXPERT}.w3.weight",
-                                   "down": f"{_EXPERT}.w2.weight"}),
-))
+    name="kimi_linear", model_types=("kimi_linear",), spec_from_hf=spec_from_hf, hf_tensors=HF_TENSORS,
+    experts=ExpertTensors("bf16", {p: f"{_EXPERT}.{w}.weight" for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}),
+    gguf_architectures=("kimi-linear",), spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors,
+    gguf_finish=gguf_finish, gguf_experts=gguf_stacked_experts()))

@@ -14,7 +14,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule, hf_rules
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
@@ -93,14 +93,8 @@ _unpermute_q = _unpermute(lambda s: s.num_heads)
 _unpermute_k = _unpermute(lambda s: s.num_kv_heads)
 
 HF_TENSORS = TensorMap(
-    rules=(
-        TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
-        TensorRule("model.norm.weight", "norm.weight"),
-        TensorRule("lm_head.weight", "lm_head.weight"),
-        *(TensorRule(f"model.layers.{{i}}.{part}", f"layers.{{i}}.{part}") for part in (
-            "input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
-            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
-    ),
+    rules=hf_rules(("input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
+                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")),
     ignore=(r"rotary_emb\.inv_freq$",),
 )
 

@@ -16,6 +16,17 @@ def require(config: dict, key: str, source: str = "config.json"):
     return config[key]
 
 
+def dims(config: dict, source: str = "config.json") -> dict:
+    """The common ModelSpec dimensions of a config.json with a GQA-style head layout (`head_dim`, else
+    hidden / heads) and `intermediate_size`."""
+    heads = require(config, "num_attention_heads", source)
+    return {"vocab_size": require(config, "vocab_size", source), "hidden_size": require(config, "hidden_size", source),
+            "num_layers": require(config, "num_hidden_layers", source), "num_heads": heads,
+            "num_kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
+            "intermediate_size": require(config, "intermediate_size", source)}
+
+
 def kinds_from_one_indexed(num_layers: int, lists: dict[str, list[int]], source: str) -> tuple[str, ...]:
     """Per-layer kinds from 1-INDEXED layer lists (e.g. Kimi's `kda_layers` / `full_attn_layers`)."""
     kinds: list[str | None] = [None] * num_layers

@@ -19,8 +19,8 @@ from __future__ import annotations
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.attention import GQA_TENSORS, gqa_fields_from_hf
 from localmoe.models import register
-from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
-from localmoe.models.gguf_experts import GGUFKeys, gguf_stacked_experts, stacked_expert_rules, unstack_experts
+from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, hf_rules
+from localmoe.models.gguf_experts import GGUFKeys, gguf_moe_tensors, gguf_stacked_experts, unstack_experts
 from localmoe.models.moe_config import require
 
 
@@ -78,12 +78,8 @@ _PROJECTIONS = ("gate", "up", "down")
 
 HF_TENSORS = TensorMap(
     rules=(
-        TensorRule("model.embed_tokens.weight", "embed_tokens.weight"),
-        TensorRule("model.norm.weight", "norm.weight"),
-        TensorRule("lm_head.weight", "lm_head.weight"),
-        *(TensorRule(f"model.layers.{{i}}.{part}", f"layers.{{i}}.{part}") for part in (
-            "input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
-            *(f"mlp.{p}_proj.weight" for p in _PROJECTIONS))),
+        *hf_rules(("input_layernorm.weight", "post_attention_layernorm.weight", *(f"self_attn.{t}" for t in GQA_TENSORS),
+                   *(f"mlp.{p}_proj.weight" for p in _PROJECTIONS))),
         TensorRule("model.layers.{i}.mlp.gate.weight", "layers.{i}.mlp.router.weight"),
         *(TensorRule(f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight", f"layers.{{i}}.mlp.experts.{{e}}.{p}.weight")
           for p in _PROJECTIONS),
@@ -100,25 +96,11 @@ _GGUF_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": 
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    return TensorMap(rules=(
-        TensorRule("token_embd.weight", "embed_tokens.weight"),
-        TensorRule("output_norm.weight", "norm.weight"),
-        TensorRule("output.weight", "lm_head.weight"),
-        *(TensorRule(f"blk.{{i}}.{src}", f"layers.{{i}}.{dst}") for src, dst in _GGUF_LAYER.items()),
-        *stacked_expert_rules(),
-    ))
+    return gguf_moe_tensors(_GGUF_LAYER)
 
 
 FAMILY = register(ModelFamily(
-    name="qwen3_moe",
-    model_types=("qwen3_moe",),
-    spec_from_hf=spec_from_hf,
-    gguf_architectures=("qwen3moe",),
-    spec_from_gguf=spec_from_gguf,
-    gguf_tensors=gguf_tensors,
-    gguf_finish=unstack_experts,
-    hf_tensors=HF_TENSORS,
-   
+    name="qwen3_moe", model_types=("qwen3_moe",), spec_from_hf=spec_from_hf, hf_tensors=HF_TENSORS,
     experts=ExpertTensors("bf16", {p: f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in _PROJECTIONS}),
-    gguf_experts=gguf_stacked_experts(),
-))
+    gguf_architectures=("qwen3moe",), spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors,
+    gguf_finish=unstack_experts, gguf_experts=gguf_stacked_experts()))

@@ -29,11 +29,11 @@ from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRu
 from localmoe.models.gguf_experts import (
     GGUFKeys,
     dequantize_attention,
+    gguf_moe_tensors,
     gguf_stacked_experts,
-    stacked_expert_rules,
     unstack_experts,
 )
-from localmoe.models.moe_config import require
+from localmoe.models.moe_config import dims, require
 
 
 def spec_from_hf(config: dict) -> ModelSpec:
@@ -43,16 +43,9 @@ def spec_from_hf(config: dict) -> ModelSpec:
                                           for i in range(layers)]
     dense = set(config.get("mlp_only_layers") or [])
     step = config.get("decoder_sparse_step", 1)
-    heads = require(config, "num_attention_heads")
     rope = config.get("rope_parameters") or {}
     return ModelSpec(
-        model_type="qwen3_next", family="qwen3_next",
-        vocab_size=require(config, "vocab_size"),
-        hidden_size=require(config, "hidden_size"),
-        num_layers=layers, num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate_size=require(config, "intermediate_size"),
+        model_type="qwen3_next", family="qwen3_next", **dims(config),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
         partial_rotary_factor=float(config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
@@ -128,12 +121,7 @@ _GGUF_LAYER = {
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    return TensorMap(rules=(
-        TensorRule("token_embd.weight", "embed_tokens.weight"), TensorRule("output_norm.weight", "norm.weight"),
-        TensorRule("output.weight", "lm_head.weight"),
-        *(TensorRule(f"blk.{{i}}.{g}", f"layers.{{i}}.{h}", fix) for g, (h, fix) in _GGUF_LAYER.items()),
-        *stacked_expert_rules(),
-    ), ignore=(r"\.nextn\.",))
+    return gguf_moe_tensors(_GGUF_LAYER, ignore=(r"\.nextn\.",))
 
 
 def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
@@ -191,16 +179,7 @@ HF_TENSORS = TensorMap(
 _EXPERT = "model.layers.{i}.mlp.experts.{e}"
 
 FAMILY = register(ModelFamily(
-    name="qwen3_next",
-    model_types=("qwen3_next",),
-    spec_from_hf=spec_from_hf,
-    gguf_architectures=("qwen3next",),
-    spec_from_gguf=spec_from_gguf,
-    gguf_tensors=gguf_tensors,
-    gguf_finish=gguf_finish,
-    gguf_experts=gguf_stacked_experts(),
-    hf_tensors=HF_TENSORS,
-   
-    experts=ExpertTensors("bf16", {"gate": f"{_EXPERT}.gate_proj.weight", "up": f"{_EXPERT}.up_proj.weight",
-                                   "down": f"{_EXPERT}.down_proj.weight"}),
-))
+    name="qwen3_next", model_types=("qwen3_next",), spec_from_hf=spec_from_hf, hf_tensors=HF_TENSORS,
+    experts=ExpertTensors("bf16", {p: f"{_EXPERT}.{p}_proj.weight" for p in ("gate", "up", "down")}),
+    gguf_architectures=("qwen3next",), spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors,
+    gguf_finish=gguf_finish, gguf_experts=gguf_stacked_experts()))

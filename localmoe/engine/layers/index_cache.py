@@ -19,10 +19,8 @@ from localmoe.engine.state_cache import LatentCache
 INDEX_SCALE_BLOCK = 128  # values sharing one fp8 scale (DeepSeek's indexer cache block)
 
 
-class IndexKeyCache:
+class IndexKeyCache(LatentCache):
     """Index keys [B, S, D] in a PagedBuffer of D / block "heads" of `block` values each."""
-
-    paged = True
 
     def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32"):
         self.block = min(INDEX_SCALE_BLOCK, dim)
@@ -37,15 +35,6 @@ class IndexKeyCache:
         self.rows.write(start, keys.view(B, T, D // self.block, self.block).transpose(1, 2))
         full = self.rows.read(start + T)  # [B, blocks, S, block]
         return full.transpose(1, 2).reshape(B, start + T, D)
-
-    def bytes_per_token(self) -> int:
-        return self.rows.bytes_per_token()
-
-    def trim(self, offset: int) -> None:
-        self.rows.trim(offset)
-
-    def nbytes(self) -> int:
-        return self.rows.nbytes()
 
 
 class DSACache:
