@@ -33,7 +33,7 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.layers import attn_res, moe, vision_moonvit
 from localmoe.engine.transformer import model_tensors
-from localmoe.errors import UnsupportedModelError
+from localmoe.errors import CheckpointError, UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
@@ -216,6 +216,11 @@ def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
             if (name := STACKED.format(i=i, p=p)) not in weights:
                 continue
             raw = weights.pop(name)
+            if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
+                kind = getattr(raw, "ggml_type", None)
+                raise CheckpointError(f"tensor blk.{i}.ffn_{p}_exps.weight holds {kind.name if kind else raw.dtype} "
+                                      "experts: a K3 GGUF runs as is with MXFP4 experts only (as llama.cpp's converter "
+                                      "writes them); requantised experts are not supported yet")
             packed, scales = ggml_to_canonical(raw.reshape(*raw.shape[:2], -1, GGML_BLOCK_BYTES))
             for e in range(packed.shape[0]):
                 weights[f"layers.{i}.mlp.experts.{e}.{p}.packed"] = packed[e]

@@ -207,3 +207,32 @@ def test_k3_store_repacks_mxfp4_experts_and_pages(pair, source, tmp_path, ram):
     ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
     for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_k3_requantised_experts_are_refused_by_name(pair, tmp_path):
+    """A K3 GGUF whose experts are not MXFP4 (here Q8_0, as a requantising tool could write them) is refused on load,
+    naming the tensor and its type."""
+    import gguf as g
+    import numpy as np
+
+    path, _ = pair("kimi_k3", "f32")
+    reader = g.GGUFReader(path)
+    writer = g.GGUFWriter(tmp_path / "q8_experts.gguf", "kimi-k3")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            sub = field.types[-1] if field.types[0] == g.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        data = np.ascontiguousarray(t.data)
+        if t.tensor_type == Q.MXFP4:
+            data = g.quants.quantize(g.quants.dequantize(data, Q.MXFP4).astype(np.float32), Q.Q8_0)
+            writer.add_tensor(t.name, data, raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(t.name, data, raw_shape=None if data.dtype == np.uint8 else
+                              tuple(int(n) for n in reversed(t.shape)), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_gate_exps\.weight holds Q8_0 experts"):
+        load_model(tmp_path / "q8_experts.gguf", dtype="float32", progress=False)
