@@ -31,11 +31,9 @@ from localmoe.models.gguf_experts import (
     MLA_GGUF,
     MOE_GGUF,
     GGUFKeys,
-    dequantize_attention,
     gguf_moe_tensors,
     gguf_stacked_experts,
-    join_kv_b,
-    unstack_experts,
+    mla_finish,
 )
 from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require
 
@@ -132,18 +130,8 @@ def gguf_tensors(architecture: str) -> TensorMap:
     return gguf_moe_tensors(GGUF_LAYER, ignore=(r"\.nextn\.",))
 
 
-def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
-    """kv_b_proj joined back (join_kv_b); the MTP block's tensors (layers past num_layers) dropped;
-    attention matrices kept in blocks dequantised; routed experts split per expert."""
-    for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
-        del weights[name]
-    dequantize_attention(weights)
-    join_kv_b(weights, spec)
-    return unstack_experts(weights, spec)
-
-
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3"),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS,
                            experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2"),
-                           spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=gguf_finish,
+                           spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=mla_finish,
                            gguf_experts=gguf_stacked_experts()))

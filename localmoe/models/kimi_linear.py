@@ -25,18 +25,8 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
-from localmoe.models import register
+from localmoe.models import gguf_experts, register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule, hf_rules
-from localmoe.models.gguf_experts import (
-    MLA_GGUF,
-    MOE_GGUF,
-    GGUFKeys,
-    dequantize_attention,
-    gguf_moe_tensors,
-    gguf_stacked_experts,
-    join_kv_b,
-    unstack_experts,
-)
 from localmoe.models.moe_config import kimi_text_spec
 
 
@@ -57,7 +47,7 @@ def spec_from_hf(config: dict) -> ModelSpec:
 
 def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
     """The spec of the HF config the `kimi-linear.*` metadata was converted from."""
-    key = GGUFKeys(metadata, "kimi-linear")
+    key = gguf_experts.GGUFKeys(metadata, "kimi-linear")
     layers, heads, rope = key("block_count"), key("attention.head_count"), key("rope.dimension_count")
     kv_heads = key("attention.head_count_kv")
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
@@ -105,17 +95,10 @@ _GGUF_KDA = {**{f"attn_{x}.weight": (f"{x}_proj.weight", None) for x in "qkv"},
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in MLA_GGUF.items()},
+    layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in gguf_experts.MLA_GGUF.items()},
              **{g: (f"self_attn.{h}", fix) for g, (h, fix) in _GGUF_KDA.items()},
-             **{g: (h, None) for g, h in MOE_GGUF.items()}}
-    return gguf_moe_tensors(layer)
-
-
-def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
-    """kv_b_proj joined back, attention matrices kept in blocks dequantised, routed experts split per expert."""
-    dequantize_attention(weights)
-    join_kv_b(weights, spec)
-    return unstack_experts(weights, spec)
+             **{g: (h, None) for g, h in gguf_experts.MOE_GGUF.items()}}
+    return gguf_experts.gguf_moe_tensors(layer)
 
 
 _KDA = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
@@ -144,4 +127,4 @@ FAMILY = register(ModelFamily(
     name="kimi_linear", model_types=("kimi_linear",), spec_from_hf=spec_from_hf, hf_tensors=HF_TENSORS,
     experts=ExpertTensors("bf16", {p: f"{_EXPERT}.{w}.weight" for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}),
     gguf_architectures=("kimi-linear",), spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors,
-    gguf_finish=gguf_finish, gguf_experts=gguf_stacked_experts()))
+    gguf_finish=gguf_experts.mla_finish, gguf_experts=gguf_experts.gguf_stacked_experts()))

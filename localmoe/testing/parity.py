@@ -18,6 +18,23 @@ from localmoe.load import load_model
 from localmoe.testing.write import write_checkpoint
 
 
+def run_mixer(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Feed x [B, T, D] through one mixer (a layer kind's `build`) in calls of `chunks` tokens over its own cache
+    (mask [B, T] for left padding)."""
+    from localmoe.engine.cache import ModelCache
+    from localmoe.engine.step import make_step
+
+    B, T, _ = x.shape
+    cache = ModelCache([mixer.new_cache(B, T)], B, T)
+    outs = []
+    for n in chunks:
+        start = cache.reserve(n)
+        cache.append_mask(None if mask is None else mask[:, start:start + n], n)
+        outs.append(mixer(x[:, start:start + n], make_step(cache, start, n, None), cache.layers[0]))
+        cache.advance(n)
+    return torch.cat(outs, dim=1)
+
+
 def tiny_checkpoint(model_type: str, tmp_path_factory) -> Path:
     """The family's tiny generated checkpoint (seed 0) in a fresh temporary directory."""
     return write_checkpoint(model_type, tmp_path_factory.mktemp(model_type), "tiny", seed=0)

@@ -21,6 +21,7 @@ from localmoe.engine.layers.kda import (
 from localmoe.engine.state_cache import DeltaStateCache, StateRollbackError
 from localmoe.engine.step import make_step
 from localmoe.testing import plan_checkpoint
+from localmoe.testing.parity import run_mixer as run
 
 D, H, K, W = 64, 4, 16, 4
 VARIANTS = {
@@ -58,19 +59,6 @@ def random_weights(config: Config, seed: int = 0, prefix: str = "layers.0.self_a
 def layer(variant: str, seed: int = 0) -> KimiDeltaAttention:
     config = VARIANTS[variant]
     return build(config, random_weights(config, seed), "layers.0.", dtype="float32")
-
-
-def run(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Feed x [B, T, D] through one mixer in calls of `chunks` tokens (mask [B, T] for left padding)."""
-    B, T, _ = x.shape
-    cache = ModelCache([mixer.new_cache(B, T)], B, T)
-    outs = []
-    for n in chunks:
-        start = cache.reserve(n)
-        cache.append_mask(None if mask is None else mask[:, start:start + n], n)
-        outs.append(mixer(x[:, start:start + n], make_step(cache, start, n, None), cache.layers[0]))
-        cache.advance(n)
-    return torch.cat(outs, dim=1)
 
 
 def kernel_inputs(variant: str, B: int, T: int, seed: int = 0):

@@ -5,10 +5,9 @@ re-derivation, checkpoint names, and the latent cache's bytes per token."""
 import pytest
 import torch
 
-from localmoe.engine.cache import ModelCache
 from localmoe.engine.layers.mla import Config, MLAttention, build
-from localmoe.engine.step import make_step
 from localmoe.testing import plan_checkpoint
+from localmoe.testing.parity import run_mixer as run
 
 D, H, R, NOPE, ROPE, V = 64, 4, 32, 16, 8, 16
 CONFIGS = {
@@ -40,18 +39,6 @@ def layer(name: str, seed: int = 0, absorb: bool | None = None) -> MLAttention:
     mixer = build(CONFIGS[name], random_weights(CONFIGS[name], seed), "layers.0.", dtype="float32")
     mixer.absorb = absorb
     return mixer
-
-
-def run(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
-    B, T, _ = x.shape
-    cache = ModelCache([mixer.new_cache(B, T)], B, T)
-    outs = []
-    for n in chunks:
-        start = cache.reserve(n)
-        cache.append_mask(None if mask is None else mask[:, start:start + n], n)
-        outs.append(mixer(x[:, start:start + n], make_step(cache, start, n, None), cache.layers[0]))
-        cache.advance(n)
-    return torch.cat(outs, dim=1)
 
 
 def inputs(T: int, seed: int = 1, B: int = 2) -> torch.Tensor:
