@@ -19,7 +19,7 @@ import torch
 
 from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, canonical_to_ggml, ggml_to_canonical
 from localmoe.testing.gpt_oss_gguf import add_tokenizer
-from localmoe.testing.moe_gguf import (
+from localmoe.testing.moe_gguf_parts import (
     PROJ,
     _conv_join,
     _conv_split,
@@ -103,7 +103,7 @@ def _tensors(ckpt, c: dict):
 
 def write_k3_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> Path:
     """Write the generated K3 checkpoint `src` as llama.cpp's `kimi-k3` GGUF: experts ggml MXFP4, every other
-    tensor in the type `types` gives it (`moe_gguf.ggml_type_for`)."""
+    tensor in the type `types` gives it (`moe_gguf_parts.ggml_type_for`)."""
     import gguf
 
     from localmoe.store.safetensors import SafetensorsCheckpoint
