@@ -49,7 +49,7 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
-           KERNELS / "decode_layers" / "hybrid_cpu.cpp")
+           KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
 # ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
 ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
@@ -85,6 +85,9 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "dense_expert": ((_ptr, _ptr, _ptr, _ptr, _int, _f32, _f32, _f32, _ptr, _ptr, _ptr, _int), None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
     "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int, _int), _int),
+    "dense_moe_scratch": ((_i64, _i64, _i64), _i64),
+    "dense_moe_expert": ((_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _int, _f32, _f32, _ptr, _ptr,
+                          _int), None),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
 }

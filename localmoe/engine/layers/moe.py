@@ -26,7 +26,7 @@ from localmoe.engine.experts import (
     Activation,
     ExpertProvider,
     ResidentExperts,
-    expert_forward,
+    expert_accumulate,
 )
 from localmoe.engine.layers import mlp, on_device
 from localmoe.engine.layers.mlp import GatedMLP
@@ -148,7 +148,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     in one call where the provider holds every expert at once (`kernel_table`), else one call per
     expert as the provider hands them out; both add experts in increasing id, so the bits are the
     same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched
-    once each, run on all of their tokens as one matrix and added in the same order.
+    once each, run on all of their tokens at once and added in the same order (`expert_accumulate`:
+    dense experts through kernels/dense_moe).
 
     A provider with `placed` (a pager with GPU tiers) hands each expert out with the tier to compute it
     in; experts of a GPU tier run on its device, on the layer's tokens copied there once, into the
@@ -184,9 +185,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
                       only=expert, precision=precision)
             continue
         picks = (ids_.reshape(-1) == expert).nonzero().squeeze(1)
-        rows = picks // k
-        y = expert_forward(w, xs.index_select(0, rows), act, precision)
-        acc.index_add_(0, rows, y * weights_.reshape(-1)[picks, None])
+        expert_accumulate(w, xs, picks // k, weights_.reshape(-1)[picks], act, acc, precision,
+                          (act.kind, act.params) if kernel else None)
     for *_, acc in on_tier.values():
         out += acc.to(out.device)
     return out

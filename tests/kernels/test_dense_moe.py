@@ -1,0 +1,80 @@
+"""kernels/dense_moe: one routed expert with dense matrices over its tokens, against the op-by-op torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from localmoe.kernels import _cpu, dense_moe
+from localmoe.kernels.dense_moe import cpu, naive_dense_expert
+
+pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
+
+T, D, I = 70, 40, 28  # odd sizes: a column tail past the 8-wide steps, row blocks of 3 with a remainder
+ACTS = [("swiglu", (0.0, 0.0)), ("swiglu", (7.0, 0.0)), ("gpt_oss", (7.0, 1.702)), ("situ", (3.0, 2.0))]
+
+
+def _case(n: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    rows = torch.randperm(T, generator=g)[:n].sort().values
+    weights = torch.rand(n, generator=g)
+    mats = [(torch.randn(*shape, generator=g) / shape[1] ** 0.5).to(dtype) for shape in ((I, D), (I, D), (D, I))]
+    out = torch.randn(T, D, generator=g)
+    return x, rows, weights, mats, out
+
+
+def _torch_path(x, rows, weights, mats, out):
+    """What engine/layers/moe.py ran before: F.linear per projection, silu * up, then index_add_."""
+    gate, up, down = (m.float() for m in mats)
+    xs = x.index_select(0, rows)
+    y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down)
+    return out.clone().index_add_(0, rows, y * weights[:, None])
+
+
+def _rel(got, want):
+    return ((got - want).double().norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n", [1, 2, 9, 64], ids=lambda n: f"N{n}")
+def test_matches_the_op_by_op_torch_path(n, dtype):
+    x, rows, weights, mats, out = _case(n, dtype)
+    want = _torch_path(x, rows, weights, mats, out)
+    got = cpu.dense_expert(x, rows, weights, *mats, "swiglu", (0.0, 0.0), out.clone())
+    assert _rel(got, want) <= 1e-5
+    untouched = torch.ones(T, dtype=torch.bool).index_fill_(0, rows, False)
+    assert torch.equal(got[untouched], out[untouched])  # only the expert's rows change
+
+
+@pytest.mark.parametrize(("kind", "params"), ACTS, ids=[f"{k}-{p[0]:g}" for k, p in ACTS])
+def test_every_activation_matches_the_reference(kind, params):
+    x, rows, weights, mats, out = _case(9, torch.float32, seed=1)
+    want = naive_dense_expert(x, rows, weights, *mats, kind, params, out.clone())
+    got = cpu.dense_expert(x, rows, weights, *mats, kind, params, out.clone())
+    assert _rel(got - out, want - out) <= 1e-5
+
+
+def test_an_empty_expert_changes_nothing():
+    x, rows, weights, mats, out = _case(0, torch.float32)
+    got = dense_moe.dense_expert(x, rows, weights, *mats, "swiglu", (0.0, 0.0), out.clone())
+    assert torch.equal(got, out)
+
+
+def test_a_token_gets_the_same_bits_whatever_else_the_expert_computes():
+    x, rows, weights, mats, out = _case(64, torch.float32, seed=2)
+    zero = torch.zeros_like(out)
+    alone = cpu.dense_expert(x, rows[5:6], weights[5:6], *mats, "swiglu", (0.0, 0.0), zero.clone())
+    together = cpu.dense_expert(x, rows, weights, *mats, "swiglu", (0.0, 0.0), zero.clone())
+    assert torch.equal(alone[rows[5]], together[rows[5]])
+
+
+@pytest.mark.skipif(len(_cpu.supported_isas()) < 2, reason="this CPU runs the AVX2 kernels only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_avx2_equals_avx512(dtype):
+    x, rows, weights, mats, out = _case(33, dtype, seed=3)
+    runs = []
+    for isa in ("avx2", _cpu.supported_isas()[-1]):
+        with _cpu.forced_isa(isa):
+            runs.append(cpu.dense_expert(x, rows, weights, *mats, "situ", (3.0, 2.0), out.clone()))
+    assert torch.equal(runs[0], runs[1])
