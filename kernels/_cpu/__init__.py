@@ -1,6 +1,7 @@
 """The localmoe CPU kernel library: every C++ kernel source, built into ONE shared object.
 
-The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, GQA
+The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, dense
+routed experts over a prefill chunk, GQA
 decode attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA +
 MoE, dense or hybrid (KDA / MLA, attention residuals, latent MoE) decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks) have a plain C ABI and no torch headers, so they
 build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core

@@ -18,6 +18,9 @@ from their blocks: at expert precision "q8" a call of up to GEMV_MAX_TOKENS rows
 `kernels/ggml_gemv` (x rounded to int8 per 32 values, llama.cpp's trade) where the type has a
 GEMV; otherwise (and at "exact") the one expert is dequantised for the call, bit-exact against
 gguf's numpy dequantisers, and multiplied in fp32.
+
+Dense fp32 / bf16 experts of a few tokens (a prefill chunk's share) run `kernels/dense_moe` through
+`expert_accumulate`: one call per expert, each weight row read once for all of its tokens.
 """
 
 from __future__ import annotations
