@@ -162,7 +162,7 @@ def test_no_import_cycle_between_modules():
 
 
 # Families that take shapes or spec parsing from another family: none. Shared shapes live with their
-# layer kind (engine/<kind>.py), shared config reading in models/moe_config.py and models/gguf_experts.py; keep it empty.
+# layer kind (engine/layers/<kind>.py), shared config reading in models/moe_config.py and models/gguf_experts.py; keep it empty.
 KNOWN_FAMILY_IMPORTS: set[tuple[str, str]] = set()
 
 
@@ -170,6 +170,10 @@ def test_no_family_imports_another_family():
     models = ROOT / "localmoe" / "models"
     shared = {"__init__", "base", "moe_config", "gguf_experts"}  # gguf_experts: llama.cpp layout helpers
     families = {p.stem for p in models.glob("*.py")} - shared
+    from localmoe.models import BUILTIN
+
+    assert families == set(BUILTIN), f"models/ files that are families but not in models.BUILTIN (or gone): " \
+                                     f"{sorted(families ^ set(BUILTIN))}"
     found = set()
     for family in families:
         for _, dst, _ in imported_modules(models / f"{family}.py"):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+
 from localmoe.errors import UnsupportedModelError
 from localmoe.models.base import ModelFamily
 
 _FAMILIES: dict[str, ModelFamily] = {}
+# the modules of localmoe/models/ that define a family (the others are helpers they share)
+BUILTIN = ("deepseek_v32", "glm5_next", "gpt_oss", "kimi_k3", "kimi_k25", "kimi_linear", "llama", "qwen3_moe",
+           "qwen3_next")
 
 
 def register(family: ModelFamily) -> ModelFamily:
@@ -16,17 +21,8 @@ def register(family: ModelFamily) -> ModelFamily:
 def _load_builtin() -> None:
     # Each module registers its family when imported; importing them all every time (a
     # no-op once loaded) keeps the registry complete even if one was imported directly first.
-    from localmoe.models import (  # noqa: F401
-        deepseek_v32,
-        glm5_next,
-        gpt_oss,
-        kimi_k3,
-        kimi_k25,
-        kimi_linear,
-        llama,
-        qwen3_moe,
-        qwen3_next,
-    )
+    for name in BUILTIN:
+        importlib.import_module(f"localmoe.models.{name}")
 
 
 def families() -> list[ModelFamily]:

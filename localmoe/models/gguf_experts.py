@@ -14,7 +14,7 @@ import torch
 
 from localmoe.config import ModelSpec
 from localmoe.engine.quantized import BlockQuantized
-from localmoe.errors import CheckpointError
+from localmoe.errors import CheckpointError, UnsupportedModelError
 from localmoe.models.base import ExpertTensors, TensorMap, TensorRule, gguf_float
 
 PROJECTIONS = ("gate", "up", "down")
@@ -49,6 +49,36 @@ class GGUFKeys:
                 if (value := self(f"rope.scaling.{key}", required=False)) is not None:
                     scaling[hf] = value
         return scaling
+
+
+def kimi_linear_config(key: GGUFKeys, tensor_names: set) -> dict:
+    """The Kimi-Linear-style HF text config (MLA where `head_count_kv` > 0, KDA elsewhere, sigmoid-routed
+    MoE) that `{arch}.*` metadata was converted from; Kimi K3 adds its own keys on top."""
+    layers, heads, rope = key("block_count"), key("attention.head_count"), key("rope.dimension_count")
+    kv_heads = key("attention.head_count_kv")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    full = [i + 1 for i, n in enumerate(kv_heads) if n]
+    gating = key("expert_gating_func", 2)
+    if gating != 2:
+        raise UnsupportedModelError(f"GGUF {key.arch}.expert_gating_func {gating} is not supported (sigmoid, 2, only)")
+    return {
+        "model_type": "kimi_linear", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+        "num_attention_heads": heads, "num_key_value_heads": heads,
+        "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
+        "v_head_dim": key("attention.value_length_mla"), "mla_use_nope": True,
+        "linear_attn_config": {"full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1) if i not in full],
+                               "num_heads": heads, "head_dim": key("kda.head_dim"),
+                               "short_conv_kernel_size": key("ssm.conv_kernel", 4)},
+        "num_experts": key("expert_count"), "num_experts_per_token": key("expert_used_count"),
+        "num_shared_experts": key("expert_shared_count", 0), "first_k_dense_replace": key("leading_dense_block_count", 0),
+        "moe_renormalize": bool(key("expert_weights_norm", True)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        "num_expert_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "model_max_length": key("context_length", 1048576),
+        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
 
 
 def stacked_expert_rules() -> tuple[TensorRule, ...]:

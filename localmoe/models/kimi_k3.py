@@ -44,6 +44,7 @@ from localmoe.models.gguf_experts import (
     GGUFKeys,
     dequantize_attention,
     join_kv_b,
+    kimi_linear_config,
     stacked_expert_rules,
 )
 from localmoe.models.moe_config import kimi_text_spec, require
@@ -134,37 +135,15 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
     """The spec of the HF config the `kimi-k3.*` metadata was converted from (text only: llama.cpp skips the
     tower)."""
     key = GGUFKeys(metadata, "kimi-k3")
-    layers, heads, rope = key("block_count"), key("attention.head_count"), key("rope.dimension_count")
-    kv_heads = key("attention.head_count_kv")
-    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
-    full = [i + 1 for i, n in enumerate(kv_heads) if n]
-    gating = key("expert_gating_func", 2)
-    if gating != 2:
-        raise UnsupportedModelError(f"GGUF kimi-k3.expert_gating_func {gating} is not supported (sigmoid, 2, only)")
-    text = {
-        "model_type": "kimi_linear", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
-        "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
+    text = kimi_linear_config(key, tensor_names)
+    text["linear_attn_config"].update(gate_lower_bound=key("kda.gate_lower_bound", -5.0), use_full_rank_gate=True)
+    text.update({
         "routed_expert_hidden_size": key("expert_latent_length"),
-        "num_attention_heads": heads, "num_key_value_heads": heads,
-        "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),
-        "qk_rope_head_dim": rope, "qk_nope_head_dim": key("attention.key_length_mla") - rope,
-        "v_head_dim": key("attention.value_length_mla"), "mla_use_nope": True,
         "mla_use_output_gate": any(n.endswith(".attn_gate.weight") for n in tensor_names),
-        "linear_attn_config": {"full_attn_layers": full, "kda_layers": [i for i in range(1, layers + 1) if i not in full],
-                               "num_heads": heads, "head_dim": key("kda.head_dim"),
-                               "short_conv_kernel_size": key("ssm.conv_kernel", 4),
-                               "gate_lower_bound": key("kda.gate_lower_bound", -5.0), "use_full_rank_gate": True},
         "attn_res_block_size": key("attn_res.block_size"),
-        "num_experts": key("expert_count"), "num_experts_per_token": key("expert_used_count"),
-        "num_shared_experts": key("expert_shared_count", 0), "first_k_dense_replace": key("leading_dense_block_count", 0),
-        "moe_renormalize": bool(key("expert_weights_norm", True)),
-        "routed_scaling_factor": key("expert_weights_scale", 1.0),
-        "num_expert_group": key("expert_group_count", 1), "topk_group": key("expert_group_used_count", 1),
         "hidden_act": "situ", "activation_situ_beta": key("activation.situ_beta"),
         "activation_situ_linear_beta": key("activation.situ_linear_beta"),
-        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "model_max_length": key("context_length", 1048576),
-        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
-    }
+    })
     return spec_from_hf({"model_type": "kimi_k3", "text_config": text})
 
 
