@@ -137,7 +137,7 @@ def main() -> None:
         if not args.retrieval_only:
             from localmoe.config import EngineConfig
             from localmoe.load import load_model
-            from localmoe.server.service import ServerConfig, Service
+            from localmoe.runtime.service import ServerConfig, Service
 
             start = time.perf_counter()
             loaded = load_model(args.model, EngineConfig(threads=args.threads), progress=False)

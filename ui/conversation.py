@@ -4,7 +4,7 @@ its own prompt or tool logic.
 `send(text, approve)` streams what happens while the model answers one user message:
 reasoning and content deltas, the tool calls it makes (each one waits for `approve`), the
 tool results, the end of every model turn, and "done". Approved calls run through
-`localmoe.chat.tools.ToolRunner`; their output goes back to the model as a tool message
+`localmoe.ui.tools.ToolRunner`; their output goes back to the model as a tool message
 and the model takes another turn. A denied call never runs: the model is told so in the
 tool message. History (reasoning and tool calls included) lives in the Service's session
 store when it has one, else in `messages`.
@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from localmoe.ui.tools import BUILTIN_NAMES, BUILTIN_TOOLS, ToolRunner
+
 from localmoe.chat.format import REASONING_EFFORTS, ChatMessage, ToolCall
-from localmoe.chat.tools import BUILTIN_NAMES, BUILTIN_TOOLS, ToolRunner
 from localmoe.engine.sampler import SamplingParams
 
 DENIED = "The user denied this tool call; it did not run. Do not retry it unless the user asks."
@@ -95,7 +96,7 @@ class Conversation:
         return self.session_id or ""
 
     def _request(self, new: list[ChatMessage], forced: str | None):
-        from localmoe.server.service import ChatRequest
+        from localmoe.runtime.service import ChatRequest
 
         tools = BUILTIN_TOOLS if self.tools_enabled else []
         mode = "named" if forced else ("auto" if tools else "none")

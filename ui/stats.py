@@ -43,7 +43,7 @@ def snapshot(service, turn=None) -> dict:
         tokens_per_second = metrics.tokens_per_second()
         ttft = metrics.ttft_sum / metrics.ttft_n if metrics.ttft_n else None
         decode_rate = None
-    from localmoe.server.metrics import paging_tiers
+    from localmoe.runtime.metrics import paging_tiers
 
     tiers = paging_tiers(service.model)
     return {

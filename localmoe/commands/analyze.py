@@ -23,7 +23,7 @@ def _bar(total: int, unit: str, description: str, enabled: bool):
 
 def _start_service(model, engine, show: bool):
     from localmoe.load import load_model
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
 
     loaded = load_model(model, engine, progress=show)
     service = Service(loaded, ServerConfig(threads=loaded.config.resolved_threads()))

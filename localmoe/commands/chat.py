@@ -35,9 +35,9 @@ def command(model, engine, budget, thinking_budgets, max_tokens, workdir, tool_t
         from localmoe.ui.tui import ChatApp, load_service
     except ImportError as e:
         raise LocalMoEError(f"the chat app needs its extra: pip install 'localmoe[ui]' ({e})") from None
-    from localmoe.chat.tools import ToolRunner
     from localmoe.commands.serve import default_sessions_path
-    from localmoe.server.service import ServerConfig
+    from localmoe.runtime.service import ServerConfig
+    from localmoe.ui.tools import ToolRunner
 
     if max_tokens < 1:
         raise LocalMoEError(f"--max-tokens must be at least 1, not {max_tokens}")

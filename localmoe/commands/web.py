@@ -41,7 +41,7 @@ def command(model, engine, host, port, allowed_hosts, workdir, budget, no_tools,
         raise LocalMoEError(f"the web app needs its extra: pip install 'localmoe[ui]' ({e})") from None
     from localmoe.commands.serve import default_sessions_path
     from localmoe.load import load_model
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
     from localmoe.ui.web import WebApp, launch
 
     if not 0 < port < 65536:

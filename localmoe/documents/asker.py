@@ -24,7 +24,7 @@ class Usage:
 
 @dataclass
 class ServiceAsker:
-    """Asks a started `localmoe.server.service.Service`; `budget` is passed on as reasoning_effort."""
+    """Asks a started `localmoe.runtime.service.Service`; `budget` is passed on as reasoning_effort."""
 
     service: object
     budget: str = "high"
@@ -56,7 +56,7 @@ class ServiceAsker:
     async def ask(self, system: str, user: str, max_tokens: int) -> str:
         """The model's answer; generation stops early when the answer starts repeating itself."""
         from localmoe.engine.sampler import SamplingParams
-        from localmoe.server.service import ChatRequest
+        from localmoe.runtime.service import ChatRequest
 
         request = ChatRequest(messages=self._messages(system, user), max_tokens=max_tokens,
                               params=SamplingParams(temperature=self.temperature, repetition_penalty=1.1),

@@ -10,7 +10,7 @@ limits, sessions) -> one EngineWorker thread (worker.py) advancing per-request j
 
 from __future__ import annotations
 
-from localmoe.server.service import ServerConfig, Service
+from localmoe.runtime.service import ServerConfig, Service
 
 
 def create_app(service: Service):

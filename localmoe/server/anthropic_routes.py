@@ -9,10 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params
+from localmoe.runtime.turn import TurnResult
 from localmoe.server.anthropic_schemas import EFFORT_TIER, CountTokensRequest, MessagesRequest
 from localmoe.server.errors import APIError, stream_error
-from localmoe.server.service import ChatRequest, Service, new_id, sampling_params
-from localmoe.server.turn import TurnResult
 
 router = APIRouter()
 SIGNATURE = "localmoe"  # thinking blocks carry a signature field; ours only marks where they came from

@@ -14,13 +14,12 @@ from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from localmoe.chat.sessions import SESSION_ID, SessionError, message_to_dict
-from localmoe.errors import LocalMoEError
+from localmoe.errors import CancelledError, LocalMoEError
+from localmoe.runtime.service import Service
 from localmoe.server import anthropic_routes, document_routes, model_routes, openai_routes, responses_routes
 from localmoe.server.errors import APIError, error_response, status_and_message
 from localmoe.server.openapi import truthful
 from localmoe.server.security import HostCheck
-from localmoe.server.service import Service
-from localmoe.server.worker import CancelledError
 
 OPEN_PATHS = {"/health"}  # answered without an API key
 
@@ -165,8 +164,9 @@ def create_app(service: Service) -> FastAPI:
         return error_response(status, str(error), request.url.path, "session_id")
 
     @app.exception_handler(LocalMoEError)
-    async def user_error(request: Request, error: LocalMoEError):
-        return error_response(400, str(error), request.url.path)
+    async def user_error(request: Request, error: LocalMoEError):  # the runtime's errors, by kind
+        status, message, param, code = status_and_message(error)
+        return error_response(status, message, request.url.path, param, code)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception):  # still a bug: logged by the server, but JSON

@@ -34,11 +34,14 @@ class APIError(Exception):
 
 def status_and_message(error: BaseException) -> tuple[int, str, str | None, str | None]:
     """(status, message, param, code) of any error a request can end with: an APIError as it is,
-    a LocalMoEError (the user's input) 400, anything else 500 naming the error."""
-    from localmoe.errors import LocalMoEError
+    the runtime's errors by kind (`NotFoundError` 404, any other `LocalMoEError`, the user's input, 400),
+    anything else 500 naming the error."""
+    from localmoe.errors import LocalMoEError, NotFoundError, RequestError
 
     if isinstance(error, APIError):
         return error.status, error.message, error.param, error.code
+    if isinstance(error, RequestError):
+        return 404 if isinstance(error, NotFoundError) else 400, str(error), error.param, error.code
     if isinstance(error, LocalMoEError):
         return 400, str(error), None, None
     return 500, f"internal error while generating ({type(error).__name__}: {error}); the server goes on serving", \

@@ -8,8 +8,8 @@ import time
 
 from fastapi import APIRouter, Path, Request
 
+from localmoe.runtime.service import MODEL_ALIASES, Service
 from localmoe.server.errors import APIError
-from localmoe.server.service import MODEL_ALIASES, Service
 
 router = APIRouter()
 

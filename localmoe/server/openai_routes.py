@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat import ChatFormatError, messages_from_openai
+from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
+from localmoe.runtime.turn import TurnResult
 from localmoe.server.errors import APIError, stream_error
 from localmoe.server.schemas import EFFORT_TIER, ChatCompletionRequest, CompletionRequest
-from localmoe.server.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
 from localmoe.server.structured import chat_output_schema
-from localmoe.server.turn import TurnResult
 
 router = APIRouter()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 
 from localmoe.chat.format import Delta, ToolCall
-from localmoe.server.service import tool_call_dict
+from localmoe.runtime.service import tool_call_dict
 
 
 def item_id(prefix: str) -> str:

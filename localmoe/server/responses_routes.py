@@ -19,11 +19,11 @@ from starlette.concurrency import run_in_threadpool
 
 from localmoe.chat import ChatFormatError, ChatMessage, messages_from_openai
 from localmoe.chat.sessions import SessionError
+from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.errors import APIError, stream_error
 from localmoe.server.openai_routes import service_of, tool_mode
 from localmoe.server.responses_output import EventBuilder, items_of, usage_of
 from localmoe.server.responses_schemas import REASONING_EFFORT, ResponsesRequest, input_messages
-from localmoe.server.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.structured import output_schema
 
 router = APIRouter()

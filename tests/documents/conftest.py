@@ -18,7 +18,7 @@ def service(tmp_path_factory):
     """The embedded SmolLM2-135M through the chat Service (started; stopped at the end)."""
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
 
     loaded = load_model(None, EngineConfig(threads=2), progress=False)
     svc = Service(loaded, ServerConfig(sessions_path=tmp_path_factory.mktemp("sessions") / "s.db",

@@ -122,8 +122,9 @@ def test_loops_are_found_and_collapsed():
 
 def test_search_documents_tool_says_not_found_or_gives_located_passages(tmp_path):
     """The TUI / web app's search_documents tool: located passages, or "not found in the documents"."""
+    from localmoe.ui.tools import ToolRunner
+
     from localmoe.chat.format import ToolCall
-    from localmoe.chat.tools import ToolRunner
 
     pdf = builders.write_pdf(_deep(tmp_path) / "plant-report.pdf", pages=8)
     runner = ToolRunner(tmp_path, document_paths=[pdf])

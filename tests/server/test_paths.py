@@ -193,8 +193,9 @@ def test_allowed_hosts_flag(tiny_model, tmp_path):
 # ---- the UIs' built-in file tools (working directory as root) and the web app's uploads ----
 
 def test_ui_tools_never_read_outside_the_working_directory(tmp_path):
+    from localmoe.ui.tools import ToolRunner
+
     from localmoe.chat.format import ToolCall
-    from localmoe.chat.tools import ToolRunner
 
     root, outside = plant(tmp_path)
     runner = ToolRunner(root)
@@ -229,8 +230,9 @@ def test_web_uploads_must_come_from_the_upload_folder(tmp_path):
 def test_documents_the_user_names_are_their_own_roots(tmp_path):
     """`localmoe chat --documents FOLDER` outside the working directory: searched, but a link in it that
     leads out of FOLDER is left out."""
+    from localmoe.ui.tools import ToolRunner
+
     from localmoe.chat.format import ToolCall
-    from localmoe.chat.tools import ToolRunner
 
     root, outside = plant(tmp_path)
     work = tmp_path / "work"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from localmoe.chat import ChatFormatError, Delta, ToolCall, messages_from_openai
+from localmoe.runtime.turn import TurnResult
 from localmoe.server.responses_output import EventBuilder
 from localmoe.server.responses_schemas import ResponsesRequest, input_messages
-from localmoe.server.turn import TurnResult
 
 
 def test_items_become_chat_messages():

@@ -21,8 +21,8 @@ class Boom(RuntimeError):
 def failing(tiny_model):
     """A TestClient over a Service whose model raises on every third forward pass."""
     from localmoe.load import load_model
+    from localmoe.runtime.service import ServerConfig, Service
     from localmoe.server.app import create_app
-    from localmoe.server.service import ServerConfig, Service
 
     loaded = load_model(tiny_model)
     forward, calls = loaded.model.forward, [0]

@@ -70,7 +70,7 @@ def test_conversation_loop_answer_after_a_tool_result_has_no_markup(tmp_path):
     from localmoe.config import EngineConfig
     from localmoe.engine.sampler import SamplingParams
     from localmoe.load import load_model
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
 
     (tmp_path / "weather.json").write_text(json.dumps(RESULT))
     service = Service(load_model(None, EngineConfig(threads=1), progress=False), ServerConfig(threads=1))

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from localmoe.ui.tools import ToolRunner
 
-from localmoe.chat.tools import ToolRunner
 from localmoe.engine.sampler import SamplingParams
 
 K3_BUDGETS = {"low": 3, "high": 7, "max": 11}  # reasoning tokens per tier: small, so replies stay fast
@@ -45,7 +45,7 @@ def k3(tmp_path_factory):
 def make_service(tmp_path):
     """make_service(loaded, sessions=True, **ServerConfig fields) -> a started Service, stopped at teardown."""
     from localmoe.chat.budget import ThinkingBudgets
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
 
     started = []
 

@@ -1,4 +1,4 @@
-"""The built-in tools (localmoe.chat.tools): confinement to the working directory, timeouts,
+"""The built-in tools (localmoe.ui.tools): confinement to the working directory, timeouts,
 output caps, and errors returned as text, never raised. No model involved."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import sys
 import time
 
 import pytest
+from localmoe.ui.tools import BUILTIN_NAMES, BUILTIN_TOOLS, ToolRunner
 
 from localmoe.chat.format import ToolCall
-from localmoe.chat.tools import BUILTIN_NAMES, BUILTIN_TOOLS, ToolRunner
 
 
 def test_builtin_tools_are_openai_function_declarations():

@@ -46,7 +46,7 @@ def _event(kind, **fields):
 
 
 def test_transcript_puts_reasoning_and_tool_calls_in_panels():
-    from localmoe.server.turn import TurnResult
+    from localmoe.runtime.turn import TurnResult
 
     t = Transcript()
     t.user("list it")
@@ -133,7 +133,7 @@ def test_command_rejects_a_bad_port_before_loading_anything():
 def service(tmp_path_factory):
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
-    from localmoe.server.service import ServerConfig, Service
+    from localmoe.runtime.service import ServerConfig, Service
 
     loaded = load_model(None, EngineConfig(threads=1), progress=False)
     svc = Service(loaded, ServerConfig(sessions_path=tmp_path_factory.mktemp("web") / "sessions.db", threads=1))
@@ -155,9 +155,8 @@ async def _send_deciding(session, text: str, decisions: list[bool]) -> list:
 @pytest.mark.slow
 def test_approved_call_runs_and_denied_call_never_does(service, tmp_path):
     from localmoe.ui.conversation import DENIED
+    from localmoe.ui.tools import ToolRunner
     from localmoe.ui.web.session import WebSession
-
-    from localmoe.chat.tools import ToolRunner
 
     (tmp_path / "planted-7319.txt").write_text("x")
     session = WebSession(service, tmp_path, budget="low", max_tokens=64)

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 from localmoe.ui.conversation import DENIED, Conversation
 from localmoe.ui.stats import snapshot, status_line
+from localmoe.ui.tools import BUILTIN_NAMES
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
 from localmoe.ui.tui.widgets import AssistantMessage, BudgetSelector, StatusBar, ToolCard, UserMessage
 from textual.app import App, ComposeResult
@@ -24,7 +25,6 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
 from localmoe.chat.format import ChatMessage, ToolCall
-from localmoe.chat.tools import BUILTIN_NAMES
 
 Loader = Callable[[Callable[[int], None]], object]  # (phase callback) -> a started Service
 
@@ -34,7 +34,7 @@ def load_service(model: str | None, engine_config, server_config) -> Loader:
 
     def load(phase: Callable[[int], None]):
         from localmoe.load import load_model
-        from localmoe.server.service import Service
+        from localmoe.runtime.service import Service
 
         phase(0)
         loaded = load_model(model, engine_config, progress=False)  # tqdm would draw over the TUI

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from localmoe.errors import CancelledError
+
 
 class Job:
     """One request's work. `events` receive ("delta", ...), ("done", ...) or ("error", exc)."""
@@ -117,6 +119,3 @@ class EngineWorker:
                 self.steps += 1
                 self._active.append((job, steps))
 
-
-class CancelledError(Exception):
-    """The job was cancelled before it finished (its client disconnected)."""

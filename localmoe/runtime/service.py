@@ -18,13 +18,12 @@ from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
 from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache
 from localmoe.engine.sampler import SamplingParams
-from localmoe.errors import LocalMoEError
-from localmoe.server.context import fit_messages
-from localmoe.server.errors import APIError
-from localmoe.server.forced import plan_forced_call
-from localmoe.server.metrics import Metrics, paging_tiers
-from localmoe.server.turn import Prepared, TurnResult, run_chat, run_completion
-from localmoe.server.worker import CancelledError, EngineWorker, Job
+from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, RequestError
+from localmoe.runtime.context import fit_messages
+from localmoe.runtime.forced import plan_forced_call
+from localmoe.runtime.metrics import Metrics, paging_tiers
+from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion
+from localmoe.runtime.worker import EngineWorker, Job
 
 MODEL_ALIASES = ("default", "localmoe")
 
@@ -99,8 +98,6 @@ class Stream:
                 kind, payload = await self.queue.get()
                 if kind == "error":
                     self.finished = True
-                    if isinstance(payload, LocalMoEError):
-                        raise APIError(400, str(payload))
                     raise payload
                 if kind == "done":
                     self.finished = True
@@ -216,23 +213,23 @@ class Service:
         from localmoe.chat.grammar import Constraint, GrammarError
 
         if self._grammar_error is not None:
-            raise APIError(400, f"{param}: {self._grammar_error}", param=param)
+            raise RequestError(f"{param}: {self._grammar_error}", param=param)
         try:
             return Constraint(self.grammar_tokenizer, grammar)
         except GrammarError as e:
-            raise APIError(400, f"{param}: {e}", param=param) from None
+            raise RequestError(f"{param}: {e}", param=param) from None
 
     # ---- checks shared by the endpoints ----
 
     def check_model(self, name: str) -> None:
         if name != self.model_id and name not in MODEL_ALIASES:
-            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_id!r} "
+            raise NotFoundError(f"model {name!r} is not served here; this server serves {self.model_id!r} "
                                 f"(GET /v1/models)", param="model", code="model_not_found")
 
     def max_tokens(self, requested: int | None, prompt_tokens: int) -> int:
         limit = self.config.max_tokens_limit or (self.context - 1)
         if requested is not None and requested > limit:
-            raise APIError(400, f"max_tokens is {requested} but this server allows at most {limit} "
+            raise RequestError(f"max_tokens is {requested} but this server allows at most {limit} "
                                 f"(context {self.context}); ask for fewer tokens", param="max_tokens")
         room = self.context - prompt_tokens - 1
         if requested is None:
@@ -252,22 +249,22 @@ class Service:
         if session_id is None:
             return []
         if self.sessions is None:
-            raise APIError(400, "session_id given but this server stores no sessions (start it with --sessions)",
+            raise RequestError("session_id given but this server stores no sessions (start it with --sessions)",
                            param="session_id")
         if not self.sessions.exists(session_id):
             return []
         return self.sessions.messages(session_id)
 
     def prepare_chat(self, req: ChatRequest) -> tuple[Prepared, list[ChatMessage]]:
-        """Prompt ids and settings for `req` (history of its session included); raises APIError."""
+        """Prompt ids and settings for `req` (history of its session included); raises RequestError."""
         fmt = self.format
         messages = self.history(req.session_id) + req.messages
         tools = req.tools if req.tool_mode != "none" else []
         names = [t["function"]["name"] for t in req.tools]
         if req.tool_mode in ("required", "named") and not req.tools:
-            raise APIError(400, f"tool_choice is {req.tool_mode!r} but no tools are given", param="tool_choice")
+            raise RequestError(f"tool_choice is {req.tool_mode!r} but no tools are given", param="tool_choice")
         if req.tool_mode == "named" and req.tool_names[0] not in names:
-            raise APIError(400, f"tool_choice names {req.tool_names[0]!r}, which is not among the tools "
+            raise RequestError(f"tool_choice names {req.tool_names[0]!r}, which is not among the tools "
                                 f"({', '.join(names)})", param="tool_choice")
 
         def render(msgs: list[ChatMessage]) -> list[int]:
@@ -277,8 +274,10 @@ class Service:
             prompt = render(messages)
             max_tokens = self.max_tokens(req.max_tokens, len(prompt))
             prompt, messages = fit_messages(messages, render, self.context - max_tokens - 2)
+        except RequestError:
+            raise
         except LocalMoEError as e:
-            raise APIError(400, str(e), param="messages") from None
+            raise RequestError(str(e), param="messages") from None
         reasoning_limit = req.reasoning_tokens
         if reasoning_limit is None and fmt.thinks:
             reasoning_limit = self.config.budgets.limit_for(req.reasoning_effort)
@@ -294,7 +293,7 @@ class Service:
             try:
                 grammar = json_schema_grammar(req.output_schema, req.output_param)
             except GrammarError as e:
-                raise APIError(400, str(e), param=req.output_param) from None
+                raise RequestError(str(e), param=req.output_param) from None
             constraint = self.constraint(grammar, req.output_param)
         prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
                         forced=forced, constraint=constraint, parallel_tool_calls=req.parallel_tool_calls,
@@ -310,10 +309,8 @@ class Service:
 
     async def chat(self, req: ChatRequest) -> Stream:
         """Prepare `req` (off the event loop), store its messages, start generating."""
-        from starlette.concurrency import run_in_threadpool
-
-        prep, _ = await run_in_threadpool(self.prepare_chat, req)
-        await run_in_threadpool(self.store_request, req)
+        prep, _ = await asyncio.to_thread(self.prepare_chat, req)
+        await asyncio.to_thread(self.store_request, req)
         on_done = None
         if req.session_id is not None and self.sessions is not None:
             session_id = req.session_id
@@ -339,13 +336,13 @@ class Service:
         else:
             vocab = self.tokenizer.vocab_size
             if any(not 0 <= t < vocab for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+                raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
             ids = list(prompt)
         if not ids:
-            raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
+            raise RequestError("the prompt is empty: there is nothing to continue", param="prompt")
         max_tokens = self.max_tokens(max_tokens, len(ids))
         if len(ids) + max_tokens + 2 > self.context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
+            raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
                                 f"holds {self.context}; shorten the prompt or lower max_tokens", param="prompt",
                            code="context_length_exceeded")
         prep = Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache)
@@ -360,7 +357,7 @@ def sampling_params(temperature, top_p, top_k, min_p, repetition_penalty, seed, 
                               top_p=1.0 if top_p is None else top_p, top_k=top_k or 0, min_p=min_p or 0.0,
                               repetition_penalty=repetition_penalty or 1.0, seed=seed)
     except LocalMoEError as e:
-        raise APIError(400, str(e)) from None
+        raise RequestError(str(e)) from None
 
 
 def new_id(prefix: str) -> str:

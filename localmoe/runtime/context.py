@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from localmoe.chat.format import ChatMessage
-from localmoe.server.errors import APIError
+from localmoe.errors import RequestError
 
 KEEP = 256  # characters kept at each end of a compressed tool output
 
@@ -28,7 +28,7 @@ def fit_messages(messages: list[ChatMessage], render: Callable[[list[ChatMessage
     """Prompt ids of at most `limit` tokens and the messages they render.
 
     Pass 1 keeps each tool output's head and tail, pass 2 replaces whole outputs by a
-    note, both oldest first; other messages are never changed. Raises a 400 APIError when
+    note, both oldest first; other messages are never changed. Raises a RequestError when
     the conversation still does not fit.
     """
     ids = render(messages)
@@ -46,6 +46,6 @@ def fit_messages(messages: list[ChatMessage], render: Callable[[list[ChatMessage
             ids = render(messages)
             if len(ids) <= limit:
                 return ids, messages
-    raise APIError(400, f"the conversation needs {len(ids)} prompt tokens but at most {limit} fit "
+    raise RequestError(f"the conversation needs {len(ids)} prompt tokens but at most {limit} fit "
                         f"(context minus max_tokens); shorten the messages or lower max_tokens",
                    param="messages", code="context_length_exceeded")

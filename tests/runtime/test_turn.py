@@ -10,8 +10,8 @@ import torch
 from localmoe.chat.budget import Budget
 from localmoe.chat.format import Delta, ParsedReply, ToolCall
 from localmoe.engine.sampler import SamplingParams
-from localmoe.server.turn import Prepared, StopFilter, run_chat
-from localmoe.server.worker import EngineWorker, Job
+from localmoe.runtime.turn import Prepared, StopFilter, run_chat
+from localmoe.runtime.worker import EngineWorker, Job
 
 STOP, EOT, CALL = 0, 2, 3
 VOCAB = 256

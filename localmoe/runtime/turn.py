@@ -19,7 +19,7 @@ from localmoe.chat.grammar import Constraint
 from localmoe.engine.generate import Decoder
 from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams
-from localmoe.server.forced import ForcedPlan
+from localmoe.runtime.forced import ForcedPlan
 
 Emit = Callable[[str, object], None]
 

@@ -12,8 +12,8 @@ from localmoe.chat import ChatMessage
 from localmoe.chat.budget import Budget
 from localmoe.chat.grammar import Constraint, GrammarTokenizer, json_schema_grammar
 from localmoe.engine.sampler import SamplingParams
-from localmoe.server.forced import plan_forced_call
-from localmoe.server.turn import Prepared, run_chat
+from localmoe.runtime.forced import plan_forced_call
+from localmoe.runtime.turn import Prepared, run_chat
 from localmoe.testing import FAMILIES
 
 jsonschema = pytest.importorskip("jsonschema")

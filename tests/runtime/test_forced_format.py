@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from localmoe.chat import ChatMessage, JinjaFormat
-from localmoe.server.forced import plan_forced_call
+from localmoe.runtime.forced import plan_forced_call
 from localmoe.tokenizer import tokenizer_from_gguf
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
