@@ -30,13 +30,14 @@ from localmoe.kernels.rms_norm import add_rms_norm
 
 
 def batchable(model) -> bool:
-    """Whether `model` runs batched decode steps: plain residuals (attention residuals and
-    hyper-connections mix across layers per sequence; those families step one sequence at a time)."""
-    return getattr(model, "residuals", None) is None and hasattr(model, "layers")
+    """Whether `model` runs batched decode steps: a Transformer with plain residuals (Kimi K3's attention
+    residuals and GLM-5-Next's hyper-connections are not batched yet: their sequences step one at a time)."""
+    return hasattr(model, "layers") and hasattr(model, "rope") and getattr(model, "residuals", None) is None
 
 
 def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
-    """fn over h [N, 1, D] in slices of at most GEMV_MAX_ROWS rows (each row computed as alone)."""
+    """fn over h [N, ...] in slices of at most GEMV_MAX_ROWS rows: the decode kernels, which compute each
+    row on its own (a row's result does not depend on the others)."""
     if h.shape[0] <= GEMV_MAX_ROWS:
         return fn(h)
     return torch.cat([fn(part) for part in h.split(GEMV_MAX_ROWS)])
@@ -46,8 +47,8 @@ def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
 def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor:
     """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V]."""
     N = len(tokens)
-    if N == 1:  # one sequence: the model's own decode step (its fused plan where it has one)
-        return model.forward(torch.tensor([[tokens[0]]]), caches[0])[:, -1]
+    if N == 1 or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
+        return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
     ids = torch.tensor(tokens, dtype=torch.long).view(N, 1)
     starts = [cache.reserve(1) for cache in caches]
     steps = [make_step(cache, start, 1, model.rope) for cache, start in zip(caches, starts)]

@@ -101,6 +101,17 @@ class Decoder:
         self._prompt_done = True
         return out[:, -1]
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt chunks are still pending."""
+        return not self._prompt_done
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the next forward is one decode token (the prompt is in, one token is pending): such
+        steps of many sequences run as one batch (`decode_together`)."""
+        return self._prompt_done and len(self.pending) == 1
+
     def sample(self, logits: torch.Tensor) -> int:
         history = torch.tensor([self.history], dtype=torch.long) if self.history is not None else None
         return int(sample(logits, self.params, self.generator, history))
@@ -116,6 +127,20 @@ class Decoder:
         if self.prefix_cache is not None:
             self.prefix_cache.put(self.in_cache, self.cache, self.prefilled)
             self.prefix_cache = None
+
+
+def decode_together(decoders: Sequence[Decoder]) -> list[torch.Tensor]:
+    """One decode step of several sequences (each `decoding`, all of one model) as one batched forward
+    (engine/batch.py); the logits [1, V] of each, in order. A sequence's logits are those it gets alone."""
+    from localmoe.engine.batch import decode_batch
+
+    tokens = [d.pending[0] for d in decoders]
+    logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders])
+    for d, token in zip(decoders, tokens):
+        d.pending = []
+        d.in_cache.append(token)
+        d.forwards += 1
+    return list(logits.split(1))
 
 
 def generate_step(model: CausalLM, prompt: Sequence[int], params: SamplingParams,

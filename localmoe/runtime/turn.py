@@ -1,6 +1,11 @@
 """One request's generation, written as a generator the engine worker advances one forward
 pass at a time: chat turns (reasoning budget, tool calls, stop strings) and plain completions.
 
+A turn yields its `Decoder` whenever it needs the next logits and receives them back
+(`logits = yield dec`: None while prompt chunks remain); the worker runs every waiting
+sequence's decode token as one batched forward (worker.py), or, driving one turn alone,
+`run_alone` does the same for one sequence.
+
 Each job calls `emit(kind, payload)` with ("delta", Delta) while it runs and ("done",
 TurnResult) at the end; the HTTP layer turns those into SSE chunks or one response.
 """
@@ -99,6 +104,18 @@ def _max_len(prep: Prepared, extra: int) -> int:
     return len(prep.prompt) + prep.max_tokens + extra + 2
 
 
+def run_alone(steps: Iterator[Decoder]) -> None:
+    """Drive one turn to its end in this thread (no worker): each step is its decoder's own forward."""
+    from localmoe.engine.generate import decode_together
+
+    try:
+        dec = next(steps)
+        while True:
+            dec = steps.send(decode_together([dec])[0] if dec.decoding else dec.logits())
+    except StopIteration:
+        return
+
+
 def run_chat(fmt, tokenizer, model, prep: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> Iterator[None]:
     """A chat turn: forced tool call (constrained) or free generation with the reasoning budget
     (its content constrained when `prep.constraint` is set)."""
@@ -177,9 +194,8 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         if cancelled():
             finish = "cancelled"
             break
-        logits = dec.logits()
+        logits = yield dec  # the worker runs the step (batched with the other sequences)
         if logits is None:
-            yield
             continue
         token = sample_constrained(dec, logits, constraint) if constrained else dec.sample(logits)
         if result.completion_tokens == 0:
@@ -189,7 +205,6 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
                 if close_reasoning():
                     finish = "stop"
                     break
-                yield
                 continue
             finish = "stop"
             break
@@ -218,7 +233,6 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
             break
         if result.completion_tokens >= prep.max_tokens or dec.room <= 0:
             break
-        yield
     reply = parser.finish()
     if finish != "stop" or not content.hit:  # what the parser still held back
         extra = reply.reasoning[len(raw["reasoning"]):] if reply.reasoning.startswith(raw["reasoning"]) else ""
@@ -258,9 +272,8 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
         if cancelled():
             finish = "cancelled"
             break
-        logits = dec.logits()
+        logits = yield dec  # the worker runs the step (batched with the other sequences)
         if logits is None:
-            yield
             continue
         token = sample_constrained(dec, logits, constraint)
         if result.completion_tokens == 0:
@@ -274,7 +287,6 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
             finish = "tool_calls"
             break
         dec.feed([token])
-        yield
     text = tokenizer.decode(ids)
     split = plan.split(text)
     if split is not None:
@@ -304,9 +316,8 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
         if cancelled():
             finish = "cancelled"
             break
-        logits = dec.logits()
+        logits = yield dec  # the worker runs the step (batched with the other sequences)
         if logits is None:
-            yield
             continue
         token = dec.sample(logits)
         if result.completion_tokens == 0:
@@ -325,7 +336,6 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
         if last:
             break
         dec.feed([token])
-        yield
     text = stops.feed(decoder.flush()) + stops.flush() if not stops.hit else ""
     if text:
         emit("delta", Delta("content", text))

@@ -1,10 +1,23 @@
-"""The one engine worker: a thread that owns the model and serves every request's job.
+"""The one engine worker: a thread that owns the model and serves every request's job, with
+continuous batching.
 
-Handlers submit a `Job` (a generator that does one forward pass per step) to a queue.
-The worker keeps up to `max_active` jobs running and advances them round-robin, one step
-each per turn, so concurrent requests share the model fairly and a long prompt (prefilled
-one chunk per step) does not stall the others. Jobs beyond `max_active` wait in the queue
-in arrival order. A cancelled job (its client went away) is closed at its next step.
+Handlers submit a `Job` (a generator: a chat turn or a completion, turn.py) to a queue. A job
+yields its `Decoder` whenever it needs logits and is sent them back. Each engine step the
+worker collects what its running jobs wait for and runs, in this order:
+
+- the decode tokens of every running sequence as ONE batched forward (`decode_together`:
+  each weight and each routed expert read once for all of them; each sequence keeps its own
+  cache, so sequences join and leave between steps);
+- one prompt chunk of at most one sequence still prefilling (the oldest), so a long prompt
+  delays the others by one chunk per step, never by its whole length;
+- injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
+  each sequence alone.
+
+Up to `max_active` jobs run at once; the others wait in arrival order. With `kv_budget`
+(bytes), a waiting job is admitted only while the running sequences' caches hold less than the
+budget. A cancelled job (its client went away) is closed at the next step and its cache
+released at once (`kv_bytes` drops). A job may also yield None: it is resumed next step
+without a forward.
 """
 
 from __future__ import annotations
@@ -17,13 +30,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
 
 
 class Job:
     """One request's work. `events` receive ("delta", ...), ("done", ...) or ("error", exc)."""
 
-    def __init__(self, work: Callable[[Job], Iterator[None]], on_event: Callable[[str, object], None]):
+    def __init__(self, work: Callable[[Job], Iterator[Decoder | None]], on_event: Callable[[str, object], None]):
         self.work = work
         self.on_event = on_event
         self._cancelled = threading.Event()
@@ -41,18 +55,31 @@ class Job:
         self.on_event(kind, payload)
 
 
+class Running:
+    """A started job: its generator and what it waits for (its Decoder, or None)."""
+
+    __slots__ = ("job", "steps", "wants")
+
+    def __init__(self, job: Job, steps: Iterator[Decoder | None]):
+        self.job, self.steps, self.wants = job, steps, None
+
+
 class EngineWorker:
     """Runs jobs on one thread; `submit` is safe from any thread."""
 
-    def __init__(self, max_active: int = 16, threads: int | None = None):
+    def __init__(self, max_active: int = 16, threads: int | None = None, kv_budget: int | None = None):
         self.max_active = max_active
+        self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._active: deque[tuple[Job, Iterator[None]]] = deque()
+        self._waiting: deque[Job] = deque()  # taken from the queue, not admitted yet (the KV budget is spent)
+        self._active: list[Running] = []
         self._thread = threading.Thread(target=self._run, name="localmoe-engine", daemon=True)
         self._stopping = False
-        self.steps = 0
+        self.steps = 0  # engine steps run
+        self.batched_tokens = 0  # decode tokens run in batched steps (all steps together)
         self.failures = 0
+        self.cancelled = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -68,15 +95,20 @@ class EngineWorker:
     @property
     def waiting(self) -> int:
         """Jobs queued and not started yet."""
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._waiting)
 
     @property
     def active(self) -> int:
         return len(self._active)
 
-    def _admit(self) -> None:
-        block = not self._active
-        while len(self._active) < self.max_active:
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the running sequences' caches hold (allocated blocks and states)."""
+        return sum(r.wants.cache.nbytes() for r in list(self._active) if isinstance(r.wants, Decoder))
+
+    def _take(self, block: bool) -> None:
+        """Move queued jobs to the waiting line (blocking for the first when nothing runs)."""
+        while True:
             try:
                 job = self._queue.get(block=block)
             except queue.Empty:
@@ -85,12 +117,21 @@ class EngineWorker:
             if job is None:
                 self._stopping = True
                 return
+            self._waiting.append(job)
+
+    def _admit(self) -> None:
+        self._take(block=False)
+        while self._waiting and len(self._active) < self.max_active:
+            if self.kv_budget is not None and self._active and self.kv_bytes >= self.kv_budget:
+                return  # the caches fill the budget: wait until a sequence finishes
+            job = self._waiting.popleft()
             if job.cancelled:
                 job.emit("error", CancelledError())
                 continue
             job.started = time.perf_counter()
             try:
-                self._active.append((job, job.work(job)))
+                running = Running(job, job.work(job))
+                self._advance(running, None, first=True)
             except Exception as e:  # noqa: BLE001 - a job that cannot start reports its error
                 self._fail(job, e)
 
@@ -98,24 +139,68 @@ class EngineWorker:
         self.failures += 1
         job.emit("error", error)
 
+    def _advance(self, running: Running, logits, first: bool = False) -> None:
+        """Resume a job with its logits; keep it running unless it ended (a failure is reported)."""
+        try:
+            running.wants = next(running.steps) if first else running.steps.send(logits)
+        except StopIteration:
+            self._drop(running)
+            return
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+            self._drop(running)
+            self._fail(running.job, e)
+            return
+        if first:
+            self._active.append(running)
+
+    def _drop(self, running: Running) -> None:
+        if running in self._active:
+            self._active.remove(running)
+
+    def step(self) -> None:
+        """Admit what may start, then one engine step over every running job (see the module docstring).
+        The worker thread calls it in a loop; a test may call it itself instead of starting the thread."""
+        self._admit()
+        for running in list(self._active):
+            if running.job.cancelled:
+                running.steps.close()
+                self._drop(running)
+                self.cancelled += 1
+                running.job.emit("error", CancelledError())
+        decode = [r for r in self._active if isinstance(r.wants, Decoder) and r.wants.decoding]
+        prefill = [r for r in self._active if isinstance(r.wants, Decoder) and not r.wants.decoding]
+        idle = [r for r in self._active if r.wants is None]
+        results: list[tuple[Running, torch.Tensor | None]] = []
+        if decode:
+            try:
+                logits = decode_together([r.wants for r in decode])
+                results += zip(decode, logits)
+                self.batched_tokens += len(decode)
+            except Exception as e:  # noqa: BLE001 - fail the step's jobs alone, keep serving
+                for r in decode:
+                    self._drop(r)
+                    self._fail(r.job, e)
+        prompt_run = False
+        for r in prefill:
+            dec = r.wants
+            if dec.prefilling:
+                if prompt_run:
+                    continue  # one prompt chunk per step
+                prompt_run = True
+            try:
+                results.append((r, dec.logits()))
+            except Exception as e:  # noqa: BLE001
+                self._drop(r)
+                self._fail(r.job, e)
+        results += [(r, None) for r in idle]
+        for r, logits in results:
+            self._advance(r, logits)
+        self.steps += 1
+
     def _run(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
         while not self._stopping:
-            self._admit()
-            for _ in range(len(self._active)):
-                job, steps = self._active.popleft()
-                if job.cancelled:
-                    steps.close()
-                    job.emit("error", CancelledError())
-                    continue
-                try:
-                    next(steps)
-                except StopIteration:
-                    continue
-                except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
-                    self._fail(job, e)
-                    continue
-                self.steps += 1
-                self._active.append((job, steps))
-
+            self._take(block=not self._active and not self._waiting)  # sleeps while there is nothing to do
+            if not self._stopping:
+                self.step()

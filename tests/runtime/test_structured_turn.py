@@ -13,7 +13,7 @@ from localmoe.chat.budget import Budget
 from localmoe.chat.grammar import Constraint, GrammarTokenizer, json_schema_grammar
 from localmoe.engine.sampler import SamplingParams
 from localmoe.runtime.forced import plan_forced_call
-from localmoe.runtime.turn import Prepared, run_chat
+from localmoe.runtime.turn import Prepared, run_alone, run_chat
 from localmoe.testing import FAMILIES
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -42,9 +42,8 @@ def loaded(request, tmp_path_factory):
 
 def run(loaded, prep: Prepared):
     events = []
-    for _ in run_chat(loaded.chat_format, loaded.tokenizer, loaded.model, prep, lambda k, p: events.append((k, p)),
-                      lambda: False):
-        pass
+    run_alone(run_chat(loaded.chat_format, loaded.tokenizer, loaded.model, prep, lambda k, p: events.append((k, p)),
+                       lambda: False))
     (result,) = [p for k, p in events if k == "done"]
     return result, events
 

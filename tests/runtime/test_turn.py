@@ -71,6 +71,17 @@ class FakeParser:
         return self.reply
 
 
+def forwards(turn):
+    """Drive a turn alone, yielding after each forward it asked for."""
+    try:
+        dec = next(turn)
+        while True:
+            yield
+            dec = turn.send(dec.logits())
+    except StopIteration:
+        return
+
+
 def run(script: list[int], cancel_after: int | None = None, **prep):
     model = ScriptedModel(script)
     events: list[tuple[str, object]] = []
@@ -82,7 +93,7 @@ def run(script: list[int], cancel_after: int | None = None, **prep):
     def cancelled() -> bool:
         return cancel_after is not None and steps >= cancel_after
 
-    for _ in run_chat(FakeFormat(), None, model, prepared, lambda k, p: events.append((k, p)), cancelled):
+    for _ in forwards(run_chat(FakeFormat(), None, model, prepared, lambda k, p: events.append((k, p)), cancelled)):
         steps += 1
     (kind, result), deltas = events[-1], [p for k, p in events[:-1]]
     assert kind == "done"

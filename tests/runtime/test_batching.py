@@ -1,0 +1,185 @@
+"""Continuous batching in the engine worker: a request's greedy output batched with others equals its
+output alone; sequences join and leave between steps; a cancelled sequence's cache is released at
+once; a thinking budget and a forced tool call work inside a batch.
+
+The worker is stepped by the test (`EngineWorker.step`, no thread), so joins and leaves happen at
+known steps; "alone" is the same turn driven by `run_alone` (one sequence, its own forwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from localmoe.chat import ChatMessage
+from localmoe.engine.sampler import SamplingParams
+from localmoe.runtime.service import ChatRequest, ServerConfig, Service
+from localmoe.runtime.turn import Prepared, run_alone, run_chat, run_completion
+from localmoe.runtime.worker import EngineWorker, Job
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+           "The best way to learn", "Water boils at", "In 1969, the first", "A haiku about rain:"]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+
+    return load_model(None, EngineConfig(threads=1), progress=False)
+
+
+def completion(loaded, text: str, max_tokens: int) -> Prepared:
+    return Prepared(prompt=loaded.tokenizer.encode(text, add_special_tokens=True), max_tokens=max_tokens,
+                    params=GREEDY)
+
+
+def job_of(work, results: dict, key) -> Job:
+    def on_event(kind, payload):
+        if kind == "done":
+            results[key] = payload
+        elif kind == "error":
+            results[key] = payload
+
+    return Job(work, on_event)
+
+
+def alone(loaded, prep: Prepared):
+    out = {}
+    run_alone(run_completion(loaded.tokenizer, loaded.model, prep, lambda k, p: out.update({k: p}), lambda: False))
+    return out["done"]
+
+
+def run_all(worker: EngineWorker, results: dict, expected: int, limit: int = 10_000) -> None:
+    for _ in range(limit):
+        if len(results) == expected and not worker.active:
+            return
+        worker.step()
+    raise AssertionError(f"the worker did not finish {expected} jobs in {limit} steps")
+
+
+@pytest.mark.parametrize("n", [2, 8, 16])
+def test_batched_greedy_equals_alone(embedded, n):
+    preps = [completion(embedded, PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 12) for i in range(n)]
+    worker, results = EngineWorker(max_active=n), {}
+    for i, prep in enumerate(preps):
+        tok, model = embedded.tokenizer, embedded.model
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, i))
+    run_all(worker, results, n)
+    assert worker.batched_tokens >= n * 8  # the decode steps ran batched, not one sequence at a time
+    for i, prep in enumerate(preps):
+        single = alone(embedded, prep)
+        assert results[i].content == single.content, i
+        assert results[i].completion_tokens == single.completion_tokens
+
+
+def test_sequences_join_and_leave_between_steps(embedded):
+    """Three requests of different lengths arrive at different steps; each equals its output alone."""
+    tok, model = embedded.tokenizer, embedded.model
+    preps = {"a": completion(embedded, PROMPTS[0], 20), "b": completion(embedded, PROMPTS[1], 4),
+             "c": completion(embedded, PROMPTS[2], 10)}
+    worker, results = EngineWorker(max_active=8), {}
+
+    def submit(key):
+        worker.submit(job_of(lambda job, p=preps[key]: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, key))
+
+    submit("a")
+    for _ in range(5):
+        worker.step()
+    submit("b")  # joins while a decodes
+    worker.step()
+    assert worker.active == 2
+    for _ in range(3):
+        worker.step()
+    submit("c")
+    for _ in range(8):
+        worker.step()
+    assert "b" in results and worker.active == 2  # b left; a and c go on
+    run_all(worker, results, 3)
+    for key, prep in preps.items():
+        assert results[key].content == alone(embedded, prep).content, key
+
+
+def test_cancellation_frees_the_sequence_cache_at_once(embedded):
+    tok, model = embedded.tokenizer, embedded.model
+    worker, results = EngineWorker(max_active=4), {}
+    jobs = {}
+    for key, text in (("keep", PROMPTS[0]), ("drop", PROMPTS[3] * 40)):
+        prep = completion(embedded, text, 64)
+        jobs[key] = job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                           results, key)
+        worker.submit(jobs[key])
+    for _ in range(6):
+        worker.step()
+    both = worker.kv_bytes
+    keep = [r for r in worker._active if r.job is jobs["keep"]][0].wants.cache.nbytes()
+    assert both > keep > 0
+    jobs["drop"].cancel()
+    worker.step()
+    assert worker.active == 1
+    assert worker.kv_bytes == keep  # the cancelled sequence's blocks are gone; the other's did not grow
+    assert type(results["drop"]).__name__ == "CancelledError"
+    run_all(worker, results, 2)
+    assert worker.kv_bytes == 0
+
+
+def test_kv_budget_holds_a_request_until_a_sequence_finishes(embedded):
+    tok, model = embedded.tokenizer, embedded.model
+    worker, results = EngineWorker(max_active=4, kv_budget=1), {}  # any running cache spends it
+    for key in ("first", "second"):
+        prep = completion(embedded, PROMPTS[0], 3)
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, key))
+    worker.step()
+    assert worker.active == 1 and worker.waiting == 1
+    run_all(worker, results, 2)
+    assert results["first"].content == results["second"].content
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), "tiny", seed=0)
+    return load_model(path, EngineConfig(), progress=False)
+
+
+def test_thinking_budget_and_forced_tool_call_inside_a_batch(gpt_oss):
+    """gpt-oss (harmony; sliding windows, sinks, MoE): a reasoning budget of 3 tokens and a forced call
+    batched with plain requests give what each gives alone."""
+    service = Service(gpt_oss, ServerConfig())
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}
+    requests = {
+        "budget": ChatRequest([ChatMessage("user", "Think, then answer.")], 24, GREEDY, reasoning_tokens=3),
+        "tool": ChatRequest([ChatMessage("user", "Weather in Paris?")], 32, GREEDY, tools=[weather],
+                            tool_mode="required"),
+        "plain1": ChatRequest([ChatMessage("user", "Hello")], 16, GREEDY),
+        "plain2": ChatRequest([ChatMessage("user", "Count to three")], 16, GREEDY),
+    }
+    fmt, tok, model = service.format, service.tokenizer, service.model
+
+    def work(key):
+        return lambda job: run_chat(fmt, tok, model, service.prepare_chat(requests[key])[0], job.emit,
+                                    lambda: job.cancelled)
+
+    worker, results = EngineWorker(max_active=8), {}
+    for key in requests:
+        worker.submit(job_of(work(key), results, key))
+    run_all(worker, results, len(requests))
+    assert worker.batched_tokens > 0
+    assert results["budget"].reasoning_closed_by == "reasoning_tokens"
+    assert results["budget"].reasoning_tokens == 3
+    assert results["tool"].finish_reason == "tool_calls"
+    assert [c.name for c in results["tool"].tool_calls] == ["get_weather"]
+    for key in requests:
+        out = {}
+        run_alone(work(key)(type("J", (), {"emit": lambda self, k, p: out.update({k: p}), "cancelled": False})()))
+        single = out["done"]
+        assert (results[key].content, results[key].reasoning) == (single.content, single.reasoning), key
+        assert [(c.name, c.arguments) for c in results[key].tool_calls] == \
+            [(c.name, c.arguments) for c in single.tool_calls], key
