@@ -8,10 +8,17 @@ delta rule: the part that reads each sequence's own cache) runs per sequence, on
 its own positions; the caches stay batch-1 `ModelCache`s of different lengths, so a sequence
 joins or leaves between two steps without touching the others.
 
+Plain GQA layers (`_gqa`) also project q/k/v and the output for all rows at once; only the cache
+write and the attention itself run per sequence. Other mixers (MLA, DSA, delta rule, top-k
+selecting attention) run each sequence alone on its row.
+
 A row's result does not depend on the others: every matrix of N <= GEMV_MAX_ROWS rows runs the
 decode kernels, which compute each row independently, and larger batches are cut into such
-slices (`_rowwise`); the mixer runs each sequence alone. So a greedy sequence produces the same
-tokens batched with 15 others as alone through this step.
+slices (`_rowwise`). So a greedy sequence produces the same tokens alone or batched with 15
+others. The engine worker therefore runs one sequence through this step too: the model's own
+decode step (its fused `DecodePlan`, kernels/decode_layers; `fused=True`) is faster for one
+sequence but rounds differently, so a request could part at a near-tie of its two best tokens
+depending on whether another sequence happened to be decoding at the same step.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.moe import MoEBlock
+from localmoe.engine.layers.attention import GQAttention
+from localmoe.engine.layers.moe import MoEBlock
+from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import make_step
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
+from localmoe.kernels.gqa_decode import gqa_decode
 from localmoe.kernels.rms_norm import add_rms_norm
 
 
@@ -43,11 +53,46 @@ def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(part) for part in h.split(GEMV_MAX_ROWS)])
 
 
+def _plain_gqa(mixer, caches) -> bool:
+    """GQA without top-k selection or recording (those keep their own per-sequence path)."""
+    return isinstance(mixer, GQAttention) and mixer.sparse_topk is None and not mixer.record_selection
+
+
+def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches) -> torch.Tensor:
+    """GQA decode of N sequences: the projections (and q/k norms, RoPE) for all rows at once, the
+    cache write and attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
+    N = h.shape[0]
+    H, Hkv, D = mixer.heads, mixer.kv_heads, mixer.head_dim
+    qk, v = _rowwise(mixer.qkv, h).split((mixer.split[0] + mixer.split[1], mixer.split[2]), dim=-1)
+    qk, v = qk.view(N, 1, H + Hkv, D), v.view(N, 1, Hkv, D)
+    if mixer.q_norm is not None:
+        qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), mixer.q_norm, mixer.eps),
+                        F.rms_norm(qk[:, :, H:], (D,), mixer.k_norm, mixer.eps)], dim=2)
+    cos = torch.cat([s.cos for s in steps])
+    sin = torch.cat([s.sin for s in steps])
+    rot = mixer.rotary_dim
+    if rot < D:
+        qk = torch.cat([apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]], dim=-1)
+    else:
+        qk = apply_rope(qk, cos, sin)
+    q, k = qk.split((H, Hkv), dim=2)
+    out = []
+    for n, (step, cache) in enumerate(zip(steps, layer_caches)):
+        keys, values = cache.update(step.start, k[n:n + 1], v[n:n + 1])
+        first = max(0, step.start + 1 - mixer.window) if mixer.window else 0
+        out.append(gqa_decode(q[n:n + 1, 0], keys, values, mixer.scale, first, None, mixer.head_sinks))
+    out = torch.cat(out).view(N, 1, H * D)
+    if mixer.gate is not None:
+        out = out * torch.sigmoid(_rowwise(mixer.gate, h))
+    return _rowwise(mixer.o_proj, out)
+
+
 @torch.inference_mode()
-def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor:
-    """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V]."""
+def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fused: bool = False) -> torch.Tensor:
+    """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V].
+    `fused`: one sequence takes the model's own decode step (see the module docstring)."""
     N = len(tokens)
-    if N == 1 or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
+    if (fused and N == 1) or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
         return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
     ids = torch.tensor(tokens, dtype=torch.long).view(N, 1)
     starts = [cache.reserve(1) for cache in caches]
@@ -57,7 +102,10 @@ def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
-            mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
+            if _plain_gqa(mixer, caches):
+                mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches])
+            else:  # other mixers: each sequence alone on its row
+                mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
             h = add_rms_norm(x, mixed, mlp_norm, eps)
             following = model.layers[i + 1][0] if i + 1 < len(model.layers) else model.norm
             out = mlp(h) if isinstance(mlp, MoEBlock) else _rowwise(mlp, h)  # MoE: experts grouped, read once

@@ -1,9 +1,10 @@
-"""Continuous batching in the engine worker: a request's greedy output batched with others equals its
-output alone; sequences join and leave between steps; a cancelled sequence's cache is released at
-once; a thinking budget and a forced tool call work inside a batch.
+"""Continuous batching in the engine worker: a request's greedy output does not depend on who else is
+in the batch (2, 8, 16 sequences); sequences join and leave between steps; a cancelled sequence's
+cache is released at once; the KV budget holds admissions; a thinking budget and a forced tool call
+work inside a batch.
 
 The worker is stepped by the test (`EngineWorker.step`, no thread), so joins and leaves happen at
-known steps; "alone" is the same turn driven by `run_alone` (one sequence, its own forwards).
+known steps. The reference for a request is its output alone in a worker (`alone`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from localmoe.chat import ChatMessage
 from localmoe.engine.sampler import SamplingParams
 from localmoe.runtime.service import ChatRequest, ServerConfig, Service
-from localmoe.runtime.turn import Prepared, run_alone, run_chat, run_completion
+from localmoe.runtime.turn import Prepared, run_chat, run_completion
 from localmoe.runtime.worker import EngineWorker, Job
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -36,18 +37,19 @@ def completion(loaded, text: str, max_tokens: int) -> Prepared:
 
 def job_of(work, results: dict, key) -> Job:
     def on_event(kind, payload):
-        if kind == "done":
-            results[key] = payload
-        elif kind == "error":
+        if kind in ("done", "error"):
             results[key] = payload
 
     return Job(work, on_event)
 
 
 def alone(loaded, prep: Prepared):
-    out = {}
-    run_alone(run_completion(loaded.tokenizer, loaded.model, prep, lambda k, p: out.update({k: p}), lambda: False))
-    return out["done"]
+    """`prep` alone in a worker."""
+    tok, model = loaded.tokenizer, loaded.model
+    worker, results = EngineWorker(max_active=2), {}
+    worker.submit(job_of(lambda job: run_completion(tok, model, prep, job.emit, lambda: job.cancelled), results, "it"))
+    run_all(worker, results, 1)
+    return results["it"]
 
 
 def run_all(worker: EngineWorker, results: dict, expected: int, limit: int = 10_000) -> None:
@@ -62,8 +64,8 @@ def run_all(worker: EngineWorker, results: dict, expected: int, limit: int = 10_
 def test_batched_greedy_equals_alone(embedded, n):
     preps = [completion(embedded, PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 12) for i in range(n)]
     worker, results = EngineWorker(max_active=n), {}
+    tok, model = embedded.tokenizer, embedded.model
     for i, prep in enumerate(preps):
-        tok, model = embedded.tokenizer, embedded.model
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                              results, i))
     run_all(worker, results, n)
@@ -114,7 +116,7 @@ def test_cancellation_frees_the_sequence_cache_at_once(embedded):
     for _ in range(6):
         worker.step()
     both = worker.kv_bytes
-    keep = [r for r in worker._active if r.job is jobs["keep"]][0].wants.cache.nbytes()
+    keep = next(r for r in worker._active if r.job is jobs["keep"]).wants.cache.nbytes()
     assert both > keep > 0
     jobs["drop"].cancel()
     worker.step()
@@ -177,9 +179,10 @@ def test_thinking_budget_and_forced_tool_call_inside_a_batch(gpt_oss):
     assert results["tool"].finish_reason == "tool_calls"
     assert [c.name for c in results["tool"].tool_calls] == ["get_weather"]
     for key in requests:
-        out = {}
-        run_alone(work(key)(type("J", (), {"emit": lambda self, k, p: out.update({k: p}), "cancelled": False})()))
-        single = out["done"]
+        single_worker, out = EngineWorker(max_active=1), {}
+        single_worker.submit(job_of(work(key), out, "it"))
+        run_all(single_worker, out, 1)
+        single = out["it"]
         assert (results[key].content, results[key].reasoning) == (single.content, single.reasoning), key
         assert [(c.name, c.arguments) for c in results[key].tool_calls] == \
             [(c.name, c.arguments) for c in single.tool_calls], key
