@@ -29,7 +29,11 @@ def default_sessions_path() -> Path:
 @click.option("--max-tokens-limit", type=int, default=None, help="The most max_tokens a request may ask for "
               "(default: the context).")
 @click.option("--max-concurrency", type=int, default=16, show_default=True,
-              help="Generations interleaved at once; more requests wait in the queue.")
+              help="Sequences batched at once (one forward per step over all of them); more requests wait "
+                   "in the queue.")
+@click.option("--kv-budget", default=None, metavar="SIZE",
+              help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
+                   "past it new requests wait until a sequence finishes. Default: no limit.")
 @click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")
 @thinking_budgets_option
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
@@ -44,7 +48,7 @@ def default_sessions_path() -> Path:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
-            max_concurrency, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
+            max_concurrency, kv_budget, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
             documents_roots, allowed_hosts, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
@@ -57,6 +61,13 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
 
     if max_tokens_default < 1 or (max_tokens_limit is not None and max_tokens_limit < 1) or max_concurrency < 1:
         raise LocalMoEError("--max-tokens, --max-tokens-limit and --max-concurrency must be at least 1")
+    budget = None
+    if kv_budget is not None:
+        from localmoe.commands.paged import parse_size
+
+        budget = parse_size(kv_budget)
+        if budget < 1:
+            raise LocalMoEError("--kv-budget must be a positive size such as 512M or 2G")
     if prefix_cache_entries < 0:
         raise LocalMoEError("--prefix-cache must be 0 (off) or a number of cached sequences")
     local = host in ("127.0.0.1", "localhost", "::1")
@@ -65,7 +76,7 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
         if not root.is_dir():
             raise LocalMoEError(f"--documents-root {root}: not a folder")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
-                          max_active=max_concurrency, max_body_bytes=max_body, api_key=api_key or None,
+                          max_active=max_concurrency, kv_budget=budget, max_body_bytes=max_body, api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=thinking_budgets, threads=engine.threads,
                           prefix_cache_entries=prefix_cache_entries,

@@ -58,7 +58,8 @@ class Metrics:
             self._trim(now)
             return sum(n for _, n in self._recent) / RATE_WINDOW
 
-    def render(self, queue_depth: int, active: int, tiers: dict | None = None) -> str:
+    def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None) -> str:
+        """The Prometheus text; `worker` (an EngineWorker) adds the scheduler's gauges and counters."""
         rate = self.tokens_per_second()
         lines = []
 
@@ -90,6 +91,19 @@ class Metrics:
                f"Tokens generated per second over the last {RATE_WINDOW:.0f} s.", [("", round(rate, 3))])
         metric("localmoe_queue_depth", "gauge", "Requests waiting for the engine.", [("", queue_depth)])
         metric("localmoe_active_generations", "gauge", "Requests the engine is generating.", [("", active)])
+        if worker is not None:
+            metric("localmoe_sequences", "gauge", "Sequences by scheduler state (running: in the batch; waiting: "
+                   "queued or held by the KV budget).", [('{state="running"}', active), ('{state="waiting"}', queue_depth)])
+            metric("localmoe_kv_cache_bytes", "gauge", "Bytes the running sequences' caches hold.",
+                   [("", worker.kv_bytes)])
+            if worker.kv_budget is not None:
+                metric("localmoe_kv_budget_bytes", "gauge", "The KV-cache budget that admission keeps to.",
+                       [("", worker.kv_budget)])
+            metric("localmoe_engine_steps_total", "counter", "Engine steps run (one batched forward each).",
+                   [("", worker.steps)])
+            metric("localmoe_batched_decode_tokens_total", "counter",
+                   "Decode tokens run in batched steps (divided by the steps: the mean batch).",
+                   [("", worker.batched_tokens)])
         tiers = tiers or {}
         metric("localmoe_expert_tier_hit_rate", "gauge", "Expert requests served by each tier / all requests.",
                [(f'{{tier="{t}"}}', round(s.hit_rate, 6)) for t, s in tiers.items()])

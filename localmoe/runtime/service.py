@@ -32,7 +32,8 @@ MODEL_ALIASES = ("default", "localmoe")
 class ServerConfig:
     max_tokens_default: int = 512  # when a request gives none
     max_tokens_limit: int | None = None  # the most a request may ask for (None: the context)
-    max_active: int = 16  # generations interleaved at once; more wait in the queue
+    max_active: int = 16  # sequences batched at once; more wait in the queue
+    kv_budget: int | None = None  # bytes of KV cache the running sequences may hold before admission waits
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
     sessions_path: Path | None = None
@@ -174,7 +175,7 @@ class Service:
         self.metrics = Metrics()
         self.prefix_cache = (PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
                              if config.prefix_cache_entries > 0 else None)
-        self.worker = EngineWorker(config.max_active, config.threads or None)
+        self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget)
         self.created = int(time.time())
         self._grammar_tokenizer = None
         self._grammar_error: str | None = None
@@ -241,7 +242,7 @@ class Service:
                               result.time_to_first_token)
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model))
+        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker)
 
     # ---- chat ----
 
