@@ -1,4 +1,6 @@
-"""`localmoe run PROMPT`: answer one prompt, streaming to stdout; speed to stderr."""
+"""`localmoe run PROMPT`: answer one prompt through the runtime (the chat turn every front end runs:
+reasoning parsed, thinking budget, stop strings), streaming the answer to stdout; reasoning and
+speed to stderr."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import sys
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import model_options
+from localmoe.commands.options import model_options, thinking_budgets_option
+from localmoe.errors import LocalMoEError
 
 
 @click.command("run", cls=Command)
@@ -23,6 +26,10 @@ from localmoe.commands.options import model_options
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None, help="Seed for reproducible sampling.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--thinking", type=click.Choice(["low", "high", "max"]), default=None,
+              help="Thinking budget tier (reasoning-token limit from --thinking-budgets; a model that takes the "
+                   "tier natively, such as Kimi K3, is also told it). Default: the model's own default.")
+@thinking_budgets_option
 @click.option("--no-stream", is_flag=True, help="Print the answer only when it is complete.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, finish reason and stats.")
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
@@ -30,34 +37,54 @@ from localmoe.commands.options import model_options
 @click.option("--stats", "show_stats", is_flag=True,
               help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) to stderr.")
 def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k,
-            min_p, repetition_penalty, seed, stop, no_stream, as_json, images, show_stats):
+            min_p, repetition_penalty, seed, stop, thinking, thinking_budgets, no_stream, as_json, images,
+            show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
+    from localmoe.chat.format import ChatMessage
     from localmoe.engine.sampler import SamplingParams
     from localmoe.kernels import _cpu as cpu_kernels
     from localmoe.load import load_model
     from localmoe.paging.metrics import pager_of, stats_line
+    from localmoe.runtime.service import ChatRequest, ServerConfig, Service
 
     if prompt == "-":
         prompt = sys.stdin.read()
+    if max_tokens < 1:
+        raise LocalMoEError("--max-tokens must be at least 1")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
     loaded = load_model(model, engine)
     stream = not (no_stream or as_json)
-    parts, final = [], None
-    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system,
-                                images=images):
-        parts.append(chunk.text)
-        if stream and chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        if chunk.finish_reason:
-            final = chunk
+    if images:  # image prompts run through the engine's own stream (engine/images.py), not a chat turn yet
+        events = _image_events(loaded, prompt, params, max_tokens, stop, system, images)
+    else:
+        service = Service(loaded, ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0))
+        messages = ([ChatMessage("system", system)] if system else []) + [ChatMessage("user", prompt)]
+        events = service.chat_here(ChatRequest(messages, max_tokens, params, stop=list(stop),
+                                               reasoning_effort=thinking))
+    parts, reasoning, result = [], [], None
+    for kind, payload in events:
+        if kind == "done":
+            result = payload
+        elif payload.channel == "reasoning":
+            reasoning.append(payload.text)
+            if stream and payload.text:
+                click.echo(click.style(payload.text, dim=True), err=True, nl=False)
+        elif payload.text:
+            parts.append(payload.text)
+            if stream:
+                sys.stdout.write(payload.text)
+                sys.stdout.flush()
     text = "".join(parts)
-    stats = final.stats
+    decode_s = result.seconds - result.time_to_first_token
+    rate = (result.completion_tokens - 1) / decode_s if result.completion_tokens > 1 and decode_s > 0 else 0.0
+    stats = {"prompt_tokens": result.prompt_tokens, "generated_tokens": result.completion_tokens,
+             "reasoning_tokens": result.reasoning_tokens, "time_to_first_token_s": round(result.time_to_first_token, 4),
+             "decode_tokens_per_s": round(rate, 2), "reasoning_closed_by": result.reasoning_closed_by}
     pager = pager_of(loaded)
     if as_json:
-        out = {"model": str(loaded.source), "text": text, "finish_reason": final.finish_reason,
-               "stats": stats.to_dict(), "cpu_kernels": cpu_kernels.describe()}
+        out = {"model": str(loaded.source), "text": text, "reasoning": "".join(reasoning),
+               "finish_reason": result.finish_reason, "stats": stats, "cpu_kernels": cpu_kernels.describe()}
         if pager is not None:
             out["paging"] = pager.stats.to_dict()
         click.echo(json.dumps(out, ensure_ascii=False))
@@ -66,9 +93,10 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
             sys.stdout.write(text)
         sys.stdout.write("\n")
         sys.stdout.flush()
-    click.echo(f"[{stats.prompt_tokens} prompt tokens, time to first token {stats.time_to_first_token:.2f} s; "
-               f"{stats.generated_tokens} tokens at {stats.decode_tokens_per_second:.1f} tokens/s; "
-               f"finish: {final.finish_reason}]", err=True)
+    closed = f"; thinking closed by the {result.reasoning_closed_by} budget" if result.reasoning_closed_by else ""
+    click.echo(f"[{result.prompt_tokens} prompt tokens, time to first token {result.time_to_first_token:.2f} s; "
+               f"{result.completion_tokens} tokens at {rate:.1f} tokens/s; "
+               f"finish: {result.finish_reason}{closed}]", err=True)
     if show_stats:
         click.echo(stats_line(loaded) or "[paging: off (experts resident, or --ram 0: the page cache decides)]",
                    err=True)
@@ -76,6 +104,22 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         if images:
             enc = loaded.image_encoder
             click.echo(f"[images: {len(images)} ({enc.encoded} encoded) in {enc.seconds:.2f} s]", err=True)
+
+
+def _image_events(loaded, prompt, params, max_tokens, stop, system, images):
+    """The chat turn's events for an image prompt, from the engine's stream (no reasoning parsing)."""
+    from localmoe.chat.format import Delta
+    from localmoe.runtime.turn import TurnResult
+
+    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system, images=images):
+        if chunk.text:
+            yield "delta", Delta("content", chunk.text)
+        if chunk.finish_reason:
+            stats = chunk.stats
+            yield "done", TurnResult(finish_reason=chunk.finish_reason, prompt_tokens=stats.prompt_tokens,
+                                     completion_tokens=len(chunk.tokens or []),
+                                     time_to_first_token=stats.time_to_first_token,
+                                     seconds=stats.time_to_first_token + stats.decode_seconds)
 
 
 def main() -> None:

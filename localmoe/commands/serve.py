@@ -31,6 +31,10 @@ def default_sessions_path() -> Path:
 @click.option("--max-concurrency", type=int, default=16, show_default=True,
               help="Sequences batched at once (one forward per step over all of them); more requests wait "
                    "in the queue.")
+@click.option("--batching", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Decode step of concurrent sequences: on = one batched forward over all of them; off = each "
+                   "sequence's own (fused) step in turn; auto = batched unless the model has a fused "
+                   "single-sequence step, which is faster on the CPU.")
 @click.option("--kv-budget", default=None, metavar="SIZE",
               help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
                    "past it new requests wait until a sequence finishes. Default: no limit.")
@@ -48,7 +52,8 @@ def default_sessions_path() -> Path:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
-            max_concurrency, kv_budget, max_body, thinking_budgets, sessions_path, no_sessions, prefix_cache_entries,
+            max_concurrency, batching, kv_budget, max_body, thinking_budgets, sessions_path, no_sessions,
+            prefix_cache_entries,
             documents_roots, allowed_hosts, log_level):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
@@ -76,7 +81,8 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
         if not root.is_dir():
             raise LocalMoEError(f"--documents-root {root}: not a folder")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
-                          max_active=max_concurrency, kv_budget=budget, max_body_bytes=max_body, api_key=api_key or None,
+                          max_active=max_concurrency, batching=batching, kv_budget=budget, max_body_bytes=max_body,
+                          api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=thinking_budgets, threads=engine.threads,
                           prefix_cache_entries=prefix_cache_entries,

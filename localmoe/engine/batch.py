@@ -15,10 +15,10 @@ selecting attention) run each sequence alone on its row.
 A row's result does not depend on the others: every matrix of N <= GEMV_MAX_ROWS rows runs the
 decode kernels, which compute each row independently, and larger batches are cut into such
 slices (`_rowwise`). So a greedy sequence produces the same tokens alone or batched with 15
-others. The engine worker therefore runs one sequence through this step too: the model's own
-decode step (its fused `DecodePlan`, kernels/decode_layers; `fused=True`) is faster for one
-sequence but rounds differently, so a request could part at a near-tie of its two best tokens
-depending on whether another sequence happened to be decoding at the same step.
+others. The model's own decode step (its fused `DecodePlan`, kernels/decode_layers) rounds
+differently, so a worker uses one or the other for every sequence and every step, never both
+(`fused=True`: each sequence its own fused step): otherwise a request could part at a near-tie of
+its two best tokens depending on whether another sequence happened to decode at the same step.
 """
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
     if h.shape[0] <= GEMV_MAX_ROWS:
         return fn(h)
     return torch.cat([fn(part) for part in h.split(GEMV_MAX_ROWS)])
+
+
+def has_fused_step(model) -> bool:
+    """Whether one sequence's decode step runs as one fused kernel call (engine/decode_plan.py). On the CPU
+    such a step is compute-bound per token already (kernels/decode_layers), so batching it through this
+    module's op-by-op step loses (measured in docs/performance.md): the worker's "auto" mode keeps the
+    fused step per sequence there."""
+    from localmoe.engine.decode_plan import DecodePlan
+
+    return hasattr(model, "layers") and DecodePlan.build(model) is not None
 
 
 def _plain_gqa(mixer, caches) -> bool:
@@ -90,9 +100,9 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches) -> torch.Tens
 @torch.inference_mode()
 def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fused: bool = False) -> torch.Tensor:
     """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V].
-    `fused`: one sequence takes the model's own decode step (see the module docstring)."""
+    `fused`: every sequence takes the model's own decode step, one after another (see the module docstring)."""
     N = len(tokens)
-    if (fused and N == 1) or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
+    if fused or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
         return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
     ids = torch.tensor(tokens, dtype=torch.long).view(N, 1)
     starts = [cache.reserve(1) for cache in caches]

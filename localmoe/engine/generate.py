@@ -129,13 +129,14 @@ class Decoder:
             self.prefix_cache = None
 
 
-def decode_together(decoders: Sequence[Decoder]) -> list[torch.Tensor]:
+def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[torch.Tensor]:
     """One decode step of several sequences (each `decoding`, all of one model) as one batched forward
-    (engine/batch.py); the logits [1, V] of each, in order. A sequence's logits are those it gets alone."""
+    (engine/batch.py; `fused`: each sequence's own fused step instead); the logits [1, V] of each, in
+    order. A sequence's logits are those it gets alone in the same mode."""
     from localmoe.engine.batch import decode_batch
 
     tokens = [d.pending[0] for d in decoders]
-    logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders])
+    logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
     for d, token in zip(decoders, tokens):
         d.pending = []
         d.in_cache.append(token)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.engine.generate import decode_together
 from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache
 from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, RequestError
@@ -34,6 +35,7 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # the most a request may ask for (None: the context)
     max_active: int = 16  # sequences batched at once; more wait in the queue
     kv_budget: int | None = None  # bytes of KV cache the running sequences may hold before admission waits
+    batching: str = "auto"  # the worker's decode step: auto | on | off (runtime/worker.py)
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
     sessions_path: Path | None = None
@@ -175,7 +177,7 @@ class Service:
         self.metrics = Metrics()
         self.prefix_cache = (PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
                              if config.prefix_cache_entries > 0 else None)
-        self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget)
+        self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget, config.batching)
         self.created = int(time.time())
         self._grammar_tokenizer = None
         self._grammar_error: str | None = None
@@ -327,6 +329,25 @@ class Service:
                         on_done, on_interrupt=on_done)
         stream.prompt = prep.prompt
         return stream.start()
+
+    def chat_here(self, req: ChatRequest):
+        """Run `req` in this thread, without the worker (one front end alone: `localmoe run`): the same
+        preparation, turn and batched step as a served request; yields ("delta", Delta) ... ("done",
+        TurnResult)."""
+        prep, _ = self.prepare_chat(req)
+        events: list[tuple[str, object]] = []
+        turn = run_chat(self.format, self.tokenizer, self.model, prep, lambda k, p: events.append((k, p)),
+                        lambda: False)
+        try:
+            dec = next(turn)
+            while True:
+                yield from events
+                events.clear()
+                fused = self.worker.fused_for(self.model)
+                dec = turn.send(decode_together([dec], fused)[0] if dec.decoding else dec.logits())
+        except StopIteration:
+            pass
+        yield from events
 
     # ---- completions ----
 

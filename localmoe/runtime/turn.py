@@ -106,12 +106,10 @@ def _max_len(prep: Prepared, extra: int) -> int:
 
 def run_alone(steps: Iterator[Decoder]) -> None:
     """Drive one turn to its end in this thread (no worker): each step is its decoder's own forward."""
-    from localmoe.engine.generate import decode_together
-
     try:
         dec = next(steps)
         while True:
-            dec = steps.send(decode_together([dec])[0] if dec.decoding else dec.logits())
+            dec = steps.send(dec.logits())
     except StopIteration:
         return
 

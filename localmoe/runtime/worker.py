@@ -13,6 +13,12 @@ worker collects what its running jobs wait for and runs, in this order:
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
 
+`batching` chooses the decode step: "on" always batches; "off" runs each sequence's own decode
+step one after another (the fused single-sequence step where the model has one); "auto" (the
+default) batches unless the model has a fused single-sequence step (engine/batch.py
+`has_fused_step`), which on the CPU is faster per token than the batched op-by-op step. The choice
+holds for every step, so a request's output never depends on the others.
+
 Up to `max_active` jobs run at once; the others wait in arrival order. With `kv_budget`
 (bytes), a waiting job is admitted only while the running sequences' caches hold less than the
 budget. A cancelled job (its client went away) is closed at the next step and its cache
@@ -30,8 +36,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from localmoe.engine.batch import has_fused_step
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
+
+BATCHING = ("auto", "on", "off")
 
 
 class Job:
@@ -67,8 +76,13 @@ class Running:
 class EngineWorker:
     """Runs jobs on one thread; `submit` is safe from any thread."""
 
-    def __init__(self, max_active: int = 16, threads: int | None = None, kv_budget: int | None = None):
+    def __init__(self, max_active: int = 16, threads: int | None = None, kv_budget: int | None = None,
+                 batching: str = "auto"):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}, not {batching!r}")
         self.max_active = max_active
+        self.batching = batching
+        self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
         self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -80,6 +94,12 @@ class EngineWorker:
         self.batched_tokens = 0  # decode tokens run in batched steps (all steps together)
         self.failures = 0
         self.cancelled = 0
+
+    def fused_for(self, model) -> bool:
+        """Whether decode steps run each sequence's own fused step (decided once, see the module docstring)."""
+        if self.fused is None:
+            self.fused = self.batching == "off" or (self.batching == "auto" and has_fused_step(model))
+        return self.fused
 
     def start(self) -> None:
         self._thread.start()
@@ -173,9 +193,9 @@ class EngineWorker:
         results: list[tuple[Running, torch.Tensor | None]] = []
         if decode:
             try:
-                logits = decode_together([r.wants for r in decode])
+                logits = decode_together([r.wants for r in decode], self.fused_for(decode[0].wants.model))
                 results += zip(decode, logits)
-                self.batched_tokens += len(decode)
+                self.batched_tokens += 0 if self.fused else len(decode)
             except Exception as e:  # noqa: BLE001 - fail the step's jobs alone, keep serving
                 for r in decode:
                     self._drop(r)

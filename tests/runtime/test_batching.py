@@ -46,7 +46,7 @@ def job_of(work, results: dict, key) -> Job:
 def alone(loaded, prep: Prepared):
     """`prep` alone in a worker."""
     tok, model = loaded.tokenizer, loaded.model
-    worker, results = EngineWorker(max_active=2), {}
+    worker, results = EngineWorker(max_active=2, batching="on"), {}
     worker.submit(job_of(lambda job: run_completion(tok, model, prep, job.emit, lambda: job.cancelled), results, "it"))
     run_all(worker, results, 1)
     return results["it"]
@@ -63,7 +63,7 @@ def run_all(worker: EngineWorker, results: dict, expected: int, limit: int = 10_
 @pytest.mark.parametrize("n", [2, 8, 16])
 def test_batched_greedy_equals_alone(embedded, n):
     preps = [completion(embedded, PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 12) for i in range(n)]
-    worker, results = EngineWorker(max_active=n), {}
+    worker, results = EngineWorker(max_active=n, batching="on"), {}
     tok, model = embedded.tokenizer, embedded.model
     for i, prep in enumerate(preps):
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
@@ -76,12 +76,29 @@ def test_batched_greedy_equals_alone(embedded, n):
         assert results[i].completion_tokens == single.completion_tokens
 
 
+def test_auto_keeps_the_fused_step_per_sequence_where_the_model_has_one(embedded):
+    """The embedded model has a fused single-sequence step: "auto" runs it for each sequence (nothing is
+    batched), and a request's output is the same with others running as alone."""
+    tok, model = embedded.tokenizer, embedded.model
+    preps = [completion(embedded, text, 8) for text in PROMPTS[:4]]
+    outputs = []
+    for group in (preps, preps[:1]):
+        worker, results = EngineWorker(max_active=4), {}
+        for i, prep in enumerate(group):
+            worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                                 results, i))
+        run_all(worker, results, len(group))
+        assert worker.fused and worker.batched_tokens == 0
+        outputs.append(results[0].content)
+    assert outputs[0] == outputs[1]
+
+
 def test_sequences_join_and_leave_between_steps(embedded):
     """Three requests of different lengths arrive at different steps; each equals its output alone."""
     tok, model = embedded.tokenizer, embedded.model
     preps = {"a": completion(embedded, PROMPTS[0], 20), "b": completion(embedded, PROMPTS[1], 4),
              "c": completion(embedded, PROMPTS[2], 10)}
-    worker, results = EngineWorker(max_active=8), {}
+    worker, results = EngineWorker(max_active=8, batching="on"), {}
 
     def submit(key):
         worker.submit(job_of(lambda job, p=preps[key]: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
@@ -106,7 +123,7 @@ def test_sequences_join_and_leave_between_steps(embedded):
 
 def test_cancellation_frees_the_sequence_cache_at_once(embedded):
     tok, model = embedded.tokenizer, embedded.model
-    worker, results = EngineWorker(max_active=4), {}
+    worker, results = EngineWorker(max_active=4, batching="on"), {}
     jobs = {}
     for key, text in (("keep", PROMPTS[0]), ("drop", PROMPTS[3] * 40)):
         prep = completion(embedded, text, 64)
@@ -129,7 +146,7 @@ def test_cancellation_frees_the_sequence_cache_at_once(embedded):
 
 def test_kv_budget_holds_a_request_until_a_sequence_finishes(embedded):
     tok, model = embedded.tokenizer, embedded.model
-    worker, results = EngineWorker(max_active=4, kv_budget=1), {}  # any running cache spends it
+    worker, results = EngineWorker(max_active=4, kv_budget=1, batching="on"), {}  # any running cache spends it
     for key in ("first", "second"):
         prep = completion(embedded, PROMPTS[0], 3)
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
@@ -169,7 +186,7 @@ def test_thinking_budget_and_forced_tool_call_inside_a_batch(gpt_oss):
         return lambda job: run_chat(fmt, tok, model, service.prepare_chat(requests[key])[0], job.emit,
                                     lambda: job.cancelled)
 
-    worker, results = EngineWorker(max_active=8), {}
+    worker, results = EngineWorker(max_active=8, batching="on"), {}
     for key in requests:
         worker.submit(job_of(work(key), results, key))
     run_all(worker, results, len(requests))
@@ -179,10 +196,30 @@ def test_thinking_budget_and_forced_tool_call_inside_a_batch(gpt_oss):
     assert results["tool"].finish_reason == "tool_calls"
     assert [c.name for c in results["tool"].tool_calls] == ["get_weather"]
     for key in requests:
-        single_worker, out = EngineWorker(max_active=1), {}
+        single_worker, out = EngineWorker(max_active=1, batching="on"), {}
         single_worker.submit(job_of(work(key), out, "it"))
         run_all(single_worker, out, 1)
         single = out["it"]
         assert (results[key].content, results[key].reasoning) == (single.content, single.reasoning), key
         assert [(c.name, c.arguments) for c in results[key].tool_calls] == \
             [(c.name, c.arguments) for c in single.tool_calls], key
+
+
+def test_run_command_honours_the_thinking_budget(tmp_path):
+    """`localmoe run --thinking low` closes the reasoning at the low tier's limit (the runtime's turn)."""
+    import json
+    import subprocess
+    import sys
+
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("gpt_oss", tmp_path, "tiny", seed=0)
+    done = subprocess.run([sys.executable, "-m", "localmoe", "run", "Think first.", "--model", str(path),
+                           "--temperature", "0", "--max-tokens", "24", "--thinking", "low",
+                           "--thinking-budgets", "low=3,high=4096,max=none", "--json"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["stats"]["reasoning_closed_by"] == "reasoning_tokens"
+    assert answer["stats"]["reasoning_tokens"] == 3
+    assert "thinking closed by the reasoning_tokens budget" in done.stderr

@@ -1,0 +1,148 @@
+"""Serving throughput and latency under concurrent clients: a real `localmoe serve` on loopback, real
+HTTP clients (httpx, streamed chat completions), for 1, 4, 16 and 32 clients.
+
+    python benchmarks/serving.py                       # the embedded model
+    python benchmarks/serving.py --model STORE --ram 25% --clients 1,16
+
+Each client sends `--requests` requests one after another (greedy, at most `--max-tokens` tokens;
+the prompts ask for long answers, so most run to the limit). Printed per client
+count: aggregate generated tokens/s, p50/p99 time to first token, p50/p99 inter-token latency (gaps
+between streamed content chunks), the mean batch the engine ran (batched decode tokens / steps, from
+/metrics) and expert bytes read per generated token (the pager's bytes from /metrics; 0 where the
+experts are resident or the model is dense); then each count's aggregate against one client's, and
+its p99 inter-token latency against one client's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
+
+import httpx
+
+PROMPTS = ["Write a long story about a lighthouse keeper.", "Explain in detail how a compiler works.",
+           "Describe the history of the bicycle at length.", "List many facts about the ocean.",
+           "Tell me everything about volcanoes.", "Write a long letter to a friend about a journey."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions", "--prefix-cache", "0",
+           "--max-concurrency", str(max(args.clients)), "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    cmd += args.serve_args
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the server did not start in 600 s")
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.MULTILINE))
+
+
+def one(client: httpx.Client, k: int, max_tokens: int) -> dict:
+    body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}]}
+    started = time.perf_counter()
+    arrivals, tokens = [], 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
+                   for c in event.get("choices", [])):
+                arrivals.append(time.perf_counter())
+    ttft = arrivals[0] - started if arrivals else float("nan")
+    return {"tokens": tokens, "ttft": ttft, "gaps": [b - a for a, b in pairwise(arrivals)]}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
+                                                         "localmoe_engine_steps_total",
+                                                         "localmoe_batched_decode_tokens_total"))
+
+    def client_loop(c: int) -> list[dict]:
+        with httpx.Client(base_url=url, timeout=3600) as client:
+            return [one(client, c * requests + r, max_tokens) for r in range(requests)]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = [r for rs in pool.map(client_loop, range(clients)) for r in rs]
+    wall = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    steps = metric(url, "localmoe_engine_steps_total") - steps0
+    batched = metric(url, "localmoe_batched_decode_tokens_total") - batched0
+    read = metric(url, "localmoe_expert_tier_bytes_read_total") - bytes0
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in results]
+    return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": round(wall, 2),
+            "tokens_per_s": round(tokens / wall, 2),
+            "ttft_p50_s": round(pct(ttfts, 0.5), 3), "ttft_p99_s": round(pct(ttfts, 0.99), 3),
+            "itl_p50_ms": round(1e3 * pct(gaps, 0.5), 1), "itl_p99_ms": round(1e3 * pct(gaps, 0.99), 1),
+            "mean_batch": round(batched / steps, 2) if steps else 0.0,
+            "expert_bytes_per_token": round(read / tokens) if tokens else 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model path (default: the embedded model)")
+    parser.add_argument("--clients", default="1,4,16,32", help="comma-separated client counts")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("serve_args", nargs="*", help="more `localmoe serve` options (after --)")
+    args = parser.parse_args()
+    args.clients = [int(c) for c in args.clients.split(",")]
+    proc, url = start(args)
+    try:
+        one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
+        rows = []
+        for clients in args.clients:
+            row = run(url, clients, args.requests, args.max_tokens)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        base = rows[0]
+        for row in rows[1:]:
+            print(f"{row['clients']} clients vs {base['clients']}: aggregate {row['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+                  f", p99 inter-token latency {row['itl_p99_ms'] / base['itl_p99_ms']:.2f}x", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
