@@ -3,9 +3,10 @@
     from localmoe.server import ServerConfig, Service, create_app, serve
     serve(load_model(None), ServerConfig(api_key="secret"), host="127.0.0.1", port=8000)
 
-Layering: handlers (openai_routes.py, anthropic_routes.py) -> Service (service.py: render,
-limits, sessions) -> one EngineWorker thread (worker.py) advancing per-request jobs
-(turn.py) over Decoder (decoder.py). docs/api.md shows the endpoints with curl and SDKs.
+Layering: handlers (openai_routes.py, anthropic_routes.py, ...) -> the runtime's Service
+(localmoe/runtime/service.py: render, limits, sessions) -> its one EngineWorker thread (worker.py:
+scheduling, batched steps) advancing per-request turns (turn.py) over Decoders. The runtime's
+errors become HTTP statuses in errors.py. docs/api.md shows the endpoints with curl and SDKs.
 """
 
 from __future__ import annotations
