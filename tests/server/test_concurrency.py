@@ -96,7 +96,7 @@ def test_requests_are_served_fairly(client):
     threads = [threading.Thread(target=run, args=(f"long{i}", 400)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    time.sleep(0.05)  # the long ones run (all three take 0.3-3 s on the tiny model, with the load)
     short = threading.Thread(target=run, args=("short", 4))
     short.start()
     for t in (*threads, short):
