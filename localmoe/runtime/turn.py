@@ -251,6 +251,11 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     result.tool_calls = streamed_calls
     if streamed_calls and finish == "stop":
         finish = "tool_calls"
+    _done(emit, result, finish, dec, started)
+
+
+def _done(emit: Emit, result: TurnResult, finish: str, dec: Decoder, started: float) -> None:
+    """Close a turn: its finish reason and timings into `result`, the decoder's cache released, "done" sent."""
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
     result.cached_tokens = dec.reused
@@ -295,11 +300,7 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
             call = ToolCall(name, {}, new_call_id(), raw_arguments=arguments)
         result.tool_calls = [call]
         emit("delta", Delta("tool_call", tool_call=call))
-    result.finish_reason = finish
-    result.seconds = time.perf_counter() - started
-    result.cached_tokens = dec.reused
-    dec.release()
-    emit("done", result)
+    _done(emit, result, finish, dec, started)
 
 
 def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
@@ -339,8 +340,4 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
         emit("delta", Delta("content", text))
     result.content = stops.text
     result.stop_sequence = stops.matched
-    result.finish_reason = finish
-    result.seconds = time.perf_counter() - started
-    result.cached_tokens = dec.reused
-    dec.release()
-    emit("done", result)
+    _done(emit, result, finish, dec, started)
