@@ -10,7 +10,6 @@ the compressed-tensors MXFP4 experts repacked (bytes moved) to stacked ggml MXFP
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,10 +22,11 @@ from localmoe.testing.moe_gguf_parts import (
     PROJ,
     _conv_join,
     _conv_split,
-    _encode,
     _kimi_linear_metadata,
     _kv_b_join,
     _kv_b_split,
+    add_encoded,
+    finish_gguf,
     ggml_type_for,
 )
 
@@ -122,13 +122,8 @@ def write_k3_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> Pa
             w.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
             continue
         qtype = ggml_type_for(name, values.shape, types, c["num_hidden_layers"])
-        w.add_tensor(name, _encode(values, qtype, rng), raw_dtype=None if qtype == gguf.GGMLQuantizationType.F32 else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, dst)
-    return dst
+        add_encoded(w, name, values, qtype, rng)
+    return finish_gguf(w, tmp, dst)
 
 
 def write_k3_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:

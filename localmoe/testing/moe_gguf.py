@@ -18,7 +18,6 @@ decodes them, in F32: the reference a GGUF loader must match.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +32,11 @@ from localmoe.testing.moe_gguf_parts import (
     _a_split,
     _conv_join,
     _conv_split,
-    _encode,
     _kimi_linear_metadata,
     _kv_b_join,
     _kv_b_split,
+    add_encoded,
+    finish_gguf,
     ggml_type_for,
 )
 
@@ -288,14 +288,8 @@ def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> P
     for name, make in _hf_tensors(ckpt, arch, config):
         values = make()
         qtype = ggml_type_for(name, values.shape, types, layers)
-        data = _encode(values, qtype, rng)
-        w.add_tensor(name, data, raw_dtype=None if qtype == gguf.GGMLQuantizationType.F32 else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, dst)
-    return dst
+        add_encoded(w, name, values, qtype, rng)
+    return finish_gguf(w, tmp, dst)
 
 
 def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:

@@ -4,6 +4,9 @@ llama-quantize gives each tensor, the encoder of each type, and the llama.cpp la
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from localmoe.testing.ggml_blocks import STEP_FIELDS, random_blocks
@@ -118,3 +121,20 @@ def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     amplitude = AMPLITUDE.get(qtype.name, 945)  # K-quants: 6-bit scale x 4-bit code, 63 * 15
     step = (amax / amplitude / 2, amax / amplitude * 1.5)
     return random_blocks(qtype, rows, values.shape[-1], rng, step).reshape(*values.shape[:-1], -1)
+
+
+def add_encoded(w, name: str, values: np.ndarray, qtype, rng: np.random.Generator) -> None:
+    """Tensor `name` into GGUF writer `w`, stored as `qtype` (`_encode`)."""
+    import gguf
+
+    w.add_tensor(name, _encode(values, qtype, rng), raw_dtype=None if qtype == gguf.GGMLQuantizationType.F32 else qtype)
+
+
+def finish_gguf(w, tmp: Path, dst: Path) -> Path:
+    """Write writer `w`'s header, metadata and tensors to `tmp`, then move it to `dst` (never half a file there)."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, dst)
+    return dst
