@@ -103,16 +103,18 @@ async def wait_until(pilot, predicate, timeout: float = 120.0, what: str = "cond
         await pilot.pause(0.1)
 
 
-async def click_when_shown(pilot, widget, timeout: float = 30.0) -> None:
-    """Click `widget` once the layout has settled on it; a click computed before the chat scrolled
-    lands elsewhere (pilot.click reports it), so try again until it hits, failing after `timeout`."""
+async def click_until(pilot, widget, done, timeout: float = 30.0) -> None:
+    """Click `widget` until done() holds, failing after `timeout` seconds. A click computed before the
+    chat scrolled, or delivered while a loaded machine was still laying out, can land elsewhere or be
+    lost, so the test waits for the click's effect rather than trusting one click."""
     deadline = time.monotonic() + timeout
-    while True:
-        await pilot.pause(0.05)
-        if widget.region.area and widget.region in pilot.app.screen.region and await pilot.click(widget):
-            return
+    while not done():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s trying to click {widget!r}")
+            raise AssertionError(f"timed out after {timeout:.0f} s clicking {widget!r}")
+        await pilot.pause(0.05)
+        if widget.region.area and widget.region in pilot.app.screen.region:
+            await pilot.click(widget)
+            await pilot.pause(0.1)
 
 
 async def approve_all(call) -> bool:

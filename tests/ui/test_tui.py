@@ -22,7 +22,7 @@ from textual.widgets import Input, OptionList
 
 from localmoe.chat.format import ChatMessage, ToolCall
 
-from .conftest import K3_BUDGETS, K3_SAMPLING, click_when_shown, run_async, wait_until
+from .conftest import K3_BUDGETS, K3_SAMPLING, click_until, run_async, wait_until
 
 SIZE = (80, 24)
 SNAPSHOT = Path(__file__).parent / "snapshots" / "main_screen.svg"
@@ -165,7 +165,8 @@ def test_approve_one_tool_call_and_deny_another(smol, make_service, recording_ru
                              what="the second tool card")
             second = list(app.query(ToolCard))[1]
             assert second.call.name == "run_command"
-            await click_when_shown(pilot, second.query_one(".deny"))
+            await click_until(pilot, second.query_one(".deny"), lambda: second.approved is not None)
+            assert second.approved is False
             await wait_until(pilot, lambda: second.result_text is not None and not app.busy, what="the denial")
             assert [c.name for c in recording_runner.ran] == ["list_dir", "list_dir"]  # run_command never ran
             assert second.has_class("denied") and second.result_text == DENIED
