@@ -101,12 +101,25 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches) -> torch.Tens
 def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fused: bool = False) -> torch.Tensor:
     """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V].
     `fused`: every sequence takes the model's own decode step, one after another (see the module docstring)."""
-    N = len(tokens)
     if fused or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
         return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
+    return forward_rows(model, tokens, caches)
+
+
+@torch.inference_mode()
+def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor:
+    """Row n appends tokens[n] to caches[n] -> logits [N, V], every row computed as a decode token (each
+    row's result independent of the others). A cache may appear on several rows: its tokens take consecutive
+    positions in row order (a speculative verify: the last token and the drafts of one sequence, engine/spec).
+    The model must be `batchable`."""
+    N = len(tokens)
     ids = torch.tensor(tokens, dtype=torch.long).view(N, 1)
-    starts = [cache.reserve(1) for cache in caches]
-    steps = [make_step(cache, start, 1, model.rope) for cache, start in zip(caches, starts)]
+    ahead: dict[int, int] = {}  # rows of each cache so far in this call
+    steps = []
+    for cache in caches:
+        n = ahead.get(id(cache), 0)
+        ahead[id(cache)] = n + 1
+        steps.append(make_step(cache, cache.reserve(n + 1) + n, 1, model.rope))
     eps = model.eps
     with small_steps():
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
@@ -114,7 +127,7 @@ def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fus
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
             if _plain_gqa(mixer, caches):
                 mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches])
-            else:  # other mixers: each sequence alone on its row
+            else:  # other mixers: each row alone, in row order
                 mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
             h = add_rms_norm(x, mixed, mlp_norm, eps)
             following = model.layers[i + 1][0] if i + 1 < len(model.layers) else model.norm

@@ -9,6 +9,7 @@ stop tokens, stop strings and timing.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,7 @@ import torch
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams, sample
+from localmoe.engine.spec.speculator import Speculator
 from localmoe.errors import LocalMoEError
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory, keeps GEMMs efficient
@@ -52,7 +54,7 @@ class Decoder:
 
     def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
                  cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None):
         if not prompt:
             raise LocalMoEError("the prompt is empty: there is nothing to continue")
         self.prefix_cache = prefix_cache if cache is None else None
@@ -77,6 +79,12 @@ class Decoder:
         self.forwards = 0
         self._prompt_done = False
         self.prefilled = self.reused  # positions the prompt's chunks have filled so far
+        # speculative decoding (engine/spec): tokens a verify step decided, each with the logits it was
+        # decided from, handed out by `logits()` / `sample()` without a forward; `ahead` = those of them
+        # already in the cache (the kept drafts) that the caller has not fed back yet
+        self.speculator = speculator
+        self.ready: deque[tuple[int, torch.Tensor]] = deque()
+        self.ahead: list[int] = []
 
     @property
     def room(self) -> int:
@@ -84,9 +92,15 @@ class Decoder:
         return self.cache.max_len - self.cache.offset - len(self.pending)
 
     def logits(self) -> torch.Tensor | None:
-        """Run pending tokens; logits [1, V] of the last one, or None while prompt chunks remain."""
+        """Run pending tokens; logits [1, V] of the last one, or None while prompt chunks remain. With a
+        speculator: a decode step drafts and verifies (engine/spec/verify.py), and while tokens it decided
+        are `ready` their logits come back without a forward."""
+        if self.ready:
+            return self.ready[0][1]
         if not self.pending:
             raise RuntimeError("nothing pending: feed a token first")
+        if self.speculator is not None and self.decoding:
+            return decode_together([self])[0]
         batch, self.pending = self.pending[:self.chunk], self.pending[self.chunk:]
         with torch.inference_mode():
             out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
@@ -113,17 +127,36 @@ class Decoder:
         return self._prompt_done and len(self.pending) == 1
 
     def sample(self, logits: torch.Tensor) -> int:
+        """The next token: drawn from `logits`, or, while a speculative step's tokens are `ready`, the next
+        of them (drawn by the acceptance rule, engine/spec/accept.py)."""
+        if self.ready:
+            return self.ready.popleft()[0]
         history = torch.tensor([self.history], dtype=torch.long) if self.history is not None else None
         return int(sample(logits, self.params, self.generator, history))
 
     def feed(self, tokens: Sequence[int]) -> None:
-        """Queue tokens (a sampled one, or injected ones) to be run by the next `logits()`."""
-        self.pending.extend(tokens)
+        """Queue tokens (a sampled one, or injected ones) to be run by the next `logits()`. Kept drafts
+        fed back are in the cache already; a token other than the next kept draft (an injected one)
+        drops the kept drafts not fed back yet from the cache, and the tokens still `ready`."""
         if self.history is not None:
             self.history.extend(tokens)
+        tokens = list(tokens)
+        while tokens and self.ahead and tokens[0] == self.ahead[0]:
+            tokens.pop(0)
+            self.ahead.pop(0)
+        if tokens and (self.ahead or self.ready):
+            if self.ahead:
+                self.cache.trim(self.cache.offset - len(self.ahead))
+                del self.in_cache[len(self.in_cache) - len(self.ahead):]
+            self.ahead, self.ready = [], deque()
+        self.pending.extend(tokens)
 
     def release(self) -> None:
         """The sequence is finished: leave its cache to the prefix cache (if any) for later prompts."""
+        if self.speculator is not None:
+            from localmoe.engine.spec.verify import record
+
+            record(self.cache, False)
         if self.prefix_cache is not None:
             self.prefix_cache.put(self.in_cache, self.cache, self.prefilled)
             self.prefix_cache = None
@@ -135,6 +168,10 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[to
     order. A sequence's logits are those it gets alone in the same mode."""
     from localmoe.engine.batch import decode_batch
 
+    if any(d.speculator is not None for d in decoders):
+        from localmoe.engine.spec.verify import speculative_step
+
+        return speculative_step(decoders, fused)
     tokens = [d.pending[0] for d in decoders]
     logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
     for d, token in zip(decoders, tokens):

@@ -88,13 +88,20 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams, history: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> the distribution `sample` draws from, [B, V] fp32 (greedy: one-hot on the argmax).
+    Speculative decoding accepts drafted tokens against it (engine/spec/accept.py)."""
+    logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits - logits.max(-1, keepdim=True).values  # the best is 0, so / temperature never gives inf - inf
+    logits = filter_logits(logits / min(params.temperature, FP32.max), params.top_k, params.top_p, params.min_p)
+    return logits.softmax(-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            history: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B] (int64)."""
-    logits = apply_repetition_penalty(logits.float(), history, params.repetition_penalty)
     if params.greedy:
-        return logits.argmax(-1)
-    logits = logits - logits.max(-1, keepdim=True).values  # the best is 0, so / temperature never gives inf - inf
-    logits = filter_logits(logits / min(params.temperature, FP32.max), params.top_k, params.top_p, params.min_p)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return apply_repetition_penalty(logits.float(), history, params.repetition_penalty).argmax(-1)
+    return torch.multinomial(probabilities(logits, params, history), 1, generator=generator).squeeze(-1)

@@ -69,6 +69,17 @@ class DeltaStateCache:
         self.conv_tail = torch.zeros(batch, conv_kernel - 1, conv_channels, dtype=torch.float32)
         self.offset = 0  # tokens folded into the state
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._recording: set[int] | None = None  # while recording: the snapshot offsets held before
+
+    def record(self, on: bool) -> None:
+        """While on, every `advance` keeps the state it leaves as a snapshot (no copy), so `trim` can return
+        to any position reached since (a speculative verify rolls back to its last accepted token); off
+        forgets the snapshots made while on, keeping the ones from before."""
+        if on:
+            self._recording = set(self._snapshots)
+        elif self._recording is not None:
+            self._snapshots = {k: v for k, v in self._snapshots.items() if k in self._recording}
+            self._recording = None
 
     def advance(self, state: torch.Tensor, conv_tail: torch.Tensor, tokens: int) -> None:
         """Take the state [B, H, K, V] and conv tail after `tokens` more tokens (held, not copied)."""
@@ -78,6 +89,8 @@ class DeltaStateCache:
         self.state = state.float()
         self.conv_tail = conv_tail.float()
         self.offset += tokens
+        if self._recording is not None:  # held as given: the mixers hand over new tensors each step
+            self._snapshots[self.offset] = (self.state, self.conv_tail)
 
     def snapshot(self, keep_earlier: bool = True) -> int:
         """Remember the current state so that `trim(offset)` can return to it; returns that offset.

@@ -1,0 +1,113 @@
+"""One sequence's speculation: its drafter, the choice of k per step, its statistics.
+
+k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
+when the ones before it were, from recent steps) and the wall time of a step of r rows (an average per row count;
+a row count not measured yet is estimated from the nearest measured ones). A step of k drafts yields
+E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per
+second wins, and k = 0 (no draft: a plain decode step) when none beats it. The step time is the
+cost model: on a paged model it includes reading the drafted tokens' experts that are not resident
+(a draft whose routing stays within the resident experts costs little, one that misses costs reads),
+so speculation turns itself down where verifying costs more than it yields. Every `PROBE` steps at
+k = 0 one step drafts again, so a change in acceptance is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localmoe.engine.spec.drafters import Drafter
+
+K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
+PROBE = 16  # plain steps between two tries while speculation does not pay
+SMOOTH = 0.2  # weight of the newest measurement in the running averages
+
+
+@dataclass(slots=True)
+class SpecStats:
+    steps: int = 0  # target forwards of this sequence while speculating (with or without drafts)
+    drafted_steps: int = 0  # of those, steps that verified at least one draft
+    drafted: int = 0  # tokens drafted and verified
+    accepted: int = 0  # drafted tokens kept
+    emitted: int = 0  # tokens the steps yielded (kept drafts + the target's own token of each step)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def add(self, other: SpecStats) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
+                "acceptance": round(self.acceptance, 4), "tokens_per_step": round(self.tokens_per_step, 3)}
+
+
+class Speculator:
+    """Drafts for one sequence and learns how many pay (see the module docstring). `adaptive=False`
+    always drafts up to `k` (tests, benchmarks of a fixed k)."""
+
+    def __init__(self, drafter: Drafter, k: int = 4, adaptive: bool = True):
+        if not 1 <= k <= K_MAX:
+            raise ValueError(f"speculation drafts 1..{K_MAX} tokens per step, not {k}")
+        self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
+        self.stats = SpecStats()
+        self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
+        self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
+        self._plain = 0  # plain steps since the last draft
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that the target keeps a draft given it kept the ones before (a)."""
+        return self._kept / self._trials
+
+    def choose_k(self) -> int:
+        if not self.adaptive:
+            return self.k_max
+        if 1 not in self.step_seconds or len(self.step_seconds) < 2:
+            return self.k_max  # measure a plain and a drafted step first
+        best, best_rate = 0, 1.0 / self.step_seconds[1]
+        a = min(self.acceptance, 0.999)
+        for k in range(1, self.k_max + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / self._estimate(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            self._plain += 1
+            if self._plain >= PROBE:
+                self._plain = 0
+                return 1
+        return best
+
+    def _estimate(self, rows: int) -> float:
+        """Seconds of a step of `rows` rows: measured, else linear between (or beyond) the nearest measured."""
+        if rows in self.step_seconds:
+            return self.step_seconds[rows]
+        known = sorted(self.step_seconds)
+        below = max((r for r in known if r < rows), default=known[0])
+        above = min((r for r in known if r > rows), default=None)
+        if above is None:  # extrapolate with the slope of the two largest measured
+            lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
+            slope = (self.step_seconds[hi] - self.step_seconds[lo]) / (hi - lo) if hi > lo else 0.0
+            return self.step_seconds[below] + max(slope, 0.0) * (rows - below)
+        t0, t1 = self.step_seconds[below], self.step_seconds[above]
+        return t0 + (t1 - t0) * (rows - below) / (above - below)
+
+    def observe(self, drafted: int, accepted: int, rows: int, seconds: float) -> None:
+        """Account one step: `drafted` drafts verified, `accepted` kept, `rows` rows run in `seconds`."""
+        s = self.stats
+        s.steps += 1
+        s.emitted += accepted + 1
+        if drafted:
+            s.drafted_steps += 1
+            s.drafted += drafted
+            s.accepted += accepted
+            # each kept draft is a success; the first rejected one (if any) the one failure of the step
+            self._kept = (1 - SMOOTH) * self._kept + accepted
+            self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
+        old = self.step_seconds.get(rows)
+        self.step_seconds[rows] = seconds if old is None else old + SMOOTH * (seconds - old)

@@ -1,0 +1,125 @@
+"""One engine step with speculation: every sequence's last token, plus its drafts where it speculates,
+as rows of ONE forward (engine/batch.py `forward_rows`), then each speculating sequence keeps what the
+acceptance rule accepts and its caches roll back to its last accepted token.
+
+Rolling back: paged K/V and MLA rows trim to any position. A delta-rule state (KDA, Gated DeltaNet)
+cannot be un-added, so during the verify its cache records the state after each row (`record`: the
+rows run one at a time through the recurrent kernel, which hands over a new state tensor per token,
+so keeping them costs no copy) and `trim` restores the one at the last accepted token. (The
+alternative, a snapshot before the verify and a second forward of the accepted tokens, costs a
+forward per step; the recorded states cost nothing.) A model that is not batchable (Kimi K3's
+attention residuals, GLM-5-Next's hyper-connections) runs its rows one at a time through its own
+decode step (its fused plan, which updates the state in place), with a copy of the states after each.
+
+Rows of a step are computed as decode tokens, each independently of the others, so a greedy sequence
+yields the tokens it yields without speculation in the same mode (a speculating sequence always takes
+these row kernels, also on steps without a draft, never the model's fused single-token step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+from localmoe.engine.batch import batchable, decode_batch, forward_rows
+from localmoe.engine.cache import ModelCache
+from localmoe.engine.sampler import probabilities, sample
+from localmoe.engine.spec.accept import accept_greedy, accept_sampled
+from localmoe.engine.spec.drafters import Draft
+from localmoe.engine.spec.speculator import K_MAX
+
+
+def record(cache: ModelCache, on: bool) -> None:
+    """Delta-rule layers keep (on) or drop (off) the states of the positions they reach from now on.
+    A speculating sequence records from the start of a verify until its next step (or its end), so an
+    injected token can still drop kept drafts not fed back yet (Decoder.feed)."""
+    for layer in cache.layers:
+        if hasattr(layer, "record"):
+            layer.record(on)
+
+
+def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor:
+    """A non-batchable model's rows, one decode step each, the delta-rule states copied after each."""
+    out = []
+    for i, t in enumerate(tokens):
+        out.append(model.forward(torch.tensor([[t]]), cache)[:, -1])
+        if i + 1 < len(tokens):  # the last row is never rolled back to
+            cache.snapshot(keep_earlier=True)
+    return torch.cat(out)
+
+
+def _propose(dec) -> Draft:
+    spec = dec.speculator
+    k = min(spec.choose_k(), dec.room, K_MAX)
+    if k <= 0:
+        return Draft([])
+    history = dec.in_cache + dec.pending
+    draft = spec.drafter.propose(history, k, dec.params, dec.generator)
+    if len(draft.tokens) > k:
+        draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
+    return draft
+
+
+def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
+    """(kept drafts j, the token x after them), from the target's logits [k + 1, V]."""
+    base = dec.history
+    history = (lambda i: None) if base is None else \
+        (lambda i: torch.tensor([base + draft.tokens[:i]], dtype=torch.long))
+    if dec.params.greedy:
+        return accept_greedy(draft.tokens, lambda i: int(sample(logits[i:i + 1], dec.params, None, history(i))))
+    return accept_sampled(draft.tokens, draft.q,
+                          lambda i: probabilities(logits[i:i + 1], dec.params, history(i))[0], dec.generator)
+
+
+def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tensor]:
+    """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
+    logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
+    (engine/generate.py Decoder): its next `sample` calls return them without a forward."""
+    model = decoders[0].model
+    started = time.perf_counter()
+    drafts = [_propose(d) if d.speculator is not None else None for d in decoders]
+    rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
+    starts = [d.cache.offset for d in decoders]
+    spec = [d.speculator is not None for d in decoders]
+    for d, s in zip(decoders, spec):
+        if s:
+            record(d.cache, False)  # the previous step's
+            record(d.cache, True)
+    out: list[torch.Tensor | None] = [None] * len(decoders)
+    if batchable(model):
+        together = [n for n in range(len(decoders)) if spec[n] or not fused]
+        tokens = [t for n in together for t in rows[n]]
+        caches = [decoders[n].cache for n in together for _ in rows[n]]
+        logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together])
+        for n, lg in zip(together, logits):
+            out[n] = lg
+    else:
+        for n in range(len(decoders)):
+            if spec[n]:
+                out[n] = _rows_alone(model, rows[n], decoders[n].cache)
+    alone = [n for n in range(len(decoders)) if out[n] is None]  # fused plain decoders
+    if alone:
+        logits = decode_batch(model, [rows[n][0] for n in alone], [decoders[n].cache for n in alone], True)
+        for n, lg in zip(alone, logits.split(1)):
+            out[n] = lg
+    seconds = time.perf_counter() - started
+    results = []
+    for n, d in enumerate(decoders):
+        d.forwards += 1
+        d.in_cache.append(rows[n][0])
+        d.pending = []
+        if not spec[n]:
+            results.append(out[n])
+            continue
+        j, x = _accept(d, drafts[n], out[n])
+        kept = drafts[n].tokens[:j]
+        d.cache.trim(starts[n] + 1 + j)
+        d.in_cache.extend(kept)
+        d.ahead = list(kept)
+        d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
+        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds)
+        results.append(d.ready[0][1])
+    return results
