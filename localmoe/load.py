@@ -11,7 +11,7 @@ import functools
 import json
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,40 +191,12 @@ class LoadedModel:
         return self.chat_format.render(messages_from_openai(messages), tools=tools, reasoning_effort=reasoning_effort,
                                        add_generation_prompt=add_generation_prompt)
 
-    def stream(self, prompt: str | list[dict], params=None, max_tokens: int = 256, stop: Sequence[str] = (),
-               system: str | None = None, images: Sequence = ()) -> Iterator:
-        """Stream GenerationChunks for a user message (str) or a list of chat messages; `images` (paths or
-        file bytes) go before a str prompt's text, for a model with a vision tower (engine/images.py)."""
-        from localmoe.engine.generate import stream_generate
-        from localmoe.engine.sampler import SamplingParams
-
-        model = self.model
-        if images:
-            from localmoe.engine.images import ImageFeed, image_text
-
-            if not isinstance(prompt, str):
-                raise LocalMoEError("images go with a text prompt (str), not a message list")
-            rows = [self.image_encoder.encode(image) for image in images]
-            prompt, model = "".join(image_text(r) for r in rows) + prompt, ImageFeed(self.model, rows)
-        if isinstance(prompt, str):
-            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user",
-                                                                                      "content": prompt}]
-        ids = self.chat_prompt(prompt)
-        return stream_generate(model, self.tokenizer, ids, params or SamplingParams(), max_tokens, stop)
-
     @functools.cached_property
     def image_encoder(self):
         """The model's ImageEncoder (engine/images.py): images encoded once per content hash."""
         from localmoe.engine.images import ImageEncoder
 
         return ImageEncoder(self.model)
-
-    def generate(self, prompt: str | list[dict], params=None, max_tokens: int = 256, stop: Sequence[str] = (),
-                 system: str | None = None, images: Sequence = ()):
-        """Whole answer as a GenerationResult."""
-        from localmoe.engine.generate import collect
-
-        return collect(self.stream(prompt, params, max_tokens, stop, system, images))
 
 
 def load_model(path: str | Path | None = None, config: EngineConfig | None = None, progress: bool = True,

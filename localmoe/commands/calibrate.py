@@ -37,7 +37,7 @@ def command(store, prompts, prompt_file, output, max_tokens, paging, threads):
     loaded, pager = open_paged(store, paging, threads, trace=trace)
     trace.num_experts = loaded.spec.num_experts
     for prompt in prompts:
-        greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
+        greedy(loaded, prompt_ids(loaded.tokenizer, prompt), max_tokens)
     if pager is not None:
         pager.close()
     counts = trace.popularity()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from localmoe.errors import LocalMoEError
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -51,13 +49,9 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
-def greedy(model, ids: list[int], max_tokens: int) -> list[int]:
-    """Prefill `ids`, then `max_tokens` greedy decode steps; the new tokens."""
-    cache = model.new_cache(1, len(ids) + max_tokens + 1)
-    logits = model.forward(torch.tensor([ids]), cache)
-    out = []
-    for _ in range(max_tokens):
-        token = int(logits[0, -1].argmax())
-        out.append(token)
-        logits = model.forward(torch.tensor([[token]]), cache)
-    return out
+def greedy(loaded, ids: list[int], max_tokens: int):
+    """The runtime's greedy completion of `ids` (up to `max_tokens` tokens; an end-of-turn token ends it)."""
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.runtime.local import LocalModel
+
+    return LocalModel(loaded).complete(ids, SamplingParams(temperature=0.0), max_tokens)

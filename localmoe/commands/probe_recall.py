@@ -17,7 +17,6 @@ import random
 from dataclasses import asdict, dataclass, field
 
 import click
-import torch
 
 from localmoe.commands.base import Command
 from localmoe.errors import LocalMoEError
@@ -89,7 +88,12 @@ def selected_positions(mixer) -> set[int]:
 
 def probe(loaded, depths: list[float], context: int, code: str = "7481", max_tokens: int = 24, seed: int = 0,
           progress=None) -> list[DepthResult]:
-    """Run the probe at each depth; `progress(i, n)` after each depth."""
+    """Run the probe at each depth (the answer: the runtime's greedy completion of the chat prompt);
+    `progress(i, n)` after each depth."""
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.runtime.local import LocalModel
+
+    runtime = LocalModel(loaded)
     model, tokenizer = loaded.model, loaded.tokenizer
     layers = sparse_layers(model)
     results = []
@@ -99,27 +103,24 @@ def probe(loaded, depths: list[float], context: int, code: str = "7481", max_tok
         text = document(tokenizer, context, depth, code, seed)
         prompt = loaded.chat_prompt([{"role": "user", "content": f"{text}\n\n{QUESTION}"}])
         needle = find_tokens(prompt, tokenizer, code)
-        cache = model.new_cache(1, len(prompt) + max_tokens)
-        for mixer in layers.values():
-            mixer.record_selection, mixer.last_selection = True, None
-        try:
-            logits = model.forward(torch.tensor([prompt]), cache)
-            recall = {}
+        recall: dict[str, float] = {}
+
+        def prompt_done(needle=needle, recall=recall) -> None:
+            """The prompt's last chunk ran: its last position's selection is each layer's latest."""
             for i, mixer in layers.items():
                 kept = selected_positions(mixer)
                 everything = mixer.last_selection is None
                 recall[f"layer {i}"] = 1.0 if everything else sum(p in kept for p in needle) / len(needle)
+                mixer.record_selection, mixer.last_selection = False, None
+
+        for mixer in layers.values():
+            mixer.record_selection, mixer.last_selection = True, None
+        try:
+            answer = runtime.complete(prompt, SamplingParams(temperature=0.0), max_tokens, on_prompt=prompt_done)
         finally:
             for mixer in layers.values():
                 mixer.record_selection, mixer.last_selection = False, None
-        answer = []
-        for _ in range(max_tokens):
-            token = int(logits[0, -1].argmax())
-            if token in tokenizer.stop_token_ids:
-                break
-            answer.append(token)
-            logits = model.forward(torch.tensor([[token]]), cache)
-        reply = tokenizer.decode(answer, skip_special_tokens=True).strip()
+        reply = answer.content.strip()
         results.append(DepthResult(depth, needle, reply, code in reply, recall))
         if progress is not None:
             progress(n + 1, len(depths))
@@ -152,7 +153,6 @@ def command(model, depths, context, sparse_topk, code, max_tokens, threads, as_j
     layer whether the needle's tokens were among the selected top-k, and whether the answer was right."""
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
-
     try:
         fractions = [float(d) for d in depths.split(",") if d.strip()]
     except ValueError:

@@ -40,12 +40,12 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
             min_p, repetition_penalty, seed, stop, thinking, thinking_budgets, no_stream, as_json, images,
             show_stats):
     """Answer PROMPT (use - to read it from stdin)."""
-    from localmoe.chat.format import ChatMessage
     from localmoe.engine.sampler import SamplingParams
     from localmoe.kernels import _cpu as cpu_kernels
     from localmoe.load import load_model
     from localmoe.paging.metrics import pager_of, stats_line
-    from localmoe.runtime.service import ChatRequest, ServerConfig, Service
+    from localmoe.runtime.local import LocalModel
+    from localmoe.runtime.service import ServerConfig
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -53,15 +53,9 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         raise LocalMoEError("--max-tokens must be at least 1")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
-    loaded = load_model(model, engine)
+    loaded = LocalModel(load_model(model, engine), ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0))
     stream = not (no_stream or as_json)
-    if images:  # image prompts run through the engine's own stream (engine/images.py), not a chat turn yet
-        events = _image_events(loaded, prompt, params, max_tokens, stop, system, images)
-    else:
-        service = Service(loaded, ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0))
-        messages = ([ChatMessage("system", system)] if system else []) + [ChatMessage("user", prompt)]
-        events = service.chat_here(ChatRequest(messages, max_tokens, params, stop=list(stop),
-                                               reasoning_effort=thinking))
+    events = loaded.events(prompt, params, max_tokens, stop, system, images, thinking)
     parts, reasoning, result = [], [], None
     for kind, payload in events:
         if kind == "done":
@@ -104,22 +98,6 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         if images:
             enc = loaded.image_encoder
             click.echo(f"[images: {len(images)} ({enc.encoded} encoded) in {enc.seconds:.2f} s]", err=True)
-
-
-def _image_events(loaded, prompt, params, max_tokens, stop, system, images):
-    """The chat turn's events for an image prompt, from the engine's stream (no reasoning parsing)."""
-    from localmoe.chat.format import Delta
-    from localmoe.runtime.turn import TurnResult
-
-    for chunk in loaded.stream(prompt, params, max_tokens=max_tokens, stop=stop, system=system, images=images):
-        if chunk.text:
-            yield "delta", Delta("content", chunk.text)
-        if chunk.finish_reason:
-            stats = chunk.stats
-            yield "done", TurnResult(finish_reason=chunk.finish_reason, prompt_tokens=stats.prompt_tokens,
-                                     completion_tokens=len(chunk.tokens or []),
-                                     time_to_first_token=stats.time_to_first_token,
-                                     seconds=stats.time_to_first_token + stats.decode_seconds)
 
 
 def main() -> None:

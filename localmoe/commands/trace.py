@@ -41,7 +41,7 @@ def command(store, prompt, output, max_tokens, paging, threads, synthetic, token
     loaded, pager = open_paged(store, paging, threads, trace=(trace := RoutingTrace()))
     trace.num_experts = loaded.spec.num_experts
     trace.label = f"recorded: {loaded.source.name}, prompt {prompt[:40]!r}"
-    greedy(loaded.model, prompt_ids(loaded.tokenizer, prompt), max_tokens)
+    greedy(loaded, prompt_ids(loaded.tokenizer, prompt), max_tokens)
     if pager is not None:
         pager.close()
     trace.save(output)

@@ -1,17 +1,15 @@
-"""Generation: `generate_step` (token ids) -> `stream_generate` (text chunks) -> `generate` (result).
+"""The engine's one generation step: `Decoder` is one sequence's state a forward pass at a time
+(the prompt in chunks, then one token per step; the caller sees the logits and may inject tokens),
+and `decode_together` runs the decode tokens of several as one batched forward.
 
-`Decoder` is one sequence's state a forward pass at a time (prefill in chunks, then one
-token per step; the caller sees the logits and may inject tokens); `generate_step` is the
-closed loop over it and knows nothing about text. `stream_generate` adds detokenisation,
-stop tokens, stop strings and timing.
+The loop over them (sampling, stop tokens and strings, budgets, reasoning, text) is the runtime's
+(localmoe/runtime: turn.py, worker.py), the one loop every front end runs.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -33,15 +31,6 @@ class CausalLM(Protocol):
     def forward(self, tokens: torch.Tensor, cache: ModelCache, mask=None, all_logits: bool = False) -> torch.Tensor: ...
 
 
-def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-    """Run the prompt through the model in chunks; logits [1, V] of its last position."""
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
-    logits = None
-    for begin in range(0, ids.shape[1], chunk):
-        logits = model.forward(ids[:, begin:begin + chunk], cache)
-    return logits[:, -1]
-
-
 class Decoder:
     """One batch-1 sequence's decode state, advanced one forward pass at a time.
 
@@ -49,7 +38,7 @@ class Decoder:
     in chunks, one chunk per call) and `feed()` queues the next: a sampled token, or injected
     ones (a thinking budget appends the end-of-thinking marker). The caller sees the logits, so
     it may rank the vocabulary itself (constrained tool-call arguments), and a server worker can
-    interleave many sequences a step at a time. `generate_step` is the closed loop over it.
+    interleave many sequences a step at a time (the runtime's worker).
     """
 
     def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
@@ -181,136 +170,10 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[to
     return list(logits.split(1))
 
 
-def generate_step(model: CausalLM, prompt: Sequence[int], params: SamplingParams,
-                  cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[int]:
-    """Yield sampled token ids forever (the caller decides when to stop; it ends when the context is full).
-    Batch 1."""
-    decoder = Decoder(model, prompt, params, cache=cache, prefill_chunk=prefill_chunk)
-    while True:
+def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+    """Run the prompt through the model in chunks (a `Decoder`'s prefill); logits [1, V] of its last position."""
+    decoder = Decoder(model, prompt, SamplingParams(), cache=cache, prefill_chunk=chunk)
+    logits = None
+    while logits is None:
         logits = decoder.logits()
-        if logits is None:
-            continue  # a prompt chunk ran; more remain
-        token = decoder.sample(logits)
-        yield token
-        if decoder.room <= 0:
-            return  # context full: nothing more can be generated
-        decoder.feed([token])
-
-
-@dataclass(slots=True)
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    time_to_first_token: float = 0.0  # seconds from the call to the first sampled token
-    decode_seconds: float = 0.0  # from the first to the last token
-
-    @property
-    def decode_tokens_per_second(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
-
-    @property
-    def prefill_tokens_per_second(self) -> float:
-        return self.prompt_tokens / self.time_to_first_token if self.time_to_first_token > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-                "time_to_first_token_s": round(self.time_to_first_token, 4),
-                "prefill_tokens_per_s": round(self.prefill_tokens_per_second, 2),
-                "decode_tokens_per_s": round(self.decode_tokens_per_second, 2)}
-
-
-@dataclass(slots=True)
-class GenerationChunk:
-    text: str  # new text since the previous chunk (may be empty)
-    token: int | None  # the token that produced it (None for the final chunk)
-    finish_reason: str | None = None  # "stop" | "length" on the final chunk
-    stats: GenerationStats | None = None  # final chunk only
-    tokens: list[int] | None = None  # final chunk only: every generated token id (stop token excluded)
-
-
-@dataclass(slots=True)
-class GenerationResult:
-    text: str
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of `text` could start a stop string (must not be emitted yet)."""
-    hold = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:n]):
-                hold = n
-                break
-    return hold
-
-
-def stream_generate(model: CausalLM, tokenizer, prompt: Sequence[int], params: SamplingParams,
-                    max_tokens: int = 256, stop: Sequence[str] = (), stop_token_ids: set[int] | None = None,
-                    cache: ModelCache | None = None) -> Iterator[GenerationChunk]:
-    """Stream text chunks; the last chunk carries finish_reason, stats and all token ids.
-
-    Generation ends at any id in `stop_token_ids` (default: the tokenizer's end-of-turn
-    ids; not emitted), at a stop string (not emitted), after `max_tokens` tokens, or when
-    the context is full.
-    """
-    from localmoe.tokenizer import StreamDecoder
-
-    if max_tokens < 1:
-        raise LocalMoEError("max_tokens must be at least 1")
-    stops = [s for s in stop if s]
-    stop_ids = tokenizer.stop_token_ids if stop_token_ids is None else stop_token_ids
-    stats = GenerationStats(prompt_tokens=len(prompt))
-    decoder = StreamDecoder(tokenizer)
-    tokens: list[int] = []
-    pending = ""  # decoded text held back because it may begin a stop string
-    finish = "length"
-    started = time.perf_counter()
-    first_at = started
-    for token in generate_step(model, prompt, params, cache):
-        now = time.perf_counter()
-        if stats.generated_tokens == 0:
-            first_at = now
-            stats.time_to_first_token = now - started
-        stats.generated_tokens += 1
-        stats.decode_seconds = now - first_at
-        if token in stop_ids:
-            finish = "stop"
-            break
-        tokens.append(token)
-        last = len(tokens) >= max_tokens
-        pending += decoder.feed(token) + (decoder.flush() if last else "")
-        cuts = [i for i in (pending.find(s) for s in stops) if i >= 0]
-        if cuts:
-            pending, finish = pending[:min(cuts)], "stop"
-            break
-        if last:
-            break
-        keep = _held_back(pending, stops)
-        emit, pending = pending[:len(pending) - keep], pending[len(pending) - keep:]
-        if emit:
-            yield GenerationChunk(emit, token)
-    else:  # the context filled up
-        pending += decoder.flush()
-    yield GenerationChunk(pending, None, finish, stats, tokens)
-
-
-def collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:
-    """Drain a chunk stream into one GenerationResult."""
-    parts = []
-    result = GenerationResult(text="")
-    for chunk in chunks:
-        parts.append(chunk.text)
-        if chunk.finish_reason:
-            result.finish_reason, result.stats, result.tokens = chunk.finish_reason, chunk.stats, chunk.tokens
-    result.text = "".join(parts)
-    return result
-
-
-def generate(model: CausalLM, tokenizer, prompt: Sequence[int], params: SamplingParams, max_tokens: int = 256,
-             stop: Sequence[str] = (), stop_token_ids: set[int] | None = None) -> GenerationResult:
-    """Generate to completion and return the whole text, token ids and stats."""
-    return collect(stream_generate(model, tokenizer, prompt, params, max_tokens, stop, stop_token_ids))
+    return logits

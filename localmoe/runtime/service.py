@@ -16,7 +16,6 @@ from pathlib import Path
 
 from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
-from localmoe.engine.generate import decode_together
 from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache
 from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, RequestError
@@ -330,29 +329,43 @@ class Service:
         stream.prompt = prep.prompt
         return stream.start()
 
-    def chat_here(self, req: ChatRequest):
-        """Run `req` in this thread, without the worker (one front end alone: `localmoe run`): the same
-        preparation, turn and batched step as a served request; yields ("delta", Delta) ... ("done",
-        TurnResult)."""
-        prep, _ = self.prepare_chat(req)
+    def run_here(self, work):
+        """Run one job in this thread (one front end alone: `localmoe run`, the Python API): the worker's
+        own step, stepped here instead of on its thread, so the same scheduler and batched step serve it.
+        Yields ("delta", Delta) ... ("done", TurnResult); raises the job's error. Closing the generator
+        early cancels the job and frees its cache."""
+        if self.worker.running:
+            raise RuntimeError("run_here steps the worker itself: use chat() / completion_stream() once the "
+                               "worker thread runs")
         events: list[tuple[str, object]] = []
-        turn = run_chat(self.format, self.tokenizer, self.model, prep, lambda k, p: events.append((k, p)),
-                        lambda: False)
+        job = Job(work, lambda kind, payload: events.append((kind, payload)))
+        self.worker.submit(job)
         try:
-            dec = next(turn)
             while True:
-                yield from events
+                self.worker.step()
+                for kind, payload in events:
+                    if kind == "error":
+                        raise payload
+                    yield kind, payload
+                    if kind == "done":
+                        return
                 events.clear()
-                fused = self.worker.fused_for(self.model)
-                dec = turn.send(decode_together([dec], fused)[0] if dec.decoding else dec.logits())
-        except StopIteration:
-            pass
-        yield from events
+        finally:
+            if not events or events[-1][0] not in ("done", "error"):
+                job.cancel()
+                self.worker.step()  # closes the job and releases its cache
+
+    def chat_here(self, req: ChatRequest, model=None):
+        """`chat` run in this thread (`run_here`); `model` stands in for the served one (an image feed)."""
+        prep, _ = self.prepare_chat(req)
+        fmt, tokenizer, model = self.format, self.tokenizer, model or self.model
+        return self.run_here(lambda job: run_chat(fmt, tokenizer, model, prep, job.emit, lambda: job.cancelled))
 
     # ---- completions ----
 
-    def completion_stream(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
-                          stop: list[str]) -> Stream:
+    def prepare_completion(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
+                           stop: list[str]) -> Prepared:
+        """Prompt ids and settings of a plain completion; raises RequestError."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
@@ -367,10 +380,19 @@ class Service:
             raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
                                 f"holds {self.context}; shorten the prompt or lower max_tokens", param="prompt",
                            code="context_length_exceeded")
-        prep = Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache)
-        tokenizer = self.tokenizer
-        return Stream(self, lambda job: run_completion(tokenizer, self.model, prep, job.emit,
-                                                       lambda: job.cancelled)).start()
+        return Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache)
+
+    def _completion(self, prep: Prepared):
+        tokenizer, model = self.tokenizer, self.model
+        return lambda job: run_completion(tokenizer, model, prep, job.emit, lambda: job.cancelled)
+
+    def completion_stream(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
+                          stop: list[str]) -> Stream:
+        return Stream(self, self._completion(self.prepare_completion(prompt, max_tokens, params, stop))).start()
+
+    def completion_here(self, prep: Prepared):
+        """A prepared completion run in this thread (`run_here`)."""
+        return self.run_here(self._completion(prep))
 
 
 def sampling_params(temperature, top_p, top_k, min_p, repetition_penalty, seed, default_temperature=1.0):

@@ -2,9 +2,9 @@
 pass at a time: chat turns (reasoning budget, tool calls, stop strings) and plain completions.
 
 A turn yields its `Decoder` whenever it needs the next logits and receives them back
-(`logits = yield dec`: None while prompt chunks remain); the worker runs every waiting
-sequence's decode token as one batched forward (worker.py), or, driving one turn alone,
-`run_alone` does the same for one sequence.
+(`logits = yield dec`: None while prompt chunks remain, `next_logits`); the worker runs every
+waiting sequence's decode token as one batched forward (worker.py). A front end alone (`run`,
+the Python API) steps the same worker in its own thread (`Service.run_here`).
 
 Each job calls `emit(kind, payload)` with ("delta", Delta) while it runs and ("done",
 TurnResult) at the end; the HTTP layer turns those into SSE chunks or one response.
@@ -47,6 +47,7 @@ class Prepared:
     parallel_tool_calls: bool = True
     keep_tool_calls: bool = True  # False under tool_choice "none"
     prefix_cache: PrefixCache | None = None  # the service's: reuse a previous sequence's cache for the prompt
+    on_prompt: Callable[[], None] | None = None  # called once the whole prompt is in the cache (probe-recall)
 
 
 @dataclass
@@ -104,14 +105,20 @@ def _max_len(prep: Prepared, extra: int) -> int:
     return len(prep.prompt) + prep.max_tokens + extra + 2
 
 
-def run_alone(steps: Iterator[Decoder]) -> None:
-    """Drive one turn to its end in this thread (no worker): each step is its decoder's own forward."""
-    try:
-        dec = next(steps)
-        while True:
-            dec = steps.send(dec.logits())
-    except StopIteration:
-        return
+def next_logits(dec: Decoder, prep: Prepared, result: TurnResult, started: float, cancelled: Callable[[], bool]):
+    """The step every turn takes: yield the decoder until the worker hands back logits (prompt chunks run
+    first) and return them, or None once the request is cancelled. The first logits set the time to first
+    token and call `prep.on_prompt`. Use as `logits = yield from next_logits(...)`."""
+    while not cancelled():
+        logits = yield dec  # the worker runs the step (batched with the other sequences)
+        if logits is None:
+            continue  # a prompt chunk ran; more remain
+        if not result.time_to_first_token:
+            result.time_to_first_token = time.perf_counter() - started
+            if prep.on_prompt is not None:
+                prep.on_prompt()
+        return logits
+    return None
 
 
 def run_chat(fmt, tokenizer, model, prep: Prepared, emit: Emit, cancelled: Callable[[], bool]) -> Iterator[None]:
@@ -189,15 +196,11 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
         return False
 
     while True:
-        if cancelled():
+        logits = yield from next_logits(dec, prep, result, started, cancelled)
+        if logits is None:
             finish = "cancelled"
             break
-        logits = yield dec  # the worker runs the step (batched with the other sequences)
-        if logits is None:
-            continue
         token = sample_constrained(dec, logits, constraint) if constrained else dec.sample(logits)
-        if result.completion_tokens == 0:
-            result.time_to_first_token = time.perf_counter() - started
         if token in stop_ids:
             if constraint is not None and not constrained and eot:  # no answer yet: open it, constrained
                 if close_reasoning():
@@ -272,15 +275,11 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
     ids: list[int] = []
     finish = "length"
     while result.completion_tokens < prep.max_tokens and dec.room > 0:
-        if cancelled():
+        logits = yield from next_logits(dec, prep, result, started, cancelled)
+        if logits is None:
             finish = "cancelled"
             break
-        logits = yield dec  # the worker runs the step (batched with the other sequences)
-        if logits is None:
-            continue
         token = sample_constrained(dec, logits, constraint)
-        if result.completion_tokens == 0:
-            result.time_to_first_token = time.perf_counter() - started
         if token == constraint.tokenizer.eos:
             finish = "tool_calls"
             break
@@ -312,15 +311,11 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
     result = TurnResult(prompt_tokens=len(prep.prompt))
     finish = "length"
     while True:
-        if cancelled():
+        logits = yield from next_logits(dec, prep, result, started, cancelled)
+        if logits is None:
             finish = "cancelled"
             break
-        logits = yield dec  # the worker runs the step (batched with the other sequences)
-        if logits is None:
-            continue
         token = dec.sample(logits)
-        if result.completion_tokens == 0:
-            result.time_to_first_token = time.perf_counter() - started
         if token in tokenizer.stop_token_ids:
             finish = "stop"
             break

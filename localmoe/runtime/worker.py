@@ -109,6 +109,11 @@ class EngineWorker:
         self._queue.put(None)
         self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        """Whether the worker's thread runs (else whoever holds the worker calls `step`)."""
+        return self._thread.is_alive()
+
     def submit(self, job: Job) -> None:
         self._queue.put(job)
 

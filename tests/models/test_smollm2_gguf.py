@@ -61,10 +61,14 @@ def test_32_greedy_tokens_identical(ours, reference):
 
 
 def test_answer_through_the_public_api(ours):
-    result = ours.generate("What is the capital of France?", SamplingParams(temperature=0), max_tokens=32)
-    assert "Paris" in result.text
+    from localmoe.runtime.local import LocalModel
+
+    chunks = list(LocalModel(ours).stream("What is the capital of France?", SamplingParams(temperature=0),
+                                          max_tokens=32))
+    result = chunks[-1].result
+    assert "Paris" in result.content and "".join(c.text for c in chunks) == result.content
     assert result.finish_reason == "stop"  # the model ends its turn with <|im_end|>, which is not shown
-    assert "<|im_end|>" not in result.text
+    assert "<|im_end|>" not in result.content
 
 
 def test_dense_gguf_store_runs(smollm2_gguf, tmp_path):
@@ -72,8 +76,10 @@ def test_dense_gguf_store_runs(smollm2_gguf, tmp_path):
     from localmoe.convert import convert
 
     convert(smollm2_gguf, tmp_path / "store", progress=False)
-    store, file = (load_model(p, progress=False) for p in (tmp_path / "store", smollm2_gguf))
+    from localmoe.runtime.local import LocalModel
+
+    store, file = (LocalModel(load_model(p, progress=False)) for p in (tmp_path / "store", smollm2_gguf))
     greedy = SamplingParams(temperature=0)
     question = "What is the capital of France?"
-    assert store.generate(question, greedy, 16).text == file.generate(question, greedy, 16).text
+    assert store.generate(question, greedy, 16).content == file.generate(question, greedy, 16).content
     assert store.model.weight_bytes() == file.model.weight_bytes()  # blocks kept, not dequantised

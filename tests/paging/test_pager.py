@@ -75,7 +75,7 @@ def test_commands(gpt_oss, tmp_path):
     out = runner.invoke(cli, ["trace", store, "ids:5,17,3", "-o", str(tmp_path / "t.json"), "--max-tokens", "3"])
     assert out.exit_code == 0, out.output
     t = RoutingTrace.load(tmp_path / "t.json")
-    assert t.tokens == 3 + 3 - 1 + 1 and not t.synthetic
+    assert t.tokens == 3 + 3 - 1 and not t.synthetic  # the prompt, then each drawn token but the last
     out = runner.invoke(cli, ["trace", store, "--synthetic", "-o", str(tmp_path / "s.json"), "--tokens", "20"])
     assert out.exit_code == 0 and RoutingTrace.load(tmp_path / "s.json").synthetic
     out = runner.invoke(cli, ["calibrate", store, "-p", "ids:1,2,3", "-o", str(tmp_path / "p.json")])

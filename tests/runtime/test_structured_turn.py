@@ -13,7 +13,8 @@ from localmoe.chat.budget import Budget
 from localmoe.chat.grammar import Constraint, GrammarTokenizer, json_schema_grammar
 from localmoe.engine.sampler import SamplingParams
 from localmoe.runtime.forced import plan_forced_call
-from localmoe.runtime.turn import Prepared, run_alone, run_chat
+from localmoe.runtime.turn import Prepared, run_chat
+from localmoe.runtime.worker import EngineWorker, Job
 from localmoe.testing import FAMILIES
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -41,9 +42,11 @@ def loaded(request, tmp_path_factory):
 
 
 def run(loaded, prep: Prepared):
-    events = []
-    run_alone(run_chat(loaded.chat_format, loaded.tokenizer, loaded.model, prep, lambda k, p: events.append((k, p)),
-                       lambda: False))
+    events, worker = [], EngineWorker(batching="on")
+    worker.submit(Job(lambda job: run_chat(loaded.chat_format, loaded.tokenizer, loaded.model, prep, job.emit,
+                                           lambda: job.cancelled), lambda k, p: events.append((k, p))))
+    while not any(k in ("done", "error") for k, _ in events):
+        worker.step()
     (result,) = [p for k, p in events if k == "done"]
     return result, events
 

@@ -48,13 +48,15 @@ def test_chunked_prefill_through_an_image_equals_one_forward(loaded):
 
 
 def test_stream_with_images_encodes_each_image_once(loaded):
-    greedy = SamplingParams(temperature=0)
+    from localmoe.runtime.local import LocalModel
+
+    greedy, loaded = SamplingParams(temperature=0), LocalModel(loaded)
     first = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(3)])
     before = loaded.image_encoder.encoded
     again = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(3)])
     other = loaded.generate("what is it?", greedy, max_tokens=6, images=[png(4)])
-    assert again.text == first.text and loaded.image_encoder.encoded == before + 1  # png(3) came from the cache
-    assert first.stats.prompt_tokens == other.stats.prompt_tokens  # same size: same placeholders
+    assert again.content == first.content and loaded.image_encoder.encoded == before + 1  # png(3) from the cache
+    assert first.prompt_tokens == other.prompt_tokens  # same size: same placeholders
 
 
 def test_run_image_option(checkpoint, tmp_path):
