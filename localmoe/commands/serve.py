@@ -37,7 +37,8 @@ def default_sessions_path() -> Path:
                    "single-sequence step, which is faster on the CPU.")
 @click.option("--kv-budget", default=None, metavar="SIZE",
               help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
-                   "past it new requests wait until a sequence finishes. Default: no limit.")
+                   "past it new requests wait, and when running sequences outgrow it the latest is preempted "
+                   "(its cache freed, recomputed on resume with the same output). Default: no limit.")
 @click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")
 @thinking_budgets_option
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",

@@ -60,6 +60,7 @@ class Decoder:
         self.model = model
         self.params = params
         self.cache = cache
+        self.prompt = list(prompt)
         self.pending: list[int] = list(prompt[self.reused:])
         self.in_cache: list[int] = list(prompt[:self.reused])  # the tokens the cache holds, in order
         self.generator = params.make_generator()
@@ -74,6 +75,12 @@ class Decoder:
         self.speculator = speculator
         self.ready: deque[tuple[int, torch.Tensor]] = deque()
         self.ahead: list[int] = []
+        # preemption (`preempt`): the forwards after the prompt that ran more than one token (an injected
+        # marker), by where they start among the tokens after the prompt -> their length; the groups of
+        # tokens still to run again on resume
+        self.multi: dict[int, int] = {}
+        self._replay: deque[list[int]] = deque()
+        self.preemptions = 0
 
     @property
     def room(self) -> int:
@@ -90,19 +97,57 @@ class Decoder:
             raise RuntimeError("nothing pending: feed a token first")
         if self.speculator is not None and self.decoding:
             return decode_together([self])[0]
+        if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
+            self.cache = self.model.new_cache(1, self._cache_len)
         batch, self.pending = self.pending[:self.chunk], self.pending[self.chunk:]
         with torch.inference_mode():
             out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
+        return self._ran(batch, out[:, -1])
+
+    def _ran(self, batch: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+        """Account for a forward over `batch`: its logits, or None while the prompt or a replay goes on."""
         self.forwards += 1
+        if self._prompt_done and len(batch) > 1:
+            self.multi[len(self.in_cache) - len(self.prompt)] = len(batch)
         self.in_cache.extend(batch)
         if not self._prompt_done:
             self.prefilled = self.cache.offset
             if self.prefix_cache is not None and self.prefilled % self.chunk == 0:
                 self.cache.snapshot(keep_earlier=False)  # a delta-rule state can come back to this boundary
-        if self.pending:
+            if self.pending:
+                return None
+            self._prompt_done = True
+        if self._replay:  # resumed after `preempt`: the next group it had run before
+            self.pending = self._replay.popleft()
             return None
-        self._prompt_done = True
-        return out[:, -1]
+        return logits
+
+    @property
+    def preemptible(self) -> bool:
+        """Whether `preempt` may free the cache now: it exists and the sequence does not speculate (its verify
+        rows would have to be replayed as such, not yet done)."""
+        return self.cache is not None and self.speculator is None
+
+    def preempt(self) -> None:
+        """Free the cache now (recompute). On resume everything it held runs again in the forwards it ran in
+        before: the prompt in the same chunks, then each later token as a decode step (an injected group as
+        one forward), then what was pending; only that last forward's logits come back, equal to those it
+        would have had (each forward is the one it was)."""
+        if not self.preemptible:
+            raise RuntimeError("this sequence speculates or holds no cache: it cannot be preempted")
+        replay: list[list[int]] = []
+        if self._prompt_done:
+            after, i = self.in_cache[len(self.prompt):], 0
+            while i < len(after):
+                n = self.multi.get(i, 1)
+                replay.append(after[i:i + n])
+                i += n
+            replay.append(self.pending)
+        self._cache_len = self.cache.max_len
+        self.cache, self.in_cache, self.multi = None, [], {}
+        self.pending, self._replay = list(self.prompt), deque(replay)
+        self._prompt_done, self.prefilled = False, 0
+        self.preemptions += 1
 
     @property
     def prefilling(self) -> bool:
@@ -146,15 +191,16 @@ class Decoder:
             from localmoe.engine.spec.verify import record
 
             record(self.cache, False)
-        if self.prefix_cache is not None:
+        if self.prefix_cache is not None and self.cache is not None:
             self.prefix_cache.put(self.in_cache, self.cache, self.prefilled)
             self.prefix_cache = None
 
 
-def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[torch.Tensor]:
+def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[torch.Tensor | None]:
     """One decode step of several sequences (each `decoding`, all of one model) as one batched forward
     (engine/batch.py; `fused`: each sequence's own fused step instead); the logits [1, V] of each, in
-    order. A sequence's logits are those it gets alone in the same mode."""
+    order (None for a resumed sequence still replaying, `Decoder.preempt`). A sequence's logits are those
+    it gets alone in the same mode."""
     from localmoe.engine.batch import decode_batch
 
     if any(d.speculator is not None for d in decoders):
@@ -163,11 +209,11 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[to
         return speculative_step(decoders, fused)
     tokens = [d.pending[0] for d in decoders]
     logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
-    for d, token in zip(decoders, tokens):
+    out = []
+    for d, token, row in zip(decoders, tokens, logits.split(1)):
         d.pending = []
-        d.in_cache.append(token)
-        d.forwards += 1
-    return list(logits.split(1))
+        out.append(d._ran([token], row))
+    return out
 
 
 def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:

@@ -93,7 +93,11 @@ class Metrics:
         metric("localmoe_active_generations", "gauge", "Requests the engine is generating.", [("", active)])
         if worker is not None:
             metric("localmoe_sequences", "gauge", "Sequences by scheduler state (running: in the batch; waiting: "
-                   "queued or held by the KV budget).", [('{state="running"}', active), ('{state="waiting"}', queue_depth)])
+                   "queued or held by the KV budget; preempted: cache freed for the KV budget, to resume first).",
+                   [('{state="running"}', active), ('{state="waiting"}', queue_depth),
+                    ('{state="preempted"}', worker.preempted)])
+            metric("localmoe_preemptions_total", "counter", "Running sequences preempted (cache freed, recomputed "
+                   "on resume) because the running caches outgrew the KV budget.", [("", worker.preemptions)])
             metric("localmoe_kv_cache_bytes", "gauge", "Bytes the running sequences' caches hold.",
                    [("", worker.kv_bytes)])
             if worker.kv_budget is not None:

@@ -19,11 +19,17 @@ default) batches unless the model has a fused single-sequence step (engine/batch
 `has_fused_step`), which on the CPU is faster per token than the batched op-by-op step. The choice
 holds for every step, so a request's output never depends on the others.
 
-Up to `max_active` jobs run at once; the others wait in arrival order. With `kv_budget`
-(bytes), a waiting job is admitted only while the running sequences' caches hold less than the
-budget. A cancelled job (its client went away) is closed at the next step and its cache
-released at once (`kv_bytes` drops). A job may also yield None: it is resumed next step
-without a forward.
+Admission and preemption. Up to `max_active` jobs run at once; the others wait in arrival
+order. With `kv_budget` (bytes), a waiting job is admitted only while the running sequences'
+caches hold less than the budget. Running caches grow a block at a time; when, at the start of a
+step, they hold more than the budget, the sequence that arrived last is preempted (recompute:
+`Decoder.preempt` frees its cache at once and it waits at the head of the line), until they fit
+or one sequence is left. A preempted sequence resumes, before any new job is admitted, once the
+bytes it held fit beside the running ones: its prompt and every token it had run go through the
+same forwards again (decode tokens in decode steps, batched with the others), so its output is
+the one it would have had. A cancelled job (its client went away), running, preempted or waiting,
+is closed at the next step and its cache released at once (`kv_bytes` drops). A job may also
+yield None: it is resumed next step without a forward.
 """
 
 from __future__ import annotations
@@ -65,12 +71,18 @@ class Job:
 
 
 class Running:
-    """A started job: its generator and what it waits for (its Decoder, or None)."""
+    """A started job: its generator, what it waits for (its Decoder, or None), and the cache bytes it held
+    when it was preempted."""
 
-    __slots__ = ("job", "steps", "wants")
+    __slots__ = ("held", "job", "steps", "wants")
 
     def __init__(self, job: Job, steps: Iterator[Decoder | None]):
-        self.job, self.steps, self.wants = job, steps, None
+        self.job, self.steps, self.wants, self.held = job, steps, None, 0
+
+    @property
+    def decoder(self) -> Decoder | None:
+        """The Decoder it waits on, while its cache exists."""
+        return self.wants if isinstance(self.wants, Decoder) and self.wants.cache is not None else None
 
 
 class EngineWorker:
@@ -88,12 +100,14 @@ class EngineWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._waiting: deque[Job] = deque()  # taken from the queue, not admitted yet (the KV budget is spent)
         self._active: list[Running] = []
+        self._preempted: list[Running] = []  # caches freed, in arrival order: resumed before new jobs start
         self._thread = threading.Thread(target=self._run, name="localmoe-engine", daemon=True)
         self._stopping = False
         self.steps = 0  # engine steps run
         self.batched_tokens = 0  # decode tokens run in batched steps (all steps together)
         self.failures = 0
         self.cancelled = 0
+        self.preemptions = 0
 
     def fused_for(self, model) -> bool:
         """Whether decode steps run each sequence's own fused step (decided once, see the module docstring)."""
@@ -127,9 +141,14 @@ class EngineWorker:
         return len(self._active)
 
     @property
+    def preempted(self) -> int:
+        """Sequences whose caches were freed for the budget, waiting to resume."""
+        return len(self._preempted)
+
+    @property
     def kv_bytes(self) -> int:
         """Bytes the running sequences' caches hold (allocated blocks and states)."""
-        return sum(r.wants.cache.nbytes() for r in list(self._active) if isinstance(r.wants, Decoder))
+        return sum(d.cache.nbytes() for d in (r.decoder for r in list(self._active)) if d is not None)
 
     def _take(self, block: bool) -> None:
         """Move queued jobs to the waiting line (blocking for the first when nothing runs)."""
@@ -146,6 +165,11 @@ class EngineWorker:
 
     def _admit(self) -> None:
         self._take(block=False)
+        while self._preempted and len(self._active) < self.max_active:
+            running = self._preempted[0]
+            if self._active and self.kv_budget is not None and self.kv_bytes + running.held > self.kv_budget:
+                return  # not room for it yet; new jobs wait behind it
+            self._active.append(self._preempted.pop(0))
         while self._waiting and len(self._active) < self.max_active:
             if self.kv_budget is not None and self._active and self.kv_bytes >= self.kv_budget:
                 return  # the caches fill the budget: wait until a sequence finishes
@@ -182,16 +206,38 @@ class EngineWorker:
         if running in self._active:
             self._active.remove(running)
 
-    def step(self) -> None:
-        """Admit what may start, then one engine step over every running job (see the module docstring).
-        The worker thread calls it in a loop; a test may call it itself instead of starting the thread."""
-        self._admit()
-        for running in list(self._active):
-            if running.job.cancelled:
+    def _preempt_over_budget(self) -> None:
+        """While the running caches hold more than the budget, preempt the sequence that arrived last."""
+        if self.kv_budget is None:
+            return
+        while len(self._active) > 1 and self.kv_bytes > self.kv_budget:
+            held = [r for r in self._active if r.decoder is not None and r.decoder.preemptible]
+            if not held:
+                return  # none may be preempted now (a speculating sequence is not, yet)
+            victim = max(held, key=lambda r: r.job.submitted)
+            victim.held = victim.decoder.cache.nbytes()
+            victim.wants.preempt()
+            self._drop(victim)
+            self._preempted.append(victim)
+            self._preempted.sort(key=lambda r: r.job.submitted)
+            self.preemptions += 1
+
+    def _close_cancelled(self) -> None:
+        for line in (self._active, self._preempted):
+            for running in [r for r in line if r.job.cancelled]:
                 running.steps.close()
-                self._drop(running)
+                line.remove(running)
                 self.cancelled += 1
                 running.job.emit("error", CancelledError())
+
+    def step(self) -> None:
+        """Close what was cancelled, admit or resume what may run, preempt what no longer fits the KV
+        budget, then one engine step over every running job (see the module docstring). The worker thread
+        calls it in a loop; a test may call it itself instead of starting the thread."""
+        self._close_cancelled()
+        self._admit()
+        self._close_cancelled()  # a job admitted this step may have been cancelled meanwhile
+        self._preempt_over_budget()
         decode = [r for r in self._active if isinstance(r.wants, Decoder) and r.wants.decoding]
         prefill = [r for r in self._active if isinstance(r.wants, Decoder) and not r.wants.decoding]
         idle = [r for r in self._active if r.wants is None]
@@ -226,6 +272,7 @@ class EngineWorker:
         if self._threads:
             torch.set_num_threads(self._threads)
         while not self._stopping:
-            self._take(block=not self._active and not self._waiting)  # sleeps while there is nothing to do
+            idle = not self._active and not self._waiting and not self._preempted
+            self._take(block=idle)  # sleeps while there is nothing to do
             if not self._stopping:
                 self.step()

@@ -1,7 +1,7 @@
 """Continuous batching in the engine worker: a request's greedy output does not depend on who else is
 in the batch (2, 8, 16 sequences); sequences join and leave between steps; a cancelled sequence's
-cache is released at once; the KV budget holds admissions; a thinking budget and a forced tool call
-work inside a batch.
+cache is released at once; the KV budget holds admissions and preempts a sequence, which resumes with
+the output it has alone; a thinking budget and a forced tool call work inside a batch.
 
 The worker is stepped by the test (`EngineWorker.step`, no thread), so joins and leaves happen at
 known steps. The reference for a request is its output alone in a worker (`alone`).
@@ -155,6 +155,64 @@ def test_kv_budget_holds_a_request_until_a_sequence_finishes(embedded):
     assert worker.active == 1 and worker.waiting == 1
     run_all(worker, results, 2)
     assert results["first"].content == results["second"].content
+
+
+def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monkeypatch):
+    """Two sequences outgrow the KV budget: the later one is preempted (its cache freed at once), resumes
+    when the first finishes (its prompt and tokens run again) and gives what it gives alone; /metrics
+    counts it while it waits."""
+    from localmoe.engine import cache as cache_module
+    from localmoe.runtime.metrics import Metrics
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)  # caches grow every 8 tokens
+    tok, model = embedded.tokenizer, embedded.model
+    block = model.new_cache(1, 64).nbytes()  # one block of every layer
+    preps = {"first": completion(embedded, PROMPTS[0], 24), "later": completion(embedded, PROMPTS[2], 24)}
+    worker, results = EngineWorker(max_active=4, kv_budget=5 * block, batching="on"), {}
+    for key, prep in preps.items():
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, key))
+    seen = set()
+    for _ in range(200):
+        if len(results) == 2:
+            break
+        worker.step()
+        assert worker.kv_bytes <= 5 * block + 2 * block  # over the budget by at most a step's growth
+        if worker.preempted:
+            seen.add("preempted")
+            if worker._preempted[0].wants._replay:
+                seen.add("mid-decode")  # tokens it had generated run again on resume
+            assert worker.active + len(results) == 1  # the first runs (or just finished); the later waits
+            text = Metrics().render(worker.waiting, worker.active, worker=worker)
+            assert 'localmoe_sequences{state="preempted"} 1' in text and "localmoe_preemptions_total 1" in text
+    assert seen == {"preempted", "mid-decode"} and worker.preemptions >= 1 and worker.kv_bytes == 0
+    for key, prep in preps.items():
+        assert results[key].content == alone(embedded, prep).content, key
+        assert results[key].completion_tokens == 24
+
+
+def test_cancelling_a_preempted_sequence_closes_it(embedded, monkeypatch):
+    from localmoe.engine import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)
+    tok, model = embedded.tokenizer, embedded.model
+    block = model.new_cache(1, 64).nbytes()
+    worker, results, jobs = EngineWorker(max_active=4, kv_budget=3 * block, batching="on"), {}, {}
+    for key in ("first", "later"):
+        prep = completion(embedded, PROMPTS[1], 24)
+        jobs[key] = job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                           results, key)
+        worker.submit(jobs[key])
+    for _ in range(100):
+        worker.step()
+        if worker.preempted:
+            break
+    assert worker.preempted == 1
+    jobs["later"].cancel()
+    worker.step()
+    assert worker.preempted == 0 and type(results["later"]).__name__ == "CancelledError"
+    run_all(worker, results, 2)
+    assert results["first"].completion_tokens == 24
 
 
 @pytest.fixture(scope="module")

@@ -108,12 +108,12 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
     seconds = time.perf_counter() - started
     results = []
     for n, d in enumerate(decoders):
-        d.forwards += 1
-        d.in_cache.append(rows[n][0])
         d.pending = []
         if not spec[n]:
-            results.append(out[n])
+            results.append(d._ran(rows[n][0:1], out[n]))  # None while a resumed sequence replays
             continue
+        d.forwards += 1
+        d.in_cache.append(rows[n][0])
         j, x = _accept(d, drafts[n], out[n])
         kept = drafts[n].tokens[:j]
         d.cache.trim(starts[n] + 1 + j)
