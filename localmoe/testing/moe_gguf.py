@@ -127,6 +127,31 @@ def _qwen3moe_metadata(w, c: dict) -> None:
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
 
 
+def _glm4moe_metadata(w, c: dict) -> None:
+    """llama.cpp's Glm4MoeModel: block_count counts the appended MTP layers, the rotary part in dims."""
+    nextn = c.get("num_nextn_predict_layers", 0)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"] + nextn)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_freq_base(float(c["rope_theta"]))
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_rope_dimension_count(int(c["head_dim"] * c.get("partial_rotary_factor", 0.5)))
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_leading_dense_block_count(c["first_k_dense_replace"])
+    w.add_uint32("glm4moe.expert_gating_func", 2)
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(c["norm_topk_prob"])
+    w.add_uint32("glm4moe.nextn_predict_layers", nextn)
+
+
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -184,6 +209,18 @@ def _minus_one(parts: list[np.ndarray], c: dict) -> np.ndarray:
     return parts[0] - np.float32(1)
 
 
+_GLM4MOE_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for glm4moe)
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    **{f"self_attn.{h}_proj.{x}": f"attn_{g}.{x}" for h, g in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+       for x in ("weight", "bias")},
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
+    **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()},
+    # the MTP layer's own tensors
+    **{f"{h}.weight": f"nextn.{g}.weight" for h, g in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm"),
+                                                        ("shared_head.norm", "shared_head_norm"))}}
+
 _QWEN3NEXT_LAYER = {
     **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
         ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"))},
@@ -231,6 +268,7 @@ ARCHS = {
     "kimi_linear": Arch("kimi-linear", _kimi_linear_metadata, _KIMI_LINEAR_LAYER,
                         "block_sparse_moe.experts.{e}.{p}.weight", _TOP, split=_KIMI_LINEAR_SPLIT,
                         proj={"gate": "w1", "up": "w3", "down": "w2"}),
+    "glm4_moe": Arch("glm4moe", _glm4moe_metadata, _GLM4MOE_LAYER, "mlp.experts.{e}.{p}.weight", _TOP),
     "qwen3_next": Arch("qwen3next", _qwen3next_metadata, _QWEN3NEXT_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
                        split=_QWEN3NEXT_SPLIT, top_fix={"model.norm.weight": (_plus_one, _minus_one)}),
 }
@@ -244,7 +282,7 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
     out = [(arch.top["model.embed_tokens.weight"], f32("model.embed_tokens.weight"))]
     E = config.get("num_experts") or config["n_routed_experts"]
     names = set(ckpt.keys())
-    for i in range(config["num_hidden_layers"]):
+    for i in range(config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)):  # MTP layers appended
         p = f"model.layers.{i}."
         out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items() if p + src in names]
         for src, (dsts, split, _) in (arch.split or {}).items():

@@ -24,6 +24,7 @@ PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
         [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")] + \
+        [("glm4_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m")] + \
         [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")]  # K3: experts MXFP4 in every file, as llama.cpp writes them
 FAMILIES = sorted({family for family, _ in CASES})
 
@@ -143,6 +144,22 @@ def test_converted_store_keeps_the_blocks_and_pages(pair, tmp_path, ram):
     budget = 0 if ram == 0 else expert_bytes(store) // 4
     ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
     assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (ram != 0)
+    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_glm4moe_store_skips_the_mtp_layer_and_pages(pair, tmp_path):
+    """glm4moe at Q4_K_M: the converted store holds the experts of the main MoE layers only (the appended
+    MTP block, `nextn_predict_layers`, is not part of the model) and gives the GGUF's bits paged at 25% RAM."""
+    from localmoe.convert import convert
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    gguf, _ = pair("glm4_moe", "q4_k_m")
+    convert(gguf, tmp_path / "store", progress=False)
+    store = PackedStore(tmp_path / "store")
+    assert store.layers() == [1, 2]
+    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(store) // 4))
     for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
