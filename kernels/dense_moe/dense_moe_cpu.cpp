@@ -22,9 +22,10 @@ using localmoe_dense::load8;
 
 constexpr int kRows = 3, kTokens = 3;  // 9 accumulators + 3 weight vectors + 1 x vector of 16 ymm
 
-// dots[t * R + r] = w_r . x_t for R rows of w (stride K) and NT tokens of x (stride K).
-template <typename T, int R, int NT, bool Prefetch>
-inline void block(const T* w, const float* x, int64_t K, float* dots) {
+// dots[t * R + r] = w_r . x_t for R rows of w (stride K) and NT tokens of x (stride K). Rows set in `prefetch`
+// (bit r: row r) of the block two ahead are prefetched along the way (measured: one and four ahead were slower).
+template <typename T, int R, int NT>
+inline void block(const T* w, const float* x, int64_t K, float* dots, unsigned prefetch) {
   __m256 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
@@ -32,8 +33,9 @@ inline void block(const T* w, const float* x, int64_t K, float* dots) {
   for (; k + 8 <= K; k += 8) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
-    if (Prefetch)  // two blocks ahead (measured: 1 and 4 were slower)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T0);
+    if (prefetch)
+      for (int r = 0; r < R; ++r)
+        if (prefetch >> r & 1u) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T0);
     for (int t = 0; t < NT; ++t) {
       const __m256 xv = _mm256_loadu_ps(x + t * K + k);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
@@ -47,21 +49,22 @@ inline void block(const T* w, const float* x, int64_t K, float* dots) {
     }
 }
 
+// The R rows against N tokens, in groups of kTokens. The prefetches of the rows two blocks ahead are spread
+// over the groups (group g takes rows g, g + G, ...): the memory stream runs while every group computes, not
+// only the first (with all prefetches in the first group the stream idled during the later ones).
 template <typename T, int R>
 inline void rows_block(const T* w, const float* x, int64_t N, int64_t K, float* dots) {
-  for (int64_t t = 0; t < N; t += kTokens) {
+  const int64_t groups = (N + kTokens - 1) / kTokens;
+  for (int64_t t = 0, g = 0; t < N; t += kTokens, ++g) {
     const float* xt = x + t * K;
     float* d = dots + t * R;
     const int64_t n = std::min<int64_t>(kTokens, N - t);
-    if (t == 0) {  // the first group streams the rows from memory: it prefetches the next block
-      if (n == 3) block<T, R, 3, true>(w, xt, K, d);
-      else if (n == 2) block<T, R, 2, true>(w, xt, K, d);
-      else block<T, R, 1, true>(w, xt, K, d);
-    } else {
-      if (n == 3) block<T, R, 3, false>(w, xt, K, d);
-      else if (n == 2) block<T, R, 2, false>(w, xt, K, d);
-      else block<T, R, 1, false>(w, xt, K, d);
-    }
+    unsigned prefetch = 0;
+    for (int r = 0; r < R; ++r)
+      if (r % groups == g) prefetch |= 1u << r;
+    if (n == 3) block<T, R, 3>(w, xt, K, d, prefetch);
+    else if (n == 2) block<T, R, 2>(w, xt, K, d, prefetch);
+    else block<T, R, 1>(w, xt, K, d, prefetch);
   }
 }
 
@@ -138,6 +141,25 @@ void expert(const Expert<T>& e, int threads) {
   localmoe::parallel(down_rows<T>, &e, e.D, dn, threads);
 }
 
+// One expert over its N tokens (rows into x / out, weights): gathers the rows into scratch, then gate/up and down.
+void run_expert(const float* x, int64_t D, const int64_t* rows, const float* weights, int64_t N, const void* gate,
+                const void* up, const void* down, int bf16, int64_t I, int glu, float p0, float p1, float* out,
+                float* scratch, int threads) {
+  if (N <= 0) return;
+  float* xs = scratch;
+  for (int64_t n = 0; n < N; ++n) std::memcpy(xs + n * D, x + rows[n] * D, D * sizeof(float));
+  float *g = xs + N * D, *u = g + N * I;
+  if (bf16) {
+    const Expert<uint16_t> e{xs, rows, weights, N, D, I, static_cast<const uint16_t*>(gate),
+                             static_cast<const uint16_t*>(up), static_cast<const uint16_t*>(down), glu, p0, p1, g, u, out};
+    expert(e, threads);
+  } else {
+    const Expert<float> e{xs, rows, weights, N, D, I, static_cast<const float*>(gate), static_cast<const float*>(up),
+                          static_cast<const float*>(down), glu, p0, p1, g, u, out};
+    expert(e, threads);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -151,18 +173,35 @@ int64_t dense_moe_scratch(int64_t N, int64_t D, int64_t I) { return N * (D + 2 *
 void dense_moe_expert(const float* x, int64_t D, const int64_t* rows, const float* weights, int64_t N,
                       const void* gate, const void* up, const void* down, int bf16, int64_t I, int glu, float p0,
                       float p1, float* out, float* scratch, int threads) {
-  if (N <= 0) return;
-  float* xs = scratch;
-  for (int64_t n = 0; n < N; ++n) std::memcpy(xs + n * D, x + rows[n] * D, D * sizeof(float));
-  float *g = xs + N * D, *u = g + N * I;
-  if (bf16) {
-    const Expert<uint16_t> e{xs, rows, weights, N, D, I, static_cast<const uint16_t*>(gate),
-                             static_cast<const uint16_t*>(up), static_cast<const uint16_t*>(down), glu, p0, p1, g, u, out};
-    expert(e, threads);
-  } else {
-    const Expert<float> e{xs, rows, weights, N, D, I, static_cast<const float*>(gate), static_cast<const float*>(up),
-                          static_cast<const float*>(down), glu, p0, p1, g, u, out};
-    expert(e, threads);
+  run_expert(x, D, rows, weights, N, gate, up, down, bf16, I, glu, p0, p1, out, scratch, threads);
+}
+
+// Floats of scratch `dense_moe_layer` needs for T tokens, width D, intermediate I.
+int64_t dense_moe_layer_scratch(int64_t T, int64_t D, int64_t I) { return T * (D + 2 * I + 3); }
+
+// A MoE layer's routed experts from one call: for each expert e of experts[0..M) in that order (increasing ids:
+// the order a per-expert dispatch adds them), the tokens n that chose it (ids [T, k], in increasing n, with
+// weights [T, k]) through `dense_moe_expert`'s computation: the same bits as one dense_moe_expert call per
+// expert. table [E, 3]: addresses of each expert's gate, up, down (all fp32 or all bf16, per `bf16`).
+void dense_moe_layer(const float* x, int64_t D, const int64_t* ids, const float* weights, int64_t T, int64_t k,
+                     const int64_t* table, const int64_t* experts, int64_t M, int bf16, int64_t I, int glu, float p0,
+                     float p1, float* out, float* scratch, int threads) {
+  int64_t* rows = reinterpret_cast<int64_t*>(scratch);
+  float* wts = scratch + 2 * T;
+  float* work = wts + T;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t e = experts[m];
+    int64_t N = 0;
+    for (int64_t n = 0; n < T; ++n)
+      for (int64_t j = 0; j < k; ++j)
+        if (ids[n * k + j] == e) {
+          rows[N] = n;
+          wts[N++] = weights[n * k + j];
+          break;
+        }
+    const int64_t* w = table + 3 * e;
+    run_expert(x, D, rows, wts, N, reinterpret_cast<const void*>(w[0]), reinterpret_cast<const void*>(w[1]),
+               reinterpret_cast<const void*>(w[2]), bf16, I, glu, p0, p1, out, work, threads);
   }
 }
 

@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
 from localmoe.kernels import dense_moe, ggml_gemv
+from localmoe.kernels.dense_moe import DenseExpertTable
 from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, ExpertTable, mxfp4_linear
 from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES
 from localmoe.quant.mxfp4 import dequantize
@@ -176,7 +177,9 @@ class ExpertProvider(Protocol):
         """Bytes of expert weights this provider holds in memory now."""
 
     # Optional: `kernel_table(layer) -> ExpertTable | None`, every expert of the layer valid at once in
-    # the MoE kernel's form (kernels/mxfp4_moe), so a layer runs in one kernel call (resident providers).
+    # the MoE kernel's form (kernels/mxfp4_moe), so a layer runs in one kernel call (resident providers);
+    # a provider with it also has `dense_table(layer) -> DenseExpertTable | None`, the same for dense experts
+    # (kernels/dense_moe).
     # Optional: `placed(layer, expert, tokens) -> (ExpertWeights, tier)` in place of `get`: the weights
     # in the tier to compute the expert in for `tokens` tokens, "ram" (the CPU) or a GPU tier "gpuN"
     # (a pager with GPU tiers; the weights are then on that GPU).
@@ -188,6 +191,7 @@ class ResidentExperts:
     def __init__(self, experts: dict[int, list[ExpertWeights]]):
         self.experts = experts  # layer -> experts by id
         self._tables: dict[int, ExpertTable | None] = {}
+        self._dense: dict[int, DenseExpertTable | None] = {}
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, layer: int,
@@ -216,6 +220,7 @@ class ResidentExperts:
         self.experts |= other.experts
         for layer in other.experts:
             self._tables.pop(layer, None)
+            self._dense.pop(layer, None)
         return self
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
@@ -228,6 +233,16 @@ class ResidentExperts:
             usable = all(ExpertTable.holds(w) for w in experts)
             self._tables[layer] = ExpertTable(dict(enumerate(experts)), len(experts)) if usable else None
         return self._tables[layer]
+
+    def dense_table(self, layer: int) -> DenseExpertTable | None:
+        """The layer's experts for `dense_moe_layer`, or None where they are not all dense fp32 / bf16 matrices
+        without biases (built once)."""
+        if layer not in self._dense:
+            experts = self.experts[layer]
+            plain = all(p.bias is None and p.packed is None for w in experts for p in (w.gate, w.up, w.down))
+            self._dense[layer] = DenseExpertTable.of([(w.gate.weight, w.up.weight, w.down.weight)
+                                                      for w in experts]) if plain else None
+        return self._dense[layer]
 
     def nbytes(self) -> int:
         # stacked checkpoints give each expert disjoint views of one tensor: the sum is exact

@@ -220,6 +220,48 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     assert torch.equal(whole_q8, q8[1](x)) and not torch.equal(whole_q8, whole)
 
 
+def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_time():
+    """Resident dense experts with a kernel activation run as `dense_moe_layer` calls (runs of experts with at
+    most DENSE_MAX_TOKENS tokens; expert 0, chosen by every token, in torch between them); a provider that hands
+    out one expert at a time (a pager) runs them one call each: the same bits, and the float64 reference."""
+    from localmoe.engine.experts import DENSE_MAX_TOKENS
+
+    experts = _experts(D, False, biases=False, seed=24)
+    resident = ResidentExperts({7: experts})
+
+    class OneAtATime:
+        def get(self, layer, e):
+            return resident.get(layer, e)
+
+        def nbytes(self):
+            return resident.nbytes()
+
+    assert resident.kernel_table(7) is None and resident.dense_table(7) is not None
+    rule = RoutingRule(top_k=3, scoring="softmax", renormalize=True)
+    router_w = torch.randn(E, D, generator=_gen(25)) * 0.3
+    x = torch.randn(2, 20, D, generator=_gen(26))
+    x[..., 0] = 4.0
+    router_w[0, 0] = 10.0  # expert 0 wins every token: more than DENSE_MAX_TOKENS of them
+    calls = []
+    from localmoe.engine.layers import moe
+
+    def counting(*args, **kwargs):
+        calls.append(list(args[4]))
+        return real(*args, **kwargs)
+
+    real, moe.dense_moe_layer = moe.dense_moe_layer, counting
+    try:
+        blocks = [MoEBlock(Router(router_w, None, rule), p, 7, KERNEL_ACTS["situ"]) for p in (resident, OneAtATime())]
+        whole, paged = blocks[0](x), blocks[1](x)
+    finally:
+        moe.dense_moe_layer = real
+    _, ids = blocks[0].router(x.reshape(-1, D))
+    assert int((ids == 0).sum()) == 40 > DENSE_MAX_TOKENS and 0 not in [e for run in calls for e in run]
+    assert sorted(e for run in calls for e in run) == sorted(set(ids.reshape(-1).tolist()) - {0})
+    assert torch.equal(whole, paged)
+    _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS["situ"])
+
+
 def test_expert_precision_is_checked_and_defaults_to_q8():
     from localmoe.config import EngineConfig
     from localmoe.errors import LocalMoEError

@@ -78,3 +78,34 @@ def test_avx2_equals_avx512(dtype):
         with _cpu.forced_isa(isa):
             runs.append(cpu.dense_expert(x, rows, weights, *mats, "situ", (3.0, 2.0), out.clone()))
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_layer_call_equals_one_call_per_expert(dtype):
+    g = torch.Generator().manual_seed(4)
+    E, k = 6, 2
+    x, out = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    experts = [tuple((torch.randn(*s, generator=g) / s[1] ** 0.5).to(dtype) for s in ((I, D), (I, D), (D, I)))
+               for _ in range(E)]
+    table = dense_moe.DenseExpertTable.of(experts)
+    chosen = [1, 2, 4, 5]  # increasing ids, some skipped
+    got = dense_moe.dense_moe_layer(x, ids, weights, table, chosen, "situ", (3.0, 2.0), out.clone())
+    want = out.clone()
+    for e in chosen:
+        picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
+        cpu.dense_expert(x, picks // k, weights.reshape(-1)[picks], *experts[e], "situ", (3.0, 2.0), want)
+    assert torch.equal(got, want)
+    ref = out.clone()
+    for e in chosen:
+        picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
+        naive_dense_expert(x, picks // k, weights.reshape(-1)[picks], *experts[e], "situ", (3.0, 2.0), ref)
+    assert _rel(got - out, ref - out) <= 1e-5
+
+
+def test_a_table_refuses_experts_it_cannot_point_at():
+    mats = [(torch.randn(I, D), torch.randn(I, D), torch.randn(D, I)) for _ in range(2)]
+    assert dense_moe.DenseExpertTable.of(mats) is not None
+    assert dense_moe.DenseExpertTable.of([mats[0], (mats[1][0], mats[1][1].half(), mats[1][2])]) is None
+    assert dense_moe.DenseExpertTable.of([mats[0], (mats[1][0], mats[1][1], mats[1][2].T)]) is None

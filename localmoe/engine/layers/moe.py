@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.experts import (
+    DENSE_MAX_TOKENS,
     Activation,
     ExpertProvider,
     ResidentExperts,
@@ -32,6 +33,7 @@ from localmoe.engine.layers import mlp, on_device
 from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.errors import LocalMoEError
+from localmoe.kernels.dense_moe import DenseExpertTable, dense_moe_layer
 from localmoe.kernels.mxfp4_moe import (
     GEMV_MAX_TOKENS,
     ExpertTable,
@@ -149,7 +151,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     expert as the provider hands them out; both add experts in increasing id, so the bits are the
     same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched
     once each, run on all of their tokens at once and added in the same order (`expert_accumulate`:
-    dense experts through kernels/dense_moe).
+    dense experts through kernels/dense_moe); resident dense experts (`dense_table`) run as one
+    `dense_moe_layer` call for the chunk, with the same bits.
 
     A provider with `placed` (a pager with GPU tiers) hands each expert out with the tier to compute it
     in; experts of a GPU tier run on its device, on the layer's tokens copied there once, into the
@@ -161,6 +164,9 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
         table = provider.kernel_table(layer)
         if table is not None:
             return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=precision)
+        dense = provider.dense_table(layer)
+        if dense is not None:
+            return _dense_layer(x, weights, ids, provider, layer, dense, act, precision, out)
     placed = getattr(provider, "placed", None)
     on_tier: dict[str, tuple[torch.Tensor, ...]] = {}  # GPU tier -> (x, ids, weights, sum) on its device
     k = ids.shape[1]
@@ -189,6 +195,28 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
                           (act.kind, act.params) if kernel else None)
     for *_, acc in on_tier.values():
         out += acc.to(out.device)
+    return out
+
+
+def _dense_layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider, layer: int,
+                 table: DenseExpertTable, act: ExpertGLU, precision: str, out: torch.Tensor) -> torch.Tensor:
+    """`dispatch` over resident dense experts: runs of experts with at most DENSE_MAX_TOKENS tokens go to
+    `dense_moe_layer` (one kernel call each run), larger ones to `expert_accumulate`, in increasing id: the same
+    bits as the per-expert loop (a pager's path)."""
+    flat, k = ids.reshape(-1), ids.shape[1]
+    run: list[int] = []
+    for expert, n in enumerate(torch.bincount(flat, minlength=len(table.experts)).tolist()):
+        if 0 < n <= DENSE_MAX_TOKENS:
+            run.append(expert)
+        elif n:
+            if run:
+                dense_moe_layer(x, ids, weights, table, run, act.kind, act.params, out)
+                run = []
+            picks = (flat == expert).nonzero().squeeze(1)
+            expert_accumulate(provider.get(layer, expert), x, picks // k, weights.reshape(-1)[picks], act, out,
+                              precision, (act.kind, act.params))
+    if run:
+        dense_moe_layer(x, ids, weights, table, run, act.kind, act.params, out)
     return out
 
 
@@ -224,14 +252,20 @@ class MoEBlock:
         self.shared, self.latent = shared, latent
         self.precision = "exact"  # MXFP4 experts: EngineConfig.expert_precision, set by the Transformer
 
+    def _routes_in_kernel(self, tokens: int) -> bool:
+        """Whether routing can join the experts' kernel call: a plain Router (not wrapped by paging hooks, which
+        must see each routing) without group-limited top-k, kernel experts all resident, a decode-sized call."""
+        return (type(self.router) is Router and self.router.rule.n_group == 1 and tokens <= GEMV_MAX_TOKENS
+                and isinstance(self.act, ExpertGLU) and hasattr(self.experts, "kernel_table"))
+
     def routed_table(self, tokens: int) -> ExpertTable | None:
-        """The provider's whole-layer kernel table where routing can join the experts' kernel call: a
-        plain Router (not wrapped by paging hooks, which must see each routing) without group-limited
-        top-k, kernel experts all resident, a decode-sized call; else None."""
-        if (type(self.router) is not Router or self.router.rule.n_group > 1 or tokens > GEMV_MAX_TOKENS
-                or not isinstance(self.act, ExpertGLU) or not hasattr(self.experts, "kernel_table")):
-            return None
-        return self.experts.kernel_table(self.layer)
+        """The provider's whole-layer MXFP4 kernel table where routing can join the experts' kernel call
+        (`_routes_in_kernel`); else None."""
+        return self.experts.kernel_table(self.layer) if self._routes_in_kernel(tokens) else None
+
+    def routed_dense_table(self, tokens: int) -> DenseExpertTable | None:
+        """The same for resident dense experts (the fused decode step routes and runs them itself)."""
+        return self.experts.dense_table(self.layer) if self._routes_in_kernel(tokens) else None
 
     def nbytes(self) -> int:
         """Bytes of the router, shared experts and latent projections (routed experts are the
