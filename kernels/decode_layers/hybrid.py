@@ -6,7 +6,7 @@ The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.p
 attn_res.py)
 in fp32 C++; tests/kernels/test_decode_hybrid.py checks it against that path (the reference) within
 1e-5 of the logit range and the AVX2 build against the AVX-512 one bit for bit. Routed experts run in
-the kernel where a layer gives a resident MXFP4 table, else through `experts(layer, h, x)` -> [W], called
+the kernel where a layer gives a resident MXFP4 or dense table, else through `experts(layer, h, x)` -> [W], called
 back from the kernel (the engine routes h and dispatches x to its provider: a pager, bf16 experts).
 """
 
@@ -23,6 +23,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 NO_MATRIX = (None, 0, 0, 0, None)
 MAX_HEAD_DIM, MAX_LATENT = 512, 1024  # hybrid_mixers.h stack buffers: KDA K, MLA kv_lora_rank (+ rope <= 128)
 MAX_BLOCKS = 62  # attention-residual blocks per token (hybrid_cpu.cpp depth_mix scores)
+MAX_TOP_K = 64  # routed experts per token of a layer with resident dense experts (hybrid_cpu.cpp mlp's order)
 
 
 class Kda(ctypes.Structure):
@@ -68,8 +69,9 @@ class HybridLayer(ctypes.Structure):
                 ("gate_up", Matrix), ("down", Matrix), ("glu", _i), ("glu_p0", _f), ("glu_p1", _f),
                 ("shared_gate", _p), ("lat_down", Matrix), ("lat_up", Matrix),
                 ("lat_norm", _p), ("lat_eps", _f), ("router_w", _p), ("router_b", _p), ("correction", _p),
-                ("table", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i), ("intermediate", _i),
-                ("top_k", _i), ("expert_glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
+                ("table", _p), ("dense", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i),
+                ("intermediate", _i), ("top_k", _i), ("expert_glu", _i), ("dense_type", _i), ("scaling", _f),
+                ("p0", _f), ("p1", _f)]
 
 
 ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _p, _p, _p)
@@ -109,7 +111,8 @@ class HybridDecoder:
     dict under that key (matrices as (data, type, rows, cols, bias) tuples of decode_layers.Matrix, fp32
     vectors: the fields of the struct of that name), o_proj; moe (bool), gate_up / down (dense MLP or
     shared experts, or None), glu (glu.h kind, p0, p1), shared_gate ([D] or None); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
-    router_w / router_b / correction, table (ExpertTable.addresses or None: the callback), scoring,
+    router_w / router_b / correction, table (ExpertTable.addresses or None), dense (DenseExpertTable.addresses
+    or None; with dense_type, its MATRIX_TYPES value; neither table: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
     returns layer `index`'s routed-expert sum [W] for a layer without a table. The caller sets each
     layer's cache pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
@@ -124,7 +127,7 @@ class HybridDecoder:
         lib = library()
         for c, d in zip(self.layers, layers):
             for name in ("attn_norm", "mlp_norm", "attn_query", "mlp_query", "lat_norm", "router_w", "router_b",
-                         "correction", "table", "shared_gate"):
+                         "correction", "table", "dense", "shared_gate"):
                 setattr(c, name, _ptr(d.get(name)))
             c.mixer = MIXERS.index(d["mixer"])
             self._fill(getattr(c, d["mixer"]), d[d["mixer"]])
@@ -145,6 +148,10 @@ class HybridDecoder:
                 if c.table:
                     moe_bytes = max(moe_bytes, lib.mxfp4_moe_routed_scratch(1, c.top_k, width, c.intermediate,
                                                                             c.experts))
+                if c.dense:  # router logits [E], then dense_expert's 2 I + W floats
+                    c.dense_type = d["dense_type"]
+                    moe_bytes = max(moe_bytes, 4 * (c.experts + 2 * c.intermediate + width))
+                    widest = max(widest, c.intermediate)
         floats = lib.decode_hybrid_scratch(ctypes.addressof(self.layers), len(layers), hidden, block_size)
         self.scratch = torch.empty(floats)
         self.moe_scratch = torch.empty(max(moe_bytes, 64), dtype=torch.uint8)

@@ -9,7 +9,8 @@
 //              layers ps is stored as a block and restarted; ps (+)= mixer(rms(h));
 //              h = mix([blocks, ps], mlp_query); ps += mlp(rms(h)); at the end mix(output_query)
 // then the final norm. Routed experts run through mxfp4_moe_routed (routing in C) where the layer holds
-// a resident MXFP4 table, else through `experts`, a callback into the engine (a pager, bf16 experts):
+// a resident MXFP4 table, through the same routing and `dense_expert` per chosen expert (increasing id)
+// where it holds resident dense experts, else through `experts`, a callback into the engine (a pager):
 // the callback routes h and runs the experts on the experts' input, giving the same bits as the
 // table call, so paged decode equals resident decode bit for bit.
 #include <algorithm>
@@ -30,6 +31,11 @@ void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const f
                       int scoring, int renormalize, float scaling, const float* x, int64_t N, int64_t D, int64_t I,
                       int64_t k, const int64_t* table, int64_t E, int glu, float p0, float p1, float* out,
                       int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8);
+void mxfp4_route(const float* rx, int64_t R, const float* router_w, const float* router_b, const float* correction,
+                 int scoring, int renormalize, float scaling, int64_t N, int64_t k, int64_t E, int64_t* ids_out,
+                 float* weights_out, float* logits, int threads);
+void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Matrix* down, int glu, float p0, float p1,
+                  float weight, float* out, float* scratch, void* xq, int threads);
 }
 
 // A GQA mixer: qkv rows [q H D | k Hkv D | v Hkv D], per-head q/k RMSNorm (null: none), RoPE over the
@@ -69,8 +75,9 @@ struct HybridLayer {
   const float* router_w;  // [E, D] fp32
   const float* router_b;
   const float* correction;
-  const int64_t* table;  // resident MXFP4 experts (ExpertTable.addresses); null: the callback
-  int64_t scoring, renormalize, experts, intermediate, top_k, expert_glu;
+  const int64_t* table;  // resident MXFP4 experts (ExpertTable.addresses); null: `dense` or the callback
+  const int64_t* dense;  // resident dense experts [E, 3]: gate, up, down of type dense_type; null: the callback
+  int64_t scoring, renormalize, experts, intermediate, top_k, expert_glu, dense_type;
   float scaling, p0, p1;
 };
 
@@ -116,6 +123,21 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
       mxfp4_moe_routed(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
                        static_cast<int>(L.renormalize), L.scaling, ex, 1, W, L.intermediate, L.top_k, L.table,
                        L.experts, static_cast<int>(L.expert_glu), L.p0, L.p1, y, ids, weights, moe_scratch, threads, q8);
+    } else if (L.dense) {  // the callback's computation without the call: the same routing, experts, order
+      float* logits = static_cast<float*>(moe_scratch);
+      mxfp4_route(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                  static_cast<int>(L.renormalize), L.scaling, 1, L.top_k, L.experts, ids, weights, logits, threads);
+      int64_t order[64];
+      for (int64_t j = 0; j < L.top_k; ++j) order[j] = j;
+      std::sort(order, order + L.top_k, [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
+      for (int64_t j = 0; j < L.top_k; ++j) {
+        const int64_t* w = L.dense + 3 * ids[order[j]];
+        const Matrix gate{reinterpret_cast<const void*>(w[0]), L.dense_type, L.intermediate, W, nullptr};
+        const Matrix up{reinterpret_cast<const void*>(w[1]), L.dense_type, L.intermediate, W, nullptr};
+        const Matrix down{reinterpret_cast<const void*>(w[2]), L.dense_type, W, L.intermediate, nullptr};
+        dense_expert(ex, &gate, &up, &down, static_cast<int>(L.expert_glu), L.p0, L.p1, weights[order[j]], y,
+                     logits + L.experts, xq, threads);
+      }
     } else if (experts(index, hn, ex, y) != 0) {
       return 1;
     }

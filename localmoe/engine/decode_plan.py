@@ -9,8 +9,9 @@
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
 - hybrid (Kimi K3, Kimi-Linear): KDA and MLA (absorbed, NoPE) mixers, dense or MoE MLPs (latent
-  projection, shared experts), plain or attention residuals (`_hybrid`); routed experts in the kernel where resident, else
-  called back into the engine (a pager), with the same bits.
+  projection, shared experts), plain or attention residuals (`_hybrid`); routed experts in the kernel where resident
+  (an MXFP4 `routed_table` or a dense `routed_dense_table`), else called back into the engine (a pager), with the
+  same bits.
 The GQA forms take plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
 experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
@@ -253,13 +254,18 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
         if not (_checked(d["lat_down"], d["lat_up"]) and _fp32_vectors(lat.norm)):
             return None
     table = mlp.routed_table(1)
-    if table is not None:  # routing and the resident experts inside the kernel, else the engine's callback
+    dense = mlp.routed_dense_table(1) if table is None and mlp.router.rule.top_k <= hybrid.MAX_TOP_K else None
+    if table is not None or dense is not None:  # routing and the resident experts inside the kernel, else the callback
         router = mlp.router
         d |= {"router_w": router.linear.weight, "router_b": router.linear.bias, "correction": router.correction_bias,
-              "table": table.addresses, "keep": table, "scoring": SCORINGS.index(router.rule.scoring),
+              "scoring": SCORINGS.index(router.rule.scoring),
               "renormalize": router.rule.renormalize, "scaling": router.rule.scaling, "experts": router.linear.weight.shape[0],
-              "intermediate": table.intermediate, "top_k": router.rule.top_k,
-              "expert_glu": (GLU_KINDS.index(mlp.act.kind), mlp.act.p0, mlp.act.p1)}
+              "top_k": router.rule.top_k, "expert_glu": (GLU_KINDS.index(mlp.act.kind), mlp.act.p0, mlp.act.p1)}
+        if table is not None:
+            d |= {"table": table.addresses, "keep": table, "intermediate": table.intermediate}
+        else:
+            d |= {"dense": dense.addresses, "keep": dense, "intermediate": dense.intermediate,
+                  "dense_type": decode_layers.MATRIX_TYPES[dense.dtype]}
         if not _fp32_vectors(router.linear.weight, router.linear.bias, router.correction_bias):
             return None
     else:
