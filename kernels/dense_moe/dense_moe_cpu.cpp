@@ -20,7 +20,14 @@ namespace {
 using localmoe_dense::load1;
 using localmoe_dense::load8;
 
-constexpr int kRows = 3, kTokens = 3;  // 9 accumulators + 3 weight vectors + 1 x vector of 16 ymm
+// R rows x NT tokens: R * NT accumulators + R weight vectors + 1 x vector. AVX2 has 16 ymm registers (3 x 3);
+// the AVX-512 build's VL encoding reaches 32, so it takes 3 x 6, reading x 1.5x less per FMA. Each dot is
+// the same 8-lane accumulation either way: the two builds give the same bits.
+#ifdef __AVX512VL__
+constexpr int kRows = 3, kTokens = 6;
+#else
+constexpr int kRows = 3, kTokens = 3;
+#endif
 
 // dots[t * R + r] = w_r . x_t for R rows of w (stride K) and NT tokens of x (stride K). Rows set in `prefetch`
 // (bit r: row r) of the block two ahead are prefetched along the way (measured: one and four ahead were slower).
@@ -62,9 +69,14 @@ inline void rows_block(const T* w, const float* x, int64_t N, int64_t K, float* 
     unsigned prefetch = 0;
     for (int r = 0; r < R; ++r)
       if (r % groups == g) prefetch |= 1u << r;
-    if (n == 3) block<T, R, 3>(w, xt, K, d, prefetch);
-    else if (n == 2) block<T, R, 2>(w, xt, K, d, prefetch);
-    else block<T, R, 1>(w, xt, K, d, prefetch);
+    switch (n) {
+      case 6: block<T, R, std::min(6, kTokens)>(w, xt, K, d, prefetch); break;
+      case 5: block<T, R, std::min(5, kTokens)>(w, xt, K, d, prefetch); break;
+      case 4: block<T, R, std::min(4, kTokens)>(w, xt, K, d, prefetch); break;
+      case 3: block<T, R, 3>(w, xt, K, d, prefetch); break;
+      case 2: block<T, R, 2>(w, xt, K, d, prefetch); break;
+      default: block<T, R, 1>(w, xt, K, d, prefetch);
+    }
   }
 }
 

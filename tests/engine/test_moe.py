@@ -239,7 +239,7 @@ def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_ti
     assert resident.kernel_table(7) is None and resident.dense_table(7) is not None
     rule = RoutingRule(top_k=3, scoring="softmax", renormalize=True)
     router_w = torch.randn(E, D, generator=_gen(25)) * 0.3
-    x = torch.randn(2, 20, D, generator=_gen(26))
+    x = torch.randn(2, 40, D, generator=_gen(26))
     x[..., 0] = 4.0
     router_w[0, 0] = 10.0  # expert 0 wins every token: more than DENSE_MAX_TOKENS of them
     calls = []
@@ -256,7 +256,7 @@ def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_ti
     finally:
         moe.dense_moe_layer = real
     _, ids = blocks[0].router(x.reshape(-1, D))
-    assert int((ids == 0).sum()) == 40 > DENSE_MAX_TOKENS and 0 not in [e for run in calls for e in run]
+    assert int((ids == 0).sum()) == 80 > DENSE_MAX_TOKENS and 0 not in [e for run in calls for e in run]
     assert sorted(e for run in calls for e in run) == sorted(set(ids.reshape(-1).tolist()) - {0})
     assert torch.equal(whole, paged)
     _assert_matches_per_token_reference(whole, x, router_w, rule, experts, ACTS["situ"])
