@@ -10,8 +10,9 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
   sigmoid scores, bias for selection only, renormalised, times `routed_scaling_factor`.
 - MLA's rope part uses interleaved pairs, the indexer half-split RoPE (engine/layers/mla.py, indexer.py);
   under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
-- `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights and the
-  MTP layer (`model.layers.{num_hidden_layers}`) are not read: convert to bf16 first.
+- `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights are not read:
+  convert to bf16 first. The MTP layer (`model.layers.{num_hidden_layers}`, `num_nextn_predict_layers`)
+  is skipped on load (`ModelSpec.nextn_layers`).
 
 GGUF (`deepseek32`, and `deepseek2` for V3 without the indexer; llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
 per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode) and `attn_v_b`
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from localmoe.config import ModelSpec
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule
+from localmoe.models.base import MTP_EXTRAS, ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
     MLA_GGUF,
     MOE_GGUF,
@@ -50,7 +51,8 @@ def deepseek_spec(config: dict) -> ModelSpec:
     indexer = model_type != "deepseek_v3"
     return moe_spec(config, model_type, ("dsa" if indexer else "mla",) * layers,
                     moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
-                    "config.json", **dsa_fields(config, "config.json", indexer))
+                    "config.json", nextn_layers=int(config.get("num_nextn_predict_layers") or 0),
+                    **dsa_fields(config, "config.json", indexer))
 
 
 def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]:
@@ -73,7 +75,7 @@ def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]
 HF_TENSORS = TensorMap(
     rules=(TensorRule("model.embed_tokens.weight", "embed_tokens.weight"), TensorRule("model.norm.weight", "norm.weight"),
            TensorRule("lm_head.weight", "lm_head.weight"), *layer_rules("model.")),
-    ignore=(r"rotary_emb\.inv_freq$",),
+    ignore=(r"rotary_emb\.inv_freq$", MTP_EXTRAS),
 )
 
 
@@ -100,7 +102,8 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
 
         raise UnsupportedModelError(f"GGUF {arch}.expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
     config = {
-        "model_type": "deepseek_v32" if indexer else "deepseek_v3", "num_hidden_layers": layers, "hidden_size": key("embedding_length"),
+        "model_type": "deepseek_v32" if indexer else "deepseek_v3", "num_hidden_layers": layers,
+        "num_nextn_predict_layers": key("nextn_predict_layers", 0), "hidden_size": key("embedding_length"),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
         "num_attention_heads": heads, "num_key_value_heads": heads,  # llama.cpp writes 1 (MLA as MQA)
         "q_lora_rank": key("attention.q_lora_rank", required=False), "kv_lora_rank": key("attention.kv_lora_rank"),

@@ -98,11 +98,9 @@ def gguf_moe_tensors(layer: dict, ignore: tuple[str, ...] = ()) -> TensorMap:
 
 
 def mla_finish(weights: dict, spec: ModelSpec) -> dict:
-    """A DeepSeek-style MLA GGUF's `gguf_finish`: the MTP block's tensors (layers past num_layers) dropped,
-    attention matrices kept in blocks dequantised, kv_b_proj joined back (join_kv_b), routed experts split
-    per expert."""
-    for name in [n for n in weights if n.startswith("layers.") and int(n.split(".")[1]) >= spec.num_layers]:
-        del weights[name]
+    """A DeepSeek-style MLA GGUF's `gguf_finish`: attention matrices kept in blocks dequantised, kv_b_proj
+    joined back (join_kv_b), routed experts split per expert (the MTP block's tensors never got here: the loader
+    skips `ModelSpec.nextn_layers`)."""
     dequantize_attention(weights)
     join_kv_b(weights, spec)
     return unstack_experts(weights, spec)

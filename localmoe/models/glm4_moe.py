@@ -25,7 +25,7 @@ from __future__ import annotations
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.attention import GQA_TENSORS, rope_from_hf
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule, hf_rules
+from localmoe.models.base import MTP_EXTRAS, ModelFamily, TensorMap, TensorRule, hf_rules
 from localmoe.models.gguf_experts import MOE_GGUF, GGUFKeys, gguf_moe_tensors, gguf_stacked_experts, unstack_experts
 from localmoe.models.moe_config import dims, experts, moe_placement, require
 
@@ -93,8 +93,7 @@ HF_TENSORS = TensorMap(
         *(TensorRule(f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight", f"layers.{{i}}.mlp.experts.{{e}}.{p}.weight")
           for p in _PROJ),
     ),
-    # the MTP layers' own tensors (their decoder layer's are skipped by index: ModelSpec.nextn_layers)
-    ignore=(r"rotary_emb\.inv_freq$", r"\.(?:eh_proj|enorm|hnorm|shared_head\.\w+|embed_tokens)\.weight$"),
+    ignore=(r"rotary_emb\.inv_freq$", MTP_EXTRAS),
 )
 
 _GGUF_LAYER = {**MOE_GGUF, "post_attention_norm.weight": "post_attention_layernorm.weight",

@@ -129,3 +129,36 @@ def test_deepseek_v3_without_the_indexer_matches_transformers(tmp_path_factory):
     assert ours.spec.layer_kinds == ("mla",) * 4 and ours.spec.dsa is None
     assert_prefill_and_greedy_decode_match(ours.model, reference, random_tokens(PREFILL, 1, ours.spec.vocab_size),
                                            DECODE)
+
+
+def test_the_appended_mtp_layer_is_skipped(tmp_path_factory):
+    """A DeepSeek-V3 checkpoint as released carries its MTP layer as `model.layers.{num_hidden_layers}.*` (a whole
+    decoder layer plus `embed_tokens`, `enorm`, `hnorm`, `eh_proj`, `shared_head.{norm,head}`): with
+    `num_nextn_predict_layers` declared it loads and gives the logits of the checkpoint without it."""
+    from safetensors.torch import load_file, save_file
+
+    from localmoe.errors import CheckpointError
+    from localmoe.testing.parity import load_ours
+
+    path = tiny_checkpoint("deepseek_v3", tmp_path_factory)
+    with_mtp = copy_with_config(path, tmp_path_factory.mktemp("mtp"), lambda c: c.update(num_nextn_predict_layers=1))
+    tensors = load_file(with_mtp / "model.safetensors")
+    last = max(int(n.split(".")[2]) for n in tensors if n.startswith("model.layers."))
+    mtp = f"model.layers.{last + 1}."
+    tensors |= {n.replace(f"model.layers.{last}.", mtp): t.clone() for n, t in tensors.items()
+                if n.startswith(f"model.layers.{last}.")}
+    D = tensors["model.norm.weight"].shape[0]
+    tensors |= {mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                mtp + "enorm.weight": torch.ones(D), mtp + "hnorm.weight": torch.ones(D),
+                mtp + "eh_proj.weight": torch.zeros(D, 2 * D), mtp + "shared_head.norm.weight": torch.ones(D),
+                mtp + "shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    save_file(tensors, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    ours, plain = load_ours(with_mtp), load_ours(path)
+    assert ours.spec.nextn_layers == 1 and ours.spec.num_layers == plain.spec.num_layers
+    tokens = random_tokens(12, 6, plain.spec.vocab_size)
+    torch.testing.assert_close(ours.model.forward(tokens, ours.model.new_cache(1, 16), all_logits=True),
+                               plain.model.forward(tokens, plain.model.new_cache(1, 16), all_logits=True), rtol=0, atol=0)
+    undeclared = copy_with_config(with_mtp, tmp_path_factory.mktemp("undeclared"),
+                                  lambda c: c.pop("num_nextn_predict_layers"))
+    with pytest.raises(CheckpointError, match=rf"layers\.{last + 1}\."):
+        load_ours(undeclared)
