@@ -1,0 +1,129 @@
+"""MoE GGUFs quantised by llama.cpp itself: localmoe against llama.cpp on the SAME file.
+
+Each model is a generated random checkpoint (`localmoe.testing`, real layout) converted to an F32 GGUF by
+llama.cpp's own `convert_hf_to_gguf.py` (benchmarks/k3_cpu.py fetches it), then quantised by llama.cpp's own
+quantiser (llama-cpp-python's `llama_model_quantize`, as decode_dense.py --quant does) to Q4_K_M: Q4_K with
+Q6_K where llama-quantize gives more bits, routed experts included. Both engines run that one file, same
+threads, greedy; localmoe keeps every block type as stored (`--dtype auto`) and computes the experts from
+their blocks (expert precision q8: activations rounded to int8 per 32 values, as llama.cpp does). The engines
+alternate in separate processes (benchmarks/alternate.py); printed per round and as medians: prefill and
+decode tokens/s and localmoe / llama.cpp, and the agreement of the logits at the prompt's last position
+(Pearson correlation, max |diff| over the range, same argmax).
+
+    python benchmarks/gguf_moe.py [--models qwen3_moe:small,glm4_moe:small] [--quant q4_k_m] [--threads 2]
+                                  [--pairs 4] [--prompt 72] [--decode 64] [--work DIR]
+
+Not measured here: paging at 25% RAM under a cgroup limit against llama.cpp's mmap (benchmarks/offload.py
+has the cgroup harness), and K3 (llama-quantize requantises its MXFP4 experts, which localmoe refuses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from alternate import alternate, emit, median_ratio
+from decode_dense import requantised
+from k3_cpu import llama_src, llama_worker, prepare, prompt_ids
+
+
+def localmoe_worker(args) -> None:
+    import numpy as np
+    import torch
+
+    from localmoe.config import EngineConfig
+    from localmoe.engine.generate import prefill
+    from localmoe.load import load_model
+
+    torch.set_num_threads(args.threads)
+    context = args.prompt + args.decode + 16
+    config = EngineConfig(dtype="auto", threads=args.threads, max_context=context, expert_precision="q8")
+    model = load_model(args.path, config, progress=False).model
+    prompt = prompt_ids(args.prompt)
+
+    def run(prompt, decode):
+        cache = model.new_cache(1, context)
+        start = time.perf_counter()
+        logits = prefill(model, prompt, cache)
+        prefill_s, first = time.perf_counter() - start, logits
+        start = time.perf_counter()
+        for _ in range(decode):
+            logits = model.forward(logits.argmax(-1).view(1, 1), cache)[:, -1]
+        return prefill_s, time.perf_counter() - start, first
+
+    run(prompt[:8], 4)  # warm up: kernel library, decode plan
+    prefill_s, decode_s, first = run(prompt, args.decode)
+    np.save(args.logits, first[0].float().numpy())
+    emit({"prefill": args.prompt / prefill_s, "decode": args.decode / decode_s})
+
+
+def compare(family: str, size: str, args, work: Path, src: Path) -> None:
+    import numpy as np
+
+    _, f32 = prepare(family, size, "f32", work, src)
+    gguf = requantised(f32, args.quant)
+    common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode)]
+    me = Path(__file__).resolve()
+    logits = {name: work / f"{family}-{size}-{args.quant}-{name}.npy" for name in ("localmoe", "llama.cpp")}
+    workers = {"localmoe": [str(me), "--worker", "localmoe", "--path", str(gguf), "--logits", str(logits["localmoe"]),
+                            *common],
+               "llama.cpp": [str(me), "--worker", "llama", "--path", str(gguf), "--logits", str(logits["llama.cpp"]),
+                             *common]}
+
+    def show(r: int, res: dict) -> None:
+        ours, theirs = res["localmoe"], res["llama.cpp"]
+        print(f"  round {r + 1}: decode {ours['decode']:6.1f} vs {theirs['decode']:6.1f} tok/s "
+              f"({ours['decode'] / theirs['decode']:.2f}x), prefill {ours['prefill']:6.1f} vs "
+              f"{theirs['prefill']:6.1f} tok/s ({ours['prefill'] / theirs['prefill']:.2f}x)", flush=True)
+
+    print(f"{family} {size} as {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB, quantised by llama.cpp), "
+          f"{args.threads} threads, {args.prompt}-token prompt, {args.decode} greedy tokens, {args.pairs} alternating "
+          f"rounds", flush=True)
+    res = alternate(workers, args.pairs, show=show)
+    ours, theirs = res["localmoe"], res["llama.cpp"]
+    med = {k: {m: statistics.median(r[m] for r in v) for m in ("decode", "prefill")} for k, v in res.items()}
+    a, b = np.load(logits["localmoe"]).astype(np.float64), np.load(logits["llama.cpp"]).astype(np.float64)
+    print(f"  medians: decode {med['localmoe']['decode']:.1f} vs {med['llama.cpp']['decode']:.1f} tok/s, "
+          f"localmoe / llama.cpp {median_ratio([r['decode'] for r in ours], [r['decode'] for r in theirs]):.2f}x; "
+          f"prefill {med['localmoe']['prefill']:.1f} vs {med['llama.cpp']['prefill']:.1f} tok/s, "
+          f"{median_ratio([r['prefill'] for r in ours], [r['prefill'] for r in theirs]):.2f}x")
+    print(f"  logits at the prompt's last position: correlation {np.corrcoef(a, b)[0, 1]:.5f}, max |diff| "
+          f"{np.abs(a - b).max() / (b.max() - b.min()):.2e} of the range, same argmax: {int(a.argmax()) == int(b.argmax())}",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="qwen3_moe:small,glm4_moe:small", help="family:size, comma-separated")
+    parser.add_argument("--quant", default="q4_k_m", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=72)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--work", help="folder for checkpoints, GGUFs and the sdist (kept; default: a temporary one)")
+    parser.add_argument("--llama-src", help="an unpacked llama.cpp source folder with convert_hf_to_gguf.py")
+    parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--logits", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        (localmoe_worker if args.worker == "localmoe" else llama_worker)(args)
+        return
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise SystemExit("needs llama-cpp-python (pip install llama-cpp-python==0.3.36) and gguf") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        src = llama_src(work, args.llama_src)
+        for item in args.models.split(","):
+            family, _, size = item.partition(":")
+            compare(family, size or "small", args, work, src)
+
+
+if __name__ == "__main__":
+    main()
