@@ -64,6 +64,12 @@ class Conversation:
         self.last_turn = None  # the TurnResult of the latest model turn (for ui.stats.snapshot)
         if session_id is not None:
             self.resume(session_id)
+        self.warm()
+
+    def warm(self) -> None:
+        """Have the service prefill this conversation's fixed header (system message, tool definitions) while
+        the user types, so the first message prefills only itself (`Service.warm`)."""
+        self.service.warm(self._request([ChatMessage("user", "...")], None))
 
     @property
     def budget(self) -> str:
@@ -93,6 +99,7 @@ class Conversation:
         self.messages = []
         store = self.service.sessions
         self.session_id = store.create(title=title, model=self.service.model_id) if store is not None else None
+        self.warm()
         return self.session_id or ""
 
     def _request(self, new: list[ChatMessage], forced: str | None):

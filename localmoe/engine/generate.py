@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.prefix_cache import PrefixCache
+from localmoe.engine.prefix_cache import PrefixCache, is_boundary
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.errors import LocalMoEError
@@ -43,13 +43,16 @@ class Decoder:
 
     def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
                  cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None):
+                 prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None,
+                 anchor: int | None = None):
         if not prompt:
             raise LocalMoEError("the prompt is empty: there is nothing to continue")
+        # a prompt chunk ends at `anchor` (the end of a conversation's fixed header: engine/prefix_cache.py)
+        self.anchor = anchor if anchor is not None and 0 < anchor <= len(prompt) else None
         self.prefix_cache = prefix_cache if cache is None else None
         self.reused = 0  # prompt tokens whose cache came from `prefix_cache`
         if self.prefix_cache is not None:
-            cache, self.reused = self.prefix_cache.take(prompt, prefill_chunk)
+            cache, self.reused = self.prefix_cache.take(prompt, prefill_chunk, self.anchor)
             if cache is None:  # a fresh one as long as the context: a later, longer prompt may reuse it
                 cache = model.new_cache(1, model.max_context)
         if cache is None:
@@ -99,7 +102,10 @@ class Decoder:
             return decode_together([self])[0]
         if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
             self.cache = self.model.new_cache(1, self._cache_len)
-        batch, self.pending = self.pending[:self.chunk], self.pending[self.chunk:]
+        size = self.chunk
+        if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
+            size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
+        batch, self.pending = self.pending[:size], self.pending[size:]
         with torch.inference_mode():
             out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
         return self._ran(batch, out[:, -1])
@@ -112,7 +118,7 @@ class Decoder:
         self.in_cache.extend(batch)
         if not self._prompt_done:
             self.prefilled = self.cache.offset
-            if self.prefix_cache is not None and self.prefilled % self.chunk == 0:
+            if self.prefix_cache is not None and is_boundary(len(self.in_cache), self.chunk, self.anchor):
                 self.cache.snapshot(keep_earlier=False)  # a delta-rule state can come back to this boundary
             if self.pending:
                 return None
@@ -192,7 +198,7 @@ class Decoder:
 
             record(self.cache, False)
         if self.prefix_cache is not None and self.cache is not None:
-            self.prefix_cache.put(self.in_cache, self.cache, self.prefilled)
+            self.prefix_cache.put(self.in_cache, self.cache, self.prefilled, self.anchor)
             self.prefix_cache = None
 
 

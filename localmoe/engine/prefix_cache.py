@@ -14,6 +14,13 @@ through other kernels), hold exactly what a fresh prefill would compute, and the
 them are the same calls: the logits are bit for bit those of a fresh run. The prompt's last
 token always runs (its logits start the generation).
 
+A prompt may also name an `anchor`: the end of its conversation's fixed header (system message and
+tool definitions, the same on every turn and every request that sends them). A chunk then ends there
+(chunks of `grain` from 0 up to the anchor, then from the anchor on), so the header's cache is
+reusable as it is by any prompt with the same anchor: a header shorter than `grain` (a few tool
+definitions: ~400 tokens) is reused instead of prefilled on every request. Reuse stays exact: the
+chunks before a reused position are the same calls in both prompts.
+
 Paged K/V and MLA rows trim to any position; a delta-rule state cannot be rolled back, so the
 `Decoder` snapshots it at each chunk boundary of the prompt (keeping the latest only).
 Entries are kept most recent last, at most `max_entries` and `max_bytes` of cache in all.
@@ -28,6 +35,27 @@ from localmoe.engine.cache import ModelCache
 
 DEFAULT_ENTRIES = 4
 DEFAULT_BYTES = 2 << 30
+
+
+def is_boundary(position: int, grain: int, anchor: int | None) -> bool:
+    """Whether a prompt chunk ends at `position` when prompts run in chunks of `grain` from 0, one ending at
+    `anchor` (None: none), then in chunks of `grain` from there."""
+    if anchor is None or position <= anchor:
+        return position % grain == 0 or position == anchor
+    return (position - anchor) % grain == 0
+
+
+def shared_boundaries(limit: int, grain: int, a: int | None, b: int | None) -> list[int]:
+    """Positions up to `limit`, highest first, where both prompts (anchors `a`, `b`) end a chunk after the
+    same chunks: every boundary when the anchors are equal, else the multiples of `grain` below both."""
+    if a == b:
+        points = {p for p in range(0, limit + 1, grain) if a is None or p <= a}
+        if a is not None:
+            points |= set(range(a, limit + 1, grain))
+    else:
+        top = min(limit, *(x for x in (a, b) if x is not None))
+        points = set(range(0, top + 1, grain))
+    return sorted(points, reverse=True)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -46,16 +74,28 @@ class PrefixCache:
         self.entries: list[Entry] = []  # most recent last
         self.hits = self.misses = self.reused_tokens = 0
 
-    def take(self, prompt: Sequence[int], grain: int) -> tuple[ModelCache | None, int]:
-        """The cache holding the longest reusable prefix of `prompt` (trimmed to it, removed from here,
-        since one sequence uses it) and that prefix's length; (None, 0) when nothing is reusable."""
+    def _best(self, prompt: Sequence[int], grain: int, anchor: int | None, whole: bool) -> tuple[int | None, int]:
+        """(index of the entry with the longest reusable prefix of `prompt`, its length); `whole`: the whole
+        prompt may be reused (else its last token must run)."""
         best, best_len = None, 0
         for i, entry in enumerate(self.entries):
-            limit = min(common_prefix(entry.tokens, prompt), entry.prefilled, len(prompt) - 1)
-            reusable = entry.cache.rollback_point(limit - limit % grain)
-            reusable -= reusable % grain
-            if reusable > best_len:
-                best, best_len = i, reusable
+            limit = min(common_prefix(entry.tokens, prompt), entry.prefilled, len(prompt) - (0 if whole else 1))
+            for point in shared_boundaries(limit, grain, anchor, entry.anchor):
+                if point <= best_len:
+                    break
+                if entry.cache.rollback_point(point) == point:
+                    best, best_len = i, point
+                    break
+        return best, best_len
+
+    def holds(self, prompt: Sequence[int], grain: int, anchor: int | None = None) -> int:
+        """How many leading positions of `prompt` an entry could give it (nothing is taken)."""
+        return self._best(prompt, grain, anchor, whole=True)[1]
+
+    def take(self, prompt: Sequence[int], grain: int, anchor: int | None = None) -> tuple[ModelCache | None, int]:
+        """The cache holding the longest reusable prefix of `prompt` (trimmed to it, removed from here,
+        since one sequence uses it) and that prefix's length; (None, 0) when nothing is reusable."""
+        best, best_len = self._best(prompt, grain, anchor, whole=False)
         if best is None:
             self.misses += 1
             return None, 0
@@ -65,11 +105,12 @@ class PrefixCache:
         self.reused_tokens += best_len
         return cache, best_len
 
-    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int) -> None:
-        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks)."""
+    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, anchor: int | None = None) -> None:
+        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks, one
+        ending at `anchor`)."""
         if cache.batch != 1 or cache.offset != len(tokens) or cache.key_mask is not None or not tokens:
             return
-        self.entries.append(Entry(list(tokens), cache, prefilled))
+        self.entries.append(Entry(list(tokens), cache, prefilled, anchor))
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes() > self.max_bytes):
             self.entries.pop(0)
 
@@ -85,3 +126,4 @@ class Entry:
     tokens: list[int]
     cache: ModelCache
     prefilled: int  # leading positions computed as prompt chunks (exact for reuse)
+    anchor: int | None = None  # where its prompt's header ended a chunk (None: chunks of the grain from 0)

@@ -16,16 +16,18 @@ from pathlib import Path
 
 from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
-from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache
+from localmoe.engine.generate import PREFILL_CHUNK
+from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache, common_prefix
 from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, RequestError
 from localmoe.runtime.context import fit_messages
 from localmoe.runtime.forced import plan_forced_call
 from localmoe.runtime.metrics import Metrics, paging_tiers
-from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion
+from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion, run_prefill
 from localmoe.runtime.worker import EngineWorker, Job
 
 MODEL_ALIASES = ("default", "localmoe")
+HEADER_PROBE = "\u2063"  # a user message no conversation starts with: where it begins, the header ended
 
 
 @dataclass
@@ -299,8 +301,42 @@ class Service:
             constraint = self.constraint(grammar, req.output_param)
         prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
                         forced=forced, constraint=constraint, parallel_tool_calls=req.parallel_tool_calls,
-                        keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache)
+                        keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache,
+                        anchor=self._header_end(prompt, messages, render))
         return prep, messages
+
+    def _header_end(self, prompt: list[int], messages: list[ChatMessage], render) -> int | None:
+        """Where the conversation's fixed header (leading system messages, tool definitions) ends in `prompt`:
+        the tokens it shares with the same header before another message. A chunk ends there, so every
+        request with that header reuses its cache (engine/prefix_cache.py); it does with or without a prefix
+        cache, so a request's output does not depend on whether one is kept."""
+        system = 0
+        while system < len(messages) and messages[system].role == "system":
+            system += 1
+        try:
+            other = render(messages[:system] + [ChatMessage("user", HEADER_PROBE)])
+        except Exception:  # noqa: BLE001 - a template that refuses the probe: no anchor, chunks as usual
+            return None
+        end = common_prefix(prompt, other)
+        return end if 0 < end < len(prompt) else None
+
+    def warm(self, req: ChatRequest) -> None:
+        """Prefill the fixed header of `req`'s conversation into the prefix cache now, in the background (a
+        front end does it while the user types, so the first message prefills only itself). Best effort."""
+        if self.prefix_cache is None:
+            return
+        try:
+            prep, _ = self.prepare_chat(req)
+        except LocalMoEError:
+            return
+        if prep.anchor is None or self.prefix_cache.holds(prep.prompt[:prep.anchor], PREFILL_CHUNK,
+                                                          prep.anchor) == prep.anchor:
+            return  # no header, or its cache is kept already
+        header = Prepared(prompt=prep.prompt[:prep.anchor], max_tokens=1, params=prep.params,
+                          prefix_cache=self.prefix_cache)
+        model = self.model
+        self.worker.submit(Job(lambda job: run_prefill(model, header, job.emit, lambda: job.cancelled),
+                               lambda kind, payload: None))
 
     def store_request(self, req: ChatRequest) -> None:
         """Store the request's new messages in its session, durably, before generating."""

@@ -48,6 +48,7 @@ class Prepared:
     keep_tool_calls: bool = True  # False under tool_choice "none"
     prefix_cache: PrefixCache | None = None  # the service's: reuse a previous sequence's cache for the prompt
     on_prompt: Callable[[], None] | None = None  # called once the whole prompt is in the cache (probe-recall)
+    anchor: int | None = None  # where the conversation's fixed header ends: a prompt chunk ends there (reuse)
 
 
 @dataclass
@@ -141,7 +142,8 @@ def sample_constrained(dec: Decoder, logits, constraint: Constraint) -> int:
 def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     started = time.perf_counter()
     eot = list(fmt.end_of_thinking_ids()) if fmt.thinks else []
-    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)), prefix_cache=prep.prefix_cache)
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)), prefix_cache=prep.prefix_cache,
+                  anchor=prep.anchor)
     parser = fmt.stream_parser()
     stop_ids = fmt.stop_token_ids()
     tracker = BudgetTracker(prep.budget)
@@ -270,7 +272,7 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
     started = time.perf_counter()
     plan, constraint = prep.forced, prep.constraint
     dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)),
-                  prefix_cache=prep.prefix_cache)
+                  prefix_cache=prep.prefix_cache, anchor=prep.anchor)
     result = TurnResult(prompt_tokens=len(prep.prompt))
     ids: list[int] = []
     finish = "length"
@@ -336,3 +338,15 @@ def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> I
     result.content = stops.text
     result.stop_sequence = stops.matched
     _done(emit, result, finish, dec, started)
+
+
+def run_prefill(model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
+    """Prefill `prep.prompt` and leave its cache to the prefix cache, generating nothing (a front end warms
+    its conversation's fixed header while the user types: `Service.warm`)."""
+    started = time.perf_counter()
+    dec = Decoder(model, prep.prompt, prep.params, len(prep.prompt) + 2, prefix_cache=prep.prefix_cache,
+                  anchor=len(prep.prompt))
+    result = TurnResult(prompt_tokens=len(prep.prompt))
+    logits = yield from next_logits(dec, prep, result, started, cancelled)
+    _done(emit, result, "stop" if logits is not None else "cancelled", dec, started)
+
