@@ -134,16 +134,17 @@ def test_stop_string_cuts_the_answer(client, model_id):
 
 def test_the_next_turn_reuses_the_cached_prefix(client, model_id):
     """The second turn's prompt starts with the first turn's prompt and reply: the server's prefix cache
-    serves the first turn's prompt up to a prefill-chunk boundary (512 positions), and
-    usage.prompt_tokens_details.cached_tokens says how many; the first turn had nothing to reuse."""
+    serves the first turn's prompt up to a prefill-chunk boundary (the template's system header, then
+    512-position chunks), and usage.prompt_tokens_details.cached_tokens says how many; the first turn
+    could reuse at most that header (left by an earlier request)."""
     from localmoe.engine.generate import PREFILL_CHUNK
 
     document = " ".join(f"Fact {i}: the {i}th planet of the test system is called P{i}." for i in range(60))
     messages = [{"role": "user", "content": document + "\nWhich planet is the 7th?"}]
     first = client.chat.completions.create(model=model_id, temperature=0, max_tokens=8, messages=messages)
-    assert first.usage.prompt_tokens > PREFILL_CHUNK and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert first.usage.prompt_tokens > PREFILL_CHUNK and first.usage.prompt_tokens_details.cached_tokens < 64
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "And the 8th?"}]
     second = client.chat.completions.create(model=model_id, temperature=0, max_tokens=8, messages=messages)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == first.usage.prompt_tokens // PREFILL_CHUNK * PREFILL_CHUNK > 0
+    assert first.usage.prompt_tokens - PREFILL_CHUNK < cached <= first.usage.prompt_tokens  # all but the last chunk
