@@ -113,7 +113,7 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
     positions in row order (a speculative verify: the last token and the drafts of one sequence, engine/spec).
     The model must be `batchable`."""
     N = len(tokens)
-    ids = torch.tensor(tokens, dtype=torch.long).view(N, 1)
+    ids = torch.tensor(tokens, dtype=torch.long, device=model.device).view(N, 1)  # the caches are on it too
     ahead: dict[int, int] = {}  # rows of each cache so far in this call
     steps = []
     for cache in caches:

@@ -17,15 +17,16 @@ import torch
 MIN_BLOCK = 64  # keys per block at the least (a smaller block costs more Python than it saves memory)
 
 
-def visible_keys(mask: torch.Tensor | None, T: int, S: int, lo: int, hi: int) -> torch.Tensor | None:
+def visible_keys(mask: torch.Tensor | None, T: int, S: int, lo: int, hi: int,
+                 device: torch.device) -> torch.Tensor | None:
     """Which keys lo..hi-1 each of the step's T queries sees, [B|1, 1, T, hi - lo] bool; None when all.
-    mask [B|1, T, S] (True = visible) or None: causal, query t at cache position S - T + t."""
+    mask [B|1, T, S] (True = visible) or None: causal, query t at cache position S - T + t (built on `device`)."""
     if mask is not None:
         return mask[:, None, :, lo:hi]
     first = S - T  # the first query's position
     if hi <= first + 1:
         return None
-    return (torch.arange(lo, hi)[None, :] <= torch.arange(first, S)[:, None])[None, None]
+    return (torch.arange(lo, hi, device=device)[None, :] <= torch.arange(first, S, device=device)[:, None])[None, None]
 
 
 def blockwise_attention(q: torch.Tensor, kv_block: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], S: int,
@@ -43,7 +44,7 @@ def blockwise_attention(q: torch.Tensor, kv_block: Callable[[int, int], tuple[to
     if block >= S:
         keys, values = kv_block(0, S)
         scores = (q @ keys.transpose(-1, -2)).mul_(scale)
-        visible = visible_keys(mask, T, S, 0, S)
+        visible = visible_keys(mask, T, S, 0, S, q.device)
         if visible is not None:
             scores.view(B, H, T, S).masked_fill_(~visible, float("-inf"))
         return scores.softmax(-1) @ values
@@ -54,7 +55,7 @@ def blockwise_attention(q: torch.Tensor, kv_block: Callable[[int, int], tuple[to
         hi = min(S, lo + block)
         keys, values = kv_block(lo, hi)
         scores = (q @ keys.transpose(-1, -2)).mul_(scale)
-        visible = visible_keys(mask, T, S, lo, hi)
+        visible = visible_keys(mask, T, S, lo, hi, q.device)
         if visible is not None:
             scores.view(B, H, T, hi - lo).masked_fill_(~visible, float("-inf"))
         new_peak = torch.maximum(peak, scores.amax(-1, keepdim=True))

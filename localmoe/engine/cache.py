@@ -53,21 +53,22 @@ class PagedBuffer:
     otherwise a read gathers the blocks (one `index_select`).
     """
 
-    def __init__(self, batch: int, max_len: int, heads: int, dim: int, dtype: str = "float32"):
+    def __init__(self, batch: int, max_len: int, heads: int, dim: int, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
         if dtype not in STORAGE_DTYPES:
             raise ValueError(f"cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {dtype!r}")
         self.batch, self.max_len, self.heads, self.dim, self.dtype = batch, max_len, heads, dim, dtype
         self.block = max(1, min(BLOCK_TOKENS, max_len))
         self.max_blocks = batch * -(-max_len // self.block)
         self.fp8 = dtype == "fp8"
-        self.pool = torch.empty(heads, 0, self.block, dim, dtype=STORAGE_DTYPES[dtype])
-        self.scales = torch.empty(heads, 0, self.block) if self.fp8 else None  # fp8: [H, P, block] fp32
+        self.pool = torch.empty(heads, 0, self.block, dim, dtype=STORAGE_DTYPES[dtype], device=device)
+        self.scales = torch.empty(heads, 0, self.block, device=device) if self.fp8 else None  # fp8: [H, P, block]
         # bf16/fp8: the newest positions also in fp32, ring slot = position % R; recent_pos[slot] = the
         # position the slot holds (-1: none), shared by the batch (every sequence writes the same positions)
         self.lossy = dtype != "float32"
         ring = min(EXACT_RECENT, max_len) if self.lossy else 0
-        self.recent = torch.zeros(batch, heads, ring, dim)
-        self.recent_pos = torch.full((ring,), -1, dtype=torch.long)
+        self.recent = torch.zeros(batch, heads, ring, dim, device=device)
+        self.recent_pos = torch.full((ring,), -1, dtype=torch.long, device=device)
         self.table: list[list[int]] = [[] for _ in range(batch)]
         self.free: list[int] = []  # heap of released physical blocks
         self.used = 0  # physical blocks ever handed out (ids 0 .. used-1)
@@ -96,14 +97,14 @@ class PagedBuffer:
 
     @staticmethod
     def _grow(old: torch.Tensor, blocks: int) -> torch.Tensor:
-        new = torch.empty(old.shape[0], blocks, *old.shape[2:], dtype=old.dtype)
+        new = torch.empty(old.shape[0], blocks, *old.shape[2:], dtype=old.dtype, device=old.device)
         new[:, :old.shape[1]].copy_(old)
         return new
 
     def _reindex(self) -> None:
         n = len(self.table[0])
         self.capacity = n * self.block
-        self._index = torch.tensor(self.table, dtype=torch.long)
+        self._index = torch.tensor(self.table, dtype=torch.long, device=self.pool.device)
         if self.batch == 1 and self.table[0] == list(range(n)):
             H, P = self.heads, self.pool.shape[1]
             self._flat = (self.pool.view(1, H, P * self.block, self.dim),
@@ -153,16 +154,18 @@ class PagedBuffer:
         """Copy the last rows of this write (at most the ring's size) into the exact ring."""
         ring, T = self.recent_pos.numel(), rows.shape[2]
         keep = min(T, ring)
-        positions = torch.arange(start + T - keep, start + T)
+        positions = torch.arange(start + T - keep, start + T, device=self.recent.device)
         self.recent[:, :, positions % ring] = rows[:, :, T - keep:].float()
         self.recent_pos[positions % ring] = positions
 
     def _exact_recent(self, out: torch.Tensor, length: int) -> torch.Tensor:
-        """out [B, H, length, D] dequantised, with the positions the ring still holds put back exactly."""
+        """out [B, H, length, D] dequantised, with the positions the ring still holds put back exactly
+        (a select, not a gather of the held ones: no data-dependent shape, so nothing waits for the device)."""
         ring = self.recent_pos.numel()
-        positions = torch.arange(max(0, length - ring), length)
-        held = positions[self.recent_pos[positions % ring] == positions]
-        out[:, :, held] = self.recent[:, :, held % ring]
+        positions = torch.arange(max(0, length - ring), length, device=out.device)
+        slots = positions % ring
+        held = (self.recent_pos[slots] == positions)[:, None]  # [n, 1]
+        out[:, :, positions] = torch.where(held, self.recent[:, :, slots], out[:, :, positions])
         return out
 
     def read(self, length: int) -> torch.Tensor:
@@ -184,7 +187,7 @@ class PagedBuffer:
 
     def trim(self, offset: int) -> None:
         """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten)."""
-        self.recent_pos[self.recent_pos >= offset] = -1
+        self.recent_pos.masked_fill_(self.recent_pos >= offset, -1)
         keep = -(-offset // self.block)
         if keep >= len(self.table[0]):
             return
@@ -209,10 +212,11 @@ class KVCache:
 
     paged = True  # releases blocks on trim: ModelCache trims it after the layers that may refuse
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: str = "float32"):
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
         # fp8: one scale per token and KV head (a head's D values share a magnitude; heads differ)
-        self.keys = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype)
-        self.values = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype)
+        self.keys = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype, device)
+        self.values = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype, device)
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, T, H_kv, D] at positions start.. and return all filled positions as
@@ -241,12 +245,14 @@ class KVCache:
 
 
 class ModelCache:
-    """All layers' caches plus the filled length and the padding mask of the batch."""
+    """All layers' caches plus the filled length and the padding mask of the batch; `device` is the model's
+    (where its steps' positions and masks are made), each layer's cache is on its own layer's device."""
 
-    def __init__(self, layers: list[LayerCache], batch: int, max_len: int):
+    def __init__(self, layers: list[LayerCache], batch: int, max_len: int, device: str | torch.device = "cpu"):
         self.layers = layers
         self.batch = batch
         self.max_len = max_len
+        self.device = torch.device(device)
         self.offset = 0
         # key_mask[b, s] is False for left-padding slots; None while no row is padded.
         self.key_mask: torch.Tensor | None = None
@@ -265,7 +271,7 @@ class ModelCache:
         if mask is None and self.key_mask is None:
             return
         if self.key_mask is None:
-            self.key_mask = torch.ones(self.batch, self.max_len, dtype=torch.bool)
+            self.key_mask = torch.ones(self.batch, self.max_len, dtype=torch.bool, device=self.device)
         self.key_mask[:, self.offset:self.offset + new_tokens] = True if mask is None else mask
 
     def advance(self, new_tokens: int) -> None:

@@ -122,6 +122,10 @@ class Linear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K

@@ -147,6 +147,10 @@ class BlockLinear:
             y = F.linear(x, self._prefill_weight())
         return y if self.bias is None else y + self.bias
 
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].raw.device
+
     def _prefill_weight(self) -> torch.Tensor:
         if self._dense is not None:
             return self._dense

@@ -68,18 +68,19 @@ class RotaryTable:
     """cos/sin for every position up to `max_positions`, [P, head_dim] float32, computed once."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
-                 freq_factors: torch.Tensor | None = None):
+                 freq_factors: torch.Tensor | None = None, device: str | torch.device = "cpu"):
+        """The tables are computed on the CPU in float64 (the same bits on every device) and kept on `device`."""
         inv_freq, mscale = inverse_frequencies(head_dim, theta, scaling)
         if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.1 scaling)
             inv_freq = inv_freq / freq_factors.double()
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.cos = (angles.cos() * mscale).float()
+        self.cos = (angles.cos() * mscale).float().to(device)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]: fold the sign into the table
         half = head_dim // 2
         sin = angles.sin() * mscale
         sin[:, :half] = -sin[:, :half]
-        self.sin = sin.float()
+        self.sin = sin.float().to(device)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, 1, D] to broadcast over heads."""

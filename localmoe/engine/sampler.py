@@ -101,7 +101,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, history: torch.T
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
            history: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] (int64)."""
+    """logits [B, V] -> token ids [B] (int64). A draw with `generator` runs where the generator is (the CPU:
+    the same seed gives the same tokens whatever device made the logits)."""
+    history = None if history is None else history.to(logits.device)
     if params.greedy:
         return apply_repetition_penalty(logits.float(), history, params.repetition_penalty).argmax(-1)
+    if generator is not None and logits.device != generator.device:
+        logits, history = logits.to(generator.device), None if history is None else history.to(generator.device)
     return torch.multinomial(probabilities(logits, params, history), 1, generator=generator).squeeze(-1)

@@ -39,11 +39,12 @@ class LatentCache:
 
     paged = True  # releases blocks on trim: ModelCache trims it after the layers that may refuse
 
-    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32"):
+    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
         # fp8: one scale per row (K3: 4 bytes on 576, 0.7 %). e4m3 keeps 3 significant bits for
         # values down to amax * 2^-6 / 448, so the rope part keeps its precision unless it is
         # ~10^4 times smaller than the latent's largest value.
-        self.rows = PagedBuffer(batch, max_len, 1, dim, dtype)
+        self.rows = PagedBuffer(batch, max_len, 1, dim, dtype, device)
 
     def update(self, start: int, rows: torch.Tensor) -> torch.Tensor:
         """Write rows [B, T, D] at positions start.. and return all filled rows as fp32 [B, start+T, D]."""
@@ -64,9 +65,10 @@ class LatentCache:
 class DeltaStateCache:
     """Recurrent state [B, H, K, V] (fp32) + conv tails [B, kernel-1, C] of one delta-rule layer."""
 
-    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int):
-        self.state = torch.zeros(batch, heads, key_dim, value_dim, dtype=torch.float32)
-        self.conv_tail = torch.zeros(batch, conv_kernel - 1, conv_channels, dtype=torch.float32)
+    def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int,
+                 device: str | torch.device = "cpu"):
+        self.state = torch.zeros(batch, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+        self.conv_tail = torch.zeros(batch, conv_kernel - 1, conv_channels, dtype=torch.float32, device=device)
         self.offset = 0  # tokens folded into the state
         self._snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._recording: set[int] | None = None  # while recording: the snapshot offsets held before

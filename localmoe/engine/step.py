@@ -26,18 +26,20 @@ class Step:
 
 
 def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None) -> Step:
-    """Positions, causal/padding mask and RoPE tables for T new tokens at cache position `start`."""
+    """Positions, causal/padding mask and RoPE tables for T new tokens at cache position `start`, on the
+    cache's device (the model's)."""
     S = start + T
     valid = None
+    device = cache.device
     if cache.key_mask is None:
-        positions = torch.arange(start, S).unsqueeze(0)
+        positions = torch.arange(start, S, device=device).unsqueeze(0)
         mask = None
     else:
         keys = cache.key_mask[:, :S]  # [B, S]
         positions = (keys.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
-        mask = torch.ones(T, S, dtype=torch.bool).tril(diagonal=start)[None] & keys[:, None, :]
+        mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start)[None] & keys[:, None, :]
         # A padding query sees no key; let it see itself so its (ignored) output stays finite.
-        mask[:, torch.arange(T), torch.arange(start, S)] = True
+        mask[:, torch.arange(T, device=device), torch.arange(start, S, device=device)] = True
         valid = keys[:, start:]
     cos, sin = rope.at(positions) if rope is not None else (None, None)
     return Step(start, positions, cos, sin, mask, valid)

@@ -7,7 +7,9 @@ mixer of layer i is the module MIXERS[spec.layer_kinds[i]], its MLP MLPS[spec.ml
 a file of engine/layers/ with a `Config` (`layer_config` finds it: the spec's sub-config of that
 kind, or derived from the spec's common fields), `tensors(cfg, prefix)` (composed here into a
 model's expected shapes: `model_tensors`) and `build(cfg, weights, prefix, device, dtype)` -> a
-layer with `new_cache(batch, max_len, dtype)`, `nbytes()` and `__call__(x, step, cache)`.
+layer with `device`, `new_cache(batch, max_len, dtype)` (on that device), `nbytes()` and `__call__(x, step, cache)`.
+The model is built on `EngineConfig.device`: every dense weight, the RoPE tables and each layer's cache
+live there; routed experts live where their provider keeps them (moe.dispatch moves tokens to them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,18 @@ from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.experts import ExpertProvider
 from localmoe.engine.images import build_vision, embed_with_images, vision_tensors
-from localmoe.engine.layers import attention, attn_res, dsa, gated_deltanet, hyper_connections, kda, mla, mlp, moe
+from localmoe.engine.layers import (
+    attention,
+    attn_res,
+    dsa,
+    gated_deltanet,
+    hyper_connections,
+    kda,
+    mla,
+    mlp,
+    moe,
+    on_device,
+)
 from localmoe.engine.layers.dsa import DSAttention
 from localmoe.engine.layers.mlp import ACTIVATIONS
 from localmoe.engine.layers.moe import MoEBlock
@@ -106,11 +119,13 @@ class Transformer:
         for kind in set(spec.layer_kinds) - MIXERS.keys() | set(spec.mlp_kinds) - MLPS.keys():
             raise UnsupportedModelError(f"{spec.model_type}: layer kind {kind!r} is not implemented yet")
         self.spec, self.config = spec, config
+        self.device = device = torch.device(config.device)
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
-        self.embed = _embedding(weights["embed_tokens.weight"], config.dtype)
-        self.lm_head = _head(weights.get("lm_head.weight", weights["embed_tokens.weight"]), config.dtype)
-        self.norm = weights["norm.weight"].float()
+        self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
+        self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
+                             config.dtype)
+        self.norm = on_device(weights["norm.weight"], device).float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")
         rotary_dim = int(spec.head_dim * spec.partial_rotary_factor)
@@ -118,28 +133,28 @@ class Transformer:
         if latent is not None and not latent.use_nope:
             rotary_dim = latent.qk_rope_head_dim  # DeepSeek MLA rotates only the shared rope part (and the indexer)
         self.rope = RotaryTable(rotary_dim, spec.rope_theta, None if freq_factors is not None else spec.rope_scaling,
-                                self.max_context, freq_factors=freq_factors)
+                                self.max_context, freq_factors=freq_factors, device=device)
         self.layers = []
         configs = {kind: layer_config(spec, kind) for kind in {*spec.layer_kinds, *spec.mlp_kinds}}
         for i in range(spec.num_layers):
             p, kind, ffn = f"layers.{i}.", spec.layer_kinds[i], spec.mlp_kinds[i]
-            self.layers.append((weights[p + "input_layernorm.weight"].float(),
-                                MIXERS[kind].build(configs[kind], weights, p, dtype=config.dtype),
-                                weights[p + "post_attention_layernorm.weight"].float(),
-                                MLPS[ffn].build(configs[ffn], weights, p, dtype=config.dtype)))
+            self.layers.append((on_device(weights[p + "input_layernorm.weight"], device).float(),
+                                MIXERS[kind].build(configs[kind], weights, p, device, config.dtype),
+                                on_device(weights[p + "post_attention_layernorm.weight"], device).float(),
+                                MLPS[ffn].build(configs[ffn], weights, p, device, config.dtype)))
             mixer = self.layers[-1][1]
             if config.sparse_topk is not None and hasattr(mixer, "sparse_topk") and not isinstance(mixer, DSAttention):
                 mixer.sparse_topk = config.sparse_topk  # dense MLA/GQA only: DSA layers select with their indexer
         self.residuals = None  # or a scheme with run(x, attn, mlp) -> [B, T, D] and nbytes()
         if spec.attn_res is not None:
-            self.residuals = attn_res.build(spec.attn_res, weights)
+            self.residuals = attn_res.build(spec.attn_res, weights, device=device)
         elif spec.hyper_connections is not None:
-            self.residuals = hyper_connections.build(spec.hyper_connections, weights)
+            self.residuals = hyper_connections.build(spec.hyper_connections, weights, device=device)
         for block in self.moe_blocks():
             block.precision = config.expert_precision
         if experts is not None:
             self.use_experts(experts)
-        self.vision = build_vision(spec, weights)  # None without an image tower (engine/images.py)
+        self.vision = build_vision(spec, weights, device)  # None without an image tower (engine/images.py)
         self._plan: DecodePlan | None = None  # engine/decode_plan.py, built at the first decode step
         if any(block.experts is None for block in self.moe_blocks()):
             raise LocalMoEError(f"{spec.model_type}: the weights hold no routed experts and no expert provider "
@@ -147,21 +162,25 @@ class Transformer:
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> ModelCache:
         """A cache for `batch` sequences of up to `max_len` tokens (blocks allocated as they fill), in the
-        engine config's `kv_cache_dtype`."""
+        engine config's `kv_cache_dtype`, each layer's on that layer's device."""
         max_len = max_len or self.max_context
         dtype = self.config.kv_cache_dtype
-        return ModelCache([mixer.new_cache(batch, max_len, dtype) for _, mixer, _, _ in self.layers], batch, max_len)
+        return ModelCache([mixer.new_cache(batch, max_len, dtype) for _, mixer, _, _ in self.layers], batch, max_len,
+                          self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None = None,
                 all_logits: bool = False, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, T] (left-padded rows marked False in mask [B, T]) -> logits [B, T|1, V] fp32.
+        """tokens [B, T] (left-padded rows marked False in mask [B, T]) -> logits [B, T|1, V] fp32, on the
+        model's device (tokens and mask are moved there).
 
         Appends the new tokens to `cache`; prefill and decode are the same call. Decode-sized calls
         (at most SMALL_STEP_TOKENS tokens) run torch single-threaded and the CPU kernels on every
         thread (kernels/_cpu `small_steps`). `image_embeds` [n, D]: the rows of the n image placeholder
         tokens in `tokens`, in order (the vision tower's projected features).
         """
+        if tokens.device != self.device:
+            tokens, mask = tokens.to(self.device), None if mask is None else mask.to(self.device)
         if image_embeds is not None:
             return self._forward(tokens, cache, mask, all_logits, image_embeds)
         if tokens.numel() <= SMALL_STEP_TOKENS:

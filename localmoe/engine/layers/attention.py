@@ -91,9 +91,14 @@ class GQAttention:
                                               self.kv_heads, self.head_dim, self.rotary_dim, self.head_sinks,
                                               self.scale, *norms, self.eps)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weights live, and so its cache."""
+        return self.o_proj.device
+
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> KVCache:
-        """A paged K/V cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
-        return KVCache(batch, self.kv_heads, max_len, self.head_dim, dtype)
+        """A paged K/V cache on the layer's device; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
+        return KVCache(batch, self.kv_heads, max_len, self.head_dim, dtype, self.device)
 
     def nbytes(self) -> int:
         return self.qkv.nbytes() + self.o_proj.nbytes() + (self.gate.nbytes() if self.gate is not None else 0)
@@ -178,13 +183,14 @@ class GQAttention:
     def _explicit(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step, T: int) -> torch.Tensor:
         """q [B, Hkv, G*T, D], keys/values [B, Hkv, S, D] -> [B, Hkv, G*T, D] with window and sinks."""
         S = keys.shape[2]
-        mask = step.mask if step.mask is not None else torch.ones(1, T, S, dtype=torch.bool).tril(S - T)
+        mask = step.mask if step.mask is not None else \
+            torch.ones(1, T, S, dtype=torch.bool, device=q.device).tril(S - T)
         first = 0
         if self.window:
             first = max(0, step.start + 1 - self.window)  # no query of this step sees a key before it
             keys, values, mask = keys[:, :, first:], values[:, :, first:], mask[..., first:]
-            query_pos = torch.arange(step.start, step.start + T)[:, None]
-            mask = mask & (torch.arange(first, S)[None, :] > query_pos - self.window)
+            query_pos = torch.arange(step.start, step.start + T, device=q.device)[:, None]
+            mask = mask & (torch.arange(first, S, device=q.device)[None, :] > query_pos - self.window)
         scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale  # [B, Hkv, G*T, S']
         scores = scores.masked_fill(~mask.repeat(1, self.group, 1)[:, None], float("-inf"))
         if self._selects(scores.shape[-1]):

@@ -104,7 +104,7 @@ class DSAttention(mla.MLAttention):
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DSACache:
         """Latent rows and index keys, both in the K/V cache `dtype` (fp8: one scale per row / key block)."""
-        return DSACache(batch, max_len, self.config.row_dim, self.indexer.cache_dim, dtype)
+        return DSACache(batch, max_len, self.config.row_dim, self.indexer.cache_dim, dtype, self.device)
 
     def nbytes(self) -> int:
         return super().nbytes() + self.indexer.nbytes()
@@ -124,7 +124,7 @@ class DSAttention(mla.MLAttention):
             self.last_selection = selected
         if T <= GATHER_MAX_T:
             return self.output(x, self.attend_gathered(q_nope, q_rope, rows, selected, step))
-        chosen = torch.zeros(*selected.shape[:2], S + 1, dtype=torch.bool)  # column S absorbs the -1 pads
+        chosen = torch.zeros(*selected.shape[:2], S + 1, dtype=torch.bool, device=selected.device)  # column S: -1 pads
         chosen.scatter_(-1, torch.where(selected < 0, S, selected), True)
         mask = chosen[..., :S] if step.mask is None else chosen[..., :S] & step.mask
         return self.output(x, self.attend(q_nope, q_rope, rows, mask))

@@ -80,11 +80,16 @@ class GatedDeltaNet:
         self.norm = norm.float()  # [V]
         self.group = Hv // c.num_key_heads
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weights live, and so its cache."""
+        return self.conv_weight.device
+
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
-        """The recurrent state [B, Hv, K, V] + conv tail; fp32 whatever the K/V cache `dtype`."""
+        """The recurrent state [B, Hv, K, V] + conv tail on the layer's device; fp32 whatever the K/V cache `dtype`."""
         c = self.config
         return DeltaStateCache(batch, c.num_value_heads, c.key_head_dim, c.value_head_dim, c.conv_channels,
-                               c.conv_kernel)
+                               c.conv_kernel, self.device)
 
     def nbytes(self) -> int:
         tensors = (self.conv_weight, self.decay_rate, self.dt_bias, self.norm)

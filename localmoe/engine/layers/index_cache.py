@@ -22,12 +22,13 @@ INDEX_SCALE_BLOCK = 128  # values sharing one fp8 scale (DeepSeek's indexer cach
 class IndexKeyCache(LatentCache):
     """Index keys [B, S, D] in a PagedBuffer of D / block "heads" of `block` values each."""
 
-    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32"):
+    def __init__(self, batch: int, max_len: int, dim: int, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
         self.block = min(INDEX_SCALE_BLOCK, dim)
         if dim % self.block:
             raise ValueError(f"index_head_dim {dim} is not a multiple of the fp8 scale block {self.block}")
         self.dim = dim
-        self.rows = PagedBuffer(batch, max_len, dim // self.block, self.block, dtype)
+        self.rows = PagedBuffer(batch, max_len, dim // self.block, self.block, dtype, device)
 
     def update(self, start: int, keys: torch.Tensor) -> torch.Tensor:
         """Write keys [B, T, D] at positions start.. and return all filled keys as fp32 [B, start+T, D]."""
@@ -42,9 +43,10 @@ class DSACache:
 
     paged = True
 
-    def __init__(self, batch: int, max_len: int, row_dim: int, index_dim: int, dtype: str = "float32"):
-        self.latent = LatentCache(batch, max_len, row_dim, dtype)
-        self.index = IndexKeyCache(batch, max_len, index_dim, dtype)
+    def __init__(self, batch: int, max_len: int, row_dim: int, index_dim: int, dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
+        self.latent = LatentCache(batch, max_len, row_dim, dtype, device)
+        self.index = IndexKeyCache(batch, max_len, index_dim, dtype, device)
 
     def bytes_per_token(self) -> int:
         return self.latent.bytes_per_token() + self.index.bytes_per_token()

@@ -96,10 +96,16 @@ class KimiDeltaAttention:
         self.dt_bias = dt_bias.float().view(H, K)
         self.o_norm = o_norm.float()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weights live, and so its cache."""
+        return self.conv_weight.device
+
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DeltaStateCache:
-        """The recurrent state; it stays fp32 whatever the K/V cache `dtype` (state_cache.py says why)."""
+        """The recurrent state on the layer's device; it stays fp32 whatever the K/V cache `dtype`
+        (state_cache.py says why)."""
         H, K = self.config.num_heads, self.config.head_dim
-        return DeltaStateCache(batch, H, K, K, 3 * H * K, self.config.conv_kernel)
+        return DeltaStateCache(batch, H, K, K, 3 * H * K, self.config.conv_kernel, self.device)
 
     def nbytes(self) -> int:
         linears = self.in_proj.nbytes() + self.f_b_proj.nbytes() + self.o_proj.nbytes()

@@ -28,11 +28,12 @@ from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
 
 
-def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor,
+              padded: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """keys, gates [B, S, Di], ape [P, Di], valid [B, S] (False at padding) -> pooled keys [B, J, Di],
     members [B, J, P] (token indices, -1 where absent), complete [B, J]; J = ceil(S / P) pools from each
-    row's first real token, cut after the last pool complete in some row."""
+    row's first real token, cut after the last pool complete in some row: S // P without padding
+    (`padded` False), else counted on the device and read by the host."""
     B, S, _ = keys.shape
     P = ape.shape[0]
     first = torch.where(valid.any(-1), valid.long().argmax(-1), S)  # [B]
@@ -45,7 +46,7 @@ def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid:
     weights = logits.softmax(dim=2).nan_to_num()  # pools with no token present: all -inf -> 0
     pooled = (weights * keys[rows, safe]).sum(2)
     complete = present.all(-1)
-    keep = int(complete.any(0).sum())  # complete pools are a prefix of each row's pools
+    keep = int(complete.any(0).sum()) if padded else S // P  # complete pools are a prefix of each row's pools
     return pooled[:, :keep], members.masked_fill(~present, -1)[:, :keep], complete[:, :keep]
 
 
@@ -53,7 +54,7 @@ def key_validity(step: Step, B: int, S: int) -> torch.Tensor:
     """[B, S] bool: which cached positions hold real tokens. Padding is left padding, so the call's last
     query of a row sees every real key (or, if it is padding itself, the row has none yet)."""
     if step.mask is None:
-        return torch.ones(B, S, dtype=torch.bool)
+        return torch.ones(B, S, dtype=torch.bool, device=step.positions.device)
     valid = step.mask[:, -1, :S].expand(B, S)
     return valid & step.valid[:, -1:] if step.valid is not None else valid
 
@@ -96,22 +97,22 @@ class KPoolIndexer(LightningIndexer):
         B, T = q.shape[:2]
         S, P, Di = cached.shape[1], self.pool, self.head_dim
         valid = key_validity(step, B, S)
-        pooled, members, complete = pool_keys(cached[..., :Di], cached[..., Di:], self.ape, valid)
+        pooled, members, complete = pool_keys(cached[..., :Di], cached[..., Di:], self.ape, valid, step.mask is not None)
         J = pooled.shape[1]
-        positions = torch.arange(step.start, step.start + T)  # cache positions of the queries
+        positions = torch.arange(step.start, step.start + T, device=q.device)  # cache positions of the queries
         seen = complete[:, None, :] & (members[:, None, :, -1] <= positions[None, :, None])  # [B, T, J]
         scores = torch.einsum("bth,bthj->btj", w, torch.einsum("bthd,bjd->bthj", q, pooled).relu())
         scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
         k = min(self.top_k // P, J)
         chosen = scores.topk(k, dim=-1).indices  # [B, T, k]
-        tokens = members[torch.arange(B)[:, None, None], chosen]  # [B, T, k, P]
+        tokens = members[torch.arange(B, device=q.device)[:, None, None], chosen]  # [B, T, k, P]
         tokens = tokens.masked_fill(~seen.gather(-1, chosen)[..., None], -1).flatten(2)
         parts = [tokens]
         counts = valid.long().cumsum(-1)[:, positions]  # [B, T] real tokens each query sees
         if self.tail and P > 1:
             first = torch.where(valid.any(-1), valid.long().argmax(-1), S)
             in_tail = counts % P
-            offsets = torch.arange(P - 1)
+            offsets = torch.arange(P - 1, device=q.device)
             tail = (first[:, None] + counts - in_tail)[..., None] + offsets  # [B, T, P - 1]
             parts.append(tail.masked_fill(offsets >= in_tail[..., None], -1))
         out = torch.cat(parts, dim=-1)

@@ -104,9 +104,14 @@ class MLAttention:
         # probe-recall: keep the keys each head of the call's LAST query kept, [B, H, k]
         self.record_selection, self.last_selection = False, None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the layer's weights live, and so its cache."""
+        return self.w_uk.device
+
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> LatentCache:
-        """A paged latent cache; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
-        return LatentCache(batch, max_len, self.config.row_dim, dtype)
+        """A paged latent cache on the layer's device; `dtype` is EngineConfig.kv_cache_dtype (float32 | bfloat16 | fp8)."""
+        return LatentCache(batch, max_len, self.config.row_dim, dtype, self.device)
 
     def nbytes(self) -> int:
         linears = [self.q_a_proj, self.q_proj, self.kv_a_proj, self.o_proj, self.g_proj]
@@ -186,7 +191,7 @@ class MLAttention:
                                       self.scale, (H, T), SCORES_MAX_BYTES)
         else:
             scores = (q @ rows[:, None].transpose(-1, -2)).mul_(self.scale).view(B, H, T, S)
-            visible = visible_keys(mask, T, S, 0, S)
+            visible = visible_keys(mask, T, S, 0, S, q.device)
             if visible is not None:
                 scores.masked_fill_(~visible, float("-inf"))
             if self.record_selection:

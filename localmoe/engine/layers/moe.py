@@ -154,9 +154,10 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     dense experts through kernels/dense_moe); resident dense experts (`dense_table`) run as one
     `dense_moe_layer` call for the chunk, with the same bits.
 
-    A provider with `placed` (a pager with GPU tiers) hands each expert out with the tier to compute it
-    in; experts of a GPU tier run on its device, on the layer's tokens copied there once, into the
-    tier's sum, added to the host's at the end (with every expert in "ram" the bits are as above).
+    A provider with `placed` (a pager with GPU tiers) hands each expert out in the tier to compute it
+    in. An expert runs where its weights are: one on another device than x (a GPU tier's under a host
+    model, a RAM tier's under a GPU model) on the layer's tokens copied there once, into that device's
+    sum, added to x's at the end (with every expert on x's device the bits are as above).
     """
     out = torch.zeros_like(x)
     kernel = isinstance(act, ExpertGLU)
@@ -168,23 +169,19 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
         if dense is not None:
             return _dense_layer(x, weights, ids, provider, layer, dense, act, precision, out)
     placed = getattr(provider, "placed", None)
-    on_tier: dict[str, tuple[torch.Tensor, ...]] = {}  # GPU tier -> (x, ids, weights, sum) on its device
+    elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # device -> (x, ids, weights, sum) there
     k = ids.shape[1]
     flat = ids.reshape(-1)
     chosen = flat.unique().tolist()  # ascending
     for expert in chosen:
-        tier = "ram"
-        if placed is None:
-            w = provider.get(layer, expert)
-        else:
-            w, tier = placed(layer, expert, int((flat == expert).sum()))
-        if tier == "ram":
+        w = provider.get(layer, expert) if placed is None else placed(layer, expert, int((flat == expert).sum()))[0]
+        if w.device == x.device:
             xs, ids_, weights_, acc = x, ids, weights, out
         else:
-            if tier not in on_tier:
-                on_tier[tier] = (*(t.to(w.device, non_blocking=True) for t in (x, ids, weights)),
-                                 torch.zeros(x.shape, dtype=x.dtype, device=w.device))
-            xs, ids_, weights_, acc = on_tier[tier]
+            if w.device not in elsewhere:
+                elsewhere[w.device] = (*(t.to(w.device, non_blocking=True) for t in (x, ids, weights)),
+                                       torch.zeros(x.shape, dtype=x.dtype, device=w.device))
+            xs, ids_, weights_, acc = elsewhere[w.device]
         table = ExpertTable.single(expert, w, chosen[-1] + 1) if kernel else None
         if table is not None:
             mxfp4_moe(xs, ids_, weights_, table, act.kind, act.params, acc,
@@ -193,7 +190,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
         picks = (ids_.reshape(-1) == expert).nonzero().squeeze(1)
         expert_accumulate(w, xs, picks // k, weights_.reshape(-1)[picks], act, acc, precision,
                           (act.kind, act.params) if kernel else None)
-    for *_, acc in on_tier.values():
+    for *_, acc in elsewhere.values():
         out += acc.to(out.device)
     return out
 
@@ -359,8 +356,8 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
     """From canonical `{prefix}mlp.router.{weight,bias,e_score_correction_bias}`, routed experts under
     `{prefix}mlp.experts.` (see ResidentExperts; none: the block waits for a provider from
     `Transformer.use_experts`, e.g. a packed store's pager), `mlp.shared_experts.*` (+ `mlp.shared_expert_gate`)
-    and, for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`; on `device` (routed experts stay
-    where their provider keeps them)."""
+    and, for latent MoE, `mlp.routed_expert_{down_proj,norm,up_proj}.weight`; on `device` (resident routed
+    experts too; a provider's stay where it keeps them)."""
     p = prefix + "mlp."
     layer = int(prefix.split(".")[1])
 
@@ -371,7 +368,11 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
     router = Router(w("router.weight"), w("router.bias"), cfg.rule, w("router.e_score_correction_bias"))
     has_experts = any(p + f"experts.{stem}.{kind}" in weights for stem in ("0.gate", "gate_up_proj")
                       for kind in ("packed", "weight"))
-    experts = ResidentExperts.from_weights(weights, prefix, layer, cfg.num_experts) if has_experts else None
+    experts = None
+    if has_experts:  # resident experts live on the layer's device
+        mine = weights if str(device) == "cpu" else \
+            {n: on_device(weights[n], device) for n in weights if n.startswith(p + "experts.")}
+        experts = ResidentExperts.from_weights(mine, prefix, layer, cfg.num_experts)
     shared = None
     if cfg.shared is not None:
         shared = mlp.build(cfg.shared, weights, prefix, device, dtype, "mlp.shared_experts.")
