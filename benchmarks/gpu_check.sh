@@ -4,6 +4,8 @@
 #   1. the CUDA cases of every kernel test (tests/kernels: each Triton kernel and fla's KDA / Gated
 #      DeltaNet against the PyTorch references; the MXFP4 wrapper under sync debug mode "error" and
 #      captured in a CUDA graph; the GPU tier through Triton) and of the GPU tier (tests/paging);
+#   1b. tiny models built on CUDA (the dense Llama, gpt-oss, Kimi K3: weights and caches on the device,
+#      tests/engine/test_device.py) against the same models on the CPU, logits of a prefill and 8 decode steps;
 #   2. benchmarks/kernels.py --gpu-only (benchmarks/gpu_kernels.py): the MXFP4 grouped GEMV's bytes/s
 #      over the device's copy bandwidth at N = 1, 4, 16 rows per expert, kernel alone and through
 #      localmoe.kernels.mxfp4_moe.mxfp4_grouped, torch bf16 bmm beside it; KDA / Gated DeltaNet
@@ -42,8 +44,12 @@ echo "== 1. CUDA tests"
 timeout 160 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/kernels tests/paging/test_gpu_tier.py \
   tests/paging/test_metrics_placement.py 2>&1 | tee "$out/tests.log" | tail -25
 
+echo "== 1b. models on CUDA against the CPU"
+timeout 50 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/engine/test_device.py 2>&1 \
+  | tee "$out/device.log" | tail -8
+
 echo "== 2. GPU kernel figures"
-timeout 190 python3 benchmarks/kernels.py --gpu-only 2>&1 | tee "$out/kernels.log"
+timeout 140 python3 benchmarks/kernels.py --gpu-only 2>&1 | tee "$out/kernels.log"
 
 echo "== 3. GPU tier decode (gpt-oss small, RAM tier 25% of the experts)"
 work=/tmp/gpu_check_model
@@ -54,4 +60,4 @@ for gpu in 0 4G; do
   timeout 30 python3 -m localmoe run "The capital of France is" -m "$work/store" --ram 25% --gpu-mem "$gpu" \
     --max-tokens 32 --temperature 0 --stats 2>&1 | tee -a "$out/tier.log" | tail -4
 done
-echo "== done in $(( $(date +%s) - started )) s; tests: $(tail -1 "$out/tests.log")"
+echo "== done in $(( $(date +%s) - started )) s; tests: $(tail -1 "$out/tests.log"); models: $(tail -1 "$out/device.log")"

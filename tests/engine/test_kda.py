@@ -212,6 +212,23 @@ def test_bounded_gate_stays_within_lower_bound():
     assert g.min() >= -5.0 and g.max() <= 0.0
 
 
+@pytest.mark.parametrize("variant", ["kimi_linear", "kimi_k3"])
+def test_layer_passes_its_gate_bound_to_the_kernels(variant, monkeypatch):
+    """A bounded gate's lower bound reaches the kda dispatcher (on CUDA, fla's chunk_kda takes its safe-gate
+    path with it: tests/kernels/test_fla_ops.py); an unbounded gate passes none."""
+    from localmoe.engine.layers import kda as kda_layer
+
+    seen, kernel = [], kda_layer.kda
+
+    def spy(q, k, v, g, beta, state, lower_bound=None):
+        seen.append(lower_bound)
+        return kernel(q, k, v, g, beta, state, lower_bound)
+
+    monkeypatch.setattr(kda_layer, "kda", spy)
+    run(layer(variant), torch.randn(1, 13, D), [12, 1])  # a chunked prefill, then a decode step
+    assert seen == [-5.0, -5.0] if variant == "kimi_k3" else seen == [None, None]
+
+
 @pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3"])
 def test_checkpoint_layout_and_config(family):
     """The tiny real-layout checkpoints' names/shapes load, and the variant comes from the family."""

@@ -138,7 +138,9 @@ class KimiDeltaAttention:
         beta = torch.sigmoid(b)
         if valid is not None:  # padding neither decays nor writes the state
             g, beta = g * valid[..., None, None], beta * valid[..., None]
-        o, state = kda(q, k, v, g, beta, cache.state)
+        # a bounded gate lies in [gate_lower_bound, 0): fla's chunk_kda then takes its safe-gate path (CUDA)
+        bound = self.config.gate_lower_bound if self.config.bounded_gate else None
+        o, state = kda(q, k, v, g, beta, cache.state, bound)
         cache.advance(state, tail, T)
         if self.g_b_proj is not None:
             gate = self.g_b_proj(gate)
