@@ -150,8 +150,10 @@ def assert_cuda_matches_cpu(cpu_model, cuda_model, vocab: int) -> None:
     expected = greedy_logits(cpu_model, prompt, 8)
     tokens = expected[:-1].argmax(-1).tolist()[:8]
     got = greedy_logits(cuda_model, prompt, 8, tokens)
+    # fp32 on both sides; CUDA sums in other orders and fla's KDA may use tf32 inside (tests/kernels/test_fla_ops.py:
+    # 5e-3 on a layer): a device mix-up or a wrong kernel moves logits by a large part of their range
     scale = expected.abs().max()
-    assert (got - expected).abs().max() <= 2e-3 * scale, f"max |cuda - cpu| {(got - expected).abs().max():.3g}"
+    assert (got - expected).abs().max() <= 5e-3 * scale, f"max |cuda - cpu| {(got - expected).abs().max():.3g}"
 
 
 @needs_cuda

@@ -4,8 +4,8 @@ GPU tier, against the resident layer.
 On a machine without CUDA the tier's slab is on "cpu", the MXFP4 dispatchers are told the Triton
 kernel is usable for CPU tensors and the C library is hidden from them, so Triton runs under
 TRITON_INTERPRET=1 (set by conftest): the layer's GPU-tier experts then take exactly the calls
-they take on a GPU (the tier's tokens copied once, `mxfp4_moe`'s per-expert path, `mxfp4_linear`
--> Triton, the tier's own sum); the CPU tier's experts go through Triton too (no C library), which
+they take on a GPU (`mxfp4_moe`'s per-expert path, `mxfp4_linear` -> Triton; on CUDA also the tier's tokens
+copied once and its own sum, which a "cpu" slab, on x's device, does not need); the CPU tier's experts go through Triton too (no C library), which
 only makes the comparison stricter. With CUDA the slab is on cuda:0 and nothing is patched.
 """
 
