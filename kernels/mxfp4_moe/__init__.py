@@ -19,7 +19,9 @@ more tokens (prefill) one kernel call per expert that has at most EXPERT_GEMV_MA
 read once for all its tokens) and the reference's dequantise + sgemm for an expert with more;
 without the library the reference's per-expert loop over `mxfp4_linear`. Either way experts are added in
 increasing id, so one call over all experts and one call per expert (`only`, what a paging provider
-holding one expert at a time does) give the same bits. `precision` "q8" rounds each projection's
+holding one expert at a time does) give the same bits. With Triton, for x on the table's GPU: every
+expert of the table in three grouped calls (grouped_moe.py: no host sync; each token's choices summed in
+choice order). `precision` "q8" rounds each projection's
 input to int8 per 32-element block on every path (reference.q8_round; llama.cpp's Q8_0 trade: ~2x
 faster integer dot products on AVX2, activation error ~2^-8 of a block's largest value); "exact"
 keeps fp32 activations (the C kernel's integer parts are within ~2^-23 of them).
@@ -102,8 +104,8 @@ class ExpertTable:
     ([out], any float dtype) or None, all on one `device`. On the CPU, `addresses` is the CPU kernel's
     int64 [E, 9] table (rows of absent experts are 0), with biases as fp32 (converted here where they
     are not: exact from bf16); the table holds every tensor it points to, so the addresses stay valid
-    while it lives. Elsewhere (a GPU slot) `addresses` stays zero and the dispatcher takes the
-    per-expert path, whose `mxfp4_linear` runs Triton on CUDA."""
+    while it lives. Elsewhere (a GPU) `addresses` stays zero and the dispatcher runs grouped_moe.py's
+    grouped Triton calls over `grouped` (the experts as stacks, made once per table)."""
 
     def __init__(self, experts: Mapping[int, object], num_experts: int):
         rows = torch.zeros(num_experts, 9, dtype=torch.int64)
@@ -111,6 +113,7 @@ class ExpertTable:
         first = next(iter(self.experts.values()))
         self.hidden, self.intermediate = first.gate.packed.shape[1] * 2, first.gate.packed.shape[0]
         self.device = first.gate.packed.device
+        self.grouped = None  # grouped_moe.GroupedExperts, built at the first call on a GPU
         self._held = []
         for e, w in self.experts.items():
             if not self.holds(w, self.device) or w.gate.packed.shape[0] != self.intermediate or \
@@ -181,6 +184,12 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
                 naive_mxfp4_moe(x, ids, weights, table.experts, kind, params, out, e, linear=mxfp4_linear,
                                 precision=precision)
         return out
+    if usable(x) and table.device == x.device:
+        from localmoe.kernels.mxfp4_moe.grouped_moe import GroupedExperts, grouped_moe
+
+        if table.grouped is None:
+            table.grouped = GroupedExperts(table.experts, table.addresses.shape[0])
+        return grouped_moe(x, ids, weights, table.grouped, kind, params, out, only, precision)
     return naive_mxfp4_moe(x, ids, weights, table.experts, kind, params, out, only, linear=mxfp4_linear,
                            precision=precision)
 
