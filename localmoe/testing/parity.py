@@ -20,12 +20,12 @@ from localmoe.testing.write import write_checkpoint
 
 def run_mixer(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | None = None) -> torch.Tensor:
     """Feed x [B, T, D] through one mixer (a layer kind's `build`) in calls of `chunks` tokens over its own cache
-    (mask [B, T] for left padding)."""
+    (on the mixer's device; mask [B, T] for left padding)."""
     from localmoe.engine.cache import ModelCache
     from localmoe.engine.step import make_step
 
     B, T, _ = x.shape
-    cache = ModelCache([mixer.new_cache(B, T)], B, T)
+    cache = ModelCache([mixer.new_cache(B, T)], B, T, mixer.device)
     outs = []
     for n in chunks:
         start = cache.reserve(n)
