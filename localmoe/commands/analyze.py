@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import budget_option, model_options
+from localmoe.commands.options import budget_option, model_options, spec_options
 from localmoe.errors import LocalMoEError
 
 
@@ -21,12 +21,12 @@ def _bar(total: int, unit: str, description: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _start_service(model, engine, show: bool):
+def _start_service(model, engine, show: bool, spec: str = "off", spec_k: int = 4):
     from localmoe.load import load_model
     from localmoe.runtime.service import ServerConfig, Service
 
     loaded = load_model(model, engine, progress=show)
-    service = Service(loaded, ServerConfig(threads=loaded.config.resolved_threads()))
+    service = Service(loaded, ServerConfig(threads=loaded.config.resolved_threads(), spec=spec, spec_k=spec_k))
     service.start()
     return service
 
@@ -83,8 +83,9 @@ async def _batch(service, paths, questions_file, out, fmt, budget, include, excl
 @click.option("--exclude", multiple=True, help="Skip files and folders matching this glob (repeatable).")
 @click.option("--max-tokens", type=int, default=None, help="Longest answer in tokens (default: by --budget).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
+@spec_options
 def command(paths, question, questions_file, model, engine, budget, fmt, out, include, exclude,
-            max_tokens, quiet):
+            max_tokens, quiet, spec, spec_k):
     """Answer questions over documents (PDF, DOCX, PPTX, XLSX, CSV, HTML, Markdown, text, code) with
     citations to file and page/sheet/slide/line, each checked against the source text."""
     if (question is None) == (questions_file is None):
@@ -97,7 +98,7 @@ def command(paths, question, questions_file, model, engine, budget, fmt, out, in
         if not path.exists():
             raise LocalMoEError(f"{path}: no such file or folder")
     show = not quiet and sys.stderr.isatty()
-    service = _start_service(model, engine, not quiet)
+    service = _start_service(model, engine, not quiet, spec, spec_k)
     try:
         if questions_file is not None:
             result = asyncio.run(_batch(service, list(paths), questions_file, out, fmt, budget, list(include),

@@ -152,3 +152,18 @@ allowed_hosts_option = click.option(
     callback=lambda ctx, param, value: tuple(n for v in value for n in v.split(",")),
     help="A Host header name the server answers besides the loopback names and the bound address "
          "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")
+
+
+def spec_options(function):
+    """--spec and --spec-k (speculative decoding, runtime/speculation.py), handed over as `spec` and `spec_k`."""
+    options = [
+        click.option("--spec", "spec", default="off", show_default=True, metavar="prompt|draft:PATH|mtp|off",
+                     help="Speculative decoding: prompt = draft from n-grams of the prompt and the answer so far "
+                          "(pays on answers that quote the prompt: document Q&A, code edits); draft:PATH = a "
+                          "smaller model with the same tokenizer; mtp = the model's next-n heads (none loadable "
+                          "yet: says so and runs off). Lossless: the output is what the model alone would give."),
+        click.option("--spec-k", "spec_k", type=int, default=4, show_default=True,
+                     help="Most drafted tokens per step; fewer (or none) where measured acceptance and step "
+                          "time say more do not pay."),
+    ]
+    return _decorate(function, options)

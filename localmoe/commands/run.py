@@ -10,7 +10,7 @@ import sys
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import model_options, thinking_budgets_option
+from localmoe.commands.options import model_options, spec_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 
 
@@ -35,10 +35,12 @@ from localmoe.errors import LocalMoEError
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="An image to show the model before the prompt (repeatable; a model with a vision tower).")
 @click.option("--stats", "show_stats", is_flag=True,
-              help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) to stderr.")
+              help="Also print the expert-paging statistics (hits, misses, bytes read, stalls, prefetch) and "
+                   "speculative decoding's (acceptance, tokens per step) to stderr.")
+@spec_options
 def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k,
             min_p, repetition_penalty, seed, stop, thinking, thinking_budgets, no_stream, as_json, images,
-            show_stats):
+            show_stats, spec, spec_k):
     """Answer PROMPT (use - to read it from stdin)."""
     from localmoe.engine.sampler import SamplingParams
     from localmoe.kernels import _cpu as cpu_kernels
@@ -46,6 +48,7 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
     from localmoe.paging.metrics import pager_of, stats_line
     from localmoe.runtime.local import LocalModel
     from localmoe.runtime.service import ServerConfig
+    from localmoe.runtime.speculation import spec_line
 
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -53,7 +56,8 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         raise LocalMoEError("--max-tokens must be at least 1")
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
-    loaded = LocalModel(load_model(model, engine), ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0))
+    loaded = LocalModel(load_model(model, engine), ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0,
+                                                                 spec=spec, spec_k=spec_k))
     stream = not (no_stream or as_json)
     events = loaded.events(prompt, params, max_tokens, stop, system, images, thinking)
     parts, reasoning, result = [], [], None
@@ -81,6 +85,8 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
                "finish_reason": result.finish_reason, "stats": stats, "cpu_kernels": cpu_kernels.describe()}
         if pager is not None:
             out["paging"] = pager.stats.to_dict()
+        if result.spec is not None:
+            out["spec"] = result.spec.to_dict()
         click.echo(json.dumps(out, ensure_ascii=False))
     else:
         if not stream:
@@ -95,6 +101,8 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
         click.echo(stats_line(loaded) or "[paging: off (experts resident, or --ram 0: the page cache decides)]",
                    err=True)
         click.echo(f"[CPU kernels: {cpu_kernels.describe()}]", err=True)
+        if result.spec is not None:
+            click.echo(f"[{spec_line(result.spec, pager, result.completion_tokens)}]", err=True)
         if images:
             enc = loaded.image_encoder
             click.echo(f"[images: {len(images)} ({enc.encoded} encoded) in {enc.seconds:.2f} s]", err=True)

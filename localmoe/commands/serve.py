@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import allowed_hosts_option, model_options, thinking_budgets_option
+from localmoe.commands.options import allowed_hosts_option, model_options, spec_options, thinking_budgets_option
 from localmoe.errors import LocalMoEError
 from localmoe.paths import cache_dir
 
@@ -52,10 +52,11 @@ def default_sessions_path() -> Path:
 @allowed_hosts_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@spec_options
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
             max_concurrency, batching, kv_budget, max_body, thinking_budgets, sessions_path, no_sessions,
             prefix_cache_entries,
-            documents_roots, allowed_hosts, log_level):
+            documents_roots, allowed_hosts, log_level, spec, spec_k):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
     /health and /metrics."""
     try:
@@ -82,7 +83,7 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
         if not root.is_dir():
             raise LocalMoEError(f"--documents-root {root}: not a folder")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
-                          max_active=max_concurrency, batching=batching, kv_budget=budget, max_body_bytes=max_body,
+                          spec=spec, spec_k=spec_k, max_active=max_concurrency, batching=batching, kv_budget=budget, max_body_bytes=max_body,
                           api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=thinking_budgets, threads=engine.threads,

@@ -58,8 +58,9 @@ class Metrics:
             self._trim(now)
             return sum(n for _, n in self._recent) / RATE_WINDOW
 
-    def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None) -> str:
-        """The Prometheus text; `worker` (an EngineWorker) adds the scheduler's gauges and counters."""
+    def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None, spec=None) -> str:
+        """The Prometheus text; `worker` (an EngineWorker) adds the scheduler's gauges and counters, `spec`
+        (engine/spec SpecStats of the finished sequences) speculative decoding's."""
         rate = self.tokens_per_second()
         lines = []
 
@@ -108,6 +109,15 @@ class Metrics:
             metric("localmoe_batched_decode_tokens_total", "counter",
                    "Decode tokens run in batched steps (divided by the steps: the mean batch).",
                    [("", worker.batched_tokens)])
+        if spec is not None:
+            metric("localmoe_spec_steps_total", "counter", "Target forwards of speculating sequences.",
+                   [("", spec.steps)])
+            metric("localmoe_spec_draft_tokens_total", "counter", "Drafted tokens verified.", [("", spec.drafted)])
+            metric("localmoe_spec_accepted_tokens_total", "counter", "Drafted tokens kept.", [("", spec.accepted)])
+            metric("localmoe_spec_acceptance_rate", "gauge", "Kept / drafted tokens (finished sequences).",
+                   [("", round(spec.acceptance, 6))])
+            metric("localmoe_spec_tokens_per_step", "gauge", "Tokens a speculating sequence's forward yields.",
+                   [("", round(spec.tokens_per_step, 6))])
         tiers = tiers or {}
         metric("localmoe_expert_tier_hit_rate", "gauge", "Expert requests served by each tier / all requests.",
                [(f'{{tier="{t}"}}', round(s.hit_rate, 6)) for t, s in tiers.items()])

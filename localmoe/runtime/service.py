@@ -23,6 +23,7 @@ from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, Reques
 from localmoe.runtime.context import fit_messages
 from localmoe.runtime.forced import plan_forced_call
 from localmoe.runtime.metrics import Metrics, paging_tiers
+from localmoe.runtime.speculation import Speculation
 from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion, run_prefill
 from localmoe.runtime.worker import EngineWorker, Job
 
@@ -37,6 +38,8 @@ class ServerConfig:
     max_active: int = 16  # sequences batched at once; more wait in the queue
     kv_budget: int | None = None  # bytes of KV cache the running sequences may hold before admission waits
     batching: str = "auto"  # the worker's decode step: auto | on | off (runtime/worker.py)
+    spec: str = "off"  # speculative decoding: prompt | draft:PATH | mtp | off (runtime/speculation.py)
+    spec_k: int = 4  # the most drafts per step (the speculator chooses fewer where more do not pay)
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
     sessions_path: Path | None = None
@@ -69,6 +72,7 @@ class ChatRequest:
     session_id: str | None = None
     output_schema: dict | None = None  # the answer is one JSON value valid against it (structured output)
     output_param: str = "response_format"  # the request field that gave `output_schema` (named in errors)
+    spec: str | None = None  # this request's speculation: "off", "prompt", "draft" (None: the server's)
 
 
 class Stream:
@@ -179,6 +183,7 @@ class Service:
         self.prefix_cache = (PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
                              if config.prefix_cache_entries > 0 else None)
         self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget, config.batching)
+        self.speculation = Speculation(loaded, config.spec, config.spec_k)
         self.created = int(time.time())
         self._grammar_tokenizer = None
         self._grammar_error: str | None = None
@@ -243,9 +248,12 @@ class Service:
     def record(self, result: TurnResult) -> None:
         self.metrics.finished(result.prompt_tokens, result.completion_tokens, result.reasoning_tokens,
                               result.time_to_first_token)
+        if result.spec is not None:
+            self.speculation.finished(result.spec)
 
     def metrics_text(self) -> str:
-        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker)
+        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker,
+                                   self.speculation.stats if self.speculation.on else None)
 
     # ---- chat ----
 
@@ -302,7 +310,8 @@ class Service:
         prep = Prepared(prompt=prompt, max_tokens=max_tokens, params=req.params, stop=req.stop, budget=budget,
                         forced=forced, constraint=constraint, parallel_tool_calls=req.parallel_tool_calls,
                         keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache,
-                        anchor=self._header_end(prompt, messages, render))
+                        anchor=self._header_end(prompt, messages, render),
+                        speculator=None if constraint is not None else self.speculator(req.spec))
         return prep, messages
 
     def _header_end(self, prompt: list[int], messages: list[ChatMessage], render) -> int | None:
@@ -337,6 +346,13 @@ class Service:
         model = self.model
         self.worker.submit(Job(lambda job: run_prefill(model, header, job.emit, lambda: job.cancelled),
                                lambda kind, payload: None))
+
+    def speculator(self, mode: str | None):
+        """A new sequence's speculator (None: it does not speculate); a mode this server cannot run is a 400."""
+        try:
+            return self.speculation.new(mode)
+        except LocalMoEError as e:
+            raise RequestError(str(e), param="spec") from None
 
     def store_request(self, req: ChatRequest) -> None:
         """Store the request's new messages in its session, durably, before generating."""
@@ -400,7 +416,7 @@ class Service:
     # ---- completions ----
 
     def prepare_completion(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
-                           stop: list[str]) -> Prepared:
+                           stop: list[str], spec: str | None = None) -> Prepared:
         """Prompt ids and settings of a plain completion; raises RequestError."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -416,15 +432,16 @@ class Service:
             raise RequestError(f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}, but the context "
                                 f"holds {self.context}; shorten the prompt or lower max_tokens", param="prompt",
                            code="context_length_exceeded")
-        return Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache)
+        return Prepared(prompt=ids, max_tokens=max_tokens, params=params, stop=stop, prefix_cache=self.prefix_cache,
+                        speculator=self.speculator(spec))
 
     def _completion(self, prep: Prepared):
         tokenizer, model = self.tokenizer, self.model
         return lambda job: run_completion(tokenizer, model, prep, job.emit, lambda: job.cancelled)
 
     def completion_stream(self, prompt: str | list[int], max_tokens: int | None, params: SamplingParams,
-                          stop: list[str]) -> Stream:
-        return Stream(self, self._completion(self.prepare_completion(prompt, max_tokens, params, stop))).start()
+                          stop: list[str], spec: str | None = None) -> Stream:
+        return Stream(self, self._completion(self.prepare_completion(prompt, max_tokens, params, stop, spec))).start()
 
     def completion_here(self, prep: Prepared):
         """A prepared completion run in this thread (`run_here`)."""

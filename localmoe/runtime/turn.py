@@ -24,6 +24,7 @@ from localmoe.chat.grammar import Constraint
 from localmoe.engine.generate import Decoder
 from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams
+from localmoe.engine.spec.speculator import SpecStats, Speculator
 from localmoe.runtime.forced import ForcedPlan
 
 Emit = Callable[[str, object], None]
@@ -49,6 +50,7 @@ class Prepared:
     prefix_cache: PrefixCache | None = None  # the service's: reuse a previous sequence's cache for the prompt
     on_prompt: Callable[[], None] | None = None  # called once the whole prompt is in the cache (probe-recall)
     anchor: int | None = None  # where the conversation's fixed header ends: a prompt chunk ends there (reuse)
+    speculator: Speculator | None = None  # speculative decoding of this sequence (runtime/speculation.py)
 
 
 @dataclass
@@ -65,6 +67,7 @@ class TurnResult:
     seconds: float = 0.0
     reasoning_closed_by: str | None = None  # the budget that ended the reasoning, if one did
     stop_sequence: str | None = None  # the stop string that ended the content, if one did
+    spec: SpecStats | None = None  # the sequence's speculative decoding, where it speculated
 
 
 class StopFilter:
@@ -143,7 +146,8 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     started = time.perf_counter()
     eot = list(fmt.end_of_thinking_ids()) if fmt.thinks else []
     dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)), prefix_cache=prep.prefix_cache,
-                  anchor=prep.anchor)
+                  anchor=prep.anchor,
+                  speculator=prep.speculator if prep.constraint is None else None)
     parser = fmt.stream_parser()
     stop_ids = fmt.stop_token_ids()
     tracker = BudgetTracker(prep.budget)
@@ -264,6 +268,7 @@ def _done(emit: Emit, result: TurnResult, finish: str, dec: Decoder, started: fl
     result.finish_reason = finish
     result.seconds = time.perf_counter() - started
     result.cached_tokens = dec.reused
+    result.spec = dec.speculator.stats if dec.speculator is not None else None
     dec.release()
     emit("done", result)
 
@@ -307,7 +312,8 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
 def run_completion(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[None]:
     """Plain text continuation of `prep.prompt` (/v1/completions)."""
     started = time.perf_counter()
-    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, 0), prefix_cache=prep.prefix_cache)
+    dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, 0), prefix_cache=prep.prefix_cache,
+                  speculator=prep.speculator)
     decoder = tokenizer.stream_decoder()
     stops = StopFilter(prep.stop)
     result = TurnResult(prompt_tokens=len(prep.prompt))

@@ -266,6 +266,8 @@ class EngineWorker:
         results += [(r, None) for r in idle]
         for r, logits in results:
             self._advance(r, logits)
+            while r in self._active and isinstance(r.wants, Decoder) and r.wants.ready:
+                self._advance(r, r.wants.logits())  # a speculative step's other accepted tokens: no forward
         self.steps += 1
 
     def _run(self) -> None:

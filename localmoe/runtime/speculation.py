@@ -1,0 +1,110 @@
+"""The served model's speculative decoding (`--spec prompt|draft:PATH|mtp|off`): what drafts, one
+`Speculator` per sequence (engine/spec), and the statistics of all of them for --stats and /metrics.
+
+- `prompt`: prompt lookup (n-grams of the prompt and the generated text), no model;
+- `draft:PATH`: a smaller model localmoe loads, which must share the target's tokenizer (checked: the
+  same vocabulary and ids, else an error naming both); each sequence gets its own draft cache;
+- `mtp`: the checkpoint's next-n prediction heads. localmoe's loaders drop them today (DeepSeek-V3's
+  `num_nextn_predict_layers` block, Qwen3-Next's `mtp.*` tensors), and Kimi K3 has none
+  (`num_nextn_predict_layers` 0): the choice says which and runs without speculation;
+- `off`.
+
+Constrained generation (forced tool calls, structured output) does not speculate: its grammar masks
+each position's logits after the previous token is chosen.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+from localmoe.engine.spec.drafters import DraftModel, PromptLookup, check_vocab
+from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
+from localmoe.errors import LocalMoEError
+
+SPEC_CHOICES = "prompt | draft:PATH | mtp | off"
+
+
+def mtp_layers(source) -> int | None:
+    """The next-n prediction layers a checkpoint declares (config.json `num_nextn_predict_layers`, GGUF
+    `<arch>.nextn_predict_layers`); None where it says nothing (the embedded model, a store)."""
+    from localmoe.checkpoint import open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(source)
+    except LocalMoEError:
+        return None
+    if "num_nextn_predict_layers" in ckpt.config:
+        return int(ckpt.config["num_nextn_predict_layers"])
+    for key, value in (ckpt.gguf_metadata or {}).items():
+        if key.endswith(".nextn_predict_layers"):
+            return int(value)
+    return None
+
+
+class Speculation:
+    """`mode` is one of "prompt", "draft", "off" once built (`mtp` resolves to "off" with a message)."""
+
+    def __init__(self, loaded, option: str = "off", k: int = 4, adaptive: bool = True, warn=None):
+        self.k, self.adaptive = k, adaptive
+        self.draft = None  # the draft model's LoadedModel
+        self.stats = SpecStats()  # every finished sequence's, added up
+        self._lock = threading.Lock()
+        warn = warn or (lambda message: print(f"localmoe: {message}", file=sys.stderr))
+        option = (option or "off").strip()
+        if not 1 <= k <= K_MAX:
+            raise LocalMoEError(f"--spec-k must be between 1 and {K_MAX}, not {k}")
+        if option in ("off", "prompt"):
+            self.mode = option
+        elif option == "mtp":
+            n = mtp_layers(loaded.source)
+            name = getattr(loaded.source, "name", None) or str(loaded.source)
+            if not n:
+                warn(f"--spec mtp: {name} has no multi-token-prediction heads (num_nextn_predict_layers = "
+                     f"{n or 0}); running without speculation (try --spec prompt or --spec draft:PATH)")
+            else:
+                warn(f"--spec mtp: {name} has {n} multi-token-prediction layer(s), but localmoe does not load "
+                     "them yet; running without speculation (try --spec prompt or --spec draft:PATH)")
+            self.mode = "off"
+        elif option.startswith("draft:") and option[6:]:
+            from localmoe.load import load_model
+
+            path = option[6:]
+            self.draft = load_model(path, loaded.config, progress=False)
+            check_vocab(loaded.tokenizer, self.draft.tokenizer, str(loaded.source), path)
+            self.vocab = loaded.spec.vocab_size
+            self.mode = "draft"
+        else:
+            raise LocalMoEError(f"--spec {option!r}: expected {SPEC_CHOICES}")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def new(self, mode: str | None = None) -> Speculator | None:
+        """A speculator for one sequence (None: no speculation). `mode`: a request's own choice, "off" or
+        this server's mode (a draft model must have been loaded at start)."""
+        mode = self.mode if mode is None else mode
+        if mode == "off":
+            return None
+        if mode == "draft" and self.draft is None or mode not in ("prompt", "draft"):
+            raise LocalMoEError(f"spec {mode!r} is not available here (the server runs --spec {self.mode}); "
+                                "ask for 'off', 'prompt' or the server's mode")
+        drafter = PromptLookup() if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
+        return Speculator(drafter, self.k, self.adaptive)
+
+    def finished(self, stats: SpecStats) -> None:
+        """Add a finished sequence's statistics to the totals (/metrics)."""
+        with self._lock:
+            self.stats.add(stats)
+
+
+def spec_line(stats: SpecStats, pager=None, generated: int = 0) -> str:
+    """One line for --stats: acceptance, tokens per step and, with a pager, expert bytes read per generated
+    token (all the pager read since it started, prompt included, over the tokens generated)."""
+    line = (f"speculation: {stats.accepted}/{stats.drafted} drafts kept ({100 * stats.acceptance:.0f}%), "
+            f"{stats.tokens_per_step:.2f} tokens per step over {stats.steps} steps")
+    if pager is not None and generated:
+        read = sum(tier.bytes_read for tier in pager.stats.tiers.values())
+        line += f", {read / generated / 1e6:.1f} MB of experts read per generated token"
+    return line

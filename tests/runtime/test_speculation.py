@@ -1,0 +1,95 @@
+"""Speculative decoding in the runtime: inside the batched scheduler (speculating and plain sequences in
+one step) a greedy request yields what it yields alone without speculation; `--spec` choices (prompt,
+draft:PATH with its tokenizer check, mtp's message, bad values); statistics in the turn result and
+/metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from localmoe.chat import ChatMessage
+from localmoe.config import EngineConfig
+from localmoe.engine.spec.drafters import PromptLookup
+from localmoe.engine.spec.speculator import SpecStats, Speculator
+from localmoe.errors import LocalMoEError
+from localmoe.load import load_model
+from localmoe.runtime.metrics import Metrics
+from localmoe.runtime.service import ChatRequest, ServerConfig, Service
+from localmoe.runtime.speculation import Speculation
+from localmoe.runtime.turn import run_completion
+from localmoe.runtime.worker import EngineWorker
+from localmoe.testing import write_checkpoint
+
+from .test_batching import GREEDY, alone, completion, embedded, job_of, run_all  # noqa: F401 - fixture
+
+QUOTE = ("Copy this sentence: the pager keeps the hot experts in RAM slots and reads the others from the "
+         "drive on demand. Copy: the pager keeps the hot")
+PROMPTS = [QUOTE, "The capital of France is", QUOTE + " experts in RAM", "def fibonacci(n):"]
+
+
+def test_speculating_and_plain_sequences_in_one_batch(embedded):  # noqa: F811
+    preps = [completion(embedded, text, 24) for text in PROMPTS]
+    for i, prep in enumerate(preps):
+        prep.speculator = Speculator(PromptLookup(), k=4, adaptive=False) if i % 2 == 0 else None
+    worker, results = EngineWorker(max_active=4, batching="on"), {}
+    tok, model = embedded.tokenizer, embedded.model
+    for i, prep in enumerate(preps):
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, i))
+    run_all(worker, results, len(preps))
+    for i, prep in enumerate(preps):
+        single = alone(embedded, completion(embedded, PROMPTS[i], 24))
+        assert results[i].content == single.content, i
+        assert results[i].completion_tokens == single.completion_tokens
+    spec = results[0].spec
+    assert spec.drafted > 0 and spec.accepted > 0 and spec.tokens_per_step > 1.0
+    assert results[1].spec is None
+
+
+def test_run_with_prompt_lookup_equals_off(embedded):  # noqa: F811
+    outputs = {}
+    for mode in ("off", "prompt"):
+        service = Service(embedded, ServerConfig(prefix_cache_entries=0, batching="on", spec=mode))
+        events = list(service.chat_here(ChatRequest([ChatMessage("user", QUOTE)], 32, GREEDY)))
+        outputs[mode] = events[-1][1]
+    assert outputs["prompt"].content == outputs["off"].content
+    assert outputs["off"].spec is None
+    assert outputs["prompt"].spec.steps > 0
+
+
+def test_a_request_may_turn_speculation_off(embedded):  # noqa: F811
+    service = Service(embedded, ServerConfig(prefix_cache_entries=0, spec="prompt"))
+    prep, _ = service.prepare_chat(ChatRequest([ChatMessage("user", "hi")], 4, GREEDY, spec="off"))
+    assert prep.speculator is None
+    prep, _ = service.prepare_chat(ChatRequest([ChatMessage("user", "hi")], 4, GREEDY))
+    assert prep.speculator is not None
+    with pytest.raises(LocalMoEError, match="not available"):
+        service.prepare_chat(ChatRequest([ChatMessage("user", "hi")], 4, GREEDY, spec="draft"))
+
+
+def test_spec_choices(embedded, tmp_path):  # noqa: F811
+    with pytest.raises(LocalMoEError, match="expected prompt"):
+        Speculation(embedded, "lookahead")
+    said = []
+    assert Speculation(embedded, "mtp", warn=said.append).mode == "off"  # the embedded GGUF declares none
+    assert "no multi-token-prediction heads" in said[0]
+    config = EngineConfig(dtype="float32", threads=1)
+    k3 = load_model(write_checkpoint("kimi_k3", tmp_path / "k3", "tiny", seed=0), config, progress=False)
+    said.clear()
+    assert Speculation(k3, "mtp", warn=said.append).mode == "off"
+    assert "num_nextn_predict_layers = 0" in said[0]
+    # a draft model must share the target's tokenizer
+    other = write_checkpoint("qwen3_next", tmp_path / "qwen", "tiny", seed=1)
+    with pytest.raises(LocalMoEError, match="tokenizer|vocabulary"):
+        Speculation(k3, f"draft:{other}")
+    same = write_checkpoint("kimi_k3", tmp_path / "k3-draft", "tiny", seed=1)
+    spec = Speculation(k3, f"draft:{same}")
+    assert spec.mode == "draft" and spec.new().drafter.name == "draft"
+
+
+def test_metrics_show_speculation():
+    stats = SpecStats(steps=10, drafted_steps=8, drafted=32, accepted=24, emitted=34)
+    text = Metrics().render(0, 0, spec=stats)
+    assert "localmoe_spec_accepted_tokens_total 24" in text
+    assert "localmoe_spec_acceptance_rate 0.75" in text
+    assert "localmoe_spec_tokens_per_step 3.4" in text
