@@ -253,7 +253,8 @@ class Service:
 
     def metrics_text(self) -> str:
         return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker,
-                                   self.speculation.stats if self.speculation.on else None)
+                                   self.speculation.stats if self.speculation.on or self.speculation.stats.steps
+                                   else None)
 
     # ---- chat ----
 

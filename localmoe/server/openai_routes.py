@@ -65,7 +65,7 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         tools=tools, tool_mode=mode, tool_names=names, parallel_tool_calls=body.parallel_tool_calls,
         reasoning_effort=EFFORT_TIER[body.reasoning_effort] if body.reasoning_effort else None,
         reasoning_tokens=body.max_reasoning_tokens, stop=body.stops(), seconds=body.max_time_s,
-        bytes_read=body.max_bytes_read, session_id=body.session_id)
+        bytes_read=body.max_bytes_read, session_id=body.session_id, spec=body.spec)
 
 
 @router.post("/v1/chat/completions")
@@ -128,7 +128,7 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "echo is not supported", param="echo")
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
     params = sampling_params(body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty, body.seed)
-    stream = service.completion_stream(prompt, body.max_tokens, params, body.stops())
+    stream = service.completion_stream(prompt, body.max_tokens, params, body.stops(), body.spec)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": service.model_id}
     if body.stream:

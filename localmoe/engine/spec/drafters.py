@@ -93,7 +93,7 @@ class DraftModel:
 
     def __init__(self, model, vocab_size: int):
         self.model = model
-        self.vocab_size = vocab_size  # the target's: a draft's padded vocabulary is cut to it
+        self.vocab_size = vocab_size  # the target's: a draft's logits are cut or padded (-inf) to it
         self.cache = model.new_cache(1, model.max_context)
         self.tokens: list[int] = []  # what the cache holds
 
@@ -114,7 +114,15 @@ class DraftModel:
                 logits = self.model.forward(torch.tensor([todo[begin:begin + 512]]), self.cache)[:, -1]
         self.tokens.extend(todo)
         self.cache.snapshot(keep_earlier=False)  # the next round trims back to here at most
-        return logits[:, :self.vocab_size]
+        return self._fit(logits)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V_draft] -> [1, V_target]: the models pad their vocabularies differently (the
+        tokenizer is the same, checked), so ids past the draft's get probability 0."""
+        V = self.vocab_size
+        if logits.shape[-1] >= V:
+            return logits[:, :V]
+        return torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -132,6 +140,6 @@ class DraftModel:
             qs.append(q)
             if i + 1 < k:
                 with torch.inference_mode():
-                    logits = self.model.forward(torch.tensor([[token]]), self.cache)[:, -1, :self.vocab_size]
+                    logits = self._fit(self.model.forward(torch.tensor([[token]]), self.cache)[:, -1])
                 self.tokens.append(token)
         return Draft(tokens, torch.stack(qs))

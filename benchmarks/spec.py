@@ -1,0 +1,189 @@
+"""Speculative decoding, same run with and without: tokens/s, acceptance, tokens per step, expert bytes
+read per generated token.
+
+    python benchmarks/spec.py                          # (a) the embedded model, prompt lookup
+    python benchmarks/spec.py --paged                  # + (b) a paged gpt-oss store, prompt lookup and a draft
+    python benchmarks/spec.py --paged --work DIR --pairs 3
+
+(a) The embedded SmolLM2 (resident, its fused single-token step when off) on three prompts: a paragraph
+    to repeat word for word (prompt lookup's best case), a question about a document asking for its
+    sentences quoted (what the 135M model makes of it is its own), and a code edit that rewrites a file
+    with one name changed; `--spec off` against `--spec prompt`.
+(b) The generated gpt-oss `small` (8 layers x 16 MXFP4 experts, top-4) converted to a packed store and
+    paged at 25% of its expert bytes (LFRU, O_DIRECT), greedy plain completions of the same two prompts:
+    off, prompt lookup, and a draft model (the `tiny` gpt-oss: the same tokenizer, random weights of its
+    own, so it shows what the scheduler does with a draft that is almost never right).
+
+Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
+ratios are per pair, the median printed. Expert bytes are the pager's reads during decoding (from the
+first generated token on) over the tokens generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from alternate import alternate, emit, median_ratio
+
+DOCUMENT = """The packed store keeps each routed expert in one page-aligned extent, so one read fetches the gate,
+up and down matrices of an expert together with their scales. The pager keeps the hot experts in RAM
+slots and reads the others from the drive on demand; its policy decides which slot an expert evicts.
+Prefetch applies the next layer's router to the current hidden state and starts the reads of the experts
+it predicts while the current layer computes. Every load, hit, miss, stall and byte is counted, and the
+counts are shown by --stats, by the web app and on the server's /metrics endpoint."""
+QUESTION = "Which sentences of the document are about the pager? Repeat them exactly as they are written."
+
+CODE = '''def moving_average(values, window):
+    """The mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+
+
+def normalise(values):
+    """Scale values to the range 0..1."""
+    low, high = min(values), max(values)
+    span = high - low or 1.0
+    return [(v - low) / span for v in values]
+'''
+EDIT = "Rename the function moving_average to rolling_mean and print the whole updated file, nothing else."
+
+TASKS = {
+    "quote": f"Repeat this paragraph exactly, word for word:\n\n{DOCUMENT}",
+    "document": f"Here is a document:\n\n{DOCUMENT}\n\n{QUESTION}",
+    "code": f"Here is a Python file:\n\n```python\n{CODE}```\n\n{EDIT}",
+}
+
+
+def worker(args) -> None:
+    from localmoe.config import EngineConfig, PagingConfig
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.load import load_model
+    from localmoe.paging.metrics import pager_of
+    from localmoe.runtime.local import LocalModel
+    from localmoe.runtime.service import ServerConfig
+
+    paging = PagingConfig(ram_budget=args.ram) if args.ram else PagingConfig()
+    loaded = load_model(args.model, EngineConfig(threads=args.threads, paging=paging), progress=False)
+    local = LocalModel(loaded, ServerConfig(prefix_cache_entries=0, spec=args.spec, spec_k=args.k))
+    pager = pager_of(loaded)
+
+    def read() -> int:
+        return 0 if pager is None else sum(t.bytes_read for t in pager.stats.tiers.values())
+
+    params = SamplingParams(temperature=0.0)
+    service = local.service
+    if args.chat:
+        events = local.events(TASKS[args.task], params, args.max_tokens)
+    else:  # a plain completion: the random-weight store has no chat to speak of
+        prep = service.prepare_completion(TASKS[args.task], args.max_tokens, params, [])
+        events = service.completion_here(prep)
+    started = time.perf_counter()
+    first, bytes_first, text, result = None, 0, [], None
+    for kind, payload in events:
+        if kind == "done":
+            result = payload
+        else:
+            if first is None:
+                first, bytes_first = time.perf_counter(), read()
+            text.append(payload.text)
+    end = time.perf_counter()
+    n = result.completion_tokens
+    decode_s = result.seconds - result.time_to_first_token
+    spec = result.spec
+    emit({"tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "tokens": n,
+          "seconds": end - started, "acceptance": spec.acceptance if spec else None,
+          "tokens_per_step": spec.tokens_per_step if spec else None,
+          "bytes_per_token": (read() - bytes_first) / max(1, n - 1), "text": "".join(text)})
+
+
+def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
+    cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", str(args.k), "--threads", str(args.threads),
+           "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--ram", str(ram)]
+    cmd += ["--model", model] if model else []
+    return cmd + (["--chat"] if chat else [])
+
+
+def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool = True) -> None:
+    for task in TASKS:
+        workers = {spec: command(args, model, spec, task, ram, chat) for spec in specs}
+        results = alternate(workers, args.pairs)
+        base = results["off"]
+        texts = {spec: {r["text"] for r in rs} for spec, rs in results.items()}
+        print(f"\n{label}, {task}: {base[0]['tokens']} tokens, {args.pairs} pairs", flush=True)
+        for spec in specs:
+            rs = results[spec]
+            rate = statistics.median(r["tokens_per_s"] for r in rs)
+            line = f"  {spec:<24} {rate:7.2f} tokens/s"
+            if spec != "off":
+                line += (f"  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in base]):.2f}x"
+                         f"  acceptance {statistics.median(r['acceptance'] for r in rs):.0%}"
+                         f"  {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens/step")
+                line += "" if texts[spec] == texts["off"] else "  (TEXT DIFFERS from off)"
+            if ram:
+                line += f"  {statistics.median(r['bytes_per_token'] for r in rs) / 1e6:.1f} MB experts/token"
+            print(line, flush=True)
+
+
+def paged_store(work: Path) -> tuple[str, str, int]:
+    """The gpt-oss `small` store (written and converted once under `work`), 25% of its expert bytes, and
+    the `tiny` gpt-oss checkpoint as a draft."""
+    from localmoe.convert import convert
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+    from localmoe.testing import write_checkpoint
+
+    src, store, draft = work / "gpt_oss_small", work / "gpt_oss_small.lmoe", work / "gpt_oss_tiny"
+    if not (src / "config.json").exists():
+        print("writing the small gpt_oss checkpoint ...", flush=True)
+        write_checkpoint("gpt_oss", src, size="small")
+    if not (store / "manifest.json").exists():
+        print("converting it to a packed store ...", flush=True)
+        convert(src, store)
+    if not (draft / "config.json").exists():
+        write_checkpoint("gpt_oss", draft, size="tiny", seed=1)
+    return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--spec", default="off")
+    ap.add_argument("--task", default="quote", choices=list(TASKS))
+    ap.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ram", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--k", type=int, default=4, help="most drafts per step (--spec-k)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated on the embedded model")
+    ap.add_argument("--paged-tokens", type=int, default=48, help="tokens generated on the paged store")
+    ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",
+                    help="where the generated checkpoints and the store are kept (~1 GB)")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
+    if args.paged:
+        args.work.mkdir(parents=True, exist_ok=True)
+        store, draft, ram = paged_store(args.work)
+        compare(args, "(b) gpt-oss small, packed store at --ram 25%", store, ["off", "prompt", f"draft:{draft}"],
+                ram, chat=False)
+
+
+if __name__ == "__main__":
+    main()
