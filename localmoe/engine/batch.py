@@ -39,6 +39,31 @@ from localmoe.kernels.gqa_decode import gqa_decode
 from localmoe.kernels.rms_norm import add_rms_norm
 
 
+def has_rows(model) -> bool:
+    """Whether `forward_rows` runs `model` (a Transformer: plain residuals or a per-token residual scheme)."""
+    return hasattr(model, "layers") and hasattr(model, "rope") and hasattr(model, "residuals")
+
+
+def _residual_rows(model, x: torch.Tensor, steps, caches) -> torch.Tensor:
+    """forward_rows of a model whose residual scheme (K3's attention residuals, GLM-5-Next's hyper-connections)
+    runs the layers itself: x [N, 1, D] embeddings -> logits [N, 1, V]; the mixers per row, the MLP / MoE
+    over all rows (experts read once), the scheme's mixing per token."""
+    D, eps, N = model.spec.hidden_size, model.eps, x.shape[0]
+
+    def attn(i: int, h: torch.Tensor) -> torch.Tensor:
+        norm, mixer = model.layers[i][0], model.layers[i][1]
+        h = F.rms_norm(h, (D,), norm, eps)
+        return torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
+
+    def mlp(i: int, h: torch.Tensor) -> torch.Tensor:
+        _, _, norm, block = model.layers[i]
+        h = F.rms_norm(h, (D,), norm, eps)
+        return block(h) if isinstance(block, MoEBlock) else _rowwise(block, h)
+
+    x = model.residuals.run(x, attn, mlp)
+    return _rowwise(model.lm_head, F.rms_norm(x, (D,), model.norm, eps))
+
+
 def batchable(model) -> bool:
     """Whether `model` runs batched decode steps: a Transformer with plain residuals (Kimi K3's attention
     residuals and GLM-5-Next's hyper-connections are not batched yet: their sequences step one at a time)."""
@@ -111,7 +136,8 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
     """Row n appends tokens[n] to caches[n] -> logits [N, V], every row computed as a decode token (each
     row's result independent of the others). A cache may appear on several rows: its tokens take consecutive
     positions in row order (a speculative verify: the last token and the drafts of one sequence, engine/spec).
-    The model must be `batchable`."""
+    The model must be `has_rows`: a model with attention residuals or hyper-connections mixes each token's
+    layer outputs on its own, so its rows run through that scheme as a batch of rows."""
     N = len(tokens)
     ids = torch.tensor(tokens, dtype=torch.long, device=model.device).view(N, 1)  # the caches are on it too
     ahead: dict[int, int] = {}  # rows of each cache so far in this call
@@ -123,6 +149,11 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
     eps = model.eps
     with small_steps():
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
+        if model.residuals is not None:
+            logits = _residual_rows(model, x, steps, caches)
+            for cache in caches:
+                cache.advance(1)
+            return logits[:, -1]
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
             if _plain_gqa(mixer, caches):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 
 from localmoe.engine import cache as cache_module
+from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
-from localmoe.engine.spec.drafters import DraftModel, PromptLookup
+from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.testing.parity import random_tokens
 
@@ -39,8 +40,18 @@ def prompt_for(model) -> list[int]:
     return part + [1, 2] + part + [5] + part[:10]
 
 
+class NoDraft:
+    name = "none"
+
+    def propose(self, history, k, params, generator):
+        return Draft([])
+
+
 def run(model, prompt, steps=STEPS, speculator=None, params=GREEDY) -> tuple[list[int], Decoder]:
-    """Generated tokens; without a speculator each decode step is decode_together (the batched rows)."""
+    """Generated tokens; without a speculator each decode step is one row of the batched step: decode_together,
+    or, for a model the worker does not batch (K3's attention residuals), a speculator that never drafts."""
+    if speculator is None and not batchable(model):
+        speculator = Speculator(NoDraft(), k=1, adaptive=False)
     dec = Decoder(model, prompt, params, speculator=speculator)
     out: list[int] = []
     while len(out) < steps:
@@ -96,7 +107,8 @@ def test_injected_token_drops_kept_drafts(model):
         logits = dec.logits()
         tail.append(dec.sample(logits))
         dec.feed([tail[-1]])
-    plain = Decoder(model, prompt, GREEDY)
+    plain = Decoder(model, prompt, GREEDY, speculator=None if batchable(model) else
+                    Speculator(NoDraft(), k=1, adaptive=False))
     for t in out:  # the same history, teacher-forced through the plain rows path
         logits = plain.logits()
         while logits is None:
@@ -105,7 +117,7 @@ def test_injected_token_drops_kept_drafts(model):
     plain.feed(inject)
     want = []
     for _ in range(8):
-        logits = decode_together([plain])[0] if plain.decoding else plain.logits()
+        logits = decode_together([plain])[0] if plain.decoding and plain.speculator is None else plain.logits()
         want.append(plain.sample(logits))
         plain.feed([want[-1]])
     assert tail == want

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
-from localmoe.engine.spec.drafters import PromptLookup
+from localmoe.engine.spec.drafters import Draft, PromptLookup
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.paging import PagingConfig, attach, expert_bytes, make_pager
 
@@ -18,7 +19,18 @@ PROMPT = [5, 17, 3, 99, 42, 7, 250, 11, 8, 5, 17, 3, 99, 42, 7, 250, 12, 5, 17, 
 STEPS = 24
 
 
+class NoDraft:
+    name = "none"
+
+    def propose(self, history, k, params, generator):
+        return Draft([])
+
+
 def greedy(model, speculator=None) -> list[int]:
+    """Greedy tokens; without a speculator one row of the batched step per token (decode_together, or for
+    K3, which the worker does not batch, a speculator that never drafts: the same row kernels)."""
+    if speculator is None and not batchable(model):
+        speculator = Speculator(NoDraft(), k=1, adaptive=False)
     dec = Decoder(model, PROMPT, GREEDY, speculator=speculator)
     out: list[int] = []
     while len(out) < STEPS:

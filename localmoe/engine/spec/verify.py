@@ -7,9 +7,10 @@ cannot be un-added, so during the verify its cache records the state after each 
 rows run one at a time through the recurrent kernel, which hands over a new state tensor per token,
 so keeping them costs no copy) and `trim` restores the one at the last accepted token. (The
 alternative, a snapshot before the verify and a second forward of the accepted tokens, costs a
-forward per step; the recorded states cost nothing.) A model that is not batchable (Kimi K3's
-attention residuals, GLM-5-Next's hyper-connections) runs its rows one at a time through its own
-decode step (its fused plan, which updates the state in place), with a copy of the states after each.
+forward per step; the recorded states cost nothing.) Kimi K3's attention residuals and GLM-5-Next's
+hyper-connections mix each token's layer outputs on its own, so their rows run the same way
+(`batch._residual_rows`); only a model without rows (`has_rows` False) runs its rows one at a time
+through its own decode step, with a copy of the states after each.
 
 Rows of a step are computed as decode tokens, each independently of the others, so a greedy sequence
 yields the tokens it yields without speculation in the same mode (a speculating sequence always takes
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from localmoe.engine.batch import batchable, decode_batch, forward_rows
+from localmoe.engine.batch import batchable, decode_batch, forward_rows, has_rows
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
@@ -89,8 +90,8 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
             record(d.cache, False)  # the previous step's
             record(d.cache, True)
     out: list[torch.Tensor | None] = [None] * len(decoders)
-    if batchable(model):
-        together = [n for n in range(len(decoders)) if spec[n] or not fused]
+    if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
+        together = [n for n in range(len(decoders)) if spec[n] or not (fused or not batchable(model))]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
         logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together])
