@@ -171,14 +171,16 @@ def main() -> None:
     ap.add_argument("--paged-tokens", type=int, default=48, help="tokens generated on the paged store")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
+    ap.add_argument("--paged-only", action="store_true", help="(b) only")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",
                     help="where the generated checkpoints and the store are kept (~1 GB)")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
-    if args.paged:
+    if not args.paged_only:
+        compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
+    if args.paged or args.paged_only:
         args.work.mkdir(parents=True, exist_ok=True)
         store, draft, ram = paged_store(args.work)
         compare(args, "(b) gpt-oss small, packed store at --ram 25%", store, ["off", "prompt", f"draft:{draft}"],

@@ -98,7 +98,7 @@ class Decoder:
             return self.ready[0][1]
         if not self.pending:
             raise RuntimeError("nothing pending: feed a token first")
-        if self.speculator is not None and self.decoding:
+        if self.speculating and self.decoding:
             return decode_together([self])[0]
         if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
             self.cache = self.model.new_cache(1, self._cache_len)
@@ -166,6 +166,11 @@ class Decoder:
         steps of many sequences run as one batch (`decode_together`)."""
         return self._prompt_done and len(self.pending) == 1
 
+    @property
+    def speculating(self) -> bool:
+        """Whether decode steps draft and verify (a speculator that has not retired)."""
+        return self.speculator is not None and not self.speculator.retired
+
     def sample(self, logits: torch.Tensor) -> int:
         """The next token: drawn from `logits`, or, while a speculative step's tokens are `ready`, the next
         of them (drawn by the acceptance rule, engine/spec/accept.py)."""
@@ -209,7 +214,7 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[to
     it gets alone in the same mode."""
     from localmoe.engine.batch import decode_batch
 
-    if any(d.speculator is not None for d in decoders):
+    if any(d.speculating for d in decoders):
         from localmoe.engine.spec.verify import speculative_step
 
         return speculative_step(decoders, fused)

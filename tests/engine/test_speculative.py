@@ -14,7 +14,7 @@ from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
-from localmoe.engine.spec.speculator import Speculator
+from localmoe.engine.spec.speculator import RETIRE_AFTER, Speculator
 from localmoe.testing.parity import random_tokens
 
 from .test_batching import FAMILIES, _runnable, build_model
@@ -131,3 +131,26 @@ def test_prompt_lookup_drafts_the_continuation():
     assert lookup.propose(history, 2).tokens == [3, 4]
     assert lookup.propose([1, 2, 3], 4).tokens == []
     assert lookup.propose([7, 8, 7], 4).tokens == [8, 7]
+
+
+def test_k_follows_measured_acceptance_and_step_cost():
+    """Drafts kept and cheap extra rows: the most drafts; drafts rejected: none, and after RETIRE_AFTER such
+    steps the sequence stops speculating (back to the engine's own decode step)."""
+    good = Speculator(PromptLookup(), k=4)
+    for _ in range(20):
+        good.observe(4, 4, 5, 1.4)  # 5 rows cost 1.4x one row
+        good.observe(0, 0, 1, 1.0)
+    assert good.choose_k() == 4 and not good.retired
+    costly = Speculator(PromptLookup(), k=4)
+    for _ in range(20):
+        costly.observe(4, 2, 5, 4.0)  # half the drafts kept, but 5 rows cost 4x one (experts read per row)
+        costly.observe(0, 0, 1, 1.0)
+    assert costly.choose_k() in (0, 1)
+    bad = Speculator(PromptLookup(), k=4)
+    for _ in range(20):
+        bad.observe(4, 0, 5, 1.4)
+        bad.observe(0, 0, 1, 1.0)
+    assert bad.choose_k() == 0
+    for _ in range(RETIRE_AFTER):
+        bad.choose_k()
+    assert bad.retired

@@ -98,7 +98,7 @@ class DraftModel:
         self.tokens: list[int] = []  # what the cache holds
 
     def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
-        """Make the cache hold `history`; the logits [1, V] after its last token (None: it does not fit)."""
+        """Make the cache hold `history`; the logits [1, V] after its last token (None: it cannot)."""
         keep = 0
         while keep < min(len(self.tokens), len(history) - 1) and self.tokens[keep] == history[keep]:
             keep += 1
@@ -106,8 +106,8 @@ class DraftModel:
         self.cache.trim(keep)
         del self.tokens[keep:]
         todo = list(history[keep:])
-        if self.cache.offset + len(todo) >= self.cache.max_len:
-            return None
+        if self.cache.offset + len(todo) >= self.cache.max_len or max(todo) >= self.model.spec.vocab_size:
+            return None  # no room, or an id past the draft's embedding (a target's padded vocabulary)
         logits = None
         with torch.inference_mode():
             for begin in range(0, len(todo), 512):

@@ -8,7 +8,11 @@ second wins, and k = 0 (no draft: a plain decode step) when none beats it. The s
 cost model: on a paged model it includes reading the drafted tokens' experts that are not resident
 (a draft whose routing stays within the resident experts costs little, one that misses costs reads),
 so speculation turns itself down where verifying costs more than it yields. Every `PROBE` steps at
-k = 0 one step drafts again, so a change in acceptance is noticed.
+k = 0 one step drafts again, so a change in acceptance is noticed. After `RETIRE_AFTER` steps in which
+the best k was expected to gain less than `RETIRE_GAIN` over a plain step, the sequence stops
+speculating (`retired`): a speculating sequence takes the row kernels even on plain steps, and where
+the model has a faster fused single-token step (the embedded dense model on the CPU) that is what it
+gives up; a retired sequence goes back to the engine's own decode step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from localmoe.engine.spec.drafters import Drafter
 K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
 PROBE = 16  # plain steps between two tries while speculation does not pay
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
+RETIRE_AFTER = 24  # consecutive steps without a worthwhile expected gain before a sequence stops speculating
+RETIRE_GAIN = 1.15  # expected tokens/s over a plain row step below which speculation is not worth the row path
 
 
 @dataclass(slots=True)
@@ -59,6 +65,8 @@ class Speculator:
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
         self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
         self._plain = 0  # plain steps since the last draft
+        self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
+        self.retired = False  # speculation stopped for this sequence (see the module docstring)
 
     @property
     def acceptance(self) -> float:
@@ -70,12 +78,16 @@ class Speculator:
             return self.k_max
         if 1 not in self.step_seconds or len(self.step_seconds) < 2:
             return self.k_max  # measure a plain and a drafted step first
-        best, best_rate = 0, 1.0 / self.step_seconds[1]
+        plain = 1.0 / self.step_seconds[1]
+        best, best_rate = 0, plain
         a = min(self.acceptance, 0.999)
         for k in range(1, self.k_max + 1):
             rate = (1 - a ** (k + 1)) / (1 - a) / self._estimate(k + 1)
             if rate > best_rate:
                 best, best_rate = k, rate
+        self._poor = self._poor + 1 if best_rate < RETIRE_GAIN * plain else 0
+        if self._poor >= RETIRE_AFTER:
+            self.retired = True
         if best == 0:
             self._plain += 1
             if self._plain >= PROBE:

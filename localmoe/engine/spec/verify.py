@@ -81,10 +81,10 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
     (engine/generate.py Decoder): its next `sample` calls return them without a forward."""
     model = decoders[0].model
     started = time.perf_counter()
-    drafts = [_propose(d) if d.speculator is not None else None for d in decoders]
+    drafts = [_propose(d) if d.speculating else None for d in decoders]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
     starts = [d.cache.offset for d in decoders]
-    spec = [d.speculator is not None for d in decoders]
+    spec = [d.speculating for d in decoders]
     for d, s in zip(decoders, spec):
         if s:
             record(d.cache, False)  # the previous step's
