@@ -109,6 +109,92 @@ def worker(args) -> None:
           "bytes_per_token": (read() - bytes_first) / max(1, n - 1), "text": "".join(text)})
 
 
+class Oracle:
+    """Drafts the continuation a plain greedy run produced (every draft kept: the upper bound of a drafter)."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_len: int, tokens: list[int]):
+        self.prompt_len, self.tokens = prompt_len, tokens
+
+    def propose(self, history, k, params, generator):
+        from localmoe.engine.spec.drafters import Draft
+
+        at = len(history) - self.prompt_len
+        ok = list(history[self.prompt_len:]) == self.tokens[:at]
+        return Draft(self.tokens[at:at + k] if ok else [])
+
+
+class Noise:
+    """Drafts random ids (almost never kept: what failing drafts cost, and what the scheduler does)."""
+
+    name = "noise"
+
+    def __init__(self, vocab: int):
+        import random
+
+        self.vocab, self.random = vocab, random.Random(0)
+
+    def propose(self, history, k, params, generator):
+        from localmoe.engine.spec.drafters import Draft
+
+        return Draft([self.random.randrange(self.vocab) for _ in range(k)])
+
+
+def step_worker(args) -> None:
+    """(b): a greedy decode loop over the store's Decoder (plain: the fused step or the batched rows; oracle
+    / noise / prompt drafters), timed from the first generated token; --record writes the plain tokens."""
+    import json
+
+    import torch
+
+    from localmoe.config import EngineConfig, PagingConfig
+    from localmoe.engine.generate import Decoder, decode_together
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.engine.spec.drafters import PromptLookup
+    from localmoe.engine.spec.speculator import Speculator
+    from localmoe.load import load_model
+    from localmoe.paging.metrics import pager_of
+
+    loaded = load_model(args.model, EngineConfig(threads=args.threads, paging=PagingConfig(ram_budget=args.ram)),
+                        progress=False)
+    torch.set_num_threads(args.threads)
+    pager = pager_of(loaded)
+    prompt = loaded.tokenizer.encode(TASKS[args.task], add_special_tokens=True)
+    kind = args.spec
+    speculator = None
+    if kind.startswith("oracle:"):
+        speculator = Speculator(Oracle(len(prompt), json.loads(Path(kind[7:]).read_text())), args.k, adaptive=False)
+    elif kind == "noise":
+        speculator = Speculator(Noise(loaded.spec.vocab_size), args.k)
+    elif kind == "prompt":
+        speculator = Speculator(PromptLookup(), args.k)
+    elif kind.startswith("draft:"):
+        from localmoe.engine.spec.drafters import DraftModel
+
+        draft = load_model(kind[6:], EngineConfig(threads=args.threads), progress=False).model
+        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size), args.k)
+    dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
+    out, first, read0 = [], None, 0
+    while len(out) < args.paged_tokens:
+        plain = dec.decoding and not dec.speculating
+        logits = decode_together([dec], kind == "fused")[0] if plain else dec.logits()
+        if logits is None:
+            continue
+        out.append(dec.sample(logits))
+        if first is None:
+            first, read0 = time.perf_counter(), sum(t.bytes_read for t in pager.stats.tiers.values())
+        dec.feed([out[-1]])
+    seconds = time.perf_counter() - first
+    read = sum(t.bytes_read for t in pager.stats.tiers.values()) - read0
+    if args.record:
+        Path(args.record).write_text(json.dumps(out))
+    s = speculator.stats if speculator else None
+    emit({"tokens_per_s": (len(out) - 1) / seconds, "tokens": len(out), "text": json.dumps(out),
+          "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
+          "bytes_per_token": read / (len(out) - 1)})
+
+
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
     cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", str(args.k), "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--ram", str(ram)]
@@ -134,6 +220,33 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
                 line += "" if texts[spec] == texts["off"] else "  (TEXT DIFFERS from off)"
             if ram:
                 line += f"  {statistics.median(r['bytes_per_token'] for r in rs) / 1e6:.1f} MB experts/token"
+            print(line, flush=True)
+
+
+def steps(args, store: str, draft: str, ram: int) -> None:
+    """(b): plain greedy (the fused step, and the batched rows a speculating sequence takes) against an oracle
+    drafter (every draft kept), prompt lookup, the tiny draft model and random drafts, on the paged store."""
+    for task in TASKS:
+        record = args.work / f"plain-{task}.json"
+        base = command(args, store, "rows", task, ram, chat=False) + ["--steps"]
+        alternate({"rows": base + ["--record", str(record)]}, 1)
+        workers = {name: command(args, store, name, task, ram, chat=False) + ["--steps"]
+                   for name in ("fused", "rows", f"oracle:{record}", "prompt", f"draft:{draft}", "noise")}
+        results = alternate(workers, args.pairs)
+        ref = results["fused"]
+        plain_tokens = {r["text"] for r in results["rows"]}
+        print(f"\n(b) gpt-oss small, packed store at --ram 25%, {task}: {ref[0]['tokens']} tokens, "
+              f"{args.pairs} pairs", flush=True)
+        for name, rs in results.items():
+            rate = statistics.median(r["tokens_per_s"] for r in rs)
+            label = name.split(":")[0]
+            line = f"  {label:<8} {rate:7.2f} tokens/s  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in ref]):.2f}x fused"
+            if rs[0]["acceptance"] is not None:
+                line += (f"  acceptance {statistics.median(r['acceptance'] for r in rs):.0%}"
+                         f"  {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens/step")
+            if name != "fused":
+                line += "" if {r["text"] for r in rs} == plain_tokens else "  (TOKENS DIFFER from rows)"
+            line += f"  {statistics.median(r['bytes_per_token'] for r in rs) / 1e6:.1f} MB experts/token"
             print(line, flush=True)
 
 
@@ -172,19 +285,20 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
     ap.add_argument("--paged-only", action="store_true", help="(b) only")
+    ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",
                     help="where the generated checkpoints and the store are kept (~1 GB)")
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        step_worker(args) if args.steps else worker(args)
         return
     if not args.paged_only:
         compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
     if args.paged or args.paged_only:
         args.work.mkdir(parents=True, exist_ok=True)
         store, draft, ram = paged_store(args.work)
-        compare(args, "(b) gpt-oss small, packed store at --ram 25%", store, ["off", "prompt", f"draft:{draft}"],
-                ram, chat=False)
+        steps(args, store, draft, ram)
 
 
 if __name__ == "__main__":
