@@ -25,17 +25,21 @@ from localmoe.errors import LocalMoEError
 SPEC_CHOICES = "prompt | draft:PATH | mtp | off"
 
 
-def mtp_layers(source) -> int | None:
-    """The next-n prediction layers a checkpoint declares (config.json `num_nextn_predict_layers`, GGUF
-    `<arch>.nextn_predict_layers`); None where it says nothing (the embedded model, a store)."""
+def mtp_layers(loaded) -> int | None:
+    """The next-n prediction layers a checkpoint declares: `ModelSpec.nextn_layers` where the family records
+    them (DeepSeek-V3, GLM-4.5: skipped on load), else config.json `num_nextn_predict_layers` (Kimi) or
+    `mtp_num_hidden_layers` (Qwen3-Next), GGUF `<arch>.nextn_predict_layers`; None where nothing says."""
     from localmoe.checkpoint import open_checkpoint
 
+    if loaded.spec.nextn_layers:
+        return loaded.spec.nextn_layers
     try:
-        ckpt = open_checkpoint(source)
+        ckpt = open_checkpoint(loaded.source)
     except LocalMoEError:
         return None
-    if "num_nextn_predict_layers" in ckpt.config:
-        return int(ckpt.config["num_nextn_predict_layers"])
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        if key in ckpt.config:
+            return int(ckpt.config[key])
     for key, value in (ckpt.gguf_metadata or {}).items():
         if key.endswith(".nextn_predict_layers"):
             return int(value)
@@ -57,7 +61,7 @@ class Speculation:
         if option in ("off", "prompt"):
             self.mode = option
         elif option == "mtp":
-            n = mtp_layers(loaded.source)
+            n = mtp_layers(loaded)
             name = getattr(loaded.source, "name", None) or str(loaded.source)
             if not n:
                 warn(f"--spec mtp: {name} has no multi-token-prediction heads (num_nextn_predict_layers = "
