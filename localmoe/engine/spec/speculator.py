@@ -76,8 +76,10 @@ class Speculator:
     def choose_k(self) -> int:
         if not self.adaptive:
             return self.k_max
-        if 1 not in self.step_seconds or len(self.step_seconds) < 2:
-            return self.k_max  # measure a plain and a drafted step first
+        if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one early
+            return 0 if self.step_seconds else self.k_max
+        if len(self.step_seconds) < 2:
+            return self.k_max  # and a drafted one
         plain = 1.0 / self.step_seconds[1]
         best, best_rate = 0, plain
         a = min(self.acceptance, 0.999)
