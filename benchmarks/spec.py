@@ -156,8 +156,10 @@ def step_worker(args) -> None:
     from localmoe.load import load_model
     from localmoe.paging.metrics import pager_of
 
-    loaded = load_model(args.model, EngineConfig(threads=args.threads, paging=PagingConfig(ram_budget=args.ram)),
-                        progress=False)
+    # fp32: dtype "auto" measures fp32 against bf16 per shape at load, so two processes may choose differently
+    # and their greedy tokens part (the oracle drafts another process's tokens)
+    loaded = load_model(args.model, EngineConfig(dtype="float32", threads=args.threads,
+                                                 paging=PagingConfig(ram_budget=args.ram)), progress=False)
     torch.set_num_threads(args.threads)
     pager = pager_of(loaded)
     prompt = loaded.tokenizer.encode(TASKS[args.task], add_special_tokens=True)
@@ -172,7 +174,7 @@ def step_worker(args) -> None:
     elif kind.startswith("draft:"):
         from localmoe.engine.spec.drafters import DraftModel
 
-        draft = load_model(kind[6:], EngineConfig(threads=args.threads), progress=False).model
+        draft = load_model(kind[6:], EngineConfig(dtype="float32", threads=args.threads), progress=False).model
         speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size), args.k)
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
@@ -226,7 +228,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 def steps(args, store: str, draft: str, ram: int) -> None:
     """(b): plain greedy (the fused step, and the batched rows a speculating sequence takes) against an oracle
     drafter (every draft kept), prompt lookup, the tiny draft model and random drafts, on the paged store."""
-    for task in TASKS:
+    for task in args.tasks.split(","):
         record = args.work / f"plain-{task}.json"
         base = command(args, store, "rows", task, ram, chat=False) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
@@ -286,6 +288,7 @@ def main() -> None:
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
     ap.add_argument("--paged-only", action="store_true", help="(b) only")
     ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tasks", default=",".join(TASKS), help="(b): the prompts, comma-separated")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",
                     help="where the generated checkpoints and the store are kept (~1 GB)")
