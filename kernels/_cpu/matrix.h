@@ -23,7 +23,7 @@ struct Matrix {
 };
 
 // Bytes of scratch `matvec` needs for inputs of up to K values.
-inline int64_t matvec_scratch(int64_t K) { return (K / 32 + 1) * static_cast<int64_t>(sizeof(localmoe_ggml::BlockX)); }
+inline int64_t matvec_scratch(int64_t K) { return localmoe_ggml::scratch_bytes(1, K); }
 
 inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int threads) {
   if (m.type == kStacked) {
@@ -35,7 +35,7 @@ inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int
     localmoe_dense::gemv<uint16_t>(x, 1, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
   else
     localmoe_ggml::gemv(x, 1, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
-                        y, static_cast<localmoe_ggml::BlockX*>(scratch), threads);
+                        y, scratch, threads);
 }
 
 }  // namespace localmoe

@@ -23,7 +23,7 @@ using namespace localmoe_ggml;
 extern "C" {
 
 // Bytes of scratch ggml_gemv needs for N tokens of K.
-int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return N * (K / kBlock) * static_cast<int64_t>(sizeof(BlockX)); }
+int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return scratch_bytes(N, K); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
 // 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K); K a multiple of 32 (256 for K-quants);
@@ -34,7 +34,7 @@ int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, 
               float* y, void* scratch, int threads, int exact_x) {
   if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || (exact_x && !has_exact_x(type)))
     return -1;
-  gemv(x, N, K, w, type, O, bias, y, static_cast<BlockX*>(scratch), threads, exact_x != 0);
+  gemv(x, N, K, w, type, O, bias, y, scratch, threads, exact_x != 0);
   return 0;
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "pool.h"
 #include "vec_math.h"
@@ -88,34 +89,15 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
 }
 
-template <int T>
-inline float row_dot(const uint8_t* row, int64_t nb, const BlockX* x) {
-  constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
-  constexpr int64_t codes = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;  // offset of the nibbles
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * bytes;
-    const float d = half(blk);
-    const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[b].q));
-    __m256i p;
-    if (T == kQ8_0) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w));
-    } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + codes));
-      const __m128i lo = _mm_set1_epi8(0x0F);
-      __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
-      if (T == kQ5_0 || T == kQ5_1) w = _mm256_or_si256(w, fifth_bits(blk + codes - 4));
-      p = _mm256_maddubs_epi16(w, xq);  // |pair| <= 2 * 31 * 127
-      corr += T == kQ4_0   ? -8.0f * d * x[b].s
-              : T == kQ5_0 ? -16.0f * d * x[b].s
-                           : half(blk + 2) * x[b].s;  // Q4_1, Q5_1: + m sum(x)
-    }
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(d * x[b].d), acc);
-  }
-  return hsum(acc) + corr;
+// u8 x s8 products summed 4 at a time into int32 lanes: vpdpbusd with AVX-512 VNNI, vpmaddubsw +
+// vpmaddwd on AVX2. The same sums on both (every caller keeps |u s + u' s'| < 2^15, so vpmaddubsw does
+// not saturate), hence the same bits after the fp32 steps.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // Q4_K: super-blocks of 256 values, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins,
@@ -129,42 +111,6 @@ inline void q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
     sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
     mn[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
   }
-}
-
-// Q5_K: Q4_K with a fifth bit per value, 176 bytes: d, dmin, the same 12 scale bytes, qh[32] (bit j of
-// qh[i]: value i of sub-block j), then Q4_K's 128 bytes of nibbles. One row function serves both.
-template <bool kFifthBit>
-inline float row_dot_q45_k(const uint8_t* row, int64_t nb, const BlockX* x) {
-  constexpr int64_t bytes = kFifthBit ? 176 : 144, nibbles = kFifthBit ? 48 : 16;
-  const __m256i ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  float corr = 0.0f;
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * bytes;
-    const float d = half(blk), dmin = half(blk + 2);
-    uint8_t sc[8], mn[8];
-    q4_k_scales(blk + 4, sc, mn);
-    const __m256i qh = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : one;
-    const BlockX* xb = x + sb * 8;
-    for (int p = 0; p < 4; ++p) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + nibbles + 32 * p));
-      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        __m256i wj = w[h];
-        if (kFifthBit) {
-          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
-          wj = _mm256_or_si256(wj, _mm256_slli_epi16(bit, 4));
-        }
-        const BlockX& xj = xb[j];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wj, xq), ones);  // |pair| <= 2 * 31 * 127
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * sc[j] * xj.d), acc);
-        corr += dmin * mn[j] * xj.s;
-      }
-    }
-  }
-  return hsum(acc) - corr;
 }
 
 // Q6_K: super-blocks of 256 values, 210 bytes: ql[128] (low 4 bits), qh[64] (high 2 bits), 16 int8
@@ -181,157 +127,343 @@ inline __m256i q6_k_codes(const uint8_t* blk, int c) {
   return _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));  // -32..31
 }
 
-// q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the two 16-value halves of x's
-// block get their scales in one vpmaddwd.
-inline float row_dot_q6_k(const uint8_t* row, int64_t nb, const BlockX* x) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 210;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half(blk + 208);
-    const BlockX* xb = x + sb * 8;
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = q6_k_codes(blk, c);
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[c].q));
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q));  // <= 8128
-      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * c + 1]), _mm_set1_epi16(scales[2 * c]));
-      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale)), _mm256_set1_ps(d * xb[c].d), acc);
+// Rows against int8 x, for up to kTile tokens at once: each unit of a row (a block of 32, or a K-quant
+// super-block of 256) is decoded once into registers and applied to every token of the tile. Per
+// token and block of 32: an exact integer dot product in 8 int32 lanes, then acc = fma(float(dot),
+// step_w * d_x, acc) in those lanes, and corr = fma(factor_w, d_x * sum(q_x), corr) (the factor
+// brings in Q4_0's -8, Q4_1's m, the K-quants' mins; corr's lanes are the tile's tokens); finally
+// y = hsum(acc) + corr. A token's operations do not depend on N or on the tokens beside it (a batched
+// sequence decodes with the same bits as alone), nor on the ISA (the integer sums are exact on both).
+
+// Tokens per tile: their accumulators stay in registers (AVX-512 has 32 vector registers, AVX2 16).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kTile = 8;
+#else
+constexpr int kTile = 4;
+#endif
+
+// x as the int8 rows read it: the blocks [N, nb], and each block's d * sum(q) transposed, [nb, padded]
+// with padded = N rounded up to 8 (zero past N), so that a tile's tokens load as one vector.
+struct XQ {
+  const BlockX* blocks;
+  const float* s;
+  int64_t nb, padded;
+};
+
+// A tile of tokens t0 .. t0 + TN - 1: their blocks, and XQ.s from t0 on.
+struct Tile {
+  const BlockX* x[kTile];
+  const float* s;  // XQ.s + t0
+  int64_t padded;
+};
+
+// step_w * d_x for token t's block as a vector.
+inline __m256 scaled(__m256 step, const BlockX& x) { return _mm256_mul_ps(step, _mm256_broadcast_ss(&x.d)); }
+
+inline void add_dot(__m256& acc, __m256i dot, __m256 scale) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: units of one block of 32.
+template <int T>
+struct Block32Int8 {
+  static constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  static constexpr int64_t kCodes = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;  // offset of the nibbles
+  static constexpr int64_t kBlocks = 1;
+  template <int TN>
+  static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256& corr) {
+    const float d = half(blk);
+    const __m256 step = _mm256_set1_ps(d);
+    __m256i w;
+    if (T == kQ8_0) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes));
+      const __m128i lo = _mm_set1_epi8(0x0F);
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+      if (T == kQ5_0 || T == kQ5_1) w = _mm256_or_si256(w, fifth_bits(blk + kCodes - 4));
+      const float factor = T == kQ4_0 ? -8.0f * d : T == kQ5_0 ? -16.0f * d : half(blk + 2);  // Q4_1, Q5_1: m
+      corr = _mm256_fmadd_ps(_mm256_set1_ps(factor), _mm256_loadu_ps(x.s + u * x.padded), corr);
+    }
+    const __m256i magnitude = T == kQ8_0 ? _mm256_sign_epi8(w, w) : w;  // Q8_0: |w| against x with w's sign
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const BlockX& xb = x.x[t][u];
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+      if (T == kQ8_0) xq = _mm256_sign_epi8(xq, w);
+      add_dot(acc[t], dot_u8s8(magnitude, xq), scaled(step, xb));  // |pair| <= 2 * 128 * 127
     }
   }
-  return hsum(acc);
-}
+};
 
-// Q8_0 row against fp32 x (no rounding of x): each block's int8 weights widened to fp32 in registers.
-// ~18 operations per 34 bytes against ~9 on the int8 path, still past one core's memory stream; for
-// the lm_head, whose logits pick the token (engine/transformer.py).
-inline float row_dot_q8_0_f32(const uint8_t* row, int64_t nb, const float* x) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 34;
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-    const float* xb = x + b * kBlock;
-    __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xb));
-    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), s);
-    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(xb + 16), s);
-    s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xb + 24), s);
-    acc = _mm256_fmadd_ps(s, _mm256_set1_ps(half(blk)), acc);
-  }
-  return hsum(acc);
-}
-
-// Q4_K / Q6_K rows against fp32 x (exact_x, for the lm_head): codes widened to fp32 in registers, 8 at a
-// time, against x; Q4_K's mins come in through each sub-block's sum of x.
-inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
-inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-
-inline float row_dot_q4_k_f32(const uint8_t* row, int64_t nb, const float* x) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 144;
+// Q4_K, Q5_K: units of one super-block (8 sub-blocks of 32); the mins come in through d_x * sum(q_x).
+template <bool kFifthBit>
+struct Q45KInt8 {
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144, kNibbles = kFifthBit ? 48 : 16, kBlocks = 8;
+  template <int TN>
+  static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256& corr) {
+    const __m256i one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
     const float d = half(blk), dmin = half(blk + 2);
     uint8_t sc[8], mn[8];
     q4_k_scales(blk + 4, sc, mn);
-    const float* xs = x + sb * 256;
+    const __m256i qh = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : one;
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kNibbles + 32 * p));
+      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        __m256i wj = w[h];
+        if (kFifthBit) {
+          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
+          wj = _mm256_or_si256(wj, _mm256_slli_epi16(bit, 4));
+        }
+        const __m256 step = _mm256_set1_ps(d * sc[j]);
+        corr = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * mn[j]), _mm256_loadu_ps(x.s + (8 * u + j) * x.padded), corr);
+#pragma GCC unroll 8
+        for (int t = 0; t < TN; ++t) {
+          const BlockX& xj = x.x[t][8 * u + j];
+          add_dot(acc[t], dot_u8s8(wj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q))), scaled(step, xj));
+        }
+      }
+    }
+  }
+};
+
+// Q6_K: q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the two 16-value halves of
+// x's block get their int8 scales in one vpmaddwd (exact in int32).
+struct Q6KInt8 {
+  static constexpr int64_t kBytes = 210, kBlocks = 8;
+  template <int TN>
+  static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256 step = _mm256_set1_ps(half(blk + 208));
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q = q6_k_codes(blk, c), magnitude = _mm256_sign_epi8(q, q);
+      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * c + 1]), _mm_set1_epi16(scales[2 * c]));
+#pragma GCC unroll 8
+      for (int t = 0; t < TN; ++t) {
+        const BlockX& xc = x.x[t][8 * u + c];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc.q));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, q));  // <= 8128
+        add_dot(acc[t], _mm256_madd_epi16(pairs, scale), scaled(step, xc));
+      }
+    }
+  }
+};
+
+// One weight row against TN tokens of int8 x: out[t] = row . x[t].
+template <class U, int TN>
+inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, float* out) {
+  __m256 acc[TN];
+  __m256 corr = _mm256_setzero_ps();
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) U::template unit<TN>(row + u * U::kBytes, x, u, acc, corr);
+  alignas(32) float c[8];
+  _mm256_store_ps(c, corr);
+  for (int t = 0; t < TN; ++t) out[t] = hsum(acc[t]) + c[t];
+}
+
+// Rows against fp32 x (exact_x, for the lm_head, whose logits pick the token: engine/transformer.py):
+// each block's codes widened to fp32 in registers once, then FMAs against every token's x. Q8_0:
+// ~18 operations per 34 bytes against ~9 on the int8 path, still past one core's memory stream for
+// one token; Q4_K's mins come in through each sub-block's sum of x.
+inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
+inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
+
+struct Q8_0F32 {
+  static constexpr int64_t kBytes = 34;
+  template <int TN>
+  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    const __m256 w0 = widen_s8(lo), w1 = widen_s8(_mm_srli_si128(lo, 8));
+    const __m256 w2 = widen_s8(hi), w3 = widen_s8(_mm_srli_si128(hi, 8));
+    const __m256 d = _mm256_set1_ps(half(blk));
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const float* xb = x[t] + u * kBlock;
+      __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+      s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
+      s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
+      s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
+      acc[t] = _mm256_fmadd_ps(s, d, acc[t]);
+    }
+  }
+};
+
+struct Q4KF32 {
+  static constexpr int64_t kBytes = 144;
+  template <int TN>
+  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const float d = half(blk), dmin = half(blk + 2);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
       const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * p + h;
-        const float* xj = xs + 32 * j;
         const __m128i lo = _mm256_castsi256_si128(w[h]), hi = _mm256_extracti128_si256(w[h], 1);
-        const __m256 x0 = _mm256_loadu_ps(xj), x1 = _mm256_loadu_ps(xj + 8);
-        const __m256 x2 = _mm256_loadu_ps(xj + 16), x3 = _mm256_loadu_ps(xj + 24);
-        __m256 qx = _mm256_mul_ps(widen_u8(lo), x0);
-        qx = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(lo, 8)), x1, qx);
-        qx = _mm256_fmadd_ps(widen_u8(hi), x2, qx);
-        qx = _mm256_fmadd_ps(widen_u8(_mm_srli_si128(hi, 8)), x3, qx);
-        const __m256 sum_x = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-        acc = _mm256_fmadd_ps(qx, _mm256_set1_ps(d * sc[j]), acc);
-        acc = _mm256_fnmadd_ps(sum_x, _mm256_set1_ps(dmin * mn[j]), acc);
+        const __m256 w0 = widen_u8(lo), w1 = widen_u8(_mm_srli_si128(lo, 8));
+        const __m256 w2 = widen_u8(hi), w3 = widen_u8(_mm_srli_si128(hi, 8));
+        const __m256 dsc = _mm256_set1_ps(d * sc[j]), dmn = _mm256_set1_ps(dmin * mn[j]);
+#pragma GCC unroll 8
+        for (int t = 0; t < TN; ++t) {
+          const float* xj = x[t] + u * 256 + 32 * j;
+          const __m256 x0 = _mm256_loadu_ps(xj), x1 = _mm256_loadu_ps(xj + 8);
+          const __m256 x2 = _mm256_loadu_ps(xj + 16), x3 = _mm256_loadu_ps(xj + 24);
+          __m256 qx = _mm256_mul_ps(w0, x0);
+          qx = _mm256_fmadd_ps(w1, x1, qx);
+          qx = _mm256_fmadd_ps(w2, x2, qx);
+          qx = _mm256_fmadd_ps(w3, x3, qx);
+          const __m256 sum_x = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+          acc[t] = _mm256_fmadd_ps(qx, dsc, acc[t]);
+          acc[t] = _mm256_fnmadd_ps(sum_x, dmn, acc[t]);
+        }
       }
     }
   }
-  return hsum(acc);
-}
+};
 
-inline float row_dot_q6_k_f32(const uint8_t* row, int64_t nb, const float* x) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    const uint8_t* blk = row + sb * 210;
+struct Q6KF32 {
+  static constexpr int64_t kBytes = 210;
+  template <int TN>
+  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = half(blk + 208);
     for (int c = 0; c < 8; ++c) {
       const __m256i q = q6_k_codes(blk, c);
       const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-      const float* xc = x + sb * 256 + 32 * c;
-      __m256 first = _mm256_mul_ps(widen_s8(q0), _mm256_loadu_ps(xc));  // values 0-15: scale 2c
-      first = _mm256_fmadd_ps(widen_s8(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xc + 8), first);
-      __m256 second = _mm256_mul_ps(widen_s8(q1), _mm256_loadu_ps(xc + 16));  // 16-31: scale 2c + 1
-      second = _mm256_fmadd_ps(widen_s8(_mm_srli_si128(q1, 8)), _mm256_loadu_ps(xc + 24), second);
-      acc = _mm256_fmadd_ps(first, _mm256_set1_ps(d * scales[2 * c]), acc);
-      acc = _mm256_fmadd_ps(second, _mm256_set1_ps(d * scales[2 * c + 1]), acc);
+      const __m256 w0 = widen_s8(q0), w1 = widen_s8(_mm_srli_si128(q0, 8));
+      const __m256 w2 = widen_s8(q1), w3 = widen_s8(_mm_srli_si128(q1, 8));
+      const __m256 s0 = _mm256_set1_ps(d * scales[2 * c]), s1 = _mm256_set1_ps(d * scales[2 * c + 1]);
+#pragma GCC unroll 8
+      for (int t = 0; t < TN; ++t) {
+        const float* xc = x[t] + u * 256 + 32 * c;
+        __m256 first = _mm256_mul_ps(w0, _mm256_loadu_ps(xc));  // values 0-15: scale 2c
+        first = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), first);
+        __m256 second = _mm256_mul_ps(w2, _mm256_loadu_ps(xc + 16));  // 16-31: scale 2c + 1
+        second = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xc + 24), second);
+        acc[t] = _mm256_fmadd_ps(first, s0, acc[t]);
+        acc[t] = _mm256_fmadd_ps(second, s1, acc[t]);
+      }
     }
   }
-  return hsum(acc);
-}
+};
 
 // Whether a type has a fp32-x row (exact_x).
 inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
 
+// One weight row against TN tokens of fp32 x: out[t] = row . x[t].
+template <class U, int TN>
+inline void dot_tokens(const uint8_t* row, int64_t units, const float* const* x, float* out) {
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) U::template unit<TN>(row + u * U::kBytes, x, u, acc);
+  for (int t = 0; t < TN; ++t) out[t] = hsum(acc[t]);
+}
+
+// dot_tokens for a run-time n <= TN.
+template <class U, int TN>
+inline void dot_n(int n, const uint8_t* row, int64_t units, const float* const* x, float* out) {
+  if constexpr (TN > 1)
+    if (n < TN) return dot_n<U, TN - 1>(n, row, units, x, out);
+  dot_tokens<U, TN>(row, units, x, out);
+}
+
+// Bytes of scratch `gemv` needs for N tokens of K (int8 x: XQ).
+inline int64_t scratch_bytes(int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock, padded = (N + 7) / 8 * 8;
+  // + 8 floats: a tile of 4 (AVX2) at the end of the last row still loads 8
+  return N * nb * static_cast<int64_t>(sizeof(BlockX)) + (nb * padded + 8) * static_cast<int64_t>(sizeof(float));
+}
+
 struct Args {
-  const BlockX* xq;
-  const float* x;  // fp32 rows (row_dot_q8_0_f32), or null
-  int64_t N, nb;
+  XQ xq;
+  const float* x;  // fp32 rows (exact_x)
+  int64_t N, K;
   const uint8_t* w;
   int64_t row_bytes, O;
   const float* bias;
   float* y;
-  int type;
 };
 
-template <int T>
-inline void rows(const void* ctx, int64_t o0, int64_t o1) {
-  const Args& a = *static_cast<const Args*>(ctx);
-  for (int64_t o = o0; o < o1; ++o)
-    for (int64_t t = 0; t < a.N; ++t) {
-      const uint8_t* w = a.w + o * a.row_bytes;
-      const BlockX* xq = a.xq + t * a.nb;
-      float v;
-      if (a.x != nullptr) {
-        const float* xt = a.x + t * a.nb * kBlock;
-        v = T == kQ4_K ? row_dot_q4_k_f32(w, a.nb, xt)
-            : T == kQ6_K ? row_dot_q6_k_f32(w, a.nb, xt)
-                         : row_dot_q8_0_f32(w, a.nb, xt);
-      } else if (T == kQ4_K || T == kQ5_K)
-        v = row_dot_q45_k<T == kQ5_K>(w, a.nb, xq);
-      else if (T == kQ6_K)
-        v = row_dot_q6_k(w, a.nb, xq);
-      else
-        v = row_dot<T>(w, a.nb, xq);
-      a.y[t * a.O + o] = a.bias == nullptr ? v : v + a.bias[o];
-    }
+template <class U, int TN>
+inline void dot_n_int8(int n, const uint8_t* row, int64_t units, const Tile& x, float* out) {
+  if constexpr (TN > 1)
+    if (n < TN) return dot_n_int8<U, TN - 1>(n, row, units, x, out);
+  dot_tokens_int8<U, TN>(row, units, x, out);
 }
 
+// Rows o0..o1 of W against all N tokens of int8 x, kTile tokens at a time.
+template <class U>
+inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const int64_t units = a.row_bytes / U::kBytes;
+  Tile x;
+  x.padded = a.xq.padded;
+  float v[kTile];
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = a.w + o * a.row_bytes;
+    for (int64_t t0 = 0; t0 < a.N; t0 += kTile) {
+      const int n = static_cast<int>(std::min<int64_t>(kTile, a.N - t0));
+      for (int t = 0; t < n; ++t) x.x[t] = a.xq.blocks + (t0 + t) * a.xq.nb;
+      x.s = a.xq.s + t0;
+      dot_n_int8<U, kTile>(n, row, units, x, v);
+      for (int t = 0; t < n; ++t) a.y[(t0 + t) * a.O + o] = a.bias == nullptr ? v[t] : v[t] + a.bias[o];
+    }
+  }
+}
 
-// y [N, O] = x [N, K] W^T (+ bias): x quantised into xq (N * K / 32 BlockX), then rows on the pool;
-// with exact_x (Q8_0, Q4_K, Q6_K: has_exact_x) x is read as it is and xq is not used.
+// Rows o0..o1 of W against all N tokens of fp32 x, kTile tokens at a time.
+template <class U>
+inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const int64_t units = a.row_bytes / U::kBytes;
+  const float* x[kTile];
+  float v[kTile];
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = a.w + o * a.row_bytes;
+    for (int64_t t0 = 0; t0 < a.N; t0 += kTile) {
+      const int n = static_cast<int>(std::min<int64_t>(kTile, a.N - t0));
+      for (int t = 0; t < n; ++t) x[t] = a.x + (t0 + t) * a.K;
+      dot_n<U, kTile>(n, row, units, x, v);
+      for (int t = 0; t < n; ++t) a.y[(t0 + t) * a.O + o] = a.bias == nullptr ? v[t] : v[t] + a.bias[o];
+    }
+  }
+}
+
+// y [N, O] = x [N, K] W^T (+ bias): x quantised into `scratch` (scratch_bytes(N, K)), then rows on the
+// pool; with exact_x (Q8_0, Q4_K, Q6_K: has_exact_x) x is read as it is and scratch is not used.
 inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
-                 float* y, BlockX* xq, int threads, bool exact_x = false) {
+                 float* y, void* scratch, int threads, bool exact_x = false) {
   const int64_t nb = K / kBlock;
-  if (!exact_x)
-    for (int64_t t = 0; t < N; ++t) quantize(x + t * K, nb, xq + t * nb);
+  XQ xq{};
+  if (!exact_x) {
+    BlockX* blocks = static_cast<BlockX*>(scratch);
+    float* s = reinterpret_cast<float*>(blocks + N * nb);
+    xq = XQ{blocks, s, nb, (N + 7) / 8 * 8};
+    std::memset(s, 0, nb * xq.padded * sizeof(float));
+    for (int64_t t = 0; t < N; ++t) {
+      quantize(x + t * K, nb, blocks + t * nb);
+      for (int64_t b = 0; b < nb; ++b) s[b * xq.padded + t] = blocks[t * nb + b].s;
+    }
+  }
   const int64_t bytes = row_bytes(type, nb);
-  const Args args{xq, exact_x ? x : nullptr, N, nb, w, bytes, O, bias, y, type};
-  auto fn = type == kQ4_0   ? rows<kQ4_0>
-            : type == kQ4_1 ? rows<kQ4_1>
-            : type == kQ5_0 ? rows<kQ5_0>
-            : type == kQ5_1 ? rows<kQ5_1>
-            : type == kQ4_K ? rows<kQ4_K>
-            : type == kQ5_K ? rows<kQ5_K>
-            : type == kQ6_K ? rows<kQ6_K>
-                            : rows<kQ8_0>;
+  const Args args{xq, x, N, K, w, bytes, O, bias, y};
+  void (*fn)(const void*, int64_t, int64_t);
+  if (exact_x)
+    fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_f32<Q8_0F32>;
+  else
+    fn = type == kQ4_0   ? rows_int8<Block32Int8<kQ4_0>>
+         : type == kQ4_1 ? rows_int8<Block32Int8<kQ4_1>>
+         : type == kQ5_0 ? rows_int8<Block32Int8<kQ5_0>>
+         : type == kQ5_1 ? rows_int8<Block32Int8<kQ5_1>>
+         : type == kQ4_K ? rows_int8<Q45KInt8<false>>
+         : type == kQ5_K ? rows_int8<Q45KInt8<true>>
+         : type == kQ6_K ? rows_int8<Q6KInt8>
+                         : rows_int8<Block32Int8<kQ8_0>>;
   localmoe::parallel(fn, &args, O, localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N), threads);
 }
 

@@ -97,7 +97,7 @@ def test_mxfp4_moe_layer(isa, precision, N):
 
 @ISA
 @pytest.mark.parametrize("ggml_type", sorted(ggml_gemv.TYPES, key=int), ids=lambda t: t.name)
-@pytest.mark.parametrize("N", [1, 3])
+@pytest.mark.parametrize("N", [1, 3, 9, 19])  # past AVX2's tile of 4 tokens and AVX-512's of 8
 def test_ggml_gemv(isa, ggml_type, N):
     O, K = 40, 512
     blocks = torch.from_numpy(random_blocks(ggml_type, O, K, np.random.default_rng(int(ggml_type))))

@@ -1,6 +1,7 @@
-"""GEMV from GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks: the CPU kernel against its reference
-(exact dequantisation, x rounded to int8 per 32 values) evaluated in float64, and the properties
-the engine relies on (thread count, fallbacks)."""
+"""GEMV from GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks for 1..N tokens: the CPU
+kernel against its reference (exact dequantisation, x rounded to int8 per 32 values) evaluated in
+float64, and the properties the engine relies on (a row's result independent of the thread count and
+of the other tokens in the call, fallbacks)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ def _k_for(ggml_type, K: int) -> int:
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("N,K", [(1, 576), (3, 96), (8, 1536)], ids=["N1", "N3", "N8"])
+@pytest.mark.parametrize("N,K", [(1, 576), (3, 96), (8, 1536), (17, 608), (33, 160)],
+                         ids=["N1", "N3", "N8", "N17", "N33"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
-    O, K = 72, _k_for(ggml_type, K)
+    """Odd N past both tile sizes (4 tokens on AVX2, 8 with AVX-512), odd block counts (K / 32 = 19, 5)
+    and an odd O. Tolerance 2e-6 relative RMS: fp32 accumulation against the float64 reference on the
+    same int8-rounded x (the rounding itself is in the reference)."""
+    O, K = 73, _k_for(ggml_type, K)
     raw = _weight(ggml_type, O, K, seed=N + K)
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
     x[:, 3] *= 25  # one large channel: its blocks round everything else coarsely
@@ -46,7 +51,7 @@ def test_cpu_kernel_matches_float64(ggml_type, N, K, bias, close):
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", EXACT_X_TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("N", [1, 5])
+@pytest.mark.parametrize("N", [1, 5, 19])
 def test_fp32_x_matches_float64(ggml_type, N, close):
     """exact_x: Q8_0 / Q4_K / Q6_K blocks against x as it is (no rounding), for the lm_head."""
     K = _k_for(ggml_type, 576)
@@ -58,6 +63,24 @@ def test_fp32_x_matches_float64(ggml_type, N, close):
     assert not torch.allclose(got, ggml_gemv(x, raw, ggml_type, (40, K)), rtol=1e-4)  # not the int8 path
     with pytest.raises(ValueError, match="Q8_0"):
         ggml_gemv(x[:, :576], _weight(Q.Q4_0, 8, 576, seed=12), Q.Q4_0, (8, 576), exact_x=True)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_a_row_has_the_same_bits_alone_and_in_a_batch(ggml_type):
+    """A token's outputs do not depend on how many tokens share the call, nor on which: the batched
+    decode step (engine/batch.py) relies on it for greedy output equal to a sequence decoded alone."""
+    O, K = 45, _k_for(ggml_type, 352)
+    raw = _weight(ggml_type, O, K, seed=20)
+    x = torch.randn(21, K, generator=torch.Generator().manual_seed(21))
+    x[5, 7] = 300.0  # one token with a coarse block: must not touch the others
+    for exact_x in (False, True) if ggml_type in EXACT_X_TYPES else (False,):
+        batch = ggml_gemv(x, raw, ggml_type, (O, K), exact_x=exact_x)
+        for n in (1, 2, 5, 9):
+            part = ggml_gemv(x[3:3 + n].contiguous(), raw, ggml_type, (O, K), exact_x=exact_x)
+            assert torch.equal(part, batch[3:3 + n]), f"{ggml_type.name} exact_x={exact_x}: {n} rows"
+        for i in (0, 20):
+            assert torch.equal(ggml_gemv(x[i:i + 1], raw, ggml_type, (O, K), exact_x=exact_x), batch[i:i + 1])
 
 
 @needs_cpu_kernel
