@@ -2,6 +2,11 @@
 int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
+Many tokens at once (a batched decode step's N rows) decode each weight block once for a tile of
+tokens (8 with AVX-512 VNNI, 4 on AVX2) instead of once per token, and a token's result has the same
+bits whatever N is (ggml_rows.h). MAX_ROWS: the most rows the engine hands one call (a decode batch;
+prefill chunks above it run an fp32 GEMM on the dequantised weight, engine/quantized.py).
+
 - CPU with the library (kernels/_cpu; ggml_cpu.cpp): fp32 x [N, K] contiguous, raw blocks contiguous.
 - otherwise the reference (reference.py: dequantise, round x, matmul).
 """
@@ -17,6 +22,7 @@ Q = GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 values
 EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
+MAX_ROWS = 64  # decode batches up to here run the kernel, a row independent of the others (see the module doc)
 
 
 def kernel_available() -> bool:
@@ -44,4 +50,4 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-__all__ = ["EXACT_X_TYPES", "K_QUANTS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]
+__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]

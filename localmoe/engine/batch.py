@@ -12,9 +12,10 @@ Plain GQA layers (`_gqa`) also project q/k/v and the output for all rows at once
 write and the attention itself run per sequence. Other mixers (MLA, DSA, delta rule, top-k
 selecting attention) run each sequence alone on its row.
 
-A row's result does not depend on the others: every matrix of N <= GEMV_MAX_ROWS rows runs the
-decode kernels, which compute each row independently, and larger batches are cut into such
-slices (`_rowwise`). So a greedy sequence produces the same tokens alone or batched with 15
+A row's result does not depend on the others: every matrix of N <= GEMV_MAX_ROWS rows (GGUF block
+weights: ggml_gemv.MAX_ROWS, one kernel call decoding each block once for all rows) runs the decode
+kernels, which compute each row independently, and larger batches are cut into such slices
+(`_rowwise`). So a greedy sequence produces the same tokens alone or batched with 15
 others. The model's own decode step (its fused `DecodePlan`, kernels/decode_layers) rounds
 differently, so a worker uses one or the other for every sequence and every step, never both
 (`fused=True`: each sequence its own fused step): otherwise a request could part at a near-tie of
@@ -33,6 +34,7 @@ from localmoe.engine.layers.attention import GQAttention
 from localmoe.engine.layers.moe import MoEBlock
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import make_step
+from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.kernels.gqa_decode import gqa_decode
@@ -71,21 +73,43 @@ def batchable(model) -> bool:
 
 
 def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
-    """fn over h [N, ...] in slices of at most GEMV_MAX_ROWS rows: the decode kernels, which compute each
-    row on its own (a row's result does not depend on the others)."""
-    if h.shape[0] <= GEMV_MAX_ROWS:
+    """fn over h [N, ...] in slices of at most fn's `independent_rows` (GEMV_MAX_ROWS where it does not
+    say; GGUF block weights take ggml_gemv.MAX_ROWS): the decode kernels, which compute each row on its
+    own (a row's result does not depend on the others)."""
+    limit = getattr(fn, "independent_rows", GEMV_MAX_ROWS)
+    if h.shape[0] <= limit:
         return fn(h)
-    return torch.cat([fn(part) for part in h.split(GEMV_MAX_ROWS)])
+    return torch.cat([fn(part) for part in h.split(limit)])
 
 
 def has_fused_step(model) -> bool:
-    """Whether one sequence's decode step runs as one fused kernel call (engine/decode_plan.py). On the CPU
-    such a step is compute-bound per token already (kernels/decode_layers), so batching it through this
-    module's op-by-op step loses (measured in docs/performance.md): the worker's "auto" mode keeps the
-    fused step per sequence there."""
+    """Whether one sequence's decode step runs as one fused kernel call (engine/decode_plan.py)."""
     from localmoe.engine.decode_plan import DecodePlan
 
     return hasattr(model, "layers") and DecodePlan.build(model) is not None
+
+
+def _multi_row(model) -> bool:
+    """Whether every matrix of the batched step takes a whole batch in one kernel call that reads and
+    decodes each weight block once for all rows (GGUF blocks: ggml_gemv.MAX_ROWS rows, plain GQA and
+    dense MLPs)."""
+    if not batchable(model):
+        return False
+    matrices = [model.lm_head]
+    for _, mixer, _, mlp in model.layers:
+        if not _plain_gqa(mixer, ()) or isinstance(mlp, MoEBlock):
+            return False
+        matrices += [mixer.qkv, mixer.o_proj, mlp] + ([mixer.gate] if mixer.gate is not None else [])
+    return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
+
+
+def batching_pays(model) -> bool:
+    """Whether the worker's "auto" mode batches this model's decode steps. A fused single-sequence step
+    (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
+    op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md); where
+    every matrix runs the multi-row kernels (`_multi_row`: the embedded SmolLM2 Q4_1 GGUF) a batch of 16
+    costs ~3x one sequence's step instead of ~16x, and batching wins. Models without a fused step batch."""
+    return not has_fused_step(model) or _multi_row(model)
 
 
 def _plain_gqa(mixer, caches) -> bool:

@@ -105,6 +105,7 @@ class Linear:
     """y = x W^T (+ b) with x, y in fp32; W [out, in] stored in fp32 or bf16."""
 
     __slots__ = ("bias", "gemv", "low_precision", "weight")
+    independent_rows = GEMV_MAX_ROWS  # the most rows one call computes each on its own (engine/batch.py)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str):
         target = torch.float32

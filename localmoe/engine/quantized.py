@@ -15,8 +15,10 @@ Scales and activations are bf16 in that kernel (d and m are fp16 in the file, so
 scales lose 3 mantissa bits: an error of the same order as a bf16 copy of the weights).
 Measured on 2 Zen 3 cores: 2.0-2.5x faster than bf16 `F.linear` for one row.
 
-Prefill-sized calls (more than GEMV_MAX_ROWS rows) run an fp32 GEMM on the dequantised
-weight. Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
+With the library, calls of up to `ggml_gemv.MAX_ROWS` rows (a batched decode step's sequences) run
+the same kernel, which decodes each weight block once for a tile of rows and gives every row the bits
+it has alone (`independent_rows`). Prefill-sized calls (more rows; without the library, more than
+GEMV_MAX_ROWS) run an fp32 GEMM on the dequantised weight. Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
 keeps the fp32 copy, within `PREFILL_COPY_BYTES` for the whole process (the embedded 135M
 model needs 0.5 GiB); past the budget each call dequantises again.
 """
@@ -127,14 +129,19 @@ class BlockLinear:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.scales_zeros = torch.stack([d.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
 
+    @property
+    def independent_rows(self) -> int:
+        """The most rows one call computes each on its own (a row's result not depending on the others)."""
+        return ggml_gemv.MAX_ROWS if self.segments else GEMV_MAX_ROWS
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if rows <= GEMV_MAX_ROWS and self.raw is not None:
+        if rows <= ggml_gemv.MAX_ROWS and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
                                        (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],
                                                                                             self.out_features)
-        if rows <= GEMV_MAX_ROWS and self.segments:
+        if rows <= ggml_gemv.MAX_ROWS and self.segments:
             flat = x.reshape(rows, K).float().contiguous()
             y = torch.cat([ggml_gemv.ggml_gemv(flat, raw, kind, (n, K)) for raw, kind, n in self.segments], dim=1)
             y = y.view(*x.shape[:-1], self.out_features)

@@ -15,8 +15,9 @@ worker collects what its running jobs wait for and runs, in this order:
 
 `batching` chooses the decode step: "on" always batches; "off" runs each sequence's own decode
 step one after another (the fused single-sequence step where the model has one); "auto" (the
-default) batches unless the model has a fused single-sequence step (engine/batch.py
-`has_fused_step`), which on the CPU is faster per token than the batched op-by-op step. The choice
+default) batches where it pays (engine/batch.py `batching_pays`: models without a fused
+single-sequence step, and those whose matrices all run multi-row kernels, like GGUF block weights);
+it keeps the fused step where that is faster per token than the batched op-by-op step. The choice
 holds for every step, so a request's output never depends on the others.
 
 Admission and preemption. Up to `max_active` jobs run at once; the others wait in arrival
@@ -42,7 +43,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from localmoe.engine.batch import has_fused_step
+from localmoe.engine.batch import batching_pays
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
 
@@ -112,7 +113,7 @@ class EngineWorker:
     def fused_for(self, model) -> bool:
         """Whether decode steps run each sequence's own fused step (decided once, see the module docstring)."""
         if self.fused is None:
-            self.fused = self.batching == "off" or (self.batching == "auto" and has_fused_step(model))
+            self.fused = self.batching == "off" or (self.batching == "auto" and not batching_pays(model))
         return self.fused
 
     def start(self) -> None:

@@ -76,20 +76,39 @@ def test_batched_greedy_equals_alone(embedded, n):
         assert results[i].completion_tokens == single.completion_tokens
 
 
-def test_auto_keeps_the_fused_step_per_sequence_where_the_model_has_one(embedded):
-    """The embedded model has a fused single-sequence step: "auto" runs it for each sequence (nothing is
-    batched), and a request's output is the same with others running as alone."""
-    tok, model = embedded.tokenizer, embedded.model
-    preps = [completion(embedded, text, 8) for text in PROMPTS[:4]]
-    outputs = []
+def _auto_outputs(loaded, preps) -> tuple[list[str], bool, int]:
+    """The first request's output with all of `preps` running in an "auto" worker, then alone; whether
+    the worker ran fused steps, and the tokens it batched."""
+    tok, model = loaded.tokenizer, loaded.model
+    outputs, fused, batched = [], None, 0
     for group in (preps, preps[:1]):
         worker, results = EngineWorker(max_active=4), {}
         for i, prep in enumerate(group):
             worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                                  results, i))
         run_all(worker, results, len(group))
-        assert worker.fused and worker.batched_tokens == 0
+        fused, batched = worker.fused, batched + worker.batched_tokens
         outputs.append(results[0].content)
+    return outputs, fused, batched
+
+
+def test_auto_batches_where_every_matrix_runs_a_multi_row_kernel(embedded):
+    """The embedded model's matrices are GGUF blocks (ggml_gemv decodes a block once for all rows of a
+    batch): "auto" batches it, and a request's output is the same with others running as alone."""
+    outputs, fused, batched = _auto_outputs(embedded, [completion(embedded, text, 8) for text in PROMPTS[:4]])
+    assert not fused and batched > 0
+    assert outputs[0] == outputs[1]
+
+
+def test_auto_keeps_the_fused_step_per_sequence_where_batching_does_not_pay():
+    """The same model with fp32 weights has a fused single-sequence step and no multi-row block kernel:
+    "auto" runs the fused step for each sequence (nothing is batched)."""
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+
+    loaded = load_model(None, EngineConfig(threads=1, dtype="float32"), progress=False)
+    outputs, fused, batched = _auto_outputs(loaded, [completion(loaded, text, 8) for text in PROMPTS[:2]])
+    assert fused and batched == 0
     assert outputs[0] == outputs[1]
 
 

@@ -67,6 +67,11 @@ class GatedMLP:
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
 
+    @property
+    def independent_rows(self) -> int:
+        """The most rows one call computes each on its own (both linears'; engine/batch.py)."""
+        return min(self.gate_up.independent_rows, self.down.independent_rows)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.glu(gate, up))
