@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.layers.attention import GQAttention
 from localmoe.engine.layers.moe import MoEBlock
+from localmoe.engine.quantized import decode_rows
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
@@ -100,7 +101,8 @@ def _multi_row(model) -> bool:
         if not _plain_gqa(mixer, ()) or isinstance(mlp, MoEBlock):
             return False
         matrices += [mixer.qkv, mixer.o_proj, mlp] + ([mixer.gate] if mixer.gate is not None else [])
-    return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
+    with decode_rows():
+        return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
 
 
 def batching_pays(model) -> bool:
@@ -171,7 +173,7 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
         ahead[id(cache)] = n + 1
         steps.append(make_step(cache, cache.reserve(n + 1) + n, 1, model.rope))
     eps = model.eps
-    with small_steps():
+    with small_steps(), decode_rows():
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
         if model.residuals is not None:
             logits = _residual_rows(model, x, steps, caches)

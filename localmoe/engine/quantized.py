@@ -15,17 +15,22 @@ Scales and activations are bf16 in that kernel (d and m are fp16 in the file, so
 scales lose 3 mantissa bits: an error of the same order as a bf16 copy of the weights).
 Measured on 2 Zen 3 cores: 2.0-2.5x faster than bf16 `F.linear` for one row.
 
-With the library, calls of up to `ggml_gemv.MAX_ROWS` rows (a batched decode step's sequences) run
-the same kernel, which decodes each weight block once for a tile of rows and gives every row the bits
-it has alone (`independent_rows`). Prefill-sized calls (more rows; without the library, more than
-GEMV_MAX_ROWS) run an fp32 GEMM on the dequantised weight. Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
+Inside `decode_rows()` (a batched decode step, engine/batch.py) calls of up to `ggml_gemv.MAX_ROWS`
+rows run the same kernel, which decodes each weight block once for a tile of rows and gives every row
+the bits it has alone (`independent_rows`). Elsewhere calls of more than GEMV_MAX_ROWS rows are prefill
+chunks and run an fp32 GEMM on the dequantised weight, on fp32 x. (The kernel matches that GEMM's
+speed up to 512 rows, measured in docs/performance.md, and would spare the fp32 copy below, but it
+would round prefill's x to int8: a change of numerics left to a decision of its own.) Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
 keeps the fp32 copy, within `PREFILL_COPY_BYTES` for the whole process (the embedded 135M
 model needs 0.5 GiB); past the budget each call dequantises again.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +44,23 @@ INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # torch's i
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
 PREFILL_COPY_BYTES = 1 << 30  # fp32 copies of 4-bit weights kept for prefill, in all (see the module doc)
 _copied = [0]  # bytes of fp32 copies alive
+_rows = threading.local()  # .decode: inside decode_rows()
+
+
+@contextmanager
+def decode_rows() -> Iterator[None]:
+    """Calls inside run decode rows of a batched step: up to ggml_gemv.MAX_ROWS rows through the block
+    kernel, each row computed on its own (see the module doc)."""
+    before = getattr(_rows, "decode", False)
+    _rows.decode = True
+    try:
+        yield
+    finally:
+        _rows.decode = before
+
+
+def _kernel_rows() -> int:
+    return ggml_gemv.MAX_ROWS if getattr(_rows, "decode", False) else GEMV_MAX_ROWS
 
 
 def _release_copy(nbytes: int) -> None:
@@ -132,16 +154,17 @@ class BlockLinear:
     @property
     def independent_rows(self) -> int:
         """The most rows one call computes each on its own (a row's result not depending on the others)."""
-        return ggml_gemv.MAX_ROWS if self.segments else GEMV_MAX_ROWS
+        return _kernel_rows() if self.segments else GEMV_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if rows <= ggml_gemv.MAX_ROWS and self.raw is not None:
+        kernel_rows = _kernel_rows()
+        if rows <= kernel_rows and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
                                        (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],
                                                                                             self.out_features)
-        if rows <= ggml_gemv.MAX_ROWS and self.segments:
+        if rows <= kernel_rows and self.segments:
             flat = x.reshape(rows, K).float().contiguous()
             y = torch.cat([ggml_gemv.ggml_gemv(flat, raw, kind, (n, K)) for raw, kind, n in self.segments], dim=1)
             y = y.view(*x.shape[:-1], self.out_features)
