@@ -217,7 +217,7 @@ def test_web_uploads_must_come_from_the_upload_folder(tmp_path):
     from localmoe.ui.web.session import WebSession
 
     root, outside = plant(tmp_path)
-    service = SimpleNamespace(sessions=None, model_id="m")
+    service = SimpleNamespace(sessions=None, model_id="m", warm=lambda request: None)  # no model: nothing to warm
     session = WebSession(service, tmp_path, upload_root=root / "docs")
     session.attach([root / "docs" / "notes.txt"])
     assert session.documents == [(root / "docs" / "notes.txt").resolve()]
