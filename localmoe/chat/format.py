@@ -51,6 +51,7 @@ class ChatMessage:
     Assistant messages may carry `reasoning` and `tool_calls`; tool messages carry the
     result in `content` plus the tool's `name` and the `tool_call_id` they answer.
     `interrupted`: an assistant answer cut short by its client (what had been streamed).
+    User messages may carry `images` (chat/images.py `ImageRef`s, each at a character offset of `content`).
     """
 
     role: str
@@ -60,6 +61,7 @@ class ChatMessage:
     name: str | None = None
     tool_call_id: str | None = None
     interrupted: bool = False
+    images: list = field(default_factory=list)  # ImageRef (chat/images.py)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import json
 import re
 from collections.abc import Iterable
 
-from localmoe.chat.format import ChatMessage, Delta, ParsedReply, StreamParser, ToolCall
+from localmoe.chat.format import ChatFormatError, ChatMessage, Delta, ParsedReply, StreamParser, ToolCall
 from localmoe.chat.harmony_tools import functions_namespace
 from localmoe.chat.segments import EventStream, Pieces, parse_ids
 from localmoe.chat.validate import check_effort, check_messages, check_tools, tool_result_names
@@ -119,6 +119,8 @@ class HarmonyFormat:
         messages = check_messages(messages)
         tools = check_tools(tools)
         effort = check_effort(reasoning_effort)
+        if any(m.images for m in messages):
+            raise ChatFormatError("the harmony chat format (gpt-oss) has no image placeholder: this model reads text only")
         lead = 0
         while lead < len(messages) and messages[lead].role == "system":
             lead += 1

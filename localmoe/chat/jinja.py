@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 from localmoe.chat.format import ChatMessage, Delta, ParsedReply, StreamParser, ToolCall
 from localmoe.chat.hermes_tools import template_knows_tools, with_hermes_tools
+from localmoe.chat.images import message_pieces, template_image_text
 from localmoe.chat.validate import check_effort, check_messages, check_tools
 
 THINK, END_THINK = "<think>", "</think>"
@@ -42,9 +43,10 @@ def template_call(call: ToolCall) -> dict:
             "function": {"name": call.name, "arguments": arguments}}
 
 
-def template_message(m: ChatMessage) -> dict:
-    """A ChatMessage as the dict chat templates read."""
-    out: dict = {"role": m.role, "content": m.content}
+def template_message(m: ChatMessage, image_text=None) -> dict:
+    """A ChatMessage as the dict chat templates read (its images as `image_text(ref)` in the content)."""
+    content = "".join(message_pieces(m, lambda ref: [image_text(ref)])) if m.images else m.content
+    out: dict = {"role": m.role, "content": content}
     if m.reasoning is not None:
         out["reasoning_content"] = m.reasoning
     if m.tool_calls:
@@ -86,7 +88,8 @@ class JinjaFormat:
         if not self.native_tools and (tools or any(m.role == "tool" or m.tool_calls for m in messages)):
             messages, tools = with_hermes_tools(messages, tools), None
         extra = {"reasoning_effort": check_effort(reasoning_effort)} if reasoning_effort else {}
-        text = self.tokenizer.apply_chat_template([template_message(m) for m in messages],
+        image_text = template_image_text(self.tokenizer) if any(m.images for m in messages) else None
+        text = self.tokenizer.apply_chat_template([template_message(m, image_text) for m in messages],
                                                   add_generation_prompt=add_generation_prompt, tools=tools, **extra)
         return self.tokenizer.encode(text, add_special_tokens=False)
 

@@ -3,29 +3,52 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from localmoe.chat.format import ChatFormatError, ChatMessage, ToolCall
+from localmoe.chat.images import ImageRef
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
-def content_text(value: Any, where: str) -> str:
-    """A content field: a string, None, or a list of text parts."""
+IMAGE_PARTS = ("image_url", "input_image")
+LoadImage = Callable[[object, str], bytes]  # (the part's URL, where it is) -> the image file's bytes
+
+
+def _image_url(part: dict) -> object:
+    """The URL of an `image_url` part ({"image_url": {"url": ...}} or a bare string) or an `input_image` part."""
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
+
+
+def content_parts(value: Any, where: str, load_image: LoadImage | None = None) -> tuple[str, list[ImageRef]]:
+    """A content field: a string, None, or a list of text parts and (with `load_image`) image parts
+    (`image_url` / `input_image`), as the text and its images at their character offsets."""
     if value is None:
-        return ""
+        return "", []
     if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for k, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
-                raise ChatFormatError(f"{where}[{k}].type: only text parts are supported "
-                                      f"(got {kind!r}; expected {{'type': 'text', 'text': ...}})")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ChatFormatError(f"{where}: expected a string or a list of text parts, got {type(value).__name__}")
+        return value, []
+    if not isinstance(value, list):
+        raise ChatFormatError(f"{where}: expected a string or a list of content parts, got {type(value).__name__}")
+    texts, refs, at = [], [], 0
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in IMAGE_PARTS and load_image is not None:
+            refs.append(ImageRef.of(load_image(_image_url(part), f"{where}[{k}].{kind}"), at))
+            continue
+        if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+            supported = "text and image_url parts" if load_image is not None else "only text parts"
+            raise ChatFormatError(f"{where}[{k}].type: {supported} are supported here "
+                                  f"(got {kind!r}; expected {{'type': 'text', 'text': ...}})")
+        texts.append(part["text"])
+        at += len(part["text"])
+    return "".join(texts), refs
+
+
+def content_text(value: Any, where: str) -> str:
+    """A content field that holds text only: a string, None, or a list of text parts."""
+    return content_parts(value, where)[0]
 
 
 def _optional_str(message: dict, key: str, where: str) -> str | None:
@@ -60,14 +83,15 @@ def _tool_call(call: Any, where: str) -> ToolCall:
     return ToolCall(name=name, arguments=arguments, id=call_id)
 
 
-def messages_from_openai(messages: Any) -> list[ChatMessage]:
+def messages_from_openai(messages: Any, load_image: LoadImage | None = None) -> list[ChatMessage]:
     """ChatMessages from OpenAI chat-completions messages.
 
     Roles system / developer (-> system) / user / assistant / tool; content a string, None or
     text parts; assistant `reasoning_content` (or `reasoning`) and `tool_calls` whose
     `function.arguments` is a JSON string (or an object); tool messages' `tool_call_id` and
-    `name` (looked up from the call they answer when absent). Raises ChatFormatError naming
-    `messages[i].field` for anything else.
+    `name` (looked up from the call they answer when absent); user messages' `image_url` parts
+    when `load_image` reads their URLs. Raises ChatFormatError naming `messages[i].field` for
+    anything else.
     """
     if not isinstance(messages, list):
         raise ChatFormatError(f"messages: expected a list of messages, got {type(messages).__name__}")
@@ -80,7 +104,9 @@ def messages_from_openai(messages: Any) -> list[ChatMessage]:
         role = message.get("role")
         if role not in _ROLES:
             raise ChatFormatError(f"{where}.role: {role!r} is not one of {', '.join(_ROLES)}")
-        m = ChatMessage(role=_ROLES[role], content=content_text(message.get("content"), f"{where}.content"))
+        content, images = content_parts(message.get("content"), f"{where}.content",
+                                        load_image if role == "user" else None)
+        m = ChatMessage(role=_ROLES[role], content=content, images=images)
         if role == "assistant":
             key = "reasoning_content" if message.get("reasoning_content") is not None else "reasoning"
             m.reasoning = _optional_str(message, key, where)

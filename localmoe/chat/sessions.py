@@ -9,6 +9,9 @@ beside one writer, and `busy_timeout` makes concurrent writers wait instead of f
     sid = store.create(title="notes")
     store.append(sid, ChatMessage("user", "hello"))
     store.messages(sid)  # -> [ChatMessage(role="user", content="hello", ...)]
+
+A message's images are kept by content hash in one `images` table (each content once, however many
+messages or sessions show it; deleting a session drops the images no message shows any more).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.chat.images import ImageRef
 from localmoe.errors import LocalMoEError
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -49,11 +53,19 @@ CREATE TABLE IF NOT EXISTS messages (
     interrupted INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, seq)
 );
+CREATE TABLE IF NOT EXISTS images (
+    sha256 TEXT PRIMARY KEY,
+    data BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS records (
     session_id TEXT PRIMARY KEY REFERENCES sessions(id) ON DELETE CASCADE,
     body TEXT NOT NULL
 );
 """
+
+
+UNUSED_IMAGES = ("DELETE FROM images WHERE sha256 NOT IN "
+                 "(SELECT json_extract(e.value, '$[0]') FROM messages m, json_each(m.images) e)")
 
 
 class SessionError(LocalMoEError):
@@ -101,6 +113,8 @@ class SessionStore:
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(messages)")}
             if "interrupted" not in columns:  # a database written before partial answers were kept
                 self._db.execute("ALTER TABLE messages ADD COLUMN interrupted INTEGER NOT NULL DEFAULT 0")
+            if "images" not in columns:  # a database written before messages held images
+                self._db.execute("ALTER TABLE messages ADD COLUMN images TEXT NOT NULL DEFAULT '[]'")
         except sqlite3.DatabaseError as e:
             raise SessionError(f"{self.path}: cannot open the sessions database ({e}); "
                                f"move the file away to start a new one") from None
@@ -161,11 +175,15 @@ class SessionStore:
                 (seq,) = self._db.execute("SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE session_id = ?",
                                           (session_id,)).fetchone()
                 for i, m in enumerate(messages):
+                    for ref in m.images:  # stored once per content, however many messages show it
+                        self._db.execute("INSERT OR IGNORE INTO images (sha256, data) VALUES (?, ?)",
+                                         (ref.sha256, ref.data))
                     self._db.execute(
                         "INSERT INTO messages (session_id, seq, role, content, reasoning, tool_calls, name, "
-                        "tool_call_id, created, interrupted) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        "tool_call_id, created, interrupted, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (session_id, seq + i, m.role, m.content, m.reasoning, _calls_to_json(m.tool_calls), m.name,
-                         m.tool_call_id, now, int(m.interrupted)))
+                         m.tool_call_id, now, int(m.interrupted),
+                         json.dumps([[ref.sha256, ref.offset] for ref in m.images])))
                 self._db.execute("UPDATE sessions SET updated = ? WHERE id = ?", (now, session_id))
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -177,10 +195,20 @@ class SessionStore:
         if not self.exists(session_id):
             raise SessionError(f"no session {session_id!r}")
         with self._lock:
-            rows = self._db.execute("SELECT role, content, reasoning, tool_calls, name, tool_call_id, interrupted "
-                                    "FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
+            rows = self._db.execute("SELECT role, content, reasoning, tool_calls, name, tool_call_id, interrupted, "
+                                    "images FROM messages WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
+            hashes = {sha for r in rows for sha, _ in json.loads(r[7])}
+            data = dict(self._db.execute(f"SELECT sha256, data FROM images WHERE sha256 IN "
+                                         f"({', '.join('?' * len(hashes))})", tuple(hashes)).fetchall()) if hashes else {}
         return [ChatMessage(role=r[0], content=r[1], reasoning=r[2], tool_calls=_calls_from_json(r[3]), name=r[4],
-                            tool_call_id=r[5], interrupted=bool(r[6])) for r in rows]
+                            tool_call_id=r[5], interrupted=bool(r[6]),
+                            images=[ImageRef(sha, bytes(data[sha]), offset) for sha, offset in json.loads(r[7])])
+                for r in rows]
+
+    def image_count(self) -> int:
+        """Images stored (each content once)."""
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM images").fetchone()[0]
 
     def set_record(self, session_id: str, body: str) -> None:
         """Keep one document beside the session's messages (the Responses API's response object)."""
@@ -217,7 +245,8 @@ class SessionStore:
             raise SessionError(f"no session {session_id!r}")
         self._write([("DELETE FROM messages WHERE session_id = ?", (session_id,)),
                      ("DELETE FROM records WHERE session_id = ?", (session_id,)),
-                     ("DELETE FROM sessions WHERE id = ?", (session_id,))])
+                     ("DELETE FROM sessions WHERE id = ?", (session_id,)),
+                     (UNUSED_IMAGES, ())])
 
 
 def message_to_dict(m: ChatMessage) -> dict:
@@ -233,4 +262,6 @@ def message_to_dict(m: ChatMessage) -> dict:
         out["tool_call_id"] = m.tool_call_id
     if m.interrupted:
         out["interrupted"] = True
+    if m.images:
+        out["images"] = [{"sha256": ref.sha256, "offset": ref.offset, "bytes": len(ref.data)} for ref in m.images]
     return out

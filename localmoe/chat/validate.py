@@ -23,6 +23,10 @@ def check_messages(messages: Iterable[ChatMessage]) -> list[ChatMessage]:
             raise ChatFormatError(f"{where}.reasoning: expected text or None, got {type(m.reasoning).__name__}")
         if m.tool_calls and m.role != "assistant":
             raise ChatFormatError(f"{where}.tool_calls: only assistant messages carry tool calls, not {m.role!r}")
+        if m.images and m.role != "user":
+            raise ChatFormatError(f"{where}.images: only user messages carry images, not {m.role!r}")
+        if any(not 0 <= ref.offset <= len(m.content) for ref in m.images):
+            raise ChatFormatError(f"{where}.images: an image's offset lies outside the message's text")
         for j, call in enumerate(m.tool_calls):
             if not isinstance(call, ToolCall):
                 raise ChatFormatError(f"{where}.tool_calls[{j}]: expected a ToolCall, got {type(call).__name__}")

@@ -28,6 +28,7 @@ import re
 from collections.abc import Iterable
 
 from localmoe.chat.format import ChatMessage, Delta, ParsedReply, StreamParser, ToolCall
+from localmoe.chat.images import KIMI_MEDIA, ImageRef, media_ids, message_pieces
 from localmoe.chat.segments import EventStream, Pieces, parse_ids
 from localmoe.chat.validate import check_effort, check_messages, check_tools, tool_result_names
 
@@ -107,6 +108,11 @@ class XtmlFormat:
             out += self._calls(message.tool_calls)
         return [*out, *self._stop("message"), self.end]
 
+    def _image(self, ref: ImageRef) -> list[str | int]:
+        """`<|media_begin|>image WxH<|media_content|><|media_pad|>...<|media_end|>`: one pad per tower row."""
+        begin, content, pad, end = media_ids(self.tokenizer, KIMI_MEDIA, "XTML")
+        return [begin, f"image {ref.width}x{ref.height}", content, *[pad] * ref.tokens, end]
+
     def _generation_prompt(self) -> list[str | int]:
         return [*self._start(tag_header("message", role="assistant")), *self._start("think")]
 
@@ -128,7 +134,7 @@ class XtmlFormat:
                 name, index = next(results)
                 pieces += self._message([m.content], role="tool", tool=name, index=str(index))
             else:
-                pieces += self._message([m.content], role=m.role)
+                pieces += self._message(message_pieces(m, self._image), role=m.role)
         if add_generation_prompt:
             pieces += self._generation_prompt()
         return self.pieces.build(pieces)

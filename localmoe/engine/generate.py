@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.images import PromptImage, PromptImages
 from localmoe.engine.prefix_cache import PrefixCache, is_boundary
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.engine.spec.speculator import Speculator
@@ -44,15 +45,18 @@ class Decoder:
     def __init__(self, model: CausalLM, prompt: Sequence[int], params: SamplingParams, max_len: int | None = None,
                  cache: ModelCache | None = None, prefill_chunk: int = PREFILL_CHUNK,
                  prefix_cache: PrefixCache | None = None, speculator: Speculator | None = None,
-                 anchor: int | None = None):
+                 anchor: int | None = None, images: Sequence[PromptImage] = ()):
         if not prompt:
             raise LocalMoEError("the prompt is empty: there is nothing to continue")
         # a prompt chunk ends at `anchor` (the end of a conversation's fixed header: engine/prefix_cache.py)
         self.anchor = anchor if anchor is not None and 0 < anchor <= len(prompt) else None
+        # the prompt's images (engine/images.py): their rows go to the placeholders' positions as chunks reach them
+        self.images = PromptImages(prompt, images, model.spec.image_token_id) if images else None
+        keys = self.images.keys if self.images is not None else prompt  # what the prefix cache matches
         self.prefix_cache = prefix_cache if cache is None else None
         self.reused = 0  # prompt tokens whose cache came from `prefix_cache`
         if self.prefix_cache is not None:
-            cache, self.reused = self.prefix_cache.take(prompt, prefill_chunk, self.anchor)
+            cache, self.reused = self.prefix_cache.take(keys, prefill_chunk, self.anchor)
             if cache is None:  # a fresh one as long as the context: a later, longer prompt may reuse it
                 cache = model.new_cache(1, model.max_context)
         if cache is None:
@@ -106,8 +110,12 @@ class Decoder:
         if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
         batch, self.pending = self.pending[:size], self.pending[size:]
+        at = len(self.in_cache)  # the batch's first position in the prompt (or after it)
+        rows = self.images.rows(at, at + len(batch)) if self.images is not None else None
         with torch.inference_mode():
-            out = self.model.forward(torch.tensor([batch], dtype=torch.long), self.cache)
+            ids = torch.tensor([batch], dtype=torch.long)
+            out = self.model.forward(ids, self.cache) if rows is None else \
+                self.model.forward(ids, self.cache, image_embeds=rows)
         return self._ran(batch, out[:, -1])
 
     def _ran(self, batch: list[int], logits: torch.Tensor) -> torch.Tensor | None:
@@ -203,7 +211,8 @@ class Decoder:
 
             record(self.cache, False)
         if self.prefix_cache is not None and self.cache is not None:
-            self.prefix_cache.put(self.in_cache, self.cache, self.prefilled, self.anchor)
+            keys = self.in_cache if self.images is None else self.images.keyed(self.in_cache)
+            self.prefix_cache.put(keys, self.cache, self.prefilled, self.anchor)
             self.prefix_cache = None
 
 

@@ -4,8 +4,12 @@ prompt's image placeholder tokens (`spec.image_token_id`)."""
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,31 +51,113 @@ def embed_with_images(lookup: Callable[[torch.Tensor], torch.Tensor], tokens: to
 
 class ImageEncoder:
     """A model's images turned into placeholder rows once per image content: cached by the sha256 of the
-    file's bytes (`images.image_hash`), so a conversation that shows an image again does not re-encode it.
-    `seconds` is the time spent encoding (preprocessing + tower), `encoded` the images actually run."""
+    file's bytes (`images.image_hash`), most recently used kept within `max_bytes`, so a conversation that
+    shows an image again does not re-encode it. `seconds` is the time spent encoding (preprocessing + tower),
+    `encoded` the images actually run."""
 
-    def __init__(self, model):
+    def __init__(self, model, max_bytes: int = 512 << 20):
         if getattr(model, "vision", None) is None:
             raise LocalMoEError(f"{model.spec.model_type}: this model has no vision tower; images need a "
                                 "vision-capable checkpoint (its config.json has a vision_config)")
         if not isinstance(model.spec.vision, vision_moonvit.Config):
             raise LocalMoEError(f"{model.spec.model_type}: image prompts are not wired for this tower yet")
-        self.model, self.cache, self.seconds, self.encoded = model, {}, 0.0, 0
+        cfg = model.spec.vision
+        self.processor = moonvit.Processor(patch_size=cfg.patch_size, merge_size=cfg.merge_kernel[0])
+        self.model, self.max_bytes, self.seconds, self.encoded = model, max_bytes, 0.0, 0
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._sizes: dict[str, tuple[int, int, int]] = {}
+        self._lock = threading.Lock()  # request threads size images while the engine worker encodes them
+
+    @staticmethod
+    def _data(source: bytes | str | Path) -> tuple[bytes, str | None]:
+        return (source, None) if isinstance(source, bytes) else (Path(source).read_bytes(), str(source))
+
+    def size(self, source: bytes | str | Path) -> tuple[int, int, int]:
+        """(width, height) in pixels the tower sees (after the processor's scaling) and the placeholder tokens the
+        image takes; `images.ImageError` for anything that is not a usable image."""
+        data, name = self._data(source)
+        key = images.image_hash(data)
+        if key not in self._sizes:
+            image = images.open_image(data, name=name)
+            (h, w), _ = self.processor.sizes(image.height, image.width)
+            self._sizes[key] = (w, h, self.processor.tokens(image.height, image.width))
+        return self._sizes[key]
 
     def encode(self, source: bytes | str | Path) -> torch.Tensor:
         """One image (file bytes or a path) -> its rows [tokens, D]."""
-        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        data, name = self._data(source)
         key = images.image_hash(data)
-        if key not in self.cache:
+        with self._lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
             start = time.perf_counter()
-            cfg = self.model.spec.vision
-            processor = moonvit.Processor(patch_size=cfg.patch_size, merge_size=cfg.merge_kernel[0])
-            image = images.open_image(data, name=None if isinstance(source, bytes) else str(source))
-            patches, grid = processor(image)
-            self.cache[key] = self.model.vision(patches, [grid])[0]
+            patches, grid = self.processor(images.open_image(data, name=name))
+            with torch.inference_mode():
+                rows = self.model.vision(patches, [grid])[0]
             self.seconds += time.perf_counter() - start
             self.encoded += 1
-        return self.cache[key]
+            self.cache[key] = rows
+            while len(self.cache) > 1 and sum(r.nbytes for r in self.cache.values()) > self.max_bytes:
+                self.cache.popitem(last=False)
+            return rows
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt for a `Decoder`: its content hash, its placeholder count and its rows, encoded when
+    first asked for (`rows()`; a prefix cache that already holds the image's positions never asks)."""
+
+    key: str
+    tokens: int
+    rows: Callable[[], torch.Tensor]
+
+
+def prompt_image(encoder: ImageEncoder, data: bytes) -> PromptImage:
+    """The PromptImage of one image file's bytes for `encoder`'s model."""
+    return PromptImage(images.image_hash(data), encoder.size(data)[2], lambda: encoder.encode(data))
+
+
+class PromptImages:
+    """A prompt's images against its placeholder tokens (`token_id`), in order: `keys` is the prompt with each
+    placeholder replaced by its image's key (so a prefix cache never mixes two images with the same token
+    count), `rows(begin, end)` the rows of the placeholders among prompt positions [begin, end)."""
+
+    def __init__(self, prompt: Sequence[int], prompt_images: Sequence[PromptImage], token_id: int):
+        self.positions = [i for i, t in enumerate(prompt) if t == token_id]
+        want = sum(im.tokens for im in prompt_images)
+        if len(self.positions) != want:
+            raise LocalMoEError(f"the prompt holds {len(self.positions)} image placeholder tokens (id {token_id}) "
+                                f"but its {len(prompt_images)} images take {want}: text that spells the placeholder "
+                                f"token cannot go with images")
+        self.images = list(prompt_images)
+        self.keys: list = list(prompt)
+        self.first: list[int] = []  # index of each image's first placeholder
+        k = 0
+        for im in self.images:
+            self.first.append(k)
+            for p in self.positions[k:k + im.tokens]:
+                self.keys[p] = "image:" + im.key
+            k += im.tokens
+
+    def keyed(self, tokens: Sequence[int]) -> list:
+        """`tokens` (the prompt's start, then what followed it) with the prompt's placeholders replaced by their keys."""
+        out = list(tokens)
+        for p in self.positions:
+            if p >= len(out):
+                break
+            out[p] = self.keys[p]
+        return out
+
+    def rows(self, begin: int, end: int) -> torch.Tensor | None:
+        """The rows [n, D] of the placeholders at prompt positions [begin, end) (None when there are none)."""
+        a, b = bisect.bisect_left(self.positions, begin), bisect.bisect_left(self.positions, end)
+        parts = []
+        for im, first in zip(self.images, self.first):
+            lo, hi = max(a, first), min(b, first + im.tokens)
+            if lo < hi:
+                parts.append(im.rows()[lo - first:hi - first])
+        return torch.cat(parts) if parts else None
 
 
 MOONVIT_IMAGE = ("<|media_begin|>image<|media_content|>", "<|media_pad|>", "<|media_end|>")

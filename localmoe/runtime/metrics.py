@@ -58,9 +58,11 @@ class Metrics:
             self._trim(now)
             return sum(n for _, n in self._recent) / RATE_WINDOW
 
-    def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None, spec=None) -> str:
+    def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None, spec=None,
+               images=None) -> str:
         """The Prometheus text; `worker` (an EngineWorker) adds the scheduler's gauges and counters, `spec`
-        (engine/spec SpecStats of the finished sequences) speculative decoding's."""
+        (engine/spec SpecStats of the finished sequences) speculative decoding's, `images` (an ImageEncoder) the
+        vision tower's."""
         rate = self.tokens_per_second()
         lines = []
 
@@ -118,6 +120,11 @@ class Metrics:
                    [("", round(spec.acceptance, 6))])
             metric("localmoe_spec_tokens_per_step", "gauge", "Tokens a speculating sequence's forward yields.",
                    [("", round(spec.tokens_per_step, 6))])
+        if images is not None:
+            metric("localmoe_images_encoded_total", "counter", "Images run through the vision tower (each content "
+                   "once while its rows stay cached).", [("", images.encoded)])
+            metric("localmoe_image_encode_seconds_total", "counter", "Seconds spent preprocessing and encoding images.",
+                   [("", round(images.seconds, 6))])
         tiers = tiers or {}
         metric("localmoe_expert_tier_hit_rate", "gauge", "Expert requests served by each tier / all requests.",
                [(f'{{tier="{t}"}}', round(s.hit_rate, 6)) for t, s in tiers.items()])

@@ -22,6 +22,7 @@ from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, RequestError
 from localmoe.runtime.context import fit_messages
 from localmoe.runtime.forced import plan_forced_call
+from localmoe.runtime.images import prompt_images, size_images
 from localmoe.runtime.metrics import Metrics, paging_tiers
 from localmoe.runtime.speculation import Speculation
 from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion, run_prefill
@@ -252,9 +253,10 @@ class Service:
             self.speculation.finished(result.spec)
 
     def metrics_text(self) -> str:
+        images = vars(self.loaded).get("image_encoder")  # only once an image was shown (a cached property)
         return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker,
                                    self.speculation.stats if self.speculation.on or self.speculation.stats.steps
-                                   else None)
+                                   else None, images)
 
     # ---- chat ----
 
@@ -271,7 +273,7 @@ class Service:
     def prepare_chat(self, req: ChatRequest) -> tuple[Prepared, list[ChatMessage]]:
         """Prompt ids and settings for `req` (history of its session included); raises RequestError."""
         fmt = self.format
-        messages = self.history(req.session_id) + req.messages
+        messages = size_images(self.loaded, self.history(req.session_id) + req.messages)
         tools = req.tools if req.tool_mode != "none" else []
         names = [t["function"]["name"] for t in req.tools]
         if req.tool_mode in ("required", "named") and not req.tools:
@@ -291,6 +293,7 @@ class Service:
             raise
         except LocalMoEError as e:
             raise RequestError(str(e), param="messages") from None
+        images = prompt_images(self.loaded, messages, prompt)
         reasoning_limit = req.reasoning_tokens
         if reasoning_limit is None and fmt.thinks:
             reasoning_limit = self.config.budgets.limit_for(req.reasoning_effort)
@@ -312,7 +315,7 @@ class Service:
                         forced=forced, constraint=constraint, parallel_tool_calls=req.parallel_tool_calls,
                         keep_tool_calls=req.tool_mode != "none", prefix_cache=self.prefix_cache,
                         anchor=self._header_end(prompt, messages, render),
-                        speculator=None if constraint is not None else self.speculator(req.spec))
+                        speculator=None if constraint is not None else self.speculator(req.spec), images=images)
         return prep, messages
 
     def _header_end(self, prompt: list[int], messages: list[ChatMessage], render) -> int | None:

@@ -22,6 +22,7 @@ from localmoe.chat.budget import Action, Budget, BudgetTracker
 from localmoe.chat.format import Delta, ToolCall
 from localmoe.chat.grammar import Constraint
 from localmoe.engine.generate import Decoder
+from localmoe.engine.images import PromptImage
 from localmoe.engine.prefix_cache import PrefixCache
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.speculator import SpecStats, Speculator
@@ -51,6 +52,7 @@ class Prepared:
     on_prompt: Callable[[], None] | None = None  # called once the whole prompt is in the cache (probe-recall)
     anchor: int | None = None  # where the conversation's fixed header ends: a prompt chunk ends there (reuse)
     speculator: Speculator | None = None  # speculative decoding of this sequence (runtime/speculation.py)
+    images: list[PromptImage] = field(default_factory=list)  # the prompt's images, in order (runtime/images.py)
 
 
 @dataclass
@@ -147,7 +149,7 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
     eot = list(fmt.end_of_thinking_ids()) if fmt.thinks else []
     dec = Decoder(model, prep.prompt, prep.params, _max_len(prep, len(eot)), prefix_cache=prep.prefix_cache,
                   anchor=prep.anchor,
-                  speculator=prep.speculator if prep.constraint is None else None)
+                  speculator=prep.speculator if prep.constraint is None else None, images=prep.images)
     parser = fmt.stream_parser()
     stop_ids = fmt.stop_token_ids()
     tracker = BudgetTracker(prep.budget)
@@ -277,7 +279,7 @@ def _run_forced(tokenizer, model, prep: Prepared, emit: Emit, cancelled) -> Iter
     started = time.perf_counter()
     plan, constraint = prep.forced, prep.constraint
     dec = Decoder(model, prep.prompt + plan.inject, prep.params, _max_len(prep, len(plan.inject)),
-                  prefix_cache=prep.prefix_cache, anchor=prep.anchor)
+                  prefix_cache=prep.prefix_cache, anchor=prep.anchor, images=prep.images)
     result = TurnResult(prompt_tokens=len(prep.prompt))
     ids: list[int] = []
     finish = "length"

@@ -1,24 +1,29 @@
 """Anthropic-compatible `/v1/messages`: system, thinking with budget_tokens, thinking /
-text / tool_use / tool_result blocks, and the streaming event sequence."""
+text / image / tool_use / tool_result blocks, and the streaming event sequence."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.chat.images import ImageRef
 from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.runtime.turn import TurnResult
 from localmoe.server.anthropic_schemas import EFFORT_TIER, CountTokensRequest, MessagesRequest
 from localmoe.server.errors import APIError, stream_error
+from localmoe.server.images import anthropic_source_bytes
 
 router = APIRouter()
 SIGNATURE = "localmoe"  # thinking blocks carry a signature field; ours only marks where they came from
 
 
-def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
+def chat_messages(body: MessagesRequest, roots: tuple[Path, ...] = ()) -> list[ChatMessage]:
+    """The request's messages; image blocks' sources read as data or under `roots` (server/images.py)."""
     out: list[ChatMessage] = []
     if (system := body.system_text()) is not None:
         out.append(ChatMessage("system", system))
@@ -27,12 +32,18 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
         if isinstance(message.content, str):
             out.append(ChatMessage(message.role, message.content))
             continue
-        texts, reasoning, calls = [], [], []
+        texts, reasoning, calls, images = [], [], [], []
         for j, block in enumerate(message.content):
             where = f"messages.{i}.content.{j}"
-            if block.type in ("image", "document"):
-                raise APIError(400, f"{where}: {block.type} blocks are not supported (text models only)")
-            if block.type == "text":
+            if block.type == "document":
+                raise APIError(400, f"{where}: document blocks are not supported (send the text, or use "
+                                    f"/v1/documents)")
+            if block.type == "image":
+                if message.role != "user":
+                    raise APIError(400, f"{where}: image blocks belong to user messages")
+                images.append(ImageRef.of(anthropic_source_bytes(block.source, roots, where),
+                                          sum(len(t) for t in texts)))
+            elif block.type == "text":
                 texts.append(block.text)
             elif block.type == "thinking":
                 if message.role != "assistant":
@@ -51,12 +62,12 @@ def chat_messages(body: MessagesRequest) -> list[ChatMessage]:
         if message.role == "assistant":
             out.append(ChatMessage("assistant", "".join(texts), reasoning="".join(reasoning) or None,
                                    tool_calls=calls))
-        elif texts or not any(b.type == "tool_result" for b in message.content):
-            out.append(ChatMessage("user", "".join(texts)))
+        elif texts or images or not any(b.type == "tool_result" for b in message.content):
+            out.append(ChatMessage("user", "".join(texts), images=images))
     return out
 
 
-def chat_request(body: MessagesRequest) -> ChatRequest:
+def chat_request(body: MessagesRequest, service: Service) -> ChatRequest:
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}} for t in body.tools or []]
     choice = body.tool_choice
@@ -74,7 +85,7 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
             raise APIError(400, f"thinking.budget_tokens ({reasoning_tokens}) must be less than max_tokens "
                                 f"({body.max_tokens})")
     return ChatRequest(
-        messages=chat_messages(body), max_tokens=body.max_tokens,
+        messages=chat_messages(body, service.config.documents_roots), max_tokens=body.max_tokens,
         params=sampling_params(body.temperature, body.top_p, body.top_k, body.min_p, body.repetition_penalty,
                                body.seed),
         tools=tools, tool_mode=mode, tool_names=names,
@@ -90,13 +101,11 @@ def chat_request(body: MessagesRequest) -> ChatRequest:
 async def count_tokens(body: CountTokensRequest, request: Request):
     """The prompt tokens `messages.create` with the same body would send to the model (system, tools, effort
     and session history included): what it reports as `input_tokens + cache_read_input_tokens`."""
-    from starlette.concurrency import run_in_threadpool
-
     service: Service = request.app.state.service
     service.check_model(body.model)
     budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else 0
     full = body.model_copy(update={"max_tokens": body.max_tokens or budget + 1})
-    prep, _ = await run_in_threadpool(service.prepare_chat, chat_request(full))
+    prep, _ = await run_in_threadpool(lambda: service.prepare_chat(chat_request(full, service)))
     return {"input_tokens": len(prep.prompt)}
 
 
@@ -117,7 +126,7 @@ async def messages(body: MessagesRequest, request: Request):
     """Messages (Anthropic schema)."""
     service: Service = request.app.state.service
     service.check_model(body.model)
-    stream = await service.chat(chat_request(body))
+    stream = await service.chat(await run_in_threadpool(chat_request, body, service))
     mid = new_id("msg_")
     if body.stream:
         return StreamingResponse(_events(stream, mid, service.model_id, request.url.path),

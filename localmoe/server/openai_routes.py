@@ -6,12 +6,14 @@ import json
 import time
 
 from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from localmoe.chat import ChatFormatError, messages_from_openai
 from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params, tool_call_dict
 from localmoe.runtime.turn import TurnResult
 from localmoe.server.errors import APIError, stream_error
+from localmoe.server.images import url_loader
 from localmoe.server.schemas import EFFORT_TIER, ChatCompletionRequest, CompletionRequest
 from localmoe.server.structured import chat_output_schema
 
@@ -46,9 +48,10 @@ def tool_mode(choice: str | None, tools: list) -> tuple[str, list[str]]:
     return "named", [choice]
 
 
-def chat_request(body: ChatCompletionRequest) -> ChatRequest:
+def chat_request(body: ChatCompletionRequest, service: Service) -> ChatRequest:
     try:
-        messages = messages_from_openai([m.model_dump(exclude_none=True) for m in body.messages])
+        messages = messages_from_openai([m.model_dump(exclude_none=True) for m in body.messages],
+                                        url_loader(service.config.documents_roots))
     except ChatFormatError as e:
         raise APIError(400, str(e), param="messages") from None
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -73,7 +76,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     """Chat completion (OpenAI schema): streaming, tools, reasoning_effort, reasoning_content."""
     service = service_of(request)
     service.check_model(body.model)
-    stream = await service.chat(chat_request(body))
+    stream = await service.chat(await run_in_threadpool(chat_request, body, service))
     rid, created = new_id("chatcmpl-"), int(time.time())
     head = {"id": rid, "created": created, "model": service.model_id}
     if body.stream:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -21,6 +22,7 @@ from localmoe.chat import ChatFormatError, ChatMessage, messages_from_openai
 from localmoe.chat.sessions import SessionError
 from localmoe.runtime.service import ChatRequest, Service, new_id, sampling_params
 from localmoe.server.errors import APIError, stream_error
+from localmoe.server.images import url_loader
 from localmoe.server.openai_routes import service_of, tool_mode
 from localmoe.server.responses_output import EventBuilder, items_of, usage_of
 from localmoe.server.responses_schemas import REASONING_EFFORT, ResponsesRequest, input_messages
@@ -47,9 +49,10 @@ def _history(service: Service, previous: str | None) -> list[ChatMessage]:
     return store.messages(previous)
 
 
-def _chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> tuple[ChatRequest, list[ChatMessage]]:
+def _chat_request(body: ResponsesRequest, history: list[ChatMessage],
+                  roots: tuple[Path, ...] = ()) -> tuple[ChatRequest, list[ChatMessage]]:
     try:
-        new = messages_from_openai(input_messages(body.input))
+        new = messages_from_openai(input_messages(body.input), url_loader(roots))
     except ChatFormatError as e:
         raise APIError(400, str(e), param="input") from None
     called = {c.id: c.name for m in history for c in m.tool_calls if c.id}  # outputs of calls made earlier
@@ -122,7 +125,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         raise APIError(400, f"unsupported field(s) for this server: {', '.join(unsupported)}; remove them "
                             f"(see docs/api.md, Responses API)", param=unsupported[0])
     history = await run_in_threadpool(_history, service, body.previous_response_id)
-    req, conversation = _chat_request(body, history)
+    req, conversation = await run_in_threadpool(_chat_request, body, history, service.config.documents_roots)
     stream = await service.chat(req)
     rid, created = new_id("resp_"), int(time.time())
     if body.stream:

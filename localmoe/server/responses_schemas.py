@@ -110,6 +110,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ChatFormatError(f"{where}.role: one of user, system, developer, assistant, not {role!r}")
+            if role == "user":  # text and input_image parts, read by messages_from_openai
+                messages.append({"role": role, "content": item.get("content")})
+                continue
             text = content_text(item.get("content"), f"{where}.content")
             if role == "assistant":
                 message = assistant()

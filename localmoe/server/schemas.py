@@ -107,20 +107,26 @@ class ToolCallIn(Body):
     function: FunctionCallIn
 
 
+class ImageUrl(Body):
+    url: str = Field(min_length=1)  # data:image/...;base64,... or file:///path under --documents-root
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class MessageIn(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=10_000)] | None = None
     name: str | None = Field(default=None, max_length=64)
     tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=128)
     tool_call_id: str | None = Field(default=None, max_length=128)
     reasoning_content: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
 
 
 NAME_FIELD = {"pattern": NAME.pattern}  # shown in the schema; the validators below give the clearer message

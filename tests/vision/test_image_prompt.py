@@ -69,3 +69,58 @@ def test_run_image_option(checkpoint, tmp_path):
     assert "[images: 1 (1 encoded)" in ok.output
     bad = runner.invoke(cli, ["run", "--model", str(checkpoint), "--image", str(tmp_path / "bad.png"), "hi"])
     assert bad.exit_code == 1 and "bad.png: not a readable image" in bad.output
+
+
+def _decoder_prompt(loaded, refs):
+    from localmoe.chat.format import ChatMessage
+    from localmoe.chat.images import ImageRef
+    from localmoe.runtime.images import prompt_images, size_images
+
+    messages = size_images(loaded, [ChatMessage("user", "look: and now", images=[ImageRef.of(d, 6) for d in refs])])
+    prompt = loaded.chat_format.render(messages)
+    return prompt, prompt_images(loaded, messages, prompt)
+
+
+def test_decoder_images_follow_chunks_and_prefix_cache_keys(loaded):
+    """A Decoder places each image's rows at its placeholders through chunked prefill, encodes an image only when a
+    chunk needs it (the prefix cache may hold its positions already), and never reuses one image's cached positions
+    for another image of the same size."""
+    from localmoe.engine.generate import Decoder
+    from localmoe.engine.prefix_cache import PrefixCache
+
+    model, enc = loaded.model, loaded.image_encoder
+    a, b = png(11), png(12)  # same size: same placeholder count and prompt tokens
+    prompt_a, images_a = _decoder_prompt(loaded, [a])
+    prompt_b, images_b = _decoder_prompt(loaded, [b])
+    assert prompt_a == prompt_b
+    rows = torch.cat([enc.encode(a)])
+    want = model.forward(torch.tensor([prompt_a]), model.new_cache(1, 128), image_embeds=rows)[:, -1]
+    greedy = SamplingParams(temperature=0)
+
+    def last_logits(dec):
+        while (out := dec.logits()) is None:
+            pass
+        return out
+
+    got = last_logits(Decoder(model, prompt_a, greedy, 128, prefill_chunk=4, images=images_a))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    cache = PrefixCache()
+    first = Decoder(model, prompt_a, greedy, prefill_chunk=4, prefix_cache=cache, images=images_a)
+    last_logits(first)
+    first.release()
+    other = Decoder(model, prompt_b, greedy, prefill_chunk=4, prefix_cache=cache, images=images_b)
+    start = prompt_b.index(model.spec.image_token_id)
+    assert other.reused == start - start % 4  # reuse stops at image b's first placeholder
+    want_b = model.forward(torch.tensor([prompt_b]), model.new_cache(1, 128), image_embeds=enc.encode(b))[:, -1]
+    got_b = last_logits(other)
+    assert torch.allclose(got_b, want_b, rtol=1e-5, atol=1e-5 * want_b.abs().max().item())
+    assert not torch.allclose(got_b, got)  # the images differ, so do the logits
+    other.release()
+
+    encoded = enc.encoded
+    enc.cache.clear()  # an image whose positions the prefix cache holds is not encoded again
+    again = Decoder(model, prompt_b, greedy, prefill_chunk=4, prefix_cache=cache, images=images_b)
+    assert again.reused == (len(prompt_b) - 1) // 4 * 4 > prompt_b.index(model.spec.image_token_id)
+    assert torch.allclose(last_logits(again), want_b, rtol=1e-5, atol=1e-5 * want_b.abs().max().item())
+    assert enc.encoded == encoded
