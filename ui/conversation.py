@@ -7,7 +7,8 @@ tool results, the end of every model turn, and "done". Approved calls run throug
 `localmoe.ui.tools.ToolRunner`; their output goes back to the model as a tool message
 and the model takes another turn. A denied call never runs: the model is told so in the
 tool message. History (reasoning and tool calls included) lives in the Service's session
-store when it has one, else in `messages`.
+store when it has one, else in `messages`. `attach_image(bytes)` queues an image (checked against
+the model's vision tower at once) that the next user message shows before its text.
 
     conversation = Conversation(service)
     async for event in conversation.send("hello", approve=ask_user):
@@ -25,7 +26,9 @@ from pathlib import Path
 from localmoe.ui.tools import BUILTIN_NAMES, BUILTIN_TOOLS, ToolRunner
 
 from localmoe.chat.format import REASONING_EFFORTS, ChatMessage, ToolCall
+from localmoe.chat.images import ImageRef
 from localmoe.engine.sampler import SamplingParams
+from localmoe.errors import LocalMoEError
 
 DENIED = "The user denied this tool call; it did not run. Do not retry it unless the user asks."
 MAX_TOOL_ROUNDS = 8  # model turns after tool results within one user message (a model looping on calls stops)
@@ -61,6 +64,7 @@ class Conversation:
         self.tool_choice: str | None = None  # a built-in tool name forces that call on the next model turn
         self.session_id = session_id
         self.messages: list[ChatMessage] = []
+        self.attached: list[ImageRef] = []  # images the next user message shows (attach_image)
         self.last_turn = None  # the TurnResult of the latest model turn (for ui.stats.snapshot)
         if session_id is not None:
             self.resume(session_id)
@@ -102,6 +106,20 @@ class Conversation:
         self.warm()
         return self.session_id or ""
 
+    def attach_image(self, data: bytes, name: str = "image") -> ImageRef:
+        """Queue an image (a file's bytes) for the next message, checked now against the model's vision tower;
+        returns it sized (the width x height the tower sees, its placeholder tokens). Raises LocalMoEError
+        (a model without a tower, not a usable image) naming `name`."""
+        from localmoe.runtime.images import size_images
+
+        ref = ImageRef.of(data)
+        try:
+            (message,) = size_images(self.service.loaded, [ChatMessage("user", "", images=[ref])])
+        except LocalMoEError as e:
+            raise LocalMoEError(f"{name}: {str(e).removeprefix('messages[0] image 1: ')}") from None
+        self.attached.append(ref)
+        return message.images[0]
+
     def _request(self, new: list[ChatMessage], forced: str | None):
         from localmoe.runtime.service import ChatRequest
 
@@ -120,7 +138,8 @@ class Conversation:
         if forced is not None and forced not in BUILTIN_NAMES:
             raise ValueError(f"tool_choice {forced!r} is not a built-in tool ({', '.join(BUILTIN_NAMES)})")
         self.tool_choice = None
-        new = [ChatMessage("user", text)]
+        new = [ChatMessage("user", text, images=self.attached)]  # the attached images go before the text
+        self.attached = []
         for _ in range(MAX_TOOL_ROUNDS + 1):
             stream = await self.service.chat(self._request(new, forced))
             self.messages.extend(new)

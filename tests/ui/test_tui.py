@@ -17,7 +17,7 @@ from localmoe.ui.conversation import DENIED
 from localmoe.ui.stats import status_line
 from localmoe.ui.tui import ChatApp
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
-from localmoe.ui.tui.widgets import AssistantMessage, ToolCard, UserMessage
+from localmoe.ui.tui.widgets import AssistantMessage, AttachedImage, ToolCard, UserMessage
 from textual.widgets import Input, OptionList
 
 from localmoe.chat.format import ChatMessage, ToolCall
@@ -251,3 +251,57 @@ def test_main_screen_snapshot(smol, make_service, workdir):
         SNAPSHOT.write_text(svg)
     assert SNAPSHOT.exists(), f"{SNAPSHOT} is missing; write it with LOCALMOE_UPDATE_SNAPSHOTS=1"
     assert svg == SNAPSHOT.read_text(), "the main screen changed; look at it and rerun with LOCALMOE_UPDATE_SNAPSHOTS=1"
+
+
+def test_image_command_attaches_an_image_to_the_next_message(make_service, workdir, tmp_path):
+    """`/image PATH` shows the attached image in the chat (the size and tokens the tower gives it) and the next
+    message carries it to the model; a bad file or a text-only model is refused and nothing is attached."""
+    import io
+
+    from PIL import Image
+
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    k25 = load_model(write_checkpoint("kimi_k25", tmp_path / "k25", "tiny", seed=0), EngineConfig(threads=1),
+                     progress=False)
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 40), (200, 30, 30)).save(buf, format="PNG")
+    (workdir / "red.png").write_bytes(buf.getvalue())
+    service = make_service(k25)
+
+    async def scenario():
+        app = ChatApp(service, workdir=workdir, max_tokens=4, tools_enabled=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await _type(pilot, "/image notes.txt")  # not an image: refused, nothing attached
+            await _type(pilot, "/image red.png")
+            await wait_until(pilot, lambda: len(app.query(AttachedImage)) == 1, what="the attached image")
+            (shown,) = app.query(AttachedImage)
+            assert "red.png (60x40 px, 6 image tokens)" in str(shown.render())
+            assert len(app.conversation.attached) == 1
+            await _type(pilot, "What colour is it?")
+            await _answered(pilot)
+            first = app.conversation.messages[0]
+            assert first.content == "What colour is it?" and len(first.images) == 1
+            assert first.images[0].data == (workdir / "red.png").read_bytes() and app.conversation.attached == []
+            assert app.conversation.last_turn.prompt_tokens > 6
+            stored = service.sessions.messages(app.conversation.session_id)
+            assert stored[0].images[0].sha256 == first.images[0].sha256
+
+    run_async(scenario())
+
+
+def test_image_command_on_a_text_model_says_so(smol, make_service, workdir):
+    (workdir / "a.png").write_bytes(b"\x89PNG not really")
+    service = make_service(smol)
+
+    async def scenario():
+        app = ChatApp(service, workdir=workdir, max_tokens=4, tools_enabled=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await _type(pilot, "/image a.png")
+            await pilot.pause()
+            assert not app.query(AttachedImage) and app.conversation.attached == []
+            assert any("no vision tower" in n.message for n in app._notifications)
+
+    run_async(scenario())

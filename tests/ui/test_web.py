@@ -202,15 +202,19 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def web_server(tmp_path_factory):
     """`localmoe web` in a subprocess on a free 127.0.0.1 port."""
+    yield from _web(tmp_path_factory.mktemp("web-server"))
+
+
+def _web(directory: Path, *extra: str):
+    """Run `localmoe web` (the embedded model unless `extra` names one); yields (url, directory)."""
     import httpx
 
-    directory = tmp_path_factory.mktemp("web-server")
     port = _free_port()
     log = directory / "web.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GRADIO_TEMP_DIR": str(directory / "uploads"),
            "GRADIO_ANALYTICS_ENABLED": "False"}
     args = [sys.executable, "-m", "localmoe.ui.web", "--port", str(port), "--threads", "1", "--max-tokens", "16",
-            "--sessions", str(directory / "sessions.db"), "--workdir", str(directory), "--no-tools"]
+            "--sessions", str(directory / "sessions.db"), "--workdir", str(directory), "--no-tools", *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     url = f"http://127.0.0.1:{port}/"
@@ -239,6 +243,10 @@ def web_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def page(web_server):
+    yield from _page(web_server[0])
+
+
+def _page(url: str):
     executable = _browser()
     if executable is None:
         pytest.skip("no Chromium found (install Debian's chromium package: .ci/browser.sh)")
@@ -246,7 +254,7 @@ def page(web_server):
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
         tab = browser.new_page(viewport={"width": 1400, "height": 1000})
-        tab.goto(web_server[0])
+        tab.goto(url)
         tab.wait_for_selector("#message textarea")
         yield tab
         browser.close()
@@ -388,3 +396,44 @@ def test_uploaded_pdf_with_a_long_name_gets_sources_not_an_error(page, tmp_path)
     assert "Error" not in panel and "page 5" in panel, panel
     assert "Uncited evidence" in panel or re.search(r"^1\. \*\*minutes", panel, re.MULTILINE), panel
     assert "Priya Ramaswamy" in panel
+
+
+@pytest.fixture(scope="module")
+def vision_web(tmp_path_factory):
+    """`localmoe web` on the tiny Kimi K2.5 checkpoint (a MoonViT vision tower)."""
+    from localmoe.testing import write_checkpoint
+
+    directory = tmp_path_factory.mktemp("vision-web")
+    model = write_checkpoint("kimi_k25", directory / "k25", "tiny", seed=0)
+    yield from _web(directory, "--model", str(model), "--max-context", "512")
+
+
+@pytest.mark.slow
+def test_an_uploaded_image_goes_with_the_next_message(vision_web, tmp_path):
+    """The image box takes a file (upload; paste goes to the same box), the chat shows it, and the model's
+    prompt holds it: the stored user message keeps the image's bytes by hash."""
+    import hashlib
+    import io
+
+    from PIL import Image
+
+    from localmoe.chat.sessions import SessionStore
+
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 40), (20, 120, 220)).save(buf, format="PNG")
+    picture = tmp_path / "blue.png"
+    picture.write_bytes(buf.getvalue())
+    for tab in _page(vision_web[0]):
+        tab.set_input_files("#image input[type=file]", str(picture))
+        tab.wait_for_selector("#image img", timeout=30_000)  # the preview: the upload arrived
+        _send_and_watch(tab, "What colour is it?")
+        tab.wait_for_selector('#chat [data-testid="user"] img', timeout=30_000)  # the image in the chat
+        assert not tab.query_selector("#image img")  # the box is cleared for the next message
+    store = SessionStore(vision_web[1] / "sessions.db")
+    try:
+        (info,) = store.list()
+        (user, *_) = store.messages(info.id)
+    finally:
+        store.close()
+    assert user.content == "What colour is it?" and len(user.images) == 1
+    assert user.images[0].sha256 == hashlib.sha256(picture.read_bytes()).hexdigest()

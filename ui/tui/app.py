@@ -5,7 +5,8 @@ Everything about prompts, tools and history is `localmoe.ui.conversation.Convers
 this module only draws it. Keys (also in the footer): ctrl+b / F2 budget, ctrl+t / F3
 tools on/off, ctrl+r / F4 open or close the last reasoning panel, ctrl+o / F5 sessions,
 ctrl+n new session, y / n on a tool card, ctrl+q quit. A message starting with
-`/tool NAME` makes the model call that built-in tool first.
+`/tool NAME` makes the model call that built-in tool first; `/image PATH` attaches an image
+file (a model with a vision tower) that the next message shows the model.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from localmoe.ui.conversation import DENIED, Conversation
 from localmoe.ui.stats import snapshot, status_line
 from localmoe.ui.tools import BUILTIN_NAMES
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
-from localmoe.ui.tui.widgets import AssistantMessage, BudgetSelector, StatusBar, ToolCard, UserMessage
+from localmoe.ui.tui.widgets import AssistantMessage, AttachedImage, BudgetSelector, StatusBar, ToolCard, UserMessage
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Static
 
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.errors import LocalMoEError
 
 Loader = Callable[[Callable[[int], None]], object]  # (phase callback) -> a started Service
 
@@ -56,6 +58,20 @@ def parse_tool_prefix(text: str) -> tuple[str | None, str]:
     if name not in BUILTIN_NAMES:
         raise ValueError(f"/tool {name}: not a built-in tool; use one of {', '.join(BUILTIN_NAMES)}")
     return name, rest[0] if rest else f"Use {name}."
+
+
+IMAGE_COMMAND = "/image "
+MAX_IMAGE_BYTES = 20 << 20
+
+
+def read_image_file(path: Path) -> bytes:
+    """The bytes of an image file the user names; ValueError saying what is wrong."""
+    try:
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_IMAGE_BYTES >> 20} MiB; scale it down first")
+        return path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 class ChatApp(App):
@@ -98,7 +114,8 @@ class ChatApp(App):
         self.tools_state = Static("", id="tools-state")
         self.budget_selector = BudgetSelector(self.options["budget"], id="budget")
         self.chat = VerticalScroll(id="chat")
-        self.prompt = Input(placeholder="Message (enter sends; /tool NAME ... forces a tool call)", id="prompt")
+        self.prompt = Input(placeholder="Message (enter sends; /tool NAME ... forces a tool call; /image PATH "
+                            "attaches an image)", id="prompt")
         self.status_bar = StatusBar("loading", id="status", markup=False)
         with Horizontal(id="topbar"):
             yield self.title_bar
@@ -174,6 +191,7 @@ class ChatApp(App):
         widgets = []
         for m in self.conversation.messages:
             if m.role == "user":
+                widgets.extend(AttachedImage(f"image {k + 1}", ref) for k, ref in enumerate(m.images))
                 widgets.append(UserMessage(m.content))
             elif m.role == "assistant":
                 if m.content or m.reasoning or not m.tool_calls:
@@ -198,6 +216,10 @@ class ChatApp(App):
         if self.busy:
             self.notify("the model is still answering; wait for it to finish", severity="warning")
             return
+        if text.startswith(IMAGE_COMMAND):
+            self._attach_image(text[len(IMAGE_COMMAND):].strip())
+            event.input.value = ""
+            return
         try:
             forced, text = parse_tool_prefix(text)
         except ValueError as e:
@@ -207,6 +229,19 @@ class ChatApp(App):
         self.conversation.tool_choice = forced
         self.busy = True
         self.run_worker(self._send(text), exclusive=True, group="send")
+
+    def _attach_image(self, given: str) -> None:
+        """`/image PATH` (relative paths from the working directory): shown in the chat, sent with the next message."""
+        path = Path(given).expanduser()
+        if not path.is_absolute():
+            path = self.conversation.runner.workdir / path
+        try:
+            ref = self.conversation.attach_image(read_image_file(path), path.name)
+        except (ValueError, LocalMoEError) as e:
+            self.notify(str(e), severity="error")
+            return
+        self.chat.mount(AttachedImage(path.name, ref))
+        self.chat.scroll_end(animate=False)
 
     async def _send(self, text: str) -> None:
         chat = self.chat

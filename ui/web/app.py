@@ -1,5 +1,6 @@
 """The Gradio Blocks app: chat with a reasoning accordion, budget dropdown, tools toggle with
-Approve/Deny for a pending call, document upload, live plots and a model-info panel.
+Approve/Deny for a pending call, an image for the next message (upload or paste), document upload,
+live plots and a model-info panel.
 
 Each browser tab gets a `WebSession` (keyed by Gradio's session hash); every tab shares the
 one `Service`, so all prompt, tool and session logic is the Conversation's, not the page's.
@@ -79,6 +80,8 @@ class WebApp:
                         message = gr.Textbox(elem_id="message", show_label=False, scale=8, autofocus=True,
                                              placeholder="Message (Enter sends)")
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    image = gr.Image(type="filepath", sources=["upload", "clipboard"], elem_id="image", height=140,
+                                     label="Image for the next message (upload or paste; a model with a vision tower)")
                     turn_status = gr.Markdown(elem_id="turn-status")
                 with gr.Column(scale=2):
                     with gr.Row():
@@ -99,17 +102,17 @@ class WebApp:
                         gr.Markdown(model_markdown(self.service), elem_id="model-info")
             timer = gr.Timer(1.0)
 
-            async def respond(text: str, request: gr.Request):
+            async def respond(text: str, picture: str | None, request: gr.Request):
                 session = self.session(request)
                 if not text.strip():
-                    yield self._view(session) + (text,)
+                    yield self._view(session) + (text, picture)
                     return
-                async for _ in session.send(text):
-                    yield self._view(session) + ("",)
+                async for _ in session.send(text, [Path(picture)] if picture else []):
+                    yield self._view(session) + ("", None)
 
-            outputs = [chat, approval, approval_text, turn_status, message]
+            outputs = [chat, approval, approval_text, turn_status, message, image]
             for trigger in (message.submit, send.click):
-                trigger(respond, [message], outputs, concurrency_limit=None, show_progress="hidden")
+                trigger(respond, [message, image], outputs, concurrency_limit=None, show_progress="hidden")
 
             def decide(approved: bool):
                 def handler(request: gr.Request):

@@ -16,6 +16,8 @@ from localmoe.ui.web.approval import ApprovalGate
 from localmoe.ui.web.documents import answer_documents
 from localmoe.ui.web.transcript import Transcript
 
+from localmoe.errors import LocalMoEError
+
 _END = object()  # marks the end of the conversation's events in the queue
 
 
@@ -60,14 +62,34 @@ class WebSession:
     def close(self) -> None:
         self.gate.deny_pending()
 
-    async def send(self, text: str) -> AsyncIterator[None]:
-        """Answer `text`; yields whenever `transcript` or `gate.call` changed."""
+    def attach_images(self, paths: list[Path]) -> None:
+        """Images (uploaded or pasted files, inside `upload_root` when one is set) for the next message, each checked
+        against the model's vision tower and shown in the chat; LocalMoEError / PathRefused name what is wrong."""
+        for path in paths:
+            if self.upload_root is not None:
+                from localmoe.pathguard import resolve_inside
+
+                path = resolve_inside(path, [self.upload_root])
+            self.conversation.attach_image(Path(path).read_bytes(), Path(path).name)
+            self.transcript.user_image(Path(path))
+
+    async def send(self, text: str, images: list[Path] = ()) -> AsyncIterator[None]:
+        """Answer `text` (after showing `images` with it, a model with a vision tower); yields whenever `transcript`
+        or `gate.call` changed."""
         if self.busy:
             self.transcript.note("Still answering the previous message; wait for it to finish.", title="Busy")
             yield
             return
         self.busy = True
         try:
+            if images:
+                try:
+                    self.attach_images(list(images))
+                except LocalMoEError as e:
+                    self.conversation.attached = []
+                    self.transcript.note(str(e), title="Image not sent")
+                    yield
+                    return
             self.transcript.user(text)
             yield
             if self.documents:

@@ -56,6 +56,10 @@ class Transcript:
     def user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
+    def user_image(self, path) -> None:
+        """An image the user sent (a file the page may serve: Gradio's upload folder)."""
+        self.messages.append({"role": "user", "content": {"path": str(path)}})
+
     def note(self, text: str, title: str | None = None, pending: bool = False) -> int:
         """An assistant message outside the model's turns (errors, document progress); returns its index."""
         message: dict = {"role": "assistant", "content": text}
