@@ -59,6 +59,8 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
     loaded = LocalModel(load_model(model, engine), ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0,
                                                                  spec=spec, spec_k=spec_k))
     stream = not (no_stream or as_json)
+    for image in images:
+        loaded.image_encoder.size(image)  # a text-only model or a bad file: an error naming it, before the turn
     events = loaded.events(prompt, params, max_tokens, stop, system, images, thinking)
     parts, reasoning, result = [], [], None
     for kind, payload in events:

@@ -7,14 +7,17 @@ BM25 picks the passages closest to the question, they are packed into as few pro
 the answer from the notes (reduce). The answer's citations are checked against the passages
 they name; a sentence the model left uncited is cited to the passage it draws its words from when
 one holds them (`attribution`, marked attributed); an answer without a checked citation comes with the retrieved passages labelled as
-uncited evidence, and a question no passage matches is answered "not found in the documents"."""
+uncited evidence, and a question no passage matches is answered "not found in the documents".
+A PDF page with a figure or little text carries its rendered picture; a model with a vision tower sees it
+beside the page's text (in map-reduce those pages are read first, since retrieval cannot rank a picture), a
+text model reads the text alone."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from localmoe.documents import prompts
@@ -24,7 +27,7 @@ from localmoe.documents.chunks import chunk_documents
 from localmoe.documents.citations import check_answer, evidence
 from localmoe.documents.fit import Fitter, fit_notes
 from localmoe.documents.ingest import ingest
-from localmoe.documents.records import Chunk, Ingested
+from localmoe.documents.records import PICTURE_NOTE, Chunk, Ingested
 from localmoe.documents.report import Report
 from localmoe.documents.retrieval import Index, not_found, whole_document
 
@@ -64,6 +67,22 @@ async def _ask(asker, progress, stage, done, total, system, user, reply_tokens) 
     return await asker.ask(system, user, reply_tokens)
 
 
+async def _ask_passages(asker, progress, stage, done, total, system, question, chunks, reply_tokens) -> str:
+    """Ask about `chunks`, their pictures shown with them (only a vision model's chunks carry pictures)."""
+    text, pictures = prompts.passages_with_pictures(question, chunks)
+    if progress:
+        progress(stage, done, total)
+    return await (asker.ask(system, text, reply_tokens, pictures) if pictures else asker.ask(system, text, reply_tokens))
+
+
+def with_pictures(chunks: list[Chunk], sees: bool) -> list[Chunk]:
+    """The chunks a model reads: with their page pictures for a vision model; for a text model without them, and
+    without the picture-only pages (they hold no text)."""
+    if sees:
+        return chunks
+    return [replace(c, image=None) for c in chunks if c.image is None or c.text != PICTURE_NOTE]
+
+
 async def analyse(asker, ingested: Ingested, question: str, budget: str = "high",
                   progress: Progress | None = None, max_tokens: int | None = None) -> Report:
     """The report for `question` over already ingested documents, asked through `asker` (ServiceAsker or alike)."""
@@ -72,7 +91,7 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
     usage = getattr(asker, "usage", None)
     before = (usage.prompt_tokens, usage.completion_tokens, usage.loops) if usage is not None else (0, 0, 0)
     answer_tokens = max_tokens or plan.answer_tokens
-    chunks = chunk_documents(ingested.documents)
+    chunks = with_pictures(chunk_documents(ingested.documents), getattr(asker, "sees_images", False))
     report = Report(question=question, answer="", problems=list(ingested.problems), budget=budget,
                     sources=[str(d.path) for d in ingested.documents])
     stats = {"pages": ingested.pages, "chunks": len(chunks), "passages_read": 0, "model_calls": 0}
@@ -95,23 +114,26 @@ async def analyse(asker, ingested: Ingested, question: str, budget: str = "high"
     answer_fit = Fitter(asker, prompts.ANSWER_SYSTEM, question, answer_tokens)
     if answer_fit.fits(chunks):
         report.mode, read, calls = "long-context", chunks, 1
-        text = await _ask(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM,
-                          prompts.passages_prompt(question, chunks), answer_tokens)
+        text = await _ask_passages(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM, question, chunks,
+                                   answer_tokens)
     else:
         report.mode = "map-reduce"
         wanted = spread(chunks, plan.passages) if whole and not hits else hits[:plan.passages]
+        # retrieval cannot rank a picture by its words: the pages that have one are read too, first
+        pictures = [c for c in chunks if c.image is not None][:plan.calls]
+        wanted = pictures + [c for c in wanted if c.image is None or c not in pictures]
         single = answer_fit.pack(wanted, 1)[0]
         if len(single) == len(wanted):  # what retrieval kept fits in one pass: no notes needed
             read, calls = single, 1
-            text = await _ask(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM,
-                              prompts.passages_prompt(question, single), answer_tokens)
+            text = await _ask_passages(asker, progress, "answer", 0, 1, prompts.ANSWER_SYSTEM, question, single,
+                                       answer_tokens)
         else:
             groups = Fitter(asker, prompts.MAP_SYSTEM, question, plan.note_tokens).pack(wanted, plan.calls)
             read = [c for g in groups for c in g]
             notes = []
             for i, group in enumerate(groups):
-                note = await _ask(asker, progress, "map", i, len(groups), prompts.MAP_SYSTEM,
-                                  prompts.passages_prompt(question, group), plan.note_tokens)
+                note = await _ask_passages(asker, progress, "map", i, len(groups), prompts.MAP_SYSTEM, question,
+                                           group, plan.note_tokens)
                 if note.strip() and note.strip().upper().rstrip(".") != "NONE":
                     notes.append(note)
             notes = fit_notes(asker, prompts.REDUCE_SYSTEM, question, notes or ["NONE"], answer_tokens)

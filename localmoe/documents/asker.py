@@ -4,6 +4,7 @@ formats included) whose streamed answer is cut when it starts looping."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localmoe.documents.repetition import collapse_repeats, loop_at
@@ -43,22 +44,42 @@ class ServiceAsker:
         """Tokens of `text` with the model's tokenizer."""
         return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
-    def _messages(self, system: str, user: str):
+    @property
+    def sees_images(self) -> bool:
+        """Whether the model has a vision tower that reads pictures (a PDF page's figures and scans)."""
+        try:
+            _ = self.service.loaded.image_encoder
+        except (LocalMoEError, AttributeError):
+            return False
+        return True
+
+    def image_tokens(self, data: bytes) -> int:
+        """Prompt tokens one picture takes (its placeholders)."""
+        return self.service.loaded.image_encoder.size(data)[2]
+
+    def _messages(self, system: str, user: str, pictures: Sequence[tuple[int, bytes]] = ()):
         from localmoe.chat.format import ChatMessage
+        from localmoe.chat.images import ImageRef
 
-        return [ChatMessage("system", system), ChatMessage("user", user)]
+        return [ChatMessage("system", system),
+                ChatMessage("user", user, images=[ImageRef.of(data, at) for at, data in pictures])]
 
-    def measure(self, system: str, user: str) -> int:
-        """Tokens of the whole prompt for (system, user), rendered by the model's chat template."""
-        return len(self.service.format.render(self._messages(system, user), tools=None,
-                                              reasoning_effort=self.budget))
+    def measure(self, system: str, user: str, pictures: Sequence[tuple[int, bytes]] = ()) -> int:
+        """Tokens of the whole prompt for (system, user and its pictures), rendered by the model's chat template."""
+        messages = self._messages(system, user, pictures)
+        if pictures:
+            from localmoe.runtime.images import size_images
 
-    async def ask(self, system: str, user: str, max_tokens: int) -> str:
-        """The model's answer; generation stops early when the answer starts repeating itself."""
+            messages = size_images(self.service.loaded, messages)
+        return len(self.service.format.render(messages, tools=None, reasoning_effort=self.budget))
+
+    async def ask(self, system: str, user: str, max_tokens: int, pictures: Sequence[tuple[int, bytes]] = ()) -> str:
+        """The model's answer (`pictures`: (offset in `user`, image bytes)); generation stops early when the
+        answer starts repeating itself."""
         from localmoe.engine.sampler import SamplingParams
         from localmoe.runtime.service import ChatRequest
 
-        request = ChatRequest(messages=self._messages(system, user), max_tokens=max_tokens,
+        request = ChatRequest(messages=self._messages(system, user, pictures), max_tokens=max_tokens,
                               params=SamplingParams(temperature=self.temperature, repetition_penalty=1.1),
                               tool_mode="none", reasoning_effort=self.budget)
         stream = await self.service.chat(request)

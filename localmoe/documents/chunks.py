@@ -61,6 +61,6 @@ def chunk_documents(documents: list[Document], size: int = CHUNK_CHARS) -> list[
     for document in documents:
         source = document.name
         for section in document.sections:
-            for location, text in split_section(section, size):
-                chunks.append(Chunk(len(chunks) + 1, source, location, text))
+            for k, (location, text) in enumerate(split_section(section, size)):  # the picture goes with the first
+                chunks.append(Chunk(len(chunks) + 1, source, location, text, section.image if k == 0 else None))
     return chunks

@@ -4,8 +4,10 @@ before anything is printed.
 The model is asked to cite as [P<id>: "<words copied from the passage>"]. A citation is
 kept only when its passage exists and the quoted words occur in it (compared after folding
 case, whitespace, quote marks and dashes); a citation without a quote is kept only when
-the claim it ends shares most of its content words with the passage. Everything else is
-rejected with the reason, and its marker in the answer is flagged."""
+the claim it ends shares most of its content words with the passage. A citation of a passage the
+model was shown as a picture (a PDF page's chart or scan) that its text does not back is kept and
+marked as resting on the picture. Everything else is rejected with the reason, and its marker in the
+answer is flagged."""
 
 from __future__ import annotations
 
@@ -42,11 +44,12 @@ class Citation:
     verified: bool
     reason: str = ""  # why it was rejected
     attributed: bool = False  # attached after generation by matching the claim's words (attribution.py)
+    picture: bool = False  # it rests on the passage's picture (a figure, a scan), which no quote can be checked in
 
     def label(self) -> str:
         where = f"{self.source}, {self.location}" if self.location else self.source
         text = f'{where}: "{self.quote}"' if self.quote else where
-        return text + (" (attributed)" if self.attributed else "")
+        return text + (" (attributed)" if self.attributed else "") + (" (the page's picture)" if self.picture else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,7 +62,16 @@ def quote_in(quote: str, text: str) -> bool:
 
 
 def check(chunk_id: int, quote: str, claim: str, chunks: dict[int, Chunk]) -> Citation:
-    """One citation checked against the passage it names."""
+    """One citation checked against the passage it names; one that its text does not back but its picture may
+    (a chart, a scan the model was shown) is kept, marked as resting on the picture, without its quote."""
+    cite = _check_text(chunk_id, quote, claim, chunks)
+    chunk = chunks.get(chunk_id)
+    if not cite.verified and chunk is not None and chunk.image is not None:
+        return Citation(chunk_id, chunk.source, chunk.location, "", claim, True, picture=True)
+    return cite
+
+
+def _check_text(chunk_id: int, quote: str, claim: str, chunks: dict[int, Chunk]) -> Citation:
     chunk = chunks.get(chunk_id)
     if chunk is None:
         return Citation(chunk_id, "", "", quote, claim, False, f"there is no passage P{chunk_id}")

@@ -35,12 +35,14 @@ class Fitter:
     def size(self, chunk: Chunk) -> int:
         """Tokens of the chunk's labelled block, counted once with the model's tokenizer."""
         if chunk.id not in self._sizes:
-            self._sizes[chunk.id] = self.asker.count(prompts.passage_block(chunk)) + SEPARATOR
+            picture = self.asker.image_tokens(chunk.image) if chunk.image is not None else 0
+            self._sizes[chunk.id] = self.asker.count(prompts.passage_block(chunk)) + picture + SEPARATOR
         return self._sizes[chunk.id]
 
     def measure(self, chunks: list[Chunk]) -> int:
-        """The whole prompt's tokens, as the chat template renders it."""
-        return self.asker.measure(self.system, prompts.passages_prompt(self.question, chunks))
+        """The whole prompt's tokens (pictures included), as the chat template renders it."""
+        text, pictures = prompts.passages_with_pictures(self.question, chunks)
+        return self.asker.measure(self.system, text, pictures) if pictures else self.asker.measure(self.system, text)
 
     def fits(self, chunks: list[Chunk]) -> bool:
         """Whether all `chunks` fit one prompt (counting stops as soon as they cannot)."""
@@ -64,6 +66,9 @@ class Fitter:
             else:
                 hi = mid - 1
         clipped = replace(chunk, text=" ".join(words[:lo]))
+        if chunk.image is not None and self.measure([clipped]) > self.limit:  # the picture alone is too big
+            clipped = replace(chunk, image=None)
+            return self.clip(clipped) if self.measure([clipped]) > self.limit else clipped
         self._sizes.pop(chunk.id, None)
         return clipped
 

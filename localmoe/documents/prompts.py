@@ -39,8 +39,19 @@ def passage_block(chunk: Chunk) -> str:
 
 
 def passages_prompt(question: str, chunks: list[Chunk]) -> str:
-    body = "\n\n".join(passage_block(c) for c in chunks)
-    return f"Passages:\n\n{body}\n\nQuestion: {question}"
+    return passages_with_pictures(question, chunks)[0]
+
+
+def passages_with_pictures(question: str, chunks: list[Chunk]) -> tuple[str, list[tuple[int, bytes]]]:
+    """The passages prompt and its pictures: (character offset in the prompt, PNG bytes) of each passage that has
+    one, placed after its label, before its text."""
+    text, pictures = "Passages:\n\n", []
+    for k, chunk in enumerate(chunks):
+        text += ("\n\n" if k else "") + label(chunk) + "\n"
+        if chunk.image is not None:
+            pictures.append((len(text), chunk.image))
+        text += chunk.text
+    return f"{text}\n\nQuestion: {question}", pictures
 
 
 def reduce_prompt(question: str, notes: list[str]) -> str:

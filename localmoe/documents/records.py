@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+PICTURE_NOTE = "(this page has no text layer; its picture is attached)"  # the text of a picture-only section
+
 
 @dataclass
 class Section:
@@ -13,13 +15,15 @@ class Section:
 
     `unit` names what one line of `text` is ("line", "row", "paragraph") when the
     section may be split on line boundaries; `first` is the number of its first line and
-    `header` a line repeated at the top of every chunk (a table's column names)."""
+    `header` a line repeated at the top of every chunk (a table's column names); `image` is the
+    section rendered as a picture (a PDF page holding a figure or little text)."""
 
     location: str  # "page 3", "sheet Revenue", "slide 2", "" (a whole text file)
     text: str
     unit: str | None = None
     first: int = 1
     header: str | None = None
+    image: bytes | None = field(default=None, repr=False)  # the section rendered as a picture (a PDF page)
 
     def span(self, start: int, stop: int) -> str:
         """Location of lines start..stop (0-based, stop exclusive) of this section."""
@@ -72,6 +76,7 @@ class Chunk:
     source: str  # the file, as shown to the user
     location: str
     text: str
+    image: bytes | None = field(default=None, repr=False)  # the page's picture, shown to a vision model with the text
 
     @property
     def where(self) -> str:

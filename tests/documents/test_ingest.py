@@ -6,7 +6,7 @@ import pytest
 
 from localmoe.documents import collect_files, ingest
 from localmoe.documents.chunks import chunk_documents, split_section
-from localmoe.documents.records import Section
+from localmoe.documents.records import PICTURE_NOTE, Section
 from localmoe.errors import LocalMoEError
 from tests.documents import builders
 
@@ -83,7 +83,8 @@ def test_bad_files_each_get_a_message_and_the_rest_is_read(tmp_path):
     assert "DOCX" in messages["broken.docx"] and "corrupt" in messages["broken.docx"]
     assert "0 bytes" in messages["empty.txt"]
     scan = next(d for d in ingested.documents if d.path.name == "scan.pdf")
-    assert [s.location for s in scan.sections] == ["page 1", "page 2"]
+    assert [s.location for s in scan.sections] == ["page 1", "page 2", "page 3"]  # page 3: its picture alone
+    assert scan.sections[2].text == PICTURE_NOTE and scan.sections[2].image[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_globs_and_skipped_folders(tmp_path):
