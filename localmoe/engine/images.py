@@ -9,7 +9,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -160,31 +160,26 @@ class PromptImages:
         return torch.cat(parts) if parts else None
 
 
-MOONVIT_IMAGE = ("<|media_begin|>image<|media_content|>", "<|media_pad|>", "<|media_end|>")
+def sized(encoder: ImageEncoder, messages: list) -> list:
+    """ChatMessages with each image (chat/images.py `ImageRef`) sized by `encoder`'s tower: the width x height it
+    sees and its placeholder tokens, which the chat formats render. LocalMoEError naming the message and image."""
+    out = []
+    for i, m in enumerate(messages):
+        refs = []
+        for j, ref in enumerate(m.images):
+            try:
+                width, height, tokens = encoder.size(ref.data)
+            except LocalMoEError as e:
+                raise LocalMoEError(f"messages[{i}] image {j + 1}: {e}") from None
+            refs.append(replace(ref, width=width, height=height, tokens=tokens))
+        out.append(replace(m, images=refs) if refs else m)
+    return out
 
 
-def image_text(rows: torch.Tensor) -> str:
-    """The prompt text of one MoonViT image: its placeholder token once per row, between the media markers."""
-    begin, pad, end = MOONVIT_IMAGE
-    return begin + pad * rows.shape[0] + end
-
-
-class ImageFeed:
-    """A model whose forward calls take the queued image rows for the placeholders each call holds, in order
-    (the prompt may be prefilled in chunks); everything else is the wrapped model's."""
-
-    def __init__(self, model, rows: list[torch.Tensor]):
-        self._model = model
-        self._queue = torch.cat(rows) if rows else None
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def forward(self, tokens: torch.Tensor, cache, mask=None, all_logits: bool = False) -> torch.Tensor:
-        n = int((tokens == self._model.spec.image_token_id).sum())
-        if n == 0:
-            return self._model.forward(tokens, cache, mask, all_logits)
-        if self._queue is None or self._queue.shape[0] < n:
-            raise LocalMoEError("the prompt holds more image placeholder tokens than the images give rows")
-        rows, self._queue = self._queue[:n], self._queue[n:]
-        return self._model.forward(tokens, cache, mask, all_logits, image_embeds=rows)
+def prompt_images(encoder: ImageEncoder, messages: list, prompt: Sequence[int], token_id: int) -> list[PromptImage]:
+    """The rendered prompt's images in order (those of `messages`), checked against its placeholder tokens."""
+    refs = [ref for m in messages for ref in sorted(m.images, key=lambda r: r.offset)]
+    images = [prompt_image(encoder, ref.data) for ref in refs]
+    if images:
+        PromptImages(prompt, images, token_id)  # raises when the text spelled extra placeholders
+    return images

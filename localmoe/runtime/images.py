@@ -4,10 +4,9 @@ places over those placeholders (encoded when a prompt chunk first needs them, on
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from localmoe.chat.format import ChatMessage
-from localmoe.engine.images import PromptImage, PromptImages, prompt_image
+from localmoe.engine.images import PromptImage, sized
+from localmoe.engine.images import prompt_images as engine_prompt_images
 from localmoe.errors import LocalMoEError, RequestError
 
 MAX_IMAGES = 64  # images in one conversation (its history included)
@@ -26,27 +25,17 @@ def size_images(loaded, messages: list[ChatMessage]) -> list[ChatMessage]:
     if count > MAX_IMAGES:
         raise RequestError(f"messages: the conversation holds {count} images, more than the {MAX_IMAGES} one request "
                            f"may show; send fewer (start a new conversation)", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        refs = []
-        for j, ref in enumerate(m.images):
-            try:
-                width, height, tokens = encoder.size(ref.data)
-            except LocalMoEError as e:
-                raise RequestError(f"messages[{i}] image {j + 1}: {e}", param="messages") from None
-            refs.append(replace(ref, width=width, height=height, tokens=tokens))
-        out.append(replace(m, images=refs) if refs else m)
-    return out
+    try:
+        return sized(encoder, messages)
+    except LocalMoEError as e:
+        raise RequestError(str(e), param="messages") from None
 
 
 def prompt_images(loaded, messages: list[ChatMessage], prompt: list[int]) -> list[PromptImage]:
     """The rendered prompt's images in order (those of `messages`), checked against its placeholder tokens."""
-    refs = [ref for m in messages for ref in sorted(m.images, key=lambda r: r.offset)]
-    if not refs:
+    if not any(m.images for m in messages):
         return []
-    images = [prompt_image(loaded.image_encoder, ref.data) for ref in refs]
     try:
-        PromptImages(prompt, images, loaded.spec.image_token_id)
+        return engine_prompt_images(loaded.image_encoder, messages, prompt, loaded.spec.image_token_id)
     except LocalMoEError as e:
         raise RequestError(f"messages: {e}", param="messages") from None
-    return images

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from localmoe.chat import ChatMessage, messages_from_openai
 from localmoe.chat.format import ToolCall
+from localmoe.chat.images import ImageRef
 from localmoe.engine.sampler import SamplingParams
 from localmoe.errors import LocalMoEError
 from localmoe.runtime.service import ChatRequest, ServerConfig, Service
@@ -37,7 +39,6 @@ class LocalModel:
 
     def __init__(self, loaded, config: ServerConfig | None = None):
         self.loaded = loaded
-        # no prefix cache: image prompts hold the same placeholder ids for different images
         self.service = Service(loaded, config or ServerConfig(prefix_cache_entries=0))
 
     def __getattr__(self, name: str):
@@ -49,21 +50,16 @@ class LocalModel:
         """The chat turn's events for a user message (str) or OpenAI-style messages: ("delta", Delta) ...
         ("done", TurnResult). `images` (paths or file bytes) go before a str prompt's text, for a model with
         a vision tower (engine/images.py); `thinking`: "low" | "high" | "max" (the reasoning budget tier)."""
-        model = None
-        if images:
-            from localmoe.engine.images import ImageFeed, image_text
-
-            if not isinstance(prompt, str):
-                raise LocalMoEError("images go with a text prompt (str), not a message list")
-            rows = [self.loaded.image_encoder.encode(image) for image in images]
-            prompt, model = "".join(image_text(r) for r in rows) + prompt, ImageFeed(self.loaded.model, rows)
         if isinstance(prompt, str):
-            messages = ([ChatMessage("system", system)] if system else []) + [ChatMessage("user", prompt)]
+            refs = [ImageRef.of(image if isinstance(image, bytes) else Path(image).read_bytes()) for image in images]
+            messages = ([ChatMessage("system", system)] if system else []) + [ChatMessage("user", prompt, images=refs)]
+        elif images:
+            raise LocalMoEError("images go with a text prompt (str), not a message list")
         else:
             messages = messages_from_openai(prompt)
         request = ChatRequest(messages, max_tokens, params or SamplingParams(), stop=list(stop),
                               reasoning_effort=thinking)
-        return self.service.chat_here(request, model)
+        return self.service.chat_here(request)
 
     def stream(self, prompt: str | list[dict], params: SamplingParams | None = None, max_tokens: int = 256,
                stop: Sequence[str] = (), system: str | None = None, images: Sequence = (),

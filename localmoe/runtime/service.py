@@ -411,10 +411,10 @@ class Service:
                 job.cancel()
                 self.worker.step()  # closes the job and releases its cache
 
-    def chat_here(self, req: ChatRequest, model=None):
-        """`chat` run in this thread (`run_here`); `model` stands in for the served one (an image feed)."""
+    def chat_here(self, req: ChatRequest):
+        """`chat` run in this thread (`run_here`)."""
         prep, _ = self.prepare_chat(req)
-        fmt, tokenizer, model = self.format, self.tokenizer, model or self.model
+        fmt, tokenizer, model = self.format, self.tokenizer, self.model
         return self.run_here(lambda job: run_chat(fmt, tokenizer, model, prep, job.emit, lambda: job.cancelled))
 
     # ---- completions ----

@@ -111,7 +111,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ChatFormatError(f"{where}.role: one of user, system, developer, assistant, not {role!r}")
             if role == "user":  # text and input_image parts, read by messages_from_openai
-                messages.append({"role": role, "content": item.get("content")})
+                content = item.get("content")
+                for k, part in enumerate(content if isinstance(content, list) else []):
+                    kind = part.get("type") if isinstance(part, dict) else None
+                    if kind not in ("text", "input_text", "output_text", "input_image"):
+                        raise ChatFormatError(f"{where}.content[{k}].type: {kind!r} parts are not supported "
+                                              f"(input_text, input_image)")
+                messages.append({"role": role, "content": content})
                 continue
             text = content_text(item.get("content"), f"{where}.content")
             if role == "assistant":

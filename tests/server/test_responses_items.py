@@ -36,7 +36,7 @@ def test_items_become_chat_messages():
 
 @pytest.mark.parametrize("item, field", [
     ({"type": "item_reference", "id": "x"}, "input[0].type"),
-    ({"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}, "input[0].content[0].type"),
+    ({"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}, "input[0].content[0].type"),
     ({"type": "function_call", "name": "f", "arguments": "{}"}, "input[0].call_id"),
     ({"role": "tool", "content": "x"}, "input[0].role"),
 ])

@@ -1,4 +1,4 @@
-"""Images in a prompt: the placeholder rows reach the model through chunked prefill (`ImageFeed`), are
+"""Images in a prompt: the placeholder rows reach the model through chunked prefill (the `Decoder`), are
 encoded once per image content, and `localmoe run --image` shows them to a vision model."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from click.testing import CliRunner
 from PIL import Image
 
 from localmoe.cli import cli
-from localmoe.engine.generate import prefill
-from localmoe.engine.images import ImageFeed, image_text
 from localmoe.engine.sampler import SamplingParams
 from localmoe.testing import write_checkpoint
 from localmoe.testing.parity import load_ours
@@ -36,14 +34,18 @@ def loaded(checkpoint):
     return load_ours(checkpoint)
 
 
-def test_chunked_prefill_through_an_image_equals_one_forward(loaded):
-    rows = [loaded.image_encoder.encode(png(1)), loaded.image_encoder.encode(png(2, (30, 30)))]
-    ids = loaded.tokenizer.encode("look: " + image_text(rows[0]) + " and " + image_text(rows[1]) + " now",
-                                  add_special_tokens=False)
-    assert ids.count(loaded.spec.image_token_id) == sum(r.shape[0] for r in rows) == 6 + 4  # 40x60 px: 4x6 patches; 30x30 px padded to 56x56: 4x4
+def test_chunked_prefill_through_two_images_equals_one_forward(loaded):
+    from localmoe.engine.generate import Decoder
+
+    data = [png(1), png(2, (30, 30))]
+    prompt, images = _decoder_prompt(loaded, data)
+    rows = [loaded.image_encoder.encode(d) for d in data]
+    assert prompt.count(loaded.spec.image_token_id) == sum(r.shape[0] for r in rows) == 6 + 4  # 40x60 px: 4x6 patches; 30x30 px padded to 56x56: 4x4
     model = loaded.model
-    want = model.forward(torch.tensor([ids]), model.new_cache(1, 64), image_embeds=torch.cat(rows))[:, -1]
-    got = prefill(ImageFeed(model, rows), ids, model.new_cache(1, 64), chunk=4)  # chunks split the first image
+    want = model.forward(torch.tensor([prompt]), model.new_cache(1, 128), image_embeds=torch.cat(rows))[:, -1]
+    dec = Decoder(model, prompt, SamplingParams(temperature=0), 128, prefill_chunk=4, images=images)
+    while (got := dec.logits()) is None:  # chunks of 4 split the first image
+        pass
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -76,7 +78,8 @@ def _decoder_prompt(loaded, refs):
     from localmoe.chat.images import ImageRef
     from localmoe.runtime.images import prompt_images, size_images
 
-    messages = size_images(loaded, [ChatMessage("user", "look: and now", images=[ImageRef.of(d, 6) for d in refs])])
+    messages = size_images(loaded, [ChatMessage("user", "look: and now",
+                                                images=[ImageRef.of(d, 6 + 4 * k) for k, d in enumerate(refs)])])
     prompt = loaded.chat_format.render(messages)
     return prompt, prompt_images(loaded, messages, prompt)
 

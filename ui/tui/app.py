@@ -114,8 +114,7 @@ class ChatApp(App):
         self.tools_state = Static("", id="tools-state")
         self.budget_selector = BudgetSelector(self.options["budget"], id="budget")
         self.chat = VerticalScroll(id="chat")
-        self.prompt = Input(placeholder="Message (enter sends; /tool NAME ... forces a tool call; /image PATH "
-                            "attaches an image)", id="prompt")
+        self.prompt = Input(placeholder="Message (enter sends; /tool NAME ... forces a tool call)", id="prompt")
         self.status_bar = StatusBar("loading", id="status", markup=False)
         with Horizontal(id="topbar"):
             yield self.title_bar
