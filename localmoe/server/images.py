@@ -52,7 +52,10 @@ def _file_url(url: str, roots: tuple[Path, ...], where: str) -> bytes:
     if not roots:
         raise APIError(400, f"{where}: file URLs are read only under --documents-root folders, and this server has "
                             f"none; send the image as a data URL (data:image/png;base64,...)")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        raise APIError(400, f"{where}: not a valid file URL (file:///absolute/path)") from None
     if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
         raise APIError(400, f"{where}: a file URL is file:///absolute/path (no host, query or fragment)")
     path = unquote(parts.path)
