@@ -242,22 +242,28 @@ def _web(directory: Path, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def page(web_server):
-    yield from _page(web_server[0])
-
-
-def _page(url: str):
+def browser():
+    """Headless Chromium (one per module: playwright's sync API runs one driver at a time)."""
     executable = _browser()
     if executable is None:
         pytest.skip("no Chromium found (install Debian's chromium package: .ci/browser.sh)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests drive Chromium with playwright")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
-        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
-        tab.goto(url)
-        tab.wait_for_selector("#message textarea")
-        yield tab
-        browser.close()
+        launched = p.chromium.launch(executable_path=executable, headless=True, args=["--no-sandbox"])
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, web_server):
+    return _tab(browser, web_server[0])
+
+
+def _tab(browser, url: str):
+    tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+    tab.goto(url)
+    tab.wait_for_selector("#message textarea")
+    return tab
 
 
 BOT = '#chat [data-testid="bot"]'
@@ -409,7 +415,7 @@ def vision_web(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_an_uploaded_image_goes_with_the_next_message(vision_web, tmp_path):
+def test_an_uploaded_image_goes_with_the_next_message(browser, vision_web, tmp_path):
     """The image box takes a file (upload; paste goes to the same box), the chat shows it, and the model's
     prompt holds it: the stored user message keeps the image's bytes by hash."""
     import hashlib
@@ -423,12 +429,13 @@ def test_an_uploaded_image_goes_with_the_next_message(vision_web, tmp_path):
     Image.new("RGB", (60, 40), (20, 120, 220)).save(buf, format="PNG")
     picture = tmp_path / "blue.png"
     picture.write_bytes(buf.getvalue())
-    for tab in _page(vision_web[0]):
-        tab.set_input_files("#image input[type=file]", str(picture))
-        tab.wait_for_selector("#image img", timeout=30_000)  # the preview: the upload arrived
-        _send_and_watch(tab, "What colour is it?")
-        tab.wait_for_selector('#chat [data-testid="user"] img', timeout=30_000)  # the image in the chat
-        assert not tab.query_selector("#image img")  # the box is cleared for the next message
+    tab = _tab(browser, vision_web[0])
+    tab.set_input_files("#image input[type=file]", str(picture))
+    tab.wait_for_selector("#image img", timeout=30_000)  # the preview: the upload arrived
+    _send_and_watch(tab, "What colour is it?")
+    tab.wait_for_selector('#chat [data-testid="user"] img', timeout=30_000)  # the image in the chat
+    assert not tab.query_selector("#image img")  # the box is cleared for the next message
+    tab.close()
     store = SessionStore(vision_web[1] / "sessions.db")
     try:
         (info,) = store.list()
