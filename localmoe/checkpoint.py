@@ -9,6 +9,7 @@ converter, `trace` and `calibrate` all start here; nothing is read beyond header
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelErro
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import ModelFamily, TensorMap
 
-KINDS = ("gguf", "hf", "config", "store")  # "config": an HF config.json alone, no weights
+KINDS = ("gguf", "hf", "config", "store")
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # a layer's index in an HF, store or GGUF tensor name  # "config": an HF config.json alone, no weights
 
 
 @dataclass
@@ -34,12 +36,19 @@ class Checkpoint:
 
     @property
     def tensor_names(self) -> list[str]:
-        """Names of the stored tensors (a store: its dense tensors; the routed experts are in its extents)."""
+        """Names of the stored tensors (a store: its dense tensors; the routed experts are in its extents),
+        without those of the MTP / next-n layers appended after the last layer (`ModelSpec.nextn_layers`): no
+        part of the model, so neither loaded nor converted."""
         if self.kind == "gguf":
-            return self.reader.tensor_names()
-        if self.kind == "hf":
-            return list(self.reader.keys())
-        return self.reader.dense_names() if self.kind == "store" else []
+            names = self.reader.tensor_names()
+        elif self.kind == "hf":
+            names = list(self.reader.keys())
+        else:
+            names = self.reader.dense_names() if self.kind == "store" else []
+        if not self.spec.nextn_layers:
+            return names
+        first, end = self.spec.num_layers, self.spec.num_layers + self.spec.nextn_layers
+        return [n for n in names if not ((m := _LAYER.search(n)) and first <= int(m.group(1)) < end)]
 
     @property
     def tensor_map(self) -> TensorMap:

@@ -86,7 +86,7 @@ class ModelSpec:
     vision: Any = None  # vision_moonvit.Config / vision_qwen3vl.Config: the image tower (engine/images.py)
     image_token_id: int = -1  # the prompt's image placeholder token; its rows take the image embeddings
     # MTP / next-n layers a checkpoint appends after the last layer (DeepSeek-V3, GLM-4.5
-    # `num_nextn_predict_layers`): not part of the main model, the loader skips their tensors
+    # `num_nextn_predict_layers`): not part of the main model; checkpoint.tensor_names leaves their tensors out
     nextn_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -134,12 +134,6 @@ class ModelSpec:
         head = 0 if self.tie_word_embeddings else embed
         total = embed + head + self.num_layers * per_layer + self.hidden_size
         return {"total": total, "active": total, "embedding": embed, "lm_head": head}
-
-    def is_nextn_tensor(self, canonical: str) -> bool:
-        """Whether a canonical tensor name (`layers.{i}.*`) belongs to an appended MTP / next-n layer."""
-        parts = canonical.split(".", 2)
-        return self.nextn_layers > 0 and parts[0] == "layers" and len(parts) > 2 and parts[1].isdigit() \
-            and self.num_layers <= int(parts[1]) < self.num_layers + self.nextn_layers
 
     def moe_layers(self) -> list[int]:
         """0-based indices of the layers whose MLP is a routed-expert block."""

@@ -52,8 +52,8 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         except KeyError:
             raise CheckpointError(f"{source}: tensor {name!r} is not part of a {family.name}-family checkpoint "
                                   f"(model type {spec.model_type}); the file may be of another architecture")
-        if resolved is None or spec.is_nextn_tensor(resolved[0]):
-            continue  # ignored, or an appended MTP layer's
+        if resolved is None:
+            continue
         canonical, transform = resolved
         tensor = read(name)
         if isinstance(tensor, BlockQuantized):  # kept in its blocks; transforms only reorder rows

@@ -63,11 +63,6 @@ class TensorMap:
         raise KeyError(name)
 
 
-# The own tensors of an MTP / next-n layer appended after the last layer (DeepSeek-V3, GLM-4.5:
-# `model.layers.{num_hidden_layers}.*`); its decoder layer's tensors are skipped by index (ModelSpec.nextn_layers).
-MTP_EXTRAS = r"\.layers\.\d+\.(?:eh_proj|enorm|hnorm|shared_head\.\w+|embed_tokens)\.weight$"
-
-
 def hf_rules(layer: tuple[str, ...], src: str = "model.") -> tuple[TensorRule, ...]:
     """An HF checkpoint's embedding, final norm and lm_head, and the `{src}layers.{i}.{name}` of `layer`
     kept under their names (`layers.{i}.{name}`)."""

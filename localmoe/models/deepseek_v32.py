@@ -12,7 +12,7 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
   under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
 - `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights are not read:
   convert to bf16 first. The MTP layer (`model.layers.{num_hidden_layers}`, `num_nextn_predict_layers`)
-  is skipped on load (`ModelSpec.nextn_layers`).
+  is neither loaded nor converted (`ModelSpec.nextn_layers`).
 
 GGUF (`deepseek32`, and `deepseek2` for V3 without the indexer; llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
 per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode) and `attn_v_b`
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from localmoe.config import ModelSpec
 from localmoe.models import register
-from localmoe.models.base import MTP_EXTRAS, ModelFamily, TensorMap, TensorRule
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
     MLA_GGUF,
     MOE_GGUF,
@@ -75,7 +75,7 @@ def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]
 HF_TENSORS = TensorMap(
     rules=(TensorRule("model.embed_tokens.weight", "embed_tokens.weight"), TensorRule("model.norm.weight", "norm.weight"),
            TensorRule("lm_head.weight", "lm_head.weight"), *layer_rules("model.")),
-    ignore=(r"rotary_emb\.inv_freq$", MTP_EXTRAS),
+    ignore=(r"rotary_emb\.inv_freq$",),
 )
 
 

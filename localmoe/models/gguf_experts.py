@@ -99,8 +99,8 @@ def gguf_moe_tensors(layer: dict, ignore: tuple[str, ...] = ()) -> TensorMap:
 
 def mla_finish(weights: dict, spec: ModelSpec) -> dict:
     """A DeepSeek-style MLA GGUF's `gguf_finish`: attention matrices kept in blocks dequantised, kv_b_proj
-    joined back (join_kv_b), routed experts split per expert (the MTP block's tensors never got here: the loader
-    skips `ModelSpec.nextn_layers`)."""
+    joined back (join_kv_b), routed experts split per expert (the MTP block's tensors never got here:
+    checkpoint.tensor_names leaves `ModelSpec.nextn_layers` out)."""
     dequantize_attention(weights)
     join_kv_b(weights, spec)
     return unstack_experts(weights, spec)

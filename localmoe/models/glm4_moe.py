@@ -11,7 +11,7 @@ Quirks, each covered by tests/models/test_glm4_moe.py:
 - RoPE on the first `partial_rotary_factor` (0.5 when the config does not say: transformers' default)
   of each head, NeoX halves within that part.
 - The MTP layers (`num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers}...`) are not part
-  of the main model: the loader skips them (`ModelSpec.nextn_layers`).
+  of the main model: neither loaded nor converted (`ModelSpec.nextn_layers`, checkpoint.tensor_names).
 
 GGUF (`glm4moe`, llama.cpp's layout; tests/models/test_moe_gguf.py): `blk.N.post_attention_norm` is the
 post-attention norm, the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts
@@ -25,7 +25,7 @@ from __future__ import annotations
 from localmoe.config import ModelSpec
 from localmoe.engine.layers.attention import GQA_TENSORS, rope_from_hf
 from localmoe.models import register
-from localmoe.models.base import MTP_EXTRAS, ModelFamily, TensorMap, TensorRule, hf_rules
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule, hf_rules
 from localmoe.models.gguf_experts import MOE_GGUF, GGUFKeys, gguf_moe_tensors, gguf_stacked_experts, unstack_experts
 from localmoe.models.moe_config import dims, experts, moe_placement, require
 
@@ -93,7 +93,7 @@ HF_TENSORS = TensorMap(
         *(TensorRule(f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight", f"layers.{{i}}.mlp.experts.{{e}}.{p}.weight")
           for p in _PROJ),
     ),
-    ignore=(r"rotary_emb\.inv_freq$", MTP_EXTRAS),
+    ignore=(r"rotary_emb\.inv_freq$",),
 )
 
 _GGUF_LAYER = {**MOE_GGUF, "post_attention_norm.weight": "post_attention_layernorm.weight",
