@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from alternate import alternate, emit, median_ratio
 from decode_dense import requantised
-from k3_cpu import llama_src, llama_worker, prepare, prompt_ids
+from k3_cpu import peer_benchmark, prepare, prompt_ids
 
 
 def localmoe_worker(args) -> None:
@@ -99,30 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="qwen3_moe:small,glm4_moe:small", help="family:size, comma-separated")
     parser.add_argument("--quant", default="q4_k_m", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0"))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=72)
-    parser.add_argument("--decode", type=int, default=64)
-    parser.add_argument("--work", help="folder for checkpoints, GGUFs and the sdist (kept; default: a temporary one)")
-    parser.add_argument("--llama-src", help="an unpacked llama.cpp source folder with convert_hf_to_gguf.py")
-    parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--logits", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        (localmoe_worker if args.worker == "localmoe" else llama_worker)(args)
-        return
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        raise SystemExit("needs llama-cpp-python (pip install llama-cpp-python==0.3.36) and gguf") from None
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        src = llama_src(work, args.llama_src)
-        for item in args.models.split(","):
-            family, _, size = item.partition(":")
-            compare(family, size or "small", args, work, src)
+    peer_benchmark(parser, compare, localmoe_worker)
 
 
 if __name__ == "__main__":

@@ -204,16 +204,14 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"of the range, same argmax: {int(a.argmax()) == int(b.argmax())}", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="kimi_k3:small", help="family:size, comma-separated")
+def peer_benchmark(parser: argparse.ArgumentParser, compare, localmoe_worker) -> None:
+    """What every benchmark against llama.cpp on generated models shares: the common arguments, the workers
+    (`--worker`, run by `alternate`), the llama-cpp-python check, the work folder and the models' loop, calling
+    `compare(family, size, args, work, llama_src)` per `--models` entry."""
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=72)
     parser.add_argument("--decode", type=int, default=64)
-    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
-    parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8",
-                        help="localmoe's MXFP4 expert activations (q8: int8 per 32 values, as llama.cpp's)")
     parser.add_argument("--work", help="folder for checkpoints, GGUFs and the sdist (kept; default: a temporary one)")
     parser.add_argument("--llama-src", help="an unpacked llama.cpp source folder with convert_hf_to_gguf.py")
     parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
@@ -234,6 +232,15 @@ def main() -> None:
         for item in args.models.split(","):
             family, _, size = item.partition(":")
             compare(family, size or "small", args, work, src)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="kimi_k3:small", help="family:size, comma-separated")
+    parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
+    parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8",
+                        help="localmoe's MXFP4 expert activations (q8: int8 per 32 values, as llama.cpp's)")
+    peer_benchmark(parser, compare, localmoe_worker)
 
 
 if __name__ == "__main__":

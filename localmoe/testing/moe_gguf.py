@@ -111,39 +111,32 @@ def gguf_rope_type(rope_scaling: dict):
         gguf.RopeScalingType.LINEAR
 
 
-def _qwen3moe_metadata(w, c: dict) -> None:
+def _gqa_moe_metadata(w, c: dict, experts: int, blocks: int | None = None) -> None:
+    """What llama.cpp's converter writes for a GQA MoE text model: dimensions, heads, RoPE base, norms, experts."""
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
+    w.add_block_count(blocks or c["num_hidden_layers"])
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_rope_freq_base(float(c["rope_theta"]))
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_expert_count(c["num_experts"])
+    w.add_expert_count(experts)
     w.add_expert_used_count(c["num_experts_per_tok"])
     w.add_key_length(c["head_dim"])
     w.add_value_length(c["head_dim"])
     w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
+def _qwen3moe_metadata(w, c: dict) -> None:
+    _gqa_moe_metadata(w, c, c["num_experts"])
 
 
 def _glm4moe_metadata(w, c: dict) -> None:
     """llama.cpp's Glm4MoeModel: block_count counts the appended MTP layers, the rotary part in dims."""
     nextn = c.get("num_nextn_predict_layers", 0)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"] + nextn)
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
-    w.add_rope_freq_base(float(c["rope_theta"]))
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_expert_used_count(c["num_experts_per_tok"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
+    _gqa_moe_metadata(w, c, c["n_routed_experts"], c["num_hidden_layers"] + nextn)
     w.add_rope_dimension_count(int(c["head_dim"] * c.get("partial_rotary_factor", 0.5)))
-    w.add_expert_count(c["n_routed_experts"])
-    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     w.add_expert_shared_count(c["n_shared_experts"])
     w.add_leading_dense_block_count(c["first_k_dense_replace"])
     w.add_uint32("glm4moe.expert_gating_func", 2)
