@@ -21,42 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
-from alternate import alternate, emit, median_ratio
+from alternate import alternate, median_ratio
 from decode_dense import requantised
-from k3_cpu import peer_benchmark, prepare, prompt_ids
-
-
-def localmoe_worker(args) -> None:
-    import numpy as np
-    import torch
-
-    from localmoe.config import EngineConfig
-    from localmoe.engine.generate import prefill
-    from localmoe.load import load_model
-
-    torch.set_num_threads(args.threads)
-    context = args.prompt + args.decode + 16
-    config = EngineConfig(dtype="auto", threads=args.threads, max_context=context, expert_precision="q8")
-    model = load_model(args.path, config, progress=False).model
-    prompt = prompt_ids(args.prompt)
-
-    def run(prompt, decode):
-        cache = model.new_cache(1, context)
-        start = time.perf_counter()
-        logits = prefill(model, prompt, cache)
-        prefill_s, first = time.perf_counter() - start, logits
-        start = time.perf_counter()
-        for _ in range(decode):
-            logits = model.forward(logits.argmax(-1).view(1, 1), cache)[:, -1]
-        return prefill_s, time.perf_counter() - start, first
-
-    run(prompt[:8], 4)  # warm up: kernel library, decode plan
-    prefill_s, decode_s, first = run(prompt, args.decode)
-    np.save(args.logits, first[0].float().numpy())
-    emit({"prefill": args.prompt / prefill_s, "decode": args.decode / decode_s})
+from k3_cpu import localmoe_worker, peer_benchmark, prepare
 
 
 def compare(family: str, size: str, args, work: Path, src: Path) -> None:
@@ -98,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="qwen3_moe:small,glm4_moe:small", help="family:size, comma-separated")
     parser.add_argument("--quant", default="q4_k_m", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0"))
+    parser.set_defaults(dtype="auto", expert_precision="q8")  # every block type as stored; int8 activations
     peer_benchmark(parser, compare, localmoe_worker)
 
 

@@ -102,7 +102,7 @@ def localmoe_worker(args) -> None:
     from localmoe.load import load_model
 
     torch.set_num_threads(args.threads)
-    dtype = {"f32": "float32", "bf16": "bfloat16"}[args.dtype]
+    dtype = {"f32": "float32", "bf16": "bfloat16"}.get(args.dtype, args.dtype)  # "auto": GGUF blocks kept
     context = args.prompt + args.decode + 16
     config = EngineConfig(dtype=dtype, threads=args.threads, max_context=context, expert_precision=args.expert_precision)
     model = load_model(args.path, config, progress=False).model
