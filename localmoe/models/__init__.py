@@ -43,16 +43,18 @@ def supported_gguf_architectures() -> list[str]:
 
 
 def family_for_model_type(model_type: str, source: str = "config.json") -> ModelFamily:
-    for family in families():
-        if model_type in family.model_types:
-            return family
-    raise UnsupportedModelError(f"{source}: model_type {model_type!r} is not supported; supported model types: "
-                                f"{', '.join(supported_model_types())}")
+    return _find(lambda f: model_type in f.model_types, lambda: f"{source}: model_type {model_type!r} is not supported; "
+                 f"supported model types: {', '.join(supported_model_types())}")
 
 
 def family_for_gguf(architecture: str, source: str = "GGUF file") -> ModelFamily:
+    return _find(lambda f: architecture in f.gguf_architectures, lambda: f"{source}: GGUF architecture {architecture!r} "
+                 f"is not supported; supported: {', '.join(supported_gguf_architectures())}")
+
+
+def _find(match, unsupported) -> ModelFamily:
+    """The first family `match(family)` accepts; UnsupportedModelError(unsupported()) when none does."""
     for family in families():
-        if architecture in family.gguf_architectures:
+        if match(family):
             return family
-    raise UnsupportedModelError(f"{source}: GGUF architecture {architecture!r} is not supported; supported: "
-                                f"{', '.join(supported_gguf_architectures())}")
+    raise UnsupportedModelError(unsupported())
