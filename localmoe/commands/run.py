@@ -57,7 +57,7 @@ def command(prompt, model, engine, system, max_tokens, temperature, top_p, top_k
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
     loaded = LocalModel(load_model(model, engine), ServerConfig(budgets=thinking_budgets, prefix_cache_entries=0,
-                                                                 spec=spec, spec_k=spec_k))
+                                                                 spec=spec, spec_k=spec_k, batching="off"))
     stream = not (no_stream or as_json)
     for image in images:
         loaded.image_encoder.size(image)  # a text-only model or a bad file: an error naming it, before the turn

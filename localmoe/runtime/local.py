@@ -39,7 +39,9 @@ class LocalModel:
 
     def __init__(self, loaded, config: ServerConfig | None = None):
         self.loaded = loaded
-        self.service = Service(loaded, config or ServerConfig(prefix_cache_entries=0))
+        # one caller, one sequence at a time: the fused single-sequence step where the model has one (batching
+        # only pays with several sequences, and auto may batch a model whose rows run the multi-row kernels)
+        self.service = Service(loaded, config or ServerConfig(prefix_cache_entries=0, batching="off"))
 
     def __getattr__(self, name: str):
         return getattr(self.loaded, name)

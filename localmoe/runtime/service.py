@@ -159,9 +159,12 @@ class Stream:
         raise CancelledError()
 
 
+DISCONNECT_POLL = 0.05  # seconds between checks for a vanished client: its generation stops within this
+
+
 async def _watch(is_disconnected) -> None:
     while not await is_disconnected():
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(DISCONNECT_POLL)
 
 
 class Service:

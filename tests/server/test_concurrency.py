@@ -126,7 +126,7 @@ def test_non_streaming_disconnect_cancels_generation(tiny_server):
     # sampled with a seed that runs to max_tokens: greedy decoding of this random model ends at its end-of-turn
     # token after ~135 tokens, sometimes within the client's timeout. The 450 tokens take 0.27-0.55 s here since
     # the fused decode step runs the tiny model's experts itself, while the server looks for a disconnect every
-    # 0.2 s: a run may end before the disconnect is seen, so each try waits until its generation is over (the
+    # 0.05 s (DISCONNECT_POLL): a run may end before the disconnect is seen, so each try waits until its generation is over (the
     # effect) and the test passes once one of a few tries was cancelled (a server that never cancels fails all).
     body = {"model": "default", "max_tokens": 450, "temperature": 1.0, "seed": 1,
             "messages": [{"role": "user", "content": "go"}]}
