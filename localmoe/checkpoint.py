@@ -18,8 +18,8 @@ from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelErro
 from localmoe.models import family_for_gguf, family_for_model_type, runnable_model_types
 from localmoe.models.base import ModelFamily, TensorMap
 
-KINDS = ("gguf", "hf", "config", "store")
-_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # a layer's index in an HF, store or GGUF tensor name  # "config": an HF config.json alone, no weights
+KINDS = ("gguf", "hf", "config", "store")  # "config": an HF config.json alone, no weights
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")  # a layer's index in an HF, store or GGUF tensor name
 
 
 @dataclass
