@@ -1,5 +1,6 @@
 """Dequantisation of ggml tensor types in PyTorch: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and MXFP4.
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL and IQ4_XS here; the lattice (IQ1_S ... IQ3_S) and ternary
+(TQ1_0, TQ2_0) types in quant/ggml_iq.py.
 
 Each block decoder takes `blocks: [N, type_size] uint8` (N blocks of raw bytes) and writes
 `out: [N, block_size] float32`. The arithmetic mirrors the numpy reference in
@@ -17,6 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localmoe.errors import CheckpointError
+from localmoe.quant.ggml_bits import aligned, bit_fields, f16_fields, u16_fields
+from localmoe.quant.ggml_iq import IQ_DECODERS
 
 T = GGMLQuantizationType
 QK_K = 256  # super-block size of the k-quants
@@ -25,47 +28,21 @@ _CHUNK_ELEMENTS = 1 << 22  # values decoded per chunk (16 MiB of float32): bound
 FLOAT_TYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
-def _packed(t: torch.Tensor, align: int) -> torch.Tensor:
-    """`t` contiguous at a storage offset divisible by `align`, as `Tensor.view(dtype)` requires."""
-    if t.is_contiguous() and t.storage_offset() % align == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)  # a fresh storage, offset 0
-
-
-def _f16(blocks: torch.Tensor, start: int, count: int = 1) -> torch.Tensor:
-    """`count` adjacent float16 fields from byte `start` of each block, as float32 `[N, count]`."""
-    return _packed(blocks[:, start:start + 2 * count], 2).view(torch.float16).to(torch.float32)
-
-
-def _unpack(field: torch.Tensor, shifts: Sequence[int], mask: int) -> torch.Tensor:
-    """Bit fields of packed bytes: `[N, G, B]` uint8 -> `[N, G, len(shifts), B]` uint8.
-
-    Output `[n, g, i, b]` is `(field[n, g, b] >> shifts[i]) & mask`. The work is done on
-    int32 words (B must be a multiple of 4; four bytes per op, so ~4x fewer elements than
-    per-byte ops); the masks clear whatever an arithmetic shift drags in from above.
-    Assumes a little-endian host, as ggml does.
-    """
-    words = _packed(field, 4).view(torch.int32)  # [N, G, B / 4]
-    word_mask = mask * 0x01010101  # `mask` in each of the 4 bytes
-    parts = [(words >> s if s else words) & word_mask for s in shifts]
-    return torch.stack(parts, dim=2).view(torch.uint8)  # [N, G, S, B]
-
-
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """`[N, 16]` bytes -> `[N, 32]`: the 16 low nibbles, then the 16 high nibbles."""
-    return _unpack(qs.unsqueeze(1), (0, 4), 0x0F).reshape(qs.shape[0], -1)
+    return bit_fields(qs.unsqueeze(1), (0, 4), 0x0F).reshape(qs.shape[0], -1)
 
 
 def _q4_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q4_0: d f16 | qs[16]; value = d * (nibble - 8)
-    d = _f16(blocks, 0)
+    d = f16_fields(blocks, 0)
     out.copy_(_nibbles(blocks[:, 2:]))
     out.sub_(8.0).mul_(d)
 
 
 def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q4_1: d f16 | m f16 | qs[16]; value = d * nibble + m
-    dm = _f16(blocks, 0, 2)
+    dm = f16_fields(blocks, 0, 2)
     d, m = dm[:, :1], dm[:, 1:]
     out.copy_(_nibbles(blocks[:, 4:]))
     out.mul_(d).add_(m)
@@ -73,27 +50,27 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """The 32-bit field of Q5_0 / Q5_1 `[N, 4]` -> `[N, 32]` uint8: bit j (element j's fifth bit)."""
-    words = _packed(qh, 4).view(torch.int32)  # [N, 1]; bit 31 shifts in ones, the mask drops them
+    words = aligned(qh, 4).view(torch.int32)  # [N, 1]; bit 31 shifts in ones, the mask drops them
     return ((words >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
 
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q5_0: d f16 | qh[4] (fifth bits) | qs[16] (nibbles as Q4_0); value = d * (q - 16), q in 0..31
-    d = _f16(blocks, 0)
+    d = f16_fields(blocks, 0)
     out.copy_(_nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4))
     out.sub_(16.0).mul_(d)
 
 
 def _q5_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q5_1: d f16 | m f16 | qh[4] | qs[16]; value = d * q + m
-    dm = _f16(blocks, 0, 2)
+    dm = f16_fields(blocks, 0, 2)
     out.copy_(_nibbles(blocks[:, 8:]) | (_fifth_bits(blocks[:, 4:8]) << 4))
     out.mul_(dm[:, :1]).add_(dm[:, 1:])
 
 
 def _q8_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q8_0: d f16 | qs[32] int8; value = d * q
-    d = _f16(blocks, 0)
+    d = f16_fields(blocks, 0)
     out.copy_(blocks[:, 2:].view(torch.int8))
     out.mul_(d)
 
@@ -115,13 +92,13 @@ def _q4_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q4_K (256 values): d f16 | dmin f16 | scales[12] | qs[128]
     # 8 sub-blocks of 32: value = (d * sc) * nibble - (dmin * m)
     n = blocks.shape[0]
-    dd = _f16(blocks, 0, 2)
+    dd = f16_fields(blocks, 0, 2)
     d, dmin = dd[:, :1], dd[:, 1:]
     sc, mn = _k_scale_min(blocks[:, 4:16])
     scale = (d * sc.to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
     offset = (dmin * mn.to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
     # each 32 bytes hold two sub-blocks: low nibbles first, then high nibbles
-    qs = _unpack(blocks[:, 16:].reshape(n, 4, 32), (0, 4), 0x0F)  # [N, 4, 2, 32]
+    qs = bit_fields(blocks[:, 16:].reshape(n, 4, 32), (0, 4), 0x0F)  # [N, 4, 2, 32]
     view = out.view(n, 8, 32)
     view.copy_(qs.reshape(n, 8, 32))
     view.mul_(scale).sub_(offset)
@@ -131,12 +108,12 @@ def _q5_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q5_K (256 values): d f16 | dmin f16 | scales[12] (as Q4_K) | qh[32] | qs[128] (as Q4_K)
     # sub-block j: value = (d * sc) * q - (dmin * m), q = nibble | bit j of qh[i] << 4 for element i
     n = blocks.shape[0]
-    dd = _f16(blocks, 0, 2)
+    dd = f16_fields(blocks, 0, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     scale = (dd[:, :1] * sc.to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
     offset = (dd[:, 1:] * mn.to(torch.float32)).unsqueeze(-1)
-    low = _unpack(blocks[:, 48:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
-    high = _unpack(blocks[:, 16:48].reshape(n, 1, 32), range(8), 0x01).reshape(n, 8, 32)
+    low = bit_fields(blocks[:, 48:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
+    high = bit_fields(blocks[:, 16:48].reshape(n, 1, 32), range(8), 0x01).reshape(n, 8, 32)
     view = out.view(n, 8, 32)
     view.copy_(low | (high << 4))
     view.mul_(scale).sub_(offset)
@@ -147,11 +124,11 @@ def _q2_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # 16 sub-blocks of 16: value = (d * scale) * q - (dmin * min), q in 0..3 (2 bits of qs)
     n = blocks.shape[0]
     sc = blocks[:, :16]
-    dd = _f16(blocks, 80, 2)
+    dd = f16_fields(blocks, 80, 2)
     scale = (dd[:, :1] * (sc & 0x0F).to(torch.float32)).unsqueeze(-1)  # [N, 16, 1]
     offset = (dd[:, 1:] * (sc >> 4).to(torch.float32)).unsqueeze(-1)
     view = out.view(n, 16, 16)
-    view.copy_(_unpack(blocks[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16))
+    view.copy_(bit_fields(blocks[:, 16:80].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16))
     view.mul_(scale).sub_(offset)
 
 
@@ -159,12 +136,12 @@ def _q3_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_q3_K (256 values): hmask[32] | qs[64] (2 low bits) | scales[12] (16 six-bit, - 32) | d f16
     # value = (d * scale) * (q - 4 * (1 - hbit)): the offset 4 applies where the hmask bit is CLEAR
     n = blocks.shape[0]
-    d = _f16(blocks, 108)
-    low = _unpack(blocks[:, 96:104].reshape(n, 1, 8), (0, 4), 0x0F).reshape(n, 16)  # scales 0-7, then 8-15
-    high = _unpack(blocks[:, 104:108].reshape(n, 1, 4), (0, 2, 4, 6), 0x03).reshape(n, 16)
+    d = f16_fields(blocks, 108)
+    low = bit_fields(blocks[:, 96:104].reshape(n, 1, 8), (0, 4), 0x0F).reshape(n, 16)  # scales 0-7, then 8-15
+    high = bit_fields(blocks[:, 104:108].reshape(n, 1, 4), (0, 2, 4, 6), 0x03).reshape(n, 16)
     scale = (d * ((low | (high << 4)).to(torch.float32) - 32.0)).unsqueeze(-1)  # [N, 16, 1]
-    q = _unpack(blocks[:, 32:96].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16).to(torch.float32)
-    hbit = _unpack(blocks[:, :32].reshape(n, 1, 32), range(8), 0x01).reshape(n, 16, 16)
+    q = bit_fields(blocks[:, 32:96].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 16, 16).to(torch.float32)
+    hbit = bit_fields(blocks[:, :32].reshape(n, 1, 32), range(8), 0x01).reshape(n, 16, 16)
     view = out.view(n, 16, 16)
     view.copy_(q.sub_(4.0 * (1 - hbit).to(torch.float32)))
     view.mul_(scale)
@@ -175,10 +152,10 @@ def _q6_k(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # 16 sub-blocks of 16: value = (d * scale) * (q - 32), q in 0..63
     n = blocks.shape[0]
     # values 0-127 of the block come from bytes 0-63 of ql and 0-31 of qh, 128-255 from the rest
-    ql = _unpack(blocks[:, :128].reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)
-    qh = _unpack(blocks[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
+    ql = bit_fields(blocks[:, :128].reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)
+    qh = bit_fields(blocks[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
     q = (ql | (qh << 4)).view(torch.int8) - 32
-    scale = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [N, 16]
+    scale = f16_fields(blocks, 208) * blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [N, 16]
     view = out.view(n, 16, 16)
     view.copy_(q.reshape(n, 16, 16))
     view.mul_(scale.unsqueeze(-1))
@@ -219,20 +196,20 @@ def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_iq4_nl (32 values): d f16 | qs[16]; element j in the low nibble of byte j, j + 16 in the high one
     # value = d * kvalues[nibble]
     out.copy_(_IQ4_KVALUES.take(_nibbles(blocks[:, 2:]).long()))
-    out.mul_(_f16(blocks, 0))
+    out.mul_(f16_fields(blocks, 0))
 
 
 def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_iq4_xs (256 values): d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 sub-blocks of 32, each as an
     # IQ4_NL block with the step (d * (ls - 32)), ls = 4 low bits from scales_l, 2 high bits from scales_h
     n = blocks.shape[0]
-    d = _f16(blocks, 0)  # [N, 1]
-    h = _packed(blocks[:, 2:4], 2).view(torch.int16).to(torch.int32) & 0xFFFF  # [N, 1]
+    d = f16_fields(blocks, 0)  # [N, 1]
+    h = u16_fields(blocks, 2, 1)  # [N, 1]
     high = torch.stack([(h >> (2 * i)) & 3 for i in range(8)], dim=1).reshape(n, 8)
     lo = blocks[:, 4:8].to(torch.int32)
     low = torch.stack([lo & 0x0F, lo >> 4], dim=-1).reshape(n, 8)
     dl = (d * ((low | (high << 4)) - 32).to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
-    q = _unpack(blocks[:, 8:].reshape(n, 8, 16), (0, 4), 0x0F).reshape(n, 8, 32)
+    q = bit_fields(blocks[:, 8:].reshape(n, 8, 16), (0, 4), 0x0F).reshape(n, 8, 32)
     view = out.view(n, 8, 32)
     view.copy_(_IQ4_KVALUES.take(q.long()))
     view.mul_(dl)
@@ -252,6 +229,7 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor
     T.MXFP4: _mxfp4,
     T.IQ4_NL: _iq4_nl,
     T.IQ4_XS: _iq4_xs,
+    **IQ_DECODERS,
 }
 
 SUPPORTED_TYPES: tuple[GGMLQuantizationType, ...] = (*FLOAT_TYPES, *_BLOCK_DECODERS)
@@ -293,7 +271,7 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: Sequen
 
     if ggml_type in FLOAT_TYPES:
         stored = FLOAT_TYPES[ggml_type]
-        return _packed(raw.reshape(-1), stored.itemsize).view(stored).reshape(shape).to(dtype)
+        return aligned(raw.reshape(-1), stored.itemsize).view(stored).reshape(shape).to(dtype)
 
     blocks = raw.reshape(-1, type_size)  # [N, type_size]
     n_blocks = blocks.shape[0]

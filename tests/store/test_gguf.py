@@ -19,11 +19,8 @@ from localmoe.errors import CheckpointError
 from localmoe.quant import ggml as ggml_quants
 from localmoe.quant.ggml import SUPPORTED_TYPES, dequantize
 from localmoe.store.gguf import GGUFFile
+from localmoe.testing.ggml_blocks import STEP_FIELDS, set_f16
 
-# byte offsets of the float16 fields inside each block: kept finite so the reference
-# (and we) never multiply by NaN/inf, whose payloads need not match bit for bit
-F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0], T.Q2_K: [80, 82],
-              T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.MXFP4: [], T.IQ4_NL: [0], T.IQ4_XS: [0]}
 QUANTIZABLE = {T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4}  # gguf.quants.quantize does these
 
 
@@ -36,9 +33,9 @@ def _random_blocks(qtype: T, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values = rng.standard_normal(n_blocks).astype(np.float32)
         return gguf.quants.quantize(values, qtype).view(np.uint8).reshape(*shape[:-1], -1)
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-    for at in F16_FIELDS[qtype]:
-        scales = (rng.standard_normal(n_blocks) * 0.05).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    for at in STEP_FIELDS.get(qtype, ()):  # kept finite so the reference (and we) never multiply by NaN/inf,
+        # whose payloads need not match bit for bit
+        set_f16(blocks, qtype, at, rng.standard_normal(n_blocks) * 0.05)
     if qtype == T.MXFP4:
         blocks[:, 0] = rng.integers(100, 150, n_blocks)  # E8M0 scales 2^-27 .. 2^22: no overflow
     return blocks.reshape(*shape[:-1], -1)
@@ -98,8 +95,8 @@ def test_dequantize_other_dtypes_and_zero_copy_float32():
 
 
 def test_dequantize_rejects_unsupported_type_and_wrong_sizes():
-    with pytest.raises(CheckpointError, match="IQ2_XXS is not supported; supported types: F32, F16, BF16, Q4_0"):
-        dequantize(torch.zeros(66, dtype=torch.uint8), T.IQ2_XXS, (256,))
+    with pytest.raises(CheckpointError, match="NVFP4 is not supported; supported types: F32, F16, BF16, Q4_0"):
+        dequantize(torch.zeros(36, dtype=torch.uint8), T.NVFP4, (64,))
     with pytest.raises(CheckpointError, match="needs 40 bytes, got 39"):
         dequantize(torch.zeros(39, dtype=torch.uint8), T.Q4_1, (2, 32))
     with pytest.raises(CheckpointError, match="not a multiple of the 32-value block"):
@@ -227,11 +224,11 @@ def test_written_file_with_every_supported_type(tmp_path):
 
 
 def test_unsupported_tensor_type_names_file_and_tensor(tmp_path):
-    raw = np.zeros((2, GGML_QUANT_SIZES[T.IQ2_XXS][1]), dtype=np.uint8)
-    _write_gguf(tmp_path / "iq2.gguf", {"w": (raw, T.IQ2_XXS)})
-    f = GGUFFile(tmp_path / "iq2.gguf")
-    assert f.info("w").shape == (2, 256)
-    with pytest.raises(CheckpointError, match=r"iq2.gguf: tensor 'w': ggml tensor type IQ2_XXS is not supported"):
+    raw = np.zeros((2, GGML_QUANT_SIZES[T.NVFP4][1]), dtype=np.uint8)
+    _write_gguf(tmp_path / "nvfp4.gguf", {"w": (raw, T.NVFP4)})
+    f = GGUFFile(tmp_path / "nvfp4.gguf")
+    assert f.info("w").shape == (2, 64)
+    with pytest.raises(CheckpointError, match=r"nvfp4.gguf: tensor 'w': ggml tensor type NVFP4 is not supported"):
         f.tensor("w")
     with pytest.raises(CheckpointError, match="no tensor 'nope'"):
         f.info("nope")
