@@ -121,7 +121,7 @@ def write_k3_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> Pa
         if name.endswith("_exps.weight"):
             w.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
             continue
-        qtype = ggml_type_for(name, values.shape, types, c["num_hidden_layers"])
+        qtype = ggml_type_for(name, values.shape, types, c["num_hidden_layers"], c["num_experts"])
         add_encoded(w, name, values, qtype, rng)
     return finish_gguf(w, tmp, dst)
 

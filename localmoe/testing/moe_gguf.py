@@ -6,10 +6,13 @@ convert_hf_to_gguf.py; experts stacked as `blk.N.ffn_{gate,up,down}_exps.weight`
 each tensor in the ggml type `types` gives it (Kimi K3: testing/k3_gguf.py, its experts always MXFP4):
 - "f32" / "bf16": the checkpoint's values (bf16: its bits), norms and the router F32 as llama.cpp keeps them;
 - "q8_0", "q4_0", "iq4_xs", ...: every matrix in that type;
-- "q4_k_m": llama-quantize's Q4_K_M mix: Q4_K, with attn_v and ffn_down (experts too) in Q6_K on
-  the layers `use_more_bits` picks, output Q6_K.
+- "q4_k_m": llama-quantize's Q4_K_M mix (`moe_gguf_parts._q4_k_m`): Q4_K, with attn_v and ffn_down (experts
+  too) in Q6_K on the layers `use_more_bits` picks, output Q6_K, attn_k / attn_v Q8_0 and attn_output Q5_K with
+  8 experts; rows too narrow for 256-value blocks fall back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0);
+- "iq_dynamic": a community "dynamic" quant: routed experts in IQ1_S ... IQ3_S, Q2_K, Q3_K by layer and
+  projection (`moe_gguf_parts.IQ_DYNAMIC`), everything else as "q4_k_m".
 Types the `gguf` package quantises (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16) hold the checkpoint's values
-quantised; the others (the K-quants, IQ4_NL, IQ4_XS) hold random blocks of the weights' magnitude (`ggml_blocks`).
+quantised; the others (the K-quants and IQ types) hold random blocks of the weights' magnitude (`ggml_blocks`).
 The GGUF is then the ground truth: `write_dequantized(src, gguf, dst)` writes the HF checkpoint again
 with every tensor replaced by the GGUF's values as `gguf.quants.dequantize` (an independent reader)
 decodes them, in F32: the reference a GGUF loader must match.
@@ -315,10 +318,10 @@ def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> P
     w.add_name(f"localmoe test {src.name}")
     arch.metadata(w, config)
     add_tokenizer(w, src, config["vocab_size"], chat_template=True)
-    layers = config["num_hidden_layers"]
+    layers, E = config["num_hidden_layers"], config.get("num_experts") or config["n_routed_experts"]
     for name, make in _hf_tensors(ckpt, arch, config):
         values = make()
-        qtype = ggml_type_for(name, values.shape, types, layers)
+        qtype = ggml_type_for(name, values.shape, types, layers, E)
         add_encoded(w, name, values, qtype, rng)
     return finish_gguf(w, tmp, dst)
 

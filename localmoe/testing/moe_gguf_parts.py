@@ -12,7 +12,11 @@ import numpy as np
 from localmoe.testing.ggml_blocks import STEP_FIELDS, random_blocks
 
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-AMPLITUDE = {"IQ4_NL": 127, "IQ4_XS": 32 * 127}  # largest |value| / step of random blocks (else K-quants' 945)
+# largest |value| / step of random blocks (else the K-quants' 945 = 63 * 15): Q2_K 15 * 3, Q3_K 32 * 4,
+# IQ4 127 * (6-bit scale), IQ2
+# (0.5 + 15) * 0.25 * 43, IQ3_XXS (0.5 + 15) * 0.5 * 62, IQ3_S 31 * 15, IQ1 15 * 1.125
+AMPLITUDE = {"IQ4_NL": 127, "IQ4_XS": 32 * 127, "IQ2_XXS": 167, "IQ2_XS": 167, "IQ2_S": 167, "IQ3_XXS": 480,
+             "IQ3_S": 465, "IQ1_S": 17, "IQ1_M": 17, "TQ1_0": 1, "TQ2_0": 2, "Q2_K": 45, "Q3_K": 128}
 
 
 def _kv_b_split(kv_b: np.ndarray, c: dict) -> list[np.ndarray]:
@@ -79,8 +83,36 @@ def _use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
-    """The ggml type `types` gives GGUF tensor `name` (None: F32)."""
+# the routed experts' types of the "iq_dynamic" mix, by (layer * 3 + projection) in turn: as a community dynamic
+# quant gives them per tensor with llama-quantize's --tensor-type overrides (3 MoE layers meet each type once)
+IQ_DYNAMIC = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K")
+# llama-quantize's type for rows that are not whole blocks of the chosen type (tensor_type_fallback)
+_FALLBACK = {**{t: "IQ4_NL" for t in ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS")},
+             **{t: "Q4_0" for t in ("Q2_K", "Q3_K", "TQ1_0", "TQ2_0")}, "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _q4_k_m(name: str, shape: tuple[int, ...], layers: int, experts: int) -> str:
+    """llama-quantize's Q4_K_M choice for tensor `name` (llama_tensor_get_type_impl, the categories a MoE
+    GGUF of ours has): output Q6_K (Q8_0 where its rows are not whole 256-blocks); with 8 experts attn_k /
+    attn_v / attn_qkv Q8_0 and attn_output Q5_K; attn_v-like and ffn_down on the `_use_more_bits` layers
+    Q6_K; everything else Q4_K."""
+    if name == "output.weight":
+        return "Q6_K" if shape[-1] % 256 == 0 else "Q8_0"
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    attn_v = any(f".{k}.weight" in name for k in ("attn_v", "attn_qkv", "attn_kv_b"))
+    if experts == 8 and (attn_v or "attn_k.weight" in name):
+        return "Q8_0"
+    if experts == 8 and "attn_output.weight" in name:
+        return "Q5_K"
+    if (attn_v or ".ffn_down" in name) and _use_more_bits(layer, layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int, experts: int = 0):
+    """The ggml type `types` gives GGUF tensor `name` of a model with `layers` layers and `experts` routed
+    experts (F32 for what convert_hf_to_gguf.py keeps F32); rows that are not whole blocks of it take
+    llama-quantize's fallback type, then F16."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -91,17 +123,18 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int):
         return Q.F32  # convert_hf_to_gguf.py keeps these F32 (vectors, norms, routers, convs, ssm_a, biases)
     if types == "f32":
         return Q.F32
-    if types == "q4_k_m":
-        more = name.startswith("blk.") and _use_more_bits(int(name.split(".")[1]), layers)
-        if name == "output.weight" or (more and (".attn_v." in name or ".ffn_down" in name)):
-            qtype = Q.Q6_K
-        else:
-            qtype = Q.Q4_K
+    if types == "iq_dynamic" and name.endswith("_exps.weight"):
+        proj = ("gate", "up", "down").index(name.split(".")[2].removeprefix("ffn_").removesuffix("_exps"))
+        kind = IQ_DYNAMIC[(int(name.split(".")[1]) * 3 + proj) % len(IQ_DYNAMIC)]
+    elif types in ("q4_k_m", "iq_dynamic"):
+        kind = _q4_k_m(name, shape, layers, experts)
     else:
-        qtype = Q[types.upper()]
-    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
-        return Q.F32  # rows too short for the blocks: llama-quantize falls back to a float type too
-    return qtype
+        kind = types.upper()
+    if shape[-1] % gguf.GGML_QUANT_SIZES[Q[kind]][0]:
+        kind = _FALLBACK.get(kind, kind)
+        if shape[-1] % gguf.GGML_QUANT_SIZES[Q[kind]][0]:
+            return Q.F16
+    return Q[kind]
 
 
 def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
@@ -111,7 +144,7 @@ def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     Q = gguf.GGMLQuantizationType
     if qtype == Q.F32:
         return values.astype(np.float32)
-    if qtype in (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+    if qtype in (Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
         return gguf.quants.quantize(values.astype(np.float32), qtype)
     if qtype not in STEP_FIELDS:
         raise ValueError(f"write_moe_gguf cannot make {qtype.name} blocks")

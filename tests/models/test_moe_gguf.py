@@ -18,14 +18,19 @@ from localmoe.load import load_model
 from localmoe.store.gguf import GGUFFile
 from localmoe.testing import write_checkpoint
 from localmoe.testing.moe_gguf import write_dequantized, write_moe_gguf
+from localmoe.testing.moe_gguf_parts import IQ_DYNAMIC
 
 PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
-# the tiny deepseek_v32 is 64 wide: too narrow for K-quant rows (llama-quantize would fall back to F32 too)
-CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m", "iq4_xs", "iq4_nl")] + \
+# every architecture in F32, BF16, Q8_0 and llama-quantize's Q4_K_M mix (the 64-wide tiny models take its fallback
+# types Q5_0 / Q8_0 for rows too narrow for 256-value blocks); the IQ4 types and the "iq_dynamic" mix (routed
+# experts in IQ1_S ... IQ3_S, Q2_K, Q3_K per tensor) on the 256-wide ones, where the IQ blocks fit
+MIXED = [(f, "q4_k_m") for f in ("qwen3_moe", "deepseek_v32", "deepseek_v3", "kimi_linear", "qwen3_next", "glm4_moe",
+                                  "kimi_k3")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
+CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
         [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")] + \
-        [("glm4_moe", t) for t in ("f32", "bf16", "q8_0", "q4_k_m")] + \
-        [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")]  # K3: experts MXFP4 in every file, as llama.cpp writes them
+        [("glm4_moe", t) for t in ("f32", "bf16", "q8_0")] + \
+        [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")] + MIXED  # K3: experts MXFP4 in every file, as llama.cpp writes them
 FAMILIES = sorted({family for family, _ in CASES})
 
 
@@ -73,8 +78,11 @@ def test_gguf_matches_its_dequantised_hf_twin(pair, source, family, types):
     ours, ref = _load(gguf), _load(twin)
     assert dataclasses.replace(ours.spec, name="") == ref.spec
     kinds = {GGUFFile(gguf).info(n).ggml_type for n in GGUFFile(gguf).tensor_names()}
-    if types == "q4_k_m":
-        assert {Q.Q4_K, Q.Q6_K, Q.F32} <= kinds  # mixed per tensor
+    if types == "q4_k_m":  # mixed per tensor
+        assert ({Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.F32} if ours.spec.hidden_size % 256 == 0 else
+                {Q.Q5_0, Q.Q8_0, Q.F32}) <= kinds
+    if types == "iq_dynamic":
+        assert {Q[t] for t in IQ_DYNAMIC[3 * min(ours.spec.moe_layers()):]} <= kinds
     for step, (a, b) in enumerate(zip(_run(ours.model), _run(ref.model))):
         diff = (a - b).abs().max().item()
         assert diff <= 1e-5 * (b.max() - b.min()).item(), f"step {step}: max diff {diff:.3e}"
@@ -106,62 +114,43 @@ def test_block_experts_stay_blocks_and_q8_follows_the_gemv_reference(pair):
     assert (a - b).abs().max() <= 5e-3 * (b.max() - b.min())
 
 
-@pytest.mark.parametrize("ram", [0, "25%"])
-@pytest.mark.parametrize("family", ["deepseek_v32", "kimi_linear"])
-def test_mla_families_store_pages(pair, tmp_path, family, ram):
-    """deepseek32 (MLA + DSA indexer) and kimi-linear (KDA + MLA), shared experts and a dense first layer,
-    from a converted Q8_0 store: the GGUF's bits, resident and paged."""
-    from localmoe.convert import convert
-    from localmoe.paging import expert_bytes
-    from localmoe.store.packed import PackedStore
-
-    gguf, _ = pair(family, "q8_0")
-    convert(gguf, tmp_path / "store", progress=False)
-    store = PackedStore(tmp_path / "store")
-    assert store.layers() == [1, 2, 3] and [p.name for p in store.layout(1).parts] == ["gate.q8_0", "up.q8_0",
-                                                                                         "down.q8_0"]
-    budget = 0 if ram == 0 else expert_bytes(store) // 4
-    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
-    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
-
-
-@pytest.mark.parametrize("ram", [0, "25%"])
-def test_converted_store_keeps_the_blocks_and_pages(pair, tmp_path, ram):
-    """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts (`down.q6_k` where
-    llama-quantize gave layer 2 more bits), lossless; the store gives the GGUF's bits resident and with a
-    RAM tier of a quarter of the experts (paged == resident)."""
+@pytest.mark.parametrize(("family", "types"), MIXED, ids=[f"{f}-{t}" for f, t in MIXED])
+def test_mixed_store_resident_and_paged(pair, tmp_path, family, types):
+    """Every architecture's mixed file converted to a store (each expert's blocks kept per tensor type, K3's MXFP4
+    repacked): the GGUF's logits bit for bit from the store resident and with a quarter of the experts in RAM."""
     from localmoe.convert import convert
     from localmoe.paging import Pager, expert_bytes
     from localmoe.store.packed import PackedStore
 
-    gguf, _ = pair("qwen3_moe", "q4_k_m")
-    report = convert(gguf, tmp_path / "store", progress=False).report
-    assert report["experts"]["stored"] == "ggml-blocks-kept" and report["experts"]["lossless"]
-    store = PackedStore(tmp_path / "store")
-    assert [p.name for p in store.layout(0).parts] == ["gate.q4_k", "up.q4_k", "down.q4_k"]
-    assert [p.name for p in store.layout(2).parts] == ["gate.q4_k", "up.q4_k", "down.q6_k"]
-    budget = 0 if ram == 0 else expert_bytes(store) // 4
-    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
-    assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (ram != 0)
-    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
-
-
-def test_glm4moe_store_skips_the_mtp_layer_and_pages(pair, tmp_path):
-    """glm4moe at Q4_K_M: the converted store holds the experts of the main MoE layers only (the appended
-    MTP block, `nextn_predict_layers`, is not part of the model) and gives the GGUF's bits paged at 25% RAM."""
-    from localmoe.convert import convert
-    from localmoe.paging import expert_bytes
-    from localmoe.store.packed import PackedStore
-
-    gguf, _ = pair("glm4_moe", "q4_k_m")
+    gguf, _ = pair(family, types)
+    resident = _load(gguf)
+    want = _run(resident.model)
     convert(gguf, tmp_path / "store", progress=False)
     store = PackedStore(tmp_path / "store")
-    assert store.layers() == [1, 2]
-    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(store) // 4))
-    for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
-        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    assert store.layers() == list(resident.spec.moe_layers())
+    for budget in (0, expert_bytes(store) // 4):
+        ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+        assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (budget != 0)
+        for step, (a, b) in enumerate(zip(_run(ours.model), want)):
+            assert torch.equal(a, b), f"ram {budget}, step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
+    """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts in the type of its tensor
+    (`down.q6_k` where llama-quantize gave layer 2 more bits; one IQ type per tensor in the dynamic mix), lossless
+    (the logits: test_mixed_store_resident_and_paged)."""
+    from localmoe.convert import convert
+    from localmoe.store.packed import PackedStore
+
+    for types, parts in (("q4_k_m", {0: ("q4_k", "q4_k", "q4_k"), 2: ("q4_k", "q4_k", "q6_k")}),
+                         ("iq_dynamic", {i: IQ_DYNAMIC[3 * i:3 * i + 3] for i in range(3)})):
+        gguf, _ = pair("qwen3_moe", types)
+        report = convert(gguf, tmp_path / types, progress=False).report
+        assert report["experts"]["stored"] == "ggml-blocks-kept" and report["experts"]["lossless"]
+        store = PackedStore(tmp_path / types)
+        for layer, kinds in parts.items():
+            assert [p.name for p in store.layout(layer).parts] == [f"{p}.{k.lower()}" for p, k in
+                                                                   zip(("gate", "up", "down"), kinds)]
 
 
 def test_inspect_reports_types_and_parameters(pair, source, tmp_path):
@@ -176,7 +165,7 @@ def test_inspect_reports_types_and_parameters(pair, source, tmp_path):
     for path in (gguf, tmp_path / "store"):
         d = describe_model(path)
         assert (d["parameters_total"], d["parameters_active"]) == (want["parameters_total"], want["parameters_active"])
-        assert {"Q4_K", "Q6_K", "F32"} == set(d["tensor_dtypes"])
+        assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"} == set(d["tensor_dtypes"])
     g, st = describe_model(gguf)["tensor_dtypes"], describe_model(tmp_path / "store")["tensor_dtypes"]
     assert {k: v["bytes"] for k, v in g.items()} == {k: v["bytes"] for k, v in st.items()}
 
@@ -200,13 +189,11 @@ def test_missing_expert_tensor_is_named(source, tmp_path):
         load_model(tmp_path / "broken.gguf", dtype="float32", progress=False)
 
 
-@pytest.mark.parametrize("ram", [0, "25%"])
-def test_k3_store_repacks_mxfp4_experts_and_pages(pair, source, tmp_path, ram):
+def test_k3_store_repacks_mxfp4_experts(pair, source, tmp_path):
     """K3's Q8_0 GGUF converted to a store: its stacked ggml MXFP4 experts become the canonical MXFP4 parts,
     byte for byte those of the store converted from the HF checkpoint (the same codes and scales); the store
-    gives the GGUF's bits resident and with a quarter of the experts in RAM."""
+    gives the GGUF's bits (paged: test_mixed_store_resident_and_paged)."""
     from localmoe.convert import convert
-    from localmoe.paging import expert_bytes
     from localmoe.store.packed import PackedStore
 
     gguf, _ = pair("kimi_k3", "q8_0")
@@ -220,8 +207,7 @@ def test_k3_store_repacks_mxfp4_experts_and_pages(pair, source, tmp_path, ram):
     for layer, e in ((1, 0), (4, 15), (6, 7)):
         ours, theirs = store.expert(layer, e), hf_store.expert(layer, e)
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    budget = 0 if ram == 0 else expert_bytes(store) // 4
-    ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+    ours = _load(tmp_path / "store")
     for step, (a, b) in enumerate(zip(_run(ours.model), _run(_load(gguf).model))):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
