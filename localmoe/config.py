@@ -85,6 +85,9 @@ class ModelSpec:
     hyper_connections: Any = None  # hyper_connections.Config: GLM-5-Next's hc_mult residual streams
     vision: Any = None  # vision_moonvit.Config / vision_qwen3vl.Config: the image tower (engine/images.py)
     image_token_id: int = -1  # the prompt's image placeholder token; its rows take the image embeddings
+    # MRoPE (Qwen3-VL `rope_parameters.mrope_section`): rotary frequencies taking the temporal, height and width
+    # positions of a token (interleaved, engine/rope.py `mrope_axes`); None = one position per token
+    mrope_section: tuple[int, ...] | None = None
     # MTP / next-n layers a checkpoint appends after the last layer (DeepSeek-V3, GLM-4.5
     # `num_nextn_predict_layers`): not part of the main model; checkpoint.tensor_names leaves their tensors out
     nextn_layers: int = 0
@@ -95,6 +98,8 @@ class ModelSpec:
         if not self.mlp_kinds:
             self.mlp_kinds = ("dense",) * self.num_layers
         self.layer_kinds, self.mlp_kinds = tuple(self.layer_kinds), tuple(self.mlp_kinds)
+        if self.mrope_section is not None:
+            self.mrope_section = tuple(self.mrope_section)
         if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
             raise LocalMoEError(f"{self.model_type}: layer kind lists must have num_layers={self.num_layers} entries")
         unknown = (set(self.layer_kinds) - set(ATTENTION_KINDS)) | (set(self.mlp_kinds) - set(MLP_KINDS))

@@ -256,6 +256,9 @@ class ModelCache:
         self.offset = 0
         # key_mask[b, s] is False for left-padding slots; None while no row is padded.
         self.key_mask: torch.Tensor | None = None
+        # MRoPE (Qwen3-VL): the rotary position of a text token at cache position p is p + rope_delta once a
+        # prompt's images have run (their grid positions take fewer positions than tokens); 0 otherwise
+        self.rope_delta = 0
 
     def reserve(self, new_tokens: int) -> int:
         """Check that `new_tokens` more positions fit; return the start position."""

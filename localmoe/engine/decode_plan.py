@@ -159,7 +159,8 @@ class DecodePlan:
                 return None
             self.decoder.set_pools(i, *pools)
         x = model.embed[tokens.view(-1)[0]].clone()  # the residual stream, updated in place
-        h = self.decoder(x, pos, model.rope.cos[pos], model.rope.sin[pos])
+        at = pos + cache.rope_delta  # the rotary position (MRoPE after an image: engine/step.py)
+        h = self.decoder(x, pos, model.rope.cos[at], model.rope.sin[at])
         cache.advance(1)
         return h.view(1, 1, -1)
 
@@ -350,7 +351,8 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
             if pool is None:
                 return None
             decoder.set_rows(i, pool)
-    rope = (model.rope.cos[pos], model.rope.sin[pos]) if plan.rope else (None, None)
+    at = pos + cache.rope_delta
+    rope = (model.rope.cos[at], model.rope.sin[at]) if plan.rope else (None, None)
     h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos, *rope)
     for layer in states:
         layer.offset += 1

@@ -59,6 +59,8 @@ class Decoder:
             cache, self.reused = self.prefix_cache.take(keys, prefill_chunk, self.anchor)
             if cache is None:  # a fresh one as long as the context: a later, longer prompt may reuse it
                 cache = model.new_cache(1, model.max_context)
+            elif self.images is None:  # a prefix without images: one position per token (MRoPE, engine/step.py)
+                cache.rope_delta = 0
         if cache is None:
             cache = model.new_cache(1, min(max_len or model.max_context, model.max_context))
         if cache.offset + len(prompt) - self.reused >= cache.max_len:
@@ -111,11 +113,14 @@ class Decoder:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
         batch, self.pending = self.pending[:size], self.pending[size:]
         at = len(self.in_cache)  # the batch's first position in the prompt (or after it)
-        rows = self.images.rows(at, at + len(batch)) if self.images is not None else None
+        images = {}
+        if self.images is not None and not self._prompt_done:
+            images["image_embeds"] = self.images.rows(at, at + len(batch))
+            if self.model.spec.mrope_section is not None:  # Qwen3-VL: the chunk's grid positions
+                images["mrope"] = self.images.mrope(at, at + len(batch))
         with torch.inference_mode():
             ids = torch.tensor([batch], dtype=torch.long)
-            out = self.model.forward(ids, self.cache) if rows is None else \
-                self.model.forward(ids, self.cache, image_embeds=rows)
+            out = self.model.forward(ids, self.cache, **{k: v for k, v in images.items() if v is not None})
         return self._ran(batch, out[:, -1])
 
     def _ran(self, batch: list[int], logits: torch.Tensor) -> torch.Tensor | None:

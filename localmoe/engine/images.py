@@ -16,7 +16,7 @@ import torch
 
 from localmoe.engine.layers import vision_moonvit, vision_qwen3vl
 from localmoe.errors import LocalMoEError
-from localmoe.vision import images, moonvit
+from localmoe.vision import images, moonvit, qwen3vl
 
 VISION_KINDS = {vision_moonvit.Config: vision_moonvit, vision_qwen3vl.Config: vision_qwen3vl}
 
@@ -59,32 +59,47 @@ class ImageEncoder:
         if getattr(model, "vision", None) is None:
             raise LocalMoEError(f"{model.spec.model_type}: this model has no vision tower; images need a "
                                 "vision-capable checkpoint (its config.json has a vision_config)")
-        if not isinstance(model.spec.vision, vision_moonvit.Config):
-            raise LocalMoEError(f"{model.spec.model_type}: image prompts are not wired for this tower yet")
         cfg = model.spec.vision
-        self.processor = moonvit.Processor(patch_size=cfg.patch_size, merge_size=cfg.merge_kernel[0])
+        if isinstance(cfg, vision_moonvit.Config):
+            self.processor = moonvit.Processor(patch_size=cfg.patch_size, merge_size=cfg.merge_kernel[0])
+            self.merge = cfg.merge_kernel[0]
+        else:
+            self.processor = qwen3vl.Processor(patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size,
+                                               temporal_patch_size=cfg.temporal_patch_size)
+            self.merge = cfg.spatial_merge_size
         self.model, self.max_bytes, self.seconds, self.encoded = model, max_bytes, 0.0, 0
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._sizes: dict[str, tuple[int, int, int]] = {}
+        self._sizes: dict[str, tuple[int, int, int, tuple[int, int]]] = {}
         self._lock = threading.Lock()  # request threads size images while the engine worker encodes them
 
     @staticmethod
     def _data(source: bytes | str | Path) -> tuple[bytes, str | None]:
         return (source, None) if isinstance(source, bytes) else (Path(source).read_bytes(), str(source))
 
-    def size(self, source: bytes | str | Path) -> tuple[int, int, int]:
-        """(width, height) in pixels the tower sees (after the processor's scaling) and the placeholder tokens the
-        image takes; `images.ImageError` for anything that is not a usable image."""
+    def _measure(self, source: bytes | str | Path) -> tuple[int, int, int, tuple[int, int]]:
         data, name = self._data(source)
         key = images.image_hash(data)
         if key not in self._sizes:
             image = images.open_image(data, name=name)
-            (h, w), _ = self.processor.sizes(image.height, image.width)
-            self._sizes[key] = (w, h, self.processor.tokens(image.height, image.width))
+            seen = self.processor.sizes(image.height, image.width)
+            h, w = seen[0] if isinstance(self.processor, moonvit.Processor) else seen  # MoonViT: (scaled, padded)
+            gh, gw = self.processor.grid(image.height, image.width)
+            self._sizes[key] = (w, h, self.processor.tokens(image.height, image.width),
+                                (gh // self.merge, gw // self.merge))
         return self._sizes[key]
 
+    def size(self, source: bytes | str | Path) -> tuple[int, int, int]:
+        """(width, height) in pixels the tower sees (after the processor's scaling) and the placeholder tokens the
+        image takes; `images.ImageError` for anything that is not a usable image."""
+        return self._measure(source)[:3]
+
+    def grid(self, source: bytes | str | Path) -> tuple[int, int]:
+        """The image's placeholder tokens as (rows, columns): the merged patch grid (MRoPE positions)."""
+        return self._measure(source)[3]
+
     def encode(self, source: bytes | str | Path) -> torch.Tensor:
-        """One image (file bytes or a path) -> its rows [tokens, D]."""
+        """One image (file bytes or a path) -> its rows [tokens, D], or [tokens, 1 + k, D] with a tower's k
+        deep-stack feature sets (Qwen3-VL; `Transformer.forward`'s `image_embeds`)."""
         data, name = self._data(source)
         key = images.image_hash(data)
         with self._lock:
@@ -95,6 +110,8 @@ class ImageEncoder:
             patches, grid = self.processor(images.open_image(data, name=name))
             with torch.inference_mode():
                 rows = self.model.vision(patches, [grid])[0]
+                if isinstance(rows, tuple):  # (embeddings, deep-stack features)
+                    rows = torch.stack([rows[0], *rows[1]], dim=1)
             self.seconds += time.perf_counter() - start
             self.encoded += 1
             self.cache[key] = rows
@@ -106,16 +123,19 @@ class ImageEncoder:
 @dataclass(frozen=True)
 class PromptImage:
     """One image of a prompt for a `Decoder`: its content hash, its placeholder count and its rows, encoded when
-    first asked for (`rows()`; a prefix cache that already holds the image's positions never asks)."""
+    first asked for (`rows()`; a prefix cache that already holds the image's positions never asks), and its
+    placeholders as a grid of (rows, columns) (MRoPE positions)."""
 
     key: str
     tokens: int
     rows: Callable[[], torch.Tensor]
+    grid: tuple[int, int] = (0, 0)
 
 
 def prompt_image(encoder: ImageEncoder, data: bytes) -> PromptImage:
     """The PromptImage of one image file's bytes for `encoder`'s model."""
-    return PromptImage(images.image_hash(data), encoder.size(data)[2], lambda: encoder.encode(data))
+    return PromptImage(images.image_hash(data), encoder.size(data)[2], lambda: encoder.encode(data),
+                       encoder.grid(data))
 
 
 class PromptImages:
@@ -131,6 +151,7 @@ class PromptImages:
                                 f"but its {len(prompt_images)} images take {want}: text that spells the placeholder "
                                 f"token cannot go with images")
         self.images = list(prompt_images)
+        self._mrope: torch.Tensor | None = None
         self.keys: list = list(prompt)
         self.first: list[int] = []  # index of each image's first placeholder
         k = 0
@@ -158,6 +179,33 @@ class PromptImages:
             if lo < hi:
                 parts.append(im.rows()[lo - first:hi - first])
         return torch.cat(parts) if parts else None
+
+    def mrope(self, begin: int, end: int) -> torch.Tensor:
+        """MRoPE positions [3, end - begin] (temporal, height, width) of prompt positions [begin, end), as
+        transformers' Qwen3-VL `get_rope_index` gives them: a text token takes the next position on all three
+        axes; an image's placeholders take (p, p + row, p + column) over its grid, p the next position, and
+        what follows the image continues from p + max(rows, columns)."""
+        if self._mrope is None:
+            n = len(self.keys)
+            out = torch.empty(3, n, dtype=torch.long)
+            at = nxt = 0  # prompt index; next position
+            for im, first in zip(self.images, self.first):
+                p0 = self.positions[first]
+                if self.positions[first + im.tokens - 1] != p0 + im.tokens - 1:
+                    raise LocalMoEError(f"image {self.images.index(im) + 1}'s placeholder tokens are not one run")
+                out[:, at:p0] = torch.arange(nxt, nxt + p0 - at)
+                nxt += p0 - at
+                rows, cols = im.grid
+                if rows * cols != im.tokens:
+                    raise LocalMoEError(f"image grid {rows}x{cols} does not hold its {im.tokens} placeholder tokens")
+                out[0, p0:p0 + im.tokens] = nxt
+                out[1, p0:p0 + im.tokens] = nxt + torch.arange(rows).repeat_interleave(cols)
+                out[2, p0:p0 + im.tokens] = nxt + torch.arange(cols).repeat(rows)
+                nxt += max(rows, cols)
+                at = p0 + im.tokens
+            out[:, at:] = torch.arange(nxt, nxt + n - at)
+            self._mrope = out
+        return self._mrope[:, begin:end]
 
 
 def sized(encoder: ImageEncoder, messages: list) -> list:

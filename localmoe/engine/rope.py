@@ -68,8 +68,10 @@ class RotaryTable:
     """cos/sin for every position up to `max_positions`, [P, head_dim] float32, computed once."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int,
-                 freq_factors: torch.Tensor | None = None, device: str | torch.device = "cpu"):
-        """The tables are computed on the CPU in float64 (the same bits on every device) and kept on `device`."""
+                 freq_factors: torch.Tensor | None = None, device: str | torch.device = "cpu",
+                 mrope_section: tuple[int, ...] | None = None):
+        """The tables are computed on the CPU in float64 (the same bits on every device) and kept on `device`.
+        `mrope_section` (Qwen3-VL): how many frequencies take the temporal, height and width positions (`at_mrope`)."""
         inv_freq, mscale = inverse_frequencies(head_dim, theta, scaling)
         if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.1 scaling)
             inv_freq = inv_freq / freq_factors.double()
@@ -81,10 +83,30 @@ class RotaryTable:
         sin = angles.sin() * mscale
         sin[:, :half] = -sin[:, :half]
         self.sin = sin.float().to(device)
+        self.mrope_axes = None if not mrope_section else mrope_axes(head_dim, mrope_section).to(device)
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, 1, D] to broadcast over heads."""
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+    def at_mrope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MRoPE: positions [3, T] (temporal, height, width) -> cos, sin [1, T, 1, D], each column at the position
+        of its axis (`mrope_axes`). A token whose three positions are equal gets `at`'s rows."""
+        index = positions[self.mrope_axes].T  # [T, D]: column d's position
+        return (self.cos.gather(0, index)[None, :, None], self.sin.gather(0, index)[None, :, None])
+
+
+def mrope_axes(head_dim: int, section: tuple[int, ...]) -> torch.Tensor:
+    """The position axis (0 temporal, 1 height, 2 width) of each of the head_dim rotary columns, interleaved as
+    transformers' Qwen3-VL does it: frequency j takes height where j % 3 == 1 and j < 3 * section[1], width where
+    j % 3 == 2 and j < 3 * section[2], temporal elsewhere; both halves of a head alike."""
+    if len(section) != 3 or sum(section) != head_dim // 2:
+        raise ValueError(f"mrope_section {list(section)} must be 3 counts summing to head_dim / 2 = {head_dim // 2}")
+    j = torch.arange(head_dim // 2)
+    axes = torch.zeros(head_dim // 2, dtype=torch.long)
+    axes[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return torch.cat([axes, axes])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

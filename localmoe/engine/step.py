@@ -25,21 +25,27 @@ class Step:
     valid: torch.Tensor | None = None
 
 
-def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None) -> Step:
+def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None,
+              mrope: torch.Tensor | None = None) -> Step:
     """Positions, causal/padding mask and RoPE tables for T new tokens at cache position `start`, on the
-    cache's device (the model's)."""
+    cache's device (the model's). Rotary positions are cache positions + `cache.rope_delta`, or `mrope`
+    [3, T] (temporal, height, width: a Qwen3-VL prompt chunk, `RotaryTable.at_mrope`)."""
     S = start + T
     valid = None
     device = cache.device
+    delta = cache.rope_delta
     if cache.key_mask is None:
-        positions = torch.arange(start, S, device=device).unsqueeze(0)
+        positions = torch.arange(start + delta, S + delta, device=device).unsqueeze(0)
         mask = None
     else:
         keys = cache.key_mask[:, :S]  # [B, S]
-        positions = (keys.long().cumsum(-1) - 1).clamp(min=0)[:, start:]
+        positions = (keys.long().cumsum(-1) - 1).clamp(min=0)[:, start:] + delta
         mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start)[None] & keys[:, None, :]
         # A padding query sees no key; let it see itself so its (ignored) output stays finite.
         mask[:, torch.arange(T, device=device), torch.arange(start, S, device=device)] = True
         valid = keys[:, start:]
-    cos, sin = rope.at(positions) if rope is not None else (None, None)
+    if mrope is not None:
+        cos, sin = rope.at_mrope(mrope.to(device))
+    else:
+        cos, sin = rope.at(positions) if rope is not None else (None, None)
     return Step(start, positions, cos, sin, mask, valid)

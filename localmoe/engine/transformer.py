@@ -133,7 +133,8 @@ class Transformer:
         if latent is not None and not latent.use_nope:
             rotary_dim = latent.qk_rope_head_dim  # DeepSeek MLA rotates only the shared rope part (and the indexer)
         self.rope = RotaryTable(rotary_dim, spec.rope_theta, None if freq_factors is not None else spec.rope_scaling,
-                                self.max_context, freq_factors=freq_factors, device=device)
+                                self.max_context, freq_factors=freq_factors, device=device,
+                                mrope_section=spec.mrope_section)
         self.layers = []
         configs = {kind: layer_config(spec, kind) for kind in {*spec.layer_kinds, *spec.mlp_kinds}}
         for i in range(spec.num_layers):
@@ -170,19 +171,23 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None = None,
-                all_logits: bool = False, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                all_logits: bool = False, image_embeds: torch.Tensor | None = None,
+                mrope: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] (left-padded rows marked False in mask [B, T]) -> logits [B, T|1, V] fp32, on the
         model's device (tokens and mask are moved there).
 
         Appends the new tokens to `cache`; prefill and decode are the same call. Decode-sized calls
         (at most SMALL_STEP_TOKENS tokens) run torch single-threaded and the CPU kernels on every
         thread (kernels/_cpu `small_steps`). `image_embeds` [n, D]: the rows of the n image placeholder
-        tokens in `tokens`, in order (the vision tower's projected features).
+        tokens in `tokens`, in order (the vision tower's projected features); [n, 1 + k, D] where the tower
+        also gives k deep-stack feature sets (Qwen3-VL), added to those tokens' hidden states after layers
+        0..k-1. `mrope` [3, T]: the tokens' temporal / height / width rotary positions (a Qwen3-VL prompt
+        chunk, engine/images.py `PromptImages.mrope`); later tokens continue from the last one's largest.
         """
         if tokens.device != self.device:
             tokens, mask = tokens.to(self.device), None if mask is None else mask.to(self.device)
-        if image_embeds is not None:
-            return self._forward(tokens, cache, mask, all_logits, image_embeds)
+        if image_embeds is not None or mrope is not None:
+            return self._forward(tokens, cache, mask, all_logits, image_embeds, mrope)
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
                 if tokens.numel() == 1 and mask is None:
@@ -193,16 +198,28 @@ class Transformer:
         return self._forward(tokens, cache, mask, all_logits)
 
     def _forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
-                 all_logits: bool, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 all_logits: bool, image_embeds: torch.Tensor | None = None,
+                 mrope: torch.Tensor | None = None) -> torch.Tensor:
         T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)
-        step = make_step(cache, start, T, self.rope)
+        if mrope is not None and self.rope.mrope_axes is None:
+            raise LocalMoEError(f"{self.spec.model_type}: MRoPE positions given to a model without an mrope_section")
+        step = make_step(cache, start, T, self.rope, mrope)
+        if mrope is not None:  # the tokens after this chunk continue from its last token's largest position
+            cache.rope_delta = int(mrope[:, -1].max()) + 1 - (start + T)
         hidden = self.spec.hidden_size
         lookup = self.embed if isinstance(self.embed, BlockEmbedding) else (lambda t: F.embedding(t, self.embed))
+        deep, images = None, None
+        if image_embeds is not None and image_embeds.dim() == 3:  # [n, 1 + k, D]: k deep-stack feature sets
+            image_embeds, deep = image_embeds[:, 0], image_embeds[:, 1:].to(self.device)
         x = lookup(tokens) if image_embeds is None else \
             embed_with_images(lookup, tokens, self.spec.image_token_id, image_embeds)
+        if deep is not None:
+            images = tokens == self.spec.image_token_id
         if self.residuals is not None:
+            if deep is not None:
+                raise LocalMoEError(f"{self.spec.model_type}: deep-stack image features need plain residuals")
             def attn(i: int, h: torch.Tensor) -> torch.Tensor:
                 norm, mixer, _, _ = self.layers[i]
                 return mixer(F.rms_norm(h, (hidden,), norm, self.eps), step, cache.layers[i])
@@ -219,7 +236,12 @@ class Transformer:
         for i, (_, mixer, mlp_norm, mlp) in enumerate(self.layers):
             h = add_rms_norm(x, mixer(h, step, cache.layers[i]), mlp_norm, self.eps)
             following = self.layers[i + 1][0] if i + 1 < len(self.layers) else self.norm
-            h = add_rms_norm(x, mlp(h), following, self.eps)
+            if deep is not None and i < deep.shape[1]:  # deep-stack features join the image tokens' residuals
+                x += mlp(h)
+                x[images] += deep[:, i]
+                h = add_rms_norm(x, None, following, self.eps)
+            else:
+                h = add_rms_norm(x, mlp(h), following, self.eps)
         cache.advance(T)
         return self.lm_head(h if all_logits else h[:, -1:])
 

@@ -109,6 +109,13 @@ def tensors(cfg: Config, prefix: str = "visual.") -> dict[str, tuple[int, ...]]:
     return out
 
 
+def name_patterns(prefix: str = "visual.") -> list[str]:
+    """Every tensor name of the encoder with `{i}` for the block or deep-stack merger index (a family's TensorRules)."""
+    names = tensors(Config(depth=1, deepstack_visual_indexes=(0,)), prefix)
+    return [n.replace(".blocks.0.", ".blocks.{i}.").replace(".deepstack_merger_list.0.", ".deepstack_merger_list.{i}.")
+            for n in names]
+
+
 class Qwen3VLVision:
     """`__call__(patches, grids)` -> per image (embeddings [tokens, out], [deep-stack features [tokens, out], ...])."""
 
