@@ -44,7 +44,7 @@ class ExpertSource:
         self.decl = source.family.gguf_experts if source.kind == "gguf" else source.family.experts
         self.layers = source.spec.moe_layers() if self.decl is not None else []
         self.num_experts = source.spec.num_experts
-        self.mxfp4_source = self.decl is not None and self.decl.format not in ("bf16", "ggml")
+        self.mxfp4_source = self.decl is not None and self.decl.format not in ("bf16", "bf16_fused", "ggml")
         floats = self.decl is None or self.decl.format != "ggml" or any(
             source.tensors[n].dtype.is_floating_point for n in self._all_names())
         self.quantises = bool(self.layers) and not self.mxfp4_source and mode == "mxfp4" and floats
@@ -104,6 +104,8 @@ class ExpertSource:
                 out = self._ggml(tensors)
             elif self.decl.format == "ggml":
                 out, errors = self._ggml_blocks(layer, tensors)
+            elif self.decl.format == "bf16_fused":
+                out, errors = self._dense_experts(self._unfused(tensors))
             else:
                 out, errors = self._dense_experts(tensors)
             _check_shapes(out)
@@ -155,6 +157,17 @@ class ExpertSource:
             out[f"{proj}.{qtype.name.lower()}"] = t
         dense, errors = self._dense_experts(floats, tuple(floats))
         return out | dense, errors
+
+    def _unfused(self, tensors: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """One expert's fused gate_up and down (either layout, see ExpertTensors) as gate, up [I, D] and down [D, I]."""
+        D, I = self.source.spec.hidden_size, self.source.spec.moe_intermediate_size
+        gate_up, down = tensors["gate_up"][0], tensors["down"][0]
+        gate_up = gate_up if tuple(gate_up.shape) == (2 * I, D) else gate_up.T  # transformers' layout, or released
+        down = down if tuple(down.shape) == (D, I) else down.T
+        if tuple(gate_up.shape) != (2 * I, D) or tuple(down.shape) != (D, I):
+            raise CheckpointError(f"gate_up_proj / down_proj of one expert are {list(tensors['gate_up'][0].shape)} / "
+                                  f"{list(tensors['down'][0].shape)}; expected [{D}, {2 * I}] / [{I}, {D}] or transposed")
+        return {"gate": [gate_up[:I].contiguous()], "up": [gate_up[I:].contiguous()], "down": [down.contiguous()]}
 
     def _dense_experts(self, tensors: dict[str, list[torch.Tensor]], projections: tuple[str, ...] = PROJECTIONS
                        ) -> tuple[dict[str, torch.Tensor], dict]:

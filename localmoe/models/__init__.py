@@ -10,7 +10,7 @@ from localmoe.models.base import ModelFamily
 _FAMILIES: dict[str, ModelFamily] = {}
 # the modules of localmoe/models/ that define a family (the others are helpers they share)
 BUILTIN = ("deepseek_v32", "glm4_moe", "glm5_next", "gpt_oss", "kimi_k3", "kimi_k25", "kimi_linear", "llama", "qwen3_moe",
-           "qwen3_next")
+           "qwen3_next", "qwen3_vl_moe")
 
 
 def register(family: ModelFamily) -> ModelFamily:

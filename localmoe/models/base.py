@@ -77,7 +77,7 @@ def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=Non
     return Transformer(spec, weights, engine_config, experts)
 
 
-EXPERT_FORMATS = ("bf16", "compressed_tensors_mxfp4", "gpt_oss_mxfp4", "ggml_mxfp4", "ggml")
+EXPERT_FORMATS = ("bf16", "bf16_fused", "compressed_tensors_mxfp4", "gpt_oss_mxfp4", "ggml_mxfp4", "ggml")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class ExpertTensors:
     up rows interleaved) to a checkpoint name with `{i}` (layer) and, unless `stacked`,
     `{e}` (expert). What the name denotes depends on `format`:
     - "bf16": the weight itself, e.g. `...experts.{e}.gate_proj.weight` [I, D]
+    - "bf16_fused": stacked "gate_up" [E, D, 2I] (gate columns, then up) and "down" [E, I, D] as Qwen3-VL-MoE
+      releases them, or transposed ([E, 2I, D], [E, D, I]) as transformers saves them; told apart by shape
     - "compressed_tensors_mxfp4": a stem; `{stem}.weight_packed` U8 [out, in/2] and
       `{stem}.weight_scale` U8 [out, in/32] (Kimi K3)
     - "gpt_oss_mxfp4": a stem of stacked tensors; `{stem}_blocks` U8 [E, out, in/32, 16],
@@ -121,7 +123,7 @@ class ExpertTensors:
 
     def matcher(self) -> re.Pattern:
         """A regex matching every routed-expert tensor name of the checkpoint."""
-        suffix = {"bf16": "", "compressed_tensors_mxfp4": r"\.weight_(?:packed|scale)",
+        suffix = {"bf16": "", "bf16_fused": "", "compressed_tensors_mxfp4": r"\.weight_(?:packed|scale)",
                   "gpt_oss_mxfp4": r"_(?:blocks|scales|bias)", "ggml_mxfp4": r"\.(?:weight|bias)",
                   "ggml": r"\.weight"}[self.format]
         stems = [re.escape(p).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for p in self.patterns.values()]

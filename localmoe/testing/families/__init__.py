@@ -12,10 +12,12 @@ from localmoe.testing.families import (
     kimi_linear,
     qwen3_moe,
     qwen3_next,
+    qwen3_vl_moe,
 )
 from localmoe.testing.plan import CheckpointGenerator
 
 FAMILIES: dict[str, CheckpointGenerator] = {
     f.name: f for f in (kimi_linear.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, deepseek_v32.FAMILY, glm5_next.FAMILY,
-                        kimi_k3.FAMILY, qwen3_moe.FAMILY, deepseek_v32.V3, kimi_k25.FAMILY, glm4_moe.FAMILY)
+                        kimi_k3.FAMILY, qwen3_moe.FAMILY, deepseek_v32.V3, kimi_k25.FAMILY, glm4_moe.FAMILY,
+                        qwen3_vl_moe.FAMILY)
 }
