@@ -223,6 +223,11 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def format_type_bytes(tensor_dtypes: dict) -> str:
+    """`describe_model(...)["tensor_dtypes"]` as text: per dtype or ggml type, its tensors and bytes."""
+    return ", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}" for k, v in sorted(tensor_dtypes.items()))
+
+
 def format_description(d: dict) -> str:
     """Human-readable text for `localmoe inspect`."""
     m = d["memory"]
@@ -240,8 +245,7 @@ def format_description(d: dict) -> str:
         f"context        {d['max_position_embeddings']} tokens (model max)",
         f"parameters     {_count(d['parameters_total'])} total, {_count(d['parameters_active'])} active per token"
         + (" (embedding tied to lm_head)" if d["tie_word_embeddings"] else ""),
-        "tensor dtypes  " + (", ".join(f"{k}: {v['tensors']} tensors, {_size(v['bytes'])}"
-                                       for k, v in sorted(d["tensor_dtypes"].items())) or "none (config only)"),
+        "tensor dtypes  " + (format_type_bytes(d["tensor_dtypes"]) or "none (config only)"),
         (f"memory         file {_size(m['file_bytes']) if m['file_bytes'] else 'none (config only)'}; weights in RAM "
          + (f"~{_size(m['weights_loaded_bytes'])} with --dtype auto (blocks kept), "
             if m["weights_loaded_bytes"] is not None else "")

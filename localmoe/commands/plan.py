@@ -8,22 +8,31 @@ from localmoe.commands.base import Command
 
 
 @click.command("plan", cls=Command)
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=click.Path(exists=True))
 @click.option("--ram", default="25%", show_default=True, help="Expert RAM budget: bytes (8G) or % of the experts.")
 @click.option("--gpu-mem", default="0", show_default=True, help="Expert slots per GPU, bytes (0 = no GPU tier).")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Routing trace to predict hit rates.")
 def command(store, ram, gpu_mem, trace_path):
     """Measure disk, CPU and PCIe bandwidths, show how the packed store STORE would be placed
     (slots per tier), the hit rate each policy would reach (on --trace, else on a SYNTHETIC trace
-    with published locality and on uniform routing) and the predicted decode tokens/s."""
+    with published locality and on uniform routing) and the predicted decode tokens/s. Bytes per
+    dtype / ggml type first; a GGUF file gets those only (it runs resident: convert it to page)."""
+    from pathlib import Path
+
     from localmoe.checkpoint import store_spec
     from localmoe.commands.paged import parse_size
+    from localmoe.describe import describe_model, format_type_bytes
     from localmoe.paging import expert_bytes
     from localmoe.paging.placement import measure, place, predict_decode
     from localmoe.paging.simulate import compare
     from localmoe.paging.trace import RoutingTrace, synthetic_trace
     from localmoe.store.packed import PackedStore
 
+    click.echo(f"{Path(store).name}: bytes by type: {format_type_bytes(describe_model(store)['tensor_dtypes'])}")
+    if Path(store).is_file():
+        click.echo("a GGUF file runs with its experts resident; `localmoe convert FILE STORE` writes a store that "
+                   "pages them, then plan the store")
+        return
     packed = PackedStore(store)
     spec = store_spec(packed)
     total = expert_bytes(packed)

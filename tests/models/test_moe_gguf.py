@@ -153,21 +153,35 @@ def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
                                                                    zip(("gate", "up", "down"), kinds)]
 
 
-def test_inspect_reports_types_and_parameters(pair, source, tmp_path):
-    """`localmoe inspect` of the Q4_K_M GGUF and of its store: bytes per ggml type (the store names its
-    experts' blocks from the part suffix), and the HF checkpoint's parameter counts, total and active."""
-    from localmoe.convert import convert
-    from localmoe.describe import describe_model
+@pytest.mark.parametrize("types", ["q4_k_m", "iq_dynamic"])
+def test_inspect_and_plan_report_bytes_per_type(pair, source, tmp_path, types):
+    """`localmoe inspect` and `localmoe plan` of a mixed GGUF and of its store: bytes per ggml type (the store
+    names its experts' blocks from the part suffix), per type equal to the sum gguf's own reader gives; and the HF
+    checkpoint's parameter counts, total and active."""
+    import gguf as g
+    from click.testing import CliRunner
 
-    gguf, _ = pair("qwen3_moe", "q4_k_m")
-    convert(gguf, tmp_path / "store", progress=False)
+    from localmoe.cli import cli
+    from localmoe.convert import convert
+    from localmoe.describe import describe_model, format_type_bytes
+
+    path, _ = pair("qwen3_moe", types)
+    convert(path, tmp_path / "store", progress=False)
     want = describe_model(source["qwen3_moe"])
-    for path in (gguf, tmp_path / "store"):
-        d = describe_model(path)
+    by_reader: dict[str, int] = {}
+    for t in g.GGUFReader(path).tensors:
+        by_reader[t.tensor_type.name] = by_reader.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    kinds = {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"} | (set(IQ_DYNAMIC) if types == "iq_dynamic" else set())
+    assert set(by_reader) == kinds
+    runner = CliRunner()
+    for where in (path, tmp_path / "store"):
+        d = describe_model(where)
         assert (d["parameters_total"], d["parameters_active"]) == (want["parameters_total"], want["parameters_active"])
-        assert {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "F32"} == set(d["tensor_dtypes"])
-    g, st = describe_model(gguf)["tensor_dtypes"], describe_model(tmp_path / "store")["tensor_dtypes"]
-    assert {k: v["bytes"] for k, v in g.items()} == {k: v["bytes"] for k, v in st.items()}
+        assert {k: v["bytes"] for k, v in d["tensor_dtypes"].items()} == by_reader
+        for command in ("inspect", "plan"):
+            out = runner.invoke(cli, [command, str(where)])
+            assert out.exit_code == 0, out.output
+            assert format_type_bytes(d["tensor_dtypes"]) in out.output
 
 
 def test_float_experts_keep_converts_exactly(pair, tmp_path):
