@@ -35,17 +35,23 @@ def build_vision(spec, weights: dict, device: str = "cpu"):
     return None if spec.vision is None else _kind(spec).build(spec.vision, weights, device=device)
 
 
+def image_places(tokens: torch.Tensor, image_token_id: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) of the placeholder tokens (== image_token_id) in tokens [B, T], in order, on `device`; found
+    on the host (the caller's tokens), so placing image rows reads nothing back from the device. LocalMoEError
+    unless there are `n`, one per image row."""
+    rows, cols = (tokens.cpu() == image_token_id).nonzero(as_tuple=True)
+    if rows.numel() != n:
+        raise LocalMoEError(f"the prompt holds {rows.numel()} image placeholder tokens (id {image_token_id}) but the "
+                            f"images give {n} embeddings: render the prompt from the same images")
+    return rows.to(device), cols.to(device)
+
+
 def embed_with_images(lookup: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, image_token_id: int,
-                      image_embeds: torch.Tensor) -> torch.Tensor:
-    """Token embeddings [B, T, D] (`lookup`: ids -> rows) with the placeholder positions (tokens == image_token_id, in order) replaced
+                      places: tuple[torch.Tensor, torch.Tensor], image_embeds: torch.Tensor) -> torch.Tensor:
+    """Token embeddings [B, T, D] (`lookup`: ids -> rows) with the placeholders at `places` (`image_places`) replaced
     by `image_embeds` [n, D], one row per placeholder."""
-    mask = tokens == image_token_id
-    n = int(mask.sum())
-    if n != image_embeds.shape[0]:
-        raise LocalMoEError(f"the prompt holds {n} image placeholder tokens (id {image_token_id}) but the "
-                            f"images give {image_embeds.shape[0]} embeddings: render the prompt from the same images")
-    x = lookup(tokens.masked_fill(mask, 0))
-    x[mask] = image_embeds.to(x.device, x.dtype)
+    x = lookup(tokens.masked_fill(tokens == image_token_id, 0))
+    x[places] = image_embeds.to(x.device, x.dtype)
     return x
 
 

@@ -21,7 +21,7 @@ from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.experts import ExpertProvider
-from localmoe.engine.images import build_vision, embed_with_images, vision_tensors
+from localmoe.engine.images import build_vision, embed_with_images, image_places, vision_tensors
 from localmoe.engine.layers import (
     attention,
     attn_res,
@@ -184,10 +184,12 @@ class Transformer:
         0..k-1. `mrope` [3, T]: the tokens' temporal / height / width rotary positions (a Qwen3-VL prompt
         chunk, engine/images.py `PromptImages.mrope`); later tokens continue from the last one's largest.
         """
+        places = None if image_embeds is None else \
+            image_places(tokens, self.spec.image_token_id, image_embeds.shape[0], self.device)
         if tokens.device != self.device:
             tokens, mask = tokens.to(self.device), None if mask is None else mask.to(self.device)
         if image_embeds is not None or mrope is not None:
-            return self._forward(tokens, cache, mask, all_logits, image_embeds, mrope)
+            return self._forward(tokens, cache, mask, all_logits, image_embeds, mrope, places)
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
                 if tokens.numel() == 1 and mask is None:
@@ -199,7 +201,7 @@ class Transformer:
 
     def _forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
                  all_logits: bool, image_embeds: torch.Tensor | None = None,
-                 mrope: torch.Tensor | None = None) -> torch.Tensor:
+                 mrope: torch.Tensor | None = None, places=None) -> torch.Tensor:
         T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)
@@ -210,13 +212,11 @@ class Transformer:
             cache.rope_delta = int(mrope[:, -1].max()) + 1 - (start + T)
         hidden = self.spec.hidden_size
         lookup = self.embed if isinstance(self.embed, BlockEmbedding) else (lambda t: F.embedding(t, self.embed))
-        deep, images = None, None
+        deep = None
         if image_embeds is not None and image_embeds.dim() == 3:  # [n, 1 + k, D]: k deep-stack feature sets
             image_embeds, deep = image_embeds[:, 0], image_embeds[:, 1:].to(self.device)
         x = lookup(tokens) if image_embeds is None else \
-            embed_with_images(lookup, tokens, self.spec.image_token_id, image_embeds)
-        if deep is not None:
-            images = tokens == self.spec.image_token_id
+            embed_with_images(lookup, tokens, self.spec.image_token_id, places, image_embeds)
         if self.residuals is not None:
             if deep is not None:
                 raise LocalMoEError(f"{self.spec.model_type}: deep-stack image features need plain residuals")
@@ -238,7 +238,7 @@ class Transformer:
             following = self.layers[i + 1][0] if i + 1 < len(self.layers) else self.norm
             if deep is not None and i < deep.shape[1]:  # deep-stack features join the image tokens' residuals
                 x += mlp(h)
-                x[images] += deep[:, i]
+                x[places] += deep[:, i]
                 h = add_rms_norm(x, None, following, self.eps)
             else:
                 h = add_rms_norm(x, mlp(h), following, self.eps)

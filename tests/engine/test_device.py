@@ -4,7 +4,7 @@ tables and every layer's cache there, and its steps allocate nothing elsewhere.
 Without a GPU the 'meta' device proves it: a tensor made on the CPU by mistake meets a meta tensor and
 fails, a host sync (`.item()`, `.tolist()`) fails on meta, and every tensor reachable from the model and
 its caches is checked. Every mixer kind runs there (prefill, a left-padded batch, decode, snapshot and
-trim), the dense model end to end. With CUDA the tiny dense model, gpt-oss and Kimi K3 run on the GPU and
+trim), the dense model end to end, and the image towers with a prompt holding an image. With CUDA the tiny dense model, gpt-oss and Kimi K3 run on the GPU and
 their logits match the CPU's (benchmarks/gpu_check.sh runs those cases).
 """
 
@@ -129,6 +129,43 @@ def test_meta_dense_model_runs_prefill_decode_and_batched_decode_on_the_device()
         model.forward(torch.tensor([prompt]), c)
     assert decode_batch(model, [9, 10], caches).shape == (2, 97)
     assert_on("meta", [cache, caches], "dense caches")
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "qwen3_vl_moe"])
+def test_meta_vision_tower_and_an_image_prompt_stay_on_the_device(tmp_path, family):
+    """The image tower is built on the model's device and takes the processor's CPU patches there; a prompt's image
+    rows are placed there (placeholders found on the host) and every mixer runs the prompt and a decode token there
+    (Qwen3-VL: MRoPE tables of the image's grid positions, then of the delta after it). The MoE layers stay out:
+    their routed dispatch reads the chosen experts back (a known host read, docs/architecture.md)."""
+    import io
+
+    import torch.nn.functional as F
+    from PIL import Image
+
+    from localmoe.engine.images import ImageEncoder, PromptImages, embed_with_images, image_places, prompt_image
+
+    config = EngineConfig(dtype="float32", expert_precision="exact", device="meta")
+    model = load_model(write_checkpoint(family, tmp_path / family, "tiny", seed=0), config, progress=False).model
+    assert_on("meta", model.vision, "vision tower")
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 40), (200, 30, 90)).save(buf, format="PNG")
+    image = prompt_image(ImageEncoder(model), buf.getvalue())
+    rows = image.rows()
+    assert rows.device.type == "meta" and rows.shape[0] == image.tokens
+    pad = model.spec.image_token_id
+    prompt = torch.tensor([[1, 2, *[pad] * image.tokens, 3]])
+    T = prompt.shape[1]
+    mrope = PromptImages(prompt[0].tolist(), [image], pad).mrope(0, T) if model.spec.mrope_section else None
+    x = embed_with_images(lambda t: F.embedding(t, model.embed), prompt.to("meta"), pad,
+                          image_places(prompt, pad, image.tokens, model.device), rows if rows.dim() == 2 else rows[:, 0])
+    cache = model.new_cache(1, T + 4)
+    for n, positions in ((T, mrope), (1, None)):
+        step = make_step(cache, cache.reserve(n), n, model.rope, positions)
+        for i, (_, mixer, _, _) in enumerate(model.layers):
+            assert mixer(x[:, -n:], step, cache.layers[i]).device.type == "meta"
+        cache.rope_delta = -1 if positions is not None else cache.rope_delta  # as forward sets it after images
+        cache.advance(n)
+    assert_on("meta", cache, f"{family} cache")
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

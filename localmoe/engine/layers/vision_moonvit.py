@@ -114,11 +114,13 @@ def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
 class MoonViT:
     """The tower and projector: `__call__(patches, grids)` -> one [tokens, text_hidden] tensor per image."""
 
-    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, projector: str):
+    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, projector: str, device="cpu"):
         self.cfg, self.w, self.prefix, self.projector = cfg, w, prefix, projector
+        self.device = torch.device(device)  # where its weights are; images' patches go there
         hd = cfg.head_dim
         # axial rotary: head_dim / 4 frequencies per axis, interleaved (w, h) and repeated over both halves
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
+                         ).to(self.device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -136,7 +138,7 @@ class MoonViT:
 
     def _rotary(self, h: int, w: int) -> torch.Tensor:
         """Angles [h * w, head_dim / 2] of the raster patch grid, one per rotary pair: w0, h0, w1, h1, ..."""
-        hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        hs, ws = torch.meshgrid(torch.arange(h, device=self.device), torch.arange(w, device=self.device), indexing="ij")
         fh = hs.reshape(-1, 1).float() * self.inv_freq  # [N, hd/4]
         fw = ws.reshape(-1, 1).float() * self.inv_freq
         return torch.stack([fw, fh], dim=-1).flatten(1)
@@ -170,7 +172,7 @@ class MoonViT:
         if h % kh or w % kw:
             raise ValueError(f"image grid {h}x{w} is not a multiple of the merge kernel {kh}x{kw}")
         proj = self._p("patch_embed.proj.weight")
-        x = F.linear(patches.float().reshape(h * w, -1), proj.reshape(proj.shape[0], -1),
+        x = F.linear(patches.to(self.device, torch.float32).reshape(h * w, -1), proj.reshape(proj.shape[0], -1),
                      self._p("patch_embed.proj.bias"))
         x = x + self._pos_embed(h, w)
         angles = self._rotary(h, w)
@@ -206,4 +208,4 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "vision_t
           projector: str = "mm_projector.", device: str = "cpu") -> MoonViT:
     """From the loader's checked weights (`tensors(cfg, prefix, projector)`), in fp32 on `device`."""
     names = tensors(cfg, prefix, projector)
-    return MoonViT(cfg, {n: on_device(weights[n], device).float() for n in names}, prefix, projector)
+    return MoonViT(cfg, {n: on_device(weights[n], device).float() for n in names}, prefix, projector, device)

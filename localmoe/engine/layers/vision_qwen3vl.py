@@ -119,10 +119,12 @@ def name_patterns(prefix: str = "visual.") -> list[str]:
 class Qwen3VLVision:
     """`__call__(patches, grids)` -> per image (embeddings [tokens, out], [deep-stack features [tokens, out], ...])."""
 
-    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str):
+    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, device="cpu"):
         self.cfg, self.w, self.prefix = cfg, w, prefix
+        self.device = torch.device(device)  # where its weights are; images' patches go there
         hd = cfg.head_dim
-        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
+        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
+                         ).to(self.device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -133,7 +135,7 @@ class Qwen3VLVision:
     def _block_order(self, h: int, w: int) -> torch.Tensor:
         """Raster index of each patch in merge-block order."""
         m = self.cfg.spatial_merge_size
-        return torch.arange(h * w).view(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
+        return torch.arange(h * w, device=self.device).view(h // m, m, w // m, m).permute(0, 2, 1, 3).flatten()
 
     def _pos_embed(self, h: int, w: int, order: torch.Tensor) -> torch.Tensor:
         side = self.cfg.grid_side
@@ -142,7 +144,7 @@ class Qwen3VLVision:
         return grid.permute(1, 2, 0).reshape(h * w, -1)[order]
 
     def _rotary(self, h: int, w: int, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hs, ws = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        hs, ws = torch.meshgrid(torch.arange(h, device=self.device), torch.arange(w, device=self.device), indexing="ij")
         hs, ws = hs.flatten()[order], ws.flatten()[order]
         f = torch.cat([hs[:, None].float() * self.inv_freq, ws[:, None].float() * self.inv_freq], dim=-1)
         f = torch.cat([f, f], dim=-1)  # [N, head_dim]
@@ -186,7 +188,7 @@ class Qwen3VLVision:
             raise ValueError(f"image grid {h}x{w} is not a multiple of the merge size {m}")
         order = self._block_order(h, w)
         proj = self._p("patch_embed.proj.weight")
-        x = F.linear(patches.float(), proj.reshape(proj.shape[0], -1), self._p("patch_embed.proj.bias"))
+        x = F.linear(patches.to(self.device, torch.float32), proj.reshape(proj.shape[0], -1), self._p("patch_embed.proj.bias"))
         x = x + self._pos_embed(h, w, order)
         cos, sin = self._rotary(h, w, order)
         deep = []
@@ -212,4 +214,4 @@ class Qwen3VLVision:
 
 def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "visual.", device: str = "cpu") -> Qwen3VLVision:
     """From the loader's checked weights (`tensors(cfg, prefix)`), in fp32 on `device`."""
-    return Qwen3VLVision(cfg, {n: on_device(weights[n], device).float() for n in tensors(cfg, prefix)}, prefix)
+    return Qwen3VLVision(cfg, {n: on_device(weights[n], device).float() for n in tensors(cfg, prefix)}, prefix, device)
