@@ -132,6 +132,10 @@ def unstack_experts(weights: dict, spec: ModelSpec) -> dict:
             if name not in weights:
                 continue
             stacked = weights.pop(name)
+            if isinstance(stacked, torch.Tensor) and stacked.dtype == torch.uint8:  # the loader's stacked MXFP4 bytes
+                raise UnsupportedModelError(f"tensor blk.{i}.ffn_{p}_exps.weight holds MXFP4 experts (llama-quantize's "
+                                            f"MXFP4_MOE): read for gpt-oss and kimi-k3 only so far; quantise the model "
+                                            f"to another type (Q4_K_M, Q8_0, IQ4_XS, ...)")
             if stacked.shape[0] != spec.num_experts:
                 raise CheckpointError(f"tensor blk.{i}.ffn_{p}_exps.weight holds {stacked.shape[0]} experts, the "
                                       f"metadata says {spec.num_experts}")

@@ -10,7 +10,8 @@ each tensor in the ggml type `types` gives it (Kimi K3: testing/k3_gguf.py, its 
   too) in Q6_K on the layers `use_more_bits` picks, output Q6_K, attn_k / attn_v Q8_0 and attn_output Q5_K with
   8 experts; rows too narrow for 256-value blocks fall back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0);
 - "iq_dynamic": a community "dynamic" quant: routed experts in IQ1_S ... IQ3_S, Q2_K, Q3_K by layer and
-  projection (`moe_gguf_parts.IQ_DYNAMIC`), everything else as "q4_k_m".
+  projection (`moe_gguf_parts.IQ_DYNAMIC`), everything else as "q4_k_m";
+- "mxfp4_moe": llama-quantize's MXFP4_MOE: routed experts MXFP4, everything else Q8_0.
 Types the `gguf` package quantises (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16) hold the checkpoint's values
 quantised; the others (the K-quants and IQ types) hold random blocks of the weights' magnitude (`ggml_blocks`).
 The GGUF is then the ground truth: `write_dequantized(src, gguf, dst)` writes the HF checkpoint again

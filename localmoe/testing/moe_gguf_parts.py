@@ -126,6 +126,8 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int, ex
     if types == "iq_dynamic" and name.endswith("_exps.weight"):
         proj = ("gate", "up", "down").index(name.split(".")[2].removeprefix("ffn_").removesuffix("_exps"))
         kind = IQ_DYNAMIC[(int(name.split(".")[1]) * 3 + proj) % len(IQ_DYNAMIC)]
+    elif types == "mxfp4_moe":  # llama-quantize's MXFP4_MOE: MoE tensors MXFP4, the others Q8_0
+        kind = "MXFP4" if name.endswith("_exps.weight") else "Q8_0"
     elif types in ("q4_k_m", "iq_dynamic"):
         kind = _q4_k_m(name, shape, layers, experts)
     else:
@@ -144,7 +146,7 @@ def _encode(values: np.ndarray, qtype, rng: np.random.Generator) -> np.ndarray:
     Q = gguf.GGMLQuantizationType
     if qtype == Q.F32:
         return values.astype(np.float32)
-    if qtype in (Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
+    if qtype in (Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4):
         return gguf.quants.quantize(values.astype(np.float32), qtype)
     if qtype not in STEP_FIELDS:
         raise ValueError(f"write_moe_gguf cannot make {qtype.name} blocks")

@@ -226,6 +226,17 @@ def test_k3_store_repacks_mxfp4_experts(pair, source, tmp_path):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
 
+def test_mxfp4_moe_experts_are_refused_by_name(source, tmp_path):
+    """llama-quantize's MXFP4_MOE file of a family whose experts are not MXFP4 by birth: refused on load, naming
+    the tensor and what to do (gpt-oss and K3 read their MXFP4 experts: test_gpt_oss_gguf.py, above)."""
+    from localmoe.errors import UnsupportedModelError
+
+    path = write_moe_gguf(source["qwen3_moe"], tmp_path / "mxfp4.gguf", "mxfp4_moe")
+    assert GGUFFile(path).info("blk.0.ffn_gate_exps.weight").ggml_type == Q.MXFP4
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate_exps\.weight holds MXFP4 experts .*MXFP4_MOE"):
+        load_model(path, dtype="float32", progress=False)
+
+
 def test_k3_requantised_experts_are_refused_by_name(pair, tmp_path):
     """A K3 GGUF whose experts are not MXFP4 (here Q8_0, as a requantising tool could write them) is refused on load,
     naming the tensor and its type."""
