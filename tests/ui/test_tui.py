@@ -16,8 +16,9 @@ from pathlib import Path
 from localmoe.ui.conversation import DENIED
 from localmoe.ui.stats import status_line
 from localmoe.ui.tui import ChatApp
+from localmoe.ui.tui.images import AttachedImage
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
-from localmoe.ui.tui.widgets import AssistantMessage, AttachedImage, ToolCard, UserMessage
+from localmoe.ui.tui.widgets import AssistantMessage, ToolCard, UserMessage
 from textual.widgets import Input, OptionList
 
 from localmoe.chat.format import ChatMessage, ToolCall
@@ -253,9 +254,10 @@ def test_main_screen_snapshot(smol, make_service, workdir):
     assert svg == SNAPSHOT.read_text(), "the main screen changed; look at it and rerun with LOCALMOE_UPDATE_SNAPSHOTS=1"
 
 
-def test_image_command_attaches_an_image_to_the_next_message(make_service, workdir, tmp_path):
+def test_image_command_attaches_an_image_to_the_next_message(make_service, workdir, tmp_path, monkeypatch):
     """`/image PATH` shows the attached image in the chat (the size and tokens the tower gives it) and the next
-    message carries it to the model; a bad file or a text-only model is refused and nothing is attached."""
+    message carries it to the model; a bad file or a text-only model is refused and nothing is attached. The
+    resumed session shows the stored image again: its size, a half-block preview on a click, the file on `o`."""
     import io
 
     from PIL import Image
@@ -278,7 +280,7 @@ def test_image_command_attaches_an_image_to_the_next_message(make_service, workd
             await _type(pilot, "/image red.png")
             await wait_until(pilot, lambda: len(app.query(AttachedImage)) == 1, what="the attached image")
             (shown,) = app.query(AttachedImage)
-            assert "red.png (60x40 px, 6 image tokens)" in str(shown.render())
+            assert "red.png (60x40 px, 6 image tokens)" in str(shown.header.render())
             assert len(app.conversation.attached) == 1
             await _type(pilot, "What colour is it?")
             await _answered(pilot)
@@ -288,8 +290,35 @@ def test_image_command_attaches_an_image_to_the_next_message(make_service, workd
             assert app.conversation.last_turn.prompt_tokens > 6
             stored = service.sessions.messages(app.conversation.session_id)
             assert stored[0].images[0].sha256 == first.images[0].sha256
+            return app.conversation.session_id
 
-    run_async(scenario())
+    session = run_async(scenario())
+    monkeypatch.setenv("LOCALMOE_CACHE", str(tmp_path / "cache"))
+    opened = []
+
+    async def resumed():
+        app = ChatApp(service, workdir=workdir, session_id=session, tools_enabled=False)
+        monkeypatch.setattr(app, "open_url", lambda url, **kw: opened.append(url))
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: len(app.query(AttachedImage)) == 1, what="the stored image")
+            (shown,) = app.query(AttachedImage)
+            assert "image 1 (60x40 px PNG, 0.1 KB)" in str(shown.header.render())
+            assert not shown.preview.display
+            shown.scroll_visible(animate=False)
+            await pilot.pause()
+            await pilot.click(AttachedImage)
+            await wait_until(pilot, lambda: shown.preview.display, what="the preview", timeout=10)
+            drawn = shown.preview.render()
+            assert str(drawn).count("▀") == 36 * 12  # 60x40 px scaled into 48x24: 36x24 px, two a cell
+            assert drawn.spans and all(repr(span.style).count("Color(200, 30, 30)") == 2 for span in drawn.spans)
+            await pilot.press("v")  # the key closes it again; `o` opens the file
+            assert not shown.preview.display
+            await pilot.press("o")
+            await wait_until(pilot, lambda: opened, what="the viewer")
+            path = Path(opened[0].removeprefix("file://"))
+            assert path.read_bytes() == (workdir / "red.png").read_bytes() and path.suffix == ".png"
+
+    run_async(resumed())
 
 
 def test_image_command_on_a_text_model_says_so(smol, make_service, workdir):

@@ -18,8 +18,9 @@ from typing import ClassVar
 from localmoe.ui.conversation import DENIED, Conversation
 from localmoe.ui.stats import snapshot, status_line
 from localmoe.ui.tools import BUILTIN_NAMES
+from localmoe.ui.tui.images import AttachedImage
 from localmoe.ui.tui.screens import LOAD_PHASES, LoadingScreen, SessionsScreen
-from localmoe.ui.tui.widgets import AssistantMessage, AttachedImage, BudgetSelector, StatusBar, ToolCard, UserMessage
+from localmoe.ui.tui.widgets import AssistantMessage, BudgetSelector, StatusBar, ToolCard, UserMessage
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, VerticalScroll

@@ -25,15 +25,6 @@ class UserMessage(Static):
         super().__init__(text, markup=False, classes="user")
 
 
-class AttachedImage(Static):
-    """An image the user attached (`/image PATH`): its name, the size its model sees and its tokens."""
-
-    def __init__(self, name: str, ref):
-        size = f"{ref.width}x{ref.height} px, {ref.tokens} image tokens" if ref.tokens else f"{len(ref.data)} bytes"
-        super().__init__(f"[image] {name} ({size})", markup=False, classes="user image")
-        self.ref = ref
-
-
 class AssistantMessage(Vertical):
     """One model turn: a collapsible reasoning panel (shown once reasoning arrives) and the answer,
     both filled while the reply streams."""
