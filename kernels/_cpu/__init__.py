@@ -2,7 +2,8 @@
 
 The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp32/bf16 GEMV, dense
 routed experts over a prefill chunk, GQA
-decode attention and the fused attention decode step, residual add + RMSNorm, all layers of a GQA +
+decode attention (one sequence, or a batch of sequences over their paged caches) and the fused
+attention decode step, residual add + RMSNorm, all layers of a GQA +
 MoE, dense or hybrid (KDA / MLA, attention residuals, latent MoE) decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks) have a plain C ABI and no torch headers, so they
 build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core
 dev machine) and need no ninja or Python headers. They share one persistent thread pool (pool.h):
@@ -48,7 +49,8 @@ HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS
            KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
-           KERNELS / "gqa_decode" / "step_cpu.cpp", KERNELS / "rms_norm" / "norm_cpu.cpp",
+           KERNELS / "gqa_decode" / "paged_cpu.cpp", KERNELS / "gqa_decode" / "step_cpu.cpp",
+           KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
            KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
@@ -71,6 +73,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
                           _int, _f32, _f32, _ptr, _ptr, _ptr, _ptr, _int, _int), None),
     "gqa_decode": ((_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,
                     _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int), None),
+    "gqa_decode_paged": ((_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
+                          _f32, _ptr, _int), None),
     "gqa_step_scratch": ((_i64, _i64, _i64), _i64),
     "gqa_step": ((_ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                   _ptr, _f32, _ptr, _ptr, _f32, _ptr, _int, _ptr, _ptr, _ptr, _int), None),

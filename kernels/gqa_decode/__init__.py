@@ -1,5 +1,7 @@
 """Grouped-query attention decode (one new query per sequence): `gqa_decode` runs the CPU kernel for
-fp32 CPU tensors where the library is built, else the reference; `step_kernel_for` binds a layer's
+fp32 CPU tensors where the library is built, else the reference; `gqa_decode_paged` writes N
+sequences' new K/V rows into their own paged caches and attends for all of them in one call (the
+batched decode step); `step_kernel_for` binds a layer's
 weights to the fused decode step (QKV GEMV, RoPE, cache write, attention, output GEMV in one call;
 reference: `naive_gqa_step`) where the kernel can take them."""
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from localmoe.kernels.gqa_decode import cpu
-from localmoe.kernels.gqa_decode.reference import naive_gqa_decode, naive_gqa_step
+from localmoe.kernels.gqa_decode.reference import PagedKV, naive_gqa_decode, naive_gqa_decode_paged, naive_gqa_step
 
 
 def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first: int = 0,
@@ -16,6 +18,15 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     if cpu.supported(q, keys, values):
         return cpu.gqa_decode(q, keys, values, scale, first, visible, sinks)
     return naive_gqa_decode(q, keys, values, scale, first, visible, sinks)
+
+
+def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions, firsts,
+                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, D], new rows k/v [N, Hkv, D], caches[n]: row n's sequence's PagedKV -> [N, H, D] fp32
+    (see reference.naive_gqa_decode_paged)."""
+    if cpu.paged_supported(q, k, v, caches):
+        return cpu.gqa_decode_paged(q, k, v, caches, positions, firsts, scale, sinks)
+    return naive_gqa_decode_paged(q, k, v, caches, positions, firsts, scale, sinks)
 
 
 StepKernel = cpu.StepKernel  # the type step_kernel_for returns
@@ -33,4 +44,5 @@ def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Ten
     return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale, q_norm, k_norm, eps)
 
 
-__all__ = ["StepKernel", "gqa_decode", "naive_gqa_decode", "naive_gqa_step", "step_kernel_for"]
+__all__ = ["PagedKV", "StepKernel", "gqa_decode", "gqa_decode_paged", "naive_gqa_decode", "naive_gqa_decode_paged",
+           "naive_gqa_step", "step_kernel_for"]

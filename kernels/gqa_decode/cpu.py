@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from localmoe.kernels._cpu import library, threads
+from localmoe.kernels.gqa_decode.reference import PagedKV
 
 MAX_DIM = 512
 
@@ -33,6 +34,58 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
                          values.data_ptr(), values.stride(0), values.stride(1), values.stride(2), first, S,
                          None if visible is None else visible.data_ptr(), S,
                          None if sinks is None else sinks.data_ptr(), scale, out.data_ptr(), threads())
+    return out
+
+
+def _address(c: PagedKV) -> tuple[int, ...] | None:
+    """The kernel's row fields of a sequence's cache (paged_cpu.cpp: key pool, key table, key head
+    stride, value pool, value table, value head stride, block), then its capacity in positions, Hkv
+    and D; None where the kernel cannot read it (fp32 contiguous CPU pools, long tables)."""
+    kp, kt, vp, vt = c.key_pool, c.key_table, c.value_pool, c.value_table
+    if not (kp.dtype == vp.dtype == torch.float32 and kp.device.type == vp.device.type == "cpu"
+            and kp.is_contiguous() and vp.is_contiguous() and kp.shape == vp.shape and kp.shape[3] % 8 == 0
+            and kt.dtype == vt.dtype == torch.long and kt.is_contiguous() and vt.is_contiguous()
+            and kt.device.type == vt.device.type == "cpu"):
+        return None
+    block = kp.shape[2]
+    return (kp.data_ptr(), kt.data_ptr(), kp.stride(0), vp.data_ptr(), vt.data_ptr(), vp.stride(0), block,
+            min(kt.numel(), vt.numel()) * block, kp.shape[0], kp.shape[3])
+
+
+def address(c: PagedKV) -> tuple[int, ...] | None:
+    """`_address`, computed once per PagedKV (its tensors do not change; a cache that grows makes a new one)."""
+    if c.address is None:
+        c.address = _address(c) or ()
+    return c.address or None
+
+
+def paged_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV]) -> bool:
+    """Whether gqa_decode_paged takes these: fp32 CPU q/k/v with contiguous rows, D % 8 == 0, and every
+    row's cache readable by the kernel (`address`)."""
+    return (supported(q, k.unsqueeze(2), v.unsqueeze(2)) and k.stride(-1) == v.stride(-1) == 1
+            and all(address(c) is not None for c in caches))
+
+
+def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions, firsts,
+                     scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """As reference.naive_gqa_decode_paged (q [N, H, D], k/v [N, Hkv, D] through their strides), in one
+    call (paged_cpu.cpp); `paged_supported` must hold."""
+    N, H, D = q.shape
+    Hkv = k.shape[1]
+    assert H % Hkv == 0 and k.shape == v.shape == (N, Hkv, D) and len(caches) == len(positions) == len(firsts) == N
+    rows = []
+    for c, pos, first in zip(caches, positions, firsts):
+        fields = c.address
+        assert fields[8:] == (Hkv, D), f"pool {tuple(c.key_pool.shape)} against [{Hkv}, P, block, {D}]"
+        assert 0 <= pos < fields[7], f"position {pos} lies past the cache's {fields[7]} positions"
+        rows.append(fields[:7] + (pos, first))
+    seqs = torch.tensor(rows, dtype=torch.long)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    out = q.new_empty(N, H, D)
+    library().gqa_decode_paged(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                               v.data_ptr(), v.stride(0), v.stride(1), N, H, H // Hkv, D, seqs.data_ptr(),
+                               None if sinks is None else sinks.data_ptr(), scale, out.data_ptr(), threads())
     return out
 
 

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(slots=True, eq=False)
+class PagedKV:
+    """One sequence's paged K/V of one layer (engine/cache.py PagedBuffer): pools [Hkv, P, block, D],
+    tables [n] long of the physical blocks holding its positions 0 .. n * block - 1, in order.
+    `address`: the CPU kernel's view of it (cpu.py), filled on first use."""
+    key_pool: torch.Tensor
+    key_table: torch.Tensor
+    value_pool: torch.Tensor
+    value_table: torch.Tensor
+    address: tuple[int, ...] | None = None
 
 
 def naive_gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, first: int = 0,
@@ -26,6 +40,28 @@ def naive_gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.einsum("bhs,bhsd->bhd", probs, v)
+
+
+def naive_gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions,
+                           firsts, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """N sequences' decode attention over their own paged caches. q [N, H, D]; k, v [N, Hkv, D] the rows'
+    new keys/values; caches[n]: row n's sequence's cache, its tables long enough for positions[n]. Row
+    n's k/v are written at positions[n] of its pools (every row's before any attention: rows may share
+    a cache at consecutive positions), then its heads attend to keys firsts[n] .. positions[n]
+    (naive_gqa_decode, with `sinks` [H]). -> [N, H, D]."""
+    for n, c in enumerate(caches):
+        pos, block = positions[n], c.key_pool.shape[2]
+        page = slice(pos // block, pos // block + 1)  # a tensor index: no host sync on a device
+        c.key_pool[:, c.key_table[page], pos % block] = k[n, :, None].to(c.key_pool.dtype)
+        c.value_pool[:, c.value_table[page], pos % block] = v[n, :, None].to(c.value_pool.dtype)
+    out = []
+    for n, c in enumerate(caches):
+        length, block = positions[n] + 1, c.key_pool.shape[2]
+        used = -(-length // block)
+        keys = c.key_pool[:, c.key_table[:used]].flatten(1, 2)[None, :, :length]  # [1, Hkv, length, D]
+        values = c.value_pool[:, c.value_table[:used]].flatten(1, 2)[None, :, :length]
+        out.append(naive_gqa_decode(q[n:n + 1], keys, values, scale, firsts[n], None, sinks))
+    return torch.cat(out)
 
 
 def naive_gqa_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, heads: int, kv_heads: int,

@@ -38,7 +38,7 @@ from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
-from localmoe.kernels.gqa_decode import gqa_decode
+from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged
 from localmoe.kernels.rms_norm import add_rms_norm
 
 
@@ -119,9 +119,11 @@ def _plain_gqa(mixer, caches) -> bool:
     return isinstance(mixer, GQAttention) and mixer.sparse_topk is None and not mixer.record_selection
 
 
-def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches) -> torch.Tensor:
-    """GQA decode of N sequences: the projections (and q/k norms, RoPE) for all rows at once, the
-    cache write and attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
+def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GQA decode of N sequences: the projections (and q/k norms, RoPE: cos/sin [N, 1, 1, rot], the rows'
+    tables) for all rows at once, then every row's cache write and attention in one kernel call over the
+    sequences' paged caches (`gqa_decode_paged`); where a cache cannot be written in place (bf16/fp8
+    rows), the cache write and attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
     N = h.shape[0]
     H, Hkv, D = mixer.heads, mixer.kv_heads, mixer.head_dim
     qk, v = _rowwise(mixer.qkv, h).split((mixer.split[0] + mixer.split[1], mixer.split[2]), dim=-1)
@@ -129,23 +131,34 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches) -> torch.Tens
     if mixer.q_norm is not None:
         qk = torch.cat([F.rms_norm(qk[:, :, :H], (D,), mixer.q_norm, mixer.eps),
                         F.rms_norm(qk[:, :, H:], (D,), mixer.k_norm, mixer.eps)], dim=2)
-    cos = torch.cat([s.cos for s in steps])
-    sin = torch.cat([s.sin for s in steps])
     rot = mixer.rotary_dim
     if rot < D:
         qk = torch.cat([apply_rope(qk[..., :rot], cos, sin), qk[..., rot:]], dim=-1)
     else:
         qk = apply_rope(qk, cos, sin)
     q, k = qk.split((H, Hkv), dim=2)
-    out = []
-    for n, (step, cache) in enumerate(zip(steps, layer_caches)):
-        keys, values = cache.update(step.start, k[n:n + 1], v[n:n + 1])
-        first = max(0, step.start + 1 - mixer.window) if mixer.window else 0
-        out.append(gqa_decode(q[n:n + 1, 0], keys, values, mixer.scale, first, None, mixer.head_sinks))
-    out = torch.cat(out).view(N, 1, H * D)
+    window = mixer.window
+    firsts = [max(0, step.start + 1 - window) if window else 0 for step in steps]
+    # last row first: a cache on several rows (a verify) grows for its last position before the earlier
+    # rows take its pools, so they all hold the grown ones
+    pages = [getattr(cache, "pages", _no_pages)(step.start) for step, cache in zip(steps[::-1], layer_caches[::-1])][::-1]
+    if None not in pages:
+        out = gqa_decode_paged(q[:, 0], k[:, 0], v[:, 0], pages, [step.start for step in steps], firsts, mixer.scale,
+                               mixer.head_sinks)
+    else:
+        out = []
+        for n, (step, cache) in enumerate(zip(steps, layer_caches)):
+            keys, values = cache.update(step.start, k[n:n + 1], v[n:n + 1])
+            out.append(gqa_decode(q[n:n + 1, 0], keys, values, mixer.scale, firsts[n], None, mixer.head_sinks))
+        out = torch.cat(out)
+    out = out.view(N, 1, H * D)
     if mixer.gate is not None:
         out = out * torch.sigmoid(_rowwise(mixer.gate, h))
     return _rowwise(mixer.o_proj, out)
+
+
+def _no_pages(pos: int) -> None:
+    """`pages` of a layer cache that has no paged pools: None."""
 
 
 @torch.inference_mode()
@@ -181,9 +194,11 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
                 cache.advance(1)
             return logits[:, -1]
         h = add_rms_norm(x, None, model.layers[0][0], eps)
+        cos = torch.cat([s.cos for s in steps]) if model.rope is not None else None  # [N, 1, 1, rot]
+        sin = torch.cat([s.sin for s in steps]) if model.rope is not None else None
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
             if _plain_gqa(mixer, caches):
-                mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches])
+                mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches], cos, sin)
             else:  # other mixers: each row alone, in row order
                 mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
             h = add_rms_norm(x, mixed, mlp_norm, eps)

@@ -24,6 +24,7 @@ import torch
 
 from localmoe.config import KV_CACHE_DTYPES
 from localmoe.kernels.fp8_cache import dequantize_fp8, quantize_fp8
+from localmoe.kernels.gqa_decode import PagedKV
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BLOCK_TOKENS = 256  # tokens per physical block (read at construction, so tests can shrink it)
@@ -75,6 +76,7 @@ class PagedBuffer:
         self.capacity = 0  # positions every sequence can hold without allocating
         self._index: torch.Tensor | None = None  # the table as [B, n] long, for gathers
         self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None  # identity table: [1, H, P*block, *]
+        self._paged: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32, one sequence: (pool, table [n])
         self._allocate(1)  # one block per sequence up front (at most BLOCK_TOKENS positions), the rest on demand
 
     def _allocate(self, tokens: int) -> None:
@@ -105,6 +107,7 @@ class PagedBuffer:
         n = len(self.table[0])
         self.capacity = n * self.block
         self._index = torch.tensor(self.table, dtype=torch.long, device=self.pool.device)
+        self._paged = None if self.lossy or self.batch != 1 else (self.pool, self._index[0])  # a new tuple per change
         if self.batch == 1 and self.table[0] == list(range(n)):
             H, P = self.heads, self.pool.shape[1]
             self._flat = (self.pool.view(1, H, P * self.block, self.dim),
@@ -142,6 +145,14 @@ class PagedBuffer:
             return None
         self._ensure(end)
         return None if self._flat is None else self._flat[0]
+
+    def pages(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For kernels that write and read the cache in place through its block table: the pool
+        [H, P, block, D] and the sequence's table [n] long, with room for positions < `end` (allocated
+        here), where the buffer is fp32 for one sequence; None otherwise (then use write/read)."""
+        if end > self.capacity:
+            self._ensure(end)
+        return self._paged
 
     def _ensure(self, end: int) -> None:
         """Room for positions < `end` in every sequence (blocks allocated as needed)."""
@@ -217,6 +228,7 @@ class KVCache:
         # fp8: one scale per token and KV head (a head's D values share a magnitude; heads differ)
         self.keys = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype, device)
         self.values = PagedBuffer(batch, max_len, kv_heads, head_dim, dtype, device)
+        self._pages: tuple[tuple, tuple, PagedKV] | None = None  # `pages`' last answer and what it was made of
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, T, H_kv, D] at positions start.. and return all filled positions as
@@ -232,6 +244,18 @@ class KVCache:
         keys = self.keys.flat_pool(pos + 1)
         values = self.values.flat_pool(pos + 1) if keys is not None else None
         return None if values is None else (keys, values)
+
+    def pages(self, pos: int) -> PagedKV | None:
+        """The pools and block tables (PagedBuffer.pages) with room for position `pos`, for a kernel that
+        writes it in place (kernels/gqa_decode `gqa_decode_paged`); None where the buffers cannot be.
+        The same object until the buffers grow or trim (it caches the kernel's view of them)."""
+        keys = self.keys.pages(pos + 1)
+        values = self.values.pages(pos + 1) if keys is not None else None
+        if values is None:
+            return None
+        if self._pages is None or self._pages[0] is not keys or self._pages[1] is not values:
+            self._pages = (keys, values, PagedKV(*keys, *values))
+        return self._pages[2]
 
     def trim(self, offset: int) -> None:
         self.keys.trim(offset)

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from localmoe.kernels import _cpu, dense_gemv, ggml_gemv, mxfp4_moe
+from localmoe.kernels import _cpu, dense_gemv, ggml_gemv, gqa_decode, mxfp4_moe
 from localmoe.kernels.mxfp4_moe import ExpertTable
 
 from localmoe.config import EngineConfig
@@ -20,6 +20,7 @@ from localmoe.quant.mxfp4 import quantize
 from localmoe.testing.ggml_blocks import random_blocks
 from localmoe.testing.write import write_checkpoint
 
+from .test_gqa_decode import _copies, _paged_case
 from .test_mxfp4_moe_layer import _experts, _routing
 
 OTHER_ISAS = [name for name in _cpu.supported_isas() if name != "avx2"] if _cpu.library() is not None else []
@@ -106,6 +107,20 @@ def test_ggml_gemv(isa, ggml_type, N):
     for exact_x in (False, True) if exact else (False,):
         run = functools.partial(ggml_gemv.ggml_gemv, x, blocks, ggml_type, (O, K), exact_x=exact_x)
         _same_bits(*_under_each(isa, run), f"{ggml_type.name} N={N} exact_x={exact_x}")
+
+
+@ISA
+def test_gqa_decode_paged(isa):
+    """The batched decode attention over paged caches (shuffled tables, two rows sharing a cache, sinks)."""
+    q, k, v, caches, positions = _paged_case(6, 8, 2, 64, 16, [5, 70, 130, 0, 33, 34], [(4, 5)], seed=9)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(2))
+
+    def run():
+        mine = _copies(caches)
+        out = gqa_decode.gqa_decode_paged(q, k, v, mine, positions, [0, 0, 100, 0, 2, 2], 0.125, sinks)
+        return torch.cat([out.view(-1)] + [c.key_pool.view(-1) for c in mine] + [c.value_pool.view(-1) for c in mine])
+
+    _same_bits(*_under_each(isa, run), "gqa_decode_paged")
 
 
 @ISA

@@ -1,5 +1,7 @@
 """GQA decode attention: the CPU kernel and the dispatcher against a float64 per-head loop written
-here, over odd sizes, windows (first key), padding masks, sinks and strided cache views."""
+here, over odd sizes, windows (first key), padding masks, sinks and strided cache views; the batched
+kernel over N sequences' paged caches (shuffled block tables, rows sharing a cache) likewise, and a
+row's bits the same alone or batched."""
 
 from __future__ import annotations
 
@@ -7,7 +9,16 @@ import math
 
 import pytest
 import torch
-from localmoe.kernels.gqa_decode import cpu, gqa_decode, naive_gqa_decode, naive_gqa_step, step_kernel_for
+from localmoe.kernels.gqa_decode import (
+    PagedKV,
+    cpu,
+    gqa_decode,
+    gqa_decode_paged,
+    naive_gqa_decode,
+    naive_gqa_decode_paged,
+    naive_gqa_step,
+    step_kernel_for,
+)
 
 needs_cpu_kernel = pytest.mark.skipif(cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)")
 
@@ -150,3 +161,107 @@ def test_reference_step_rotates_like_the_engine():
                    None, 0.25, wo, None)
     k = (x.view(-1) @ wqkv.T)[H * D:(H + Hkv) * D].view(1, 1, Hkv, D)
     torch.testing.assert_close(pool[0, 0, :, pos], apply_rope(k, cos, sin)[0, 0], rtol=1e-6, atol=1e-6)
+
+
+def _paged_case(N, H, Hkv, D, block, positions, share, seed, pages=None):
+    """N rows' q/k/v and caches: row n's sequence holds random keys/values at positions < positions[n] in
+    pools of `pages` blocks whose tables are shuffled (keys and values differently); `share`: pairs
+    (n, m) where row m is row n's sequence at the next position (a verify's consecutive rows)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = list(positions)
+    caches = []
+    for n in range(N):
+        pages_n = pages or positions[n] // block + 3
+        caches.append(PagedKV(torch.randn(Hkv, pages_n, block, D, generator=g) * 1.5,
+                              torch.randperm(pages_n, generator=g), torch.randn(Hkv, pages_n, block, D, generator=g),
+                              torch.randperm(pages_n, generator=g)))
+    for n, m in share:
+        caches[m], positions[m] = caches[n], positions[n] + 1
+    q, k, v = (torch.randn(N, h, D, generator=g) for h in (H, Hkv, Hkv))
+    return q, k, v, caches, positions
+
+
+def _copies(caches: list[PagedKV]) -> list[PagedKV]:
+    """Fresh pools (the kernel writes them), the same sharing between rows."""
+    made: dict[int, PagedKV] = {}
+    return [made.setdefault(id(c), PagedKV(c.key_pool.clone(), c.key_table, c.value_pool.clone(), c.value_table))
+            for c in caches]
+
+
+def _gathered(c: PagedKV, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache's positions < length as contiguous [1, Hkv, length, D] (read through its table, here)."""
+    block = c.key_pool.shape[2]
+    keys = torch.stack([c.key_pool[:, int(c.key_table[s // block]), s % block] for s in range(length)], dim=1)
+    values = torch.stack([c.value_pool[:, int(c.value_table[s // block]), s % block] for s in range(length)], dim=1)
+    return keys[None], values[None]
+
+
+PAGED = [  # N, H, Hkv, D, block, positions, window, sinks, share
+    pytest.param(1, 9, 3, 64, 256, [0], 0, False, [], id="N1-pos0"),
+    pytest.param(3, 12, 4, 64, 8, [5, 70, 17], 0, True, [], id="N3-block8-sinks"),
+    pytest.param(5, 8, 2, 32, 16, [40, 40, 3, 100, 7], 24, True, [(0, 1)], id="N5-window-shared"),
+    pytest.param(17, 4, 4, 8, 4, [i * 7 % 23 for i in range(17)], 0, False, [(2, 3), (3, 4)], id="N17-mha-chain"),
+    pytest.param(2, 16, 1, 128, 256, [300, 1], 5, True, [], id="N2-mqa-D128-two-blocks"),
+]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N,H,Hkv,D,block,positions,window,sinks,share", PAGED)
+def test_paged_kernel_matches_float64(N, H, Hkv, D, block, positions, window, sinks, share, close):
+    """Each row: its k/v written at its position through the table (exactly), then its attention over its
+    own keys against float64; the reference (naive_gqa_decode_paged) writes the same pools and agrees too.
+    Tolerance: fp32 sums of n terms err ~sqrt(n) units of 2^-24 (relative RMS); n = D (a score) + the
+    keys (the softmax-weighted sum), x4 for exp's ~2 ulp and the final division."""
+    q, k, v, caches, positions = _paged_case(N, H, Hkv, D, block, positions, share, seed=N + D)
+    firsts = [max(0, p + 1 - window) if window else 0 for p in positions]
+    sink = torch.randn(H, generator=torch.Generator().manual_seed(1)) if sinks else None
+    tol = 4 * 2 ** -24 * math.sqrt(D + max(positions) + 1)
+    assert cpu.paged_supported(q, k, v, caches)
+    mine, ref = _copies(caches), _copies(caches)
+    got = gqa_decode_paged(q, k, v, mine, positions, firsts, D ** -0.5, sink)
+    want_ref = naive_gqa_decode_paged(q, k, v, ref, positions, firsts, D ** -0.5, sink)
+    for n in range(N):
+        keys, values = _gathered(mine[n], positions[n] + 1)
+        assert torch.equal(keys[0, :, positions[n]], k[n]) and torch.equal(values[0, :, positions[n]], v[n]), n
+        want = _float64(q[n:n + 1], keys, values, D ** -0.5, firsts[n], None, sink)
+        close(got[n:n + 1], want, tol, f"kernel row {n}")
+        close(want_ref[n:n + 1], want, tol, f"reference row {n}")
+    for a, b in zip(mine, ref):  # the same pools written
+        assert torch.equal(a.key_pool, b.key_pool) and torch.equal(a.value_pool, b.value_pool)
+
+
+@needs_cpu_kernel
+def test_paged_row_bits_do_not_depend_on_the_batch_or_threads():
+    """Row n's output alone (N = 1) equals its row in a batch of 9 with other sequences (different lengths),
+    on 1 and on 2 threads: the batched decode step's greedy output must not depend on who else runs."""
+    q, k, v, caches, positions = _paged_case(9, 6, 2, 64, 16, [3, 90, 17, 200, 0, 45, 45, 8, 130], [(5, 6)], seed=3)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            outs.append(gqa_decode_paged(q, k, v, _copies(caches), positions, [0] * 9, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    for n in (0, 3, 8):  # a row whose cache no other row shares
+        alone = gqa_decode_paged(q[n:n + 1], k[n:n + 1], v[n:n + 1], _copies([caches[n]]), [positions[n]], [0], 0.125)
+        assert torch.equal(alone[0], outs[0][n]), n
+
+
+def test_paged_falls_back_to_the_reference(close):
+    """Where the kernel cannot read a cache (bf16 pools, D % 8 != 0) the dispatcher runs the reference."""
+    q, k, v, caches, positions = _paged_case(2, 4, 2, 12, 8, [3, 9], [], seed=4)
+    assert not cpu.paged_supported(q, k, v, caches)
+    got = gqa_decode_paged(q, k, v, _copies(caches), positions, [0, 0], 0.3)
+    close(got, naive_gqa_decode_paged(q, k, v, _copies(caches), positions, [0, 0], 0.3), 0, "reference path")
+    q, k, v, caches, positions = _paged_case(1, 4, 2, 16, 8, [3], [], seed=5)
+    half = [PagedKV(c.key_pool.bfloat16(), c.key_table, c.value_pool.bfloat16(), c.value_table) for c in caches]
+    assert not cpu.paged_supported(q, k, v, half)
+
+
+@needs_cpu_kernel
+def test_paged_refuses_a_position_past_the_table():
+    q, k, v, caches, _ = _paged_case(1, 4, 2, 16, 8, [3], [], seed=6, pages=2)
+    with pytest.raises(AssertionError, match="past the cache"):
+        gqa_decode_paged(q, k, v, caches, [16], [0], 0.25)

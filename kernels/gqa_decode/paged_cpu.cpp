@@ -1,0 +1,91 @@
+// Decode attention of N sequences in one call, each over its own paged cache (AVX2 + FMA): the
+// batched decode step's attention (engine/batch.py), one call per layer instead of a cache write and
+// an attention call per sequence.
+//
+// Row n is one new token of a sequence at cache position pos_n: its k and v rows [Hkv, D] are
+// written at pos_n of that sequence's pools, then each of its H query heads attends to keys
+// [first_n, pos_n] of its KV head (gqa_cpu.cpp's computation: online softmax, optional sinks).
+// A pool is the paged cache's [Hkv, P, block, D] fp32 tensor (engine/cache.py PagedBuffer): head h's
+// position s lies in physical block table[s / block], at h * head_stride + (table[s / block] * block +
+// s % block) * D. Rows may share a cache (a speculative verify: consecutive positions in row order):
+// every row's k/v is written before any attention runs, and row n reads only positions <= pos_n.
+// Each (row, head) is computed whole by one thread, with the same instructions as gqa_decode over a
+// contiguous copy of the same keys: a row's bits depend neither on the other rows nor on the thread
+// count.
+#include <algorithm>
+#include <cstdint>
+
+#include "gqa_heads.h"
+
+namespace {
+
+using localmoe_gqa::one_head;
+
+// One row's cache: int64 [kSeqFields] (addresses as integers).
+enum Field { kKeyPool, kKeyTable, kKeyStride, kValuePool, kValueTable, kValueStride, kBlock, kPos, kFirst, kSeqFields };
+
+struct PagedRows {
+  const float *k, *v;
+  const int64_t *kt, *vt;
+  int64_t block, D;
+  const float* key(int64_t s) const { return k + (kt[s / block] * block + s % block) * D; }
+  const float* value(int64_t s) const { return v + (vt[s / block] * block + s % block) * D; }
+};
+
+struct Batch {
+  const float* q;
+  int64_t qn, qh;  // q[n * qn + h * qh + d]
+  int64_t H, group, D;
+  const int64_t* seqs;  // [N, kSeqFields]
+  const float* sinks;   // [H] or null
+  float scale;
+  float* out;  // [N, H, D]
+};
+
+float* row_at(const int64_t* seq, Field pool, Field table, Field stride, int64_t h, int64_t pos, int64_t D) {
+  const int64_t block = seq[kBlock];
+  const int64_t* t = reinterpret_cast<const int64_t*>(seq[table]);
+  return reinterpret_cast<float*>(seq[pool]) + h * seq[stride] + (t[pos / block] * block + pos % block) * D;
+}
+
+void heads(const void* ctx, int64_t i0, int64_t i1) {
+  const Batch& a = *static_cast<const Batch*>(ctx);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t n = i / a.H, h = i % a.H, kvh = h / a.group;
+    const int64_t* seq = a.seqs + n * kSeqFields;
+    const PagedRows rows{reinterpret_cast<const float*>(seq[kKeyPool]) + kvh * seq[kKeyStride],
+                         reinterpret_cast<const float*>(seq[kValuePool]) + kvh * seq[kValueStride],
+                         reinterpret_cast<const int64_t*>(seq[kKeyTable]),
+                         reinterpret_cast<const int64_t*>(seq[kValueTable]), seq[kBlock], a.D};
+    one_head(a.q + n * a.qn + h * a.qh, rows, seq[kFirst], seq[kPos] + 1, nullptr, a.sinks ? a.sinks + h : nullptr,
+             a.scale, a.D, a.out + i * a.D);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Writes k/v rows [N, Hkv, D] (k[n * kn + h * kh + d], likewise v) into each row's cache, then
+// out [N, H, D] = each row's attention (see the top of this file); seqs [N, 9] int64: key pool,
+// key block table, key head stride, value pool, value block table, value head stride, block,
+// pos, first. H = Hkv * group.
+void gqa_decode_paged(const float* q, int64_t qn, int64_t qh, const float* k, int64_t kn, int64_t kh, const float* v,
+                      int64_t vn, int64_t vh, int64_t N, int64_t H, int64_t group, int64_t D, const int64_t* seqs,
+                      const float* sinks, float scale, float* out, int threads) {
+  const int64_t Hkv = H / group;
+  int64_t keys = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* seq = seqs + n * kSeqFields;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::copy_n(k + n * kn + h * kh, D, row_at(seq, kKeyPool, kKeyTable, kKeyStride, h, seq[kPos], D));
+      std::copy_n(v + n * vn + h * vh, D, row_at(seq, kValuePool, kValueTable, kValueStride, h, seq[kPos], D));
+    }
+    keys += std::max<int64_t>(1, seq[kPos] + 1 - seq[kFirst]);
+  }
+  const Batch batch{q, qn, qh, H, group, D, seqs, sinks, scale, out};
+  const int64_t bytes_per_head = std::max<int64_t>(1, keys / std::max<int64_t>(N, 1) * D * 8);
+  localmoe::parallel(heads, &batch, N * H, localmoe::kChunkBytes / bytes_per_head, threads);
+}
+
+}  // extern "C"
