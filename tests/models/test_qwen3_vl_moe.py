@@ -248,3 +248,50 @@ def test_generated_checkpoint_matches_transformers_with_an_image(tmp_path):
                              image_embeds=torch.stack([emb, *deep], dim=1), mrope=images.mrope(0, prompt.shape[1]))
     assert max_diff(got, want)[0] <= 1e-4 * (want.max() - want.min()).item()
     assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+
+
+def test_an_image_file_through_the_runtime_gives_transformers_greedy_tokens(tmp_path):
+    """A PNG through our whole path (size_images, the chat template's placeholders, our preprocessing and tower,
+    the Decoder's chunks with MRoPE) against transformers' own image processor and generate on the same prompt."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from localmoe.chat.format import ChatMessage
+    from localmoe.chat.images import ImageRef
+    from localmoe.engine.generate import Decoder
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.runtime.images import prompt_images, size_images
+    from localmoe.testing import write_checkpoint
+
+    pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    path = write_checkpoint("qwen3_vl_moe", tmp_path / "gen", "tiny", seed=0)
+    ours = load_ours(path)
+    reference = load_reference(transformers.Qwen3VLMoeForConditionalGeneration, path, attn_implementation="eager")
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, size=(40, 60, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    messages = size_images(ours, [ChatMessage("user", "what is in it?", images=[ImageRef.of(buf.getvalue())])])
+    prompt = ours.chat_format.render(messages)
+    images = prompt_images(ours, messages, prompt)
+    processor = pil.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                             size={"shortest_edge": 65536, "longest_edge": 16777216},
+                                             image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    pixels = processor(images=[image], return_tensors="pt")  # scaled up to 65536 pixels: 216x320
+    rows, cols = (pixels["image_grid_thw"][0, 1:] // 2).tolist()
+    assert images[0].grid == (rows, cols) and prompt.count(ours.spec.image_token_id) == rows * cols
+    steps = 6
+    decoder = Decoder(ours.model, prompt, SamplingParams(temperature=0), prefill_chunk=100, images=images)
+    got = []
+    for _ in range(steps):
+        while (logits := decoder.logits()) is None:
+            pass
+        got.append(decoder.sample(logits))
+        decoder.feed([got[-1]])
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = reference.generate(input_ids=ids, pixel_values=pixels["pixel_values"],
+                                  image_grid_thw=pixels["image_grid_thw"], do_sample=False, max_new_tokens=steps,
+                                  mm_token_type_ids=(ids == ours.spec.image_token_id).int())[0, len(prompt):]
+    assert got == want.tolist()

@@ -85,3 +85,20 @@ def test_qwen3vl_patches_are_merge_block_ordered_and_repeated_in_time():
     assert proc.sizes(10, 10) == (8, 8) and proc.sizes(100, 100) == (64, 64)  # area kept in [64, 4096]
     with pytest.raises(images.ImageError, match="aspect ratio"):
         proc.sizes(1, 300)
+
+
+@pytest.mark.parametrize("size", [(37, 53), (300, 90), (8, 8)], ids=["upscaled", "downscaled", "tiny"])
+def test_qwen3vl_patches_match_transformers_image_processor(size):
+    """Our Qwen3-VL preprocessing against transformers' own Qwen2-VL image processor (PIL backend), which
+    Qwen3-VL's processor uses: the same resize, normalisation and patch order, bit for bit."""
+    from localmoe.vision.qwen3vl import Processor as QwenProcessor
+
+    pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
+    reference = pil.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
+                                             size={"shortest_edge": 1024, "longest_edge": 8192},
+                                             image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image = Image.fromarray(np.random.default_rng(3).integers(0, 256, size=(*size, 3), dtype=np.uint8))
+    want = reference(images=[image], return_tensors="pt")
+    patches, grid = QwenProcessor(patch_size=4, min_pixels=1024, max_pixels=8192)(image)
+    assert [1, *grid] == want["image_grid_thw"][0].tolist()
+    assert torch.equal(patches, want["pixel_values"])
