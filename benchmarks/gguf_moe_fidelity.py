@@ -12,7 +12,7 @@ the GGUF metadata equals the one from config.json, the largest logit difference 
 agree, and how llama.cpp's tensor names and shapes compare with `localmoe.testing.moe_gguf`'s writer (the
 layout the CI tests use). Not run in CI: it needs the sdist and its converter's dependencies (transformers).
 
-    python benchmarks/gguf_moe_fidelity.py [--families qwen3_moe,deepseek_v3,deepseek_v32,kimi_linear,kimi_k3]
+    python benchmarks/gguf_moe_fidelity.py [--families qwen3_moe,deepseek_v3,deepseek_v32,kimi_linear,kimi_k3,glm5_next]
                                            [--outtypes f32,bf16,q8_0] [--work DIR] [--llama-src DIR]
 """
 
@@ -39,9 +39,22 @@ deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
-FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "qwen3_next", "kimi_k3")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "qwen3_next", "kimi_k3", "glm5_next")
 EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}  # the generated Qwen3-Next has no MTP block (the converter expects one)
 TOLERANCE = 1e-5  # of the logit range (issue 24's acceptance)
+
+
+def converter_fields(hf: Path) -> None:
+    """glm5_next: llama.cpp's Glm5NextModel asserts `mla_use_nope` and reads `first_k_dense_replace`, which the
+    released config carries and transformers' Glm5NextConfig (and so the generated one) does not: add both,
+    derived from the config (NoPE MLA, the leading dense layers of `mlp_layer_types`)."""
+    import json
+
+    config = json.loads((hf / "config.json").read_text())
+    text = config.get("text_config", {})
+    if config.get("model_type") == "glm5_next" and "first_k_dense_replace" not in text:
+        text |= {"mla_use_nope": True, "first_k_dense_replace": text["mlp_layer_types"].index("sparse")}
+        (hf / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def convert(src: Path, hf: Path, outtype: str, out: Path) -> None:
@@ -79,6 +92,7 @@ def check(family: str, outtype: str, work: Path, src: Path) -> dict:
     hf = work / family
     if not (hf / "config.json").exists():
         write_checkpoint(family, hf, "tiny", seed=0)
+        converter_fields(hf)
     gguf = work / f"{family}.{outtype}.gguf"
     if not gguf.exists():
         convert(src, hf, outtype, gguf)

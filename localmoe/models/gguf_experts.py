@@ -167,6 +167,25 @@ def dequantize_attention(weights: dict, markers: tuple[str, ...] = (".self_attn.
 MLA_GGUF = {"attn_q_a": "q_a_proj", "attn_q_a_norm": "q_a_layernorm", "attn_q_b": "q_b_proj", "attn_q": "q_proj",
             "attn_kv_a_mqa": "kv_a_proj_with_mqa", "attn_kv_a_norm": "kv_a_layernorm", "attn_output": "o_proj",
             "attn_k_b": "k_b", "attn_v_b": "v_b"}  # llama.cpp name -> canonical `self_attn.*` (k_b / v_b: join_kv_b)
+
+
+def _conv_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """[1, H K, 1, W] (llama.cpp) -> [H K, 1, W]."""
+    return t.reshape(t.shape[-3], 1, t.shape[-1])
+
+
+def _a_log_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """llama.cpp stores -exp(A_log)."""
+    return torch.log(-t)
+
+
+# KDA (kimi-linear, glm5-next): llama.cpp name -> (canonical `self_attn.*`, transform)
+KDA_GGUF = {**{f"attn_{x}.weight": (f"{x}_proj.weight", None) for x in "qkv"},
+            **{f"ssm_conv1d_{x}.weight": (f"{x}_conv1d.weight", _conv_from_gguf) for x in "qkv"},
+            "ssm_f_a.weight": ("f_a_proj.weight", None), "ssm_f_b.weight": ("f_b_proj.weight", None),
+            "ssm_beta.weight": ("b_proj.weight", None), "ssm_g_a.weight": ("g_a_proj.weight", None),
+            "ssm_g_b.weight": ("g_b_proj.weight", None), "ssm_a": ("A_log", _a_log_from_gguf),
+            "ssm_dt.bias": ("dt_bias", None), "ssm_norm.weight": ("o_norm.weight", None)}
 # DeepSeek-style MoE and norms: llama.cpp name under `blk.{i}.` -> canonical name under `layers.{i}.`
 MOE_GGUF = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
             "ffn_gate_inp.weight": "mlp.router.weight", "exp_probs_b.bias": "mlp.router.e_score_correction_bias",

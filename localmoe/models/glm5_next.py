@@ -16,6 +16,11 @@ Quirks, each covered by tests/models/test_glm5_next.py:
   selection (`indexer_types` "shared") are refused.
 - every SwiGLU clamps at `swiglu_limit` (dense, shared and routed experts).
 The MTP layer (`layers.{num_hidden_layers}`) is not read.
+
+GGUF (`glm5-next`, llama.cpp's Glm5NextModel; tests/models/test_moe_gguf.py, benchmarks/gguf_moe_fidelity.py):
+kimi-linear's KDA names, MLA without a rope part (`attn_k_b` / `attn_v_b` joined back), the indexer with its
+k-pool compressor `indexer_compressor_{gate,ape}`, `hc_{attn,ffn}_{fn,base,scale}`; a layer is MLA + DSA where
+`attention.head_count_kv[i]` > 0; the appended MTP blocks (`nextn_predict_layers`) dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +32,16 @@ from localmoe.engine.layers import hyper_connections, kda
 from localmoe.engine.transformer import model_tensors
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
-from localmoe.models.base import ModelFamily, TensorMap, TensorRule
+from localmoe.models.base import ModelFamily, TensorMap, TensorRule, gguf_float
+from localmoe.models.gguf_experts import (
+    KDA_GGUF,
+    MLA_GGUF,
+    MOE_GGUF,
+    GGUFKeys,
+    gguf_moe_tensors,
+    gguf_stacked_experts,
+    mla_finish,
+)
 from localmoe.models.moe_config import dsa_fields, experts, moe_spec, require
 
 SOURCE = "config.json text_config"
@@ -123,6 +137,63 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
+    """The spec of the HF text config the `glm5-next.*` metadata was converted from (llama.cpp's Glm5NextModel):
+    a layer is MLA + DSA where `attention.head_count_kv[i]` > 0, else KDA; the appended MTP blocks dropped."""
+    key = GGUFKeys(metadata, "glm5-next")
+    nextn = key("nextn_predict_layers", 0)
+    layers = key("block_count") - nextn
+    kv = key("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    dense = key("leading_dense_block_count", 0)
+    heads = key("attention.head_count")
+    lin = {"num_heads": heads, "head_dim": key("kda.head_dim"), "short_conv_kernel_size": key("ssm.conv_kernel", 4)}
+    if (bound := key("kda.gate_lower_bound", required=False)) is not None:
+        lin["gate_lower_bound"] = bound
+    types = key("attention.indexer.types", required=False)
+    limit = key("swiglu_clamp_exp", required=False)
+    text = {
+        "num_hidden_layers": layers, "layer_types": ["indexed_attention" if n else "linear_attention" for n in kv[:layers]],
+        "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(layers)],
+        "hidden_size": key("embedding_length"), "intermediate_size": key("feed_forward_length"),
+        "moe_intermediate_size": key("expert_feed_forward_length"), "num_attention_heads": heads,
+        "num_key_value_heads": heads, "q_lora_rank": key("attention.q_lora_rank"),
+        "kv_lora_rank": key("attention.kv_lora_rank"), "qk_rope_head_dim": key("rope.dimension_count", 0),
+        "qk_nope_head_dim": key("attention.key_length_mla") - key("rope.dimension_count", 0),
+        "v_head_dim": key("attention.value_length_mla"), "index_n_heads": key("attention.indexer.head_count"),
+        "index_head_dim": key("attention.indexer.key_length"), "index_topk": key("attention.indexer.top_k"),
+        "index_kpool": key("attention.indexer.kpool"),
+        "index_kpool_always_select_tail": bool(key("attention.indexer.kpool_select_tail", True)),
+        **({"indexer_types": ["full" if t else "shared" for t in types[:layers]]} if types is not None else {}),
+        "linear_attn_config": lin, "hc_mult": key("hyper_connection.count"),
+        "hc_eps": key("hyper_connection.epsilon"), "hc_sinkhorn_iters": key("hyper_connection.sinkhorn_iterations"),
+        "n_routed_experts": key("expert_count"), "n_shared_experts": key("expert_shared_count", 0),
+        "num_experts_per_tok": key("expert_used_count"), "n_group": key("expert_group_count", 1),
+        "topk_group": key("expert_group_used_count", 1), "norm_topk_prob": bool(key("expert_weights_norm", False)),
+        "routed_scaling_factor": key("expert_weights_scale", 1.0),
+        **({"swiglu_limit": gguf_float(limit[0] if isinstance(limit, list) else limit)} if limit is not None else {}),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"), "max_position_embeddings": key("context_length"),
+        "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    return dataclasses.replace(glm5_spec({"text_config": text}), nextn_layers=nextn)
+
+
+def gguf_tensors(architecture: str) -> TensorMap:
+    """llama.cpp's glm5-next names: kimi-linear's KDA and MLA (no rope part) tensors, the DSA indexer with its k-pool
+    compressor (`indexer_compressor_{gate,ape}`), the hyper-connections `hc_{attn,ffn}_{fn,base,scale}`."""
+    layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in MLA_GGUF.items()},
+             **{g: (f"self_attn.{h}", fix) for g, (h, fix) in KDA_GGUF.items()},
+             **{g: (h, None) for g, h in MOE_GGUF.items()},
+             **{f"indexer.{g}.weight": (f"self_attn.indexer.{h}.weight", None)
+                for g, h in (("attn_q_b", "wq_b"), ("attn_k", "wk"), ("k_norm", "k_norm"), ("proj", "weights_proj"))},
+             "indexer.k_norm.bias": ("self_attn.indexer.k_norm.bias", None),
+             **{f"indexer_compressor_{x}.weight": (f"self_attn.indexer.index_kpool_compress_{x}", None)
+                for x in ("gate", "ape")},
+             **{f"hc_{s}_{t}.weight": (f"hc_{s}_{t}", None) for s in ("attn", "ffn") for t in ("fn", "base", "scale")}}
+    return gguf_moe_tensors(layer, ignore=(r"\.nextn\.",))
+
+
 GLM5 = register(ModelFamily(name="glm5_next", model_types=("glm5_next",),
                        spec_from_hf=glm5_spec, hf_tensors=HF_TENSORS, expected_shapes=expected_shapes,
-                       experts=experts(_P)))
+                       experts=experts(_P), gguf_architectures=("glm5-next",), spec_from_gguf=spec_from_gguf,
+                       gguf_tensors=gguf_tensors, gguf_finish=mla_finish, gguf_experts=gguf_stacked_experts()))

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from localmoe.config import ModelSpec
 from localmoe.errors import UnsupportedModelError
 from localmoe.models import gguf_experts, register
@@ -51,27 +49,9 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
     return spec_from_hf(config)
 
 
-def _conv_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """[1, H K, 1, W] (llama.cpp) -> [H K, 1, W]."""
-    return t.reshape(t.shape[-3], 1, t.shape[-1])
-
-
-def _a_log_from_gguf(t: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """llama.cpp stores -exp(A_log)."""
-    return torch.log(-t)
-
-
-_GGUF_KDA = {**{f"attn_{x}.weight": (f"{x}_proj.weight", None) for x in "qkv"},
-             **{f"ssm_conv1d_{x}.weight": (f"{x}_conv1d.weight", _conv_from_gguf) for x in "qkv"},
-             "ssm_f_a.weight": ("f_a_proj.weight", None), "ssm_f_b.weight": ("f_b_proj.weight", None),
-             "ssm_beta.weight": ("b_proj.weight", None), "ssm_g_a.weight": ("g_a_proj.weight", None),
-             "ssm_g_b.weight": ("g_b_proj.weight", None), "ssm_a": ("A_log", _a_log_from_gguf),
-             "ssm_dt.bias": ("dt_bias", None), "ssm_norm.weight": ("o_norm.weight", None)}
-
-
 def gguf_tensors(architecture: str) -> TensorMap:
     layer = {**{f"{g}.weight": (f"self_attn.{h}.weight", None) for g, h in gguf_experts.MLA_GGUF.items()},
-             **{g: (f"self_attn.{h}", fix) for g, (h, fix) in _GGUF_KDA.items()},
+             **{g: (f"self_attn.{h}", fix) for g, (h, fix) in gguf_experts.KDA_GGUF.items()},
              **{g: (h, None) for g, h in gguf_experts.MOE_GGUF.items()}}
     return gguf_experts.gguf_moe_tensors(layer)
 

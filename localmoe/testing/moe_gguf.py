@@ -58,6 +58,11 @@ class Arch:
     split: dict = None
     proj: dict = None  # GGUF short name -> the HF expert projection name (default PROJ)
     top_fix: dict = None  # HF name outside the layers -> (to GGUF values, back to HF values)
+    prefix: str = "model."  # what `model.` stands for in the checkpoint's names (glm5_next: `model.language_model.`)
+
+    def hf(self, name: str) -> str:
+        """An HF name written with `model.` as it is in the checkpoint."""
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 def _deepseek2_metadata(w, c: dict) -> None:
@@ -251,6 +256,70 @@ _KIMI_LINEAR_SPLIT = {**_DEEPSEEK_SPLIT, "self_attn.A_log": (("ssm_a",), _a_spli
                       **{f"self_attn.{x}_conv1d.weight": ((f"ssm_conv1d_{x}.weight",), _conv_split, _conv_join)
                          for x in "qkv"}}
 
+def _glm5_next_metadata(w, c: dict) -> None:
+    """llama.cpp's Glm5NextModel (conversion/glm.py): KDA where head_count_kv[i] is 0, MLA (NoPE) + DSA k-pool
+    indexer elsewhere, mHC, DeepSeek-style MoE; a few keys derived from the released config's fields."""
+    from localmoe.models.glm5_next import indexer_types
+
+    arch, L, lin = w.arch, c["num_hidden_layers"], c["linear_attn_config"]
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(L)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in c["layer_types"]])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_expert_count(c["n_routed_experts"])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+    w.add_expert_group_count(c["n_group"])
+    w.add_expert_group_used_count(c["topk_group"])
+    w.add_vocab_size(c["vocab_size"])
+    w.add_layer_norm_eps(1e-6)
+    w.add_uint32(f"{arch}.ssm.conv_kernel", lin["short_conv_kernel_size"])
+    w.add_uint32(f"{arch}.kda.head_dim", lin["head_dim"])
+    if lin.get("gate_lower_bound") is not None:
+        w.add_float32(f"{arch}.kda.gate_lower_bound", lin["gate_lower_bound"])
+    w.add_uint32(f"{arch}.attention.q_lora_rank", c["q_lora_rank"])
+    w.add_uint32(f"{arch}.attention.kv_lora_rank", c["kv_lora_rank"])
+    w.add_rope_dimension_count(c["qk_rope_head_dim"])
+    w.add_key_length(c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    w.add_value_length(c["kv_lora_rank"])
+    w.add_uint32(f"{arch}.attention.key_length_mla", c["qk_nope_head_dim"] + c["qk_rope_head_dim"])
+    w.add_uint32(f"{arch}.attention.value_length_mla", c["v_head_dim"])
+    for key, field in (("head_count", "index_n_heads"), ("key_length", "index_head_dim"), ("top_k", "index_topk"),
+                       ("kpool", "index_kpool")):
+        w.add_uint32(f"{arch}.attention.indexer.{key}", c[field])
+    w.add_bool(f"{arch}.attention.indexer.kpool_select_tail", c.get("index_kpool_always_select_tail", True))
+    w.add_array(f"{arch}.attention.indexer.types", [t == "full" for t in indexer_types(c, L)])
+    w.add_uint32(f"{arch}.hyper_connection.count", c["hc_mult"])
+    w.add_uint32(f"{arch}.hyper_connection.sinkhorn_iterations", c["hc_sinkhorn_iters"])
+    w.add_float32(f"{arch}.hyper_connection.epsilon", c["hc_eps"])
+    dense = c.get("first_k_dense_replace", c["mlp_layer_types"].index("sparse"))
+    w.add_leading_dense_block_count(dense)
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    w.add_expert_shared_count(c["n_shared_experts"])
+    w.add_expert_weights_scale(c["routed_scaling_factor"])
+    w.add_expert_weights_norm(c["norm_topk_prob"])
+    for key in ("swiglu_clamp_exp", "swiglu_clamp_shexp"):
+        w.add_array(f"{arch}.{key}", [float(c["swiglu_limit"])] * L)
+
+
+_GLM5_NEXT_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for glm5-next)
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"hc_{s}_{t}": f"hc_{s}_{t}.weight" for s in ("attn", "ffn") for t in ("fn", "base", "scale")},
+    **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
+        ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
+        ("f_a_proj", "ssm_f_a"), ("f_b_proj", "ssm_f_b"), ("b_proj", "ssm_beta"), ("g_a_proj", "ssm_g_a"),
+        ("g_b_proj", "ssm_g_b"), ("o_norm", "ssm_norm"), ("q_a_proj", "attn_q_a"), ("q_a_layernorm", "attn_q_a_norm"),
+        ("q_b_proj", "attn_q_b"), ("kv_a_proj_with_mqa", "attn_kv_a_mqa"), ("kv_a_layernorm", "attn_kv_a_norm"),
+        ("indexer.wq_b", "indexer.attn_q_b"), ("indexer.wk", "indexer.attn_k"), ("indexer.k_norm", "indexer.k_norm"),
+        ("indexer.weights_proj", "indexer.proj"))},
+    "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias", "self_attn.dt_bias": "ssm_dt.bias",
+    **{f"self_attn.indexer.index_kpool_compress_{x}": f"indexer_compressor_{x}.weight" for x in ("gate", "ape")},
+    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
+    **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
+
 ARCHS = {
     "qwen3_moe": Arch("qwen3moe", _qwen3moe_metadata, {
         "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -268,6 +337,8 @@ ARCHS = {
     "glm4_moe": Arch("glm4moe", _glm4moe_metadata, _GLM4MOE_LAYER, "mlp.experts.{e}.{p}.weight", _TOP),
     "qwen3_next": Arch("qwen3next", _qwen3next_metadata, _QWEN3NEXT_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
                        split=_QWEN3NEXT_SPLIT, top_fix={"model.norm.weight": (_plus_one, _minus_one)}),
+    "glm5_next": Arch("glm5-next", _glm5_next_metadata, _GLM5_NEXT_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
+                      split=_KIMI_LINEAR_SPLIT, prefix="model.language_model."),
 }
 
 
@@ -276,11 +347,11 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
     def f32(name):
         return lambda: ckpt.tensor(name).float().numpy()
 
-    out = [(arch.top["model.embed_tokens.weight"], f32("model.embed_tokens.weight"))]
+    out = [(arch.top["model.embed_tokens.weight"], f32(arch.hf("model.embed_tokens.weight")))]
     E = config.get("num_experts") or config["n_routed_experts"]
     names = set(ckpt.keys())
     for i in range(config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)):  # MTP layers appended
-        p = f"model.layers.{i}."
+        p = arch.hf(f"model.layers.{i}.")
         out += [(f"blk.{i}.{dst}", f32(p + src)) for src, dst in arch.layer.items() if p + src in names]
         for src, (dsts, split, _) in (arch.split or {}).items():
             if p + src not in names:
@@ -294,7 +365,8 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
             stack = [p + arch.experts.format(e=e, p=hf) for e in range(E)]
             out.append((f"blk.{i}.ffn_{short}_exps.weight",
                         lambda stack=stack: np.stack([ckpt.tensor(n).float().numpy() for n in stack])))
-    out += [(arch.top["model.norm.weight"], f32("model.norm.weight")), (arch.top["lm_head.weight"], f32("lm_head.weight"))]
+    out += [(arch.top["model.norm.weight"], f32(arch.hf("model.norm.weight"))),
+            (arch.top["lm_head.weight"], f32("lm_head.weight"))]
     for hf, (fix, _) in (arch.top_fix or {}).items():
         out = [(g, (lambda make=make, fix=fix: fix(make(), config)[0]) if g == arch.top[hf] else make) for g, make in out]
     return out
@@ -312,6 +384,7 @@ def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> P
 
         return write_k3_gguf(src, dst, types, seed)
     arch = ARCHS[config["model_type"]]
+    config = config.get("text_config", config)  # glm5_next: the text model's fields
     ckpt = SafetensorsCheckpoint(src)
     rng = np.random.default_rng(seed)
     tmp = dst.with_name(dst.name + ".partial")
@@ -340,6 +413,7 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
 
         return write_k3_dequantized(src, gguf_path, dst)
     arch = ARCHS[config["model_type"]]
+    config = config.get("text_config", config)
     to_hf = {v: k for k, v in arch.top.items()}
     reader = gguf.GGUFReader(gguf_path)
     tensors: dict[str, torch.Tensor] = {}
@@ -350,10 +424,11 @@ def write_dequantized(src: Path, gguf_path: Path, dst: Path) -> Path:
         values = values.reshape(tuple(int(n) for n in reversed(t.shape)))
         if t.name in to_hf:
             fix = (arch.top_fix or {}).get(to_hf[t.name])
-            tensors[to_hf[t.name]] = torch.from_numpy(np.ascontiguousarray(fix[1]([values], config) if fix else values))
+            tensors[arch.hf(to_hf[t.name])] = torch.from_numpy(np.ascontiguousarray(fix[1]([values], config) if fix
+                                                                                   else values))
             continue
         _, i, rest = t.name.split(".", 2)
-        p = f"model.layers.{i}."
+        p = arch.hf(f"model.layers.{i}.")
         if rest.endswith("_exps.weight"):
             hf = (arch.proj or PROJ)[rest.removeprefix("ffn_").removesuffix("_exps.weight")]
             for e in range(values.shape[0]):

@@ -119,8 +119,8 @@ def ggml_type_for(name: str, shape: tuple[int, ...], types: str, layers: int, ex
     if (len(shape) < 2 or not name.endswith(".weight") or name.endswith(("_norm.weight", "ffn_gate_inp.weight",
                                                                           "ffn_gate_inp_shexp.weight",
                                                                           "indexer.proj.weight"))
-            or ".ssm_conv1d" in name):
-        return Q.F32  # convert_hf_to_gguf.py keeps these F32 (vectors, norms, routers, convs, ssm_a, biases)
+            or ".ssm_conv1d" in name or ".hc_" in name or "indexer_compressor_" in name):
+        return Q.F32  # convert_hf_to_gguf.py keeps these F32 (vectors, norms, routers, convs, ssm_a, biases, mHC)
     if types == "f32":
         return Q.F32
     if types == "iq_dynamic" and name.endswith("_exps.weight"):

@@ -25,12 +25,12 @@ PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # types Q5_0 / Q8_0 for rows too narrow for 256-value blocks); the IQ4 types and the "iq_dynamic" mix (routed
 # experts in IQ1_S ... IQ3_S, Q2_K, Q3_K per tensor) on the 256-wide ones, where the IQ blocks fit
 MIXED = [(f, "q4_k_m") for f in ("qwen3_moe", "deepseek_v32", "deepseek_v3", "kimi_linear", "qwen3_next", "glm4_moe",
-                                  "kimi_k3")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
+                                  "kimi_k3", "glm5_next")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
         [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")] + \
         [("glm4_moe", t) for t in ("f32", "bf16", "q8_0")] + \
-        [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")] + MIXED  # K3: experts MXFP4 in every file, as llama.cpp writes them
+        [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")] + [("glm5_next", t) for t in ("f32", "bf16", "q8_0")] + MIXED  # K3: experts MXFP4 in every file, as llama.cpp writes them
 FAMILIES = sorted({family for family, _ in CASES})
 
 
@@ -117,7 +117,10 @@ def test_block_experts_stay_blocks_and_q8_follows_the_gemv_reference(pair):
 @pytest.mark.parametrize(("family", "types"), MIXED, ids=[f"{f}-{t}" for f, t in MIXED])
 def test_mixed_store_resident_and_paged(pair, tmp_path, family, types):
     """Every architecture's mixed file converted to a store (each expert's blocks kept per tensor type, K3's MXFP4
-    repacked): the GGUF's logits bit for bit from the store resident and with a quarter of the experts in RAM."""
+    repacked): paged at a quarter of the experts in RAM == the store resident, bit for bit, and both give the
+    GGUF's logits: bit for bit, except glm5-next's decode steps (about 1e-7 of the range: the GGUF's F32 tensors
+    are views of the file at 32-byte alignment, which sends some CPU GEMVs down other paths; the HF directory and
+    its store agree bit for bit)."""
     from localmoe.convert import convert
     from localmoe.paging import Pager, expert_bytes
     from localmoe.store.packed import PackedStore
@@ -128,11 +131,18 @@ def test_mixed_store_resident_and_paged(pair, tmp_path, family, types):
     convert(gguf, tmp_path / "store", progress=False)
     store = PackedStore(tmp_path / "store")
     assert store.layers() == list(resident.spec.moe_layers())
+    runs = []
     for budget in (0, expert_bytes(store) // 4):
         ours = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
         assert isinstance(ours.model.moe_blocks()[0].experts, Pager) == (budget != 0)
-        for step, (a, b) in enumerate(zip(_run(ours.model), want)):
-            assert torch.equal(a, b), f"ram {budget}, step {step}: max diff {(a - b).abs().max().item():.3e}"
+        runs.append(_run(ours.model))
+    for step, (a, b, c) in enumerate(zip(*runs, want)):
+        assert torch.equal(a, b), f"paged, step {step}: max diff {(a - b).abs().max().item():.3e}"
+        if family == "glm5_next":
+            rel = ((a - c).abs().max() / (c.max() - c.min())).item()
+            assert rel <= 1e-6, f"step {step}: {rel:.2e} of the range"
+        else:
+            assert torch.equal(a, c), f"store, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
 def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
