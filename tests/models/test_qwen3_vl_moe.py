@@ -138,8 +138,9 @@ def test_logits_with_images_and_greedy_decode_match_transformers(models):
         ours_next, ref_next = logits[:, -1].argmax(-1, keepdim=True), out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def _greedy(decoders, steps):
-    """Greedy tokens of each Decoder: its prompt alone, then `steps` decode steps of all of them as one batch."""
+def _greedy(decoders, steps, preempt_at: int | None = None):
+    """Greedy tokens of each Decoder: its prompt alone, then `steps` decode steps of all of them as one batch
+    (`preempt_at`: before that step every sequence frees its cache and replays it, prompt and images again)."""
     from localmoe.engine.generate import decode_together
 
     tokens = [[] for _ in decoders]
@@ -148,8 +149,18 @@ def _greedy(decoders, steps):
             pass
         tokens[i].append(d.sample(logits))
         d.feed([tokens[i][-1]])
-    for _ in range(steps):
-        for i, (d, logits) in enumerate(zip(decoders, decode_together(decoders))):
+    for step in range(steps):
+        if step == preempt_at:  # the replay runs the prompt's chunks, then each decoded token; its last gives logits
+            for d in decoders:
+                d.preempt()
+            out = []
+            for d in decoders:
+                while (logits := d.logits()) is None:
+                    pass
+                out.append(logits)
+        else:
+            out = decode_together(decoders)
+        for i, (d, logits) in enumerate(zip(decoders, out)):
             tokens[i].append(d.sample(logits))
             d.feed([tokens[i][-1]])
     return tokens
@@ -157,7 +168,8 @@ def _greedy(decoders, steps):
 
 def test_decoder_chunks_prefix_cache_and_batched_decode_match_transformers(models):
     """Chunks of 4 split both images; a second sequence reuses the first's cached prefix (its images' positions) and
-    decodes batched beside a text-only one: each gives transformers' greedy tokens."""
+    decodes batched beside a text-only one; a third is preempted mid-decode and replays its prompt with the images:
+    each gives transformers' greedy tokens."""
     from localmoe.engine.generate import Decoder
     from localmoe.engine.prefix_cache import PrefixCache
     from localmoe.engine.sampler import SamplingParams
@@ -181,6 +193,8 @@ def test_decoder_chunks_prefix_cache_and_batched_decode_match_transformers(model
     assert again.reused > prompt[0].tolist().index(IMAGE_TOKEN)  # the cached positions hold both images
     alone = Decoder(ours.model, text[0].tolist(), greedy, prefill_chunk=4)
     assert _greedy([again, alone], steps) == [want, want_text]
+    preempted = Decoder(ours.model, prompt[0].tolist(), greedy, prefill_chunk=4, images=image_list)
+    assert _greedy([preempted], steps, preempt_at=3) == [want] and preempted.preemptions == 1
 
 
 def released_layout(checkpoint, dest):

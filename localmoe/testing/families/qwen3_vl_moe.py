@@ -20,9 +20,11 @@ from localmoe.testing.tokenizer import TokenizerLayout
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, tail=QWEN_TOKENIZER.tail + VISION_TOKENS)
 
-SIZES = {  # mrope: frequencies (head_dim / 2) for temporal, height, width
+# mrope: frequencies (head_dim / 2) for temporal, height, width; tiny's moe_inter 96: neither stacked expert tensor
+# is square (so its layout is told by its shape) and MXFP4 (32-value blocks) holds them
+SIZES = {
     "tiny": {"hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 16, "experts": 8, "top_k": 2,
-             "moe_inter": 48, "mrope": [2, 3, 3], "v_hidden": 32, "v_depth": 3, "v_heads": 2, "v_inter": 48,
+             "moe_inter": 96, "mrope": [2, 3, 3], "v_hidden": 32, "v_depth": 3, "v_heads": 2, "v_inter": 48,
              "v_patch": 4, "v_pos": 16, "deepstack": [0, 2]},
     "small": {"hidden": 1024, "layers": 6, "heads": 16, "kv_heads": 4, "head_dim": 64, "experts": 16, "top_k": 4,
               "moe_inter": 512, "vocab": 32768, "mrope": [12, 10, 10], "v_hidden": 256, "v_depth": 6, "v_heads": 4, "v_inter": 512,
