@@ -187,12 +187,12 @@ def _tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # digit of byte * 3^k (mod 256) scaled to 0..2: value = d * (((b * 3^k mod 256) * 3 >> 8) - 1)
     n = blocks.shape[0]
     d = f16_fields(blocks, 52)
-    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
-    parts = [(blocks[:, a:b].to(torch.int32).unsqueeze(1) * pow3[:k].view(1, k, 1)) & 0xFF
+    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+    parts = [blocks[:, a:b].unsqueeze(1) * pow3[:k].view(1, k, 1)  # uint8 products wrap mod 256, as in ggml
              for a, b, k in ((0, 32, 5), (32, 48, 5), (48, 52, 4))]  # [N, k, bytes]
-    q = torch.cat([p.reshape(n, -1) for p in parts], dim=1)  # [N, 256]
-    out.copy_(((q * 3) >> 8) - 1)
-    out.mul_(d)
+    q = torch.cat([p.reshape(n, -1) for p in parts], dim=1).to(torch.int16)  # [N, 256]
+    out.copy_((q * 3) >> 8)
+    out.sub_(1.0).mul_(d)
 
 
 def _tq2_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
