@@ -193,10 +193,18 @@ class LoadedModel:
 
     @functools.cached_property
     def image_encoder(self):
-        """The model's ImageEncoder (engine/images.py): images encoded once per content hash."""
+        """The model's ImageEncoder (engine/images.py): images encoded once per content hash, preprocessed with the
+        checkpoint's `preprocessor_config.json` where it has one (a packed store keeps a copy)."""
         from localmoe.engine.images import ImageEncoder
 
-        return ImageEncoder(self.model)
+        settings = Path(self.source) / "preprocessor_config.json" if self.source is not None else None
+        if settings is None or not settings.is_file():
+            return ImageEncoder(self.model)
+        try:
+            config = json.loads(settings.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{settings}: not readable JSON ({e}); fix or remove the file") from None
+        return ImageEncoder(self.model, processor_config=config)
 
 
 def load_model(path: str | Path | None = None, config: EngineConfig | None = None, progress: bool = True,

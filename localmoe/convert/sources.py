@@ -32,7 +32,8 @@ from localmoe.models.base import ModelFamily
 # copied from an HF directory when present: file name -> role in the store's manifest
 HF_FILES = {"config.json": "config", "generation_config.json": "generation_config", "tokenizer.json": "tokenizer",
             "tokenizer_config.json": "tokenizer_config", "special_tokens_map.json": "special_tokens_map",
-            "chat_template.jinja": "chat_template", "tokenizer.model": "tokenizer_model"}
+            "chat_template.jinja": "chat_template", "tokenizer.model": "tokenizer_model",
+            "preprocessor_config.json": "preprocessor_config"}
 GGUF_METADATA_FILE, GGUF_TENSORS_FILE = "gguf-metadata.json", "gguf-tensors.json"
 # ggml types stored with their own dtype; every other (block-quantised) type is stored as raw U8 blocks
 _GGML_PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,

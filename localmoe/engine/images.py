@@ -61,17 +61,22 @@ class ImageEncoder:
     shows an image again does not re-encode it. `seconds` is the time spent encoding (preprocessing + tower),
     `encoded` the images actually run."""
 
-    def __init__(self, model, max_bytes: int = 512 << 20):
+    def __init__(self, model, max_bytes: int = 512 << 20, processor_config: dict | None = None):
+        """`processor_config`: the checkpoint's `preprocessor_config.json` (pixel budget, normalisation); the
+        tower's own config decides the patch and merge sizes."""
         if getattr(model, "vision", None) is None:
             raise LocalMoEError(f"{model.spec.model_type}: this model has no vision tower; images need a "
                                 "vision-capable checkpoint (its config.json has a vision_config)")
         cfg = model.spec.vision
+        settings = processor_config or {}
         if isinstance(cfg, vision_moonvit.Config):
-            self.processor = moonvit.Processor(patch_size=cfg.patch_size, merge_size=cfg.merge_kernel[0])
+            self.processor = moonvit.Processor.from_config(settings, patch_size=cfg.patch_size,
+                                                           merge_size=cfg.merge_kernel[0])
             self.merge = cfg.merge_kernel[0]
         else:
-            self.processor = qwen3vl.Processor(patch_size=cfg.patch_size, merge_size=cfg.spatial_merge_size,
-                                               temporal_patch_size=cfg.temporal_patch_size)
+            self.processor = qwen3vl.Processor.from_config(settings, patch_size=cfg.patch_size,
+                                                           merge_size=cfg.spatial_merge_size,
+                                                           temporal_patch_size=cfg.temporal_patch_size)
             self.merge = cfg.spatial_merge_size
         self.model, self.max_bytes, self.seconds, self.encoded = model, max_bytes, 0.0, 0
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()

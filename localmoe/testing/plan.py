@@ -115,6 +115,9 @@ class CheckpointGenerator:
     tokenizer: TokenizerLayout
     shard_bytes: dict[str, int | None] = field(
         default_factory=lambda: {"tiny": None, "small": 2 * GB, "large": 2 * GB})
+    # other JSON files of the checkpoint from a size's dims, name -> content (an image processor's
+    # preprocessor_config.json)
+    files: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def plan(self, size: str = "tiny", shard_bytes: int | None | str = "default") -> Plan:
         if size not in self.sizes:

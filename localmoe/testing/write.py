@@ -58,6 +58,9 @@ def write_checkpoint(family: str, path: str | os.PathLike, size: str = "tiny", s
         _write_json(directory / "model.safetensors.index.json", index)
 
     layout = FAMILIES[family].tokenizer
+    files = FAMILIES[family].files
+    for name, content in (files(FAMILIES[family].sizes[size]) if files is not None else {}).items():
+        _write_json(directory / name, content)
     max_len = _max_positions(plan.config)
     write_tokenizer(directory, layout, max_len)
     _write_json(directory / "generation_config.json", generation_config(layout))

@@ -23,6 +23,16 @@ class Processor:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # image_mean
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # image_std
 
+    @classmethod
+    def from_config(cls, config: dict, **tower) -> Processor:
+        """A checkpoint's `preprocessor_config.json` (`max_patches`, `size.max_height`, `image_mean`, `image_std`)
+        over the defaults; `tower`: the patch and merge sizes, which the vision tower's config decides."""
+        d, size = cls(**tower), config.get("size") or {}
+        side = size.get("max_height")
+        return cls(**tower, max_patches=int(config.get("max_patches") or d.max_patches),
+                   max_side_patches=int(side) if side else d.max_side_patches,
+                   mean=tuple(config.get("image_mean") or d.mean), std=tuple(config.get("image_std") or d.std))
+
     def sizes(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """(resized h, w), (padded h, w) in pixels for an image of height x width (`navit_resize`)."""
         p = self.patch_size

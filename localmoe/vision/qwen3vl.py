@@ -27,6 +27,16 @@ class Processor:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)  # image_mean
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)  # image_std
 
+    @classmethod
+    def from_config(cls, config: dict, **tower) -> Processor:
+        """A checkpoint's `preprocessor_config.json` (`size.shortest_edge` / `longest_edge`, or the older
+        `min_pixels` / `max_pixels`; `image_mean`, `image_std`) over the defaults; `tower`: the patch, merge and
+        temporal sizes, which the vision tower's config decides."""
+        d, size = cls(**tower), config.get("size") or {}
+        return cls(**tower, min_pixels=int(size.get("shortest_edge") or config.get("min_pixels") or d.min_pixels),
+                   max_pixels=int(size.get("longest_edge") or config.get("max_pixels") or d.max_pixels),
+                   mean=tuple(config.get("image_mean") or d.mean), std=tuple(config.get("image_std") or d.std))
+
     def sizes(self, height: int, width: int) -> tuple[int, int]:
         """The resized (h, w) in pixels (`smart_resize`)."""
         f = self.patch_size * self.merge_size

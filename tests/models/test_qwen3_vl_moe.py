@@ -265,9 +265,11 @@ def test_generated_checkpoint_matches_transformers_with_an_image(tmp_path):
 
 
 def test_an_image_file_through_the_runtime_gives_transformers_greedy_tokens(tmp_path):
-    """A PNG through our whole path (size_images, the chat template's placeholders, our preprocessing and tower,
-    the Decoder's chunks with MRoPE) against transformers' own image processor and generate on the same prompt."""
+    """A PNG through our whole path (size_images, the chat template's placeholders, our preprocessing with the
+    checkpoint's preprocessor_config.json, our tower, the Decoder's chunks with MRoPE) against transformers' own
+    image processor (given the same file's settings) and generate on the same prompt."""
     import io
+    import json
 
     import numpy as np
     from PIL import Image
@@ -289,10 +291,11 @@ def test_an_image_file_through_the_runtime_gives_transformers_greedy_tokens(tmp_
     messages = size_images(ours, [ChatMessage("user", "what is in it?", images=[ImageRef.of(buf.getvalue())])])
     prompt = ours.chat_format.render(messages)
     images = prompt_images(ours, messages, prompt)
-    processor = pil.Qwen2VLImageProcessorPil(patch_size=4, temporal_patch_size=2, merge_size=2,
-                                             size={"shortest_edge": 65536, "longest_edge": 16777216},
-                                             image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    pixels = processor(images=[image], return_tensors="pt")  # scaled up to 65536 pixels: 216x320
+    settings = json.loads((path / "preprocessor_config.json").read_text())  # what the image processor reads
+    processor = pil.Qwen2VLImageProcessorPil(**{k: settings[k] for k in ("patch_size", "temporal_patch_size",
+                                                                         "merge_size", "size", "image_mean",
+                                                                         "image_std")})
+    pixels = processor(images=[image], return_tensors="pt")  # scaled up to 4096 pixels: 56x80
     rows, cols = (pixels["image_grid_thw"][0, 1:] // 2).tolist()
     assert images[0].grid == (rows, cols) and prompt.count(ours.spec.image_token_id) == rows * cols
     steps = 6
@@ -309,3 +312,19 @@ def test_an_image_file_through_the_runtime_gives_transformers_greedy_tokens(tmp_
                                   image_grid_thw=pixels["image_grid_thw"], do_sample=False, max_new_tokens=steps,
                                   mm_token_type_ids=(ids == ours.spec.image_token_id).int())[0, len(prompt):]
     assert got == want.tolist()
+
+
+def test_the_processor_settings_come_from_the_checkpoint_and_its_store(tmp_path):
+    """preprocessor_config.json sets the pixel budget (here the tiny checkpoint's 4096..65536), also from the packed
+    store converted from it; a checkpoint without one gets the released Qwen3-VL budget."""
+    from localmoe.convert import convert
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("qwen3_vl_moe", tmp_path / "gen", "tiny", seed=0)
+    convert(path, tmp_path / "store", experts="keep")
+    for source in (path, tmp_path / "store"):
+        processor = load_ours(source).image_encoder.processor
+        assert (processor.min_pixels, processor.max_pixels, processor.patch_size) == (4096, 65536, 4)
+    (path / "preprocessor_config.json").unlink()
+    processor = load_ours(path).image_encoder.processor
+    assert (processor.min_pixels, processor.max_pixels, processor.patch_size) == (65536, 16777216, 4)

@@ -3,7 +3,8 @@ the Qwen3-MoE text model under `model.language_model.` with its routed experts s
 (`mlp.experts.gate_up_proj` [E, D, 2I], `mlp.experts.down_proj` [E, I, D]), `lm_head` at the top, the
 Qwen3-VL tower under `model.visual.` (patch embedding, position table, blocks, merger, deep-stack mergers),
 MRoPE positions (`rope_parameters.mrope_section`, interleaved). The tokenizer adds the vision tokens;
-`<|image_pad|>` is the image placeholder (`image_token_id`)."""
+`<|image_pad|>` is the image placeholder (`image_token_id`); `preprocessor_config.json` sets the image
+processor's pixel budget."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ TOKENIZER = dataclasses.replace(QWEN_TOKENIZER, tail=QWEN_TOKENIZER.tail + VISIO
 SIZES = {
     "tiny": {"hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "head_dim": 16, "experts": 8, "top_k": 2,
              "moe_inter": 96, "mrope": [2, 3, 3], "v_hidden": 32, "v_depth": 3, "v_heads": 2, "v_inter": 48,
-             "v_patch": 4, "v_pos": 16, "deepstack": [0, 2]},
+             "v_patch": 4, "v_pos": 16, "deepstack": [0, 2], "min_pixels": 4096, "max_pixels": 65536},
     "small": {"hidden": 1024, "layers": 6, "heads": 16, "kv_heads": 4, "head_dim": 64, "experts": 16, "top_k": 4,
               "moe_inter": 512, "vocab": 32768, "mrope": [12, 10, 10], "v_hidden": 256, "v_depth": 6, "v_heads": 4, "v_inter": 512,
-              "v_patch": 16, "v_pos": 256, "deepstack": [1, 3, 5]},
+              "v_patch": 16, "v_pos": 256, "deepstack": [1, 3, 5], "min_pixels": 65536, "max_pixels": 16777216},
     "large": {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 4, "head_dim": 128, "experts": 64, "top_k": 8,
               "moe_inter": 768, "vocab": 32768, "mrope": [24, 20, 20], "v_hidden": 1152, "v_depth": 12, "v_heads": 16,
-              "v_inter": 4304, "v_patch": 16, "v_pos": 2304, "deepstack": [3, 7, 11]},
+              "v_inter": 4304, "v_patch": 16, "v_pos": 2304, "deepstack": [3, 7, 11], "min_pixels": 65536,
+              "max_pixels": 16777216},
 }
 
 
@@ -76,4 +78,14 @@ def build(d: dict[str, Any], tok: TokenizerLayout) -> tuple[dict[str, Any], list
     return config, t
 
 
-FAMILY = CheckpointGenerator("qwen3_vl_moe", build, SIZES, TOKENIZER)
+def preprocessor(d: dict[str, Any]) -> dict[str, Any]:
+    """preprocessor_config.json as Qwen ships it (tiny: a pixel budget for its 4-pixel patches: 64 to 1024 tokens)."""
+    return {"preprocessor_config.json": {
+        "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+        "size": {"shortest_edge": d["min_pixels"], "longest_edge": d["max_pixels"]}, "patch_size": d["v_patch"],
+        "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True}}
+
+
+FAMILY = CheckpointGenerator("qwen3_vl_moe", build, SIZES, TOKENIZER, files=preprocessor)
