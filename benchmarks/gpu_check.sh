@@ -42,7 +42,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 
 echo "== 1. CUDA tests"
 timeout 160 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/kernels tests/paging/test_gpu_tier.py \
-  tests/paging/test_metrics_placement.py 2>&1 | tee "$out/tests.log" | tail -25
+  tests/paging/test_metrics_placement.py tests/store/test_ggml_iq.py 2>&1 | tee "$out/tests.log" | tail -25
 
 echo "== 1b. models on CUDA against the CPU"
 timeout 50 python3 -m pytest -q -p no:cacheprovider -k "cuda" tests/engine/test_device.py 2>&1 \

@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localmoe.errors import CheckpointError
-from localmoe.quant.ggml_bits import aligned, bit_fields, f16_fields, u16_fields
+from localmoe.quant.ggml_bits import aligned, bit_fields, f16_fields, on, u16_fields
 from localmoe.quant.ggml_iq import IQ_DECODERS
 
 T = GGMLQuantizationType
@@ -48,10 +48,13 @@ def _q4_1(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.mul_(d).add_(m)
 
 
+_BIT_INDEX = torch.arange(32, dtype=torch.int32)
+
+
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
     """The 32-bit field of Q5_0 / Q5_1 `[N, 4]` -> `[N, 32]` uint8: bit j (element j's fifth bit)."""
     words = aligned(qh, 4).view(torch.int32)  # [N, 1]; bit 31 shifts in ones, the mask drops them
-    return ((words >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+    return ((words >> on(_BIT_INDEX, words.device)) & 1).to(torch.uint8)
 
 
 def _q5_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
@@ -182,8 +185,8 @@ _E8M0_HALF = _e8m0_half_table()
 def _mxfp4(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_mxfp4: e E8M0 | qs[16]; element j in the low nibble of byte j, j + 16 in the high one
     # value = 2^(e - 128) * kvalues[nibble] = 2^(e - 127) * e2m1(nibble)
-    d = _E8M0_HALF[blocks[:, 0].long()].unsqueeze(-1)  # [N, 1]
-    out.copy_(_MXFP4_KVALUES.take(_nibbles(blocks[:, 1:]).long()))
+    d = on(_E8M0_HALF, blocks.device)[blocks[:, 0].long()].unsqueeze(-1)  # [N, 1]
+    out.copy_(on(_MXFP4_KVALUES, blocks.device).take(_nibbles(blocks[:, 1:]).long()))
     out.mul_(d)
 
 
@@ -195,7 +198,7 @@ _IQ4_KVALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25
 def _iq4_nl(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_iq4_nl (32 values): d f16 | qs[16]; element j in the low nibble of byte j, j + 16 in the high one
     # value = d * kvalues[nibble]
-    out.copy_(_IQ4_KVALUES.take(_nibbles(blocks[:, 2:]).long()))
+    out.copy_(on(_IQ4_KVALUES, blocks.device).take(_nibbles(blocks[:, 2:]).long()))
     out.mul_(f16_fields(blocks, 0))
 
 
@@ -211,7 +214,7 @@ def _iq4_xs(blocks: torch.Tensor, out: torch.Tensor) -> None:
     dl = (d * ((low | (high << 4)) - 32).to(torch.float32)).unsqueeze(-1)  # [N, 8, 1]
     q = bit_fields(blocks[:, 8:].reshape(n, 8, 16), (0, 4), 0x0F).reshape(n, 8, 32)
     view = out.view(n, 8, 32)
-    view.copy_(_IQ4_KVALUES.take(q.long()))
+    view.copy_(on(_IQ4_KVALUES, blocks.device).take(q.long()))
     view.mul_(dl)
 
 
@@ -275,7 +278,7 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: Sequen
 
     blocks = raw.reshape(-1, type_size)  # [N, type_size]
     n_blocks = blocks.shape[0]
-    out = torch.empty(n_blocks, block_size, dtype=torch.float32)  # [N, block_size]
+    out = torch.empty(n_blocks, block_size, dtype=torch.float32, device=raw.device)  # [N, block_size]
     decode = _BLOCK_DECODERS[ggml_type]
     step = max(1, _CHUNK_ELEMENTS // block_size)  # blocks per chunk
     for start in range(0, n_blocks, step):

@@ -1,11 +1,24 @@
 """Byte-level helpers the ggml block decoders share (quant/ggml.py, quant/ggml_iq.py): aligned views of
-block bytes, their float16 fields, and bit fields unpacked four bytes at a time."""
+block bytes, their float16 fields, bit fields unpacked four bytes at a time, and the decoders' lookup tables
+on the blocks' device (a GPU tier's experts are decoded where they are)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+
+_COPIES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level lookup table (alive for the process) on `device`: copied there once, then reused."""
+    if table.device == device:
+        return table
+    key = (id(table), device)
+    if key not in _COPIES:
+        _COPIES[key] = table.to(device)
+    return _COPIES[key]
 
 
 def aligned(t: torch.Tensor, align: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from localmoe.quant.ggml_bits import aligned, bit_fields, f16_fields, u16_fields, u32_fields
+from localmoe.quant.ggml_bits import aligned, bit_fields, f16_fields, on, u16_fields, u32_fields
 
 T = GGMLQuantizationType
 
@@ -56,13 +56,13 @@ def grid(ggml_type: GGMLQuantizationType) -> torch.Tensor:
 
 def _points(ggml_type: GGMLQuantizationType, index: torch.Tensor) -> torch.Tensor:
     """Grid points for integer indices `[...]` -> `[..., values per point]`."""
-    table = grid(ggml_type)
+    table = on(grid(ggml_type), index.device)
     return table.index_select(0, index.reshape(-1).long()).view(*index.shape, table.shape[1])
 
 
 def _signs(index: torch.Tensor) -> torch.Tensor:
     """Sign patterns for 7-bit indices `[...]` -> `[..., 8]` of +1 / -1."""
-    return _SIGNS.index_select(0, index.reshape(-1).long()).view(*index.shape, 8)
+    return on(_SIGNS, index.device).index_select(0, index.reshape(-1).long()).view(*index.shape, 8)
 
 
 def _bits(field: torch.Tensor) -> torch.Tensor:
@@ -182,12 +182,15 @@ def _iq1_m(blocks: torch.Tensor, out: torch.Tensor) -> None:
     out.view(n, 16, 16).mul_(dl.unsqueeze(-1))
 
 
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+
+
 def _tq1_0(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # block_tq1_0: qs[48] | qh[4] | d f16; five (qs) or four (qh) base-3 digits per byte, read as the top
     # digit of byte * 3^k (mod 256) scaled to 0..2: value = d * (((b * 3^k mod 256) * 3 >> 8) - 1)
     n = blocks.shape[0]
     d = f16_fields(blocks, 52)
-    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8)
+    pow3 = on(_POW3, blocks.device)
     parts = [blocks[:, a:b].unsqueeze(1) * pow3[:k].view(1, k, 1)  # uint8 products wrap mod 256, as in ggml
              for a, b, k in ((0, 32, 5), (32, 48, 5), (48, 52, 4))]  # [N, k, bytes]
     q = torch.cat([p.reshape(n, -1) for p in parts], dim=1).to(torch.int16)  # [N, 256]

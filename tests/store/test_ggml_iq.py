@@ -14,7 +14,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from localmoe.quant import ggml_iq
-from localmoe.quant.ggml import dequantize
+from localmoe.quant.ggml import SUPPORTED_TYPES, dequantize
 from localmoe.testing.ggml_blocks import STEP_FIELDS, set_f16
 
 TYPES = list(ggml_iq.IQ_DECODERS)
@@ -72,3 +72,24 @@ def test_sign_patterns_equal_ksigns():
     ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)
     minus = (ksigns[:, None] >> np.arange(8)) & 1
     assert torch.equal(ggml_iq._SIGNS, torch.from_numpy(1.0 - 2.0 * minus.astype(np.float32)))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_dequantize_stays_on_the_blocks_device(qtype):
+    """Blocks on another device (a pager's GPU tier) are decoded there: every temporary and lookup table follows
+    them (checked on the meta device, where a CPU tensor mixed in fails; values on CUDA below)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    got = dequantize(torch.empty(3 * 2 * type_size, dtype=torch.uint8, device="meta"), qtype, (3, 2 * block_size))
+    assert got.device.type == "meta" and got.shape == (3, 2 * block_size)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_on_cuda_equals_cpu(qtype):
+    rng = np.random.default_rng(int(qtype))
+    blocks = rng.integers(0, 256, (64, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in STEP_FIELDS[qtype]:
+        set_f16(blocks, qtype, at, rng.uniform(-1e-2, 1e-2, 64))
+    raw = torch.from_numpy(blocks)
+    shape = (64, GGML_QUANT_SIZES[qtype][0])
+    assert torch.equal(dequantize(raw.cuda(), qtype, shape).cpu(), dequantize(raw, qtype, shape))
