@@ -65,14 +65,18 @@ def _signs(index: torch.Tensor) -> torch.Tensor:
     return on(_SIGNS, index.device).index_select(0, index.reshape(-1).long()).view(*index.shape, 8)
 
 
+_BYTE_BITS = torch.stack([(torch.arange(256) >> j) & 1 for j in range(8)], dim=1).to(torch.int32)  # [256, 8]
+_BYTE_SIGNS = 1.0 - 2.0 * _BYTE_BITS.to(torch.float32)  # [256, 8]: bit j set -> -1
+
+
 def _bits(field: torch.Tensor) -> torch.Tensor:
-    """`[N, B]` bytes -> `[N, B, 8]` uint8: bit j of each byte (least significant first)."""
-    return torch.stack([(field >> j) & 1 for j in range(8)], dim=-1)
+    """`[N, B]` bytes -> `[N, B, 8]` int32: bit j of each byte (least significant first), by table."""
+    return on(_BYTE_BITS, field.device).index_select(0, field.reshape(-1).long()).view(*field.shape, 8)
 
 
-def _minus(bits: torch.Tensor) -> torch.Tensor:
-    """Sign bits (1 = minus) -> float32 +1 / -1."""
-    return 1.0 - 2.0 * bits.to(torch.float32)
+def _byte_signs(field: torch.Tensor) -> torch.Tensor:
+    """`[N, B]` sign bytes -> `[N, B, 8]` float32: -1 where bit j is set (a minus), else +1, by table."""
+    return on(_BYTE_SIGNS, field.device).index_select(0, field.reshape(-1).long()).view(*field.shape, 8)
 
 
 def _half_scales(d: torch.Tensor, scales: torch.Tensor, unit: float) -> torch.Tensor:
@@ -121,7 +125,7 @@ def _iq2_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     idx = blocks[:, 2:34].to(torch.int32) | (high.reshape(n, 4, 8).transpose(1, 2).reshape(n, 32).to(torch.int32) << 8)
     db = _half_scales(d, _nibble_pairs(blocks[:, 74:82]), 0.25)  # [N, 16]
     view = out.view(n, 16, 2, 8)
-    torch.mul(_points(T.IQ2_S, idx).view(n, 16, 2, 8), _minus(_bits(blocks[:, 34:66])).view(n, 16, 2, 8), out=view)
+    torch.mul(_points(T.IQ2_S, idx).view(n, 16, 2, 8), _byte_signs(blocks[:, 34:66]).view(n, 16, 2, 8), out=view)
     view.mul_(db.view(n, 16, 1, 1))
 
 
@@ -143,10 +147,10 @@ def _iq3_s(blocks: torch.Tensor, out: torch.Tensor) -> None:
     # 8 groups of 32 values: value = (d * (1 + 2 s)) * grid * sign
     n = blocks.shape[0]
     d = f16_fields(blocks, 0)
-    idx = blocks[:, 2:66].to(torch.int32) | (_bits(blocks[:, 66:74]).reshape(n, 64).to(torch.int32) << 8)
+    idx = blocks[:, 2:66].to(torch.int32) | (_bits(blocks[:, 66:74]).reshape(n, 64) << 8)
     db = d * (1 + 2 * _nibble_pairs(blocks[:, 106:110])).to(torch.float32)  # [N, 8]
     view = out.view(n, 8, 32)
-    torch.mul(_points(T.IQ3_S, idx).view(n, 8, 32), _minus(_bits(blocks[:, 74:106])).view(n, 8, 32), out=view)
+    torch.mul(_points(T.IQ3_S, idx).view(n, 8, 32), _byte_signs(blocks[:, 74:106]).view(n, 8, 32), out=view)
     view.mul_(db.unsqueeze(-1))
 
 
