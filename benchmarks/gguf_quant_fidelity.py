@@ -21,6 +21,8 @@ import ctypes
 import tempfile
 from pathlib import Path
 
+from gguf_moe_fidelity import run
+
 TYPES = "Q2_K,Q3_K_M,IQ3_S,IQ3_M,IQ3_XXS,IQ2_M,IQ2_XXS,IQ1_M,TQ1_0,TQ2_0,IQ4_XS"
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11]
 
@@ -33,20 +35,10 @@ def quantize(src: Path, dst: Path, ftype: str) -> bool:
     return llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
 
 
-def run(model, steps: int = 4):
-    import torch
-
-    tokens = torch.tensor([PROMPT])
-    cache = model.new_cache(1, tokens.shape[1] + steps + 1)
-    out = [model.forward(tokens, cache, all_logits=True)]
-    for _ in range(steps):
-        out.append(model.forward(out[-1][:, -1:].argmax(-1), cache))
-    return out
-
-
 def check(family: str, ftype: str, work: Path) -> str:
     import llama_cpp
     import numpy as np
+    import torch
 
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
@@ -65,8 +57,10 @@ def check(family: str, ftype: str, work: Path) -> str:
     f = GGUFFile(path)
     kinds = sorted({f.info(n).ggml_type.name for n in f.tensor_names()})
     config = EngineConfig(dtype="float32", expert_precision="exact")
-    ours = run(load_model(path, config, progress=False).model)
-    twin = run(load_model(write_dequantized(src, path, work / f"{family}.{ftype}.twin"), config, progress=False).model)
+    tokens = torch.tensor([PROMPT])
+    ours = run(load_model(path, config, progress=False).model, tokens, 4)
+    twin = run(load_model(write_dequantized(src, path, work / f"{family}.{ftype}.twin"), config,
+                          progress=False).model, tokens, 4)
     rel = max(((a - b).abs().max() / (b.max() - b.min())).item() for a, b in zip(ours, twin))
     llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
     llm.eval(PROMPT)
