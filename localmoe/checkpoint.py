@@ -34,21 +34,32 @@ class Checkpoint:
     config: dict = field(default_factory=dict)  # the HF config.json ({} for a GGUF file)
     gguf_metadata: dict | None = None  # a GGUF file's, or a store converted from one
 
+    def _stored_names(self) -> list[str]:
+        if self.kind == "gguf":
+            return self.reader.tensor_names()
+        if self.kind == "hf":
+            return list(self.reader.keys())
+        return self.reader.dense_names() if self.kind == "store" else []
+
+    def _nextn(self, name: str) -> int | None:
+        """Which MTP / next-n layer (0 ..) a tensor belongs to; None: the model's own."""
+        m = _LAYER.search(name)
+        k = int(m.group(1)) - self.spec.num_layers if m else -1
+        return k if 0 <= k < self.spec.nextn_layers else None
+
     @property
     def tensor_names(self) -> list[str]:
         """Names of the stored tensors (a store: its dense tensors; the routed experts are in its extents),
-        without those of the MTP / next-n layers appended after the last layer (`ModelSpec.nextn_layers`): no
-        part of the model, so neither loaded nor converted."""
-        if self.kind == "gguf":
-            names = self.reader.tensor_names()
-        elif self.kind == "hf":
-            names = list(self.reader.keys())
-        else:
-            names = self.reader.dense_names() if self.kind == "store" else []
+        without those of the MTP / next-n layers appended after the last layer (`ModelSpec.nextn_layers`):
+        no part of the model, loaded only for `--spec mtp` (`nextn_tensor_names`)."""
+        names = self._stored_names()
+        return names if not self.spec.nextn_layers else [n for n in names if self._nextn(n) is None]
+
+    def nextn_tensor_names(self, index: int | None = None) -> list[str]:
+        """The stored tensors of MTP layer `index` (None: of every MTP layer); a store keeps them all dense."""
         if not self.spec.nextn_layers:
-            return names
-        first, end = self.spec.num_layers, self.spec.num_layers + self.spec.nextn_layers
-        return [n for n in names if not ((m := _LAYER.search(n)) and first <= int(m.group(1)) < end)]
+            return []
+        return [n for n in self._stored_names() if (k := self._nextn(n)) is not None and index in (None, k)]
 
     @property
     def tensor_map(self) -> TensorMap:

@@ -225,3 +225,52 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
 
         attach_provider(model, experts, config)
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)
+
+
+def load_nextn(loaded: LoadedModel, index: int = 0):
+    """MTP / next-n layer `index` of `loaded`'s checkpoint (engine/nextn.py `NextN`, on the model): read only
+    when asked for (`--spec mtp`), every tensor renamed and shape-checked like the model's."""
+    from localmoe.engine import nextn
+    from localmoe.models.base import NEXTN_TENSORS
+
+    spec = loaded.spec
+    if index >= spec.nextn_layers:
+        raise LocalMoEError(f"{loaded.source}: the checkpoint declares {spec.nextn_layers} multi-token-prediction "
+                            f"layer(s) (num_nextn_predict_layers), not {index + 1}")
+    ckpt = open_checkpoint(loaded.source)
+    try:
+        layer = spec.num_layers + index
+        if ckpt.gguf_metadata is not None:
+            raise UnsupportedModelError(f"{ckpt.path}: localmoe does not read the MTP block of GGUF files "
+                                        f"(blk.{layer}.nextn.*) yet; use the HF checkpoint or a store converted from it")
+        names = ckpt.nextn_tensor_names(index)
+        if not names:
+            raise CheckpointError(f"{ckpt.path}: declares {spec.nextn_layers} MTP layer(s) but holds no tensor of "
+                                  f"layer {layer}" + (" (a store converted before localmoe kept them: convert the "
+                                                      "checkpoint again)" if ckpt.kind == "store" else ""))
+        read = ckpt.reader.tensor if ckpt.kind == "hf" else _ggml_reader(ckpt, False)
+        weights = Weights()
+        for name in names:
+            try:
+                resolved = NEXTN_TENSORS.resolve(name)
+            except KeyError:
+                try:
+                    resolved = ckpt.tensor_map.resolve(name)
+                except KeyError:
+                    raise CheckpointError(f"{ckpt.path}: tensor {name!r} is not part of a {ckpt.family.name} MTP "
+                                          f"layer") from None
+            if resolved is not None:
+                weights[resolved[0]] = convert(read(name), resolved[1], spec)
+    finally:
+        ckpt.close()
+    expected = nextn.tensors(spec, index)
+    head = f"layers.{layer}.{nextn.OWN_HEAD}"
+    for canonical in weights.keys() - expected.keys() - {head}:
+        raise CheckpointError(f"{ckpt.path}: tensor {canonical!r} is not used by an MTP layer of {spec.model_type}")
+    for canonical, shape in (expected | ({head: (spec.vocab_size, spec.hidden_size)} if head in weights else {})).items():
+        if canonical not in weights:
+            raise CheckpointError(f"{ckpt.path}: tensor {canonical!r} of the MTP layer is missing")
+        if weights.shape(canonical) != shape:
+            raise CheckpointError(f"{ckpt.path}: tensor {canonical!r} has shape {weights.shape(canonical)}, "
+                                  f"expected {shape} from the model config")
+    return nextn.NextN(loaded.model, weights, index)

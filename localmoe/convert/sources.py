@@ -113,7 +113,7 @@ def _hf_source(ckpt: Checkpoint) -> Source:
     path, st = ckpt.path, ckpt.reader
     files = {name: f.path for name, f in st.files.items()}
     refs = []
-    for name in ckpt.tensor_names:
+    for name in ckpt.tensor_names + ckpt.nextn_tensor_names():  # MTP layers kept (dense) for --spec mtp
         info = st.info(name)
         refs.append(TensorRef(name, st.file_of(name).path, info.offset, info.dtype, info.shape))
     refs.sort(key=lambda r: (str(r.path), r.offset))

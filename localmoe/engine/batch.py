@@ -47,9 +47,9 @@ def has_rows(model) -> bool:
     return hasattr(model, "layers") and hasattr(model, "rope") and hasattr(model, "residuals")
 
 
-def _residual_rows(model, x: torch.Tensor, steps, caches) -> torch.Tensor:
+def _residual_rows(model, x: torch.Tensor, steps, caches) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_rows of a model whose residual scheme (K3's attention residuals, GLM-5-Next's hyper-connections)
-    runs the layers itself: x [N, 1, D] embeddings -> logits [N, 1, V]; the mixers per row, the MLP / MoE
+    runs the layers itself: x [N, 1, D] embeddings -> (logits [N, 1, V], final-norm hidden [N, 1, D]); the mixers per row, the MLP / MoE
     over all rows (experts read once), the scheme's mixing per token."""
     D, eps, N = model.spec.hidden_size, model.eps, x.shape[0]
 
@@ -63,8 +63,8 @@ def _residual_rows(model, x: torch.Tensor, steps, caches) -> torch.Tensor:
         h = F.rms_norm(h, (D,), norm, eps)
         return block(h) if isinstance(block, MoEBlock) else _rowwise(block, h)
 
-    x = model.residuals.run(x, attn, mlp)
-    return _rowwise(model.lm_head, F.rms_norm(x, (D,), model.norm, eps))
+    h = F.rms_norm(model.residuals.run(x, attn, mlp), (D,), model.norm, eps)
+    return _rowwise(model.lm_head, h), h
 
 
 def batchable(model) -> bool:
@@ -189,9 +189,10 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
     with small_steps(), decode_rows():
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
         if model.residuals is not None:
-            logits = _residual_rows(model, x, steps, caches)
+            logits, h = _residual_rows(model, x, steps, caches)
             for cache in caches:
                 cache.advance(1)
+            _tell_hidden(ids, h, steps, caches)
             return logits[:, -1]
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         cos = torch.cat([s.cos for s in steps]) if model.rope is not None else None  # [N, 1, 1, rot]
@@ -208,4 +209,16 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
         logits = _rowwise(model.lm_head, h)
     for cache in caches:
         cache.advance(1)
+    _tell_hidden(ids, h, steps, caches)
     return logits[:, -1]
+
+
+def _tell_hidden(ids: torch.Tensor, h: torch.Tensor, steps, caches: Sequence[ModelCache]) -> None:
+    """Hand each cache's `hidden_sink` (if any) its rows' final-norm hidden states h [N, 1, D], in row order."""
+    rows: dict[int, list[int]] = {}
+    for n, cache in enumerate(caches):
+        if cache.hidden_sink is not None:
+            rows.setdefault(id(cache), []).append(n)
+    for ns in rows.values():
+        cache = caches[ns[0]]
+        cache.hidden_sink(steps[ns[0]].start, ids[ns, 0], h[ns, 0], False)

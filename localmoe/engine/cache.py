@@ -283,6 +283,9 @@ class ModelCache:
         # MRoPE (Qwen3-VL): the rotary position of a text token at cache position p is p + rope_delta once a
         # prompt's images have run (their grid positions take fewer positions than tokens); 0 otherwise
         self.rope_delta = 0
+        # sink(start, tokens [T], hidden [T, D], settled): told the final-norm hidden states of the positions each
+        # forward writes (batch 1; settled: not a verify's rows; an MTP drafter reads them, engine/spec/mtp.py)
+        self.hidden_sink = None
 
     def reserve(self, new_tokens: int) -> int:
         """Check that `new_tokens` more positions fit; return the start position."""

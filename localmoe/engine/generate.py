@@ -90,6 +90,12 @@ class Decoder:
         self.multi: dict[int, int] = {}
         self._replay: deque[list[int]] = deque()
         self.preemptions = 0
+        self._watch()
+
+    def _watch(self) -> None:
+        """A drafter that reads the target's hidden states (MTP, engine/spec/mtp.py) watches the cache."""
+        if self.speculator is not None and hasattr(self.speculator.drafter, "watch"):
+            self.speculator.drafter.watch(self.cache)
 
     @property
     def room(self) -> int:
@@ -108,6 +114,7 @@ class Decoder:
             return decode_together([self])[0]
         if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
             self.cache = self.model.new_cache(1, self._cache_len)
+            self._watch()
         size = self.chunk
         if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
@@ -215,6 +222,8 @@ class Decoder:
             from localmoe.engine.spec.verify import record
 
             record(self.cache, False)
+            if self.cache is not None:
+                self.cache.hidden_sink = None
         if self.prefix_cache is not None and self.cache is not None:
             keys = self.in_cache if self.images is None else self.images.keyed(self.in_cache)
             self.prefix_cache.put(keys, self.cache, self.prefilled, self.anchor)

@@ -192,7 +192,7 @@ class Transformer:
             return self._forward(tokens, cache, mask, all_logits, image_embeds, mrope, places)
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
-                if tokens.numel() == 1 and mask is None:
+                if tokens.numel() == 1 and mask is None and cache.hidden_sink is None:
                     h = self._planned_step(tokens, cache)
                     if h is not None:
                         return self.lm_head(h)
@@ -230,6 +230,8 @@ class Transformer:
 
             x = self.residuals.run(x, attn, mlp)
             cache.advance(T)
+            if cache.hidden_sink is not None:
+                cache.hidden_sink(start, tokens[0], F.rms_norm(x[0], (hidden,), self.norm, self.eps), True)
             return self.lm_head(F.rms_norm(x if all_logits else x[:, -1:], (hidden,), self.norm, self.eps))
         # plain residuals: each add is fused with the norm that follows it (kernels/rms_norm)
         h = add_rms_norm(x, None, self.layers[0][0], self.eps)
@@ -243,6 +245,8 @@ class Transformer:
             else:
                 h = add_rms_norm(x, mlp(h), following, self.eps)
         cache.advance(T)
+        if cache.hidden_sink is not None:
+            cache.hidden_sink(start, tokens[0], h[0], True)
         return self.lm_head(h if all_logits else h[:, -1:])
 
     def _planned_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:

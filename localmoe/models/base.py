@@ -71,6 +71,15 @@ def hf_rules(layer: tuple[str, ...], src: str = "model.") -> tuple[TensorRule, .
             *(TensorRule(f"{src}layers.{{i}}.{name}", f"layers.{{i}}.{name}") for name in layer))
 
 
+# An MTP / next-n layer's own tensors (DeepSeek-V3, GLM-4.5: `model.layers.{num_hidden_layers + k}.*`, engine/nextn.py);
+# its decoder layer's tensors go through the family's own map. Its `embed_tokens` is a copy of the model's: not read.
+NEXTN_TENSORS = TensorMap(
+    rules=tuple(TensorRule(f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight")
+                for n in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "shared_head.head")),
+    ignore=(r"^model\.layers\.\d+\.embed_tokens\.weight$",),
+)
+
+
 def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=None):
     """The `build` of every family whose layers the shared Transformer assembles from its kinds;
     `experts`: an ExpertProvider when `weights` holds no routed experts (packed stores)."""

@@ -11,8 +11,9 @@ Quirks, each covered by tests/models/test_deepseek_v32.py:
 - MLA's rope part uses interleaved pairs, the indexer half-split RoPE (engine/layers/mla.py, indexer.py);
   under YaRN the softmax scale is multiplied by mscale^2 (mscale_all_dim).
 - `self_attn.indexer.k_norm` is a LayerNorm (weight and bias); the released FP8 weights are not read:
-  convert to bf16 first. The MTP layer (`model.layers.{num_hidden_layers}`, `num_nextn_predict_layers`)
-  is neither loaded nor converted (`ModelSpec.nextn_layers`).
+  convert to bf16 first. The MTP layer (`model.layers.{num_hidden_layers}`, `num_nextn_predict_layers`,
+  `ModelSpec.nextn_layers`) is no part of the model: loaded only for `--spec mtp` (load.load_nextn,
+  engine/nextn.py; its own tensors through models/base.py NEXTN_TENSORS), kept dense by `convert`.
 
 GGUF (`deepseek32`, and `deepseek2` for V3 without the indexer; llama.cpp's layout; tests/models/test_moe_gguf.py): llama.cpp splits `kv_b_proj`
 per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode) and `attn_v_b`
@@ -20,7 +21,8 @@ per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode
 the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts stacked (split per
 expert, models/gguf_experts.py). YaRN's `mscale_all_dim` comes back from `rope.scaling.yarn_log_multiplier`
 (written as 0.1 x mscale_all_dim; `mscale` is taken equal to it, as in every DeepSeek release); the
-appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is dropped.
+appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is dropped (checkpoint.tensor_names;
+`--spec mtp` on a GGUF says it does not read it).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ GGUF_LAYER = {**MOE_GGUF, **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in 
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    return gguf_moe_tensors(GGUF_LAYER, ignore=(r"\.nextn\.",))
+    return gguf_moe_tensors(GGUF_LAYER)
 
 
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3"),

@@ -11,12 +11,14 @@ Quirks, each covered by tests/models/test_glm4_moe.py:
 - RoPE on the first `partial_rotary_factor` (0.5 when the config does not say: transformers' default)
   of each head, NeoX halves within that part.
 - The MTP layers (`num_nextn_predict_layers`, stored as `model.layers.{num_hidden_layers}...`) are not part
-  of the main model: neither loaded nor converted (`ModelSpec.nextn_layers`, checkpoint.tensor_names).
+  of the main model (`ModelSpec.nextn_layers`, checkpoint.tensor_names): loaded only for `--spec mtp`
+  (load.load_nextn, engine/nextn.py), kept dense by `convert`.
 
 GGUF (`glm4moe`, llama.cpp's layout; tests/models/test_moe_gguf.py): `blk.N.post_attention_norm` is the
 post-attention norm, the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts
 stacked (split per expert, models/gguf_experts.py); `block_count` includes the appended MTP blocks
-(`nextn_predict_layers`), whose tensors (`blk.{L}.*`, `nextn.*`) are skipped; the rotary part is
+(`nextn_predict_layers`), whose tensors (`blk.{L}.*`, `blk.{L}.nextn.*`) are skipped (checkpoint.tensor_names;
+`--spec mtp` on a GGUF says it does not read them); the rotary part is
 `rope.dimension_count`. q/k rows are not permuted (NeoX RoPE).
 """
 
@@ -103,7 +105,7 @@ _GGUF_LAYER = {**MOE_GGUF, "post_attention_norm.weight": "post_attention_layerno
 
 
 def gguf_tensors(architecture: str) -> TensorMap:
-    return gguf_moe_tensors(_GGUF_LAYER, ignore=(r"\.nextn\.",))
+    return gguf_moe_tensors(_GGUF_LAYER)
 
 
 FAMILY = register(ModelFamily(

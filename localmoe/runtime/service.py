@@ -73,7 +73,7 @@ class ChatRequest:
     session_id: str | None = None
     output_schema: dict | None = None  # the answer is one JSON value valid against it (structured output)
     output_param: str = "response_format"  # the request field that gave `output_schema` (named in errors)
-    spec: str | None = None  # this request's speculation: "off", "prompt", "draft" (None: the server's)
+    spec: str | None = None  # this request's speculation: "off", "prompt", "draft", "mtp" (None: the server's)
 
 
 class Stream:

@@ -4,9 +4,10 @@
 - `prompt`: prompt lookup (n-grams of the prompt and the generated text), no model;
 - `draft:PATH`: a smaller model localmoe loads, which must share the target's tokenizer (checked: the
   same vocabulary and ids, else an error naming both); each sequence gets its own draft cache;
-- `mtp`: the checkpoint's next-n prediction heads. localmoe's loaders drop them today (DeepSeek-V3's
-  `num_nextn_predict_layers` block, Qwen3-Next's `mtp.*` tensors), and Kimi K3 has none
-  (`num_nextn_predict_layers` 0): the choice says which and runs without speculation;
+- `mtp`: the checkpoint's next-n prediction layer (DeepSeek-V3 / V3.2, GLM-4.5: `num_nextn_predict_layers`;
+  engine/nextn.py, engine/spec/mtp.py), loaded only then; each sequence gets its own small cache of it.
+  A checkpoint without one (Kimi K3: 0), or one whose layer localmoe does not read (Qwen3-Next's `mtp.*`,
+  a GGUF's `nextn.*` block), says so and runs without speculation;
 - `off`.
 
 Constrained generation (forced tool calls, structured output) does not speculate: its grammar masks
@@ -19,6 +20,7 @@ import sys
 import threading
 
 from localmoe.engine.spec.drafters import DraftModel, PromptLookup, check_vocab
+from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
 from localmoe.errors import LocalMoEError
 
@@ -47,11 +49,13 @@ def mtp_layers(loaded) -> int | None:
 
 
 class Speculation:
-    """`mode` is one of "prompt", "draft", "off" once built (`mtp` resolves to "off" with a message)."""
+    """`mode` is one of "prompt", "draft", "mtp", "off" once built (`mtp` without a layer to load resolves to
+    "off" with a message)."""
 
     def __init__(self, loaded, option: str = "off", k: int = 4, adaptive: bool = True, warn=None):
         self.k, self.adaptive = k, adaptive
         self.draft = None  # the draft model's LoadedModel
+        self.head = None  # the MTP layer (engine/nextn.py NextN)
         self.stats = SpecStats()  # every finished sequence's, added up
         self._lock = threading.Lock()
         warn = warn or (lambda message: print(f"localmoe: {message}", file=sys.stderr))
@@ -61,15 +65,7 @@ class Speculation:
         if option in ("off", "prompt"):
             self.mode = option
         elif option == "mtp":
-            n = mtp_layers(loaded)
-            name = getattr(loaded.source, "name", None) or str(loaded.source)
-            if not n:
-                warn(f"--spec mtp: {name} has no multi-token-prediction heads (num_nextn_predict_layers = "
-                     f"{n or 0}); running without speculation (try --spec prompt or --spec draft:PATH)")
-            else:
-                warn(f"--spec mtp: {name} has {n} multi-token-prediction layer(s), but localmoe does not load "
-                     "them yet; running without speculation (try --spec prompt or --spec draft:PATH)")
-            self.mode = "off"
+            self.mode = self._mtp(loaded, warn)
         elif option.startswith("draft:") and option[6:]:
             from localmoe.load import load_model
 
@@ -81,6 +77,28 @@ class Speculation:
         else:
             raise LocalMoEError(f"--spec {option!r}: expected {SPEC_CHOICES}")
 
+    def _mtp(self, loaded, warn) -> str:
+        from localmoe.errors import UnsupportedModelError
+        from localmoe.load import load_nextn
+
+        n = mtp_layers(loaded)
+        name = getattr(loaded.source, "name", None) or str(loaded.source)
+        if not n:
+            warn(f"--spec mtp: {name} has no multi-token-prediction heads (num_nextn_predict_layers = "
+                 f"{n or 0}); running without speculation (try --spec prompt or --spec draft:PATH)")
+            return "off"
+        if not loaded.spec.nextn_layers:
+            warn(f"--spec mtp: {name} has {n} multi-token-prediction layer(s), but localmoe does not read this "
+                 f"family's ({loaded.spec.model_type}); running without speculation (try --spec prompt or "
+                 "--spec draft:PATH)")
+            return "off"
+        try:
+            self.head = load_nextn(loaded)
+        except UnsupportedModelError as e:
+            warn(f"--spec mtp: {e}; running without speculation")
+            return "off"
+        return "mtp"
+
     @property
     def on(self) -> bool:
         return self.mode != "off"
@@ -91,10 +109,14 @@ class Speculation:
         mode = self.mode if mode is None else mode
         if mode == "off":
             return None
-        if mode == "draft" and self.draft is None or mode not in ("prompt", "draft"):
+        if mode == "draft" and self.draft is None or mode == "mtp" and self.head is None or \
+                mode not in ("prompt", "draft", "mtp"):
             raise LocalMoEError(f"spec {mode!r} is not available here (the server runs --spec {self.mode}); "
                                 "ask for 'off', 'prompt' or the server's mode")
-        drafter = PromptLookup() if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
+        if mode == "mtp":
+            drafter = MTPDrafter(self.head)
+        else:
+            drafter = PromptLookup() if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
         return Speculator(drafter, self.k, self.adaptive)
 
     def finished(self, stats: SpecStats) -> None:
