@@ -28,7 +28,9 @@ def snapshot(service, turn=None) -> dict:
     service's rate over its recent window; time_to_first_token likewise (else the mean over all
     requests, None before the first). tier_hit_rates: {tier: hits / requests} of the expert pager
     ({} for dense models). ram_used_bytes: this process's resident memory; vram_used_bytes: CUDA
-    memory allocated by torch (None without CUDA).
+    memory allocated by torch (None without CUDA). spec_acceptance (drafts kept / drafted) and
+    spec_tokens_per_step (tokens per forward): of the turn where it speculated, else of the service's
+    finished sequences while it runs --spec; None without speculation.
     """
     import psutil
 
@@ -46,6 +48,7 @@ def snapshot(service, turn=None) -> dict:
     from localmoe.runtime.metrics import paging_tiers
 
     tiers = paging_tiers(service.model)
+    spec = _speculation(service, turn)
     return {
         "tokens_per_second": tokens_per_second,
         "decode_tokens_per_second": decode_rate,
@@ -56,7 +59,21 @@ def snapshot(service, turn=None) -> dict:
         "ram_total_bytes": psutil.virtual_memory().total,
         "vram_used_bytes": _vram_used_bytes(),
         "completion_tokens_total": metrics.completion_tokens,
+        "spec_acceptance": spec.acceptance if spec is not None else None,
+        "spec_tokens_per_step": spec.tokens_per_step if spec is not None else None,
     }
+
+
+def _speculation(service, turn):
+    """The SpecStats to show: the turn's where it speculated, else the service's finished sequences' while
+    it speculates (--spec); None: no speculation to report."""
+    spec = getattr(turn, "spec", None) if turn is not None else None
+    if spec is not None and spec.steps:
+        return spec
+    speculation = getattr(service, "speculation", None)
+    if turn is None and speculation is not None and speculation.on and speculation.stats.steps:
+        return speculation.stats
+    return None
 
 
 def human_bytes(n: int | None) -> str:
@@ -70,7 +87,8 @@ def human_bytes(n: int | None) -> str:
 
 
 def status_line(figures: dict) -> str:
-    """One line for an 80-column status bar: tok/s, TTFT, tier hit rates, RAM, VRAM."""
+    """One line for an 80-column status bar: tok/s, TTFT, tier hit rates, RAM, VRAM, and with speculation
+    the share of drafts kept and the tokens per step (`spec 75% x3.4`)."""
     rate = figures.get("tokens_per_second")
     ttft = figures.get("time_to_first_token")
     parts = [f"{rate:.1f} tok/s" if rate else "- tok/s", f"TTFT {ttft:.2f}s" if ttft is not None else "TTFT -"]
@@ -80,4 +98,6 @@ def status_line(figures: dict) -> str:
     vram = figures.get("vram_used_bytes")
     if vram is not None:
         parts.append(f"VRAM {human_bytes(vram)}")
+    if figures.get("spec_tokens_per_step") is not None:
+        parts.append(f"spec {figures['spec_acceptance']:.0%} x{figures['spec_tokens_per_step']:.1f}")
     return " | ".join(parts)

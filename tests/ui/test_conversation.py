@@ -145,3 +145,5 @@ def test_status_line_fits_80_columns():
     assert line == (f"12.3 tok/s | TTFT 0.25s | gpu 50% ram {0.875:.0%} | RAM {human_bytes(3 << 30)} | "
                     f"VRAM {human_bytes(1536 << 20)}")
     assert len(line) <= 78 and human_bytes(3 << 30) == "3.0G" and human_bytes(None) == "-"
+    spec = status_line(figures | {"spec_acceptance": 0.754, "spec_tokens_per_step": 3.43})
+    assert spec == line + " | spec 75% x3.4" and len(spec) <= 80

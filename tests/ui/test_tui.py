@@ -334,3 +334,20 @@ def test_image_command_on_a_text_model_says_so(smol, make_service, workdir):
             assert any("no vision tower" in n.message for n in app._notifications)
 
     run_async(scenario())
+
+
+def test_status_bar_shows_speculation(smol, make_service, workdir):
+    """With --spec the status bar ends with the last turn's share of drafts kept and tokens per step."""
+    service = make_service(smol, spec="prompt", max_tokens_default=12)
+
+    async def scenario():
+        app = ChatApp(service, workdir=workdir, max_tokens=12, tools_enabled=False)
+        async with app.run_test(size=SIZE) as pilot:
+            await _type(pilot, "Repeat exactly: one two three. one two three. one two three.")
+            await _answered(pilot)
+            spec = app.conversation.last_turn.spec
+            assert spec is not None and spec.steps > 0
+            want = f"spec {spec.acceptance:.0%} x{spec.tokens_per_step:.1f}"
+            await wait_until(pilot, lambda: str(app.status_bar.render()).endswith(want), what="the status bar")
+
+    run_async(scenario())

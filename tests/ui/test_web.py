@@ -444,3 +444,24 @@ def test_an_uploaded_image_goes_with_the_next_message(browser, vision_web, tmp_p
         store.close()
     assert user.content == "What colour is it?" and len(user.images) == 1
     assert user.images[0].sha256 == hashlib.sha256(picture.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def spec_web(tmp_path_factory):
+    """`localmoe web --spec prompt` on the embedded model."""
+    yield from _web(tmp_path_factory.mktemp("spec-web"), "--spec", "prompt")
+
+
+@pytest.mark.slow
+def test_speculation_statistics_are_shown(browser, spec_web):
+    """With --spec the finished turn's line and the live status show the share of drafts kept and the tokens
+    per step, the same figures the stored turn's statistics give."""
+    tab = _tab(browser, spec_web[0])
+    _send_and_watch(tab, "Repeat exactly: one two three four. one two three four. one two three four.")
+    status = tab.inner_text("#turn-status")
+    found = re.search(r"speculation: (\d+)% of drafts kept, (\d+\.\d\d) tokens per step", status)
+    assert found, status
+    assert 1.0 <= float(found.group(2)) <= 5.0  # --spec-k 4: at most 4 drafts and the target's token a step
+    tab.wait_for_function("() => /spec \\d+% x\\d+\\.\\d/.test(document.querySelector('#live-status').innerText)",
+                          timeout=30_000)
+    tab.close()

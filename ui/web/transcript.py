@@ -29,7 +29,8 @@ def call_arguments(call) -> str:
 
 
 def turn_summary(turn, budget: str) -> str:
-    """One line about a finished model turn: tokens, speed, time to first token, budget, finish."""
+    """One line about a finished model turn: tokens, speed, time to first token, budget, finish, and where it
+    speculated the share of drafts kept and the tokens per step."""
     rate = turn.completion_tokens / turn.seconds if turn.seconds > 0 else 0.0
     parts = [f"{turn.completion_tokens} tokens in {turn.seconds:.2f} s ({rate:.1f} tok/s)",
              f"first token {turn.time_to_first_token:.2f} s", f"budget {budget}", f"finish {turn.finish_reason}"]
@@ -37,6 +38,9 @@ def turn_summary(turn, budget: str) -> str:
         parts.insert(1, f"{turn.reasoning_tokens} reasoning")
     if turn.reasoning_closed_by:
         parts.append(f"reasoning closed by the {turn.reasoning_closed_by} budget")
+    spec = getattr(turn, "spec", None)
+    if spec is not None and spec.steps:
+        parts.append(f"speculation: {spec.acceptance:.0%} of drafts kept, {spec.tokens_per_step:.2f} tokens per step")
     return " · ".join(parts)
 
 
