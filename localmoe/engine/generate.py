@@ -150,17 +150,29 @@ class Decoder:
 
     @property
     def preemptible(self) -> bool:
-        """Whether `preempt` may free the cache now: it exists and the sequence does not speculate (its verify
-        rows would have to be replayed as such, not yet done)."""
-        return self.cache is not None and self.speculator is None
+        """Whether `preempt` may free the cache now: it exists and no speculative step's tokens wait to be
+        handed out (between two engine steps a speculating sequence has handed them all out)."""
+        return self.cache is not None and not self.ready and not self.ahead
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the pending token runs again after a `preempt` (a speculating sequence replays it as one
+        row of the row kernels, as it ran: engine/spec/verify.py), not a step of its own."""
+        return bool(self._replay)
 
     def preempt(self) -> None:
         """Free the cache now (recompute). On resume everything it held runs again in the forwards it ran in
         before: the prompt in the same chunks, then each later token as a decode step (an injected group as
         one forward), then what was pending; only that last forward's logits come back, equal to those it
-        would have had (each forward is the one it was)."""
+        would have had (each forward is the one it was; a speculating sequence's tokens, kept drafts
+        included, ran as rows of the row kernels, each computed on its own, and run again as such)."""
         if not self.preemptible:
-            raise RuntimeError("this sequence speculates or holds no cache: it cannot be preempted")
+            raise RuntimeError("this sequence holds no cache, or a speculative step's tokens wait to be handed "
+                               "out: it cannot be preempted now")
+        if self.speculator is not None:
+            from localmoe.engine.spec.verify import record
+
+            record(self.cache, False)
         replay: list[list[int]] = []
         if self._prompt_done:
             after, i = self.in_cache[len(self.prompt):], 0
@@ -221,8 +233,8 @@ class Decoder:
         if self.speculator is not None:
             from localmoe.engine.spec.verify import record
 
-            record(self.cache, False)
             if self.cache is not None:
+                record(self.cache, False)
                 self.cache.hidden_sink = None
         if self.prefix_cache is not None and self.cache is not None:
             keys = self.in_cache if self.images is None else self.images.keyed(self.in_cache)

@@ -214,7 +214,7 @@ class EngineWorker:
         while len(self._active) > 1 and self.kv_bytes > self.kv_budget:
             held = [r for r in self._active if r.decoder is not None and r.decoder.preemptible]
             if not held:
-                return  # none may be preempted now (a speculating sequence is not, yet)
+                return  # none may be preempted now
             victim = max(held, key=lambda r: r.job.submitted)
             victim.held = victim.decoder.cache.nbytes()
             victim.wants.preempt()

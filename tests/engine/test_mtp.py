@@ -173,3 +173,27 @@ def test_spec_mtp_loads_the_layer_only_when_asked(checkpoint):
     spec = Speculation(loaded, "mtp", warn=said.append)
     assert spec.mode == "mtp" and not said and spec.new().drafter.name == "mtp"
     assert Speculation(loaded, "prompt").head is None
+
+
+def test_a_preempted_mtp_sequence_resumes_unchanged(models):
+    """Preempted mid-decode (its cache freed), the sequence replays prompt and tokens, its MTP drafter keeps
+    what it had (the replayed positions agree), and the greedy output is the plain one."""
+    loaded = models[0]
+    model = loaded.model
+    prompt = prompt_for(model)
+    want, _ = run(model, prompt)
+    spec = Speculator(MTPDrafter(load_nextn(loaded)), k=3, adaptive=False)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    out, preempted = [], 0
+    while len(out) < len(want):
+        if len(out) >= 10 and not preempted and dec.preemptible:
+            dec.preempt()
+            preempted = spec.stats.drafted
+        logits = dec.logits()
+        if logits is None:
+            continue
+        token = dec.sample(logits)
+        out.append(token)
+        dec.feed([token])
+    assert out == want
+    assert preempted and spec.stats.drafted > preempted  # drafted before, and again after the replay

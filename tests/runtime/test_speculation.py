@@ -93,3 +93,39 @@ def test_metrics_show_speculation():
     assert "localmoe_spec_accepted_tokens_total 24" in text
     assert "localmoe_spec_acceptance_rate 0.75" in text
     assert "localmoe_spec_tokens_per_step 3.4" in text
+
+
+BUDGET_BLOCKS = 14  # of 8 tokens: the later sequence is preempted after it kept drafts (measured: 8 of 8)
+
+
+def test_a_speculating_sequence_is_preempted_and_resumes_unchanged(embedded, monkeypatch):  # noqa: F811
+    """Two speculating sequences outgrow the KV budget: the later one is preempted mid-decode (its cache freed),
+    resumes when the first finishes (prompt and tokens, kept drafts included, run again as rows, without
+    drafts) and gives what it gives alone without speculation; it speculates again after the replay."""
+    from localmoe.engine import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)  # caches grow every 8 tokens
+    tok, model = embedded.tokenizer, embedded.model
+    block = model.new_cache(1, 64).nbytes()  # one block of every layer
+    preps = {"first": completion(embedded, QUOTE, 24), "later": completion(embedded, PROMPTS[2], 24)}
+    for prep in preps.values():
+        prep.speculator = Speculator(PromptLookup(), k=4, adaptive=False)
+    worker, results = EngineWorker(max_active=4, kv_budget=BUDGET_BLOCKS * block, batching="on"), {}
+    for key, prep in preps.items():
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, key))
+    later = preps["later"].speculator.stats
+    at_preemption = None
+    for _ in range(400):
+        if len(results) == 2:
+            break
+        worker.step()
+        if worker.preempted and worker._preempted[0].wants._replay and at_preemption is None:
+            at_preemption = (later.accepted, later.drafted)  # tokens it had generated run again on resume
+    assert at_preemption is not None and worker.preemptions >= 1 and worker.kv_bytes == 0
+    assert at_preemption[0] > 0, "it had kept no draft before it was preempted: the replay of kept drafts is untested"
+    assert later.drafted > at_preemption[1], "it did not speculate again after the replay"
+    for key, prep in preps.items():
+        plain = completion(embedded, QUOTE if key == "first" else PROMPTS[2], 24)
+        assert results[key].content == alone(embedded, plain).content, key
+        assert results[key].completion_tokens == 24

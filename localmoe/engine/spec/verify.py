@@ -14,7 +14,9 @@ through its own decode step, with a copy of the states after each.
 
 Rows of a step are computed as decode tokens, each independently of the others, so a greedy sequence
 yields the tokens it yields without speculation in the same mode (a speculating sequence always takes
-these row kernels, also on steps without a draft, never the model's fused single-token step).
+these row kernels, also on steps without a draft, never the model's fused single-token step). A
+speculating sequence resumed after a preemption (`Decoder.replaying`) runs each token it had again as
+one such row, without drafting, so its caches come back as they were.
 """
 
 from __future__ import annotations
@@ -81,17 +83,18 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
     (engine/generate.py Decoder): its next `sample` calls return them without a forward."""
     model = decoders[0].model
     started = time.perf_counter()
-    drafts = [_propose(d) if d.speculating else None for d in decoders]
+    replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
+    spec = [d.speculating and not r for d, r in zip(decoders, replay)]
+    drafts = [_propose(d) if s else None for d, s in zip(decoders, spec)]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
     starts = [d.cache.offset for d in decoders]
-    spec = [d.speculating for d in decoders]
     for d, s in zip(decoders, spec):
         if s:
             record(d.cache, False)  # the previous step's
             record(d.cache, True)
     out: list[torch.Tensor | None] = [None] * len(decoders)
     if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
-        together = [n for n in range(len(decoders)) if spec[n] or not (fused or not batchable(model))]
+        together = [n for n in range(len(decoders)) if spec[n] or replay[n] or not (fused or not batchable(model))]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
         logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together])
@@ -99,7 +102,7 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
             out[n] = lg
     else:
         for n in range(len(decoders)):
-            if spec[n]:
+            if spec[n] or replay[n]:
                 out[n] = _rows_alone(model, rows[n], decoders[n].cache)
     alone = [n for n in range(len(decoders)) if out[n] is None]  # fused plain decoders
     if alone:
