@@ -18,50 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localmoe.config import EngineConfig
-from localmoe.engine import cache as cache_module
 from localmoe.engine.cache import ModelCache
-from localmoe.load import build_from_tensors, load_model
-from localmoe.models import family_for_model_type
-from localmoe.testing import write_checkpoint
 from localmoe.testing.parity import prefill_in_chunks_then_decode, random_tokens
 
-FAMILIES = ["llama", "gpt_oss", "kimi_linear", "kimi_k3", "qwen3_next"]
 RTOL = 1e-4  # fp32 everywhere: differences are summation order only (chunked vs recurrent KDA, batched GEMMs)
 
-
-def _runnable(model_type: str):
-    if not family_for_model_type(model_type).runnable:
-        pytest.skip(f"{model_type} is not runnable yet (family_for_model_type({model_type!r}).runnable is False)")
-
-
-def build_model(model_type: str, directory):
-    """The tiny fp32 model of a family (Llama: random weights in canonical names; others: a written checkpoint)."""
-    config = EngineConfig(dtype="float32", threads=1, expert_precision="exact")
-    if model_type == "llama":  # as tests/models/test_llama_tiny.py builds it: transformers' init, norms perturbed
-        transformers = pytest.importorskip("transformers")
-        hf = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=False)
-        torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-        tensors = {name: p + 0.2 * torch.randn_like(p) if "norm" in name else p
-                   for name, p in reference.state_dict().items()}
-        family = family_for_model_type("llama")
-        return build_from_tensors(family, family.spec_from_hf(hf.to_dict()), tensors, family.hf_tensors, config)
-    path = write_checkpoint(model_type, directory, "tiny", seed=0)
-    return load_model(path, config, progress=False).model
-
-
-@pytest.fixture(scope="module", params=FAMILIES, ids=FAMILIES)
-def model(request, tmp_path_factory):
-    _runnable(request.param)
-    return build_model(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 16)
+pytestmark = pytest.mark.usefixtures("small_blocks")  # tests/engine/conftest.py
 
 
 def new_cache(model, batch: int, max_len: int, dtype: str = "float32") -> ModelCache:

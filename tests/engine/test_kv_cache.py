@@ -22,12 +22,6 @@ K3_REAL = Path(localmoe.testing.__file__).parent / "configs" / "kimi_k3_real.jso
 MILLION = 1 << 20
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 16)
-    return 16
-
-
 def rows(B: int, T: int, *shape: int, seed: int = 0) -> torch.Tensor:
     """Random rows [B, T, *shape] whose blocks (last dim) differ in magnitude by up to 10^4."""
     x = torch.randn(B, T, *shape, generator=torch.Generator().manual_seed(seed))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from localmoe.engine import cache as cache_module
 from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
@@ -17,21 +16,11 @@ from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
 from localmoe.engine.spec.speculator import RETIRE_AFTER, Speculator
 from localmoe.testing.parity import random_tokens
 
-from .test_batching import FAMILIES, _runnable, build_model
-
 GREEDY = SamplingParams(temperature=0.0)
 STEPS = 40
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=FAMILIES)
-def model(request, tmp_path_factory):
-    _runnable(request.param)
-    return build_model(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 16)
+pytestmark = pytest.mark.usefixtures("small_blocks")  # tests/engine/conftest.py, as `model`
 
 
 def prompt_for(model) -> list[int]:

@@ -16,7 +16,7 @@ from localmoe.engine.spec import accept as accept_module
 from localmoe.engine.spec.drafters import Draft
 from localmoe.engine.spec.speculator import Speculator
 
-from .test_batching import build_model
+from .conftest import build_model
 
 DRAWS = 2000
 ALPHA = 1e-4  # fixed seeds, so a pass is reproducible; a biased rule scores p < 1e-6 (test_a_biased_rule_fails)
