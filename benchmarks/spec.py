@@ -4,6 +4,7 @@ read per generated token.
     python benchmarks/spec.py                          # (a) the embedded model, prompt lookup
     python benchmarks/spec.py --paged                  # + (b) a paged gpt-oss store, prompt lookup and a draft
     python benchmarks/spec.py --paged --work DIR --pairs 3
+    python benchmarks/spec.py --paged-only --stores kimi_k3,deepseek_v32   # (c) and the MTP layer
 
 (a) The embedded SmolLM2 (resident, its fused single-token step when off) on three prompts: a paragraph
     to repeat word for word (prompt lookup's best case), a question about a document asking for its
@@ -13,6 +14,11 @@ read per generated token.
     paged at 25% of its expert bytes (LFRU, O_DIRECT), greedy plain completions of the same two prompts:
     off, prompt lookup, and a draft model (the `tiny` gpt-oss: the same tokenizer, random weights of its
     own, so it shows what the scheduler does with a draft that is almost never right).
+(c) The generated Kimi K3 `small` (MLA + KDA layers, latent MXFP4 MoE, attention residuals) converted and
+    paged the same way: off, an oracle, prompt lookup, random drafts. `--stores deepseek_v32`: DeepSeek-V3.2
+    `small` with an MTP layer appended (localmoe.testing.mtp), its store paged likewise, the MTP drafter
+    (`--spec mtp`) beside the others. Random weights: the MTP layer was not trained to predict this model,
+    so its acceptance shows the cost of drafting with it, not what a released checkpoint's head achieves.
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed. Expert bytes are the pager's reads during decoding (from the
@@ -169,6 +175,11 @@ def step_worker(args) -> None:
         speculator = Speculator(Oracle(len(prompt), json.loads(Path(kind[7:]).read_text())), args.k, adaptive=False)
     elif kind == "noise":
         speculator = Speculator(Noise(loaded.spec.vocab_size), args.k)
+    elif kind == "mtp":
+        from localmoe.engine.spec.mtp import MTPDrafter
+        from localmoe.load import load_nextn
+
+        speculator = Speculator(MTPDrafter(load_nextn(loaded)), args.k)
     elif kind == "prompt":
         speculator = Speculator(PromptLookup(), args.k)
     elif kind.startswith("draft:"):
@@ -225,19 +236,30 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
             print(line, flush=True)
 
 
-def steps(args, store: str, draft: str, ram: int) -> None:
-    """(b): plain greedy (the fused step, and the batched rows a speculating sequence takes) against an oracle
-    drafter (every draft kept), prompt lookup, the tiny draft model and random drafts, on the paged store."""
+# (label, drafters beside fused / rows / oracle / noise) of each paged store
+STORES = {
+    "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft")),
+    "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",)),
+    "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp")),
+}
+
+
+def steps(args, family: str, store: str, draft: str, ram: int) -> None:
+    """(b), (c), MTP: plain greedy (the fused step, and the batched rows a speculating sequence takes) against
+    an oracle drafter (every draft kept), the family's drafters (prompt lookup, the tiny draft model, the MTP
+    layer) and random drafts, on the paged store."""
+    label, drafters = STORES[family]
     for task in args.tasks.split(","):
-        record = args.work / f"plain-{task}.json"
+        record = args.work / f"plain-{family}-{task}.json"
         base = command(args, store, "rows", task, ram, chat=False) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
-        workers = {name: command(args, store, name, task, ram, chat=False) + ["--steps"]
-                   for name in ("fused", "rows", f"oracle:{record}", "prompt", f"draft:{draft}", "noise")}
+        names = ["fused", "rows", f"oracle:{record}", *(f"draft:{draft}" if d == "draft" else d for d in drafters),
+                 "noise"]
+        workers = {name: command(args, store, name, task, ram, chat=False) + ["--steps"] for name in names}
         results = alternate(workers, args.pairs)
         ref = results["fused"]
         plain_tokens = {r["text"] for r in results["rows"]}
-        print(f"\n(b) gpt-oss small, packed store at --ram 25%, {task}: {ref[0]['tokens']} tokens, "
+        print(f"\n{label}, packed store at --ram 25%, {task}: {ref[0]['tokens']} tokens, "
               f"{args.pairs} pairs", flush=True)
         for name, rs in results.items():
             rate = statistics.median(r["tokens_per_s"] for r in rs)
@@ -252,23 +274,27 @@ def steps(args, store: str, draft: str, ram: int) -> None:
             print(line, flush=True)
 
 
-def paged_store(work: Path) -> tuple[str, str, int]:
-    """The gpt-oss `small` store (written and converted once under `work`), 25% of its expert bytes, and
-    the `tiny` gpt-oss checkpoint as a draft."""
+def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
+    """The family's `small` store (written and converted once under `work`; DeepSeek-V3.2 with an MTP layer
+    appended, localmoe.testing.mtp), 25% of its expert bytes, and the family's `tiny` checkpoint as a draft."""
     from localmoe.convert import convert
     from localmoe.paging import expert_bytes
     from localmoe.store.packed import PackedStore
     from localmoe.testing import write_checkpoint
 
-    src, store, draft = work / "gpt_oss_small", work / "gpt_oss_small.lmoe", work / "gpt_oss_tiny"
+    src, store, draft = work / f"{family}_small", work / f"{family}_small.lmoe", work / f"{family}_tiny"
     if not (src / "config.json").exists():
-        print("writing the small gpt_oss checkpoint ...", flush=True)
-        write_checkpoint("gpt_oss", src, size="small")
+        print(f"writing the small {family} checkpoint ...", flush=True)
+        write_checkpoint(family, src, size="small")
+        if family == "deepseek_v32":
+            from localmoe.testing.mtp import add_mtp_layer
+
+            add_mtp_layer(src)
     if not (store / "manifest.json").exists():
         print("converting it to a packed store ...", flush=True)
         convert(src, store)
     if not (draft / "config.json").exists():
-        write_checkpoint("gpt_oss", draft, size="tiny", seed=1)
+        write_checkpoint(family, draft, size="tiny", seed=1)
     return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
 
 
@@ -287,6 +313,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
     ap.add_argument("--paged-only", action="store_true", help="(b) only")
+    ap.add_argument("--stores", default="gpt_oss", help="the paged stores of --paged / --paged-only, comma-separated: "
+                    "gpt_oss (b), kimi_k3 (c), deepseek_v32 (with an MTP layer: --spec mtp)")
     ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tasks", default=",".join(TASKS), help="(b): the prompts, comma-separated")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
@@ -300,8 +328,9 @@ def main() -> None:
         compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
     if args.paged or args.paged_only:
         args.work.mkdir(parents=True, exist_ok=True)
-        store, draft, ram = paged_store(args.work)
-        steps(args, store, draft, ram)
+        for family in args.stores.split(","):
+            store, draft, ram = paged_store(args.work, family)
+            steps(args, family, store, draft, ram)
 
 
 if __name__ == "__main__":
