@@ -227,11 +227,19 @@ def load_model(path: str | Path | None = None, config: EngineConfig | None = Non
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer, source=path, config=config)
 
 
+def _with_layer(spec: ModelSpec, kinds: tuple[str, str]) -> ModelSpec:
+    """`spec` with one more layer of `kinds` (mixer, MLP) appended: a GGUF finish's view of the MTP layer."""
+    import dataclasses
+
+    return dataclasses.replace(spec, num_layers=spec.num_layers + 1, layer_kinds=spec.layer_kinds + (kinds[0],),
+                               mlp_kinds=spec.mlp_kinds + (kinds[1],))
+
+
 def load_nextn(loaded: LoadedModel, index: int = 0):
     """MTP / next-n layer `index` of `loaded`'s checkpoint (engine/nextn.py `NextN`, on the model): read only
     when asked for (`--spec mtp`), every tensor renamed and shape-checked like the model's."""
     from localmoe.engine import nextn
-    from localmoe.models.base import NEXTN_TENSORS
+    from localmoe.models.base import NEXTN_GGUF, NEXTN_TENSORS
 
     spec = loaded.spec
     if index >= spec.nextn_layers:
@@ -240,19 +248,22 @@ def load_nextn(loaded: LoadedModel, index: int = 0):
     ckpt = open_checkpoint(loaded.source)
     try:
         layer = spec.num_layers + index
-        if ckpt.gguf_metadata is not None:
-            raise UnsupportedModelError(f"{ckpt.path}: localmoe does not read the MTP block of GGUF files "
-                                        f"(blk.{layer}.nextn.*) yet; use the HF checkpoint or a store converted from it")
+        gguf = ckpt.gguf_metadata is not None
+        if gguf and ckpt.family.gguf_finish is None or ckpt.kind == "store" and gguf:
+            raise UnsupportedModelError(f"{ckpt.path}: localmoe does not read the MTP block (blk.{layer}.nextn.*) "
+                                        f"of this {'store' if ckpt.kind == 'store' else 'GGUF file'} yet; use the "
+                                        "GGUF file or the HF checkpoint")
         names = ckpt.nextn_tensor_names(index)
         if not names:
             raise CheckpointError(f"{ckpt.path}: declares {spec.nextn_layers} MTP layer(s) but holds no tensor of "
                                   f"layer {layer}" + (" (a store converted before localmoe kept them: convert the "
                                                       "checkpoint again)" if ckpt.kind == "store" else ""))
         read = ckpt.reader.tensor if ckpt.kind == "hf" else _ggml_reader(ckpt, False)
+        own = NEXTN_GGUF if gguf else NEXTN_TENSORS
         weights = Weights()
         for name in names:
             try:
-                resolved = NEXTN_TENSORS.resolve(name)
+                resolved = own.resolve(name)
             except KeyError:
                 try:
                     resolved = ckpt.tensor_map.resolve(name)
@@ -261,6 +272,8 @@ def load_nextn(loaded: LoadedModel, index: int = 0):
                                           f"layer") from None
             if resolved is not None:
                 weights[resolved[0]] = convert(read(name), resolved[1], spec)
+        if gguf:  # the family's finish (stacked experts split, MLA's k_b / v_b joined) over the MTP layer too
+            weights = Weights(ckpt.family.gguf_finish(weights, _with_layer(spec, nextn.kinds(spec))))
     finally:
         ckpt.close()
     expected = nextn.tensors(spec, index)

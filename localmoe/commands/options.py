@@ -161,7 +161,7 @@ def spec_options(function):
                      help="Speculative decoding: prompt = draft from n-grams of the prompt and the answer so far "
                           "(pays on answers that quote the prompt: document Q&A, code edits); draft:PATH = a "
                           "smaller model with the same tokenizer; mtp = the checkpoint's MTP / next-n layer "
-                          "(DeepSeek-V3/V3.2, GLM-4.5 HF checkpoints and stores; loaded only then; a model "
+                          "(DeepSeek-V3/V3.2, GLM-4.5: HF checkpoints, their stores, GGUF files; loaded only then; a model "
                           "without one says so and runs off). Lossless: the output is what the model alone would give."),
         click.option("--spec-k", "spec_k", type=int, default=4, show_default=True,
                      help="Most drafted tokens per step; fewer (or none) where measured acceptance and step "

@@ -78,6 +78,13 @@ NEXTN_TENSORS = TensorMap(
                 for n in ("eh_proj", "enorm", "hnorm", "shared_head.norm", "shared_head.head")),
     ignore=(r"^model\.layers\.\d+\.embed_tokens\.weight$",),
 )
+# the same in llama.cpp's GGUF layout: `blk.{L}.nextn.*`
+NEXTN_GGUF = TensorMap(
+    rules=tuple(TensorRule(f"blk.{{i}}.nextn.{g}.weight", f"layers.{{i}}.{n}.weight")
+                for g, n in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm"),
+                             ("shared_head_norm", "shared_head.norm"), ("shared_head_head", "shared_head.head"))),
+    ignore=(r"^blk\.\d+\.nextn\.embed_tokens\.weight$",),
+)
 
 
 def build_transformer(spec: ModelSpec, weights: dict, engine_config, experts=None):

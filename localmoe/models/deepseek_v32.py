@@ -21,8 +21,9 @@ per head into `attn_k_b` [H, kv_lora, nope] (transposed, for the absorbed decode
 the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts stacked (split per
 expert, models/gguf_experts.py). YaRN's `mscale_all_dim` comes back from `rope.scaling.yarn_log_multiplier`
 (written as 0.1 x mscale_all_dim; `mscale` is taken equal to it, as in every DeepSeek release); the
-appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is dropped (checkpoint.tensor_names;
-`--spec mtp` on a GGUF says it does not read it).
+appended MTP block (`blk.{num_hidden_layers}`, `nextn_predict_layers`) is left out of the model
+(checkpoint.tensor_names) and read for `--spec mtp` (models/base.py NEXTN_GGUF; llama.cpp's converter
+usually drops it for DeepSeek, so no GGUF test here).
 """
 
 from __future__ import annotations

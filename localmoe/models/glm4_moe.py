@@ -17,8 +17,8 @@ Quirks, each covered by tests/models/test_glm4_moe.py:
 GGUF (`glm4moe`, llama.cpp's layout; tests/models/test_moe_gguf.py): `blk.N.post_attention_norm` is the
 post-attention norm, the correction bias `exp_probs_b.bias`, shared experts `ffn_*_shexp`, routed experts
 stacked (split per expert, models/gguf_experts.py); `block_count` includes the appended MTP blocks
-(`nextn_predict_layers`), whose tensors (`blk.{L}.*`, `blk.{L}.nextn.*`) are skipped (checkpoint.tensor_names;
-`--spec mtp` on a GGUF says it does not read them); the rotary part is
+(`nextn_predict_layers`), whose tensors (`blk.{L}.*`, `blk.{L}.nextn.*`) are left out of the model
+(checkpoint.tensor_names) and read for `--spec mtp` (models/base.py NEXTN_GGUF; tests/engine/test_mtp.py); the rotary part is
 `rope.dimension_count`. q/k rows are not permuted (NeoX RoPE).
 """
 

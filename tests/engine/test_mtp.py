@@ -4,7 +4,7 @@
 - the layer's logits against a float64 re-derivation of DeepSeek-V3's MTP formula, whose decoder layer is
   transformers' own (transformers runs no MTP layer: its DeepSeek and GLM classes skip those tensors);
 - greedy decoding with `--spec mtp` equals greedy decoding without, token for token, resident and from a
-  packed store (whose converter now keeps the MTP layer, dense);
+  packed store (whose converter now keeps the MTP layer, dense), and from a GLM-4.5 GGUF (its `nextn` block);
 - the drafter's cache after many verify steps (rejected drafts rolled back, chained entries trimmed) gives
   the draft distribution a fresh drafter gives after one prefill of the same history.
 """
@@ -197,3 +197,22 @@ def test_a_preempted_mtp_sequence_resumes_unchanged(models):
         dec.feed([token])
     assert out == want
     assert preempted and spec.stats.drafted > preempted  # drafted before, and again after the replay
+
+
+def test_the_mtp_layer_of_a_gguf_equals_the_checkpoints(tmp_path):
+    """llama.cpp writes GLM-4.5's MTP layer as `blk.{L}.*` plus `blk.{L}.nextn.*` (models/base.py NEXTN_GGUF; the
+    stacked experts split by the family's gguf_finish): from an f32 GGUF of the checkpoint the layer gives the
+    checkpoint's logits, and greedy decoding with it equals plain greedy decoding."""
+    from localmoe.testing.moe_gguf import write_moe_gguf
+
+    source = _checkpoint("glm4_moe", tmp_path)
+    gguf = load_model(write_moe_gguf(source, tmp_path / "glm.gguf", "f32"), CONFIG, progress=False)
+    hf = load_model(source, CONFIG, progress=False)
+    tokens, hidden = random_tokens(12, 4, hf.spec.vocab_size)[0], torch.randn(12, hf.spec.hidden_size)
+    ours, theirs = load_nextn(gguf), load_nextn(hf)
+    torch.testing.assert_close(ours.forward(tokens, hidden, ours.new_cache(16))[0],
+                               theirs.forward(tokens, hidden, theirs.new_cache(16))[0], rtol=0, atol=0)
+    prompt = prompt_for(gguf.model)
+    want, _ = run(gguf.model, prompt)
+    spec = Speculator(MTPDrafter(ours), k=3, adaptive=False)
+    assert run(gguf.model, prompt, speculator=spec)[0] == want and spec.stats.drafted > 0
