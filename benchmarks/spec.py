@@ -210,7 +210,8 @@ def step_worker(args) -> None:
 
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
     cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", str(args.k), "--threads", str(args.threads),
-           "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--ram", str(ram)]
+           "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--paged-tokens", str(args.paged_tokens),
+           "--ram", str(ram)]
     cmd += ["--model", model] if model else []
     return cmd + (["--chat"] if chat else [])
 
