@@ -160,6 +160,7 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
         "experts": {"routed": spec.num_experts, "per_token": spec.num_experts_per_tok,
                     "shared": spec.num_shared_experts, "moe_layers": len(spec.moe_layers())},
         "vocab_size": spec.vocab_size,
+        "vision": _vision(spec),
         "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
         "parameters_total": params["total"],
@@ -178,6 +179,18 @@ def describe_model(path: str | Path | None, config: EngineConfig | None = None) 
             "delta_state_bytes": state,
         },
     }
+
+
+def _vision(spec: ModelSpec) -> dict | None:
+    """The image tower's facts (None without one): kind, blocks, width, patch, deep-stack blocks, MRoPE."""
+    v = spec.vision
+    if v is None:
+        return None
+    qwen = hasattr(v, "deepstack_visual_indexes")
+    return {"tower": "Qwen3-VL" if qwen else "MoonViT", "blocks": v.depth if qwen else v.num_layers,
+            "hidden_size": v.hidden_size, "patch_size": v.patch_size, "image_token_id": spec.image_token_id,
+            "deepstack_blocks": list(v.deepstack_visual_indexes) if qwen else [],
+            "mrope_section": list(spec.mrope_section) if spec.mrope_section else None}
 
 
 MILLION = 1 << 20  # "1M tokens": K3's context of 1,048,576
@@ -242,6 +255,7 @@ def format_description(d: dict) -> str:
         *([(f"experts        {d['experts']['routed']} routed ({d['experts']['per_token']} per token) + "
             f"{d['experts']['shared']} shared, in {d['experts']['moe_layers']} MoE layers")]
           if d["experts"]["routed"] else []),
+        *([_vision_line(d["vision"])] if d.get("vision") else []),
         f"context        {d['max_position_embeddings']} tokens (model max)",
         f"parameters     {_count(d['parameters_total'])} total, {_count(d['parameters_active'])} active per token"
         + (" (embedding tied to lm_head)" if d["tie_word_embeddings"] else ""),
@@ -253,6 +267,13 @@ def format_description(d: dict) -> str:
         *_cache_lines(m),
     ]
     return "\n".join(lines)
+
+
+def _vision_line(v: dict) -> str:
+    deep = f", deep-stack after blocks {', '.join(map(str, v['deepstack_blocks']))}" if v["deepstack_blocks"] else ""
+    mrope = f"; MRoPE {'/'.join(map(str, v['mrope_section']))}" if v["mrope_section"] else ""
+    return (f"vision         {v['tower']} tower: {v['blocks']} blocks x {v['hidden_size']}, {v['patch_size']}-px patches"
+            f"{deep}; image token {v['image_token_id']}{mrope}")
 
 
 def _cache_lines(m: dict) -> list[str]:

@@ -328,3 +328,14 @@ def test_the_processor_settings_come_from_the_checkpoint_and_its_store(tmp_path)
     (path / "preprocessor_config.json").unlink()
     processor = load_ours(path).image_encoder.processor
     assert (processor.min_pixels, processor.max_pixels, processor.patch_size) == (65536, 16777216, 4)
+
+
+def test_inspect_names_the_tower(tmp_path):
+    from localmoe.describe import describe_model, format_description
+    from localmoe.testing import write_checkpoint
+
+    d = describe_model(write_checkpoint("qwen3_vl_moe", tmp_path / "gen", "tiny", seed=0))
+    assert d["vision"] == {"tower": "Qwen3-VL", "blocks": 3, "hidden_size": 32, "patch_size": 4,
+                           "image_token_id": 638, "deepstack_blocks": [0, 2], "mrope_section": [2, 3, 3]}
+    assert ("vision         Qwen3-VL tower: 3 blocks x 32, 4-px patches, deep-stack after blocks 0, 2; image token 638; "
+            "MRoPE 2/3/3") in format_description(d)
