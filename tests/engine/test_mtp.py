@@ -165,6 +165,29 @@ def test_the_mtp_cache_rolls_back_to_what_a_prefill_gives(checkpoint, tmp_path):
         torch.testing.assert_close(again.q[0], q, rtol=1e-4, atol=1e-5)
 
 
+def test_a_service_with_spec_mtp_answers_as_without(models):
+    """`--spec mtp` in the service (the worker's batched step): a greedy completion equals the one without,
+    a request may turn it off, and one that asks for it where the server did not load it is refused."""
+    from localmoe.errors import LocalMoEError
+    from localmoe.runtime.service import ServerConfig, Service
+
+    loaded = models[0]
+    prompt = prompt_for(loaded.model)
+    results = {}
+    for mode in ("off", "mtp"):
+        service = Service(loaded, ServerConfig(prefix_cache_entries=0, batching="on", spec=mode))
+        prep = service.prepare_completion(prompt, 24, GREEDY, [])
+        results[mode] = list(service.completion_here(prep))[-1][1]
+        if mode == "off":
+            with pytest.raises(LocalMoEError, match="not available"):
+                service.prepare_completion(prompt, 24, GREEDY, [], spec="mtp")
+        else:
+            assert service.prepare_completion(prompt, 24, GREEDY, [], spec="off").speculator is None
+    assert results["mtp"].content == results["off"].content
+    assert results["mtp"].spec.drafted > 0 and results["off"].spec is None
+    assert results["mtp"].completion_tokens == 24
+
+
 def test_spec_mtp_loads_the_layer_only_when_asked(checkpoint):
     from localmoe.runtime.speculation import Speculation
 
