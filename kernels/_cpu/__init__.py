@@ -4,7 +4,8 @@ The sources (`SOURCES`: the MXFP4 expert GEMV, the fused MoE layer, the dense fp
 routed experts over a prefill chunk, GQA
 decode attention (one sequence, or a batch of sequences over their paged caches) and the fused
 attention decode step, residual add + RMSNorm, all layers of a GQA +
-MoE, dense or hybrid (KDA / MLA, attention residuals, latent MoE) decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks) have a plain C ABI and no torch headers, so they
+MoE, dense or hybrid (KDA / MLA, attention residuals, latent MoE) decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks, a
+decode token's routed experts from those blocks) have a plain C ABI and no torch headers, so they
 build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core
 dev machine) and need no ninja or Python headers. They share one persistent thread pool (pool.h):
 one library, one pool for the process, whichever kernels run. The shared object is cached in
@@ -52,7 +53,8 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "gqa_decode" / "paged_cpu.cpp", KERNELS / "gqa_decode" / "step_cpu.cpp",
            KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
-           KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp")
+           KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
+           KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
 # ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
 ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
@@ -90,6 +92,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "dense_expert": ((_ptr, _ptr, _ptr, _ptr, _int, _f32, _f32, _f32, _ptr, _ptr, _ptr, _int), None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
     "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int, _int), _int),
+    "ggml_moe_token_scratch": ((_i64, _i64, _i64), _i64),
+    "ggml_moe_token": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _f32, _f32, _ptr, _ptr, _int), _int),
     "dense_moe_scratch": ((_i64, _i64, _i64), _i64),
     "dense_moe_expert": ((_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _int, _f32, _f32, _ptr, _ptr,
                           _int), None),

@@ -6,7 +6,7 @@ The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.p
 attn_res.py)
 in fp32 C++; tests/kernels/test_decode_hybrid.py checks it against that path (the reference) within
 1e-5 of the logit range and the AVX2 build against the AVX-512 one bit for bit. Routed experts run in
-the kernel where a layer gives a resident MXFP4 or dense table, else through `experts(layer, h, x)` -> [W], called
+the kernel where a layer gives a resident MXFP4, dense or GGUF-block table, else through `experts(layer, h, x)` -> [W], called
 back from the kernel (the engine routes h and dispatches x to its provider: a pager, bf16 experts).
 """
 
@@ -71,7 +71,7 @@ class HybridLayer(ctypes.Structure):
                 ("lat_norm", _p), ("lat_eps", _f), ("router_w", _p), ("router_b", _p), ("correction", _p),
                 ("table", _p), ("dense", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i),
                 ("intermediate", _i), ("top_k", _i), ("expert_glu", _i), ("dense_type", _i), ("scaling", _f),
-                ("p0", _f), ("p1", _f)]
+                ("p0", _f), ("p1", _f), ("blocks", _p), ("block_types", _i * 3)]
 
 
 ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _p, _p, _p)
@@ -112,7 +112,8 @@ class HybridDecoder:
     vectors: the fields of the struct of that name), o_proj; moe (bool), gate_up / down (dense MLP or
     shared experts, or None), glu (glu.h kind, p0, p1), shared_gate ([D] or None); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
     router_w / router_b / correction, table (ExpertTable.addresses or None), dense (DenseExpertTable.addresses
-    or None; with dense_type, its MATRIX_TYPES value; neither table: the callback), scoring,
+    or None; with dense_type, its MATRIX_TYPES value), blocks (ggml_gemv BlockExpertTable.addresses or None; with
+    block_types, the gate / up / down GGML types; no table: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
     returns layer `index`'s routed-expert sum [W] for a layer without a table. The caller sets each
     layer's cache pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
@@ -127,7 +128,7 @@ class HybridDecoder:
         lib = library()
         for c, d in zip(self.layers, layers):
             for name in ("attn_norm", "mlp_norm", "attn_query", "mlp_query", "lat_norm", "router_w", "router_b",
-                         "correction", "table", "dense", "shared_gate"):
+                         "correction", "table", "dense", "blocks", "shared_gate"):
                 setattr(c, name, _ptr(d.get(name)))
             c.mixer = MIXERS.index(d["mixer"])
             self._fill(getattr(c, d["mixer"]), d[d["mixer"]])
@@ -152,6 +153,10 @@ class HybridDecoder:
                     c.dense_type = d["dense_type"]
                     moe_bytes = max(moe_bytes, 4 * (c.experts + 2 * c.intermediate + width))
                     widest = max(widest, c.intermediate)
+                if c.blocks:  # router logits [E], then ggml_moe_token's scratch
+                    c.block_types[:] = d["block_types"]
+                    moe_bytes = max(moe_bytes, 4 * c.experts + 64 +
+                                    lib.ggml_moe_token_scratch(c.top_k, width, c.intermediate))
         floats = lib.decode_hybrid_scratch(ctypes.addressof(self.layers), len(layers), hidden, block_size)
         self.scratch = torch.empty(floats)
         self.moe_scratch = torch.empty(max(moe_bytes, 64), dtype=torch.uint8)
@@ -216,5 +221,5 @@ class HybridDecoder:
             self.xq.data_ptr(), self.callback, threads())
         if failed:
             error, self.error = self.error, None
-            raise error
+            raise error or RuntimeError("decode_hybrid: ggml_moe_token refused a layer's block experts")
         return h

@@ -10,7 +10,8 @@
 //              h = mix([blocks, ps], mlp_query); ps += mlp(rms(h)); at the end mix(output_query)
 // then the final norm. Routed experts run through mxfp4_moe_routed (routing in C) where the layer holds
 // a resident MXFP4 table, through the same routing and `dense_expert` per chosen expert (increasing id)
-// where it holds resident dense experts, else through `experts`, a callback into the engine (a pager):
+// where it holds resident dense experts, through ggml_moe_token (the same rows, glu and order) where it holds
+// resident GGUF-block experts, else through `experts`, a callback into the engine (a pager):
 // the callback routes h and runs the experts on the experts' input, giving the same bits as the
 // table call, so paged decode equals resident decode bit for bit.
 #include <algorithm>
@@ -36,6 +37,9 @@ void mxfp4_route(const float* rx, int64_t R, const float* router_w, const float*
                  float* weights_out, float* logits, int threads);
 void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Matrix* down, int glu, float p0, float p1,
                   float weight, float* out, float* scratch, void* xq, int threads);
+int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
+                   const int64_t* table, const int64_t* types, int glu, float p0, float p1, float* out, void* scratch,
+                   int threads);
 }
 
 // A GQA mixer: qkv rows [q H D | k Hkv D | v Hkv D], per-head q/k RMSNorm (null: none), RoPE over the
@@ -79,6 +83,8 @@ struct HybridLayer {
   const int64_t* dense;  // resident dense experts [E, 3]: gate, up, down of type dense_type; null: the callback
   int64_t scoring, renormalize, experts, intermediate, top_k, expert_glu, dense_type;
   float scaling, p0, p1;
+  const int64_t* blocks;   // resident GGUF-block experts [E, 3] (kernels/ggml_gemv ggml_moe_cpu.cpp); null: none
+  int64_t block_types[3];  // their gate, up, down GGMLQuantizationType
 };
 
 // (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop.
@@ -123,6 +129,18 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
       mxfp4_moe_routed(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
                        static_cast<int>(L.renormalize), L.scaling, ex, 1, W, L.intermediate, L.top_k, L.table,
                        L.experts, static_cast<int>(L.expert_glu), L.p0, L.p1, y, ids, weights, moe_scratch, threads, q8);
+    } else if (L.blocks) {  // the same routing; the chosen experts in increasing id, x rounded once for all
+      float* logits = static_cast<float*>(moe_scratch);
+      mxfp4_route(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                  static_cast<int>(L.renormalize), L.scaling, 1, L.top_k, L.experts, ids, weights, logits, threads);
+      int64_t order[64], sorted[64];
+      float chosen[64];
+      for (int64_t j = 0; j < L.top_k; ++j) order[j] = j;
+      std::sort(order, order + L.top_k, [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
+      for (int64_t j = 0; j < L.top_k; ++j) sorted[j] = ids[order[j]], chosen[j] = weights[order[j]];
+      if (ggml_moe_token(ex, W, L.intermediate, sorted, chosen, L.top_k, L.blocks, L.block_types,
+                         static_cast<int>(L.expert_glu), L.p0, L.p1, y, logits + L.experts, threads) != 0)
+        return 1;
     } else if (L.dense) {  // the callback's computation without the call: the same routing, experts, order
       float* logits = static_cast<float*>(moe_scratch);
       mxfp4_route(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),

@@ -8,10 +8,11 @@
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
-- hybrid (Kimi K3, Kimi-Linear): KDA and MLA (absorbed, NoPE) mixers, dense or MoE MLPs (latent
-  projection, shared experts), plain or attention residuals (`_hybrid`); routed experts in the kernel where resident
-  (an MXFP4 `routed_table` or a dense `routed_dense_table`), else called back into the engine (a pager), with the
-  same bits.
+- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next; and GQA + MoE models the first form does not take: Qwen3-MoE,
+  GLM-4.5): KDA, MLA (absorbed, NoPE) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
+  or attention residuals (`_hybrid`); routed experts in the kernel where resident (an MXFP4 `routed_table`, a dense
+  `routed_dense_table`, or GGUF blocks at expert precision q8: `routed_block_table`), else called back into the
+  engine (a pager), with the same bits.
 The GQA forms take plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
 that the layers still hold what it was built from (paging hooks wrap routers, a pager replaces the
 experts) and that the cache can be written in place; where not, the caller runs the layers op by op.
@@ -30,7 +31,7 @@ from localmoe.engine.layers.mla import MLAttention
 from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.layers.moe import ExpertGLU, MoEBlock, Router, dispatch
 from localmoe.engine.linear import Linear
-from localmoe.engine.quantized import BlockLinear
+from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
 from localmoe.kernels import decode_layers
 from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.gqa_decode import StepKernel
@@ -79,8 +80,8 @@ class DecodePlan:
             return cls._hybrid(model)
         if model.residuals is not None:
             return None
-        if isinstance(model.layers[0][3], MoEBlock):
-            return cls._moe(model)
+        if any(isinstance(mlp, MoEBlock) for *_, mlp in model.layers):  # gpt-oss's form, else the hybrid one
+            return cls._moe(model) or cls._hybrid(model)
         return cls._dense(model)
 
     @classmethod
@@ -256,7 +257,9 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
             return None
     table = mlp.routed_table(1)
     dense = mlp.routed_dense_table(1) if table is None and mlp.router.rule.top_k <= hybrid.MAX_TOP_K else None
-    if table is not None or dense is not None:  # routing and the resident experts inside the kernel, else the callback
+    blocks = mlp.routed_block_table(1) if table is dense is None and mlp.router.rule.top_k <= hybrid.MAX_TOP_K \
+        else None
+    if table is not None or dense is not None or blocks is not None:  # routing and resident experts in the kernel
         router = mlp.router
         d |= {"router_w": router.linear.weight, "router_b": router.linear.bias, "correction": router.correction_bias,
               "scoring": SCORINGS.index(router.rule.scoring),
@@ -264,9 +267,12 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
               "top_k": router.rule.top_k, "expert_glu": (GLU_KINDS.index(mlp.act.kind), mlp.act.p0, mlp.act.p1)}
         if table is not None:
             d |= {"table": table.addresses, "keep": table, "intermediate": table.intermediate}
-        else:
+        elif dense is not None:
             d |= {"dense": dense.addresses, "keep": dense, "intermediate": dense.intermediate,
                   "dense_type": decode_layers.MATRIX_TYPES[dense.dtype]}
+        else:
+            d |= {"blocks": blocks.addresses, "keep": blocks, "intermediate": blocks.intermediate,
+                  "block_types": tuple(int(t) for t in blocks.types)}
         if not _fp32_vectors(router.linear.weight, router.linear.bias, router.correction_bias):
             return None
     else:
@@ -275,11 +281,16 @@ def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
     return d, [(mlp, "router", mlp.router), (mlp, "experts", mlp.experts)]
 
 
-def _dense_parts(w) -> tuple | None:
-    """An expert's (gate, up, down) as decode_layers Matrix tuples where all three are dense CPU tensors."""
+def _dense_parts(w, precision: str) -> tuple | None:
+    """An expert's (gate, up, down) as decode_layers Matrix tuples where all three are dense CPU tensors, or (at
+    expert precision q8, whose int8-rounded x the block GEMV takes) GGUF blocks of a kernel type."""
     parts = []
     for proj in (w.gate, w.up, w.down):
         t = proj.weight
+        if isinstance(t, BlockQuantized) and precision == "q8" and int(t.ggml_type) in decode_layers.GGML_MATRIX_TYPES \
+                and t.raw.device.type == "cpu" and t.raw.is_contiguous() and _fp32_vectors(proj.bias):
+            parts.append((t.raw, int(t.ggml_type), t.shape[0], t.shape[1], proj.bias))
+            continue
         if not (type(t) is torch.Tensor and t.dtype in decode_layers.MATRIX_TYPES and t.is_contiguous()
                 and t.device.type == "cpu" and _fp32_vectors(proj.bias)):
             return None
@@ -308,7 +319,7 @@ def _routed(model):
             if tier != "ram":  # a GPU tier's copy: computed there
                 out += weight * expert_forward(w, x.to(w.device), act, block.precision).to(out.device)
                 continue
-            parts = _dense_parts(w)
+            parts = _dense_parts(w, block.precision)
             if parts is not None:
                 inner = parts[0][2]
                 if buffers.get(index, (torch.empty(0),))[0].numel() < 2 * inner + x.shape[-1]:
@@ -369,7 +380,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
                                       and _fp32_vectors(residuals.output_query, *residuals.attn_queries,
                                                         *residuals.mlp_queries)):
         return None
-    if type(model.embed) is not torch.Tensor:
+    if type(model.embed) not in (torch.Tensor, BlockEmbedding):
         return None
     glu, layers, parts = _glu(model.spec), [], []
     for i, (attn_norm, mixer, mlp_norm, mlp) in enumerate(model.layers):

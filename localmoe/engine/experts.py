@@ -37,6 +37,7 @@ from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
 from localmoe.kernels import dense_moe, ggml_gemv
 from localmoe.kernels.dense_moe import DenseExpertTable
+from localmoe.kernels.ggml_gemv.experts import BlockExpertTable
 from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, ExpertTable, mxfp4_linear
 from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES
 from localmoe.quant.mxfp4 import dequantize
@@ -179,7 +180,8 @@ class ExpertProvider(Protocol):
     # Optional: `kernel_table(layer) -> ExpertTable | None`, every expert of the layer valid at once in
     # the MoE kernel's form (kernels/mxfp4_moe), so a layer runs in one kernel call (resident providers);
     # a provider with it also has `dense_table(layer) -> DenseExpertTable | None`, the same for dense experts
-    # (kernels/dense_moe).
+    # (kernels/dense_moe), and `block_table(layer) -> BlockExpertTable | None` for GGUF-block experts
+    # (kernels/ggml_gemv/experts.py, the fused decode step's).
     # Optional: `placed(layer, expert, tokens) -> (ExpertWeights, tier)` in place of `get`: the weights
     # in the tier to compute the expert in for `tokens` tokens, "ram" (the CPU) or a GPU tier "gpuN"
     # (a pager with GPU tiers; the weights are then on that GPU).
@@ -192,6 +194,7 @@ class ResidentExperts:
         self.experts = experts  # layer -> experts by id
         self._tables: dict[int, ExpertTable | None] = {}
         self._dense: dict[int, DenseExpertTable | None] = {}
+        self._blocks: dict[int, BlockExpertTable | None] = {}
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, layer: int,
@@ -221,6 +224,7 @@ class ResidentExperts:
         for layer in other.experts:
             self._tables.pop(layer, None)
             self._dense.pop(layer, None)
+            self._blocks.pop(layer, None)
         return self
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
@@ -243,6 +247,17 @@ class ResidentExperts:
             self._dense[layer] = DenseExpertTable.of([(w.gate.weight, w.up.weight, w.down.weight)
                                                       for w in experts]) if plain else None
         return self._dense[layer]
+
+    def block_table(self, layer: int) -> BlockExpertTable | None:
+        """The layer's experts for the fused decode step's `ggml_moe_token`, or None where they are not all GGUF
+        blocks of one kernel type per projection without biases (built once)."""
+        if layer not in self._blocks:
+            experts = self.experts[layer]
+            plain = all(p.bias is None and isinstance(p.weight, BlockQuantized) for w in experts
+                        for p in (w.gate, w.up, w.down))
+            self._blocks[layer] = BlockExpertTable.of([(w.gate.weight, w.up.weight, w.down.weight)
+                                                       for w in experts]) if plain else None
+        return self._blocks[layer]
 
     def nbytes(self) -> int:
         # stacked checkpoints give each expert disjoint views of one tensor: the sum is exact

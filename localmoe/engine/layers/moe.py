@@ -264,6 +264,13 @@ class MoEBlock:
         """The same for resident dense experts (the fused decode step routes and runs them itself)."""
         return self.experts.dense_table(self.layer) if self._routes_in_kernel(tokens) else None
 
+    def routed_block_table(self, tokens: int):
+        """The same for resident GGUF-block experts at expert precision q8 (the kernel rounds x to int8, as the
+        op-by-op GEMVs do at q8): a kernels/ggml_gemv BlockExpertTable, or None."""
+        if self.precision != "q8" or not self._routes_in_kernel(tokens):
+            return None
+        return self.experts.block_table(self.layer)
+
     def nbytes(self) -> int:
         """Bytes of the router, shared experts and latent projections (routed experts are the
         provider's: `Transformer.weight_bytes` counts each provider once)."""

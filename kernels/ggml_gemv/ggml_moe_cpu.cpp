@@ -1,0 +1,155 @@
+// A MoE layer's routed experts straight from GGUF blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K /
+// Q6_K: ggml_rows.h) for one decode token, in one call: the token's input is rounded to int8 once and read by
+// the gate and up rows of every chosen expert in ONE pass over the pool, the GLU runs per expert, each expert's
+// activation is rounded once, the down rows of every expert run in a second pass, and the weighted outputs are
+// added in the order given (the caller's: increasing expert id, as engine/layers/moe.py dispatch adds them).
+//
+// Every matrix row goes through the same int8 row kernel as `ggml_gemv` for one token (dot_tokens_int8 with
+// one token), so a chosen expert gives the bits of three ggml_gemv / matvec calls + glu_rows + out += w y:
+// exactly what hybrid_cpu.cpp `dense_expert` computes for an expert handed to the decode step's callback (a
+// pager's), so paged decode equals resident decode bit for bit. Rows are computed whole by one thread: the
+// bits do not depend on the thread count. Where llama.cpp (ggml_mul_mat_id) also rounds the input once per
+// token for all experts, the op-by-op engine rounds it per projection (the same values, twice the work).
+//
+// Expert table: int64 [E, 3] addresses of each expert's gate [I, W], up [I, W], down [W, I] raw blocks (rows of
+// row_bytes(type, cols / 32)); types[3] the GGMLQuantizationType of gate, up and down (one per projection for
+// the whole layer: a Q4_K_M file's down may be Q6_K where its gate and up are Q4_K).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "ggml_rows.h"
+#include "glu.h"
+#include "pool.h"
+
+namespace {
+
+using namespace localmoe_ggml;
+
+typedef void (*RowFn)(const uint8_t* row, int64_t units, const Tile& x, float* out);
+
+template <class U>
+void one_row(const uint8_t* row, int64_t units, const Tile& x, float* out) {
+  dot_tokens_int8<U, 1>(row, units, x, out);
+}
+
+RowFn row_fn(int type) {
+  switch (type) {
+    case kQ4_0: return one_row<Block32Int8<kQ4_0>>;
+    case kQ4_1: return one_row<Block32Int8<kQ4_1>>;
+    case kQ5_0: return one_row<Block32Int8<kQ5_0>>;
+    case kQ5_1: return one_row<Block32Int8<kQ5_1>>;
+    case kQ8_0: return one_row<Block32Int8<kQ8_0>>;
+    case kQ4_K: return one_row<Q45KInt8<false>>;
+    case kQ5_K: return one_row<Q45KInt8<true>>;
+    case kQ6_K: return one_row<Q6KInt8>;
+    default: return nullptr;
+  }
+}
+
+// One token's x rounded as `gemv` rounds it for N = 1: blocks, then d * sum(q) in a column padded to 8.
+struct Rounded {
+  BlockX* blocks;
+  float* s;
+  int64_t nb;
+
+  static int64_t bytes(int64_t K) { return scratch_bytes(1, K); }
+  Rounded(void* base, const float* x, int64_t K) : blocks(static_cast<BlockX*>(base)), nb(K / kBlock) {
+    s = reinterpret_cast<float*>(blocks + nb);
+    std::memset(s, 0, (nb * 8 + 8) * sizeof(float));
+    quantize(x, nb, blocks);
+    for (int64_t b = 0; b < nb; ++b) s[b * 8] = blocks[b].s;
+  }
+  Tile tile() const {
+    Tile t{};
+    t.x[0] = blocks;
+    t.s = s;
+    t.padded = 8;
+    return t;
+  }
+};
+
+// A pass over the rows of n matrices (one or two per chosen expert) that share a shape: row r is row r % O of
+// matrix r / O, read against tiles[r / (O * per)] (per: matrices per input).
+struct Pass {
+  const uint8_t* data[128];
+  RowFn fn[128];
+  int64_t row_bytes[128], units[128];
+  Tile tiles[64];
+  int64_t O, per;
+  float* y;  // [n * O]
+};
+
+void pass_rows(const void* ctx, int64_t r0, int64_t r1) {
+  const Pass& p = *static_cast<const Pass*>(ctx);
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t m = r / p.O, o = r % p.O;
+    p.fn[m](p.data[m] + o * p.row_bytes[m], p.units[m], p.tiles[m / p.per], p.y + r);
+  }
+}
+
+int64_t units_of(int type, int64_t cols) { return cols / kBlock / (is_k_quant(type) ? 8 : 1); }
+
+int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of scratch ggml_moe_token needs for k experts of width W and inner size I.
+int64_t ggml_moe_token_scratch(int64_t k, int64_t W, int64_t I) {
+  return 64 + align64(Rounded::bytes(W)) + k * align64(Rounded::bytes(I)) + align64(k * (2 * I + W) * 4);
+}
+
+// out [W] += sum over j < k of weights[j] * down_e(glu(gate_e x, up_e x)), e = ids[j], in the order of j; x [W]
+// fp32; table [E, 3], types[3]: see the top of this file; glu: glu.h kind with p0, p1; k <= 64. Returns 0, or
+// -1 for a type without an int8 row kernel, K not a whole number of blocks, or k > 64.
+int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
+                   const int64_t* table, const int64_t* types, int glu, float p0, float p1, float* out, void* scratch,
+                   int threads) {
+  const RowFn fns[3] = {row_fn(static_cast<int>(types[0])), row_fn(static_cast<int>(types[1])),
+                        row_fn(static_cast<int>(types[2]))};
+  const auto whole = [&](int p, int64_t cols) { return cols % (is_k_quant(static_cast<int>(types[p])) ? 256 : kBlock) == 0; };
+  if (!fns[0] || !fns[1] || !fns[2] || k > 64 || k < 0 || !whole(0, W) || !whole(1, W) || !whole(2, I)) return -1;
+  if (k == 0) return 0;
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
+  const Rounded xr(base, x, W);
+  base += align64(Rounded::bytes(W));
+  char* inner = base;
+  base += k * align64(Rounded::bytes(I));
+  float* gu = reinterpret_cast<float*>(base);  // [k, 2 I]: gate | up per expert, then the GLU in the gate half
+  float* y = gu + k * 2 * I;                  // [k, W]
+
+  Pass first{};
+  first.O = I, first.per = 2 * k, first.y = gu;
+  first.tiles[0] = xr.tile();
+  for (int64_t j = 0; j < k; ++j)
+    for (int p = 0; p < 2; ++p) {
+      const int64_t m = 2 * j + p;
+      first.data[m] = reinterpret_cast<const uint8_t*>(table[3 * ids[j] + p]);
+      first.fn[m] = fns[p];
+      first.row_bytes[m] = row_bytes(static_cast<int>(types[p]), W / kBlock);
+      first.units[m] = units_of(static_cast<int>(types[p]), W);
+    }
+  localmoe::parallel(pass_rows, &first, 2 * k * I,
+                     localmoe::kChunkBytes / std::max<int64_t>(1, first.row_bytes[0]), threads);
+
+  Pass second{};
+  second.O = W, second.per = 1, second.y = y;
+  for (int64_t j = 0; j < k; ++j) {
+    float* g = gu + j * 2 * I;
+    localmoe::glu_rows(glu, g, g + I, I, p0, p1);
+    second.tiles[j] = Rounded(inner + j * align64(Rounded::bytes(I)), g, I).tile();
+    second.data[j] = reinterpret_cast<const uint8_t*>(table[3 * ids[j] + 2]);
+    second.fn[j] = fns[2];
+    second.row_bytes[j] = row_bytes(static_cast<int>(types[2]), I / kBlock);
+    second.units[j] = units_of(static_cast<int>(types[2]), I);
+  }
+  localmoe::parallel(pass_rows, &second, k * W, localmoe::kChunkBytes / std::max<int64_t>(1, second.row_bytes[0]),
+                     threads);
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t i = 0; i < W; ++i) out[i] += weights[j] * y[j * W + i];
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,148 @@
+"""Routed experts from GGUF blocks in the fused decode step (kernels/ggml_gemv/ggml_moe_cpu.cpp `ggml_moe_token`,
+bound by engine/decode_plan.py through the hybrid decode stack): one token's chosen experts in one call, its input
+rounded to int8 once for all gate and up rows.
+
+- the kernel against its reference (every projection dequantised by quant/ggml.py, x rounded to int8 per 32
+  values as the GEMV's reference does), for every block type with an int8 row kernel, types mixed per projection;
+- its AVX2 build against its AVX-512 one, bit for bit;
+- Qwen3-MoE and GLM-4.5 GGUFs in llama.cpp's Q4_K_M layout (testing/moe_gguf.py) decoding through the plan with
+  the experts in the kernel, against the op-by-op engine (<= 1e-5 of the logit range) and, paged at 25% RAM from a
+  converted store (experts called back, one `dense_expert` each), bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from localmoe.kernels import _cpu
+from localmoe.kernels.ggml_gemv.experts import BlockExpertTable, ggml_moe_token, naive_ggml_moe_token
+from localmoe.kernels.mxfp4_moe import GLU_KINDS, glu
+
+from localmoe.config import EngineConfig, PagingConfig
+from localmoe.engine.quantized import BlockQuantized
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+from localmoe.testing.ggml_blocks import random_blocks
+from localmoe.testing.moe_gguf import write_moe_gguf
+
+pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
+
+TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q8_0), (Q.Q4_0, Q.Q4_1, Q.Q5_0), (Q.Q5_1, Q.Q8_0, Q.Q4_K)]
+
+
+def _table(types, experts=6, hidden=512, inner=256, seed=0) -> BlockExpertTable:
+    rng = np.random.default_rng(seed)
+
+    def block(t, rows, cols):
+        return BlockQuantized(torch.from_numpy(random_blocks(t, rows, cols, rng)), t, (rows, cols))
+
+    table = BlockExpertTable.of([(block(types[0], inner, hidden), block(types[1], inner, hidden),
+                                  block(types[2], hidden, inner)) for _ in range(experts)])
+    assert table is not None
+    return table
+
+
+@pytest.mark.parametrize("types", TYPES, ids=["-".join(t.name for t in ts) for ts in TYPES])
+@pytest.mark.parametrize("kind", ["swiglu", "gpt_oss"])
+def test_token_matches_the_dequantised_reference(types, kind):
+    table = _table(types)
+    params = (0.0, 0.0) if kind == "swiglu" else (7.0, 1.702)
+    x = torch.randn(table.hidden, generator=torch.Generator().manual_seed(1))
+    ids, weights = [0, 2, 3, 5], [0.4, 0.1, 0.3, 0.2]
+    got = ggml_moe_token(x, ids, weights, table, GLU_KINDS.index(kind), params, torch.zeros(table.hidden))
+    want = naive_ggml_moe_token(x.double(), ids, weights, table,
+                                lambda g, u: glu(kind, g.float(), u.float(), *params).double(),
+                                torch.zeros(table.hidden, dtype=torch.float64))
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err < 1e-5, f"{err:.2e} of the largest output"
+    other = ggml_moe_token(x, ids[:3], weights[:3], table, GLU_KINDS.index(kind), params, torch.zeros(table.hidden))
+    assert not torch.allclose(got, other)  # an expert left out is seen
+
+
+def test_refuses_mixed_types_across_experts():
+    a, b = _table(TYPES[0]), _table(TYPES[1])
+    assert BlockExpertTable.of([a.experts[0], b.experts[0]]) is None
+    assert BlockExpertTable.of([(torch.zeros(4, 4),) * 3]) is None  # not blocks
+
+
+@pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")
+def test_avx2_equals_avx512():
+    for types in TYPES:
+        table = _table(types)
+        x = torch.randn(table.hidden, generator=torch.Generator().manual_seed(2))
+        runs = []
+        for isa in ("avx2", "avx512vnni"):
+            with _cpu.forced_isa(isa):
+                runs.append(ggml_moe_token(x, [1, 4], [0.7, 0.3], table, 0, (0.0, 0.0), torch.zeros(table.hidden)))
+        assert torch.equal(*runs), types
+
+
+# ---- whole models through the decode plan ----
+
+PROMPT = list(range(3, 40))
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe"])
+def gguf(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    src = write_checkpoint(request.param, root / "hf", size="tiny", seed=3)
+    return write_moe_gguf(src, root / f"{request.param}.q4_k_m.gguf", "q4_k_m")
+
+
+def _load(path, **kw):
+    return load_model(path, EngineConfig(dtype="auto", max_context=64, expert_precision="q8", **kw),
+                      progress=False).model
+
+
+def _decode(model, planned: bool) -> torch.Tensor:
+    model._plan = None
+    if not planned:
+        model._planned_step = lambda tokens, cache: None
+    cache = model.new_cache(1, 64)
+    logits = model.forward(torch.tensor([PROMPT]), cache)
+    out = []
+    for _ in range(STEPS):
+        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
+        out.append(logits[0, -1])
+    if planned:
+        assert type(model._plan.decoder).__name__ == "HybridDecoder"
+    else:
+        del model._planned_step
+    return torch.stack(out)
+
+
+def test_fused_matches_op_by_op(gguf):
+    model = _load(gguf)
+    want, got = _decode(model, False), _decode(model, True)
+    blocks = [bool(layer.blocks) for layer in model._plan.decoder.layers if layer.moe]
+    assert blocks and all(blocks)  # every MoE layer's experts ran in the kernel
+    err = ((got - want).abs().amax(-1) / (want.amax(-1) - want.amin(-1))).max().item()
+    assert err < 1e-5, f"fused decode differs from op by op by {err:.2e} of the logit range"
+
+
+def test_paged_equals_resident(gguf, tmp_path):
+    """Paged experts reach the fused step through its callback (one `dense_expert` per expert), resident ones run
+    inside it: the same rows, GLU and order, so the same bits."""
+    from localmoe.convert import convert
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    convert(gguf, tmp_path / "store", progress=False)
+    paged = _load(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(PackedStore(tmp_path / "store")) // 4))
+    assert isinstance(paged.moe_blocks()[0].experts, Pager)
+    got = _decode(paged, True)
+    assert not any(layer.blocks for layer in paged._plan.decoder.layers)
+    assert torch.equal(got, _decode(_load(gguf), True))
+
+
+@pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")
+def test_fused_avx2_equals_avx512(gguf):
+    model = _load(gguf)
+    runs = []
+    for isa in ("avx2", "avx512vnni"):
+        with _cpu.forced_isa(isa):
+            runs.append(_decode(model, True))
+    assert torch.equal(*runs)
