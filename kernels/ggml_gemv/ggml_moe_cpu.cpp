@@ -26,11 +26,12 @@ namespace {
 
 using namespace localmoe_ggml;
 
-typedef void (*RowFn)(const uint8_t* row, int64_t units, const Tile& x, float* out);
+typedef void (*RowFn)(const uint8_t* w, int64_t row_bytes, int64_t units, const Tile& x, int64_t r0, int64_t r1,
+                      float* y);
 
 template <class U>
-void one_row(const uint8_t* row, int64_t units, const Tile& x, float* out) {
-  dot_tokens_int8<U, 1>(row, units, x, out);
+void one_row(const uint8_t* w, int64_t row_bytes, int64_t units, const Tile& x, int64_t r0, int64_t r1, float* y) {
+  rows_one_token<U>(w, row_bytes, units, x, r0, r1, y);
 }
 
 RowFn row_fn(int type) {
@@ -82,9 +83,10 @@ struct Pass {
 
 void pass_rows(const void* ctx, int64_t r0, int64_t r1) {
   const Pass& p = *static_cast<const Pass*>(ctx);
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t m = r / p.O, o = r % p.O;
-    p.fn[m](p.data[m] + o * p.row_bytes[m], p.units[m], p.tiles[m / p.per], p.y + r);
+  for (int64_t r = r0; r < r1;) {  // a run of rows of one matrix at a time
+    const int64_t m = r / p.O, o0 = r % p.O, o1 = std::min(p.O, o0 + (r1 - r));
+    p.fn[m](p.data[m], p.row_bytes[m], p.units[m], p.tiles[m / p.per], o0, o1, p.y + m * p.O);
+    r += o1 - o0;
   }
 }
 
