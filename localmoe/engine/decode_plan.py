@@ -80,9 +80,10 @@ class DecodePlan:
             return cls._hybrid(model)
         if model.residuals is not None:
             return None
-        if any(isinstance(mlp, MoEBlock) for *_, mlp in model.layers):  # gpt-oss's form, else the hybrid one
-            return cls._moe(model) or cls._hybrid(model)
-        return cls._dense(model)
+        moe = [mlp for *_, mlp in model.layers if isinstance(mlp, MoEBlock)]
+        if any(isinstance(b.act, ExpertGLU) and b.act.kind == "gpt_oss" for b in moe):
+            return cls._moe(model)  # gpt-oss: its own form (its op-by-op step's kernels, the same bits) or none
+        return cls._hybrid(model) if moe else cls._dense(model)
 
     @classmethod
     def _moe(cls, model) -> DecodePlan | None:
