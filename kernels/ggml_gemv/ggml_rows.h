@@ -313,7 +313,7 @@ inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8
 struct Q8_0F32 {
   static constexpr int64_t kBytes = 34;
   template <int TN>
-  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
+  __attribute__((always_inline)) static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
     const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
     const __m256 w0 = widen_s8(lo), w1 = widen_s8(_mm_srli_si128(lo, 8));
@@ -334,7 +334,7 @@ struct Q8_0F32 {
 struct Q4KF32 {
   static constexpr int64_t kBytes = 144;
   template <int TN>
-  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
+  __attribute__((always_inline)) static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     alignas(32) float step[8], mins[8];
     q4_k_steps(blk, step, mins);
@@ -368,15 +368,19 @@ struct Q4KF32 {
 struct Q6KF32 {
   static constexpr int64_t kBytes = 210;
   template <int TN>
-  static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = half(blk + 208);
+  __attribute__((always_inline)) static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
+    // d scale[i] for the 16 scales: one IEEE multiply each (an int8 converts exactly), 8 at a time
+    alignas(32) float ds[16];
+    const __m256 d = _mm256_set1_ps(half(blk + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    _mm256_store_ps(ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
     for (int c = 0; c < 8; ++c) {
       const __m256i q = q6_k_codes(blk, c);
       const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
       const __m256 w0 = widen_s8(q0), w1 = widen_s8(_mm_srli_si128(q0, 8));
       const __m256 w2 = widen_s8(q1), w3 = widen_s8(_mm_srli_si128(q1, 8));
-      const __m256 s0 = _mm256_set1_ps(d * scales[2 * c]), s1 = _mm256_set1_ps(d * scales[2 * c + 1]);
+      const __m256 s0 = _mm256_broadcast_ss(ds + 2 * c), s1 = _mm256_broadcast_ss(ds + 2 * c + 1);
 #pragma GCC unroll 8
       for (int t = 0; t < TN; ++t) {
         const float* xc = x[t] + u * 256 + 32 * c;
