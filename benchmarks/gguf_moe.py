@@ -33,7 +33,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
 
     _, f32 = prepare(family, size, "f32", work, src)
     gguf = requantised(f32, args.quant)
-    common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode)]
+    common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode),
+              *(["--cpu-time"] * args.cpu_time)]
     me = Path(__file__).resolve()
     logits = {name: work / f"{family}-{size}-{args.quant}-{name}.npy" for name in ("localmoe", "llama.cpp")}
     workers = {"localmoe": [str(me), "--worker", "localmoe", "--path", str(gguf), "--logits", str(logits["localmoe"]),
