@@ -179,7 +179,7 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
         counts = torch.bincount(ids.reshape(-1), minlength=table.addresses.shape[0]).tolist()
         for e in [only] if only is not None else [e for e, n in enumerate(counts) if n]:
             if counts[e] <= EXPERT_GEMV_MAX_TOKENS:
-                cpu.moe(*args, e, q8=precision == "q8")
+                cpu.moe(*args, e, q8=precision == "q8", rows=counts[e])
             else:
                 naive_mxfp4_moe(x, ids, weights, table.experts, kind, params, out, e, linear=mxfp4_linear,
                                 precision=precision)

@@ -62,9 +62,15 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return w
 
 
+SCRATCH_KEEP_BYTES = 8 << 20  # a scratch up to this size is kept for the thread's next call (decode sizes)
+
+
 def _scratch(nbytes: int) -> torch.Tensor:
-    """This thread's scratch buffer of at least `nbytes`, kept between calls (decode calls the MoE
-    kernel once per layer and step with the same sizes)."""
+    """A scratch buffer of at least `nbytes`: this thread's, kept between calls while it is at most
+    SCRATCH_KEEP_BYTES (decode calls the MoE kernel once per layer and step with the same sizes);
+    a larger one (a prefill chunk's) is the call's own, so it is freed with the chunk."""
+    if nbytes > SCRATCH_KEEP_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
     buf = getattr(_local, "scratch", None)
     if buf is None or buf.numel() < nbytes:
         buf = _local.scratch = torch.empty(nbytes, dtype=torch.uint8)
@@ -72,16 +78,18 @@ def _scratch(nbytes: int) -> torch.Tensor:
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: torch.Tensor, I: int, glu: int,
-        params: tuple[float, float], out: torch.Tensor, only: int = -1, q8: bool = False) -> torch.Tensor:
+        params: tuple[float, float], out: torch.Tensor, only: int = -1, q8: bool = False,
+        rows: int | None = None) -> torch.Tensor:
     """out [N, D] += the routed experts of x [N, D] (moe_cpu.cpp): ids [N, k] int64, weights [N, k],
     table int64 [E, 9] of expert addresses (ExpertTable), I the experts' width, glu 0/1/2 (swiglu,
     gpt-oss, SiTU) with `params`; `only` >= 0: that expert alone; `q8`: projection inputs rounded to
     int8 per 32-element block. x, out and weights are fp32 and, like ids, contiguous on the CPU (the
-    dispatcher's guard; not checked again here)."""
+    dispatcher's guard; not checked again here). `rows`: with `only`, how many of ids are that expert's
+    (its scratch is sized for those alone; default N * k, enough for any)."""
     N, D = x.shape
     k = ids.shape[1]
     lib = library()
-    scratch = _scratch(lib.mxfp4_moe_scratch(N * k, D, I))
+    scratch = _scratch(lib.mxfp4_moe_scratch(N * k if only < 0 or rows is None else rows, D, I))
     lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.data_ptr(), table.shape[0],
                   only, glu, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads(), int(q8))
     return out

@@ -142,19 +142,33 @@ struct Scratch {
   }
 };
 
+// How many of the M assignments in ids go to expert e (the rows of its scratch).
+int64_t assignments_of(const int64_t* ids, int64_t M, int64_t e) {
+  int64_t n = 0;
+  for (int64_t a = 0; a < M; ++a) n += ids[a] == e;
+  return n;
+}
+
 void moe_layer(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const int64_t* ids, const float* weights,
                const int64_t* table, int64_t E, int64_t only, int glu, float p0, float p1, float* out, void* scratch,
                int threads, int q8) {
   const int64_t M = N * k;
-  Scratch s(scratch, M, D, I);
-  std::vector<int64_t> start(E + 1, 0);  // counting sort by expert, stable in token order
-  for (int64_t a = 0; a < M; ++a) ++start[ids[a] + 1];
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t a = 0; a < M; ++a) s.order[fill[ids[a]]++] = a;
   std::vector<Group> groups;
-  for (int64_t e = (only < 0 ? 0 : only); e < (only < 0 ? E : only + 1); ++e)
-    if (start[e + 1] > start[e]) groups.push_back(Group{e, start[e], start[e + 1] - start[e]});
+  Scratch s(scratch, only < 0 ? M : assignments_of(ids, M, only), D, I);
+  if (only >= 0) {  // one expert: its assignments alone, in token order (the scratch holds only those rows)
+    int64_t n = 0;
+    for (int64_t a = 0; a < M; ++a)
+      if (ids[a] == only) s.order[n++] = a;
+    if (n > 0) groups.push_back(Group{only, 0, n});
+  } else {
+    std::vector<int64_t> start(E + 1, 0);  // counting sort by expert, stable in token order
+    for (int64_t a = 0; a < M; ++a) ++start[ids[a] + 1];
+    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t a = 0; a < M; ++a) s.order[fill[ids[a]]++] = a;
+    for (int64_t e = 0; e < E; ++e)
+      if (start[e + 1] > start[e]) groups.push_back(Group{e, start[e], start[e + 1] - start[e]});
+  }
   if (groups.empty()) return;
   const int64_t G = static_cast<int64_t>(groups.size());
 
@@ -181,7 +195,8 @@ void moe_layer(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const
 
 extern "C" {
 
-// Bytes of scratch mxfp4_moe needs for M = N * k assignments.
+// Bytes of scratch mxfp4_moe needs for M assignments: N * k for every expert, or (only >= 0) the
+// assignments of that expert alone (a prefill chunk's per-expert call needs its own rows, not the chunk's).
 int64_t mxfp4_moe_scratch(int64_t M, int64_t D, int64_t I) { return Scratch(nullptr, M, D, I).bytes; }
 
 // out [N, D] fp32 += the routed experts of N tokens x [N, D] fp32 (see the top of this file).

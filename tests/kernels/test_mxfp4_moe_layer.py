@@ -101,6 +101,29 @@ def test_per_expert_calls_give_the_same_bits(kind, params):
 
 
 @needs_cpu_kernel
+def test_one_expert_call_needs_scratch_for_its_own_rows_only():
+    """A per-expert call (`only`) lays its scratch out for that expert's assignments alone: a prefill
+    chunk's call needs its rows, not the chunk's N * k. Run with a scratch of exactly that size and a
+    guard after it: the guard stays untouched and the bits equal the whole layer's."""
+    E, D, I, k, N = 6, 64, 96, 2, 40
+    experts = _experts(E, D, I, seed=3)
+    ids, weights = _routing(N, E, k, seed=4)
+    x = torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+    table = ExpertTable(experts, E)
+    whole = mxfp4_moe.mxfp4_moe(x, ids, weights, table, "situ", (4.0, 25.0), torch.zeros(N, D))
+    lib, split = cpu.library(), torch.zeros(N, D)
+    for e in ids.unique().tolist():
+        rows = int((ids == e).sum())
+        need = lib.mxfp4_moe_scratch(rows, D, I)
+        assert need < lib.mxfp4_moe_scratch(N * k, D, I) // 2
+        scratch = torch.full((need + 4096,), 0xA5, dtype=torch.uint8)
+        lib.mxfp4_moe(x.data_ptr(), N, D, I, k, ids.data_ptr(), weights.data_ptr(), table.addresses.data_ptr(), E, e,
+                      GLU_KINDS.index("situ"), 4.0, 25.0, split.data_ptr(), scratch.data_ptr(), 1, 0)
+        assert bool((scratch[need:] == 0xA5).all()), f"expert {e} wrote past its {need} bytes"
+    assert torch.equal(whole, split)
+
+
+@needs_cpu_kernel
 def test_cpu_layer_independent_of_threads():
     E, D, I, k, N = 8, 128, 64, 4, 3
     experts = _experts(E, D, I, seed=6)
