@@ -51,3 +51,27 @@ def test_triton_matches_reference(B, T, S, H, D, top_k, device, close):
     for b in range(B):  # the same sets (scores are continuous: ties have probability ~0)
         for t in range(T):
             assert set(idx[b, t].tolist()) == set(ref[b, t].tolist())
+
+
+@pytest.mark.parametrize("B,T,S,H,D,top_k", [(1, 1, 300, 4, 16, 8), (2, 5, 257, 8, 32, 16), (1, 40, 500, 4, 16, 64)],
+                         ids=["decode", "odd", "early-queries-see-fewer"])
+def test_cpu_blockwise_selects_the_reference_scores(B, T, S, H, D, top_k):
+    """Keys in blocks (here 1-2 KiB of head scores: many blocks) with a running top-k choose the reference's
+    scores: the same multiset per query (-1 pads where fewer than top_k keys are visible)."""
+    from localmoe.kernels.topk_select.cpu import blockwise_topk_select
+
+    q, w, k, pos = _inputs(B, T, S, H, D, seed=S)
+    if T > 30:  # query t at position 10 t: the first seven see fewer than top_k keys
+        pos = (10 * torch.arange(T)).expand(B, T).contiguous()
+    ref_scores = naive_indexer_scores(q, w, k, pos)
+    want = naive_topk_select(q, w, k, pos, top_k)
+    got = blockwise_topk_select(q, w, k, pos, top_k, max_bytes=4 * B * T * H * top_k)
+    assert got.shape == want.shape == (B, T, top_k)
+    assert torch.equal((got < 0).sum(-1), (want < 0).sum(-1))
+    assert bool((want < 0).any()) == (T > 30)
+
+    def chosen(idx):
+        s = ref_scores.gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+        return s.sort(-1).values
+
+    torch.testing.assert_close(chosen(got), chosen(want), rtol=1e-6, atol=1e-6)
