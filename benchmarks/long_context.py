@@ -11,7 +11,8 @@ Then the logit effect of each mode against dense after a real prefill, and probe
 layers. Run: .venv/bin/python benchmarks/long_context.py [--contexts 4096,16384,65536] [--topk 2048]
 
 `--prefill-memory 16384,65536,131072`: prefill working memory of the "small" generated Kimi K3 instead.
-Per context, in a fresh process: the model is loaded, its latent caches are filled with random rows
+Per context, in a fresh process: the model is loaded (its weight files' pages mapped in, one short
+warm-up step run: what RSS counts as "the model"), its latent caches are filled with random rows
 up to the context minus one chunk (`--real-prefill`: the whole prompt runs through the model instead;
 two cores need hours for 128k), then the last 512-token chunk runs for real. Printed: peak RSS minus
 the RSS of the loaded model, the cache's bytes, their ratio (the target: <= 1.3), and the peak extrapolated
@@ -111,8 +112,36 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _populate(folder: str) -> None:
+    """Fault in every page this process maps from files under `folder` (the checkpoint's weights):
+    weights are mapped lazily, and a page first touched during the prefill is the model's, not working
+    memory (MADV_POPULATE_READ, Linux 5.14+)."""
+    import ctypes
+
+    libc = _libc()
+    with open("/proc/self/maps") as f:
+        spans = [line.split() for line in f]
+    for p in spans:
+        if len(p) > 5 and p[5].startswith(folder):
+            lo, hi = (int(a, 16) for a in p[0].split("-"))
+            if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 22):
+                raise OSError(ctypes.get_errno(), f"madvise(MADV_POPULATE_READ) on {p[5]}")
+
+
 def prefill_memory_worker(path: str, context: int, real: bool, chunk: int = 512) -> None:
-    """One context in this (fresh) process: prints a JSON line {context, model, peak, cache} in bytes."""
+    """One context in this (fresh) process: prints a JSON line {context, model, peak, cache} in bytes.
+
+    "model": RSS once the model is loaded, every page of its weight files mapped in, and one 8-token
+    step has run in a throwaway cache (the kernels' code, thread pools, lazily built tables); freed
+    heap is returned (malloc_trim) before the measure. "peak": the highest RSS above that from the
+    cache's allocation to the end of the prefill (the filled rows are counted; the filling's own
+    temporaries are returned first)."""
     import json
 
     from localmoe.engine.state_cache import DeltaStateCache, LatentCache
@@ -120,9 +149,11 @@ def prefill_memory_worker(path: str, context: int, real: bool, chunk: int = 512)
     model = load_model(path, EngineConfig(dtype="float32", max_context=context), progress=False).model
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.spec.vocab_size, (1, context), generator=g)
+    _populate(str(Path(path).resolve()))
+    model.forward(tokens[:, :8], model.new_cache(1, 8))
+    libc = _libc()
+    libc.malloc_trim(0)
     loaded = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak from here on: loading's transients are not the prefill's
     cache = model.new_cache(1, context)
     done = 0 if real else context - chunk
     for layer in cache.layers:
@@ -132,6 +163,9 @@ def prefill_memory_worker(path: str, context: int, real: bool, chunk: int = 512)
         elif isinstance(layer, DeltaStateCache):
             layer.offset = done
     cache.offset = done
+    libc.malloc_trim(0)  # the random rows' temporaries are not the prefill's
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak from here on (the filled rows are in the RSS already)
     began = time.perf_counter()
     for start in range(done, context, chunk):
         model.forward(tokens[:, start:start + chunk], cache)
@@ -155,7 +189,8 @@ def prefill_memory(contexts: list[int], real: bool) -> None:
         print(f"{'context':>8} {'peak RSS - model':>17} {'cache':>10} {'ratio':>6} {'chunk s':>8}")
         rows = []
         for context in contexts:
-            args = [sys.executable, __file__, "--prefill-memory-worker", str(path), str(context)]
+            args = [sys.executable, __file__, "--prefill-memory-worker", str(path), str(context),
+                    "--threads", str(torch.get_num_threads())]
             out = subprocess.run(args + (["--real-prefill"] if real else []), capture_output=True, text=True,
                                  check=False)
             if out.returncode:
