@@ -105,6 +105,14 @@ def _multi_row(model) -> bool:
         return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
 
 
+def rows_independent(model) -> bool:
+    """Whether every row of `forward_rows` is computed on its own by kernels that give it the same bits in
+    any batch (`_multi_row`: plain GQA, dense MLPs, GGUF block matrices): then a prompt token run as a
+    row has the same bits in any chunking and beside any other rows, so the runtime runs prompt chunks
+    as rows of the batched step (engine/generate.py `decode_together(chunk=...)`)."""
+    return _multi_row(model)
+
+
 def batching_pays(model) -> bool:
     """Whether the worker's "auto" mode batches this model's decode steps. A fused single-sequence step
     (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
@@ -171,10 +179,12 @@ def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fus
 
 
 @torch.inference_mode()
-def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor:
-    """Row n appends tokens[n] to caches[n] -> logits [N, V], every row computed as a decode token (each
-    row's result independent of the others). A cache may appear on several rows: its tokens take consecutive
-    positions in row order (a speculative verify: the last token and the drafts of one sequence, engine/spec).
+def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
+                 wanted: Sequence[int] | None = None) -> torch.Tensor:
+    """Row n appends tokens[n] to caches[n] -> logits [N, V] (of the rows in `wanted` only, in its order,
+    where given), every row computed as a decode token (each row's result independent of the others). A
+    cache may appear on several rows: its tokens take consecutive positions in row order (a speculative
+    verify: the last token and the drafts of one sequence, engine/spec; a prompt chunk).
     The model must be `has_rows`: a model with attention residuals or hyper-connections mixes each token's
     layer outputs on its own, so its rows run through that scheme as a batch of rows."""
     N = len(tokens)
@@ -193,7 +203,7 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
             for cache in caches:
                 cache.advance(1)
             _tell_hidden(ids, h, steps, caches)
-            return logits[:, -1]
+            return logits[:, -1] if wanted is None else logits[list(wanted), -1]
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         cos = torch.cat([s.cos for s in steps]) if model.rope is not None else None  # [N, 1, 1, rot]
         sin = torch.cat([s.sin for s in steps]) if model.rope is not None else None
@@ -206,7 +216,7 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache]) -> 
             following = model.layers[i + 1][0] if i + 1 < len(model.layers) else model.norm
             out = mlp(h) if isinstance(mlp, MoEBlock) else _rowwise(mlp, h)  # MoE: experts grouped, read once
             h = add_rms_norm(x, out, following, eps)
-        logits = _rowwise(model.lm_head, h)
+        logits = _rowwise(model.lm_head, h if wanted is None else h[list(wanted)])
     for cache in caches:
         cache.advance(1)
     _tell_hidden(ids, h, steps, caches)

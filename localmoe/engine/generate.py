@@ -1,6 +1,8 @@
 """The engine's one generation step: `Decoder` is one sequence's state a forward pass at a time
 (the prompt in chunks, then one token per step; the caller sees the logits and may inject tokens),
-and `decode_together` runs the decode tokens of several as one batched forward.
+and `decode_together` runs the decode tokens of several as one batched forward, with a chunk of one
+sequence's prompt as more rows of it where the model's rows are computed each on its own
+(`prompt_rows`).
 
 The loop over them (sampling, stop tokens and strings, budgets, reasoning, text) is the runtime's
 (localmoe/runtime: turn.py, worker.py), the one loop every front end runs.
@@ -16,7 +18,7 @@ import torch
 
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.images import PromptImage, PromptImages
-from localmoe.engine.prefix_cache import PrefixCache, is_boundary
+from localmoe.engine.prefix_cache import PrefixCache, is_boundary, next_boundary
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.errors import LocalMoEError
@@ -130,7 +132,25 @@ class Decoder:
             out = self.model.forward(ids, self.cache, **{k: v for k, v in images.items() if v is not None})
         return self._ran(batch, out[:, -1])
 
-    def _ran(self, batch: list[int], logits: torch.Tensor) -> torch.Tensor | None:
+    @property
+    def prompt_rows(self) -> bool:
+        """Whether its prompt chunks may run as rows of a batched step (`decode_together(chunk=...)`, for
+        a model whose rows are each computed on their own: engine/batch.py `rows_independent`): it is
+        prefilling, without images or a speculator (those take `logits()`)."""
+        return self.prefilling and self.images is None and self.speculator is None
+
+    def take_prompt(self, limit: int) -> list[int]:
+        """The next prompt chunk, at most `limit` tokens, taken from `pending` for a batched step to run
+        (`decode_together`); it ends where `logits()`' chunks end (the anchor, every `chunk` tokens), so
+        the prefix cache finds the same boundaries."""
+        if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
+            self.cache = self.model.new_cache(1, self._cache_len)
+        at = len(self.in_cache)
+        size = max(1, min(limit, next_boundary(at, self.chunk, self.anchor) - at))
+        batch, self.pending = self.pending[:size], self.pending[size:]
+        return batch
+
+    def _ran(self, batch: list[int], logits: torch.Tensor | None) -> torch.Tensor | None:
         """Account for a forward over `batch`: its logits, or None while the prompt or a replay goes on."""
         self.forwards += 1
         if self._prompt_done and len(batch) > 1:
@@ -242,23 +262,35 @@ class Decoder:
             self.prefix_cache = None
 
 
-def decode_together(decoders: Sequence[Decoder], fused: bool = False) -> list[torch.Tensor | None]:
+def decode_together(decoders: Sequence[Decoder], fused: bool = False,
+                    chunk: tuple[Decoder, int] | None = None) -> list[torch.Tensor | None]:
     """One decode step of several sequences (each `decoding`, all of one model) as one batched forward
     (engine/batch.py; `fused`: each sequence's own fused step instead); the logits [1, V] of each, in
     order (None for a resumed sequence still replaying, `Decoder.preempt`). A sequence's logits are those
-    it gets alone in the same mode."""
-    from localmoe.engine.batch import decode_batch
+    it gets alone in the same mode. `chunk` (decoder, limit): that sequence's next prompt chunk (`prompt_rows`,
+    at most `limit` tokens) runs as more rows of the same forward, so every weight is read once for both;
+    its result (logits or None, `logits()`'s) comes last."""
+    from localmoe.engine.batch import decode_batch, forward_rows
 
     if any(d.speculating for d in decoders):
         from localmoe.engine.spec.verify import speculative_step
 
         return speculative_step(decoders, fused)
     tokens = [d.pending[0] for d in decoders]
-    logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
+    caches = [d.cache for d in decoders]
+    if chunk is None:
+        logits = decode_batch(decoders[0].model, tokens, caches, fused)
+    else:
+        prompt = chunk[0]
+        batch = prompt.take_prompt(chunk[1])
+        wanted = list(range(len(tokens))) + ([len(tokens) + len(batch) - 1] if not prompt.pending else [])
+        logits = forward_rows(prompt.model, tokens + batch, caches + [prompt.cache] * len(batch), wanted)
     out = []
     for d, token, row in zip(decoders, tokens, logits.split(1)):
         d.pending = []
         out.append(d._ran([token], row))
+    if chunk is not None:
+        out.append(prompt._ran(batch, logits[len(tokens):] if not prompt.pending else None))
     return out
 
 

@@ -45,6 +45,14 @@ def is_boundary(position: int, grain: int, anchor: int | None) -> bool:
     return (position - anchor) % grain == 0
 
 
+def next_boundary(position: int, grain: int, anchor: int | None) -> int:
+    """The first position after `position` where a chunk ends (`is_boundary`)."""
+    if anchor is not None and position < anchor:
+        return min(anchor, (position // grain + 1) * grain)
+    base = anchor or 0
+    return base + ((position - base) // grain + 1) * grain
+
+
 def shared_boundaries(limit: int, grain: int, a: int | None, b: int | None) -> list[int]:
     """Positions up to `limit`, highest first, where both prompts (anchors `a`, `b`) end a chunk after the
     same chunks: every boundary when the anchors are equal, else the multiples of `grain` below both."""

@@ -9,7 +9,11 @@ worker collects what its running jobs wait for and runs, in this order:
   each weight and each routed expert read once for all of them; each sequence keeps its own
   cache, so sequences join and leave between steps);
 - one prompt chunk of at most one sequence still prefilling (the oldest), so a long prompt
-  delays the others by one chunk per step, never by its whole length;
+  delays the others by one chunk per step, never by its whole length. Where the model's rows are
+  each computed on their own (engine/batch.py `rows_independent`: the embedded GGUF model) the chunk
+  runs as more rows of the same batched forward, as many as the decode rows (at least CHUNK_FLOOR;
+  a whole chunk when nothing decodes), so a step carrying one costs under twice a decode step and
+  the weights are read once for both; a prompt token's bits do not depend on its chunk;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
 
@@ -43,11 +47,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from localmoe.engine.batch import batching_pays
+from localmoe.engine.batch import batching_pays, rows_independent
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
 
 BATCHING = ("auto", "on", "off")
+# Prompt rows a step carries beside its decode rows: as many as the decode rows, at least this. A batched
+# step costs ~a + b * rows (embedded model, CPU time of one thread: 14.5 ms at 1 row, 70 ms at 16, 138 ms
+# at 32; a ~ 11 ms), so a step with a chunk costs under twice the decode step it delays.
+CHUNK_FLOOR = 8
 
 
 class Job:
@@ -96,6 +104,7 @@ class EngineWorker:
         self.max_active = max_active
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
+        self.rows: bool | None = None  # prompt chunks as rows of the batched step (decided once, `_prompt_chunk`)
         self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -106,6 +115,7 @@ class EngineWorker:
         self._stopping = False
         self.steps = 0  # engine steps run
         self.batched_tokens = 0  # decode tokens run in batched steps (all steps together)
+        self.prompt_rows = 0  # prompt chunks run as rows of a batched step
         self.failures = 0
         self.cancelled = 0
         self.preemptions = 0
@@ -243,17 +253,26 @@ class EngineWorker:
         prefill = [r for r in self._active if isinstance(r.wants, Decoder) and not r.wants.decoding]
         idle = [r for r in self._active if r.wants is None]
         results: list[tuple[Running, torch.Tensor | None]] = []
-        if decode:
+        chunk = self._prompt_chunk(decode, prefill)
+        if decode or chunk is not None:
+            model = (decode or [chunk])[0].wants.model
             try:
-                logits = decode_together([r.wants for r in decode], self.fused_for(decode[0].wants.model))
-                results += zip(decode, logits)
+                if chunk is None:
+                    logits = decode_together([r.wants for r in decode], self.fused_for(model))
+                else:  # the chunk's rows: twice the decode rows (at least CHUNK_FLOOR), or a whole chunk alone
+                    limit = max(CHUNK_FLOOR, len(decode)) if decode else chunk.wants.chunk
+                    logits = decode_together([r.wants for r in decode], False, (chunk.wants, limit))
+                    self.prompt_rows += 1
+                results += zip(decode + ([chunk] if chunk is not None else []), logits)
                 self.batched_tokens += 0 if self.fused else len(decode)
             except Exception as e:  # noqa: BLE001 - fail the step's jobs alone, keep serving
-                for r in decode:
+                for r in decode + ([chunk] if chunk is not None else []):
                     self._drop(r)
                     self._fail(r.job, e)
-        prompt_run = False
+        prompt_run = chunk is not None
         for r in prefill:
+            if r is chunk:
+                continue
             dec = r.wants
             if dec.prefilling:
                 if prompt_run:
@@ -270,6 +289,17 @@ class EngineWorker:
             while r in self._active and isinstance(r.wants, Decoder) and r.wants.ready:
                 self._advance(r, r.wants.logits())  # a speculative step's other accepted tokens: no forward
         self.steps += 1
+
+    def _prompt_chunk(self, decode: list[Running], prefill: list[Running]) -> Running | None:
+        """The sequence whose next prompt chunk runs as rows of this step's batched forward: the first one
+        prefilling, where the model's rows are independent (engine/batch.py `rows_independent`, decided
+        once) and nothing speculates; None: prompt chunks take their own forward (`Decoder.logits`)."""
+        first = next((r for r in prefill if r.wants.prefilling), None)
+        if first is None or not first.wants.prompt_rows or any(r.wants.speculating for r in decode):
+            return None
+        if self.rows is None:
+            self.rows = not self.fused_for(first.wants.model) and rows_independent(first.wants.model)
+        return first if self.rows else None
 
     def _run(self) -> None:
         if self._threads:

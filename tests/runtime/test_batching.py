@@ -10,6 +10,7 @@ known steps. The reference for a request is its output alone in a worker (`alone
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localmoe.chat import ChatMessage
 from localmoe.engine.sampler import SamplingParams
@@ -70,6 +71,7 @@ def test_batched_greedy_equals_alone(embedded, n):
                              results, i))
     run_all(worker, results, n)
     assert worker.batched_tokens >= n * 8  # the decode steps ran batched, not one sequence at a time
+    assert worker.prompt_rows >= n  # the prompts ran as rows of the batched steps, in chunks sized by the load
     for i, prep in enumerate(preps):
         single = alone(embedded, prep)
         assert results[i].content == single.content, i
@@ -300,3 +302,38 @@ def test_run_command_honours_the_thinking_budget(tmp_path):
     assert answer["stats"]["reasoning_closed_by"] == "reasoning_tokens"
     assert answer["stats"]["reasoning_tokens"] == 3
     assert "thinking closed by the reasoning_tokens budget" in done.stderr
+
+
+def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
+    """A prompt run as rows of batched steps (the worker's path for the embedded model) gives the same bits
+    in chunks of 3, 7 or all at once, beside other sequences' decode rows or alone; against the prompt's
+    own forward (fp32 GEMM on fp32 activations, `Decoder.logits`) only the int8 rounding of activations
+    differs: the same greedy token, logits within 2% of their range (the decode rows' own rounding)."""
+    from localmoe.engine.batch import rows_independent
+    from localmoe.engine.generate import Decoder, decode_together
+
+    tok, model = embedded.tokenizer, embedded.model
+    assert rows_independent(model)
+    prompt = tok.encode("Water boils at a lower temperature on a mountain because the air pressure", add_special_tokens=True)
+
+    def rows(limit: int, beside: bool = False):
+        dec = Decoder(model, prompt, GREEDY)
+        other = Decoder(model, tok.encode("Once upon a time", add_special_tokens=True), GREEDY) if beside else None
+        if other is not None:
+            other.feed([other.sample(other.logits())])  # now decoding: its rows share the steps
+        out = None
+        while out is None:
+            step = decode_together([other] if other is not None and other.decoding else [], False, (dec, limit))
+            out = step[-1]
+            if other is not None:
+                other.feed([other.sample(step[0])])
+        return out, dec.cache
+
+    whole, cache = rows(512)
+    for limit, beside in ((3, False), (7, True)):
+        got, got_cache = rows(limit, beside)
+        assert torch.equal(got, whole), (limit, beside)
+        assert torch.equal(got_cache.layers[5].keys.read(len(prompt)), cache.layers[5].keys.read(len(prompt)))
+    gemm = Decoder(model, prompt, GREEDY).logits()
+    assert int(gemm.argmax()) == int(whole.argmax())
+    assert (gemm - whole).abs().max() <= 0.02 * (gemm.max() - gemm.min())
