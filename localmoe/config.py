@@ -15,8 +15,9 @@ from typing import Any
 from localmoe.errors import LocalMoEError
 
 # "attention": GQA; "sliding_attention": GQA over a window; "mla": DeepSeek latent attention;
-# "dsa": MLA + lightning indexer; "kda": Kimi delta attention; "gated_delta": Gated DeltaNet
-ATTENTION_KINDS = ("attention", "sliding_attention", "mla", "dsa", "kda", "gated_delta")
+# "dsa": MLA + lightning indexer; "dsa_shared": MLA reusing the previous DSA layer's selection (GLM-5,
+# its `dsa` config); "kda": Kimi delta attention; "gated_delta": Gated DeltaNet
+ATTENTION_KINDS = ("attention", "sliding_attention", "mla", "dsa", "dsa_shared", "kda", "gated_delta")
 MLP_KINDS = ("dense", "moe", "latent_moe")
 # ModelSpec fields holding the Config of an engine/layers/<kind>.py (None where the model has no such layer)
 SUB_CONFIGS = ("mla", "dsa", "kda", "gated_delta", "attn_res", "hyper_connections")
@@ -154,14 +155,15 @@ class ModelSpec:
         """
         gqa = (2 * self.num_kv_heads * self.head_dim, 2 * self.num_kv_heads)  # (values, fp8 scales)
         mla = (self.mla.row_dim, 1) if self.mla is not None else (0, 0)
-        dsa = (0, 0)
+        dsa = shared = (0, 0)
         if self.dsa is not None:
+            shared = (self.dsa.mla.row_dim, 1)  # dsa_shared layers keep no index keys
             # the MLA row plus one index key (fp8: one scale per block of up to 128 values, layers/index_cache.py);
             # k-pool indexers also keep each token's pool-gate logits, as many again
             index_dim = self.dsa.index_cache_dim
             dsa = (self.dsa.mla.row_dim + index_dim, 1 + -(-index_dim // min(128, index_dim)))
-        per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": mla, "dsa": dsa, "kda": (0, 0),
-                    "gated_delta": (0, 0)}
+        per_kind = {"attention": gqa, "sliding_attention": gqa, "mla": mla, "dsa": dsa, "dsa_shared": shared,
+                    "kda": (0, 0), "gated_delta": (0, 0)}
         values = sum(per_kind[kind][0] for kind in self.layer_kinds)
         if isinstance(cache_dtype, int):
             return values * cache_dtype

@@ -23,6 +23,8 @@ class Step:
     # layers (KDA's state and conv tail) must skip those tokens; the mask cannot tell them apart
     # when a whole prefill chunk of a row is padding.
     valid: torch.Tensor | None = None
+    # [B, T, k] the latest DSA layer's selection in this call (-1 pads), for the `dsa_shared` layers after it
+    selection: torch.Tensor | None = None
 
 
 def make_step(cache: ModelCache, start: int, T: int, rope: RotaryTable | None,

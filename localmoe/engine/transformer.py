@@ -26,6 +26,7 @@ from localmoe.engine.layers import (
     attention,
     attn_res,
     dsa,
+    dsa_shared,
     gated_deltanet,
     hyper_connections,
     kda,
@@ -48,21 +49,21 @@ from localmoe.kernels.rms_norm import add_rms_norm
 
 SMALL_STEP_TOKENS = 8  # tokens of one call (batch x new) up to which it counts as a decode step
 
-MIXERS = {"attention": attention, "sliding_attention": attention, "mla": mla, "dsa": dsa, "kda": kda,
-          "gated_delta": gated_deltanet}
+MIXERS = {"attention": attention, "sliding_attention": attention, "mla": mla, "dsa": dsa, "dsa_shared": dsa_shared,
+          "kda": kda, "gated_delta": gated_deltanet}
 MLPS = {"dense": mlp, "moe": moe, "latent_moe": moe}
 
 
 def layer_config(spec: ModelSpec, kind: str):
     """The Config of a layer kind (ATTENTION_KINDS or MLP_KINDS) in this model: the spec's sub-config of that
-    name (mla, dsa, kda, gated_delta), else the one its common fields give (attention, MLP, MoE)."""
+    name (mla, dsa, kda, gated_delta; dsa_shared: dsa), else the one its common fields give (attention, MLP, MoE)."""
     if kind in ("attention", "sliding_attention"):
         if kind == "sliding_attention" and not spec.sliding_window:
             raise CheckpointError(f"{spec.model_type}: a sliding_attention layer needs a sliding_window size")
         return attention.Config.of(spec, spec.sliding_window if kind == "sliding_attention" else 0)
     if kind in MLPS:
         return mlp.Config.of(spec) if kind == "dense" else moe.Config.of(spec, latent=kind == "latent_moe")
-    cfg = getattr(spec, kind)
+    cfg = getattr(spec, "dsa" if kind == "dsa_shared" else kind)  # shared DSA layers: the model's DSA config
     if cfg is None:
         raise LocalMoEError(f"{spec.model_type}: the spec lists {kind} layers but has no {kind} config")
     return cfg

@@ -1,7 +1,13 @@
 """DeepSeek-V3.2 (`deepseek_v32`, transformers `DeepseekV32ForCausalLM`): MLA with RoPE on the
 shared rope part and the DSA lightning indexer in every layer, sigmoid-routed MoE with
 correction bias and group-limited top-k, shared experts. DeepSeek-V3 / V3.1 / R1 (`deepseek_v3`,
-`DeepseekV3ForCausalLM`) is the same model without the indexer: plain MLA layers.
+`DeepseekV3ForCausalLM`) is the same model without the indexer: plain MLA layers. GLM-5 / 5.1 / 5.2
+(`glm_moe_dsa`, `GlmMoeDsaForCausalLM`) is V3.2 with two changes (tests/models/test_glm_moe_dsa.py):
+its indexer's RoPE is over adjacent pairs (interleaved, `dsa.Config.index_rope_interleaved`), and the
+layers `indexer_types` marks "shared" (also spelt `index_topk_pattern` "FSS..." or `index_topk_freq` /
+`index_skip_topk_offset`) have no indexer: they reuse the previous full layer's selection (layer kind
+`dsa_shared`, engine/layers/dsa_shared.py; no `self_attn.indexer.*` tensors in the checkpoint). Names,
+routing, norms and the MTP layer are V3.2's; its config defaults differ (one expert group, no YaRN).
 
 Checkpoint facts: routed experts per expert in bf16 `mlp.experts.{e}.{gate,up,down}_proj`.
 
@@ -28,7 +34,10 @@ usually drops it for DeepSeek, so no GGUF test here).
 
 from __future__ import annotations
 
+import dataclasses
+
 from localmoe.config import ModelSpec
+from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
@@ -39,7 +48,7 @@ from localmoe.models.gguf_experts import (
     gguf_stacked_experts,
     mla_finish,
 )
-from localmoe.models.moe_config import dsa_fields, experts, moe_placement, moe_spec, require
+from localmoe.models.moe_config import dsa_fields, experts, indexer_types, moe_placement, moe_spec, require
 
 _MLA = ("q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
         "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight")
@@ -48,14 +57,27 @@ _INDEXER = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights
 
 def deepseek_spec(config: dict) -> ModelSpec:
     """DeepSeek-V3.2 (`deepseek_v32`: MLA + the DSA indexer in every layer) or DeepSeek-V3 / V3.1 / R1
-    (`deepseek_v3`: the same model without the indexer, plain MLA)."""
+    (`deepseek_v3`: the same model without the indexer, plain MLA) or GLM-5 (`glm_moe_dsa`: full and shared
+    DSA layers, interleaved indexer RoPE)."""
     layers = require(config, "num_hidden_layers")
     model_type = config.get("model_type", "deepseek_v32")
     indexer = model_type != "deepseek_v3"
-    return moe_spec(config, model_type, ("dsa" if indexer else "mla",) * layers,
+    spec = moe_spec(config, model_type, ("dsa" if indexer else "mla",) * layers,
                     moe_placement(layers, config.get("first_k_dense_replace", 0), config.get("moe_layer_freq", 1)),
                     "config.json", nextn_layers=int(config.get("num_nextn_predict_layers") or 0),
                     **dsa_fields(config, "config.json", indexer))
+    return glm_dsa(spec, config) if model_type == "glm_moe_dsa" else spec
+
+
+def glm_dsa(spec: ModelSpec, config: dict) -> ModelSpec:
+    """GLM-5's changes to a V3.2 spec: `dsa_shared` layers where `indexer_types` says "shared", interleaved RoPE
+    in the indexer."""
+    types = indexer_types(config, spec.num_layers)
+    if len(types) != spec.num_layers or set(types) - {"full", "shared"} or types[0] != "full":
+        raise UnsupportedModelError(f"glm_moe_dsa: config.json indexer_types {types} must give 'full' or 'shared' "
+                                    f"for each of the {spec.num_layers} layers, starting with 'full'")
+    return dataclasses.replace(spec, layer_kinds=tuple("dsa" if t == "full" else "dsa_shared" for t in types),
+                               dsa=dataclasses.replace(spec.dsa, index_rope_interleaved=True))
 
 
 def layer_rules(src: str, extra: tuple[str, ...] = ()) -> tuple[TensorRule, ...]:
@@ -136,7 +158,7 @@ def gguf_tensors(architecture: str) -> TensorMap:
     return gguf_moe_tensors(GGUF_LAYER)
 
 
-DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3"),
+DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3", "glm_moe_dsa"),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS,
                            experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2"),
                            spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=mla_finish,

@@ -42,7 +42,7 @@ from localmoe.models.gguf_experts import (
     gguf_stacked_experts,
     mla_finish,
 )
-from localmoe.models.moe_config import dsa_fields, experts, moe_spec, require
+from localmoe.models.moe_config import dsa_fields, experts, indexer_types, moe_spec, require
 
 SOURCE = "config.json text_config"
 KINDS = {"linear_attention": "kda", "indexed_attention": "dsa", "full_attention": "dsa"}  # full == indexed (HF)
@@ -59,17 +59,6 @@ def kda_config(text: dict) -> kda.Config:
                       conv_kernel=linear.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
                       bounded_gate=bound is not None, gate_lower_bound=-5.0 if bound is None else float(bound),
                       full_rank_gate=False, norm_eps=text.get("rms_norm_eps", 1e-5), hidden_size=text["hidden_size"])
-
-
-def indexer_types(text: dict, layers: int) -> list[str]:
-    """"full" (runs its indexer) or "shared" per layer, as transformers derives them."""
-    if text.get("indexer_types"):
-        return list(text["indexer_types"])
-    pattern = text.get("index_topk_pattern")
-    if pattern is not None:
-        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
-    freq, offset = max(text.get("index_topk_freq", 1), 1), text.get("index_skip_topk_offset", 2)
-    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
 
 
 def glm5_spec(config: dict) -> ModelSpec:

@@ -60,6 +60,17 @@ def dsa_fields(config: dict, source: str, indexer: bool = True) -> dict:
             "n_group": int(config.get("n_group") or 1), "topk_group": int(config.get("topk_group") or 1)}
 
 
+def indexer_types(text: dict, layers: int) -> list[str]:
+    """"full" (runs its indexer) or "shared" per layer, as transformers derives them (GLM-5-Next, GLM-5)."""
+    if text.get("indexer_types"):
+        return list(text["indexer_types"])
+    pattern = text.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(text.get("index_topk_freq", 1), 1), text.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+
+
 def moe_spec(config: dict, model_type: str, layer_kinds, mlp_kinds, source: str, **fields) -> ModelSpec:
     """ModelSpec of a DeepSeek-style MoE config (`n_routed_experts`, `v_head_dim` ...); `fields` add the rest."""
     heads = require(config, "num_attention_heads", source)

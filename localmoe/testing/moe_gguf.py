@@ -259,7 +259,7 @@ _KIMI_LINEAR_SPLIT = {**_DEEPSEEK_SPLIT, "self_attn.A_log": (("ssm_a",), _a_spli
 def _glm5_next_metadata(w, c: dict) -> None:
     """llama.cpp's Glm5NextModel (conversion/glm.py): KDA where head_count_kv[i] is 0, MLA (NoPE) + DSA k-pool
     indexer elsewhere, mHC, DeepSeek-style MoE; a few keys derived from the released config's fields."""
-    from localmoe.models.glm5_next import indexer_types
+    from localmoe.models.moe_config import indexer_types
 
     arch, L, lin = w.arch, c["num_hidden_layers"], c["linear_attn_config"]
     w.add_context_length(c["max_position_embeddings"])

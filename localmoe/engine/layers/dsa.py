@@ -40,6 +40,7 @@ class Config:
     # tokens (0 = per token, DeepSeek); the query's incomplete pool is appended raw when index_kpool_tail
     index_kpool: int = 0
     index_kpool_tail: bool = True
+    index_rope_interleaved: bool = False  # GLM-5: the indexer's RoPE over adjacent pairs (DeepSeek: half-split)
 
     def __post_init__(self) -> None:
         if not self.mla.q_lora_rank:
@@ -89,7 +90,7 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
 
     parts = (Linear(w("wq_b.weight"), None, dtype), Linear(w("wk.weight"), None, dtype), w("k_norm.weight"),
              w("k_norm.bias"), Linear(w("weights_proj.weight"), None, "float32"), cfg.index_n_heads,
-             cfg.index_head_dim, cfg.mla.qk_rope_head_dim, cfg.index_topk)
+             cfg.index_head_dim, cfg.mla.qk_rope_head_dim, cfg.index_topk, cfg.index_rope_interleaved)
     layer.indexer = LightningIndexer(*parts) if not cfg.index_kpool else KPoolIndexer(
         *parts, gate=Linear(w("index_kpool_compress_gate"), None, dtype), ape=w("index_kpool_compress_ape"),
         pool=cfg.index_kpool, tail=cfg.index_kpool_tail)
@@ -111,17 +112,23 @@ class DSAttention(mla.MLAttention):
 
     def __call__(self, x: torch.Tensor, step: Step, cache: DSACache) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends latent rows and index keys to `cache`."""
-        T = x.shape[1]
         q_nope, q_rope, q_resid = self.queries_and_resid(x, step)
         rows = cache.latent.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
         keys = cache.index.update(step.start, self.indexer.keys(x, step))  # [B, S, cache_dim]
         S = rows.shape[1]
+        step.selection = None
         if S <= self.indexer.dense_context and not self.record_selection:  # nothing would be dropped
             return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
         q_index, w = self.indexer.queries(x, q_resid, step)
         selected = self.indexer.select(q_index, w, keys, step)  # [B, T, k], -1 pads
+        step.selection = selected  # for the dsa_shared layers after this one (engine/layers/dsa_shared.py)
         if self.record_selection:
             self.last_selection = selected
+        return self.attend_selected(x, q_nope, q_rope, rows, selected, step)
+
+    def attend_selected(self, x, q_nope, q_rope, rows, selected, step: Step) -> torch.Tensor:
+        """The layer's output when each query attends only to its `selected` [B, T, k] rows (-1 pads)."""
+        T, S = x.shape[1], rows.shape[1]
         if T <= GATHER_MAX_T:
             return self.output(x, self.attend_gathered(q_nope, q_rope, rows, selected, step))
         chosen = torch.zeros(*selected.shape[:2], S + 1, dtype=torch.bool, device=selected.device)  # column S: -1 pads

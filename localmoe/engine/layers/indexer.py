@@ -2,8 +2,8 @@
 
 Per token: index queries q = wq_b(q_resid) [Hi, Di] from the MLA's normalised q LoRA output,
 ONE index key k = LayerNorm(wk(x)) [Di] (weight + bias, eps 1e-6) shared by all index heads,
-and head weights w = weights_proj(x) [Hi]. RoPE (half-split, not MLA's interleaved pairs)
-rotates the first qk_rope_head_dim dims of q and k. Score of cached token s for query t:
+and head weights w = weights_proj(x) [Hi]. RoPE (half-split, not MLA's interleaved pairs; GLM-5:
+interleaved pairs, `interleaved`) rotates the first qk_rope_head_dim dims of q and k. Score of cached token s for query t:
     I[t, s] = sum_h w[t, h] * Hi^-0.5 * Di^-0.5 * relu(q[t, h] . k[s])   (s <= t, else -inf)
 and the query keeps the `index_topk` best (kernels/topk_select; ties: torch.topk keeps one
 of the tied tokens, unspecified which; -1 marks slots beyond the visible tokens). DeepSeek's
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from localmoe.engine.layers.mla import rotate_interleaved
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import Step
@@ -26,10 +27,12 @@ class LightningIndexer:
     """wq_b [Hi*Di, q_lora], wk [Di, hidden], k_norm (LayerNorm weight, bias) [Di], weights_proj [Hi, hidden]."""
 
     def __init__(self, wq_b: Linear, wk: Linear, k_norm_weight: torch.Tensor, k_norm_bias: torch.Tensor,
-                 weights_proj: Linear, heads: int, head_dim: int, rope_dim: int, top_k: int):
+                 weights_proj: Linear, heads: int, head_dim: int, rope_dim: int, top_k: int,
+                 interleaved: bool = False):
         self.wq_b, self.wk, self.weights_proj = wq_b, wk, weights_proj
         self.k_norm_weight, self.k_norm_bias = k_norm_weight.float(), k_norm_bias.float()
         self.heads, self.head_dim, self.rope_dim, self.top_k = heads, head_dim, rope_dim, top_k
+        self.interleaved = interleaved
         self.weight_scale = (heads * head_dim) ** -0.5  # Hi^-0.5 on the head weights, Di^-0.5 softmax scale
 
     @property
@@ -47,11 +50,13 @@ class LightningIndexer:
                 + self.k_norm_bias.nbytes)
 
     def _rotate(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [B, T, H, Di]: half-split RoPE on the first rope_dim dims (none under NoPE: GLM-5-Next)."""
+        """x [B, T, H, Di]: half-split (or interleaved-pair) RoPE on the first rope_dim dims (none under NoPE:
+        GLM-5-Next). Interleaved pairs come out de-interleaved, the same for queries and keys: q . k is unchanged."""
         r = self.rope_dim
         if r == 0:
             return x
-        return torch.cat([apply_rope(x[..., :r], step.cos, step.sin), x[..., r:]], dim=-1)
+        rotated = rotate_interleaved(x[..., :r], step) if self.interleaved else apply_rope(x[..., :r], step.cos, step.sin)
+        return torch.cat([rotated, x[..., r:]], dim=-1)
 
     def keys(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [B, T, hidden] -> index keys [B, T, Di] (what the index cache stores)."""
