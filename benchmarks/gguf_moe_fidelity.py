@@ -12,7 +12,7 @@ the GGUF metadata equals the one from config.json, the largest logit difference 
 agree, and how llama.cpp's tensor names and shapes compare with `localmoe.testing.moe_gguf`'s writer (the
 layout the CI tests use). Not run in CI: it needs the sdist and its converter's dependencies (transformers).
 
-    python benchmarks/gguf_moe_fidelity.py [--families qwen3_moe,deepseek_v3,deepseek_v32,kimi_linear,kimi_k3,glm5_next]
+    python benchmarks/gguf_moe_fidelity.py [--families qwen3_moe,deepseek_v3,deepseek_v32,glm_moe_dsa,kimi_linear,kimi_k3,glm5_next]
                                            [--outtypes f32,bf16,q8_0] [--work DIR] [--llama-src DIR]
 """
 
@@ -39,7 +39,8 @@ deepseek.DeepseekV32Model.set_vocab = lambda self: self._set_vocab_gpt2()
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """
-FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "kimi_linear", "qwen3_next", "kimi_k3", "glm5_next")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "qwen3_next", "kimi_k3",
+            "glm5_next")
 EXTRA_ARGS = {"qwen3_next": ["--no-mtp"]}  # the generated Qwen3-Next has no MTP block (the converter expects one)
 TOLERANCE = 1e-5  # of the logit range (issue 24's acceptance)
 

@@ -108,11 +108,11 @@ _GATING = {1: "softmax", 2: "sigmoid"}  # llama.cpp's expert_gating_func
 
 
 def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
-    """The spec of the HF config the `deepseek32.*` (V3.2) or `deepseek2.*` (V3, V3.1, R1: no indexer)
-    metadata was converted from."""
+    """The spec of the HF config the `deepseek32.*` (V3.2), `glm-dsa.*` (GLM-5) or `deepseek2.*` (V3, V3.1, R1: no
+    indexer) metadata was converted from."""
     arch = metadata["general.architecture"]
     key = GGUFKeys(metadata, arch)
-    indexer = arch == "deepseek32"
+    indexer = arch != "deepseek2"
     layers = key("block_count") - key("nextn_predict_layers", 0)
     heads, rope = key("attention.head_count"), key("rope.dimension_count")
     scaling = key.rope_scaling()
@@ -127,7 +127,8 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
 
         raise UnsupportedModelError(f"GGUF {arch}.expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
     config = {
-        "model_type": "deepseek_v32" if indexer else "deepseek_v3", "num_hidden_layers": layers,
+        "model_type": {"deepseek32": "deepseek_v32", "glm-dsa": "glm_moe_dsa"}.get(arch, "deepseek_v3"),
+        "num_hidden_layers": layers,
         "num_nextn_predict_layers": key("nextn_predict_layers", 0), "hidden_size": key("embedding_length"),
         "intermediate_size": key("feed_forward_length"), "moe_intermediate_size": key("expert_feed_forward_length"),
         "num_attention_heads": heads, "num_key_value_heads": heads,  # llama.cpp writes 1 (MLA as MQA)
@@ -145,7 +146,21 @@ def spec_from_gguf(metadata: dict, tensor_names: set) -> ModelSpec:
         "rope_scaling": scaling, "max_position_embeddings": key("context_length", 163840),
         "vocab_size": key.vocab_size(), "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    if arch == "glm-dsa":
+        config["indexer_types"] = glm_gguf_indexer_types(key, layers)
     return deepseek_spec(config)
+
+
+def glm_gguf_indexer_types(key: GGUFKeys, layers: int) -> list[str]:
+    """`attention.indexer.types` (true = full); absent, llama.cpp's rule: every layer full before GLM-5.2
+    (`context_length` < 1M), else GLM-5.2's pattern (layers 0, 1 and every 4th from 2: index_topk_freq 4,
+    index_skip_topk_offset 3)."""
+    types = key("attention.indexer.types", required=False)
+    if types is not None:
+        return ["full" if t else "shared" for t in list(types)[:layers]]
+    if key("context_length", 0) < 1048576:
+        return ["full"] * layers
+    return ["full" if i < 2 or (i - 2) % 4 == 0 else "shared" for i in range(layers)]
 
 
 GGUF_LAYER = {**MOE_GGUF, **{f"{g}.weight": f"self_attn.{h}.weight" for g, h in MLA_GGUF.items()},
@@ -160,6 +175,6 @@ def gguf_tensors(architecture: str) -> TensorMap:
 
 DEEPSEEK = register(ModelFamily(name="deepseek_v32", model_types=("deepseek_v32", "deepseek_v3", "glm_moe_dsa"),
                            spec_from_hf=deepseek_spec, hf_tensors=HF_TENSORS,
-                           experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2"),
+                           experts=experts("model."), gguf_architectures=("deepseek32", "deepseek2", "glm-dsa"),
                            spec_from_gguf=spec_from_gguf, gguf_tensors=gguf_tensors, gguf_finish=mla_finish,
                            gguf_experts=gguf_stacked_experts()))

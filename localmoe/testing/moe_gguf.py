@@ -76,6 +76,17 @@ def _deepseek32_metadata(w, c: dict) -> None:
     w.add_uint32("deepseek32.attention.indexer.top_k", c["index_topk"])
 
 
+def _glm_dsa_metadata(w, c: dict) -> None:
+    """llama.cpp's GlmMoeDsaModel: deepseek32's keys under `glm-dsa`, plus the per-layer indexer types."""
+    from localmoe.models.moe_config import indexer_types
+
+    _deepseek_metadata(w, c, "glm-dsa")
+    w.add_uint32("glm-dsa.attention.indexer.head_count", c["index_n_heads"])
+    w.add_uint32("glm-dsa.attention.indexer.key_length", c["index_head_dim"])
+    w.add_uint32("glm-dsa.attention.indexer.top_k", c["index_topk"])
+    w.add_array("glm-dsa.attention.indexer.types", [t == "full" for t in indexer_types(c, c["num_hidden_layers"])])
+
+
 def _deepseek_metadata(w, c: dict, arch: str) -> None:
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -104,7 +115,9 @@ def _deepseek_metadata(w, c: dict, arch: str) -> None:
     if c["norm_topk_prob"]:
         w.add_bool(f"{arch}.expert_weights_norm", True)
     w.add_rope_dimension_count(c["qk_rope_head_dim"])
-    rs = c["rope_scaling"]
+    rs = c.get("rope_scaling")
+    if rs is None:  # GLM-5: plain RoPE
+        return
     w.add_rope_scaling_type(gguf_rope_type(rs))
     w.add_rope_scaling_factor(rs["factor"])
     w.add_rope_scaling_orig_ctx_len(rs["original_max_position_embeddings"])
@@ -329,6 +342,8 @@ ARCHS = {
         "mlp.gate.weight": "ffn_gate_inp.weight"}, "mlp.experts.{e}.{p}.weight", _TOP),
     "deepseek_v32": Arch("deepseek32", _deepseek32_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
                          split=_DEEPSEEK_SPLIT),
+    "glm_moe_dsa": Arch("glm-dsa", _glm_dsa_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
+                        split=_DEEPSEEK_SPLIT),
     "deepseek_v3": Arch("deepseek2", _deepseek2_metadata, _DEEPSEEK_LAYER, "mlp.experts.{e}.{p}.weight", _TOP,
                         split=_DEEPSEEK_SPLIT),
     "kimi_linear": Arch("kimi-linear", _kimi_linear_metadata, _KIMI_LINEAR_LAYER,

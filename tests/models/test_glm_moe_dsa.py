@@ -188,3 +188,19 @@ def test_packed_store_paged_equals_resident(checkpoint, tmp_path):
 
 def test_glm5_is_a_model_type_of_the_deepseek_family():
     assert family_for_model_type("glm_moe_dsa").name == "deepseek_v32"  # V3.2 with two changes
+
+
+def test_gguf_indexer_types_follow_llama_cpp_when_absent():
+    """`attention.indexer.types` read as true = full; absent: all full below a 1M context (GLM-5, 5.1), else
+    GLM-5.2's pattern (llama.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES: 1, 1, then 1, 0, 0, 0 repeated)."""
+    from localmoe.models.deepseek_v32 import glm_gguf_indexer_types
+    from localmoe.models.gguf_experts import GGUFKeys
+
+    def types(**meta):
+        return glm_gguf_indexer_types(GGUFKeys({f"glm-dsa.{k.replace('__', '.')}": v for k, v in meta.items()},
+                                               "glm-dsa"), 10)
+
+    assert types(context_length=202752) == ["full"] * 10
+    S, F = "shared", "full"
+    assert types(context_length=1048576) == [F, F, F, S, S, S, F, S, S, S]
+    assert types(context_length=1048576, attention__indexer__types=[True, False] * 5) == [F, S] * 5

@@ -25,9 +25,10 @@ PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # types Q5_0 / Q8_0 for rows too narrow for 256-value blocks); the IQ4 types and the "iq_dynamic" mix (routed
 # experts in IQ1_S ... IQ3_S, Q2_K, Q3_K per tensor) on the 256-wide ones, where the IQ blocks fit
 MIXED = [(f, "q4_k_m") for f in ("qwen3_moe", "deepseek_v32", "deepseek_v3", "kimi_linear", "qwen3_next", "glm4_moe",
-                                  "kimi_k3", "glm5_next")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
+                                  "kimi_k3", "glm5_next", "glm_moe_dsa")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "iq4_xs", "iq4_nl")] + \
-        [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
+        [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("glm_moe_dsa", t) for t in ("f32", "bf16", "q8_0")] + \
+        [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
         [("kimi_linear", t) for t in ("f32", "bf16", "q8_0")] + [("qwen3_next", t) for t in ("f32", "bf16", "q8_0")] + \
         [("glm4_moe", t) for t in ("f32", "bf16", "q8_0")] + \
         [("kimi_k3", t) for t in ("f32", "bf16", "q8_0")] + [("glm5_next", t) for t in ("f32", "bf16", "q8_0")] + MIXED  # K3: experts MXFP4 in every file, as llama.cpp writes them
