@@ -93,6 +93,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
     "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int, _int), _int),
     "ggml_moe_token_scratch": ((_i64, _i64, _i64), _i64),
+    "ggml_moe_expert_scratch": ((_i64, _i64, _i64), _i64),
+    "ggml_moe_expert": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _f32, _f32, _ptr, _ptr, _int), _int),
     "ggml_moe_token": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _f32, _f32, _ptr, _ptr, _int), _int),
     "dense_moe_scratch": ((_i64, _i64, _i64), _i64),
     "dense_moe_expert": ((_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _int, _f32, _f32, _ptr, _ptr,

@@ -86,4 +86,28 @@ def ggml_moe_token(x: torch.Tensor, ids: list[int], weights: list[float], table:
     return out
 
 
-__all__ = ["MAX_TOP_K", "BlockExpertTable", "ggml_moe_token", "naive_ggml_moe_token"]
+def takes_expert(x: torch.Tensor, out: torch.Tensor, mats: tuple) -> bool:
+    """Whether `block_expert` computes this expert (else the caller's per-projection path runs)."""
+    return (library() is not None and x.dtype == out.dtype == torch.float32 and x.device.type == out.device.type == "cpu"
+            and x.is_contiguous() and out.is_contiguous() and BlockExpertTable.of([mats]) is not None)
+
+
+def block_expert(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, mats: tuple, kind: int,
+                 params: tuple[float, float], out: torch.Tensor) -> torch.Tensor:
+    """out[rows[i]] += weights[i] * down(glu(gate x[rows[i]], up x[rows[i]])) for one expert's blocks `mats`
+    (gate, up, down; `takes_expert`) over a chunk's rows (distinct), x / out [T, W]: one kernel call, each
+    projection one multi-row int8 GEMV over the gathered rows (ggml_moe_cpu.cpp `ggml_moe_expert`)."""
+    lib = library()
+    I, W = mats[0].shape
+    n = rows.shape[0]
+    rows, weights = rows.to(torch.int64).contiguous(), weights.float().contiguous()
+    addresses = torch.tensor([m.raw.data_ptr() for m in mats], dtype=torch.int64)
+    types = torch.tensor([int(m.ggml_type) for m in mats], dtype=torch.int64)
+    scratch = torch.empty(lib.ggml_moe_expert_scratch(n, W, I), dtype=torch.uint8)
+    if lib.ggml_moe_expert(x.data_ptr(), W, I, rows.data_ptr(), weights.data_ptr(), n, addresses.data_ptr(),
+                           types.data_ptr(), kind, params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads()):
+        raise ValueError(f"ggml_moe_expert refused experts of types {[m.ggml_type.name for m in mats]}")
+    return out
+
+
+__all__ = ["MAX_TOP_K", "BlockExpertTable", "block_expert", "ggml_moe_token", "naive_ggml_moe_token", "takes_expert"]

@@ -155,3 +155,43 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Bytes of scratch ggml_moe_expert needs for n tokens of width W and inner size I.
+int64_t ggml_moe_expert_scratch(int64_t n, int64_t W, int64_t I) {
+  return 64 + align64(n * W * 4) + align64(n * (2 * I + W) * 4) + align64(scratch_bytes(n, std::max(W, I)));
+}
+
+// One expert over a chunk's tokens (prefill): out[rows[i]] += weights[i] * down(glu(gate x_r, up x_r)) for the
+// n tokens rows[i] of x [T, W], in the order of i; gate / up / down the expert's blocks of types[3]. Each
+// projection is one `gemv` over the n gathered rows (the multi-row int8 kernel: a weight block decoded once
+// per tile of tokens), so a row has the bits it has alone. Returns 0, or -1 as ggml_moe_token.
+int ggml_moe_expert(const float* x, int64_t W, int64_t I, const int64_t* rows, const float* weights, int64_t n,
+                    const int64_t* expert, const int64_t* types, int glu, float p0, float p1, float* out, void* scratch,
+                    int threads) {
+  const auto whole = [&](int p, int64_t cols) { return cols % (is_k_quant(static_cast<int>(types[p])) ? 256 : kBlock) == 0; };
+  for (int p = 0; p < 3; ++p)
+    if (!row_fn(static_cast<int>(types[p]))) return -1;
+  if (!whole(0, W) || !whole(1, W) || !whole(2, I) || n < 0) return -1;
+  if (n == 0) return 0;
+  char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
+  float* xg = reinterpret_cast<float*>(base);
+  float* g = reinterpret_cast<float*>(base + align64(n * W * 4));  // [n, I] gate, then the GLU
+  float* u = g + n * I;                                            // [n, I]
+  float* y = u + n * I;                                            // [n, W]
+  void* sq = base + align64(n * W * 4) + align64(n * (2 * I + W) * 4);
+  for (int64_t i = 0; i < n; ++i) std::memcpy(xg + i * W, x + rows[i] * W, W * sizeof(float));
+  const auto at = [&](int p) { return reinterpret_cast<const uint8_t*>(expert[p]); };
+  gemv(xg, n, W, at(0), static_cast<int>(types[0]), I, nullptr, g, sq, threads);
+  gemv(xg, n, W, at(1), static_cast<int>(types[1]), I, nullptr, u, sq, threads);
+  localmoe::glu_rows(glu, g, u, n * I, p0, p1);
+  gemv(g, n, I, at(2), static_cast<int>(types[2]), W, nullptr, y, sq, threads);
+  for (int64_t i = 0; i < n; ++i) {
+    float* dst = out + rows[i] * W;
+    for (int64_t d = 0; d < W; ++d) dst[d] += weights[i] * y[i * W + d];
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -37,8 +37,9 @@ from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
 from localmoe.kernels import dense_moe, ggml_gemv
 from localmoe.kernels.dense_moe import DenseExpertTable
+from localmoe.kernels.ggml_gemv import experts as ggml_experts
 from localmoe.kernels.ggml_gemv.experts import BlockExpertTable
-from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, ExpertTable, mxfp4_linear
+from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, GLU_KINDS, ExpertTable, mxfp4_linear
 from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES
 from localmoe.quant.mxfp4 import dequantize
 
@@ -155,8 +156,15 @@ def expert_accumulate(w: ExpertWeights, x: torch.Tensor, rows: torch.Tensor, wei
     """out[rows] += weights[:, None] * expert(x[rows]): x, out [T, D] fp32, rows [N] int64 (distinct), weights [N].
     Dense fp32 / bf16 experts without biases whose activation the kernels compute (`glu`: kind, params) run
     `kernels/dense_moe` for up to DENSE_MAX_TOKENS rows: one call, each weight row read once for all the
-    expert's tokens; others `expert_forward` on the gathered rows."""
+    expert's tokens; GGUF-block ones at precision q8 `kernels/ggml_gemv` `block_expert` for up to GEMV_MAX_TOKENS
+    rows (one call: the projections' multi-row int8 GEMVs and the GLU); others `expert_forward` on the gathered rows."""
     gate, up, down = w.gate.weight, w.up.weight, w.down.weight
+    if (glu is not None and precision == "q8" and 0 < rows.shape[0] <= GEMV_MAX_TOKENS
+            and isinstance(gate, BlockQuantized) and isinstance(up, BlockQuantized) and isinstance(down, BlockQuantized)
+            and w.gate.bias is None and w.up.bias is None and w.down.bias is None
+            and ggml_experts.takes_expert(x, out, (gate, up, down))):
+        ggml_experts.block_expert(x, rows, weights, (gate, up, down), GLU_KINDS.index(glu[0]), glu[1], out)
+        return
     if (glu is not None and 0 < rows.shape[0] <= DENSE_MAX_TOKENS and isinstance(gate, torch.Tensor)
             and isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and out.is_contiguous()
             and w.gate.bias is None and w.up.bias is None and w.down.bias is None

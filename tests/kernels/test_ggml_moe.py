@@ -4,6 +4,7 @@ rounded to int8 once for all gate and up rows.
 
 - the kernel against its reference (every projection dequantised by quant/ggml.py, x rounded to int8 per 32
   values as the GEMV's reference does), for every block type with an int8 row kernel, types mixed per projection;
+  the same for `block_expert` (one expert over a prefill chunk's rows, `ggml_moe_expert`);
 - its AVX2 build against its AVX-512 one, bit for bit;
 - Qwen3-MoE and GLM-4.5 GGUFs in llama.cpp's Q4_K_M layout (testing/moe_gguf.py) decoding through the plan with
   the experts in the kernel, against the op-by-op engine (<= 1e-5 of the logit range) and, paged at 25% RAM from a
@@ -59,6 +60,26 @@ def test_token_matches_the_dequantised_reference(types, kind):
     assert err < 1e-5, f"{err:.2e} of the largest output"
     other = ggml_moe_token(x, ids[:3], weights[:3], table, GLU_KINDS.index(kind), params, torch.zeros(table.hidden))
     assert not torch.allclose(got, other)  # an expert left out is seen
+
+
+@pytest.mark.parametrize("types", TYPES[:2], ids=["-".join(t.name for t in ts) for ts in TYPES[:2]])
+def test_chunk_expert_matches_the_reference_and_its_rows_alone(types):
+    """`block_expert` (a prefill chunk's rows of one expert in one call) against the dequantised reference, and
+    each row equal to the same row computed alone (the multi-row GEMV's rows are independent)."""
+    from localmoe.kernels.ggml_gemv.experts import block_expert
+
+    table = _table(types)
+    x = torch.randn(11, table.hidden, generator=torch.Generator().manual_seed(3))
+    rows, weights = torch.tensor([0, 2, 3, 7, 10]), torch.tensor([0.5, 0.25, 1.0, 0.75, 0.1])
+    got = block_expert(x, rows, weights, table.experts[4], 0, (0.0, 0.0), torch.zeros_like(x))
+    want = torch.zeros(11, table.hidden, dtype=torch.float64)
+    for r, w in zip(rows.tolist(), weights.tolist()):
+        naive_ggml_moe_token(x[r].double(), [4], [w], table, lambda g, u: glu("swiglu", g.float(), u.float(), 0.0, 0.0).double(),
+                             want[r])
+    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    assert got[[1, 4, 5, 6, 8, 9]].abs().max() == 0  # rows not chosen stay untouched
+    alone = block_expert(x, rows[3:4], weights[3:4], table.experts[4], 0, (0.0, 0.0), torch.zeros_like(x))
+    assert torch.equal(alone[7], got[7])
 
 
 def test_refuses_mixed_types_across_experts():
