@@ -204,3 +204,24 @@ def test_gguf_indexer_types_follow_llama_cpp_when_absent():
     S, F = "shared", "full"
     assert types(context_length=1048576) == [F, F, F, S, S, S, F, S, S, S]
     assert types(context_length=1048576, attention__indexer__types=[True, False] * 5) == [F, S] * 5
+
+
+def test_recording_shows_shared_layers_attend_to_the_full_layers_selection(models):
+    """probe-recall's `record_selection`: a shared layer records the selection of the full layer before it, and
+    recording changes no logit (also while nothing is dropped: the shared layer then attends to all it sees)."""
+    ours = models[0]
+    model, k = ours.model, ours.spec.dsa.index_topk
+    tokens = random_tokens(20, 6, ours.spec.vocab_size)
+    plain = model.forward(tokens, model.new_cache(1, 20), all_logits=True)
+    mixers = [mixer for _, mixer, _, _ in model.layers]
+    for m in mixers:
+        m.record_selection, m.last_selection = True, None
+    try:
+        recorded = model.forward(tokens, model.new_cache(1, 20), all_logits=True)
+    finally:
+        for m in mixers:
+            m.record_selection = False
+    torch.testing.assert_close(recorded, plain, rtol=1e-6, atol=1e-6)
+    assert mixers[1].last_selection is mixers[0].last_selection and mixers[2].last_selection is mixers[0].last_selection
+    assert mixers[4].last_selection is mixers[3].last_selection is not mixers[0].last_selection
+    assert mixers[0].last_selection.shape[-1] == k  # -1 pads beyond the visible tokens

@@ -44,8 +44,11 @@ class SharedDSAttention(DSAttention):
         """x [B, T, hidden] -> [B, T, hidden]; appends this step's latent rows to `cache`."""
         q_nope, q_rope = self.queries(x, step)
         rows = cache.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
-        if rows.shape[1] <= self.dense_context:
+        selected = step.selection
+        if rows.shape[1] <= self.dense_context and not (self.record_selection and selected is not None):
             return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
-        if step.selection is None:
+        if selected is None:
             raise LocalMoEError("a shared DSA layer runs with no full DSA layer's selection before it in the call")
-        return self.attend_selected(x, q_nope, q_rope, rows, step.selection, step)
+        if self.record_selection:  # probe-recall: the selection this layer attended to
+            self.last_selection = selected
+        return self.attend_selected(x, q_nope, q_rope, rows, selected, step)
