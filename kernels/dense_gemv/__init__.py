@@ -3,7 +3,8 @@
 - CPU tensors (contiguous, fp32 x and bias, fp32/bf16 W) with the CPU library (kernels/_cpu):
   `cpu.gemv`, each weight row streamed once for all N tokens.
 - otherwise the reference (reference.py).
-`kernel_wins(N, K)` says where the kernel beats torch's F.linear, for callers that have both.
+`kernel_wins(N, K)` says where the kernel beats torch's F.linear (benchmarks/kernels.py); the engine's
+`Linear` takes the kernel for every call of up to GEMV_MAX_ROWS rows anyway, for its row-independent bits.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
 // bf16 weights widen exactly to fp32 in registers (zero-extend, shift left 16) and meet fp32 x:
 // the result is x W^T with W's bf16 values, to fp32 rounding (torch's bf16 F.linear rounds x to
 // bf16 too, and its GEMV ran at 5-6 GB/s here). A row is computed whole by one thread, so the
-// bits do not depend on the thread count; the summation order depends on K and min(N, 8).
+// bits do not depend on the thread count, and a token's summation order depends on K only (not on N:
+// a token has the same bits alone or among others, dense_rows.h).
 #include <cstdint>
 
 #include "dense_rows.h"

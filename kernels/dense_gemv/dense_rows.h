@@ -33,28 +33,44 @@ inline float load1(const uint16_t* p) {
 
 // One weight row w [K] against NT tokens x (row stride K): y[t * O] = dot(w, x_t) + bias (bias may
 // be null). The row is one sequential stream (interleaving rows, or software prefetch, measured
-// 0.6-0.7x of the plain stream). A accumulators per token over 8-column steps keep enough FMA
-// chains in flight for the 16 ymm registers: 4 for 1-2 tokens, 2 for 3-4, 1 for 5-8.
+// 0.6-0.7x of the plain stream). Every token's dot has the same summation order whatever NT (so a
+// token's bits do not depend on the other rows of a call, engine/batch.py): 4 accumulators over
+// 32-column steps (accumulator a takes columns k + 8a .. k + 8a + 7), the 8-column steps left over
+// into accumulator 0, ((a0 + a1) + a2) + a3, a horizontal sum, then the scalar tail. The 16 ymm
+// registers hold 4 accumulators for 1-2 tokens (one pass over the row, the single-token stream),
+// so 3-4 tokens take two passes of 2 accumulators each and 5-8 tokens four passes of one (the
+// later passes find the row in L1/L2).
+template <typename T, int NT, int L>
+inline void row_pass(const T* w, const float* x, int64_t K, int p, __m256 (*acc)[4]) {
+  __m256 part[NT][L];
+  for (int t = 0; t < NT; ++t)
+    for (int l = 0; l < L; ++l) part[t][l] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m256 wv[L];
+    for (int l = 0; l < L; ++l) wv[l] = load8(w + k + 8 * (p * L + l));
+    for (int t = 0; t < NT; ++t)
+      for (int l = 0; l < L; ++l)
+        part[t][l] = _mm256_fmadd_ps(wv[l], _mm256_loadu_ps(x + t * K + k + 8 * (p * L + l)), part[t][l]);
+  }
+  if (p == 0)
+    for (; k + 8 <= K; k += 8) {
+      const __m256 wv = load8(w + k);
+      for (int t = 0; t < NT; ++t) part[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * K + k), part[t][0]);
+    }
+  for (int t = 0; t < NT; ++t)
+    for (int l = 0; l < L; ++l) acc[t][p * L + l] = part[t][l];
+}
+
 template <typename T, int NT>
 inline void row(const T* w, const float* x, int64_t K, const float* bias, float* y, int64_t O) {
-  constexpr int A = NT <= 2 ? 4 : (NT <= 4 ? 2 : 1);
-  __m256 acc[NT][A];
-  for (int t = 0; t < NT; ++t)
-    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 * A <= K; k += 8 * A) {
-    __m256 wv[A];
-    for (int a = 0; a < A; ++a) wv[a] = load8(w + k + 8 * a);
-    for (int t = 0; t < NT; ++t)
-      for (int a = 0; a < A; ++a) acc[t][a] = _mm256_fmadd_ps(wv[a], _mm256_loadu_ps(x + t * K + k + 8 * a), acc[t][a]);
-  }
-  for (; k + 8 <= K; k += 8) {
-    const __m256 wv = load8(w + k);
-    for (int t = 0; t < NT; ++t) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * K + k), acc[t][0]);
-  }
+  constexpr int L = NT <= 2 ? 4 : (NT <= 4 ? 2 : 1);  // accumulators per token in one pass
+  __m256 acc[NT][4];
+  for (int p = 0; p < 4 / L; ++p) row_pass<T, NT, L>(w, x, K, p, acc);
+  const int64_t k = K / 8 * 8;  // the scalar tail's first column
   for (int t = 0; t < NT; ++t) {
     __m256 sum = acc[t][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+    for (int a = 1; a < 4; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
     float s = hsum(sum);
     for (int64_t j = k; j < K; ++j) s = __builtin_fmaf(load1(w + j), x[t * K + j], s);
     y[t * O] = bias == nullptr ? s : s + *bias;

@@ -8,7 +8,11 @@ inputs upcast the weight on the fly (cheap next to a GEMM). Measured on SmolLM2-
 
 Decode-sized inputs (few rows) go through the dense GEMV kernel (`localmoe.kernels.dense_gemv`:
 the weight streamed at memory bandwidth, bf16 widened to fp32 in registers, fp32 x and
-accumulation) where it is available and beats torch; prefill stays on torch's sgemm.
+accumulation) where it is available, for every call of up to GEMV_MAX_ROWS rows: it computes each row
+with the same bits alone or among others (`independent_rows`, engine/batch.py), which torch's GEMM does
+not (and its bf16 GEMV rounds x to bf16). Past ~16 KiB of x torch's GEMM is faster (2-3x for 8 rows of
+2880-4096 columns, `dense_gemv.kernel_wins`); batched and speculative greedy decoding need the equal
+bits, so those calls pay it. Prefill stays on torch's sgemm.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class Linear:
         K = x.shape[-1]
         rows = x.numel() // K
         if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and K == self.weight.shape[1] and dense_gemv.kernel_wins(rows, K)):
+                and K == self.weight.shape[1]):  # every such call: a row's bits do not depend on the others
             return self.gemv(x.reshape(rows, K).contiguous()).view(*x.shape[:-1], self.out_features)
         if not self.low_precision:
             return F.linear(x, self.weight, self.bias)
