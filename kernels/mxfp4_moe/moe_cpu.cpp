@@ -8,8 +8,8 @@
 // increasing order within an expert, and added to `out` in that order. `only` >= 0 computes just
 // that expert's group: a paging provider, which holds one expert at a time, calls once per expert
 // in increasing id and gets the same bits as one call over every expert. Within a group, its n
-// tokens go through the GEMV's paths (mxfp4_rows.h: the integer path for n = 1, fp32 blocks for
-// more), each output row whole on one thread, so the bits depend on neither the thread count nor
+// tokens go through the GEMV's paths (mxfp4_rows.h: the integer path per token for n <= kTokenPathMax,
+// fp32 blocks for more), each output row whole on one thread, so the bits depend on neither the thread count nor
 // on which other experts share the call.
 //
 // Precision q8 (EngineConfig.expert_precision, the engine's default): each projection's input is
@@ -62,6 +62,12 @@ struct Phase {
   bool q8;
 };
 
+// Exact precision: an expert's group of up to this many tokens (every group of a decode call of up to
+// GEMV_MAX_ROWS rows) runs the one-token integer path per token, so each token has the bits it has alone
+// (engine/batch.py's row independence; row_f32's summation order depends on the group's size). Larger
+// groups (prefill) share each block's fp32 decode among their tokens (row_tokens).
+constexpr int64_t kTokenPathMax = 8;
+
 // Rows [i0, i1) of the phase, numbered group-major, then projection, then output row: a chunk is walked
 // as runs of consecutive rows of one (group, projection) matrix (one division per chunk, not three
 // per row: with K = 768 a row is only ~60 cycles of work).
@@ -79,8 +85,10 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
     float* y0 = a.out[proj] + g.first * a.O;
     if (g.n == 1 && a.q8)
       matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, y0);
-    else if (g.n == 1)
-      matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairX*>(a.xq + g.first * qbytes), y0);
+    else if (g.n <= kTokenPathMax && !a.q8)  // each token on its own: the bits it has alone
+      for (int64_t t = 0; t < g.n; ++t)
+        matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairX*>(a.xq + (g.first + t) * qbytes),
+                     y0 + t * a.O);
     else if (a.q8)
       matrix_q8_tokens(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs,
                        g.n, y0, a.O);
@@ -95,7 +103,7 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
 }
 
 // The groups' inputs in the form their path reads: q8 records for every token when q8, else integer
-// parts for single tokens and permuted fp32 rows otherwise. src(a) is assignment a's input row of K.
+// parts for the tokens of groups of up to kTokenPathMax and permuted fp32 rows otherwise. src(a) is assignment a's input row of K.
 template <typename Src>
 void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float* xp, uint8_t* xq, bool q8) {
   const int64_t qbytes = q8 ? pairs_q8_bytes(K) : pairs_bytes(K);
@@ -103,7 +111,7 @@ void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float*
     for (int64_t a = g.first; a < g.first + g.n; ++a) {
       if (q8)
         quantize_row_q8(src(a), K / kBlock, reinterpret_cast<PairQ8*>(xq + a * qbytes));
-      else if (g.n == 1)
+      else if (g.n <= kTokenPathMax)
         quantize_row(src(a), K / kBlock, reinterpret_cast<PairX*>(xq + a * qbytes));
       else
         permute_blocks(src(a), 1, K, xp + a * K);

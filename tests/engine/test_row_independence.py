@@ -4,7 +4,8 @@ alone. Batched decoding of several sequences and speculative verification (engin
 "batched greedy == alone". It failed at `small` shapes while tiny ones hid it: the dense GEMV kernel
 summed a token's dot in an order that depended on the call's row count (3-4 and 5-8 rows took fewer
 accumulators), and `Linear` handed calls past 16 KiB of x (6+ rows of 768 columns) to torch's GEMM
-(bf16 weights: x rounded to bf16)."""
+(bf16 weights: x rounded to bf16); with exact MXFP4 experts, an expert's 2+ tokens took another path than one.
+"""
 
 from __future__ import annotations
 
@@ -73,16 +74,9 @@ def test_every_matrix_of_a_tiny_model_keeps_rows_independent(model):
     _assert_rows_independent(model, moe=False)
 
 
-# Known, not fixed yet: with expert_precision "exact" (these tests' config) an MXFP4 expert's 2+ tokens take the
-# kernel's fp32 path (mxfp4_rows.h row_f32, whose summation order depends on the group's size) where one token
-# takes the exact integer path; K3's tiny MoE differs likewise. strict: passing means it was fixed.
-MOE_ROWS_DIFFER = {"gpt_oss", "kimi_k3"}
-
-
-def test_every_moe_block_of_a_tiny_model_keeps_rows_independent(model, request):
-    family = request.node.callspec.params["model"]
-    if family in MOE_ROWS_DIFFER:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="MoE rows depend on the group (see MOE_ROWS_DIFFER)"))
+def test_every_moe_block_of_a_tiny_model_keeps_rows_independent(model):
+    """expert_precision "exact" (these models' config): an MXFP4 expert's group of 2-8 tokens took the kernel's
+    fp32 path (mxfp4_rows.h row_f32, summation order by group size) where one token takes the integer path."""
     _assert_rows_independent(model, moe=True)
 
 
