@@ -88,3 +88,18 @@ def test_every_call_of_a_small_gpt_oss_keeps_rows_independent(tmp_path):
     model = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model
     _assert_rows_independent(model, moe=False)
     _assert_rows_independent(model, moe=True)  # expert_precision "q8" (the default): one path per token
+
+
+@pytest.mark.parametrize("D", [768, 2048])
+def test_attention_residual_mix_rows_have_their_own_bits(D):
+    """K3's depth mix (engine/layers/attn_res.py) over N decode rows, for 1..12 stored entries: each row as
+    alone. Its prefill form (a matmul and an einsum over the call) sums in an order that depends on N."""
+    from localmoe.engine.layers.attn_res import depth_mix
+
+    for entries in range(1, 13):
+        g = torch.Generator().manual_seed(D + entries)
+        values = [torch.randn(GEMV_MAX_ROWS, 1, D, generator=g) * (i + 1) for i in range(entries)]
+        query = torch.randn(D, generator=g)
+        alone = torch.cat([depth_mix([v[n:n + 1] for v in values], query, 1e-6) for n in range(GEMV_MAX_ROWS)])
+        for N in range(2, GEMV_MAX_ROWS + 1):
+            assert torch.equal(depth_mix([v[:N] for v in values], query, 1e-6), alone[:N]), (entries, N)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from localmoe.engine.layers import on_device
+from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 
 Sublayer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer, normalised-input source x) -> output
 
@@ -49,10 +50,17 @@ def residual_query(weights: dict[str, torch.Tensor], stem: str) -> torch.Tensor:
 
 
 def depth_mix(values: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
-    """values: N tensors [B, T, D] fp32, query [D] -> [B, T, D], softmax over the N entries."""
+    """values: N tensors [B, T, D] fp32, query [D] -> [B, T, D], softmax over the N entries.
+
+    Decode-sized calls (B * T <= GEMV_MAX_ROWS: batched rows, speculative verify) reduce element-wise, so
+    a token's bits do not depend on the other tokens of the call (engine/batch.py); torch's matmul and
+    einsum sum in an order that does. Prefill keeps them (no [N, B, T, D] product temporary)."""
     V = torch.stack(values)  # [N, B, T, D]
-    scores = (V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)) @ query  # [N, B, T]
-    return torch.einsum("nbt,nbtd->btd", scores.softmax(dim=0), V)
+    k = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)
+    if V.shape[1] * V.shape[2] <= GEMV_MAX_ROWS:
+        weights = (k * query).sum(-1).softmax(dim=0)  # [N, B, T]
+        return (weights[..., None] * V).sum(0)
+    return torch.einsum("nbt,nbtd->btd", (k @ query).softmax(dim=0), V)
 
 
 class AttentionResiduals:
