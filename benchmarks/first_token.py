@@ -131,7 +131,7 @@ def web_first_token(url: str) -> float:
 
     client = Client(url, verbose=False)  # a fresh session (no history) each round
     started = time.perf_counter()
-    job = client.submit(QUESTION, api_name="/respond")
+    job = client.submit(QUESTION, None, api_name="/respond")  # no picture
     first = None
     while first is None:
         for output in job.outputs():
