@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 QUESTION = "What is the capital of France?"
+TYPING = 0.5  # seconds between the TUI showing its prompt and the enter key (a user typing the question)
 
 
 def free_port() -> int:
@@ -116,6 +117,7 @@ async def tui_first_token(service, workdir: Path, max_tokens: int) -> float:
         async with app.run_test(size=(100, 30)) as pilot:
             while app.conversation is None:
                 await pilot.pause(0.01)
+            await pilot.pause(TYPING)  # the main screen's first layout, as while a user types
             app.query_one("#prompt", Input).value = QUESTION
             started = time.perf_counter()
             await pilot.press("enter")
