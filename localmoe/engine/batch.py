@@ -90,10 +90,12 @@ def has_fused_step(model) -> bool:
     return hasattr(model, "layers") and DecodePlan.build(model) is not None
 
 
-def _multi_row(model) -> bool:
+def rows_independent(model) -> bool:
     """Whether every matrix of the batched step takes a whole batch in one kernel call that reads and
-    decodes each weight block once for all rows (GGUF blocks: ggml_gemv.MAX_ROWS rows, plain GQA and
-    dense MLPs)."""
+    decodes each weight block once for all rows and gives each row the bits it has alone (GGUF blocks:
+    ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs). Then batching pays (`batching_pays`), and a prompt
+    token run as a row has the same bits in any chunking and beside any other rows, so the runtime runs
+    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunk=...)`)."""
     if not batchable(model):
         return False
     matrices = [model.lm_head]
@@ -105,21 +107,13 @@ def _multi_row(model) -> bool:
         return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
 
 
-def rows_independent(model) -> bool:
-    """Whether every row of `forward_rows` is computed on its own by kernels that give it the same bits in
-    any batch (`_multi_row`: plain GQA, dense MLPs, GGUF block matrices): then a prompt token run as a
-    row has the same bits in any chunking and beside any other rows, so the runtime runs prompt chunks
-    as rows of the batched step (engine/generate.py `decode_together(chunk=...)`)."""
-    return _multi_row(model)
-
-
 def batching_pays(model) -> bool:
     """Whether the worker's "auto" mode batches this model's decode steps. A fused single-sequence step
     (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
     op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md); where
-    every matrix runs the multi-row kernels (`_multi_row`: the embedded SmolLM2 Q4_1 GGUF) a batch of 16
+    every matrix runs the multi-row kernels (`rows_independent`: the embedded SmolLM2 Q4_1 GGUF) a batch of 16
     costs ~3x one sequence's step instead of ~16x, and batching wins. Models without a fused step batch."""
-    return not has_fused_step(model) or _multi_row(model)
+    return not has_fused_step(model) or rows_independent(model)
 
 
 def _plain_gqa(mixer, caches) -> bool:
