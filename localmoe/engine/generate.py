@@ -94,6 +94,12 @@ class Decoder:
         self.preemptions = 0
         self._watch()
 
+    def _resume(self) -> None:
+        """After `preempt`: a fresh cache (the prompt runs again), watched as the first one was."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, self._cache_len)
+            self._watch()
+
     def _watch(self) -> None:
         """A drafter that reads the target's hidden states (MTP, engine/spec/mtp.py) watches the cache."""
         if self.speculator is not None and hasattr(self.speculator.drafter, "watch"):
@@ -114,9 +120,7 @@ class Decoder:
             raise RuntimeError("nothing pending: feed a token first")
         if self.speculating and self.decoding:
             return decode_together([self])[0]
-        if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
-            self.cache = self.model.new_cache(1, self._cache_len)
-            self._watch()
+        self._resume()
         size = self.chunk
         if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
@@ -143,8 +147,7 @@ class Decoder:
         """The next prompt chunk, at most `limit` tokens, taken from `pending` for a batched step to run
         (`decode_together`); it ends where `logits()`' chunks end (the anchor, every `chunk` tokens), so
         the prefix cache finds the same boundaries."""
-        if self.cache is None:  # resumed after `preempt`: a fresh cache, the prompt runs again
-            self.cache = self.model.new_cache(1, self._cache_len)
+        self._resume()
         at = len(self.in_cache)
         size = max(1, min(limit, next_boundary(at, self.chunk, self.anchor) - at))
         batch, self.pending = self.pending[:size], self.pending[size:]
