@@ -254,19 +254,20 @@ class EngineWorker:
         idle = [r for r in self._active if r.wants is None]
         results: list[tuple[Running, torch.Tensor | None]] = []
         chunk = self._prompt_chunk(decode, prefill)
-        if decode or chunk is not None:
-            model = (decode or [chunk])[0].wants.model
+        batched = decode + ([chunk] if chunk is not None else [])
+        if batched:
+            model = batched[0].wants.model
             try:
                 if chunk is None:
                     logits = decode_together([r.wants for r in decode], self.fused_for(model))
-                else:  # the chunk's rows: twice the decode rows (at least CHUNK_FLOOR), or a whole chunk alone
+                else:  # the chunk's rows: as many as the decode rows (at least CHUNK_FLOOR), or a whole chunk alone
                     limit = max(CHUNK_FLOOR, len(decode)) if decode else chunk.wants.chunk
                     logits = decode_together([r.wants for r in decode], False, (chunk.wants, limit))
                     self.prompt_rows += 1
-                results += zip(decode + ([chunk] if chunk is not None else []), logits)
+                results += zip(batched, logits)
                 self.batched_tokens += 0 if self.fused else len(decode)
             except Exception as e:  # noqa: BLE001 - fail the step's jobs alone, keep serving
-                for r in decode + ([chunk] if chunk is not None else []):
+                for r in batched:
                     self._drop(r)
                     self._fail(r.job, e)
         prompt_run = chunk is not None
