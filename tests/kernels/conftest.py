@@ -49,3 +49,22 @@ def pytest_configure(config):
 def close():
     """assert_close(got, want, tol, name)."""
     return assert_close
+
+
+def greedy_logits(model, prompt: list[int], steps: int, planned: bool, max_len: int) -> torch.Tensor:
+    """Logits [steps, V] of `steps` greedy decode steps after `prompt`; `planned`: through the model's decode
+    plan (checked to be the hybrid one), else op by op (the plan's step declined)."""
+    model._plan = None
+    if not planned:
+        model._planned_step = lambda tokens, cache: None
+    cache = model.new_cache(1, max_len)
+    logits = model.forward(torch.tensor([prompt]), cache)
+    out = []
+    for _ in range(steps):
+        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
+        out.append(logits[0, -1])
+    if planned:
+        assert type(model._plan.decoder).__name__ == "HybridDecoder"
+    else:
+        del model._planned_step
+    return torch.stack(out)

@@ -13,6 +13,8 @@ from localmoe.config import EngineConfig
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
 
+from .conftest import greedy_logits
+
 pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
 
 PROMPT = list(range(3, 73))  # 70 tokens: MLA attends over more than one 64-key block
@@ -31,20 +33,7 @@ def _load(path, dtype="float32", precision="exact"):
 
 def _decode(model, planned: bool) -> torch.Tensor:
     """Logits [STEPS, V] of STEPS greedy decode steps after PROMPT; `planned`: through the decode plan."""
-    model._plan = None
-    if not planned:
-        model._planned_step = lambda tokens, cache: None
-    cache = model.new_cache(1, 128)
-    logits = model.forward(torch.tensor([PROMPT]), cache)
-    out = []
-    for _ in range(STEPS):
-        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
-        out.append(logits[0, -1])
-    if planned:
-        assert type(model._plan.decoder).__name__ == "HybridDecoder"
-    else:
-        del model._planned_step
-    return torch.stack(out)
+    return greedy_logits(model, PROMPT, STEPS, planned, 128)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -28,6 +28,8 @@ from localmoe.testing import write_checkpoint
 from localmoe.testing.ggml_blocks import random_blocks
 from localmoe.testing.moe_gguf import write_moe_gguf
 
+from .conftest import greedy_logits
+
 pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
 
 TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q8_0), (Q.Q4_0, Q.Q4_1, Q.Q5_0), (Q.Q5_1, Q.Q8_0, Q.Q4_K)]
@@ -119,20 +121,8 @@ def _load(path, **kw):
 
 
 def _decode(model, planned: bool) -> torch.Tensor:
-    model._plan = None
-    if not planned:
-        model._planned_step = lambda tokens, cache: None
-    cache = model.new_cache(1, 64)
-    logits = model.forward(torch.tensor([PROMPT]), cache)
-    out = []
-    for _ in range(STEPS):
-        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
-        out.append(logits[0, -1])
-    if planned:
-        assert type(model._plan.decoder).__name__ == "HybridDecoder"
-    else:
-        del model._planned_step
-    return torch.stack(out)
+    """Logits [STEPS, V] of STEPS greedy decode steps after PROMPT; `planned`: through the decode plan."""
+    return greedy_logits(model, PROMPT, STEPS, planned, 64)
 
 
 def test_fused_matches_op_by_op(gguf):
