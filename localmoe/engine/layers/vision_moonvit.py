@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.layers import on_device
+from localmoe.engine.layers.vit import ViT
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,34 +100,18 @@ def name_patterns(prefix: str = "vision_tower.", projector: str = "mm_projector.
     return [n.replace(".blocks.0.", ".blocks.{i}.") for n in names]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary's partner: [x1, x2] -> [-x2, x1] over the last dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Interleaved rotary: x [N, H, hd] with dims (2r, 2r+1) a complex number turned by angles [N, hd/2]."""
     z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2).contiguous())
     return torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles)[:, None]).flatten(-2)
 
 
-class MoonViT:
+class MoonViT(ViT):
     """The tower and projector: `__call__(patches, grids)` -> one [tokens, text_hidden] tensor per image."""
 
     def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, projector: str, device="cpu"):
-        self.cfg, self.w, self.prefix, self.projector = cfg, w, prefix, projector
-        self.device = torch.device(device)  # where its weights are; images' patches go there
-        hd = cfg.head_dim
-        # axial rotary: head_dim / 4 frequencies per axis, interleaved (w, h) and repeated over both halves
-        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
-                         ).to(self.device)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
-
-    def _p(self, name: str) -> torch.Tensor:
-        return self.w[self.prefix + name]
+        super().__init__(cfg, w, prefix, device)
+        self.projector = projector
 
     def _pos_embed(self, h: int, w: int) -> torch.Tensor:
         """The learned grid resampled to h x w patches (bicubic, half-pixel centres): [h * w, D]."""
@@ -138,27 +123,10 @@ class MoonViT:
 
     def _rotary(self, h: int, w: int) -> torch.Tensor:
         """Angles [h * w, head_dim / 2] of the raster patch grid, one per rotary pair: w0, h0, w1, h1, ..."""
-        hs, ws = torch.meshgrid(torch.arange(h, device=self.device), torch.arange(w, device=self.device), indexing="ij")
-        fh = hs.reshape(-1, 1).float() * self.inv_freq  # [N, hd/4]
-        fw = ws.reshape(-1, 1).float() * self.inv_freq
+        hs, ws = self._grid(h, w)
+        fh = hs[:, None].float() * self.inv_freq  # [N, hd/4]
+        fw = ws[:, None].float() * self.inv_freq
         return torch.stack([fw, fh], dim=-1).flatten(1)
-
-    def _layer(self, i: int, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        cfg, ly = self.cfg, f"encoder.blocks.{i}."
-        D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-
-        def lin(name, t):
-            return F.linear(t, self._p(ly + name + ".weight"), self._p(ly + name + ".bias"))
-
-        def norm(name, t):
-            return F.layer_norm(t, (D,), self._p(ly + name + ".weight"), self._p(ly + name + ".bias"), 1e-5)
-
-        N = x.shape[0]
-        q, k, v = lin("wqkv", norm("norm0", x)).view(N, 3, H, hd).unbind(1)
-        q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        x = x + lin("wo", o.transpose(0, 1).reshape(N, D))
-        return x + lin("mlp.fc1", F.gelu(lin("mlp.fc0", norm("norm1", x)), approximate="tanh"))
 
     def encode(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """One image's tower output before the projector: patches [h * w, 3, p, p] in raster order ->
@@ -176,8 +144,9 @@ class MoonViT:
                      self._p("patch_embed.proj.bias"))
         x = x + self._pos_embed(h, w)
         angles = self._rotary(h, w)
+        names = ("norm0", "wqkv", "wo", "norm1", "mlp.fc0", "mlp.fc1")
         for i in range(cfg.num_layers):
-            x = self._layer(i, x, angles)
+            x = self._block(f"encoder.blocks.{i}.", names, 1e-5, x, lambda t: rotate_pairs(t, angles))
         D = cfg.hidden_size
         x = F.layer_norm(x, (D,), self._p("encoder.final_layernorm.weight"), self._p("encoder.final_layernorm.bias"),
                          1e-5)
@@ -192,16 +161,9 @@ class MoonViT:
         x = F.gelu(F.linear(x, self.w[P + "proj.0.weight"], self.w[P + "proj.0.bias"]))
         return F.linear(x, self.w[P + "proj.2.weight"], self.w[P + "proj.2.bias"])
 
-    @torch.no_grad()
-    def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Images' patches concatenated [sum h * w, 3, p, p] with their grids -> per image [tokens, text_hidden]."""
-        out, start = [], 0
-        for h, w in grids:
-            out.append(self.project(self.encode(patches[start:start + h * w], (h, w))))
-            start += h * w
-        if start != patches.shape[0]:
-            raise ValueError(f"{patches.shape[0]} patches given for grids holding {start}")
-        return out
+    def image(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """One image's patches [h * w, 3, p, p] -> its tokens [tokens, text_hidden]."""
+        return self.project(self.encode(patches, grid))
 
 
 def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "vision_tower.",

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.layers import on_device
-from localmoe.engine.layers.vision_moonvit import rotate_half
+from localmoe.engine.layers.vit import ViT, rotate_half
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,21 +116,8 @@ def name_patterns(prefix: str = "visual.") -> list[str]:
             for n in names]
 
 
-class Qwen3VLVision:
+class Qwen3VLVision(ViT):
     """`__call__(patches, grids)` -> per image (embeddings [tokens, out], [deep-stack features [tokens, out], ...])."""
-
-    def __init__(self, cfg: Config, w: dict[str, torch.Tensor], prefix: str, device="cpu"):
-        self.cfg, self.w, self.prefix = cfg, w, prefix
-        self.device = torch.device(device)  # where its weights are; images' patches go there
-        hd = cfg.head_dim
-        self.inv_freq = (1.0 / (cfg.rope_theta ** (torch.arange(0, hd // 2, 2, dtype=torch.float32) / (hd // 2)))
-                         ).to(self.device)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
-
-    def _p(self, name: str) -> torch.Tensor:
-        return self.w[self.prefix + name]
 
     def _block_order(self, h: int, w: int) -> torch.Tensor:
         """Raster index of each patch in merge-block order."""
@@ -144,29 +131,11 @@ class Qwen3VLVision:
         return grid.permute(1, 2, 0).reshape(h * w, -1)[order]
 
     def _rotary(self, h: int, w: int, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hs, ws = torch.meshgrid(torch.arange(h, device=self.device), torch.arange(w, device=self.device), indexing="ij")
-        hs, ws = hs.flatten()[order], ws.flatten()[order]
+        hs, ws = self._grid(h, w)
+        hs, ws = hs[order], ws[order]
         f = torch.cat([hs[:, None].float() * self.inv_freq, ws[:, None].float() * self.inv_freq], dim=-1)
         f = torch.cat([f, f], dim=-1)  # [N, head_dim]
         return f.cos(), f.sin()
-
-    def _block(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        cfg, b = self.cfg, f"blocks.{i}."
-        D, H, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-
-        def lin(name, t):
-            return F.linear(t, self._p(b + name + ".weight"), self._p(b + name + ".bias"))
-
-        def norm(name, t):
-            return F.layer_norm(t, (D,), self._p(b + name + ".weight"), self._p(b + name + ".bias"), 1e-6)
-
-        N = x.shape[0]
-        q, k, v = lin("attn.qkv", norm("norm1", x)).view(N, 3, H, hd).unbind(1)
-        c, s = cos[:, None], sin[:, None]
-        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        x = x + lin("attn.proj", o.transpose(0, 1).reshape(N, D))
-        return x + lin("mlp.linear_fc2", F.gelu(lin("mlp.linear_fc1", norm("norm2", x)), approximate="tanh"))
 
     def _merge(self, m: str, x: torch.Tensor, postshuffle: bool) -> torch.Tensor:
         cfg, M = self.cfg, self.cfg.merged_dim
@@ -191,25 +160,17 @@ class Qwen3VLVision:
         x = F.linear(patches.to(self.device, torch.float32), proj.reshape(proj.shape[0], -1), self._p("patch_embed.proj.bias"))
         x = x + self._pos_embed(h, w, order)
         cos, sin = self._rotary(h, w, order)
+        c, s = cos[:, None], sin[:, None]
+        names = ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.linear_fc1", "mlp.linear_fc2")
         deep = []
         for i in range(cfg.depth):
-            x = self._block(i, x, cos, sin)
+            x = self._block(f"blocks.{i}.", names, 1e-6, x, lambda t: t * c + rotate_half(t) * s)
             if i in cfg.deepstack_visual_indexes:
                 j = cfg.deepstack_visual_indexes.index(i)
                 deep.append(self._merge(f"deepstack_merger_list.{j}.", x, postshuffle=True))
         return self._merge("merger.", x, postshuffle=False), deep
 
-    @torch.no_grad()
-    def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int]]) -> list[tuple[torch.Tensor, list]]:
-        """Images' patches concatenated [sum h * w, patch_dim] with their grids -> per image
-        (embeddings [tokens, out_hidden], deep-stack features: one [tokens, out_hidden] per deep-stack layer)."""
-        out, start = [], 0
-        for h, w in grids:
-            out.append(self.encode(patches[start:start + h * w], (h, w)))
-            start += h * w
-        if start != patches.shape[0]:
-            raise ValueError(f"{patches.shape[0]} patches given for grids holding {start}")
-        return out
+    image = encode  # per image: (embeddings [tokens, out_hidden], deep-stack features [tokens, out_hidden] each)
 
 
 def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str = "visual.", device: str = "cpu") -> Qwen3VLVision:
