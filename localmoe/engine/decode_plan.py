@@ -89,8 +89,10 @@ class DecodePlan:
     def _moe(cls, model) -> DecodePlan | None:
         layers, parts = [], []
         for attn_norm, mixer, mlp_norm, block in model.layers:
+            # decode_gqa_moe's attention has no q/k norms (gpt-oss has none): a layer with them runs op by op
             if not (isinstance(mixer, GQAttention) and isinstance(mixer.fused_step, StepKernel)
-                    and isinstance(block, MoEBlock) and _fp32_vectors(attn_norm, mlp_norm)):
+                    and mixer.fused_step.q_norm is None and isinstance(block, MoEBlock)
+                    and _fp32_vectors(attn_norm, mlp_norm)):
                 return None
             table = block.routed_table(1)
             if table is None or block.latent is not None or block.shared is not None:
