@@ -64,7 +64,7 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
         weights[canonical] = tensor
     if finish is not None:
         weights = Weights(finish(weights, spec))
-    expected = family.expected_shapes(spec)
+    expected = _expert_forms(family.expected_shapes(spec), weights)
     for canonical, shape in expected.items():
         if canonical not in weights and elsewhere is not None and elsewhere.search(canonical):
             continue
@@ -80,6 +80,31 @@ def _canonical_weights(names: Sequence[str], read, tensor_map: TensorMap, family
             raise CheckpointError(f"{source}: tensor {canonical!r} is not used by this configuration "
                                   f"(model type {spec.model_type}); the config and weights disagree")
     return weights
+
+
+_EXPERT_MATRIX = re.compile(r"\.mlp\.experts\.\d+\.(?:gate|up|down)\.(weight|packed|scales)$")
+
+
+def _expert_forms(expected: dict[str, tuple[int, ...]], weights) -> dict[str, tuple[int, ...]]:
+    """`expected` with each routed expert matrix in the form `weights` hold it. A family's shapes name one
+    form, `P.weight` [out, in] (floats or ggml blocks) or MXFP4 `P.packed` [out, in/2] + `P.scales`
+    [out, in/32]; a GGUF may hold the other (llama-quantize's MXFP4_MOE; a K3 whose experts a community
+    quant requantised to Q4_K, IQ2_XXS, ...). Both run (engine/experts.py)."""
+    out = dict(expected)
+    for name, shape in expected.items():
+        m = _EXPERT_MATRIX.search(name)
+        if m is None or name in weights:
+            continue
+        stem = name[:m.start(1)]
+        if m.group(1) == "weight" and stem + "packed" in weights:
+            del out[name]
+            out[stem + "packed"], out[stem + "scales"] = (shape[0], shape[1] // 2), (shape[0], shape[1] // 32)
+        elif m.group(1) == "packed" and stem + "weight" in weights:
+            del out[name]
+            out[stem + "weight"] = (shape[0], shape[1] * 2)
+        elif m.group(1) == "scales" and stem + "weight" in weights:
+            del out[name]
+    return out
 
 
 def build_from_tensors(family: ModelFamily, spec: ModelSpec, tensors: dict[str, torch.Tensor], tensor_map: TensorMap,

@@ -16,6 +16,7 @@ from localmoe.config import ModelSpec
 from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError, UnsupportedModelError
 from localmoe.models.base import ExpertTensors, TensorMap, TensorRule, gguf_float
+from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
 PROJECTIONS = ("gate", "up", "down")
 STACKED = "layers.{i}.mlp.experts.{p}_exps"  # canonical name of a stacked tensor until gguf_finish splits it
@@ -124,25 +125,29 @@ def _expert(t, e: int):
 
 def unstack_experts(weights: dict, spec: ModelSpec) -> dict:
     """`gguf_finish` of the stacked-expert families: each MoE layer's stacked gate / up / down become
-    per-expert `layers.{i}.mlp.experts.{e}.{p}.weight` views; a missing one leaves its canonical
-    tensors missing, for the shape checks to name."""
+    per-expert `layers.{i}.mlp.experts.{e}.{p}.weight` views (floats or their ggml blocks), or, for ggml
+    MXFP4 experts (gpt-oss / K3 by birth, llama-quantize's MXFP4_MOE for the others), the canonical MXFP4
+    `.packed` / `.scales` (bytes moved); a missing one leaves its canonical tensors missing, for the shape
+    checks to name."""
     for i in spec.moe_layers():
         for p in PROJECTIONS:
             name = STACKED.format(i=i, p=p)
             if name not in weights:
                 continue
             stacked = weights.pop(name)
-            if isinstance(stacked, torch.Tensor) and stacked.dtype == torch.uint8:  # the loader's stacked MXFP4 bytes
-                raise UnsupportedModelError(f"tensor blk.{i}.ffn_{p}_exps.weight holds MXFP4 experts (llama-quantize's "
-                                            f"MXFP4_MOE): read for gpt-oss and kimi-k3 only so far; quantise the model "
-                                            f"to another type (Q4_K_M, Q8_0, IQ4_XS, ...)")
             if stacked.shape[0] != spec.num_experts:
                 raise CheckpointError(f"tensor blk.{i}.ffn_{p}_exps.weight holds {stacked.shape[0]} experts, the "
                                       f"metadata says {spec.num_experts}")
+            x = f"layers.{i}.mlp.experts.{{e}}.{p}."
+            if isinstance(stacked, torch.Tensor) and stacked.dtype == torch.uint8:  # the loader's stacked MXFP4 bytes
+                packed, scales = ggml_to_canonical(stacked.reshape(*stacked.shape[:2], -1, GGML_BLOCK_BYTES))
+                for e in range(spec.num_experts):
+                    weights[x.format(e=e) + "packed"], weights[x.format(e=e) + "scales"] = packed[e], scales[e]
+                continue
             if isinstance(stacked, torch.Tensor) and stacked.is_floating_point():
                 stacked = stacked.float()
             for e in range(spec.num_experts):
-                weights[f"layers.{i}.mlp.experts.{e}.{p}.weight"] = _expert(stacked, e)
+                weights[x.format(e=e) + "weight"] = _expert(stacked, e)
     return weights
 
 

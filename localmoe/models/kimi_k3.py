@@ -21,7 +21,8 @@ plus `ssm_g` (KDA's full-rank gate) and `attn_gate` (MLA's output gate), both `g
 -exp(A_log[:H]) (read back as log(-ssm_a), padded with zeros to max(H, K)); the latent MoE as
 `ffn_routed_{down,norm,up}`; each attention-residual pair fused into `{attn,ffn,output}_res_score` =
 res_norm * res_proj (read back as a norm of ones and the score as proj: the mix multiplies the two); routed
-experts stacked ggml MXFP4 without biases, repacked to the canonical MXFP4 per expert (bytes moved).
+experts stacked ggml MXFP4 without biases, repacked to the canonical MXFP4 per expert (bytes moved); a file
+whose experts were requantised (Q4_K, IQ2_XXS, ... as community quants do) keeps them in their blocks.
 """
 
 from __future__ import annotations
@@ -33,22 +34,21 @@ import torch
 from localmoe.config import ModelSpec
 from localmoe.engine.layers import attn_res, moe, vision_moonvit
 from localmoe.engine.transformer import model_tensors
-from localmoe.errors import CheckpointError, UnsupportedModelError
+from localmoe.errors import UnsupportedModelError
 from localmoe.models import register
 from localmoe.models.base import ExpertTensors, ModelFamily, TensorMap, TensorRule
 from localmoe.models.gguf_experts import (
     MLA_GGUF,
     MOE_GGUF,
     PROJECTIONS,
-    STACKED,
     GGUFKeys,
     dequantize_attention,
     join_kv_b,
     kimi_linear_config,
     stacked_expert_rules,
+    unstack_experts,
 )
 from localmoe.models.moe_config import kimi_text_spec, require
-from localmoe.quant.mxfp4 import GGML_BLOCK_BYTES, ggml_to_canonical
 
 SOURCE = "config.json text_config"
 
@@ -179,7 +179,8 @@ def gguf_tensors(architecture: str) -> TensorMap:
 def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
     """A_log from -exp(A_log[:H]) padded back to max(H, K); each fused residual score as a norm of ones and
     the score as proj [1, D]; kv_b_proj joined; attention matrices kept in blocks dequantised; each layer's
-    stacked ggml MXFP4 experts [E, rows, in/32 * 17] as canonical `experts.{e}.{p}.packed` / `.scales`."""
+    stacked experts split per expert (unstack_experts): ggml MXFP4 ones (as llama.cpp's converter writes
+    them) as canonical `experts.{e}.{p}.packed` / `.scales`, requantised ones (Q4_K, IQ2_XXS, ...) in their blocks."""
     dequantize_attention(weights)
     join_kv_b(weights, spec)
     pad = max(spec.kda.num_heads, spec.kda.head_dim) if spec.kda else 0
@@ -190,21 +191,7 @@ def gguf_finish(weights: dict, spec: ModelSpec) -> dict:
         score = weights[name].float().flatten()
         weights[name] = score[None]
         weights[name.replace("_res_proj.", "_res_norm.")] = torch.ones_like(score)
-    for i in spec.moe_layers():
-        for p in PROJECTIONS:
-            if (name := STACKED.format(i=i, p=p)) not in weights:
-                continue
-            raw = weights.pop(name)
-            if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8:
-                kind = getattr(raw, "ggml_type", None)
-                raise CheckpointError(f"tensor blk.{i}.ffn_{p}_exps.weight holds {kind.name if kind else raw.dtype} "
-                                      "experts: a K3 GGUF runs as is with MXFP4 experts only (as llama.cpp's converter "
-                                      "writes them); requantised experts are not supported yet")
-            packed, scales = ggml_to_canonical(raw.reshape(*raw.shape[:2], -1, GGML_BLOCK_BYTES))
-            for e in range(packed.shape[0]):
-                weights[f"layers.{i}.mlp.experts.{e}.{p}.packed"] = packed[e]
-                weights[f"layers.{i}.mlp.experts.{e}.{p}.scales"] = scales[e]
-    return weights
+    return unstack_experts(weights, spec)
 
 
 _EXPERT = "language_model.model.layers.{i}.block_sparse_moe.experts.{e}"

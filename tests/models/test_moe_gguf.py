@@ -25,7 +25,8 @@ PROMPT = torch.tensor([[5, 17, 3, 99, 42, 7, 250, 11]])
 # types Q5_0 / Q8_0 for rows too narrow for 256-value blocks); the IQ4 types and the "iq_dynamic" mix (routed
 # experts in IQ1_S ... IQ3_S, Q2_K, Q3_K per tensor) on the 256-wide ones, where the IQ blocks fit
 MIXED = [(f, "q4_k_m") for f in ("qwen3_moe", "deepseek_v32", "deepseek_v3", "kimi_linear", "qwen3_next", "glm4_moe",
-                                  "kimi_k3", "glm5_next", "glm_moe_dsa")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")]
+                                  "kimi_k3", "glm5_next", "glm_moe_dsa")] + [("qwen3_moe", "iq_dynamic"), ("glm4_moe", "iq_dynamic")] + \
+        [(f, "mxfp4_moe") for f in ("qwen3_moe", "deepseek_v32")]  # llama-quantize's MXFP4_MOE: experts MXFP4, the rest Q8_0
 CASES = [("qwen3_moe", t) for t in ("f32", "bf16", "q8_0", "iq4_xs", "iq4_nl")] + \
         [("deepseek_v32", t) for t in ("f32", "bf16", "q8_0")] + [("glm_moe_dsa", t) for t in ("f32", "bf16", "q8_0")] + \
         [("deepseek_v3", t) for t in ("f32", "q8_0")] + \
@@ -258,41 +259,68 @@ def test_k3_store_repacks_mxfp4_experts(pair, source, tmp_path):
         assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
 
 
-def test_mxfp4_moe_experts_are_refused_by_name(source, tmp_path):
-    """llama-quantize's MXFP4_MOE file of a family whose experts are not MXFP4 by birth: refused on load, naming
-    the tensor and what to do (gpt-oss and K3 read their MXFP4 experts: test_gpt_oss_gguf.py, above)."""
-    from localmoe.errors import UnsupportedModelError
-
-    path = write_moe_gguf(source["qwen3_moe"], tmp_path / "mxfp4.gguf", "mxfp4_moe")
-    assert GGUFFile(path).info("blk.0.ffn_gate_exps.weight").ggml_type == Q.MXFP4
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_gate_exps\.weight holds MXFP4 experts .*MXFP4_MOE"):
-        load_model(path, dtype="float32", progress=False)
-
-
-def test_k3_requantised_experts_are_refused_by_name(pair, tmp_path):
-    """A K3 GGUF whose experts are not MXFP4 (here Q8_0, as a requantising tool could write them) is refused on load,
-    naming the tensor and its type."""
+def _rewrite_experts(src, dst, experts):
+    """GGUF `src` again at `dst`, metadata and tensors unchanged but the stacked `*_exps` ones: `experts(name,
+    float32 values)` -> (stored array, ggml type) for each."""
     import gguf as g
     import numpy as np
 
-    path, _ = pair("kimi_k3", "f32")
-    reader = g.GGUFReader(path)
-    writer = g.GGUFWriter(tmp_path / "q8_experts.gguf", "kimi-k3")
+    reader = g.GGUFReader(src)
+    writer = g.GGUFWriter(dst, reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if not key.startswith("GGUF.") and key != "general.architecture":
             sub = field.types[-1] if field.types[0] == g.GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
     for t in reader.tensors:
-        data = np.ascontiguousarray(t.data)
-        if t.tensor_type == Q.MXFP4:
-            data = g.quants.quantize(g.quants.dequantize(data, Q.MXFP4).astype(np.float32), Q.Q8_0)
-            writer.add_tensor(t.name, data, raw_dtype=Q.Q8_0)
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if t.name.endswith("_exps.weight"):
+            values = g.quants.dequantize(np.ascontiguousarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
+            data, kind = experts(t.name, values)
         else:
-            writer.add_tensor(t.name, data, raw_shape=None if data.dtype == np.uint8 else
-                              tuple(int(n) for n in reversed(t.shape)), raw_dtype=t.tensor_type)
+            data, kind = np.ascontiguousarray(t.data), t.tensor_type
+        writer.add_tensor(t.name, data, raw_shape=None if data.dtype == np.uint8 else shape,
+                          raw_dtype=None if kind == Q.F32 else kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match=r"blk\.1\.ffn_gate_exps\.weight holds Q8_0 experts"):
-        load_model(tmp_path / "q8_experts.gguf", dtype="float32", progress=False)
+    return dst
+
+
+def test_k3_requantised_experts_run_from_their_blocks(pair, tmp_path):
+    """A K3 GGUF whose MXFP4 experts a community quant requantised (gate / up Q5_0, down IQ4_NL; Q8_0 in a second
+    file: the tiny K3's 32-wide latent experts take 32-value blocks only) runs from those blocks: its logits within 1e-5 of the range of the same file with the experts as F32
+    values decoded by gguf's own dequantiser; converted to a store, paged at a quarter of the experts == resident,
+    bit for bit."""
+    import numpy as np
+
+    from localmoe.convert import convert
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+    from localmoe.testing.moe_gguf_parts import _encode
+
+    src, _ = pair("kimi_k3", "f32")
+    rng = np.random.default_rng(0)
+    for kinds in ((Q.Q5_0, Q.Q5_0, Q.IQ4_NL), (Q.Q8_0,) * 3):
+        def requantise(name, values, kinds=kinds):
+            kind = kinds[("gate", "up", "down").index(name.split(".")[2][4:-5])]
+            return _encode(values, kind, rng), kind
+
+        root = tmp_path / kinds[0].name
+        root.mkdir()
+        blocks = _rewrite_experts(src, root / "blocks.gguf", requantise)
+        floats = _rewrite_experts(blocks, root / "floats.gguf", lambda name, values: (values, Q.F32))
+        ours = _load(blocks)
+        w = ours.model.moe_blocks()[0].experts.get(1, 3)
+        assert isinstance(w.gate.weight, BlockQuantized) and w.down.weight.ggml_type == kinds[2]
+        want = _run(_load(floats).model)
+        got = _run(ours.model)
+        for step, (a, b) in enumerate(zip(got, want)):
+            diff = (a - b).abs().max().item()
+            assert diff <= 1e-5 * (b.max() - b.min()).item(), f"{kinds[0].name} step {step}: max diff {diff:.3e}"
+        convert(blocks, root / "store", progress=False)
+        budget = expert_bytes(PackedStore(root / "store")) // 4
+        paged = _load(root / "store", paging=PagingConfig(ram_budget=budget))
+        assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
+        for step, (a, b) in enumerate(zip(_run(paged.model), got)):
+            assert torch.equal(a, b), f"{kinds[0].name} paged, step {step}: max diff {(a - b).abs().max().item():.3e}"
