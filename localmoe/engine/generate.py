@@ -101,9 +101,10 @@ class Decoder:
             self._watch()
 
     def _watch(self) -> None:
-        """A drafter that reads the target's hidden states (MTP, engine/spec/mtp.py) watches the cache."""
-        if self.speculator is not None and hasattr(self.speculator.drafter, "watch"):
-            self.speculator.drafter.watch(self.cache)
+        """A speculator may watch the cache: an MTP drafter reads the target's hidden states
+        (engine/spec/mtp.py), a residency the routing by position (engine/spec/residency.py)."""
+        if self.speculator is not None:
+            self.speculator.watch(self.cache)
 
     @property
     def room(self) -> int:

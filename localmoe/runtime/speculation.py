@@ -11,6 +11,10 @@
   converted from a GGUF), says so and runs without speculation;
 - `off`.
 
+On a paged model a prompt-lookup sequence also gets a `Residency` (engine/spec/residency.py): the routers
+record each forward's choices, so a draft copied from the sequence predicts its experts, the speculator
+prices the reads the pager would need and the pager prefetches them.
+
 Constrained generation (forced tool calls, structured output) does not speculate: its grammar masks
 each position's logits after the previous token is chosen.
 """
@@ -22,8 +26,10 @@ import threading
 
 from localmoe.engine.spec.drafters import DraftModel, PromptLookup, check_vocab
 from localmoe.engine.spec.mtp import MTPDrafter
+from localmoe.engine.spec.residency import Residency, RouteBook
 from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
 from localmoe.errors import LocalMoEError
+from localmoe.paging.metrics import pager_of
 
 SPEC_CHOICES = "prompt | draft:PATH | mtp | off"
 
@@ -57,6 +63,9 @@ class Speculation:
         self.k, self.adaptive = k, adaptive
         self.draft = None  # the draft model's LoadedModel
         self.head = None  # the MTP layer (engine/nextn.py NextN)
+        self.model = loaded.model
+        self.pager = pager_of(loaded)  # a paged model: prompt lookup prices its drafts' expert reads
+        self.book: RouteBook | None = None
         self.stats = SpecStats()  # every finished sequence's, added up
         self._lock = threading.Lock()
         warn = warn or (lambda message: print(f"localmoe: {message}", file=sys.stderr))
@@ -118,7 +127,17 @@ class Speculation:
             drafter = MTPDrafter(self.head)
         else:
             drafter = PromptLookup() if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
-        return Speculator(drafter, self.k, self.adaptive)
+        residency = Residency(self.pager, self._routes()) if mode == "prompt" and self.pager is not None else None
+        return Speculator(drafter, self.k, self.adaptive, residency)
+
+    def _routes(self) -> RouteBook:
+        """The paged model's routers, recording each forward's choices for the residency cost model (once)."""
+        if self.book is None:
+            from localmoe.paging import attach
+
+            self.book = RouteBook()
+            attach(self.model, self.pager, trace=self.book, lookahead=self.pager.prefetch_enabled)
+        return self.book
 
     def finished(self, stats: SpecStats) -> None:
         """Add a finished sequence's statistics to the totals (/metrics)."""

@@ -143,3 +143,71 @@ def test_k_follows_measured_acceptance_and_step_cost():
     for _ in range(RETIRE_AFTER):
         bad.choose_k()
     assert bad.retired
+
+
+class _Pager:
+    """What Residency reads of a Pager: resident keys, prefetch, the stall and miss counters."""
+
+    def __init__(self, resident):
+        from types import SimpleNamespace
+
+        self.held = set(resident)
+        self.asked: list[tuple[int, list[int]]] = []
+        self.stats = SimpleNamespace(ram=SimpleNamespace(stall_seconds=0.0, misses=0))
+
+    def resident(self):
+        return set(self.held)
+
+    def prefetch(self, layer, experts):
+        self.asked.append((layer, list(experts)))
+        return len(experts)
+
+
+def _residency(resident):
+    import torch
+
+    from localmoe.engine.spec.residency import Residency, RouteBook
+
+    book = RouteBook()
+    res = Residency(_Pager(resident), book)
+
+    class Cache:
+        max_len, hidden_sink = 32, None
+
+    cache = Cache()
+    res.watch(cache)
+    # a forward of 6 positions (0..5) through MoE layers 1 and 3, top-2: position p chose experts p, p + 1
+    for layer in (1, 3):
+        book.record(layer, torch.tensor([[p, p + 1] for p in range(6)]))
+    cache.hidden_sink(0, torch.arange(6), torch.zeros(6, 4), True)
+    return res
+
+
+def test_residency_predicts_a_copied_drafts_experts_and_what_it_must_read():
+    res = _residency({(1, 2), (1, 3), (3, 2), (3, 3)})
+    keys = res.predicted(2, 2)  # drafts copied from positions 2 and 3
+    assert keys == [{(1, 2), (1, 3), (3, 2), (3, 3)}, {(1, 3), (1, 4), (3, 3), (3, 4)}]
+    assert res.missing(keys) == [0, 2]  # the second draft adds (1, 4) and (3, 4)
+    assert res.predicted(5, 3)[1:] == [set(), set()]  # positions not run yet: nothing predicted
+    res.prefetch(keys)
+    assert res.pager.asked == [(1, [2, 3, 4]), (3, [2, 3, 4])]
+
+
+def test_fit_cuts_a_draft_where_its_experts_must_be_read():
+    """Priced: compute grows little with the rows, but each expert missed stalls 1 s: a draft whose next token's
+    experts are resident is kept whole, the draft tokens after that (new experts) are dropped."""
+    spec = Speculator(PromptLookup(), k=4, residency=_residency({(1, 2), (1, 3), (3, 2), (3, 3)}))
+    ram = spec.residency.pager.stats.ram
+    for rows, drafted, kept, stall, misses in [(1, 0, 0, 0.5, 1), (5, 4, 4, 0.5, 1)] * 10:
+        spec.choose_k()
+        ram.stall_seconds += stall
+        ram.misses += misses
+        spec.observe(drafted, kept, rows, 0.1 * rows + stall)
+    assert spec.miss_seconds == pytest.approx(0.5) and spec.plain_stall == pytest.approx(0.5)
+    assert spec.compute_seconds[1] == pytest.approx(0.1) and spec.compute_seconds[5] == pytest.approx(0.5)
+    draft = spec.fit(Draft([7, 8, 9], source=2))  # position 2's experts resident, 3's and 4's add reads
+    assert draft.tokens == [7] and draft.source == 2
+    assert spec.residency.pager.asked == [(1, [2, 3]), (3, [2, 3])]
+    spec.residency.pager.held |= {(1, 4), (3, 4), (1, 5), (3, 5)}
+    assert spec.fit(Draft([7, 8, 9], source=2)).tokens == [7, 8, 9]
+    assert spec.fit(Draft([7, 8])).tokens == [7, 8]  # not copied: nothing predicted, left to choose_k

@@ -1,7 +1,8 @@
 """Speculative decoding over a paged store: greedy output with prompt lookup equals greedy output without,
 token for token, on the tiny gpt-oss (sliding windows, sinks, MXFP4 experts) and Kimi K3 paged at one
 expert slot per layer and at 25% of the experts; the verify step's rows are routed together, so each
-step reads an expert once for all of them."""
+step reads an expert once for all of them; with the residency cost model (the prompt's routing predicts a
+draft's experts, the draft is cut where they must be read, the pager prefetches them) likewise."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, PromptLookup
+from localmoe.engine.spec.residency import Residency, RouteBook
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.paging import PagingConfig, attach, expert_bytes, make_pager
 
@@ -65,7 +67,16 @@ def test_paged_greedy_with_prompt_lookup_equals_plain(ckpts, family, share):
         spec = Speculator(PromptLookup(), k=4, adaptive=False)
         got = greedy(c.model, spec)
         pager.close()
+        pager = paged(c, budget)  # with the residency cost model (engine/spec/residency.py): it cuts and prefetches
+        book = RouteBook()
+        attach(c.model, pager, trace=book, lookahead=True)
+        priced = Speculator(PromptLookup(), k=4, residency=Residency(pager, book))
+        got_priced = greedy(c.model, priced)
+        pager.close()
     finally:
         c.restore()
     assert got == want
+    assert got_priced == want
     assert spec.stats.drafted > 0
+    routes = priced.residency.routes
+    assert routes is not None and (routes[:len(PROMPT)] >= 0).all()  # the prompt's routing, filed by position

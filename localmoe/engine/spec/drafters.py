@@ -25,6 +25,7 @@ from localmoe.errors import LocalMoEError
 class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [k, V]: the distribution each draft was drawn from; None = deterministic
+    source: int | None = None  # copied from the sequence: the position the first draft stood at (residency.py)
 
 
 class Drafter(Protocol):
@@ -66,7 +67,7 @@ class PromptLookup:
         for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
             at = self._index.get(tuple(history[len(history) - n:]))
             if at is not None:
-                return Draft(list(history[at:at + k]))
+                return Draft(list(history[at:at + k]), source=at)
         return Draft([])
 
 

@@ -5,9 +5,15 @@ when the ones before it were, from recent steps) and the wall time of a step of 
 a row count not measured yet is estimated from the nearest measured ones). A step of k drafts yields
 E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per
 second wins, and k = 0 (no draft: a plain decode step) when none beats it. The step time is the
-cost model: on a paged model it includes reading the drafted tokens' experts that are not resident
-(a draft whose routing stays within the resident experts costs little, one that misses costs reads),
-so speculation turns itself down where verifying costs more than it yields. Every `PROBE` steps at
+cost model: on a paged model it includes reading the drafted tokens' experts that are not resident,
+so speculation turns itself down where verifying costs more than it yields. With a `Residency`
+(residency.py: a paged model, drafts copied from the sequence) the model knows more: a step's time
+splits into compute (measured per row count, less the time stalled on expert reads) plus the reads,
+a plain step's measured stall plus, for each draft prefix, the experts its tokens' earlier routing
+predicts that the pager does not hold, at the measured stall per missed expert. `fit` then keeps the
+prefix of the draft with the most tokens per second under that model (a draft whose experts are
+resident costs compute only; one whose experts must be read is cut short or dropped), and has the
+pager prefetch the experts the kept drafts predict. Every `PROBE` steps at
 k = 0 one step drafts again, so a change in acceptance is noticed. After `RETIRE_AFTER` steps in which
 the best k was expected to gain less than `RETIRE_GAIN` over a plain step, the sequence stops
 speculating (`retired`): a speculating sequence takes the row kernels even on plain steps, and where
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localmoe.engine.spec.drafters import Drafter
+from localmoe.engine.spec.drafters import Draft, Drafter
 
 K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
 PROBE = 16  # plain steps between two tries while speculation does not pay
@@ -57,13 +63,19 @@ class Speculator:
     """Drafts for one sequence and learns how many pay (see the module docstring). `adaptive=False`
     always drafts up to `k` (tests, benchmarks of a fixed k)."""
 
-    def __init__(self, drafter: Drafter, k: int = 4, adaptive: bool = True):
+    def __init__(self, drafter: Drafter, k: int = 4, adaptive: bool = True, residency=None):
         if not 1 <= k <= K_MAX:
             raise ValueError(f"speculation drafts 1..{K_MAX} tokens per step, not {k}")
-        self.drafter, self.k_max, self.adaptive = drafter, k, adaptive
+        self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
         self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
+        # with a residency: rows -> average step time less its stall on expert reads; a plain step's stall;
+        # the stall per expert missed; the pager's (stall, misses) when this step began
+        self.compute_seconds: dict[int, float] = {}
+        self.plain_stall: float | None = None
+        self.miss_seconds: float | None = None
+        self._counters: tuple[float, int] | None = None
         self._plain = 0  # plain steps since the last draft
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
@@ -73,7 +85,17 @@ class Speculator:
         """The estimated chance that the target keeps a draft given it kept the ones before (a)."""
         return self._kept / self._trials
 
+    def watch(self, cache) -> None:
+        """The sequence's cache (a new one after a preemption): a drafter that reads the target's hidden
+        states (MTP) watches it, else the residency files the routing of the positions it runs."""
+        if hasattr(self.drafter, "watch"):
+            self.drafter.watch(cache)
+        elif self.residency is not None:
+            self.residency.watch(cache)
+
     def choose_k(self) -> int:
+        if self.residency is not None:
+            self._counters = self.residency.counters()
         if not self.adaptive:
             return self.k_max
         if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one early
@@ -90,6 +112,8 @@ class Speculator:
         self._poor = self._poor + 1 if best_rate < RETIRE_GAIN * plain else 0
         if self._poor >= RETIRE_AFTER:
             self.retired = True
+            if self.residency is not None:
+                self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
         if best == 0:
             self._plain += 1
             if self._plain >= PROBE:
@@ -97,19 +121,38 @@ class Speculator:
                 return 1
         return best
 
+    def _priced(self) -> bool:
+        """Whether the residency cost model has what it needs (a plain step and a missed expert measured)."""
+        return self.residency is not None and self.plain_stall is not None and self.miss_seconds is not None
+
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows: measured, else linear between (or beyond) the nearest measured."""
-        if rows in self.step_seconds:
-            return self.step_seconds[rows]
-        known = sorted(self.step_seconds)
-        below = max((r for r in known if r < rows), default=known[0])
-        above = min((r for r in known if r > rows), default=None)
-        if above is None:  # extrapolate with the slope of the two largest measured
-            lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
-            slope = (self.step_seconds[hi] - self.step_seconds[lo]) / (hi - lo) if hi > lo else 0.0
-            return self.step_seconds[below] + max(slope, 0.0) * (rows - below)
-        t0, t1 = self.step_seconds[below], self.step_seconds[above]
-        return t0 + (t1 - t0) * (rows - below) / (above - below)
+        """Seconds of a step of `rows` rows (priced: its compute and a plain step's reads; the drafts' own
+        reads are added by `fit`)."""
+        if self._priced():
+            return _interpolate(self.compute_seconds, rows) + self.plain_stall
+        return _interpolate(self.step_seconds, rows)
+
+    def fit(self, draft: Draft) -> Draft:
+        """The prefix of `draft` worth verifying given the reads its predicted experts add (see the module
+        docstring), the pager asked to prefetch them; unchanged without a residency or a copied draft."""
+        r = self.residency
+        if r is None or draft.source is None or not draft.tokens:
+            return draft
+        keys = r.predicted(draft.source, len(draft.tokens))
+        keep = len(draft.tokens)
+        if self.adaptive and self._priced():
+            missing = r.missing(keys)
+            a = min(self.acceptance, 0.999)
+            keep, best = 0, 1.0 / self._estimate(1)
+            for j in range(1, len(draft.tokens) + 1):
+                rate = (1 - a ** (j + 1)) / (1 - a) / (self._estimate(j + 1) + missing[j - 1] * self.miss_seconds)
+                if rate > best:
+                    keep, best = j, rate
+        if keep:
+            r.prefetch(keys[:keep])
+        if keep == len(draft.tokens):
+            return draft
+        return Draft(draft.tokens[:keep], None if draft.q is None else draft.q[:keep], draft.source)
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float) -> None:
         """Account one step: `drafted` drafts verified, `accepted` kept, `rows` rows run in `seconds`."""
@@ -123,5 +166,33 @@ class Speculator:
             # each kept draft is a success; the first rejected one (if any) the one failure of the step
             self._kept = (1 - SMOOTH) * self._kept + accepted
             self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
-        old = self.step_seconds.get(rows)
-        self.step_seconds[rows] = seconds if old is None else old + SMOOTH * (seconds - old)
+        _average(self.step_seconds, rows, seconds)
+        if self.residency is not None and self._counters is not None:
+            stall, misses = self.residency.counters()
+            stall, misses = stall - self._counters[0], misses - self._counters[1]
+            _average(self.compute_seconds, rows, max(seconds - stall, 0.0))
+            if rows == 1:
+                self.plain_stall = stall if self.plain_stall is None else self.plain_stall + SMOOTH * (stall - self.plain_stall)
+            if misses:
+                per = stall / misses
+                self.miss_seconds = per if self.miss_seconds is None else self.miss_seconds + SMOOTH * (per - self.miss_seconds)
+
+
+def _average(table: dict[int, float], rows: int, value: float) -> None:
+    old = table.get(rows)
+    table[rows] = value if old is None else old + SMOOTH * (value - old)
+
+
+def _interpolate(table: dict[int, float], rows: int) -> float:
+    """table[rows] when measured, else linear between (or beyond) the nearest measured row counts."""
+    if rows in table:
+        return table[rows]
+    known = sorted(table)
+    below = max((r for r in known if r < rows), default=known[0])
+    above = min((r for r in known if r > rows), default=None)
+    if above is None:  # extrapolate with the slope of the two largest measured
+        lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
+        slope = (table[hi] - table[lo]) / (hi - lo) if hi > lo else 0.0
+        return table[below] + max(slope, 0.0) * (rows - below)
+    t0, t1 = table[below], table[above]
+    return t0 + (t1 - t0) * (rows - below) / (above - below)

@@ -62,8 +62,8 @@ def _propose(dec) -> Draft:
     history = dec.in_cache + dec.pending
     draft = spec.drafter.propose(history, k, dec.params, dec.generator)
     if len(draft.tokens) > k:
-        draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
-    return draft
+        draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], draft.source)
+    return spec.fit(draft)
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
