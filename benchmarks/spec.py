@@ -45,6 +45,7 @@ Prefetch applies the next layer's router to the current hidden state and starts 
 it predicts while the current layer computes. Every load, hit, miss, stall and byte is counted, and the
 counts are shown by --stats, by the web app and on the server's /metrics endpoint."""
 QUESTION = "Which sentences of the document are about the pager? Repeat them exactly as they are written."
+CITE = "Quote the sentence that mentions --stats."
 
 CODE = '''def moving_average(values, window):
     """The mean of each run of `window` consecutive values."""
@@ -68,7 +69,8 @@ EDIT = "Rename the function moving_average to rolling_mean and print the whole u
 
 TASKS = {
     "quote": f"Repeat this paragraph exactly, word for word:\n\n{DOCUMENT}",
-    "document": f"Here is a document:\n\n{DOCUMENT}\n\n{QUESTION}",
+    "document": f"Document:\n{DOCUMENT}\n\n{CITE}",
+    "paraphrase": f"Here is a document:\n\n{DOCUMENT}\n\n{QUESTION}",
     "code": f"Here is a Python file:\n\n```python\n{CODE}```\n\n{EDIT}",
 }
 
@@ -168,7 +170,12 @@ def step_worker(args) -> None:
                                                  paging=PagingConfig(ram_budget=args.ram)), progress=False)
     torch.set_num_threads(args.threads)
     pager = pager_of(loaded)
-    prompt = loaded.tokenizer.encode(TASKS[args.task], add_special_tokens=True)
+    if args.chat:  # the chat template's prompt, as `run` / `chat` render it
+        from localmoe.chat import ChatMessage, chat_format_for
+
+        prompt = chat_format_for(loaded.spec, loaded.tokenizer).render([ChatMessage("user", TASKS[args.task])])
+    else:
+        prompt = loaded.tokenizer.encode(TASKS[args.task], add_special_tokens=True)
     kind = args.spec
     speculator = None
     if kind.startswith("oracle:"):
@@ -180,8 +187,16 @@ def step_worker(args) -> None:
         from localmoe.load import load_nextn
 
         speculator = Speculator(MTPDrafter(load_nextn(loaded)), args.k)
-    elif kind == "prompt":
-        speculator = Speculator(PromptLookup(), args.k)
+    elif kind in ("prompt", "prompt-blind"):  # blind: without the residency cost model and its prefetch
+        residency = None
+        if kind == "prompt":
+            from localmoe.engine.spec.residency import Residency, RouteBook
+            from localmoe.paging import attach
+
+            book = RouteBook()
+            attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
+            residency = Residency(pager, book)
+        speculator = Speculator(PromptLookup(), args.k, residency=residency)
     elif kind.startswith("draft:"):
         from localmoe.engine.spec.drafters import DraftModel
 
@@ -197,15 +212,20 @@ def step_worker(args) -> None:
         out.append(dec.sample(logits))
         if first is None:
             first, read0 = time.perf_counter(), sum(t.bytes_read for t in pager.stats.tiers.values())
+            stall0 = pager.stats.ram.stall_seconds
+        if out[-1] in loaded.tokenizer.stop_token_ids:
+            break
         dec.feed([out[-1]])
     seconds = time.perf_counter() - first
     read = sum(t.bytes_read for t in pager.stats.tiers.values()) - read0
+    stall = pager.stats.ram.stall_seconds - stall0
     if args.record:
         Path(args.record).write_text(json.dumps(out))
     s = speculator.stats if speculator else None
     emit({"tokens_per_s": (len(out) - 1) / seconds, "tokens": len(out), "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
-          "bytes_per_token": read / (len(out) - 1)})
+          "bytes_per_token": read / (len(out) - 1), "stall": stall / seconds,
+          "step_seconds": speculator.step_seconds if speculator else None})
 
 
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
@@ -237,11 +257,13 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
             print(line, flush=True)
 
 
-# (label, drafters beside fused / rows / oracle / noise) of each paged store
+# (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store
 STORES = {
-    "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft")),
-    "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",)),
-    "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp")),
+    "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
+                    "real weights, so it quotes)"), ("prompt", "prompt-blind"), True),
+    "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
+    "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
+    "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
 }
 
 
@@ -249,14 +271,14 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
     """(b), (c), MTP: plain greedy (the fused step, and the batched rows a speculating sequence takes) against
     an oracle drafter (every draft kept), the family's drafters (prompt lookup, the tiny draft model, the MTP
     layer) and random drafts, on the paged store."""
-    label, drafters = STORES[family]
+    label, drafters, chat = STORES[family]
     for task in args.tasks.split(","):
         record = args.work / f"plain-{family}-{task}.json"
-        base = command(args, store, "rows", task, ram, chat=False) + ["--steps"]
+        base = command(args, store, "rows", task, ram, chat=chat) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
         names = ["fused", "rows", f"oracle:{record}", *(f"draft:{draft}" if d == "draft" else d for d in drafters),
                  "noise"]
-        workers = {name: command(args, store, name, task, ram, chat=False) + ["--steps"] for name in names}
+        workers = {name: command(args, store, name, task, ram, chat=chat) + ["--steps"] for name in names}
         results = alternate(workers, args.pairs)
         ref = results["fused"]
         plain_tokens = {r["text"] for r in results["rows"]}
@@ -284,7 +306,14 @@ def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
     from localmoe.testing import write_checkpoint
 
     src, store, draft = work / f"{family}_small", work / f"{family}_small.lmoe", work / f"{family}_tiny"
-    if not (src / "config.json").exists():
+    if family == "smollm_moe":
+        src, store = work / family, work / f"{family}.lmoe"
+    if family == "smollm_moe" and not (src / "config.json").exists():
+        print("writing the upcycled SmolLM2 MoE checkpoint ...", flush=True)
+        from upcycle import write_upcycled
+
+        write_upcycled(src)
+    elif not (src / "config.json").exists():
         print(f"writing the small {family} checkpoint ...", flush=True)
         write_checkpoint(family, src, size="small")
         if family == "deepseek_v32":
@@ -294,7 +323,9 @@ def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
     if not (store / "manifest.json").exists():
         print("converting it to a packed store ...", flush=True)
         convert(src, store)
-    if not (draft / "config.json").exists():
+    if family == "smollm_moe":
+        draft = ""  # no smaller model of its own (a draft model is measured on gpt-oss)
+    elif not (draft / "config.json").exists():
         write_checkpoint(family, draft, size="tiny", seed=1)
     return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
 
