@@ -164,6 +164,7 @@ class HybridDecoder:
         self.ids, self.weights = torch.empty(max(top_k, 1), dtype=torch.int64), torch.empty(max(top_k, 1))
         self.widths = [c.lat_down.rows or hidden for c in self.layers]
         self.experts, self.error = experts, None
+        self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the callback's (h, x, out) views by address
         self.callback = ExpertsFn(self._experts)
 
     @staticmethod
@@ -201,8 +202,15 @@ class HybridDecoder:
 
     def _experts(self, index: int, h: int, x: int, out: int) -> int:
         try:
-            y = self.experts(index, _view(h, self.hidden).view(1, -1), _view(x, self.widths[index]).view(1, -1))
-            _view(out, self.widths[index]).copy_(y.view(-1))
+            views = self._views.get((h, x, out, index))
+            if views is None:  # the kernel passes its scratch: the same few addresses every token
+                if len(self._views) > 4096:
+                    self._views.clear()
+                width = self.widths[index]
+                views = self._views[(h, x, out, index)] = (_view(h, self.hidden).view(1, -1),
+                                                            _view(x, width).view(1, -1), _view(out, width))
+            y = self.experts(index, views[0], views[1])
+            views[2].copy_(y.view(-1))
             return 0
         except BaseException as e:  # noqa: BLE001 (raised again by __call__, outside the kernel)
             self.error = e

@@ -122,11 +122,19 @@ class ExpertTable:
                                  f"on {self.device}")
             if self.device.type != "cpu":
                 continue
-            parts = [t for p in (w.gate, w.up, w.down)
-                     for t in (p.packed, p.scales, None if p.bias is None else p.bias.float().contiguous())]
-            self._held += [t for t in parts if t is not None]
-            rows[e] = torch.tensor([0 if t is None else t.data_ptr() for t in parts])
+            row, held = self.row(w)
+            self._held += held
+            rows[e] = torch.tensor(row)
         self.addresses = rows
+
+    @staticmethod
+    def row(w) -> tuple[list[int], list[torch.Tensor]]:
+        """An expert's row of `addresses` (CPU weights in the kernels' form: `holds`), and the fp32 bias copies it
+        points to that `w` does not hold (the row is valid while `w` and those live)."""
+        parts = [t for p in (w.gate, w.up, w.down)
+                 for t in (p.packed, p.scales, None if p.bias is None else p.bias.float().contiguous())]
+        copies = [t for p, t in zip((w.gate, w.up, w.down), parts[2::3]) if t is not None and t is not p.bias]
+        return [0 if t is None else t.data_ptr() for t in parts], copies
 
     @classmethod
     def single(cls, expert: int, w, num_experts: int) -> ExpertTable | None:

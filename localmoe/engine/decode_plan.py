@@ -36,6 +36,7 @@ from localmoe.kernels import decode_layers
 from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
+from localmoe.kernels.mxfp4_moe.held import HeldTable
 
 
 def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
@@ -303,10 +304,13 @@ def _dense_parts(w, precision: str) -> tuple | None:
 
 def _routed(model):
     """The decoder's experts callback: layer `index`'s routing of h and its experts on x, in increasing id as
-    `moe.dispatch` adds them: MXFP4 experts through the MoE kernel one call each (the bits of the resident
-    layer's in-kernel call), dense ones through `hybrid.dense_expert`, others (and experts a pager places on
-    a GPU tier) as the engine runs them. Resident and paged experts take the same path: the same bits."""
+    `moe.dispatch` adds them. Where the provider hands the chosen experts out together (a pager's `hold`) and
+    they are MXFP4, the layer runs in one MoE kernel call over a table of their slots (`HeldTable`: the bits of
+    the resident layer's in-kernel call); else one expert at a time: MXFP4 ones through the MoE kernel one call
+    each (the same bits), dense ones through `hybrid.dense_expert`, others (and experts a pager places on a GPU
+    tier) as the engine runs them. Resident and paged experts take the same path: the same bits."""
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    tables: dict[int, HeldTable] = {}
 
     def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         block = model.layers[index][3]
@@ -314,11 +318,23 @@ def _routed(model):
         provider, act = block.experts, block.act
         if not isinstance(act, ExpertGLU):
             return dispatch(x, weights, ids, provider, block.layer, act, block.precision)
-        placed = getattr(provider, "placed", None)
         out = torch.zeros_like(x)
         chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
-        for expert, weight in chosen:
-            w, tier = (provider.get(block.layer, expert), "ram") if placed is None else placed(block.layer, expert, 1)
+        hold = getattr(provider, "hold", None)
+        held = None if hold is None else hold(block.layer, [e for e, _ in chosen])
+        if held is not None:
+            table = tables.get(index)
+            if table is None:
+                table = tables[index] = HeldTable(block.router.linear.weight.shape[0])
+            if table.fill(dict(zip((e for e, _ in chosen), held))):
+                return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=block.precision)
+        placed = getattr(provider, "placed", None)
+        for i, (expert, weight) in enumerate(chosen):
+            if held is not None:
+                w, tier = held[i], "ram"
+            else:
+                w, tier = (provider.get(block.layer, expert), "ram") if placed is None else \
+                    placed(block.layer, expert, 1)
             if tier != "ram":  # a GPU tier's copy: computed there
                 out += weight * expert_forward(w, x.to(w.device), act, block.precision).to(out.device)
                 continue

@@ -25,10 +25,11 @@ class PagedRouter:
         if self.trace is not None:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
-            self.pager.begin_layer(self.layer, ids.unique().tolist())
-            if self.next_router is not None and self.pager.prefetch_enabled:
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()))
+            if self.next_router is not None and self.pager.prefetch_enabled and not self.pager.holds_all(
+                    self.next_layer):  # (a layer whose experts all sit in slots needs no guess)
                 _, guess = self.next_router(x)  # layer L+1's router on layer L's input: a guess
-                self.pager.prefetch(self.next_layer, guess.unique().tolist())
+                self.pager.prefetch(self.next_layer, sorted(set(guess.reshape(-1).tolist())))
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

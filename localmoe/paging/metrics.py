@@ -11,7 +11,8 @@ _TIER_COUNTERS = (("hits", "hits", "Demand requests served from the tier"),
                   ("bytes_read", "bytes_read", "Bytes brought into the tier"),
                   ("evictions", "evictions", "Experts evicted from the tier"),
                   ("stall_seconds", "stall_seconds", "Seconds compute waited for the tier's loads"),
-                  ("read_seconds", "read_seconds", "Seconds with at least one load in flight"))
+                  ("read_seconds", "read_seconds", "Seconds with at least one load in flight"),
+                  ("lookup_seconds", "lookup_seconds", "Seconds of the pager's own work on the compute thread"))
 _PREFETCH = (("issued", "Prefetch loads started"), ("used", "Prefetched experts later requested"),
              ("wasted", "Prefetched experts evicted or failed unused"),
              ("late", "Prefetched experts requested while still loading"))

@@ -1,13 +1,17 @@
 """The pager: an ExpertProvider that keeps experts in a fixed RAM slab and reads misses from disk.
 
 `get(layer, expert)` returns the expert's weights as zero-copy views of its slot (valid
-until the next `get`, as the ExpertProvider protocol says). A miss evicts the victim the
-policy picks and reads the extent on an I/O thread (timeout: `ReadTimeoutError`).
+until the next `get`, as the ExpertProvider protocol says); `hold(layer, experts)` returns a
+layer's chosen experts valid together (until the next `get` or `hold`), so the MoE kernel runs
+them in one call. A miss evicts the victim the policy picks and reads the extent on an I/O
+thread (timeout: `ReadTimeoutError`). The I/O threads only read and check bytes: the tensors over
+a slot are built on the compute thread, once per (expert layout, slot), and reused, since a
+slot's memory never moves.
 Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
 dispatch (`begin_layer`: their loads start together, in parallel) and the next layer's
 likely ones (`prefetch`: router lookahead); loads run while compute continues.
 
-Never evicted: the expert last returned (the caller is computing it), pinned experts (a
+Never evicted: the experts last returned (the caller is computing them), pinned experts (a
 calibration profile), and loads in flight. Prefetches never evict the current layer's
 chosen experts or an unused prefetch, and hold at most a quarter of the slots unused.
 
@@ -38,10 +42,10 @@ DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
 
 
 class _Slot:
-    __slots__ = ("future", "gen", "index", "key", "origin", "state", "used", "weights")
+    __slots__ = ("future", "gen", "index", "key", "origin", "state", "used")
 
     def __init__(self, index: int):
-        self.index, self.key, self.state, self.future, self.weights = index, None, EMPTY, None, None
+        self.index, self.key, self.state, self.future = index, None, EMPTY, None
         self.origin, self.used, self.gen = DEMAND, True, 0
 
 
@@ -52,6 +56,12 @@ class Pager:
                  timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True):
         self.store, self.policy, self.backend, self.timeout = store, policy, backend, timeout
         self.layouts = {layer: store.layout(layer) for layer in store.layers()}
+        kinds = list(dict.fromkeys(self.layouts.values()))  # layers with the same layout share slot views
+        self._kind = {layer: kinds.index(layout) for layer, layout in self.layouts.items()}
+        self._views: dict[tuple[int, int], ExpertWeights] = {}  # (layout kind, slot) -> the tensors over it
+        self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
+        self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
+        self._unused = 0  # lookahead loads not yet requested
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
         self.slab = HostSlab(num_slots, slot_bytes)
         self.slots = [_Slot(i) for i in range(num_slots)]
@@ -60,7 +70,7 @@ class Pager:
         self.lock = threading.Condition()
         self.pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="localmoe-io")
         self.prefetch_enabled = prefetch
-        self.current: _Slot | None = None
+        self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
         self.step, self._last_layer = 0, None
         self._inflight, self._busy_since = 0, 0.0
@@ -73,40 +83,79 @@ class Pager:
         for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
             self.get(*key)
             self.pinned.add(key)
-        self.current = None
+        self.held = ()
         self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
 
     # ---- the ExpertProvider protocol ----
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
-        key = (layer, expert)
-        ram, pf = self.stats.ram, self.stats.prefetch
+        started = time.perf_counter()
         with self.lock:
             self._see_layer(layer, new_step_at_same=False)
-            self.current = None
-            self.protected.discard(key)
-            slot = self.where.get(key)
-            if slot is None:
-                ram.misses += 1
-                pf.uncovered += 1
-                slot = self._allocate(demand=True)
-                self._start(slot, key, DEMAND)
-            elif not slot.used:  # first request of a load started before it
-                slot.used = True
-                if slot.origin == LOOKAHEAD:
-                    ram.hits += 1
-                    pf.used += 1
-                    pf.covered += 1
-                    pf.late += slot.state == LOADING
-                # EARLY: begin_layer counted the miss already
-            else:
-                ram.hits += 1
-            self.policy.access(key, self.step)
-            self.current = slot
+            self.held = ()
+            slot = self._request((layer, expert))
+            self.held = (slot,)
             state, future, gen = slot.state, slot.future, slot.gen
-        if state != READY:
-            self._wait(slot, key, future, gen)
-        return slot.weights
+        waited = self._wait(slot, (layer, expert), future, gen) if state != READY else 0.0
+        weights = self._weights(layer, slot)
+        self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
+        return weights
+
+    def hold(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights] | None:
+        """`experts` of `layer` (distinct ids), all valid together until the next `get` or `hold`, in the given
+        order; None where the slab cannot hold them at once beside the pinned ones (or GPU tiers place experts
+        one by one: `placed`): then `get` them one at a time. Counts as one request per expert, as `get`."""
+        if self.gpu is not None or len(experts) > len(self.slots) - len(self.pinned) - self.lost_slots:
+            return None
+        started = time.perf_counter()
+        with self.lock:
+            self._see_layer(layer, new_step_at_same=False)
+            self.held = ()
+            slots = []
+            for e in experts:
+                slots.append(self._request((layer, e)))
+                self.held = tuple(slots)
+            pending = [(s, (layer, e), s.future, s.gen) for s, e in zip(slots, experts) if s.state != READY]
+        waited = sum(self._wait(*p) for p in pending)
+        weights = [self._weights(layer, s) for s in slots]
+        self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
+        return weights
+
+    def _request(self, key: Key) -> _Slot:
+        """The slot of a demanded `key`, its load started if missing; counts the request (lock held)."""
+        ram, pf = self.stats.ram, self.stats.prefetch
+        self.protected.discard(key)
+        slot = self.where.get(key)
+        if slot is None:
+            ram.misses += 1
+            pf.uncovered += 1
+            slot = self._allocate(demand=True)
+            self._start(slot, key, DEMAND)
+        elif not slot.used:  # first request of a load started before it
+            slot.used = True
+            if slot.origin == LOOKAHEAD:
+                self._unused -= 1
+                ram.hits += 1
+                pf.used += 1
+                pf.covered += 1
+                pf.late += slot.state == LOADING
+            # EARLY: begin_layer counted the miss already
+        else:
+            ram.hits += 1
+        self.policy.access(key, self.step)
+        return slot
+
+    def _weights(self, layer: int, slot: _Slot) -> ExpertWeights:
+        """The tensors over `slot` in `layer`'s layout: built once per (layout, slot) and kept (the slab never moves)."""
+        kind = (self._kind[layer], slot.index)
+        weights = self._views.get(kind)
+        if weights is None:
+            weights = self._views[kind] = ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(slot.index)))
+        return weights
+
+    def holds_all(self, layer: int) -> bool:
+        """Whether every expert of `layer` is in a slot (loaded or loading): a guess at its experts loads nothing."""
+        return self._count.get(layer, 0) >= self._experts.get(layer, 1)
 
     def nbytes(self) -> int:
         """Host RAM held for experts (GPU slots are device memory: `gpu.nbytes()`)."""
@@ -115,43 +164,36 @@ class Pager:
     # ---- hints from the wrapped routers (paging/hooks.py) ----
 
     def begin_layer(self, layer: int, experts: Iterable[int]) -> None:
-        """`experts` of `layer` are about to be requested (routing is known): load the missing ones now."""
+        """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
+        now."""
+        started = time.perf_counter()
         with self.lock:
             self._see_layer(layer, new_step_at_same=True)
-            if not self.prefetch_enabled:
-                return
-            keys = [(layer, e) for e in sorted(set(experts))]
-            self.protected = set(keys)
-            for key in keys:
-                if key in self.where or self._on_gpu(key):
-                    continue
-                slot = self._allocate(demand=False)
-                if slot is None:
-                    return
-                self.stats.ram.misses += 1
-                self.stats.prefetch.uncovered += 1
-                self._start(slot, key, EARLY)
+            if self.prefetch_enabled:
+                keys = [(layer, e) for e in sorted(experts)]
+                self.protected = set(keys)
+                missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
+                for key, slot in zip(missing, self._make_room(len(missing))):
+                    self.stats.ram.misses += 1
+                    self.stats.prefetch.uncovered += 1
+                    self._start(slot, key, EARLY)
+        self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:
         """Guess: `experts` of `layer` will be requested soon. Loads what fits; returns loads started."""
         if not self.prefetch_enabled or layer not in self.layouts:
             return 0
-        started = 0
+        clock = time.perf_counter()
         with self.lock:
-            for e in experts:
-                key = (layer, int(e))
-                if key in self.where or self._on_gpu(key):
-                    continue
-                unused = sum(1 for s in self.slots if s.origin == LOOKAHEAD and not s.used and s.key is not None)
-                if unused >= max(1, len(self.slots) // 4):
-                    break
-                slot = self._allocate(demand=False)
-                if slot is None:
-                    break
+            missing = list(dict.fromkeys(key for key in ((layer, int(e)) for e in experts)
+                                         if key not in self.where and not self._on_gpu(key)))
+            room = max(0, max(1, len(self.slots) // 4) - self._unused)  # unused lookahead loads stay under a quarter
+            slots = self._make_room(min(len(missing), room))
+            for key, slot in zip(missing, slots):
                 self.stats.prefetch.issued += 1
                 self._start(slot, key, LOOKAHEAD)
-                started += 1
-        return started
+        self.stats.ram.lookup_seconds += time.perf_counter() - clock
+        return len(slots)
 
     # ---- GPU tiers ----
 
@@ -168,7 +210,7 @@ class Pager:
                 if self.gpu.load(key, self._host_bytes(key), self.layouts[key[0]], self.step) is not None:
                     self.gpu.pin(key)
                     self.pinned.discard(key)  # computed from its GPU: its RAM slot may go to others
-        self.current = None
+        self.held = ()
         self.stats.reset_counts()  # the preload is set-up, not traffic
 
     def placed(self, layer: int, expert: int, tokens: int) -> tuple[ExpertWeights, str]:
@@ -220,7 +262,7 @@ class Pager:
         while True:
             if self.free:
                 return self.slots[self.free.pop()]
-            ready = [s for s in self.slots if s.state == READY and s is not self.current and s.key not in self.pinned]
+            ready = [s for s in self.slots if s.state == READY and s not in self.held and s.key not in self.pinned]
             soft = [s for s in ready if s.key not in self.protected and s.used]
             pool = soft or (ready if demand else [])
             if pool:
@@ -236,32 +278,51 @@ class Pager:
                                   f"pinned, {self.lost_slots} lost to timed-out reads); raise --ram")
             self.lock.wait(left)
 
+    def _make_room(self, n: int) -> list[_Slot]:
+        """Up to `n` slots for loads nobody waits for yet (routing hints): free ones, then the policy's victims
+        among the evictable slots that are neither the current layer's chosen experts nor unused loads, picked in
+        one policy call (the same victims, in the same order, as one `_allocate` after another; lock held)."""
+        out = [self.slots[self.free.pop()] for _ in range(min(n, len(self.free)))]
+        if len(out) < n:
+            pool = {s.key: s for s in self.slots if s.state == READY and s not in self.held
+                    and s.key not in self.pinned and s.key not in self.protected and s.used}
+            for key in self.policy.victims(list(pool), self.step, n - len(out)):
+                self._evict(pool[key])
+                out.append(pool[key])
+        return out
+
     def _evict(self, slot: _Slot) -> None:
         if not slot.used:
             self.stats.prefetch.wasted += 1
+        self._forget(slot)
+        self.stats.ram.evictions += 1
+        slot.key, slot.state, slot.future = None, EMPTY, None
+
+    def _forget(self, slot: _Slot) -> None:
+        """`slot`'s expert leaves the tier (lock held)."""
         del self.where[slot.key]
         self.policy.evict(slot.key)
-        self.stats.ram.evictions += 1
-        slot.key, slot.state, slot.weights, slot.future = None, EMPTY, None, None
+        self._count[slot.key[0]] -= 1
+        self._unused -= slot.origin == LOOKAHEAD and not slot.used
 
     def _start(self, slot: _Slot, key: Key, origin: str) -> None:
         slot.gen += 1
-        slot.key, slot.state, slot.origin, slot.used, slot.weights = key, LOADING, origin, origin == DEMAND, None
+        slot.key, slot.state, slot.origin, slot.used = key, LOADING, origin, origin == DEMAND
         self.where[key] = slot
+        self._count[key[0]] += 1
+        self._unused += origin == LOOKAHEAD
         self.policy.insert(key, self.step)
         slot.future = self.pool.submit(self._load, slot, key, slot.gen)
 
     def _load(self, slot: _Slot, key: Key, gen: int) -> None:
-        """On an I/O thread: read the extent into the slot, make the tensors."""
+        """On an I/O thread: read the extent into the slot and check it (the tensors are the compute thread's)."""
         with self.lock:
             if self._inflight == 0:
                 self._busy_since = time.perf_counter()
             self._inflight += 1
-        error = weights = None
+        error = None
         try:
-            buf = self.slab.slot(slot.index)
-            nbytes = self.backend.read(key[0], key[1], buf)
-            weights = ExpertWeights.from_parts(self.layouts[key[0]].views(buf))
+            nbytes = self.backend.read(key[0], key[1], self.slab.slot(slot.index))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
             error = e
         with self.lock:
@@ -270,21 +331,21 @@ class Pager:
                 self.stats.ram.read_seconds += time.perf_counter() - self._busy_since
             if slot.gen == gen and slot.state == LOADING:
                 if error is None:
-                    slot.state, slot.weights = READY, weights
+                    slot.state = READY
                     self.stats.ram.bytes_read += nbytes
                     self.stats.ram.loads += 1
                 else:  # a failed guess costs nothing more; a demanded one raises in `get`
                     if not slot.used:
                         self.stats.prefetch.wasted += 1
-                    del self.where[key]
-                    self.policy.evict(key)
+                    self._forget(slot)
                     slot.key, slot.state, slot.future = None, EMPTY, None
                     self.free.append(slot.index)
             self.lock.notify_all()
         if error is not None:
             raise error
 
-    def _wait(self, slot: _Slot, key: Key, future: Future, gen: int) -> None:
+    def _wait(self, slot: _Slot, key: Key, future: Future, gen: int) -> float:
+        """Wait for `slot`'s load of `key`; returns the seconds waited (also counted as stall)."""
         started = time.perf_counter()
         try:
             future.result(timeout=self.timeout)
@@ -292,11 +353,11 @@ class Pager:
             with self.lock:
                 if slot.gen == gen and slot.state == LOADING:  # the thread may still write into it: retire it
                     slot.gen += 1
+                    if self.where.get(key) is slot:
+                        self._forget(slot)
                     slot.state, slot.key = DEAD, None
-                    self.where.pop(key, None)
-                    self.policy.evict(key)
                     self.lost_slots += 1
-                    self.current = None
+                    self.held = ()
             ext = self.store.expert_extent(*key)
             raise ReadTimeoutError(f"layer {key[0]} expert {key[1]}: reading {ext.path} at offset {ext.offset} did "
                                    f"not finish within {self.timeout:g} s; check the disk (dmesg) or raise the "
@@ -305,6 +366,7 @@ class Pager:
             waited = time.perf_counter() - started
             with self.lock:
                 self.stats.ram.stall_seconds += waited
+        return waited
 
     def resident(self) -> set[Key]:
         with self.lock:

@@ -45,6 +45,15 @@ class Policy:
     def victim(self, candidates: Iterable[Key], now: int) -> Key:
         raise NotImplementedError
 
+    def victims(self, candidates: Iterable[Key], now: int, n: int) -> list[Key]:
+        """The `n` (or all, if fewer) candidates `victim` would pick one after another, each taken out of the
+        candidates before the next pick (evicting changes no policy's scores)."""
+        left, out = list(candidates), []
+        while left and len(out) < n:
+            out.append(self.victim(left, now))
+            left.remove(out[-1])
+        return out
+
 
 class LRU(Policy):
     name = "lru"
@@ -64,11 +73,17 @@ class LRU(Policy):
         self.order.pop(key, None)
 
     def victim(self, candidates: Iterable[Key], now: int) -> Key:
-        allowed = set(candidates)
+        return self.victims(candidates, now, 1)[0]
+
+    def victims(self, candidates: Iterable[Key], now: int, n: int) -> list[Key]:
+        allowed, out = set(candidates), []
         for key in self.order:
+            if len(out) == n:
+                return out
             if key in allowed:
-                return key
-        return next(iter(allowed))
+                out.append(key)
+                allowed.discard(key)
+        return out + list(allowed)[:n - len(out)]
 
 
 class LFU(Policy):
@@ -272,12 +287,15 @@ class LFRU(Policy):
         reuse = (stays + rs_r * np.minimum(1.0, enter + lift[layers])) / (uses + rs_r)
         return np.where(recent, reuse, enter)
 
-    def victim(self, candidates: Iterable[Key], now: int) -> Key:
+    def _candidate_rows(self, candidates: Iterable[Key]) -> np.ndarray:
         cands = list(candidates)
         try:
-            rows = np.fromiter(map(self.index.__getitem__, cands), np.intp, len(cands))
+            return np.fromiter(map(self.index.__getitem__, cands), np.intp, len(cands))
         except KeyError:  # never accessed (e.g. only prefetched): give it a row of zeros
-            rows = np.fromiter(map(self._row, cands), np.intp, len(cands))
+            return np.fromiter(map(self._row, cands), np.intp, len(cands))
+
+    def victim(self, candidates: Iterable[Key], now: int) -> Key:
+        rows = self._candidate_rows(candidates)
         score = self._scores(rows)
         tied = rows[score == score.min()]  # ties: least recent, then the lowest key, as `naive_victim`
         tied = tied[self._last[tied] == self._last[tied].min()]
@@ -285,6 +303,14 @@ class LFRU(Policy):
         tied = tied[layer == layer.min()]
         i = tied[np.argmin(self._expert[tied])]
         return (int(self._layer[i]), int(self._expert[i]))
+
+    def victims(self, candidates: Iterable[Key], now: int, n: int) -> list[Key]:
+        """`Policy.victims` in one scoring pass: the `n` first in `victim`'s order (score, last use, key)."""
+        rows = self._candidate_rows(candidates)
+        if n <= 0 or not len(rows):
+            return []
+        order = np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], self._scores(rows)))[:n]
+        return [(int(self._layer[i]), int(self._expert[i])) for i in rows[order]]
 
 
 def popularity(counts: Iterable[tuple[int, int, int]], tokens: int) -> dict[Key, float]:

@@ -7,6 +7,8 @@
 - bytes_read: bytes brought into the tier (from disk for "ram").
 - stall_seconds: time the compute thread waited for the tier's loads.
 - read_seconds: wall time with at least one read in flight (on the I/O threads);
+- lookup_seconds: the pager's own work on the compute thread (finding slots, choosing victims, the
+  policy's bookkeeping, routing hints), stalls excluded;
   overlapped_seconds = read time that did not stall compute; overlap = their ratio.
 - prefetch precision = prefetched loads later demanded / prefetched loads issued;
   recall = demand requests a prefetch covered / (those + demand misses).
@@ -30,6 +32,7 @@ class TierStats:
     stall_seconds: float = 0.0
     read_seconds: float = 0.0  # wall time with at least one read in flight
     evictions: int = 0
+    lookup_seconds: float = 0.0  # the pager's own work on the compute thread (stalls excluded)
 
     @property
     def requests(self) -> int:

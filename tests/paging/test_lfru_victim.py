@@ -53,3 +53,25 @@ def test_lfru_victims_match_the_python_reference(layers, experts, slots, tokens,
         slow = run(LFRU(**options), layers, experts, slots, tokens, 4, seed, naive=True)
         assert len(fast) > tokens // 2  # the trace really evicts
         assert fast == slow
+
+
+@pytest.mark.parametrize("name", ["lfru", "lru", "lfu"])
+def test_victims_at_once_are_the_victims_one_after_another(name):
+    """`victims(candidates, now, n)` (the pager's routing hints pick a layer's victims in one call) equals n
+    `victim` calls, each pick taken out of the candidates before the next."""
+    from localmoe.paging.policy import make_policy
+
+    rng = random.Random(5)
+    policy = make_policy(name)
+    for step in range(60):
+        for layer in range(3):
+            for e in set(rng.choices(range(24), [1.0 / (i + 1) for i in range(24)], k=4)):
+                policy.access((layer, e), step)
+        cands = [(rng.randrange(3), rng.randrange(24)) for _ in range(30)]
+        cands = list(dict.fromkeys(cands + [(0, 99)]))  # one never accessed
+        n = rng.randrange(1, 8)
+        left, one_by_one = list(cands), []
+        for _ in range(n):
+            one_by_one.append(policy.victim(left, step))
+            left.remove(one_by_one[-1])
+        assert policy.victims(cands, step, n) == one_by_one

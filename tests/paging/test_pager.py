@@ -6,9 +6,11 @@ import itertools
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from localmoe.cli import cli
+from localmoe.engine.experts import ExpertWeights
 from localmoe.paging import PagingConfig, attach, make_pager
 from localmoe.paging.errors import PagingError
 from localmoe.paging.trace import RoutingTrace
@@ -85,3 +87,55 @@ def test_commands(gpt_oss, tmp_path):
     out = runner.invoke(cli, ["plan", store, "--ram", "25%", "--trace", str(tmp_path / "t.json")])
     assert out.exit_code == 0, out.output
     assert "RAM tier: 8 slots" in out.output and "predicted decode" in out.output
+
+
+def test_held_experts_stay_valid_together(gpt_oss):
+    """`hold` hands out a layer's chosen experts valid together: with 3 slots, holding 3 experts at a time (routing
+    hints for other experts in between) never overwrites one held expert with another; more experts than slots:
+    None (the caller then takes them one at a time)."""
+    import random
+
+    store = gpt_oss.store()
+    pager = make_pager(store, PagingConfig(ram_budget=3 * _slot(store)))
+    rng = random.Random(0)
+    try:
+        layer = store.layers()[0]
+        experts = store.experts_in(layer)
+        refs = {e: ExpertWeights.from_parts(store.expert(layer, e)) for e in experts}
+        assert pager.hold(layer, experts[:4]) is None
+        for _ in range(30):
+            chosen = sorted(rng.sample(experts, 3))
+            pager.begin_layer(layer, rng.sample(experts, 2))  # loads started for others, maybe chosen ones
+            pager.prefetch(layer, rng.sample(experts, 2))
+            held = pager.hold(layer, chosen)
+            for e, w in zip(chosen, held):
+                for proj in ("gate", "up", "down"):
+                    got, ref = getattr(w, proj), getattr(refs[e], proj)
+                    assert torch.equal(got.packed, ref.packed) and torch.equal(got.scales, ref.scales), (e, proj)
+        ram = pager.stats.ram
+        assert ram.hits >= 1 and ram.evictions > 0 and ram.lookup_seconds > 0
+        again = pager.hold(layer, chosen)
+        assert all(w is v for w, v in zip(again, held))  # a slot's tensors are built once and kept
+    finally:
+        pager.close()
+
+
+def test_a_layer_with_every_expert_in_a_slot_is_not_guessed(kimi_k3):
+    """Router lookahead is skipped for a layer whose experts all sit in slots (`holds_all`); with all experts of
+    the model in RAM, after the first pass no guess is made and nothing is read."""
+    store = kimi_k3.store()
+    slots = sum(len(store.experts_in(layer)) for layer in store.layers())
+    pager = make_pager(store, PagingConfig(ram_budget=slots * _slot(store)))
+    kimi_k3.model.use_experts(pager)
+    attach(kimi_k3.model, pager)
+    try:
+        for layer in store.layers():
+            assert pager.hold(layer, store.experts_in(layer)) is not None  # read, and waited for
+        assert all(pager.holds_all(layer) for layer in store.layers())
+        pager.stats.reset_counts()
+        run_greedy(kimi_k3.model)
+        assert pager.stats.prefetch.issued == 0 and pager.stats.ram.loads == 0
+        assert pager.stats.ram.hits > 0 and pager.stats.ram.misses == 0
+    finally:
+        pager.close()
+        kimi_k3.restore()

@@ -1,0 +1,243 @@
+"""Paged decode against resident decode on the same weights, with the paged time accounted for.
+
+A generated checkpoint (`localmoe.testing`, default Kimi K3 `small`) runs resident (the HF directory) and from
+its packed store under each `--ram` budget (share of the expert bytes), each run in a process of its own, the
+runs alternating (benchmarks/alternate.py, the order reversed every round), greedy, 1 thread by default. Per
+decode token each worker reports CPU time (the process, and the compute thread alone: the pager's I/O threads
+read and check extents on their own threads) and wall time; a paged worker also reports the pager's counters:
+- stall: compute waited for reads; read: wall time with a read in flight (I/O threads);
+- lookup: the pager's own work on the compute thread (`get`, `hold`, routing hints, eviction choice), stalls
+  excluded;
+- moe: wall time inside the routed experts of the paged layers (the fused step's callback: routing, pager calls,
+  the experts' kernel), stalls included;
+- missed MB: bytes of the experts a token needed that were not in RAM when routing chose them (demand misses,
+  and requests a router-lookahead guess had started reading), per token; read MB: bytes read (with the guesses
+  that were never used).
+Between rounds the parent measures the store's parallel O_DIRECT read bandwidth (the pager's thread count,
+whole expert extents in a random order, the page cache bypassed), so the disk roofline of a paged run,
+missed bytes per token / that bandwidth, is measured in the same run as the decode it bounds. Printed:
+paged / resident time per token, how much of the extra time per token stall + lookup explain, and the
+fraction of the disk roofline reached (roofline time per token / wall time per token). Greedy tokens of
+every run are checked equal to the resident run's.
+
+    python benchmarks/paged_decode.py [--model kimi_k3:small] [--ram 100%,25%] [--pairs 3] [--threads 1]
+                                      [--prompt 64] [--decode 32] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from alternate import alternate, emit
+
+
+def prompt_ids(n: int) -> list[int]:
+    rng = random.Random(0)
+    return [rng.randrange(10, 600) for _ in range(n)]
+
+
+def prepare(family: str, size: str, work: Path) -> tuple[Path, Path]:
+    """(HF checkpoint, its packed store), made once in `work`."""
+    from localmoe.convert import convert
+    from localmoe.testing import write_checkpoint
+
+    hf, store = work / f"{family}-{size}", work / f"{family}-{size}.lmoe"
+    if not (hf / "config.json").exists():
+        write_checkpoint(family, hf, size, seed=0, progress=False)
+    if not (store / "manifest.json").exists():
+        convert(hf, store)
+    return hf, store
+
+
+def odirect_bandwidth(store_path: Path, threads: int, seconds: float = 1.5) -> float:
+    """Bytes/s of whole expert extents read with O_DIRECT by `threads` threads at once, random order."""
+    import mmap
+
+    from localmoe.store.packed import PackedStore
+
+    store = PackedStore(store_path)
+    extents = [store.expert_extent(layer, e) for layer in store.layers() for e in store.experts_in(layer)]
+    random.Random(time.time_ns()).shuffle(extents)
+    size = max(ext.nbytes for ext in extents)
+    size += -size % mmap.PAGESIZE
+    fds = {}
+
+    def fd(path):
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        return fds[path]
+
+    for ext in extents:
+        fd(ext.path)
+    deadline = time.perf_counter() + seconds
+    lock_free = iter(extents * 64)
+
+    def reader() -> int:
+        buf = mmap.mmap(-1, size)
+        done = 0
+        for ext in lock_free:
+            if time.perf_counter() > deadline:
+                break
+            done += os.preadv(fds[ext.path], [memoryview(buf)[:ext.nbytes + (-ext.nbytes % mmap.PAGESIZE)]],
+                              ext.offset)
+        buf.close()
+        return done
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(lambda _: reader(), range(threads)))
+    elapsed = time.perf_counter() - start
+    for f in fds.values():
+        os.close(f)
+    return total / elapsed
+
+
+def worker(args) -> None:
+    import torch
+
+    from localmoe.config import EngineConfig, PagingConfig
+    from localmoe.engine.generate import prefill
+    from localmoe.load import load_model
+    from localmoe.paging import expert_bytes
+    from localmoe.paging.metrics import pager_of
+    from localmoe.store.packed import PackedStore
+
+    torch.set_num_threads(args.threads)
+    context = args.prompt + args.warmup + args.decode + 16
+    paging = PagingConfig()
+    if args.share:
+        total = expert_bytes(PackedStore(args.path))
+        paging = PagingConfig(ram_budget=int(total * args.share), io_threads=args.io_threads)
+    config = EngineConfig(dtype="float32", threads=args.threads, max_context=context,
+                          expert_precision=args.expert_precision, paging=paging)
+    model = load_model(args.path, config, progress=False).model
+    pager = pager_of(model)
+    cache = model.new_cache(1, context)
+    logits = prefill(model, prompt_ids(args.prompt), cache)
+    tokens = []
+    for _ in range(args.warmup):  # decode plan, kernel library, the pager's slab filled
+        tokens.append(int(logits.argmax(-1)))
+        logits = model.forward(torch.tensor([[tokens[-1]]]), cache)[:, -1]
+    moe = [0.0]
+    decoder = model._plan.decoder if model._plan is not None else None
+    if pager is not None and decoder is not None and decoder.experts is not None:
+        inner = decoder.experts
+
+        def timed(*a):
+            start = time.perf_counter()
+            try:
+                return inner(*a)
+            finally:
+                moe[0] += time.perf_counter() - start
+
+        decoder.experts = timed
+    if pager is not None:
+        pager.stats.reset_counts()
+    cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
+    for _ in range(args.decode):
+        tokens.append(int(logits.argmax(-1)))
+        logits = model.forward(torch.tensor([[tokens[-1]]]), cache)[:, -1]
+    n = args.decode
+    out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
+           "wall": (time.perf_counter() - wall) / n, "tokens": tokens,
+           "path": type(decoder).__name__ if decoder is not None else "op by op"}
+    if pager is not None:
+        ram, pf = pager.stats.ram, pager.stats.prefetch
+        needed = ram.misses + pf.covered  # requests that found their expert on disk (or on its way from there)
+        out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
+                "moe": moe[0] / n, "missed": needed * pager.stats.slot_bytes / n, "misses": needed / n,
+                "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
+                "hit_rate": ram.hit_rate, "slots": pager.stats.slots}
+        pager.close()
+    emit(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="kimi_k3:small", help="family:size")
+    parser.add_argument("--ram", default="100%,25%", help="paged budgets, shares of the expert bytes")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--decode", type=int, default=32)
+    parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8")
+    parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--share", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        run(args, Path(args.work or tmp))
+
+
+def run(args, work: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    family, _, size = args.model.partition(":")
+    hf, store = prepare(family, size or "small", work)
+    me = str(Path(__file__).resolve())
+    common = ["--worker", "--threads", str(args.threads), "--io-threads", str(args.io_threads), "--prompt",
+              str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
+              args.expert_precision]
+    shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
+    workers = {"resident": [me, *common, "--path", str(hf)]}
+    workers |= {f"paged {s}": [me, *common, "--path", str(store), "--share", str(f)] for s, f in shares.items()}
+    bandwidth: list[float] = []
+    print(f"{family} {size or 'small'}: resident vs paged {', '.join(shares)} (LFRU, O_DIRECT, prefetch), "
+          f"{args.threads} compute threads, {args.prompt}-token prompt, {args.warmup} warm-up + {args.decode} timed "
+          f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    def show(r: int, res: dict) -> None:
+        base = res["resident"]
+        line = [(f"  round {r + 1} (O_DIRECT x{args.io_threads} {bandwidth[-1] / 1e9:.2f} GB/s): resident "
+                 f"{base['cpu'] * 1e3:.1f} ms CPU {base['wall'] * 1e3:.1f} ms wall")]
+        for name, v in res.items():
+            if name != "resident":
+                line.append(f"{name} {v['cpu'] * 1e3:.1f} CPU ({v['cpu'] / base['cpu']:.2f}x) {v['wall'] * 1e3:.1f} "
+                            f"wall ({v['wall'] / base['wall']:.2f}x)")
+        print("; ".join(line), flush=True)
+
+    res = alternate(workers, args.pairs, between=lambda: bandwidth.append(odirect_bandwidth(store, args.io_threads)),
+                    show=show)
+    base = res["resident"]
+    bw = statistics.median(bandwidth)
+    print(f"  resident: {statistics.median(r['cpu'] for r in base) * 1e3:.2f} ms CPU, "
+          f"{statistics.median(r['wall'] for r in base) * 1e3:.2f} ms wall per token ({base[0]['path']}); "
+          f"O_DIRECT x{args.io_threads}: {bw / 1e9:.2f} GB/s (median of the rounds)")
+    for name, runs in res.items():
+        if name == "resident":
+            continue
+        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
+
+        def med(key, runs=runs):
+            return statistics.median(r[key] for r in runs)
+
+        cpu_ratio = statistics.median(r["cpu"] / b["cpu"] for r, b in zip(runs, base))
+        wall_ratio = statistics.median(r["wall"] / b["wall"] for r, b in zip(runs, base))
+        extra = [r["wall"] - b["wall"] for r, b in zip(runs, base)]
+        explained = [(r["stall"] + r["lookup"]) / e if e > 0 else float("nan") for r, e in zip(runs, extra)]
+        roof = [r["missed"] / bw / r["wall"] for r in runs]
+        print(f"  {name} ({runs[0]['slots']} slots, hit rate {med('hit_rate'):.1%}): CPU {med('cpu') * 1e3:.2f} ms "
+              f"({cpu_ratio:.2f}x resident), compute thread {med('thread') * 1e3:.2f} ms, wall {med('wall') * 1e3:.2f} "
+              f"ms ({wall_ratio:.2f}x); per token: stall {med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, "
+              f"lookup {med('lookup') * 1e3:.2f} ms, paged MoE layers {med('moe') * 1e3:.2f} ms, missed "
+              f"{med('missed') / 1e6:.2f} MB ({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB "
+              f"(lookahead precision {med('precision'):.0%}, {med('wasted'):.1f} wasted)")
+        print(f"    extra wall per token {statistics.median(extra) * 1e3:.2f} ms, stall + lookup explain "
+              f"{statistics.median(explained):.0%} of it; disk roofline {statistics.median(roof):.2f} (missed bytes / "
+              f"O_DIRECT bandwidth / wall per token); greedy tokens equal resident: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
