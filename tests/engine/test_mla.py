@@ -184,3 +184,21 @@ def test_mla_blockwise_prefill_equals_one_block(monkeypatch, absorb):
     blocks = run(mixer, x, [200, 1, 99]), run(mixer, x, [200, 1, 99], mask)
     for a, b in zip(whole, blocks):
         assert (a - b).abs().max() <= 1e-5
+
+
+def test_expanded_prefill_through_flash_blocks_equals_absorbed(monkeypatch):
+    """An unpadded expanded prefill runs torch's flash kernel per key block (64-key blocks here: the keys
+    before the chunk, then the chunk's own keys as causal squares plus the later queries) and equals the
+    absorbed form's explicit softmax."""
+    from localmoe.engine.layers import mla
+
+    calls = []
+    flash = mla.flash_attention
+    monkeypatch.setattr(mla, "flash_attention", lambda *a, **k: calls.append(k.get("causal", False)) or flash(*a, **k))
+    monkeypatch.setattr(mla, "KV_BLOCK_BYTES", 0)
+    x = inputs(300)
+    expanded = run(layer("kimi_k3", absorb=False), x, [130, 1, 169])
+    # causal squares: 130 own keys in 3 blocks, the decode token's 1, 169 in 3; whole blocks: the later queries
+    # of the chunks' first two blocks (2 + 2) and the cached keys before the decode token and the last chunk (3 + 3)
+    assert (calls.count(True), calls.count(False)) == (3 + 1 + 3, 2 + 3 + 3 + 2)
+    assert (expanded - run(layer("kimi_k3", absorb=True), x, [130, 1, 169])).abs().max() <= 1e-5

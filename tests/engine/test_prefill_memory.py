@@ -3,7 +3,7 @@ call over the RSS before it, the cache already allocated) must not grow with the
 
 Each measurement runs in a fresh interpreter. The caches are filled with random rows up to the
 context (prefilling 32k tokens would take minutes), then one chunk of real tokens runs at the end.
-The key blocks are shrunk (SCORES_MAX_BYTES) so that both contexts span several blocks; before
+The key blocks are shrunk (SCORES_MAX_BYTES, KV_BLOCK_BYTES) so that both contexts span several blocks; before
 the fix, MLA's per-head mask copies and [H*T, S] scores made the 32k chunk need ~4x the 8k one."""
 
 import json
@@ -28,6 +28,7 @@ def rss(key):
 
 path, context, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 mla.SCORES_MAX_BYTES = 1 << 20
+mla.KV_BLOCK_BYTES = 1 << 18
 torch.set_num_threads(1)
 model = load_model(path, EngineConfig(dtype="float32", max_context=context + chunk), progress=False).model
 cache = model.new_cache(1, context + chunk)

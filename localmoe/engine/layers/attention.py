@@ -232,11 +232,12 @@ def _flash_or_none(run):
 
 
 def flash_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q keys^T * scale + bias) values and the rows' log-sum-exp of the scores, [B, H, L, D] and
     [B, H, L], without the [L, S] score matrix (torch's CPU flash attention: blocks of queries and keys,
-    an online softmax); bias [L, S] fp32 (-inf hides a key) or None."""
-    return _flash_cpu["op"](q, keys, values, attn_mask=bias, scale=scale)
+    an online softmax); bias [L, S] fp32 (-inf hides a key) or None; `causal`: query i sees keys 0..i
+    (L == S, no bias). q, keys and values share one head size."""
+    return _flash_cpu["op"](q, keys, values, is_causal=causal, attn_mask=bias, scale=scale)
 
 
 # A GQA layer's `self_attn.*` tensors as HF Llama / Mistral / Qwen2 / Qwen3 checkpoints name them.

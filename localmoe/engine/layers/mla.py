@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from localmoe.engine.blockwise import blockwise_attention, visible_keys
+from localmoe.engine.blockwise import MIN_BLOCK, blockwise_attention, visible_keys
 from localmoe.engine.layers import on_device
+from localmoe.engine.layers.attention import _flash_or_none, flash_attention, flash_available
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
@@ -35,6 +36,7 @@ from localmoe.errors import LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode
 
 SCORES_MAX_BYTES = 32 << 20  # fp32 scores of one key block (engine/blockwise.py): longer contexts take more blocks
+KV_BLOCK_BYTES = 8 << 20  # fp32 per-head keys and values of one key block in the flash path (no scores kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +160,8 @@ class MLAttention:
 
     def attend_expanded(self, q_nope, q_rope, rows, mask) -> torch.Tensor:
         """q_* [B, H, T, *], rows [B, S, r + rope], mask [B|1, T, S] | None (None: causal, query t at
-        position S - T + t) -> [B, H, T, v]. Per-head keys and values are built one key block at a time."""
+        position S - T + t) -> [B, H, T, v]. Per-head keys and values are built one key block at a time;
+        an unpadded call on the CPU runs torch's flash kernel on each block (`_flash_expanded`)."""
         r, H = self.config.kv_lora_rank, q_nope.shape[1]
 
         def block(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,8 +170,43 @@ class MLAttention:
             keys = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
             return keys, torch.einsum("bsr,hvr->bhsv", latent, self.w_uv)
 
-        return blockwise_attention(torch.cat([q_nope, q_rope], dim=-1), block, rows.shape[1], mask, self.scale,
-                                   max_bytes=SCORES_MAX_BYTES)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        if mask is None and flash_available(q, rows, rows):
+            out = _flash_or_none(lambda: self._flash_expanded(q, block, rows.shape[1]))
+            if out is not None:
+                return out
+        return blockwise_attention(q, block, rows.shape[1], mask, self.scale, max_bytes=SCORES_MAX_BYTES)
+
+    def _flash_expanded(self, q: torch.Tensor, block, S: int) -> torch.Tensor:
+        """`attend_expanded` for an unpadded causal call without any score matrix: torch's CPU flash kernel
+        per block of at most KV_BLOCK_BYTES of keys and values, the blocks merged by their log-sum-exps.
+        Keys before the call's first query are seen by every query; in a block of the call's own keys
+        [lo, hi) the queries at lo..hi-1 are its causal square (the kernel's `is_causal`) and the later
+        ones see it whole, so no mask is built. Values are zero-padded to the key width (one head size)."""
+        B, H, T, d = q.shape
+        v = self.config.v_head_dim
+        start, n = S - T, max(MIN_BLOCK, KV_BLOCK_BYTES // (8 * B * H * d))
+        out = q.new_zeros(B, H, T, d)
+        lse = q.new_full((B, H, T), float("-inf"))
+
+        def merge(rows: slice, part: tuple[torch.Tensor, torch.Tensor]) -> None:
+            o, lp = part
+            total = torch.logaddexp(lse[:, :, rows], lp)
+            out[:, :, rows].mul_((lse[:, :, rows] - total).exp_()[..., None]).add_(o.mul_((lp - total).exp_()[..., None]))
+            lse[:, :, rows] = total
+
+        spans = [(lo, min(lo + n, start)) for lo in range(0, start, n)] + [(lo, min(lo + n, S)) for lo in range(start, S, n)]
+        for lo, hi in spans:
+            keys, values = block(lo, hi)
+            values = F.pad(values, (0, d - v))
+            if hi <= start:  # before the first query: seen whole by every query
+                merge(slice(0, T), flash_attention(q, keys, values, None, self.scale))
+                continue
+            a, b = lo - start, hi - start  # the queries at the block's own positions
+            merge(slice(a, b), flash_attention(q[:, :, a:b], keys, values, None, self.scale, causal=True))
+            if b < T:
+                merge(slice(b, T), flash_attention(q[:, :, b:], keys, values, None, self.scale))
+        return out[..., :v]
 
     def absorbed_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """q_nope [B, H, T, nope], q_rope [B, H, T, rope] -> [B, H, T, r + rope], to dot with cached rows."""
