@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
 from localmoe.kernels import dense_moe, ggml_gemv
+from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.dense_moe import DenseExpertTable
 from localmoe.kernels.ggml_gemv import experts as ggml_experts
 from localmoe.kernels.ggml_gemv.experts import BlockExpertTable
@@ -195,6 +196,12 @@ class ExpertProvider(Protocol):
     # (a pager with GPU tiers; the weights are then on that GPU).
 
 
+def _streamed(t):
+    """A resident expert's floating weight on huge pages (kernels/_cpu/pages.py: a decode token streams it from
+    RAM); MXFP4 bytes, GGUF blocks and other parts as they are."""
+    return huge_copy(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
 class ResidentExperts:
     """Every expert in memory, as loaded: MXFP4 kept as bytes, dequantised per call."""
 
@@ -213,8 +220,8 @@ class ResidentExperts:
         p = prefix + "mlp.experts."
         kinds = ("packed", "scales", "weight", "bias")
         if any(p + f"gate_up_proj.{k}" in weights for k in kinds):
-            gate_up = {k: weights[p + f"gate_up_proj.{k}"] for k in kinds if p + f"gate_up_proj.{k}" in weights}
-            down = {k: weights[p + f"down_proj.{k}"] for k in kinds if p + f"down_proj.{k}" in weights}
+            gate_up = {k: _streamed(weights[p + f"gate_up_proj.{k}"]) for k in kinds if p + f"gate_up_proj.{k}" in weights}
+            down = {k: _streamed(weights[p + f"down_proj.{k}"]) for k in kinds if p + f"down_proj.{k}" in weights}
             rows = next(iter(gate_up.values())).shape[1] // 2
             experts = []
             for e in range(num_experts):
@@ -223,7 +230,7 @@ class ResidentExperts:
                 parts |= {f"down.{k}": t[e] for k, t in down.items()}
                 experts.append(ExpertWeights.from_parts(parts))
         else:
-            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: weights[name] for name in weights
+            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: _streamed(weights[name]) for name in weights
                                                  if name.startswith(f"{p}{e}.")}) for e in range(num_experts)]
         return cls({layer: experts})
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
 from localmoe.kernels import dense_gemv, ggml_gemv
+from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.paths import cache_dir
 
@@ -117,7 +118,7 @@ class Linear:
             target = torch.bfloat16
         elif dtype == "auto":
             target = measured_gemv_dtype()
-        self.weight = weight.to(target).contiguous()
+        self.weight = huge_copy(weight.to(target).contiguous())  # streamed once per decode token: 2 MiB pages
         self.low_precision = target != torch.float32
         self.bias = None if bias is None else bias.float().contiguous()
         # the dense GEMV kernel's entry point for this weight, or None where it cannot take it

@@ -126,6 +126,10 @@ class Transformer:
         self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
                              config.dtype)
+        head = getattr(self.lm_head, "weight", None)
+        if ("lm_head.weight" not in weights and isinstance(head, torch.Tensor) and isinstance(self.embed, torch.Tensor)
+                and head.dtype == self.embed.dtype and head.shape == self.embed.shape):
+            self.embed = head  # tied: one copy, the head's (Linear keeps its weight on huge pages)
         self.norm = on_device(weights["norm.weight"], device).float()
         # GGUF llama3 files carry per-frequency divisors (`rope_freqs`) instead of scaling metadata.
         freq_factors = weights.get("rope_freqs.weight")
