@@ -90,7 +90,9 @@ def _glm_dsa_metadata(w, c: dict) -> None:
 def _deepseek_metadata(w, c: dict, arch: str) -> None:
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
-    w.add_block_count(c["num_hidden_layers"])
+    nextn = c.get("num_nextn_predict_layers", 0)  # appended MTP layers count in block_count, as for glm4moe
+    w.add_block_count(c["num_hidden_layers"] + nextn)
+    w.add_uint32(f"{arch}.nextn_predict_layers", nextn)
     w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
     w.add_head_count_kv(1)  # MLA written as MQA
@@ -170,6 +172,11 @@ def _glm4moe_metadata(w, c: dict) -> None:
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
+# an MTP layer's own tensors (llama.cpp's `blk.{L}.nextn.*`; DeepSeek's layer carries copies of the embedding and head)
+_NEXTN = {f"{h}.weight": f"nextn.{g}.weight" for h, g in (
+    ("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm"), ("shared_head.norm", "shared_head_norm"),
+    ("shared_head.head", "shared_head_head"), ("embed_tokens", "embed_tokens"))}
+
 _DEEPSEEK_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for deepseek2 / deepseek32)
         "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
         **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (
@@ -180,7 +187,7 @@ _DEEPSEEK_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for 
         "self_attn.indexer.k_norm.bias": "indexer.k_norm.bias",
         "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
         **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
-        **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}}
+        **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()}, **_NEXTN}
 _DEEPSEEK_SPLIT = {"self_attn.kv_b_proj.weight": (("attn_k_b.weight", "attn_v_b.weight"), _kv_b_split, _kv_b_join)}
 
 def _qwen3next_metadata(w, c: dict) -> None:
@@ -232,9 +239,7 @@ _GLM4MOE_LAYER = {  # HF -> GGUF under a layer (llama.cpp's tensor_mapping for g
     "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
     **{f"mlp.shared_experts.{p}.weight": f"ffn_{s}_shexp.weight" for s, p in PROJ.items()},
     **{f"mlp.{p}.weight": f"ffn_{s}.weight" for s, p in PROJ.items()},
-    # the MTP layer's own tensors
-    **{f"{h}.weight": f"nextn.{g}.weight" for h, g in (("eh_proj", "eh_proj"), ("enorm", "enorm"), ("hnorm", "hnorm"),
-                                                        ("shared_head.norm", "shared_head_norm"))}}
+    **_NEXTN}
 
 _QWEN3NEXT_LAYER = {
     **{f"self_attn.{h}.weight": f"{g}.weight" for h, g in (

@@ -222,13 +222,16 @@ def test_a_preempted_mtp_sequence_resumes_unchanged(models):
     assert preempted and spec.stats.drafted > preempted  # drafted before, and again after the replay
 
 
-def test_the_mtp_layer_of_a_gguf_equals_the_checkpoints(tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_mtp_layer_of_a_gguf_equals_the_checkpoints(tmp_path, family):
     """llama.cpp writes GLM-4.5's MTP layer as `blk.{L}.*` plus `blk.{L}.nextn.*` (models/base.py NEXTN_GGUF; the
-    stacked experts split by the family's gguf_finish): from an f32 GGUF of the checkpoint the layer gives the
-    checkpoint's logits, and greedy decoding with it equals plain greedy decoding."""
+    stacked experts split by the family's gguf_finish); DeepSeek's the same way (its converter drops the layer
+    today; the layout is GLM's, with MLA's k_b / v_b joined by mla_finish over the extra layer): from an f32 GGUF
+    of the checkpoint the layer gives the checkpoint's logits, and greedy decoding with it equals plain greedy
+    decoding."""
     from localmoe.testing.moe_gguf import write_moe_gguf
 
-    source = _checkpoint("glm4_moe", tmp_path)
+    source = _checkpoint(family, tmp_path)
     gguf = load_model(write_moe_gguf(source, tmp_path / "glm.gguf", "f32"), CONFIG, progress=False)
     hf = load_model(source, CONFIG, progress=False)
     tokens, hidden = random_tokens(12, 4, hf.spec.vocab_size)[0], torch.randn(12, hf.spec.hidden_size)
