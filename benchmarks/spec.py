@@ -205,8 +205,8 @@ def step_worker(args) -> None:
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
     while len(out) < args.paged_tokens:
-        plain = dec.decoding and not dec.speculating
-        logits = decode_together([dec], kind == "fused")[0] if plain else dec.logits()
+        # the worker's step: fused where plain steps are (a speculating sequence's steps without a draft too)
+        logits = decode_together([dec], kind != "rows")[0] if dec.decoding and not dec.ready else dec.logits()
         if logits is None:
             continue
         out.append(dec.sample(logits))

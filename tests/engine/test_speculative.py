@@ -112,6 +112,35 @@ def test_injected_token_drops_kept_drafts(model):
     assert tail == want
 
 
+def test_fused_steps_without_a_draft_take_the_models_own_step(model, monkeypatch):
+    """Where plain steps are fused (`fused=True`), a speculating sequence's steps without a draft take the
+    model's own step, not the rows: the plain run's tokens, and no forward_rows call at all."""
+    from localmoe.engine.spec import verify
+
+    prompt = prompt_for(model)
+    dec = Decoder(model, prompt, GREEDY)
+    want = []
+    while len(want) < 8:
+        logits = decode_together([dec], fused=True)[0] if dec.decoding else dec.logits()
+        if logits is not None:
+            want.append(dec.sample(logits))
+            dec.feed([want[-1]])
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("a step without a draft ran the row kernels")
+
+    monkeypatch.setattr(verify, "forward_rows", no_rows)
+    spec = Speculator(NoDraft(), k=1, adaptive=False)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    got = []
+    while len(got) < 8:
+        logits = decode_together([dec], fused=True)[0] if dec.decoding and not dec.ready else dec.logits()
+        if logits is not None:
+            got.append(dec.sample(logits))
+            dec.feed([got[-1]])
+    assert got == want and spec.stats.steps == 7  # the first token is the prompt's
+
+
 def test_prompt_lookup_drafts_the_continuation():
     lookup = PromptLookup(max_ngram=3)
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]

@@ -13,8 +13,14 @@ hyper-connections mix each token's layer outputs on its own, so their rows run t
 through its own decode step, with a copy of the states after each.
 
 Rows of a step are computed as decode tokens, each independently of the others, so a greedy sequence
-yields the tokens it yields without speculation in the same mode (a speculating sequence always takes
-these row kernels, also on steps without a draft, never the model's fused single-token step). A
+yields the tokens it yields without speculation in the same mode: with `fused` False a speculating
+sequence takes these row kernels on every step, also without a draft. With `fused` (the caller's plain
+steps are the model's own fused single-token step: the worker where batching does not pay, a single
+sequence) a step without a draft takes that fused step as a plain sequence would, so speculation costs
+nothing on the steps where the speculator declines to draft, and the step time it compares drafting
+against is the fused step's; the verify rows still round as the row kernels do, so against a fused plain
+run the text can part at a near-tie of two tokens. (Such a step files no routing for the residency: its
+sink would keep the model off its fused plan. An MTP drafter keeps its sink: it needs every hidden state.) A
 speculating sequence resumed after a preemption (`Decoder.replaying`) runs each token it had again as
 one such row, without drafting, so its caches come back as they were.
 """
@@ -86,6 +92,8 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
     drafts = [_propose(d) if s else None for d, s in zip(decoders, spec)]
+    # a speculating sequence without a draft, where plain steps are fused: the fused step (module docstring)
+    own = [s and fused and not drafts[n].tokens for n, s in enumerate(spec)]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
     starts = [d.cache.offset for d in decoders]
     for d, s in zip(decoders, spec):
@@ -94,19 +102,29 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
             record(d.cache, True)
     out: list[torch.Tensor | None] = [None] * len(decoders)
     if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
-        together = [n for n in range(len(decoders)) if spec[n] or replay[n] or not (fused or not batchable(model))]
+        together = [n for n in range(len(decoders))
+                    if (spec[n] and not own[n]) or replay[n] or not (fused or not batchable(model))]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
-        logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together])
+        logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together]) if together else []
         for n, lg in zip(together, logits):
             out[n] = lg
     else:
         for n in range(len(decoders)):
-            if spec[n] or replay[n]:
+            if (spec[n] and not own[n]) or replay[n]:
                 out[n] = _rows_alone(model, rows[n], decoders[n].cache)
     alone = [n for n in range(len(decoders)) if out[n] is None]  # fused plain decoders
     if alone:
-        logits = decode_batch(model, [rows[n][0] for n in alone], [decoders[n].cache for n in alone], True)
+        sinks = {}
+        for n in alone:  # a residency's sink would keep the model off its fused plan (an MTP drafter's stays)
+            c, drafter = decoders[n].cache, decoders[n].speculator and decoders[n].speculator.drafter
+            if own[n] and c.hidden_sink is not None and not hasattr(drafter, "watch"):
+                sinks[n], c.hidden_sink = c.hidden_sink, None
+        try:
+            logits = decode_batch(model, [rows[n][0] for n in alone], [decoders[n].cache for n in alone], True)
+        finally:
+            for n, sink in sinks.items():
+                decoders[n].cache.hidden_sink = sink
         for n, lg in zip(alone, logits.split(1)):
             out[n] = lg
     seconds = time.perf_counter() - started
