@@ -223,8 +223,9 @@ def test_residency_predicts_a_copied_drafts_experts_and_what_it_must_read():
 
 
 def test_fit_cuts_a_draft_where_its_experts_must_be_read():
-    """Priced: compute grows little with the rows, but each expert missed stalls 1 s: a draft whose next token's
-    experts are resident is kept whole, the draft tokens after that (new experts) are dropped."""
+    """Priced: compute grows little with the rows, but each expert missed stalls 0.5 s. The pending token stood at
+    position 1 (the draft copies 2.. on): its missing experts (1, 1) and (3, 1) are read by a plain step too, so
+    they are not the draft's cost; the first draft adds none (kept), the next ones add (1, 4), (3, 4) (dropped)."""
     spec = Speculator(PromptLookup(), k=4, residency=_residency({(1, 2), (1, 3), (3, 2), (3, 3)}))
     ram = spec.residency.pager.stats.ram
     for rows, drafted, kept, stall, misses in [(1, 0, 0, 0.5, 1), (5, 4, 4, 0.5, 1)] * 10:
@@ -234,7 +235,7 @@ def test_fit_cuts_a_draft_where_its_experts_must_be_read():
         spec.observe(drafted, kept, rows, 0.1 * rows + stall)
     assert spec.miss_seconds == pytest.approx(0.5) and spec.plain_stall == pytest.approx(0.5)
     assert spec.compute_seconds[1] == pytest.approx(0.1) and spec.compute_seconds[5] == pytest.approx(0.5)
-    draft = spec.fit(Draft([7, 8, 9], source=2))  # position 2's experts resident, 3's and 4's add reads
+    draft = spec.fit(Draft([7, 8, 9], source=2))
     assert draft.tokens == [7] and draft.source == 2
     assert spec.residency.pager.asked == [(1, [2, 3]), (3, [2, 3])]
     spec.residency.pager.held |= {(1, 4), (3, 4), (1, 5), (3, 5)}

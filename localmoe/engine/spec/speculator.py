@@ -10,7 +10,8 @@ so speculation turns itself down where verifying costs more than it yields. With
 (residency.py: a paged model, drafts copied from the sequence) the model knows more: a step's time
 splits into compute (measured per row count, less the time stalled on expert reads) plus the reads,
 a plain step's measured stall plus, for each draft prefix, the experts its tokens' earlier routing
-predicts that the pager does not hold, at the measured stall per missed expert. `fit` then keeps the
+predicts that the pager does not hold and the pending token's (predicted the same way) does not read
+anyway, at the measured stall per missed expert. `fit` then keeps the
 prefix of the draft with the most tokens per second under that model (a draft whose experts are
 resident costs compute only; one whose experts must be read is cut short or dropped), and has the
 pager prefetch the experts the kept drafts predict. Every `PROBE` steps at
@@ -138,18 +139,21 @@ class Speculator:
         r = self.residency
         if r is None or draft.source is None or not draft.tokens:
             return draft
-        keys = r.predicted(draft.source, len(draft.tokens))
+        # the pending token matched the n-gram before the copied span: its experts are those at source - 1, and
+        # a plain step reads what of them is missing (priced in plain_stall); the drafts add what their union adds
+        keys = r.predicted(draft.source - 1, len(draft.tokens) + 1)
         keep = len(draft.tokens)
         if self.adaptive and self._priced():
             missing = r.missing(keys)
             a = min(self.acceptance, 0.999)
             keep, best = 0, 1.0 / self._estimate(1)
             for j in range(1, len(draft.tokens) + 1):
-                rate = (1 - a ** (j + 1)) / (1 - a) / (self._estimate(j + 1) + missing[j - 1] * self.miss_seconds)
+                added = (missing[j] - missing[0]) * self.miss_seconds
+                rate = (1 - a ** (j + 1)) / (1 - a) / (self._estimate(j + 1) + added)
                 if rate > best:
                     keep, best = j, rate
         if keep:
-            r.prefetch(keys[:keep])
+            r.prefetch(keys[1:keep + 1])
         if keep == len(draft.tokens):
             return draft
         return Draft(draft.tokens[:keep], None if draft.q is None else draft.q[:keep], draft.source)
