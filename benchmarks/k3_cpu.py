@@ -189,7 +189,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"{args.expert_precision} in localmoe), "
           f"{args.threads} threads, "
           f"{args.prompt}-token prompt, {args.decode} greedy tokens, {args.pairs} alternating rounds", flush=True)
-    res = alternate(workers, args.pairs, between=lambda: bandwidth.append(memory_read_bandwidth()), show=show)
+    clock = time.process_time if args.cpu_time else time.perf_counter  # the engines' own clock
+    res = alternate(workers, args.pairs, between=lambda: bandwidth.append(memory_read_bandwidth(clock=clock)), show=show)
     ours, theirs = res["localmoe"], res["llama.cpp"]
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("decode", "prefill")} for k, v in res.items()}
     bytes_ = ours[0]["bytes"]

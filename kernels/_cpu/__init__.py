@@ -104,6 +104,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
                          _int), None),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
+    "dense_read": ((_ptr, _i64, _i64, _ptr, _int), None),
 }
 _state: dict[str, object] = {}
 _local = threading.local()  # .threads: this thread's kernel threads inside `small_steps`

@@ -34,3 +34,15 @@ def gemv_prepared(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     getattr(library(), entry)(x.data_ptr(), N, x.shape[1], weight.data_ptr(), O,
                               None if bias is None else bias.data_ptr(), y.data_ptr(), threads())
     return y
+
+
+READ_CHUNK = 16384  # floats (64 KiB) per chunk of work in `read_sums`
+
+
+def read_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sums of x's 64 KiB chunks (x fp32 contiguous, a multiple of READ_CHUNK values): a plain read of x at
+    the memory's speed, on `threads()` threads (the roofline a weight stream is measured against)."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.numel() % READ_CHUNK == 0, "x: fp32, 64 KiB chunks"
+    partial = x.new_empty(x.numel() // READ_CHUNK)
+    library().dense_read(x.data_ptr(), x.numel(), READ_CHUNK, partial.data_ptr(), threads())
+    return partial

@@ -15,6 +15,32 @@
 
 using localmoe_dense::gemv;
 
+namespace {
+
+struct ReadArgs {
+  const float* x;
+  float* partial;
+  int64_t chunk;
+};
+
+// Chunks [c0, c1) of x summed into partial[c] (4 independent accumulators: bound by the read, not the adds).
+void read_chunks(const void* ctx, int64_t c0, int64_t c1) {
+  const ReadArgs& a = *static_cast<const ReadArgs*>(ctx);
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* p = a.x + c * a.chunk;
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < a.chunk; i += 32) {
+      s0 = _mm256_add_ps(s0, _mm256_loadu_ps(p + i));
+      s1 = _mm256_add_ps(s1, _mm256_loadu_ps(p + i + 8));
+      s2 = _mm256_add_ps(s2, _mm256_loadu_ps(p + i + 16));
+      s3 = _mm256_add_ps(s3, _mm256_loadu_ps(p + i + 24));
+    }
+    a.partial[c] = localmoe::hsum(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W fp32 [O, K]; all contiguous.
@@ -27,6 +53,13 @@ void dense_gemv_f32(const float* x, int64_t N, int64_t K, const float* w, int64_
 void dense_gemv_bf16(const float* x, int64_t N, int64_t K, const uint16_t* w, int64_t O, const float* bias,
                      float* y, int threads) {
   gemv<uint16_t>(x, N, K, w, O, bias, y, threads);
+}
+
+// partial [n / chunk] = sums of x's chunks of `chunk` floats (a multiple of 32; n a multiple of chunk): the
+// plain read stream a GEMV's weight read is measured against (benchmarks/common.py memory_read_bandwidth).
+void dense_read(const float* x, int64_t n, int64_t chunk, float* partial, int threads) {
+  const ReadArgs args{x, partial, chunk};
+  localmoe::parallel(read_chunks, &args, n / chunk, 1, threads);
 }
 
 }  // extern "C"

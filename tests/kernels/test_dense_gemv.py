@@ -106,3 +106,10 @@ def test_prepared_kernel_gives_the_checked_calls_bits(dtype):
     assert dense_gemv.kernel_for(w.t(), None) is None  # not contiguous
     assert dense_gemv.kernel_for(w, b[:10]) is None  # bias of the wrong length
     assert dense_gemv.kernel_for(w, b.double()) is None  # bias not fp32
+
+
+@needs_cpu_kernel
+def test_read_sums_are_the_chunk_sums():
+    x = torch.randn(cpu.READ_CHUNK * 7, generator=torch.Generator().manual_seed(3))
+    want = x.double().view(7, -1).sum(1)
+    assert torch.allclose(cpu.read_sums(x).double(), want, rtol=0, atol=1e-3)
