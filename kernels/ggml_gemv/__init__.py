@@ -1,5 +1,5 @@
 """GEMV from GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
-int8 per 32 values (llama.cpp's trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
+int8 per 32 values, per 256 for the K-quants (`x_block`: llama.cpp's Q8_0 / Q8_K trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
 Many tokens at once (a batched decode step's N rows) decode each weight block once for a tile of
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
-from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
+from localmoe.kernels.ggml_gemv.reference import K_QUANTS, naive_ggml_gemv, x_block
 
 Q = GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -50,4 +50,5 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv"]
+__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv",
+           "x_block"]

@@ -48,36 +48,35 @@ RowFn row_fn(int type) {
   }
 }
 
-// One token's x rounded as `gemv` rounds it for N = 1: blocks, then d * sum(q) in a column padded to 8.
-struct Rounded {
-  BlockX* blocks;
-  float* s;
-  int64_t nb;
+int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
 
-  static int64_t bytes(int64_t K) { return scratch_bytes(1, K); }
-  Rounded(void* base, const float* x, int64_t K) : blocks(static_cast<BlockX*>(base)), nb(K / kBlock) {
-    s = reinterpret_cast<float*>(blocks + nb);
-    std::memset(s, 0, (nb * 8 + 8) * sizeof(float));
-    quantize(x, nb, blocks);
-    for (int64_t b = 0; b < nb; ++b) s[b * 8] = blocks[b].s;
+// One token's x rounded as `gemv` rounds it for N = 1, per 32 values and / or per 256 (for K-quant rows).
+struct Rounded {
+  XQ per32{}, per256{};
+
+  static int64_t bytes(int64_t K) { return 2 * align64(scratch_bytes(1, K)); }
+  Rounded(void* base, const float* x, int64_t K, bool blocks32, bool super256) {
+    if (blocks32) per32 = round_x(x, 1, K, false, base);
+    if (super256) per256 = round_x(x, 1, K, true, static_cast<char*>(base) + align64(scratch_bytes(1, K)));
   }
-  Tile tile() const {
+  // The tile the rows of `type` read.
+  Tile tile(int type) const {
     Tile t{};
-    t.x[0] = blocks;
-    t.s = s;
+    tile_token(t, is_k_quant(type) ? per256 : per32, 0, 0);
+    t.s = per32.s;
     t.padded = 8;
     return t;
   }
 };
 
 // A pass over the rows of n matrices (one or two per chosen expert) that share a shape: row r is row r % O of
-// matrix r / O, read against tiles[r / (O * per)] (per: matrices per input).
+// matrix r / O, read against tiles[r / O].
 struct Pass {
   const uint8_t* data[128];
   RowFn fn[128];
   int64_t row_bytes[128], units[128];
-  Tile tiles[64];
-  int64_t O, per;
+  Tile tiles[128];
+  int64_t O;
   float* y;  // [n * O]
 };
 
@@ -85,14 +84,12 @@ void pass_rows(const void* ctx, int64_t r0, int64_t r1) {
   const Pass& p = *static_cast<const Pass*>(ctx);
   for (int64_t r = r0; r < r1;) {  // a run of rows of one matrix at a time
     const int64_t m = r / p.O, o0 = r % p.O, o1 = std::min(p.O, o0 + (r1 - r));
-    p.fn[m](p.data[m], p.row_bytes[m], p.units[m], p.tiles[m / p.per], o0, o1, p.y + m * p.O);
+    p.fn[m](p.data[m], p.row_bytes[m], p.units[m], p.tiles[m], o0, o1, p.y + m * p.O);
     r += o1 - o0;
   }
 }
 
 int64_t units_of(int type, int64_t cols) { return cols / kBlock / (is_k_quant(type) ? 8 : 1); }
-
-int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
 
 }  // namespace
 
@@ -115,7 +112,8 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
   if (!fns[0] || !fns[1] || !fns[2] || k > 64 || k < 0 || !whole(0, W) || !whole(1, W) || !whole(2, I)) return -1;
   if (k == 0) return 0;
   char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
-  const Rounded xr(base, x, W);
+  const int t0 = static_cast<int>(types[0]), t1 = static_cast<int>(types[1]), t2 = static_cast<int>(types[2]);
+  const Rounded xr(base, x, W, !is_k_quant(t0) || !is_k_quant(t1), is_k_quant(t0) || is_k_quant(t1));
   base += align64(Rounded::bytes(W));
   char* inner = base;
   base += k * align64(Rounded::bytes(I));
@@ -123,11 +121,11 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
   float* y = gu + k * 2 * I;                  // [k, W]
 
   Pass first{};
-  first.O = I, first.per = 2 * k, first.y = gu;
-  first.tiles[0] = xr.tile();
+  first.O = I, first.y = gu;
   for (int64_t j = 0; j < k; ++j)
     for (int p = 0; p < 2; ++p) {
       const int64_t m = 2 * j + p;
+      first.tiles[m] = xr.tile(p == 0 ? t0 : t1);
       first.data[m] = reinterpret_cast<const uint8_t*>(table[3 * ids[j] + p]);
       first.fn[m] = fns[p];
       first.row_bytes[m] = row_bytes(static_cast<int>(types[p]), W / kBlock);
@@ -137,11 +135,11 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
                      localmoe::kChunkBytes / std::max<int64_t>(1, first.row_bytes[0]), threads);
 
   Pass second{};
-  second.O = W, second.per = 1, second.y = y;
+  second.O = W, second.y = y;
   for (int64_t j = 0; j < k; ++j) {
     float* g = gu + j * 2 * I;
     localmoe::glu_rows(glu, g, g + I, I, p0, p1);
-    second.tiles[j] = Rounded(inner + j * align64(Rounded::bytes(I)), g, I).tile();
+    second.tiles[j] = Rounded(inner + j * align64(Rounded::bytes(I)), g, I, !is_k_quant(t2), is_k_quant(t2)).tile(t2);
     second.data[j] = reinterpret_cast<const uint8_t*>(table[3 * ids[j] + 2]);
     second.fn[j] = fns[2];
     second.row_bytes[j] = row_bytes(static_cast<int>(types[2]), I / kBlock);

@@ -77,6 +77,58 @@ inline void quantize(const float* x, int64_t nb, BlockX* xq) {
   }
 }
 
+// K-quant rows read x rounded per super-block of 256 values (llama.cpp's Q8_K): one step d = amax / 127 for
+// the 256, q = round-to-even(x / d), and the sum of q per 32 values (exact in fp32) for the Q4_K / Q5_K mins.
+// A super-block's dot product is then one integer sum with the weight's sub-block scales multiplied in
+// (vpmaddubsw, vpmaddwd by the scale: exact in int32), converted once: one FMA by d_w * d_x per 256 values
+// where the per-32 form had eight dependent FMAs (Q4_K one token 9.6 -> see ggml_cpu.cpp).
+constexpr int64_t kSuper = 256;
+
+struct alignas(4) BlockXK {
+  float d;
+  float sums[8];      // sum of q over values 32j .. 32j + 31 (Q4_K / Q5_K mins)
+  int16_t sums16[16];  // over values 16i .. 16i + 15 (Q6_K's -32)
+  int8_t q[kSuper];
+};
+
+// One token: x [K] -> xq [K / 256]. A super-block holding NaN or Inf gets d = NaN.
+inline void quantize_k(const float* x, int64_t nsb, BlockXK* xq) {
+  for (int64_t b = 0; b < nsb; ++b) {
+    localmoe::Block32 blk[8];
+    float top = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < 8; ++j) {
+      blk[j] = localmoe::load_block32(x + b * kSuper + j * kBlock);
+      top = std::max(top, blk[j].top);
+      finite = finite && blk[j].finite;
+    }
+    BlockXK& o = xq[b];
+    if (!finite || top == 0.0f) {
+      o.d = finite ? 0.0f : std::nanf("");
+      std::memset(o.q, 0, kSuper);
+      std::memset(o.sums16, 0, sizeof(o.sums16));
+      for (int j = 0; j < 8; ++j) o.sums[j] = 0.0f;
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(127.0f / top);
+    for (int j = 0; j < 8; ++j) {
+      int32_t half_sums[2] = {0, 0};
+      for (int v = 0; v < 4; ++v) {
+        alignas(32) int32_t q[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q), localmoe::round_scaled(blk[j].v[v], inv));
+        for (int i = 0; i < 8; ++i) {
+          o.q[32 * j + 8 * v + i] = static_cast<int8_t>(q[i]);
+          half_sums[v / 2] += q[i];
+        }
+      }
+      o.sums16[2 * j] = static_cast<int16_t>(half_sums[0]);
+      o.sums16[2 * j + 1] = static_cast<int16_t>(half_sums[1]);
+      o.sums[j] = static_cast<float>(half_sums[0] + half_sums[1]);
+    }
+    o.d = top / 127.0f;
+  }
+}
+
 // The fifth bits of 32 values as bytes: 16 where bit i of the 32-bit field at `qh` is set, else 0.
 inline __m256i fifth_bits(const uint8_t* qh) {
   uint32_t bits;
@@ -159,17 +211,20 @@ constexpr int kTile = 4;
 
 // x as the int8 rows read it: the blocks [N, nb], and each block's d * sum(q) transposed, [nb, padded]
 // with padded = N rounded up to 8 (zero past N), so that a tile's tokens load as one vector.
+// K-quant rows read `kblocks` [N, nb / 8] instead (BlockXK).
 struct XQ {
   const BlockX* blocks;
   const float* s;
   int64_t nb, padded;
+  const BlockXK* kblocks;
 };
 
-// A tile of tokens t0 .. t0 + TN - 1: their blocks, and XQ.s from t0 on.
+// A tile of tokens t0 .. t0 + TN - 1: their blocks, and XQ.s from t0 on (K-quant rows: their super-blocks, k).
 struct Tile {
   const BlockX* x[kTile];
   const float* s;  // XQ.s + t0
   int64_t padded;
+  const BlockXK* k[kTile];
 };
 
 // step_w * d_x for token t's block as a vector.
@@ -211,17 +266,23 @@ struct Block32Int8 {
   }
 };
 
-// Q4_K, Q5_K: units of one super-block (8 sub-blocks of 32); the mins come in through d_x * sum(q_x).
+// Q4_K, Q5_K: units of one super-block (8 sub-blocks of 32) against x's super-block (BlockXK): per token,
+// sum_j sc[j] (w_j . x_j) in int32 lanes (vpmaddubsw: |pair| <= 2 * 31 * 127; vpmaddwd by sc[j] <= 63), converted
+// once, acc = fma(float(sum), d_w d_x, acc); the mins as m[j] * sum(x_j) (exact in fp32), acc -= that times
+// dmin d_x. The same integer sums on both ISAs (no vpdpbusd here: the scale multiply needs the int16 pairs).
 template <bool kFifthBit>
 struct Q45KInt8 {
   static constexpr int64_t kBytes = kFifthBit ? 176 : 144, kNibbles = kFifthBit ? 48 : 16, kBlocks = 8;
   template <int TN>
-  __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256& corr) {
+  __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
     const __m256i one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
-    alignas(32) float step[8], mins[8];
-    q4_k_steps(blk, step, mins);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+    uint8_t sc[8], mn[8];
+    q4_k_scales(blk + 4, sc, mn);
+    const float d = half(blk), dmin = half(blk + 2);
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn))));
     const __m256i qh = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : one;
+    __m256i sum[TN];
+    for (int t = 0; t < TN; ++t) sum[t] = _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kNibbles + 32 * p));
       const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
@@ -232,38 +293,67 @@ struct Q45KInt8 {
           const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
           wj = _mm256_or_si256(wj, _mm256_slli_epi16(bit, 4));
         }
-        const __m256 stepj = _mm256_broadcast_ss(step + j);  // -dmin m[j]: the sign flipped exactly
-        corr = _mm256_fmadd_ps(_mm256_xor_ps(_mm256_broadcast_ss(mins + j), sign),
-                               _mm256_loadu_ps(x.s + (8 * u + j) * x.padded), corr);
+        const __m256i scale = _mm256_set1_epi16(sc[j]);
 #pragma GCC unroll 8
         for (int t = 0; t < TN; ++t) {
-          const BlockX& xj = x.x[t][8 * u + j];
-          add_dot(acc[t], dot_u8s8(wj, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xj.q))), scaled(stepj, xj));
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * j));
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wj, xq), scale));
         }
       }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const BlockXK& xk = x.k[t][u];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(d * xk.d), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(xk.sums)), _mm256_set1_ps(dmin * xk.d), acc[t]);
     }
   }
 };
 
-// Q6_K: q - 32 is signed: |q - 32| against x with q's sign (as Q8_0), and the two 16-value halves of
-// x's block get their int8 scales in one vpmaddwd (exact in int32).
+// Q6_K: the unsigned codes q (0..63) against x (vpmaddubsw: |pair| <= 2 * 63 * 127), the two 16-value halves
+// of a 32-value chunk get their int8 scales in one vpmaddwd; the -32 comes in as 32 sum_i scale[i] sum(x_i)
+// over x's 16-value sums (llama.cpp's way); per token one int32 sum per super-block, one FMA by d_w d_x.
+inline __m256i q6_k_unsigned(const uint8_t* blk, int c) {
+  const int h = c >> 2, s = c & 3;
+  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
+  lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)), 2 * s),
+      _mm256_set1_epi8(3));
+  return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+}
+
 struct Q6KInt8 {
   static constexpr int64_t kBytes = 210, kBlocks = 8;
   template <int TN>
   __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
-    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-    const __m256 step = _mm256_set1_ps(half(blk + 208));
+    const float d = half(blk + 208);
+    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    // scales 0-7 and 8-15 in both 128-bit lanes; chunk c takes scale 2c in its low lane, 2c + 1 in its high one
+    const __m256i lanes[2] = {_mm256_permute2x128_si256(scales16, scales16, 0x00),
+                              _mm256_permute2x128_si256(scales16, scales16, 0x11)};
+    __m256i sum[TN];
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {  // -32 sum_i scale[i] sum(x_i), exact in int32
+      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].sums16));
+      sum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(scales16, sums), 5));
+    }
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m256i q = q6_k_codes(blk, c), magnitude = _mm256_sign_epi8(q, q);
-      const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * c + 1]), _mm_set1_epi16(scales[2 * c]));
+      const __m256i q = q6_k_unsigned(blk, c);
+      const char a = static_cast<char>(4 * c % 16), b = static_cast<char>((4 * c + 2) % 16);  // words 2c, 2c + 1
+      const __m256i scale = _mm256_shuffle_epi8(lanes[c / 4], _mm256_setr_epi8(
+          a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+          b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1));
 #pragma GCC unroll 8
       for (int t = 0; t < TN; ++t) {
-        const BlockX& xc = x.x[t][8 * u + c];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc.q));
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xq, q));  // <= 8128
-        add_dot(acc[t], _mm256_madd_epi16(pairs, scale), scaled(step, xc));
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * c));
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scale));
       }
     }
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(d * x.k[t][u].d), acc[t]);
   }
 };
 
@@ -279,28 +369,13 @@ inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, fl
   for (int t = 0; t < TN; ++t) out[t] = hsum(acc[t]) + c[t];
 }
 
-// Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1): K-quant rows two at a time,
-// their operations interleaved. Each row's operations are those of dot_tokens_int8<U, 1> (the same bits); the
-// pair's two accumulator chains (a row's FMAs depend on each other, 4 cycles each) overlap, where one row
-// alone left the core waiting on its chain (Q4_K 1.3x, Q6_K 1.15x; the same pairing made Q8_0 rows 2.5x
-// slower, measured on Zen 4: blocks of 32 keep one row at a time).
+// Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1), one row at a time. (Pairing
+// rows to overlap two FMA chains paid while K-quant rows did eight dependent FMAs per super-block; with one FMA
+// per super-block (integer scale products) pairing made Q4_K / Q5_K 2x and Q6_K ~8x slower, measured on Zen 4.)
 template <class U>
 inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, const Tile& x, int64_t r0, int64_t r1,
                            float* y) {
-  int64_t r = r0;
-  for (; U::kBlocks == 8 && r + 1 < r1; r += 2) {
-    const uint8_t* a = w + r * row_bytes;
-    const uint8_t* b = a + row_bytes;
-    __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
-    __m256 corr_a = _mm256_setzero_ps(), corr_b = _mm256_setzero_ps();
-    for (int64_t u = 0; u < units; ++u) {
-      U::template unit<1>(a + u * U::kBytes, x, u, &acc_a, corr_a);
-      U::template unit<1>(b + u * U::kBytes, x, u, &acc_b, corr_b);
-    }
-    y[r] = hsum(acc_a) + _mm256_cvtss_f32(corr_a);
-    y[r + 1] = hsum(acc_b) + _mm256_cvtss_f32(corr_b);
-  }
-  for (; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
+  for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
 }
 
 // Rows against fp32 x (exact_x, for the lm_head, whose logits pick the token: engine/transformer.py):
@@ -415,11 +490,38 @@ inline void dot_n(int n, const uint8_t* row, int64_t units, const float* const* 
   dot_tokens<U, TN>(row, units, x, out);
 }
 
-// Bytes of scratch `gemv` needs for N tokens of K (int8 x: XQ).
+// Bytes of scratch `gemv` needs for N tokens of K (int8 x: XQ, either form).
 inline int64_t scratch_bytes(int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, padded = (N + 7) / 8 * 8;
   // + 8 floats: a tile of 4 (AVX2) at the end of the last row still loads 8
-  return N * nb * static_cast<int64_t>(sizeof(BlockX)) + (nb * padded + 8) * static_cast<int64_t>(sizeof(float));
+  const int64_t per32 = N * nb * static_cast<int64_t>(sizeof(BlockX)) + (nb * padded + 8) * static_cast<int64_t>(sizeof(float));
+  return std::max(per32, N * (K / kSuper) * static_cast<int64_t>(sizeof(BlockXK)));
+}
+
+// x [N, K] rounded into `scratch` (scratch_bytes(N, K)) as the int8 rows of a K-quant (per 256, `k_quant`) or
+// of another type (per 32) read it.
+inline XQ round_x(const float* x, int64_t N, int64_t K, bool k_quant, void* scratch) {
+  const int64_t nb = K / kBlock;
+  if (k_quant) {
+    BlockXK* blocks = static_cast<BlockXK*>(scratch);
+    for (int64_t t = 0; t < N; ++t) quantize_k(x + t * K, K / kSuper, blocks + t * (K / kSuper));
+    return XQ{nullptr, nullptr, nb, (N + 7) / 8 * 8, blocks};
+  }
+  BlockX* blocks = static_cast<BlockX*>(scratch);
+  float* s = reinterpret_cast<float*>(blocks + N * nb);
+  const XQ xq{blocks, s, nb, (N + 7) / 8 * 8, nullptr};
+  std::memset(s, 0, nb * xq.padded * sizeof(float));
+  for (int64_t t = 0; t < N; ++t) {
+    quantize(x + t * K, nb, blocks + t * nb);
+    for (int64_t b = 0; b < nb; ++b) s[b * xq.padded + t] = blocks[t * nb + b].s;
+  }
+  return xq;
+}
+
+// Token t of a tile, from token `first` of xq on.
+inline void tile_token(Tile& x, const XQ& xq, int t, int64_t first) {
+  if (xq.kblocks) x.k[t] = xq.kblocks + first * (xq.nb / 8);
+  else x.x[t] = xq.blocks + first * xq.nb;
 }
 
 struct Args {
@@ -444,10 +546,10 @@ template <class U>
 inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
   const Args& a = *static_cast<const Args*>(ctx);
   const int64_t units = a.row_bytes / U::kBytes;
-  Tile x;
+  Tile x{};
   x.padded = a.xq.padded;
   if (a.N == 1 && a.bias == nullptr) {
-    x.x[0] = a.xq.blocks;
+    tile_token(x, a.xq, 0, 0);
     x.s = a.xq.s;
     return rows_one_token<U>(a.w, a.row_bytes, units, x, o0, o1, a.y);
   }
@@ -456,8 +558,8 @@ inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
     const uint8_t* row = a.w + o * a.row_bytes;
     for (int64_t t0 = 0; t0 < a.N; t0 += kTile) {
       const int n = static_cast<int>(std::min<int64_t>(kTile, a.N - t0));
-      for (int t = 0; t < n; ++t) x.x[t] = a.xq.blocks + (t0 + t) * a.xq.nb;
-      x.s = a.xq.s + t0;
+      for (int t = 0; t < n; ++t) tile_token(x, a.xq, t, t0 + t);
+      x.s = a.xq.s ? a.xq.s + t0 : nullptr;
       dot_n_int8<U, kTile>(n, row, units, x, v);
       for (int t = 0; t < n; ++t) a.y[(t0 + t) * a.O + o] = a.bias == nullptr ? v[t] : v[t] + a.bias[o];
     }
@@ -482,22 +584,12 @@ inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
-// y [N, O] = x [N, K] W^T (+ bias): x quantised into `scratch` (scratch_bytes(N, K)), then rows on the
+// y [N, O] = x [N, K] W^T (+ bias): x quantised into `scratch` (round_x), then rows on the
 // pool; with exact_x (Q8_0, Q4_K, Q6_K: has_exact_x) x is read as it is and scratch is not used.
 inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
                  float* y, void* scratch, int threads, bool exact_x = false) {
   const int64_t nb = K / kBlock;
-  XQ xq{};
-  if (!exact_x) {
-    BlockX* blocks = static_cast<BlockX*>(scratch);
-    float* s = reinterpret_cast<float*>(blocks + N * nb);
-    xq = XQ{blocks, s, nb, (N + 7) / 8 * 8};
-    std::memset(s, 0, nb * xq.padded * sizeof(float));
-    for (int64_t t = 0; t < N; ++t) {
-      quantize(x + t * K, nb, blocks + t * nb);
-      for (int64_t b = 0; b < nb; ++b) s[b * xq.padded + t] = blocks[t * nb + b].s;
-    }
-  }
+  const XQ xq = exact_x ? XQ{} : round_x(x, N, K, is_k_quant(type), scratch);
   const int64_t bytes = row_bytes(type, nb);
   const Args args{xq, x, N, K, w, bytes, O, bias, y};
   void (*fn)(const void*, int64_t, int64_t);

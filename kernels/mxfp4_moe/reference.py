@@ -33,11 +33,12 @@ def naive_mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Ten
     return out.to(x.dtype)
 
 
-def q8_round(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (K a multiple of 32) rounded to int8 per 32-element block, what expert precision
+def q8_round(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [..., K] (K a multiple of `block`) rounded to int8 per `block` elements, what expert precision
     "q8" feeds each projection: q = round(x * 127 / amax) to nearest even, then q * amax / 127, with
-    127 / amax and amax / 127 in fp32 (as the CPU kernel); an all-zero block stays zero."""
-    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    127 / amax and amax / 127 in fp32 (as the CPU kernel); an all-zero block stays zero. block 256: what
+    GGUF K-quant rows read (kernels/ggml_gemv, llama.cpp's Q8_K)."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
     amax = blocks.abs().amax(-1, keepdim=True).float()
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     q = torch.round(blocks.float() * inv) if x.dtype != torch.float64 else torch.round(blocks * inv.double())

@@ -89,15 +89,20 @@ def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple
     return shapes | vision_tensors(spec)
 
 
-def _head(weight, dtype: str):
-    """The lm_head, never run on int8-rounded activations: its logits pick the token, and on the
-    embedded SmolLM2 a Q8_0 head on rounded inputs changed the greedy answer. A GGUF Q8_0, Q4_K or Q6_K
-    head (a Q4_K_M file's output.weight is Q6_K) keeps its blocks with fp32 activations (kernels/ggml_gemv
-    exact_x: SmolLM2's tied Q8_0 head reads 30 instead of 56 MB per token as bf16); another
-    block-quantised head is dequantised (Linear: fp32 or bf16 weights)."""
+def _head(weight, dtype: str, rounded: bool):
+    """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `rounded` (a MoE model at expert
+    precision q8, whose other block GEMVs already round their inputs): its input is rounded to int8 as
+    theirs are (per 256 for a Q4_K_M file's Q6_K head, as llama.cpp does; with fp32 inputs the head was 46% of
+    a Qwen3-MoE Q4_K_M decode token). Otherwise it never reads int8-rounded activations: its logits pick the
+    token, and on the embedded SmolLM2 a Q8_0 head on rounded inputs changed the greedy answer; a Q8_0, Q4_K or
+    Q6_K head then runs on fp32 inputs (exact_x: SmolLM2's tied Q8_0 head reads 30 instead of 56 MB per token
+    as bf16), another block-quantised head is dequantised (Linear: fp32 or bf16 weights)."""
     if isinstance(weight, BlockQuantized):
-        if weight.ggml_type in ggml_gemv.EXACT_X_TYPES and dtype == "auto" and ggml_gemv.kernel_available():
-            return BlockLinear([weight], None, exact_x=True)
+        if dtype == "auto" and ggml_gemv.kernel_available():
+            if rounded and weight.ggml_type in ggml_gemv.TYPES:
+                return BlockLinear([weight], None)
+            if weight.ggml_type in ggml_gemv.EXACT_X_TYPES:
+                return BlockLinear([weight], None, exact_x=True)
         weight = weight.float()
     return make_linear([weight], None, dtype)
 
@@ -124,8 +129,9 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
+        rounded = config.expert_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
-                             config.dtype)
+                             config.dtype, rounded)
         head = getattr(self.lm_head, "weight", None)
         if ("lm_head.weight" not in weights and isinstance(head, torch.Tensor) and isinstance(self.embed, torch.Tensor)
                 and head.dtype == self.embed.dtype and head.shape == self.embed.shape):

@@ -131,7 +131,8 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     each stack two types) decodes from its blocks, op by op
     (BlockLinear segments) and through the decode plan (a stacked Matrix). The reference is transformers
     with the same weights dequantised by gguf's own code and, as the block GEMVs do at decode, every
-    layer matrix's input rounded to int8 per 32 values (reference.q8_round) at the decoded positions;
+    layer matrix's input rounded to int8 (reference.q8_round: per 32 values for gate and up, per 256 for the
+    K-quant matrices) at the decoded positions;
     prefill runs fp32 GEMMs on the dequantised weights, unrounded, in both."""
     from localmoe.kernels.mxfp4_moe import q8_round
 
@@ -166,15 +167,17 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     assert isinstance(ours.embed, BlockEmbedding) and (ours.lm_head.ggml_type, ours.lm_head.exact_x) == (Q.Q6_K, True)
     tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(1))
 
-    def round_decoded(module, args):
-        x = args[0].clone()
-        x[:, 16:] = q8_round(x[:, 16:])
-        return (x,)
+    def round_decoded(block: int):
+        def hook(module, args):
+            x = args[0].clone()
+            x[:, 16:] = q8_round(x[:, 16:], block)
+            return (x,)
+        return hook
 
     for layer in reference.model.layers:
-        for module in layer.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(round_decoded)
+        for name, module in layer.named_modules():
+            if isinstance(module, torch.nn.Linear):  # per 32 values for Q5_0 / Q5_1, per 256 for the K-quants
+                module.register_forward_pre_hook(round_decoded(32 if name.endswith(("gate_proj", "up_proj")) else 256))
     with torch.no_grad():
         expected = reference(tokens).logits[:, 16:]
 

@@ -1,6 +1,6 @@
 """GEMV from GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks for 1..N tokens: the CPU
-kernel against its reference (exact dequantisation, x rounded to int8 per 32 values) evaluated in
-float64, and the properties the engine relies on (a row's result independent of the thread count and
+kernel against its reference (exact dequantisation, x rounded to int8 per 32 values, per 256 for the
+K-quants) evaluated in float64, and the properties the engine relies on (a row's result independent of the thread count and
 of the other tokens in the call, fallbacks)."""
 
 from __future__ import annotations
@@ -109,15 +109,20 @@ def test_other_types_and_inputs_use_the_reference(close):
 
 
 def test_reference_is_the_dequantised_weight_on_rounded_inputs():
-    """naive_ggml_gemv = q8_round(x) @ W^T with W from gguf's own dequantiser (independent of ours)."""
+    """naive_ggml_gemv = q8_round(x, block) @ W^T with W from gguf's own dequantiser (independent of ours):
+    x rounded per 32 values (Q8_0), per 256 for the K-quants' rows (Q8_K, as llama.cpp), which differs."""
     from localmoe.kernels.mxfp4_moe import q8_round
 
     for ggml_type in TYPES:
-        K = _k_for(ggml_type, 64)
+        K = _k_for(ggml_type, 512)
         raw = _weight(ggml_type, 16, K, seed=6)
         w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), ggml_type).astype(np.float64))
         x = torch.randn(3, K, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-        torch.testing.assert_close(naive_ggml_gemv(x, raw, ggml_type, (16, K)), q8_round(x) @ w.T)
+        x[:, 3] *= 25
+        block = 256 if ggml_type in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+        torch.testing.assert_close(naive_ggml_gemv(x, raw, ggml_type, (16, K)), q8_round(x, block) @ w.T)
+        other = q8_round(x, 288 - block) @ w.T
+        assert not torch.allclose(naive_ggml_gemv(x, raw, ggml_type, (16, K)), other, rtol=1e-4), ggml_type.name
 
 
 @needs_cpu_kernel

@@ -3,7 +3,8 @@ bound by engine/decode_plan.py through the hybrid decode stack): one token's cho
 rounded to int8 once for all gate and up rows.
 
 - the kernel against its reference (every projection dequantised by quant/ggml.py, x rounded to int8 per 32
-  values as the GEMV's reference does), for every block type with an int8 row kernel, types mixed per projection;
+  values, per 256 for K-quant rows, as the GEMV's reference does), for every block type with an int8 row kernel,
+  types mixed per projection (a K-quant gate with a Q8_0 up: x rounded both ways);
   the same for `block_expert` (one expert over a prefill chunk's rows, `ggml_moe_expert`);
 - its AVX2 build against its AVX-512 one, bit for bit;
 - Qwen3-MoE and GLM-4.5 GGUFs in llama.cpp's Q4_K_M layout (testing/moe_gguf.py) decoding through the plan with
@@ -32,7 +33,8 @@ from .conftest import greedy_logits
 
 pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
 
-TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q8_0), (Q.Q4_0, Q.Q4_1, Q.Q5_0), (Q.Q5_1, Q.Q8_0, Q.Q4_K)]
+TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q8_0), (Q.Q4_0, Q.Q4_1, Q.Q5_0), (Q.Q5_1, Q.Q8_0, Q.Q4_K),
+         (Q.Q6_K, Q.Q8_0, Q.Q5_K)]
 
 
 def _table(types, experts=6, hidden=512, inner=256, seed=0) -> BlockExpertTable:
@@ -132,6 +134,29 @@ def test_fused_matches_op_by_op(gguf):
     assert blocks and all(blocks)  # every MoE layer's experts ran in the kernel
     err = ((got - want).abs().amax(-1) / (want.amax(-1) - want.amin(-1))).max().item()
     assert err < 1e-5, f"fused decode differs from op by op by {err:.2e} of the logit range"
+
+
+def test_moe_head_rounds_its_input_at_q8(gguf):
+    """A MoE GGUF's block lm_head (Q6_K in a Q4_K_M file) at expert precision q8 reads its input rounded to int8
+    as the other block GEMVs do (per 256 values: the dequantised-weights reference on q8_round(x, 256)); at
+    exact it keeps fp32 activations."""
+    from localmoe.kernels.ggml_gemv import naive_ggml_gemv
+    from localmoe.kernels.mxfp4_moe import q8_round
+
+    head = _load(gguf).lm_head
+    assert (head.ggml_type, head.exact_x) == (Q.Q6_K, False)
+    h = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(5))
+    h[:, 7] *= 30  # one large channel: rounding per 256 is coarse elsewhere
+    shape = (head.out_features, head.in_features)
+    want = naive_ggml_gemv(h.double(), head.raw, head.ggml_type, shape)
+    got = head(h)
+    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-5
+    torch.testing.assert_close(want, q8_round(h.double(), 256) @ naive_ggml_gemv(
+        torch.eye(head.in_features, dtype=torch.float64), head.raw, head.ggml_type, shape, exact_x=True))
+    exact = load_model(gguf, EngineConfig(dtype="auto", max_context=64, expert_precision="exact"),
+                       progress=False).model.lm_head
+    assert exact.exact_x
+    assert not torch.allclose(exact(h), got, rtol=1e-4)
 
 
 def test_paged_equals_resident(gguf, tmp_path):
