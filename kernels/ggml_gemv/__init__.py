@@ -50,5 +50,23 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "TYPES", "ggml_gemv", "kernel_available", "naive_ggml_gemv",
-           "x_block"]
+ROW_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # dequantise_rows in C (an embedding's lookup)
+
+
+def dequantize_rows(table: torch.Tensor, ids: torch.Tensor, ggml_type, K: int) -> torch.Tensor | None:
+    """Rows `ids` (int64 [n]) of `table` (uint8 [rows, row bytes] GGUF blocks of `ggml_type`, K values a row)
+    dequantised -> fp32 [n, K], the bits of quant/ggml.py's dequantiser (ggml_cpu.cpp `ggml_dequantize_rows`);
+    None where the library or the type (ROW_TYPES) is not there, for the caller's torch path."""
+    lib = library()
+    if lib is None or ggml_type not in ROW_TYPES or not table.is_contiguous() or table.device.type != "cpu":
+        return None
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), K, dtype=torch.float32)
+    if lib.ggml_dequantize_rows(table.data_ptr(), table.shape[1], ids.data_ptr(), ids.numel(), int(ggml_type), K,
+                                out.data_ptr()):
+        return None
+    return out
+
+
+__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "ROW_TYPES", "TYPES", "dequantize_rows", "ggml_gemv",
+           "kernel_available", "naive_ggml_gemv", "x_block"]

@@ -42,4 +42,56 @@ int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, 
   return 0;
 }
 
+// Rows ids[0..n) of a table of GGUF blocks (rows of row_bytes, K values each) dequantised into out [n, K] fp32 with
+// the values and operations of quant/ggml.py (gguf's numpy reference: (d * sc) * q - dmin * m for Q4_K / Q5_K,
+// (d * scale) * (q - 32) for Q6_K, d * q for Q8_0; no fused multiply-add: ISO C++ leaves contraction off), so
+// the bits of a whole-table dequantisation: a BlockEmbedding's lookup. Returns 0, or -1 for another type.
+int ggml_dequantize_rows(const uint8_t* table, int64_t row_bytes, const int64_t* ids, int64_t n, int type, int64_t K,
+                         float* out) {
+  if (type != kQ8_0 && type != kQ4_K && type != kQ5_K && type != kQ6_K) return -1;
+  for (int64_t r = 0; r < n; ++r) {
+    const uint8_t* row = table + ids[r] * row_bytes;
+    float* y = out + r * K;
+    if (type == kQ8_0) {
+      for (int64_t b = 0; b < K / kBlock; ++b) {
+        const uint8_t* blk = row + 34 * b;
+        const float d = half(blk);
+        for (int i = 0; i < 32; ++i) y[32 * b + i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+      }
+      continue;
+    }
+    for (int64_t b = 0; b < K / 256; ++b) {
+      float* v = y + 256 * b;
+      if (type == kQ6_K) {
+        const uint8_t* blk = row + 210 * b;
+        const float d = half(blk + 208);
+        alignas(32) int8_t q[32];
+        for (int c = 0; c < 8; ++c) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q), q6_k_codes(blk, c));  // q - 32
+          for (int i = 0; i < 32; ++i) {
+            const float scale = d * static_cast<float>(static_cast<int8_t>(blk[192 + (32 * c + i) / 16]));
+            v[32 * c + i] = static_cast<float>(q[i]) * scale;
+          }
+        }
+        continue;
+      }
+      const bool fifth = type == kQ5_K;
+      const uint8_t* blk = row + (fifth ? 176 : 144) * b;
+      const uint8_t* nibbles = blk + (fifth ? 48 : 16);
+      uint8_t sc[8], mn[8];
+      q4_k_scales(blk + 4, sc, mn);
+      const float d = half(blk), dmin = half(blk + 2);
+      for (int j = 0; j < 8; ++j) {
+        const float scale = d * static_cast<float>(sc[j]), offset = dmin * static_cast<float>(mn[j]);
+        for (int i = 0; i < 32; ++i) {
+          int q = (nibbles[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
+          if (fifth) q |= ((blk[16 + i] >> j) & 1) << 4;
+          v[32 * j + i] = static_cast<float>(q) * scale - offset;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // extern "C"

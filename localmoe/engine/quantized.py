@@ -201,7 +201,8 @@ class BlockLinear:
 
 class BlockEmbedding:
     """A token embedding table kept as GGML blocks [vocab, row bytes]: looking tokens up dequantises
-    their rows only (exactly the values of a whole-table dequantisation). A lookup reads one row per
+    their rows only (exactly the values of a whole-table dequantisation; Q8_0 / Q4_K / Q5_K / Q6_K rows in C,
+    kernels/ggml_gemv dequantize_rows: 0.18 ms of torch ops per decode token before). A lookup reads one row per
     token, so a float copy of the table buys nothing: 2.1 GB in fp32 for 128K x 4096 against 0.3 GB
     as Q4_K, and a tied head (`BlockLinear` over the same blocks) shares them."""
 
@@ -212,8 +213,10 @@ class BlockEmbedding:
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 [...] -> fp32 [..., D]."""
         flat = tokens.reshape(-1)
-        rows = dequantize(self.rows.index_select(0, flat), self.weight.ggml_type, (flat.numel(), self.weight.shape[1]),
-                          torch.float32)
+        rows = ggml_gemv.dequantize_rows(self.rows, flat, self.weight.ggml_type, self.weight.shape[1])
+        if rows is None:
+            rows = dequantize(self.rows.index_select(0, flat), self.weight.ggml_type,
+                              (flat.numel(), self.weight.shape[1]), torch.float32)
         return rows.view(*tokens.shape, -1)
 
     def __getitem__(self, token) -> torch.Tensor:

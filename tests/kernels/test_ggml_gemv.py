@@ -135,3 +135,21 @@ def test_k_quants_need_whole_super_blocks(ggml_type, close):
     raw = _weight(ggml_type, 4, 256, seed=13)
     with pytest.raises(CheckpointError, match="256-value block"):
         ggml_gemv(torch.randn(1, 288), raw, ggml_type, (4, 288))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", [Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_rows_dequantised_in_c_equal_the_whole_table(ggml_type):
+    """dequantize_rows (a BlockEmbedding's lookup) gives the bits of quant/ggml.py's dequantiser of the whole
+    table, rows in the order asked, repeats included; types it lacks come back None (the torch path)."""
+    from localmoe.kernels.ggml_gemv import dequantize_rows
+
+    from localmoe.quant.ggml import dequantize
+
+    rows, K = 37, 512
+    raw = torch.from_numpy(random_blocks(ggml_type, rows, K, np.random.default_rng(8)))
+    whole = dequantize(raw, ggml_type, (rows, K), torch.float32)
+    ids = torch.tensor([5, 0, 36, 5, 17])
+    got = dequantize_rows(raw, ids, ggml_type, K)
+    assert torch.equal(got.view(torch.int32), whole[ids].view(torch.int32))
+    assert dequantize_rows(_weight(Q.Q4_0, 4, 64, seed=9), ids[:1] % 4, Q.Q4_0, 64) is None
