@@ -20,7 +20,6 @@ from localmoe.kernels.ggml_gemv.reference import K_QUANTS, naive_ggml_gemv, x_bl
 
 Q = GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # super-blocks of 256 values
 EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
 MAX_ROWS = 64  # decode batches up to here run the kernel, a row independent of the others (see the module doc)
 
