@@ -5,7 +5,8 @@ llama.cpp's own `convert_hf_to_gguf.py` (benchmarks/k3_cpu.py fetches it), then 
 quantiser (llama-cpp-python's `llama_model_quantize`, as decode_dense.py --quant does) to Q4_K_M: Q4_K with
 Q6_K where llama-quantize gives more bits, routed experts included. Both engines run that one file, same
 threads, greedy; localmoe keeps every block type as stored (`--dtype auto`) and computes the experts from
-their blocks (expert precision q8: activations rounded to int8 per 32 values, as llama.cpp does). The engines
+their blocks (expert precision q8: activations rounded to int8 per 32 values, per 256 for K-quant rows and the
+Q6_K lm_head, as llama.cpp does). The engines
 alternate in separate processes (benchmarks/alternate.py); printed per round and as medians: prefill and
 decode tokens/s and localmoe / llama.cpp, and the agreement of the logits at the prompt's last position
 (Pearson correlation, max |diff| over the range, same argmax).
@@ -14,7 +15,8 @@ decode tokens/s and localmoe / llama.cpp, and the agreement of the logits at the
                                   [--pairs 4] [--prompt 72] [--decode 64] [--work DIR]
 
 Not measured here: paging at 25% RAM under a cgroup limit against llama.cpp's mmap (benchmarks/offload.py
-has the cgroup harness), and K3 (llama-quantize requantises its MXFP4 experts, which localmoe refuses).
+has the cgroup harness), and K3 (llama-quantize requantises its MXFP4 experts to Q5_0 / Q4_K, which
+localmoe's kimi_k3 GGUF reader refuses: its expected tensors are the MXFP4 parts).
 """
 
 from __future__ import annotations

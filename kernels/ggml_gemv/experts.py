@@ -58,7 +58,7 @@ class BlockExpertTable:
 def naive_ggml_moe_token(x: torch.Tensor, ids: list[int], weights: list[float], table: BlockExpertTable, glu,
                          out: torch.Tensor) -> torch.Tensor:
     """The reference: out [W] += sum_j weights[j] * down(glu(gate x, up x)) of expert ids[j], each projection
-    through the ggml GEMV reference (x rounded to int8 per 32 values), added in the order given; `glu(gate, up)`."""
+    through the ggml GEMV reference (x rounded to int8 per 32 values, per 256 for K-quant rows), added in the order given; `glu(gate, up)`."""
     for e, w in zip(ids, weights):
         gate, up, down = table.experts[e]
         g = naive_ggml_gemv(x.view(1, -1), gate.raw, gate.ggml_type, gate.shape)

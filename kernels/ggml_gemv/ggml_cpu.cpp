@@ -8,8 +8,8 @@
 //   Q4_K (144 bytes): 8 sub-blocks of 32 with 6-bit scale and min   w = d sc q - dmin m
 //   Q5_K (176 bytes): Q4_K with a fifth bit per value
 //   Q6_K (210 bytes): 16 sub-blocks of 16 with int8 scale, 6-bit q  w = d scale (q - 32)
-// (layouts: ggml_rows.h). x is rounded per 32 values for every type (llama.cpp uses 256 for K-quants). Like llama.cpp, each token's x is rounded
-// to int8 per 32 values first (BlockX: step d = amax / 127, q = round-to-even(x / d), and d * sum(q));
+// (layouts: ggml_rows.h). Like llama.cpp, each token's x is rounded to int8 first, per 32 values for blocks of 32
+// (BlockX: step d = amax / 127, q = round-to-even(x / d), and d * sum(q)), per 256 for the K-quants (BlockXK);
 // a block's dot product is then integer (vpmaddubsw of u8 nibbles with s8 x, or |w| with sign-moved
 // x for Q8_0) and one FMA by d_w * d_x; Q4_0's -8 and Q4_1's m are applied through d * sum(q) of x.
 // torch's int4 GEMV, which the engine used before, ran the embedded model's 4-bit matrices at
