@@ -13,10 +13,22 @@ decode tokens/s and localmoe / llama.cpp, and the agreement of the logits at the
 
     python benchmarks/gguf_moe.py [--models qwen3_moe:small,glm4_moe:small] [--quant q4_k_m] [--threads 2]
                                   [--pairs 4] [--prompt 72] [--decode 64] [--work DIR]
+                                  [--paged 25%] [--writer llama.cpp|localmoe]
 
-Not measured here: paging at 25% RAM under a cgroup limit against llama.cpp's mmap (benchmarks/offload.py
-has the cgroup harness), and K3 (llama-quantize requantises its MXFP4 experts to Q5_0 / Q4_K, which
-localmoe's kimi_k3 GGUF reader refuses: its expected tensors are the MXFP4 parts).
+`--paged 25%`: instead, the equal-memory comparison. The GGUF is converted to a packed store (`localmoe convert`),
+localmoe decodes it paged with a RAM budget of that share of the expert bytes (LFRU, O_DIRECT, prefetch) and
+llama.cpp decodes the GGUF through its mmap, each in a cgroup v1 memory group with the SAME limit: localmoe's
+footprint after loading (what the group is charged after the process joins it: dense weights and the slab; both
+engines join before loading their model, after importing their modules) + slack, measured once by a first
+localmoe run (benchmarks/offload.py's children; root only). The engines then alternate (`--pairs`), both files dropped from the
+page cache before each run; printed: decode tokens/s of each, the ratio, the limit, each run's peak and how often
+it hit the limit. Meaningful only when the experts are much larger than the interpreter (`large` sizes): a small
+file fits in the limit whole. `--writer localmoe` writes the Q4_K_M file with localmoe's own GGUF writer
+(localmoe.testing.moe_gguf: llama.cpp's layout and llama-quantize's Q4_K_M type mix, random blocks) instead of
+llama.cpp's converter + quantiser, which take too long and too much disk for a `large` model on a small machine.
+
+K3 is not measured here: llama-quantize requantises its MXFP4 experts to Q5_0 / Q4_K, which localmoe's kimi_k3
+GGUF reader refuses (its expected tensors are the MXFP4 parts).
 """
 
 from __future__ import annotations
@@ -33,8 +45,7 @@ from k3_cpu import localmoe_worker, peer_benchmark, prepare
 def compare(family: str, size: str, args, work: Path, src: Path) -> None:
     import numpy as np
 
-    _, f32 = prepare(family, size, "f32", work, src)
-    gguf = requantised(f32, args.quant)
+    gguf = quantised(family, size, args, work, src)
     common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode),
               *(["--cpu-time"] * args.cpu_time)]
     me = Path(__file__).resolve()
@@ -66,12 +77,89 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           flush=True)
 
 
+def quantised(family: str, size: str, args, work: Path, src: Path) -> Path:
+    """The `args.quant` GGUF of the generated model: llama.cpp's converter + quantiser, or localmoe's writer."""
+    if args.writer == "llama.cpp":
+        _, f32 = prepare(family, size, "f32", work, src)
+        return requantised(f32, args.quant)
+    from localmoe.testing import write_checkpoint
+    from localmoe.testing.moe_gguf import write_moe_gguf
+
+    out = work / f"{family}-{size}-localmoe.{args.quant.upper()}.gguf"
+    if not out.exists():
+        hf = work / f"{family}-{size}"
+        if not (hf / "config.json").exists():
+            write_checkpoint(family, hf, size, seed=0, progress=False)
+        write_moe_gguf(hf, out, args.quant)
+    return out
+
+
+def paged_compare(family: str, size: str, args, work: Path, src: Path) -> None:
+    import json
+    import os
+
+    from offload import SLACK, _run_child
+
+    from localmoe.convert import convert
+    from localmoe.paging import expert_bytes
+    from localmoe.paging.budget import MemoryCgroup, cgroup_writable
+    from localmoe.store.packed import PackedStore
+
+    if not cgroup_writable():
+        raise SystemExit("--paged needs a writable cgroup v1 memory controller (root)")
+    gguf = quantised(family, size, args, work, src)
+    store = work / f"{gguf.stem}.lmoe"
+    if not (store / "manifest.json").exists():
+        convert(gguf, store)
+    total = expert_bytes(PackedStore(store))
+    budget = int(total * float(args.paged.rstrip("%")) / 100)
+    child = argparse.Namespace(threads=args.threads, tokens=args.decode)
+    common = ["--dtype", "auto", "--trace-out", str(work / "paged-trace.json")]
+    group = f"localmoe-gguf-{os.getpid()}"
+
+    def run(kind: str, limit: int) -> dict:
+        name = f"{group}-{kind}"
+        extra = ["--store", str(store), "--budget", str(budget), *common] if kind == "localmoe" else \
+            ["--gguf", str(gguf)]
+        try:
+            out = _run_child(kind, child, [*extra, "--cgroup", name, "--limit", str(limit)], 3600)
+        finally:
+            MemoryCgroup(name).remove()
+        if "error" in out:
+            raise SystemExit(f"{kind} failed: {out['error']}")
+        return out
+
+    probe = run("localmoe", 0)
+    limit = probe["footprint"] + SLACK
+    print(f"{family} {size} as {gguf.name} ({gguf.stat().st_size / 1e9:.2f} GB, experts {total / 1e9:.2f} GB), "
+          f"localmoe paged at {args.paged} ({budget / 1e9:.2f} GB of slots), both engines under one cgroup limit of "
+          f"{limit / 1e9:.2f} GB (localmoe's footprint {probe['footprint'] / 1e9:.2f} GB + {SLACK >> 20} MiB), "
+          f"{args.threads} threads, {args.decode} greedy tokens after a 2-token prompt, {args.pairs} alternating "
+          f"rounds", flush=True)
+    ratios = []
+    for r in range(args.pairs):
+        res = {kind: run(kind, limit) for kind in (("localmoe", "llama") if r % 2 == 0 else ("llama", "localmoe"))}
+        ours, theirs = res["localmoe"], res["llama"]
+        ratios.append(ours["decode_tok_s"] / theirs["decode_tok_s"])
+        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"]))
+        print(f"  round {r + 1}: localmoe {ours['decode_tok_s']:.2f} tok/s (peak {ours['max_usage'] / 1e9:.2f} GB, "
+              f"limit hit {ours['failcnt']}x; {ours['summary']}), llama.cpp mmap {theirs['decode_tok_s']:.2f} tok/s "
+              f"(peak {theirs['max_usage'] / 1e9:.2f} GB, limit hit {theirs['failcnt']}x): {ratios[-1]:.2f}x; "
+              f"greedy tokens equal {same}/{len(ours['tokens'])}", flush=True)
+    print(f"  median localmoe / llama.cpp at {args.paged} RAM, same limit: {statistics.median(ratios):.2f}x")
+    print("  " + json.dumps({"ratios": ratios, "limit": limit}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="qwen3_moe:small,glm4_moe:small", help="family:size, comma-separated")
     parser.add_argument("--quant", default="q4_k_m", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0"))
+    parser.add_argument("--paged", help="the equal-memory comparison at this RAM share of the experts (e.g. 25%%)")
+    parser.add_argument("--writer", choices=("llama.cpp", "localmoe"), default="llama.cpp",
+                        help="who writes the quantised GGUF (module doc)")
     parser.set_defaults(dtype="auto", expert_precision="q8")  # every block type as stored; int8 activations
-    peer_benchmark(parser, compare, localmoe_worker)
+    args_seen = parser.parse_known_args()[0]
+    peer_benchmark(parser, paged_compare if args_seen.paged else compare, localmoe_worker)
 
 
 if __name__ == "__main__":

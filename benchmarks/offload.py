@@ -55,7 +55,7 @@ def child_localmoe(args) -> dict:
     if group:
         group.add()
     paging = PagingConfig(ram_budget=args.budget, policy=args.policy, io=args.io, prefetch=not args.no_prefetch)
-    config = EngineConfig(dtype="float32", threads=args.threads, paging=paging)
+    config = EngineConfig(dtype=args.dtype, threads=args.threads, paging=paging)
     model = load_model(args.store, config, progress=False).model
     pager = pager_of(model)
     trace = RoutingTrace(num_experts=model.spec.num_experts)
@@ -63,7 +63,7 @@ def child_localmoe(args) -> dict:
         block.router.trace = trace
     _drop_cache([pager.store.expert_extent(layer, 0).path for layer in pager.store.layers()])
     footprint = group.usage() if group else 0
-    limit = footprint + SLACK if group else 0
+    limit = (args.limit or footprint + SLACK) if group else 0
     if group:  # both engines get localmoe's footprint (dense weights + the slab = the budget) + slack
         group.set_limit(limit)
         group.reset_peak()
@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--io", default="odirect")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--trace-out", type=Path)
+    ap.add_argument("--dtype", default="float32", help="localmoe's dense weights (auto: a GGUF's blocks as stored)")
     args = ap.parse_args()
     if args.child:
         print(json.dumps((child_localmoe if args.child == "localmoe" else child_llama)(args)))

@@ -115,7 +115,7 @@ def worker(args) -> None:
     if args.share:
         total = expert_bytes(PackedStore(args.path))
         paging = PagingConfig(ram_budget=int(total * args.share), io_threads=args.io_threads)
-    config = EngineConfig(dtype="float32", threads=args.threads, max_context=context,
+    config = EngineConfig(dtype=args.dtype, threads=args.threads, max_context=context,
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
@@ -170,6 +170,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dense weights")
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -189,12 +190,13 @@ def run(args, work: Path) -> None:
     me = str(Path(__file__).resolve())
     common = ["--worker", "--threads", str(args.threads), "--io-threads", str(args.io_threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
-              args.expert_precision]
+              args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
     workers = {"resident": [me, *common, "--path", str(hf)]}
     workers |= {f"paged {s}": [me, *common, "--path", str(store), "--share", str(f)] for s, f in shares.items()}
     bandwidth: list[float] = []
-    print(f"{family} {size or 'small'}: resident vs paged {', '.join(shares)} (LFRU, O_DIRECT, prefetch), "
+    print(f"{family} {size or 'small'} ({args.dtype} dense weights): resident vs paged {', '.join(shares)} (LFRU, "
+          f"O_DIRECT, prefetch), "
           f"{args.threads} compute threads, {args.prompt}-token prompt, {args.warmup} warm-up + {args.decode} timed "
           f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
 

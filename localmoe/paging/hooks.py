@@ -1,7 +1,7 @@
 """Hooks on a built model, applied from outside (the engine is not edited): each MoE block's
 router is wrapped so that, after routing, the pager learns the layer's chosen experts
-(`Pager.begin_layer`) and the next MoE layer's router is applied to this layer's input to
-guess its experts (`Pager.prefetch`, router lookahead), and a `RoutingTrace` can record
+(`Pager.begin_layer`) and, with them, the next MoE layer's experts as its router guesses them
+from this layer's input (router lookahead: loaded after the chosen ones), and a `RoutingTrace` can record
 (token, layer, experts). The wrapper returns exactly what the router returned, so outputs
 do not change. `detach` restores the plain routers.
 """
@@ -25,11 +25,12 @@ class PagedRouter:
         if self.trace is not None:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()))
+            ahead = None
             if self.next_router is not None and self.pager.prefetch_enabled and not self.pager.holds_all(
                     self.next_layer):  # (a layer whose experts all sit in slots needs no guess)
                 _, guess = self.next_router(x)  # layer L+1's router on layer L's input: a guess
-                self.pager.prefetch(self.next_layer, sorted(set(guess.reshape(-1).tolist())))
+                ahead = (self.next_layer, sorted(set(guess.reshape(-1).tolist())))
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), ahead)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

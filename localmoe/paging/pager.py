@@ -62,6 +62,7 @@ class Pager:
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
         self._unused = 0  # lookahead loads not yet requested
+        self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
         self.slab = HostSlab(num_slots, slot_bytes)
         self.slots = [_Slot(i) for i in range(num_slots)]
@@ -83,6 +84,7 @@ class Pager:
         for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
             self.get(*key)
             self.pinned.add(key)
+            self._evictable.pop(key, None)
         self.held = ()
         self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
 
@@ -133,6 +135,7 @@ class Pager:
             self._start(slot, key, DEMAND)
         elif not slot.used:  # first request of a load started before it
             slot.used = True
+            self._mark_evictable(slot)
             if slot.origin == LOOKAHEAD:
                 self._unused -= 1
                 ram.hits += 1
@@ -163,9 +166,10 @@ class Pager:
 
     # ---- hints from the wrapped routers (paging/hooks.py) ----
 
-    def begin_layer(self, layer: int, experts: Iterable[int]) -> None:
+    def begin_layer(self, layer: int, experts: Iterable[int], ahead: tuple[int, Iterable[int]] | None = None) -> None:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
-        now."""
+        now; `ahead` = (layer, guessed experts): then `prefetch` those, with the victims for both picked in one
+        policy call (the same as the two calls one after the other)."""
         started = time.perf_counter()
         with self.lock:
             self._see_layer(layer, new_step_at_same=True)
@@ -173,27 +177,39 @@ class Pager:
                 keys = [(layer, e) for e in sorted(experts)]
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                for key, slot in zip(missing, self._make_room(len(missing))):
+                guessed = self._guessed(*ahead) if ahead is not None else []
+                slots = self._make_room(len(missing) + len(guessed))
+                for key, slot in zip(missing, slots):
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
+                for key, slot in zip(guessed, slots[len(missing):]):
+                    self.stats.prefetch.issued += 1
+                    self._start(slot, key, LOOKAHEAD)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:
         """Guess: `experts` of `layer` will be requested soon. Loads what fits; returns loads started."""
-        if not self.prefetch_enabled or layer not in self.layouts:
+        if not self.prefetch_enabled:
             return 0
         clock = time.perf_counter()
         with self.lock:
-            missing = list(dict.fromkeys(key for key in ((layer, int(e)) for e in experts)
-                                         if key not in self.where and not self._on_gpu(key)))
-            room = max(0, max(1, len(self.slots) // 4) - self._unused)  # unused lookahead loads stay under a quarter
-            slots = self._make_room(min(len(missing), room))
-            for key, slot in zip(missing, slots):
+            guessed = self._guessed(layer, experts)
+            slots = self._make_room(len(guessed))
+            for key, slot in zip(guessed, slots):
                 self.stats.prefetch.issued += 1
                 self._start(slot, key, LOOKAHEAD)
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
+
+    def _guessed(self, layer: int, experts: Iterable[int]) -> list[Key]:
+        """The guessed experts a prefetch would load, in order: not in a slot or on a GPU, while unused lookahead
+        loads stay under a quarter of the slots (lock held)."""
+        if layer not in self.layouts:
+            return []
+        missing = list(dict.fromkeys(key for key in ((layer, int(e)) for e in experts)
+                                     if key not in self.where and not self._on_gpu(key)))
+        return missing[:max(0, max(1, len(self.slots) // 4) - self._unused)]
 
     # ---- GPU tiers ----
 
@@ -210,6 +226,7 @@ class Pager:
                 if self.gpu.load(key, self._host_bytes(key), self.layouts[key[0]], self.step) is not None:
                     self.gpu.pin(key)
                     self.pinned.discard(key)  # computed from its GPU: its RAM slot may go to others
+                    self._mark_evictable(self.where.get(key))
         self.held = ()
         self.stats.reset_counts()  # the preload is set-up, not traffic
 
@@ -281,15 +298,22 @@ class Pager:
     def _make_room(self, n: int) -> list[_Slot]:
         """Up to `n` slots for loads nobody waits for yet (routing hints): free ones, then the policy's victims
         among the evictable slots that are neither the current layer's chosen experts nor unused loads, picked in
-        one policy call (the same victims, in the same order, as one `_allocate` after another; lock held)."""
+        one policy call (the same victims, in the same order, as one `_allocate` after another; lock held). Every
+        policy orders candidates by their own scores, so its first picks over all evictable slots, less the held
+        and protected ones, are its picks over the others."""
         out = [self.slots[self.free.pop()] for _ in range(min(n, len(self.free)))]
-        if len(out) < n:
-            pool = {s.key: s for s in self.slots if s.state == READY and s not in self.held
-                    and s.key not in self.pinned and s.key not in self.protected and s.used}
-            for key in self.policy.victims(list(pool), self.step, n - len(out)):
-                self._evict(pool[key])
-                out.append(pool[key])
+        if len(out) < n and self._evictable:
+            keep = {s.key for s in self.held} | self.protected
+            picks = self.policy.victims(list(self._evictable), self.step, n - len(out) + len(keep))
+            for key in [k for k in picks if k not in keep][:n - len(out)]:
+                out.append(self._evictable[key])
+                self._evict(out[-1])
         return out
+
+    def _mark_evictable(self, slot: _Slot | None) -> None:
+        """`slot` joins the hints' eviction pool if it is ready, requested and not pinned (lock held)."""
+        if slot is not None and slot.state == READY and slot.used and slot.key not in self.pinned:
+            self._evictable[slot.key] = slot
 
     def _evict(self, slot: _Slot) -> None:
         if not slot.used:
@@ -301,6 +325,7 @@ class Pager:
     def _forget(self, slot: _Slot) -> None:
         """`slot`'s expert leaves the tier (lock held)."""
         del self.where[slot.key]
+        self._evictable.pop(slot.key, None)
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
         self._unused -= slot.origin == LOOKAHEAD and not slot.used
@@ -332,6 +357,7 @@ class Pager:
             if slot.gen == gen and slot.state == LOADING:
                 if error is None:
                     slot.state = READY
+                    self._mark_evictable(slot)
                     self.stats.ram.bytes_read += nbytes
                     self.stats.ram.loads += 1
                 else:  # a failed guess costs nothing more; a demanded one raises in `get`

@@ -139,3 +139,32 @@ def test_a_layer_with_every_expert_in_a_slot_is_not_guessed(kimi_k3):
     finally:
         pager.close()
         kimi_k3.restore()
+
+
+def test_hint_eviction_pool_is_every_ready_requested_unpinned_slot(kimi_k3, tmp_path):
+    """The routing hints evict from a pool kept as slots change state (`_evictable`): after every step of a paged
+    run with pinned experts it is exactly the ready, requested, unpinned slots (what a scan of the slab gives)."""
+    store = kimi_k3.store()
+    layers = store.layers()
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"ranking": [[layers[0], 0, 9], [layers[1], 1, 5]], "tokens": 10}))
+    pager = make_pager(store, PagingConfig(ram_budget=8 * _slot(store), profile=str(profile)))
+    kimi_k3.model.use_experts(pager)
+    attach(kimi_k3.model, pager)
+    hold = pager.hold
+    checked = []
+
+    def checking(layer, experts):
+        with pager.lock:
+            scan = {s.key for s in pager.slots if s.state == "ready" and s.used and s.key not in pager.pinned}
+            assert set(pager._evictable) == scan and all(pager._evictable[k].key == k for k in scan)
+        checked.append(layer)
+        return hold(layer, experts)
+
+    pager.hold = checking
+    try:
+        tokens, _ = run_greedy(kimi_k3.model)
+        assert tokens == kimi_k3.tokens and len(checked) > 10 and pager.stats.ram.evictions > 0
+    finally:
+        pager.close()
+        kimi_k3.restore()
