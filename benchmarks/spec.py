@@ -187,15 +187,15 @@ def step_worker(args) -> None:
         from localmoe.load import load_nextn
 
         speculator = Speculator(MTPDrafter(load_nextn(loaded)), args.k)
-    elif kind in ("prompt", "prompt-blind"):  # blind: without the residency cost model and its prefetch
-        residency = None
-        if kind == "prompt":
+    elif kind in ("prompt", "prompt-blind", "prompt-nopf"):  # blind: without the residency cost model and its
+        residency = None                                          # prefetch; nopf: the cost model, no prefetch
+        if kind != "prompt-blind":
             from localmoe.engine.spec.residency import Residency, RouteBook
             from localmoe.paging import attach
 
             book = RouteBook()
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
-            residency = Residency(pager, book)
+            residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(), args.k, residency=residency)
     elif kind.startswith("draft:"):
         from localmoe.engine.spec.drafters import DraftModel
@@ -260,7 +260,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 # (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
-                    "real weights, so it quotes)"), ("prompt", "prompt-blind"), True),
+                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
@@ -278,10 +278,12 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
         alternate({"rows": base + ["--record", str(record)]}, 1)
         names = ["fused", "rows", f"oracle:{record}", *(f"draft:{draft}" if d == "draft" else d for d in drafters),
                  "noise"]
+        if args.only:
+            names = [n for n in names if n.split(":")[0] in args.only.split(",")]
         workers = {name: command(args, store, name, task, ram, chat=chat) + ["--steps"] for name in names}
         results = alternate(workers, args.pairs)
         ref = results["fused"]
-        plain_tokens = {r["text"] for r in results["rows"]}
+        plain_tokens = {r["text"] for r in results["rows"]} if "rows" in results else {record.read_text()}
         print(f"\n{label}, packed store at --ram 25%, {task}: {ref[0]['tokens']} tokens, "
               f"{args.pairs} pairs", flush=True)
         for name, rs in results.items():
@@ -350,6 +352,7 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tasks", default=",".join(TASKS), help="(b): the prompts, comma-separated")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="", help="paged stores: only these configurations (fused,rows,oracle,prompt,...)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",
                     help="where the generated checkpoints and the store are kept (~1 GB)")
     args = ap.parse_args()

@@ -2,7 +2,8 @@
 
 - `PromptLookup`: no model. The last n tokens (n = max_ngram down to min_ngram) are looked up among
   the earlier ones (prompt and generated text, most recent occurrence first) and the tokens that
-  followed are the draft. Agents' work (code edits, document Q&A, tool results quoted back) repeats
+  followed are the draft. (Single-token matches are the weakest: SmolLM2 quoting a document kept 48%
+  of the drafts with n >= 1 and 65% with n >= 2, 2.9 and 3.6 tokens per drafted step; `min_ngram`.) Agents' work (code edits, document Q&A, tool results quoted back) repeats
   long spans of the prompt, which this drafts for free. Deterministic: q is one-hot.
 - `DraftModel`: a smaller model sharing the target's tokenizer (checked by `check_vocab`), run token
   by token over its own cache; it samples its drafts with the request's settings (greedy under

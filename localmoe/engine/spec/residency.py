@@ -47,8 +47,8 @@ class RouteBook:
 class Residency:
     """One sequence's routes by position and the pager they are checked against (see the module docstring)."""
 
-    def __init__(self, pager, book: RouteBook):
-        self.pager, self.book = pager, book
+    def __init__(self, pager, book: RouteBook, prefetch: bool = True):
+        self.pager, self.book, self.prefetching = pager, book, prefetch
         self.layers: list[int] = []  # the MoE layers, in the order of the routes' second axis
         self.routes: torch.Tensor | None = None  # [positions, layers, k] int16, -1: not seen
         self.cache = None
@@ -90,6 +90,8 @@ class Residency:
 
     def prefetch(self, keys: Sequence[set[tuple[int, int]]]) -> int:
         """Start loading the predicted experts not resident, layer by layer; returns loads started."""
+        if not self.prefetching:
+            return 0
         by_layer: dict[int, set[int]] = {}
         for k in keys:
             for layer, e in k:
