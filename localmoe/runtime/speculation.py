@@ -11,9 +11,10 @@
   converted from a GGUF), says so and runs without speculation;
 - `off`.
 
-On a paged model a prompt-lookup sequence also gets a `Residency` (engine/spec/residency.py): the routers
-record each forward's choices, so a draft copied from the sequence predicts its experts, the speculator
-prices the reads the pager would need and the pager prefetches them.
+With `price_experts` on a paged model a prompt-lookup sequence also gets a `Residency`
+(engine/spec/residency.py): the routers record each forward's choices, so a draft copied from the sequence
+predicts its experts, the speculator prices the reads the pager would need and the pager prefetches them.
+It is off by default: on the paged store of docs/paging.md it did not beat pricing by step time.
 
 Constrained generation (forced tool calls, structured output) does not speculate: its grammar masks
 each position's logits after the previous token is chosen.
@@ -59,12 +60,15 @@ class Speculation:
     """`mode` is one of "prompt", "draft", "mtp", "off" once built (`mtp` without a layer to load resolves to
     "off" with a message)."""
 
-    def __init__(self, loaded, option: str = "off", k: int = 4, adaptive: bool = True, warn=None):
+    def __init__(self, loaded, option: str = "off", k: int = 4, adaptive: bool = True, warn=None,
+                 price_experts: bool = False):
         self.k, self.adaptive = k, adaptive
         self.draft = None  # the draft model's LoadedModel
         self.head = None  # the MTP layer (engine/nextn.py NextN)
         self.model = loaded.model
-        self.pager = pager_of(loaded)  # a paged model: prompt lookup prices its drafts' expert reads
+        # price_experts on a paged model: prompt lookup prices its drafts' expert reads (off by default: no gain
+        # measured over pricing by step time, docs/paging.md "A paged store that quotes")
+        self.pager = pager_of(loaded) if price_experts else None
         self.book: RouteBook | None = None
         self.stats = SpecStats()  # every finished sequence's, added up
         self._lock = threading.Lock()

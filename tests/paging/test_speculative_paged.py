@@ -80,3 +80,25 @@ def test_paged_greedy_with_prompt_lookup_equals_plain(ckpts, family, share):
     assert spec.stats.drafted > 0
     routes = priced.residency.routes
     assert routes is not None and (routes[:len(PROMPT)] >= 0).all()  # the prompt's routing, filed by position
+
+
+def test_speculation_prices_experts_only_when_asked(ckpts):
+    """runtime Speculation: prompt lookup on a paged model gets a Residency (its routers recording into the
+    RouteBook) with price_experts, none by default."""
+    from types import SimpleNamespace
+
+    from localmoe.runtime.speculation import Speculation
+
+    c = ckpts["gpt_oss"]
+    store = c.store()
+    slot = max(store.layout(layer).slot_bytes for layer in store.layers())
+    try:
+        pager = paged(c, len(store.layers()) * slot)
+        loaded = SimpleNamespace(model=c.model, spec=c.model.spec)
+        assert Speculation(loaded, "prompt").new().residency is None
+        spec = Speculation(loaded, "prompt", price_experts=True).new()
+        assert spec.residency is not None and spec.residency.pager is pager
+        assert all(block.router.trace is spec.residency.book for block in c.model.moe_blocks())
+        pager.close()
+    finally:
+        c.restore()
