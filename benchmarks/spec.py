@@ -288,8 +288,8 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
               f"{args.pairs} pairs", flush=True)
         for name, rs in results.items():
             rate = statistics.median(r["tokens_per_s"] for r in rs)
-            label = name.split(":")[0]
-            line = f"  {label:<8} {rate:7.2f} tokens/s  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in ref]):.2f}x fused"
+            short = name.split(":")[0]
+            line = f"  {short:<12} {rate:7.2f} tokens/s  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in ref]):.2f}x fused"
             if rs[0]["acceptance"] is not None:
                 line += (f"  acceptance {statistics.median(r['acceptance'] for r in rs):.0%}"
                          f"  {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens/step")
