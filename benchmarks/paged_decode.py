@@ -43,13 +43,14 @@ def prompt_ids(n: int) -> list[int]:
     return [rng.randrange(10, 600) for _ in range(n)]
 
 
-def prepare(family: str, size: str, work: Path) -> tuple[Path, Path]:
-    """(HF checkpoint, its packed store), made once in `work`."""
+def prepare(family: str, size: str, work: Path, resident: bool = True) -> tuple[Path, Path]:
+    """(HF checkpoint, its packed store), made once in `work` (the checkpoint may be deleted once converted if
+    `resident` is off)."""
     from localmoe.convert import convert
     from localmoe.testing import write_checkpoint
 
     hf, store = work / f"{family}-{size}", work / f"{family}-{size}.lmoe"
-    if not (hf / "config.json").exists():
+    if not (hf / "config.json").exists() and (resident or not (store / "manifest.json").exists()):
         write_checkpoint(family, hf, size, seed=0, progress=False)
     if not (store / "manifest.json").exists():
         convert(hf, store)
@@ -171,6 +172,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dense weights")
+    parser.add_argument("--no-resident", dest="resident", action="store_false",
+                        help="paged runs only (the checkpoint may be deleted once converted: large models)")
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -186,13 +189,13 @@ def main() -> None:
 def run(args, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     family, _, size = args.model.partition(":")
-    hf, store = prepare(family, size or "small", work)
+    hf, store = prepare(family, size or "small", work, args.resident)
     me = str(Path(__file__).resolve())
     common = ["--worker", "--threads", str(args.threads), "--io-threads", str(args.io_threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
-    workers = {"resident": [me, *common, "--path", str(hf)]}
+    workers = {"resident": [me, *common, "--path", str(hf)]} if args.resident else {}
     workers |= {f"paged {s}": [me, *common, "--path", str(store), "--share", str(f)] for s, f in shares.items()}
     bandwidth: list[float] = []
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): resident vs paged {', '.join(shares)} (LFRU, "
@@ -201,44 +204,48 @@ def run(args, work: Path) -> None:
           f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
 
     def show(r: int, res: dict) -> None:
-        base = res["resident"]
-        line = [(f"  round {r + 1} (O_DIRECT x{args.io_threads} {bandwidth[-1] / 1e9:.2f} GB/s): resident "
-                 f"{base['cpu'] * 1e3:.1f} ms CPU {base['wall'] * 1e3:.1f} ms wall")]
+        base = res.get("resident")
+        line = [f"  round {r + 1} (O_DIRECT x{args.io_threads} {bandwidth[-1] / 1e9:.2f} GB/s)"]
         for name, v in res.items():
-            if name != "resident":
-                line.append(f"{name} {v['cpu'] * 1e3:.1f} CPU ({v['cpu'] / base['cpu']:.2f}x) {v['wall'] * 1e3:.1f} "
-                            f"wall ({v['wall'] / base['wall']:.2f}x)")
+            vs = "" if base is None or v is base else \
+                f" ({v['cpu'] / base['cpu']:.2f}x CPU, {v['wall'] / base['wall']:.2f}x wall)"
+            line.append(f"{name} {v['cpu'] * 1e3:.1f} ms CPU {v['wall'] * 1e3:.1f} ms wall{vs}")
         print("; ".join(line), flush=True)
 
     res = alternate(workers, args.pairs, between=lambda: bandwidth.append(odirect_bandwidth(store, args.io_threads)),
                     show=show)
-    base = res["resident"]
+    base = res.get("resident")
     bw = statistics.median(bandwidth)
-    print(f"  resident: {statistics.median(r['cpu'] for r in base) * 1e3:.2f} ms CPU, "
-          f"{statistics.median(r['wall'] for r in base) * 1e3:.2f} ms wall per token ({base[0]['path']}); "
-          f"O_DIRECT x{args.io_threads}: {bw / 1e9:.2f} GB/s (median of the rounds)")
+    print(f"  O_DIRECT x{args.io_threads}: {bw / 1e9:.2f} GB/s (median of the rounds)" + ("" if base is None else
+          f"; resident: {statistics.median(r['cpu'] for r in base) * 1e3:.2f} ms CPU, "
+          f"{statistics.median(r['wall'] for r in base) * 1e3:.2f} ms wall per token ({base[0]['path']})"))
     for name, runs in res.items():
         if name == "resident":
             continue
-        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
 
         def med(key, runs=runs):
             return statistics.median(r[key] for r in runs)
 
-        cpu_ratio = statistics.median(r["cpu"] / b["cpu"] for r, b in zip(runs, base))
-        wall_ratio = statistics.median(r["wall"] / b["wall"] for r, b in zip(runs, base))
+        roof = [r["missed"] / bw / r["wall"] for r in runs]
+        print(f"  {name} ({runs[0]['slots']} slots, hit rate {med('hit_rate'):.1%}): CPU {med('cpu') * 1e3:.2f} ms, "
+              f"compute thread {med('thread') * 1e3:.2f} ms, wall {med('wall') * 1e3:.2f} ms; per token: stall "
+              f"{med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, lookup {med('lookup') * 1e3:.2f} ms, "
+              f"paged MoE layers {med('moe') * 1e3:.2f} ms, missed {med('missed') / 1e6:.2f} MB "
+              f"({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB (lookahead precision "
+              f"{med('precision'):.0%}, {med('wasted'):.1f} wasted); disk roofline {statistics.median(roof):.2f} "
+              f"(missed bytes / O_DIRECT bandwidth / wall per token)")
+        if base is None:
+            continue
+        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
         extra = [r["wall"] - b["wall"] for r, b in zip(runs, base)]
         explained = [(r["stall"] + r["lookup"]) / e if e > 0 else float("nan") for r, e in zip(runs, extra)]
-        roof = [r["missed"] / bw / r["wall"] for r in runs]
-        print(f"  {name} ({runs[0]['slots']} slots, hit rate {med('hit_rate'):.1%}): CPU {med('cpu') * 1e3:.2f} ms "
-              f"({cpu_ratio:.2f}x resident), compute thread {med('thread') * 1e3:.2f} ms, wall {med('wall') * 1e3:.2f} "
-              f"ms ({wall_ratio:.2f}x); per token: stall {med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, "
-              f"lookup {med('lookup') * 1e3:.2f} ms, paged MoE layers {med('moe') * 1e3:.2f} ms, missed "
-              f"{med('missed') / 1e6:.2f} MB ({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB "
-              f"(lookahead precision {med('precision'):.0%}, {med('wasted'):.1f} wasted)")
-        print(f"    extra wall per token {statistics.median(extra) * 1e3:.2f} ms, stall + lookup explain "
-              f"{statistics.median(explained):.0%} of it; disk roofline {statistics.median(roof):.2f} (missed bytes / "
-              f"O_DIRECT bandwidth / wall per token); greedy tokens equal resident: {same}", flush=True)
+        bound = [max(b["wall"], r["missed"] / bw) / r["wall"] for r, b in zip(runs, base)]
+        print(f"    vs resident: CPU {statistics.median(r['cpu'] / b['cpu'] for r, b in zip(runs, base)):.2f}x, "
+              f"compute thread {statistics.median(r['thread'] / b['thread'] for r, b in zip(runs, base)):.2f}x, wall "
+              f"{statistics.median(r['wall'] / b['wall'] for r, b in zip(runs, base)):.2f}x; extra wall per token "
+              f"{statistics.median(extra) * 1e3:.2f} ms, stall + lookup explain {statistics.median(explained):.0%} of "
+              f"it; tiers' bound max(resident wall, disk time) / wall {statistics.median(bound):.2f}; greedy tokens "
+              f"equal resident: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -126,8 +126,8 @@ def attach_provider(model, provider, config) -> None:
     GPU tiers, placing by bandwidths measured now (placement.measure_devices)."""
     if not isinstance(provider, Pager):
         return
-    attach(model, provider, lookahead=provider.prefetch_enabled)
     slabs = gpu_tiers(config.paging, provider.slab.slot_bytes)
+    attach(model, provider, lookahead=provider.prefetch_enabled, whole=not slabs)
     if slabs:
         from localmoe.paging.placement import measure_devices
 

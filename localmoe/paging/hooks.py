@@ -46,8 +46,14 @@ def _plain(router):
     return router
 
 
-def attach(transformer, pager=None, trace=None, lookahead: bool = True) -> None:
-    """Wrap the routers of `transformer` (an engine Transformer) for `pager` and/or `trace`."""
+def attach(transformer, pager=None, trace=None, lookahead: bool = True, whole: bool = True) -> None:
+    """Wrap the routers of `transformer` (an engine Transformer) for `pager` and/or `trace`. With `whole`, a pager
+    whose slab holds every expert reads them all now (`Pager.load_all`) and gets no hooks: its layers then run as
+    resident ones, routing inside the experts' kernel call."""
+    if pager is not None and whole and pager.load_all():
+        pager = None
+        if trace is None:
+            return
     blocks = transformer.moe_blocks()
     routers = [_plain(b.router) for b in blocks]
     for i, block in enumerate(blocks):

@@ -63,6 +63,7 @@ class Pager:
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
         self._unused = 0  # lookahead loads not yet requested
         self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
+        self._resident = None  # ResidentExperts over the slots once `load_all` pinned every expert
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
         self.slab = HostSlab(num_slots, slot_bytes)
         self.slots = [_Slot(i) for i in range(num_slots)]
@@ -155,6 +156,36 @@ class Pager:
         if weights is None:
             weights = self._views[kind] = ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(slot.index)))
         return weights
+
+    def load_all(self) -> bool:
+        """Where the slab holds every expert of the model (and no GPU tier or Belady trace is in play): read them
+        all now and pin them, so each layer is handed to the kernels whole (`kernel_table`, `dense_table`,
+        `block_table`, as a resident provider does: routing joins the experts' kernel call). Returns whether it
+        did; the reads count as loads."""
+        layers = {layer: self.store.experts_in(layer) for layer in self.layouts}
+        if (self.gpu is not None or self.policy.name == "belady" or self._resident is not None
+                or sum(map(len, layers.values())) > len(self.slots) - self.lost_slots
+                or any(experts != list(range(len(experts))) for experts in layers.values())):
+            return self._resident is not None
+        from localmoe.engine.experts import ResidentExperts
+
+        held = {layer: self.hold(layer, experts) for layer, experts in layers.items()}
+        with self.lock:
+            self.pinned |= set(self.where)
+            self._evictable.clear()
+            self.held = ()
+        self._resident = ResidentExperts(held)
+        return True
+
+    def kernel_table(self, layer: int):
+        """The layer's MXFP4 table for the MoE kernel once `load_all` pinned every expert; else None."""
+        return None if self._resident is None else self._resident.kernel_table(layer)
+
+    def dense_table(self, layer: int):
+        return None if self._resident is None else self._resident.dense_table(layer)
+
+    def block_table(self, layer: int):
+        return None if self._resident is None else self._resident.block_table(layer)
 
     def holds_all(self, layer: int) -> bool:
         """Whether every expert of `layer` is in a slot (loaded or loading): a guess at its experts loads nothing."""

@@ -120,22 +120,27 @@ def test_held_experts_stay_valid_together(gpt_oss):
         pager.close()
 
 
-def test_a_layer_with_every_expert_in_a_slot_is_not_guessed(kimi_k3):
-    """Router lookahead is skipped for a layer whose experts all sit in slots (`holds_all`); with all experts of
-    the model in RAM, after the first pass no guess is made and nothing is read."""
+def test_a_slab_of_every_expert_runs_the_layers_whole(kimi_k3):
+    """With room for every expert (`--ram 100%`), `attach` reads them all, pins them and adds no hooks
+    (`Pager.load_all`): the fused step routes and runs each layer's experts itself over the slots (`kernel_table`),
+    as for resident experts; decoding asks the pager nothing and reads nothing, with the resident bits."""
+    from localmoe.engine.decode_plan import DecodePlan
+
     store = kimi_k3.store()
     slots = sum(len(store.experts_in(layer)) for layer in store.layers())
     pager = make_pager(store, PagingConfig(ram_budget=slots * _slot(store)))
     kimi_k3.model.use_experts(pager)
     attach(kimi_k3.model, pager)
     try:
-        for layer in store.layers():
-            assert pager.hold(layer, store.experts_in(layer)) is not None  # read, and waited for
-        assert all(pager.holds_all(layer) for layer in store.layers())
-        pager.stats.reset_counts()
-        run_greedy(kimi_k3.model)
-        assert pager.stats.prefetch.issued == 0 and pager.stats.ram.loads == 0
-        assert pager.stats.ram.hits > 0 and pager.stats.ram.misses == 0
+        ram = pager.stats.ram
+        assert ram.loads == slots and len(pager.pinned) == slots
+        assert all(pager.holds_all(layer) and pager.kernel_table(layer) is not None for layer in store.layers())
+        plan = DecodePlan.build(kimi_k3.model)
+        assert all(layer.table for layer in plan.decoder.layers if layer.moe)  # every MoE layer in the kernel
+        before = (ram.hits, ram.misses, ram.loads)
+        tokens, logits = run_greedy(kimi_k3.model)
+        assert tokens == kimi_k3.tokens and all(torch.equal(a, b) for a, b in zip(logits, kimi_k3.logits))
+        assert (ram.hits, ram.misses, ram.loads) == before
     finally:
         pager.close()
         kimi_k3.restore()
