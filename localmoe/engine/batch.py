@@ -43,7 +43,9 @@ from localmoe.kernels.rms_norm import add_rms_norm
 
 
 def has_rows(model) -> bool:
-    """Whether `forward_rows` runs `model` (a Transformer: plain residuals or a per-token residual scheme)."""
+    """Whether `forward_rows` runs `model` (a Transformer: plain residuals or a per-token residual scheme),
+    i.e. whether its decode steps batch: every family does (each row's bits equal its bits alone, tests/runtime
+    test_batching.py and test_batched_families.py)."""
     return hasattr(model, "layers") and hasattr(model, "rope") and hasattr(model, "residuals")
 
 
@@ -65,12 +67,6 @@ def _residual_rows(model, x: torch.Tensor, steps, caches) -> tuple[torch.Tensor,
 
     h = F.rms_norm(model.residuals.run(x, attn, mlp), (D,), model.norm, eps)
     return _rowwise(model.lm_head, h), h
-
-
-def batchable(model) -> bool:
-    """Whether `model` runs batched decode steps: a Transformer with plain residuals (Kimi K3's attention
-    residuals and GLM-5-Next's hyper-connections are not batched yet: their sequences step one at a time)."""
-    return hasattr(model, "layers") and hasattr(model, "rope") and getattr(model, "residuals", None) is None
 
 
 def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
@@ -96,7 +92,7 @@ def rows_independent(model) -> bool:
     ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs). Then batching pays (`batching_pays`), and a prompt
     token run as a row has the same bits in any chunking and beside any other rows, so the runtime runs
     prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunk=...)`)."""
-    if not batchable(model):
+    if not has_rows(model) or model.residuals is not None:
         return False
     matrices = [model.lm_head]
     for _, mixer, _, mlp in model.layers:
@@ -110,10 +106,18 @@ def rows_independent(model) -> bool:
 def batching_pays(model) -> bool:
     """Whether the worker's "auto" mode batches this model's decode steps. A fused single-sequence step
     (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
-    op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md); where
-    every matrix runs the multi-row kernels (`rows_independent`: the embedded SmolLM2 Q4_1 GGUF) a batch of 16
-    costs ~3x one sequence's step instead of ~16x, and batching wins. Models without a fused step batch."""
-    return not has_fused_step(model) or rows_independent(model)
+    op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md). Batching
+    wins where every matrix runs the multi-row kernels (`rows_independent`: the embedded SmolLM2 Q4_1 GGUF, a
+    batch of 16 costs ~5x one sequence's step instead of ~16x), and for MoE models whose mixers are all plain
+    GQA (gpt-oss, Qwen3-MoE): a step reads each routed expert once for every token routed to it and runs every
+    sequence's attention in one kernel call (gpt-oss `small`, 16 clients: 1.42x one client's aggregate
+    batched, 1.02x with the fused step per sequence). Models without a fused step batch."""
+    if not has_fused_step(model) or rows_independent(model):
+        return True
+    if model.residuals is not None:  # K3's attention residuals, GLM-5-Next's hyper-connections: mixers per row
+        return False
+    return all(_plain_gqa(mixer, ()) for _, mixer, _, _ in model.layers) and \
+        any(isinstance(mlp, MoEBlock) for _, _, _, mlp in model.layers)
 
 
 def _plain_gqa(mixer, caches) -> bool:
@@ -167,7 +171,7 @@ def _no_pages(pos: int) -> None:
 def decode_batch(model, tokens: Sequence[int], caches: Sequence[ModelCache], fused: bool = False) -> torch.Tensor:
     """One token for each of N sequences (token i appended to caches[i], each of batch 1) -> logits [N, V].
     `fused`: every sequence takes the model's own decode step, one after another (see the module docstring)."""
-    if fused or not batchable(model):  # the model's own decode step (its fused plan where it has one), each
+    if fused or not has_rows(model):  # the model's own decode step (its fused plan where it has one), each
         return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
     return forward_rows(model, tokens, caches)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
@@ -38,8 +37,9 @@ class NoDraft:
 
 def run(model, prompt, steps=STEPS, speculator=None, params=GREEDY) -> tuple[list[int], Decoder]:
     """Generated tokens; without a speculator each decode step is one row of the batched step: decode_together,
-    or, for a model the worker does not batch (K3's attention residuals), a speculator that never drafts."""
-    if speculator is None and not batchable(model):
+    or, for a model with a residual scheme (K3's attention residuals: its plain `logits()` takes its own
+    decode step), a speculator that never drafts."""
+    if speculator is None and model.residuals is not None:
         speculator = Speculator(NoDraft(), k=1, adaptive=False)
     dec = Decoder(model, prompt, params, speculator=speculator)
     out: list[int] = []
@@ -98,7 +98,7 @@ def test_injected_token_drops_kept_drafts(model):
         logits = dec.logits()
         tail.append(dec.sample(logits))
         dec.feed([tail[-1]])
-    plain = Decoder(model, prompt, GREEDY, speculator=None if batchable(model) else
+    plain = Decoder(model, prompt, GREEDY, speculator=None if model.residuals is None else
                     Speculator(NoDraft(), k=1, adaptive=False))
     for t in out:  # the same history, teacher-forced through the plain rows path
         logits = plain.logits()

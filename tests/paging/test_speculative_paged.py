@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-from localmoe.engine.batch import batchable
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, PromptLookup
@@ -30,8 +29,8 @@ class NoDraft:
 
 def greedy(model, speculator=None) -> list[int]:
     """Greedy tokens; without a speculator one row of the batched step per token (decode_together, or for
-    K3, which the worker does not batch, a speculator that never drafts: the same row kernels)."""
-    if speculator is None and not batchable(model):
+    K3, whose plain `logits()` takes its own decode step, a speculator that never drafts: the same row kernels)."""
+    if speculator is None and model.residuals is not None:
         speculator = Speculator(NoDraft(), k=1, adaptive=False)
     dec = Decoder(model, PROMPT, GREEDY, speculator=speculator)
     out: list[int] = []

@@ -337,3 +337,12 @@ def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
     gemm = Decoder(model, prompt, GREEDY).logits()
     assert int(gemm.argmax()) == int(whole.argmax())
     assert (gemm - whole).abs().max() <= 0.02 * (gemm.max() - gemm.min())
+
+
+def test_auto_batches_a_moe_model_with_gqa_attention(gpt_oss):
+    """gpt-oss (MoE, plain GQA) has a fused single-sequence step, but a batched step reads each routed
+    expert once for all its tokens and runs every sequence's attention in one call: "auto" batches it."""
+    from localmoe.engine.batch import batching_pays, has_fused_step
+
+    assert has_fused_step(gpt_oss.model) and batching_pays(gpt_oss.model)
+    assert not EngineWorker().fused_for(gpt_oss.model)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from localmoe.engine.batch import batchable, decode_batch, forward_rows, has_rows
+from localmoe.engine.batch import decode_batch, forward_rows, has_rows
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
@@ -102,8 +102,7 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
             record(d.cache, True)
     out: list[torch.Tensor | None] = [None] * len(decoders)
     if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
-        together = [n for n in range(len(decoders))
-                    if (spec[n] and not own[n]) or replay[n] or not (fused or not batchable(model))]
+        together = [n for n in range(len(decoders)) if (spec[n] and not own[n]) or replay[n] or not fused]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
         logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together]) if together else []
