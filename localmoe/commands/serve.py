@@ -38,7 +38,14 @@ def default_sessions_path() -> Path:
 @click.option("--kv-budget", default=None, metavar="SIZE",
               help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
                    "past it new requests wait, and when running sequences outgrow it the latest is preempted "
-                   "(its cache freed, recomputed on resume with the same output). Default: no limit.")
+                   "(its cache's memory freed, swapped out or recomputed on resume with the same output). "
+                   "Default: no limit.")
+@click.option("--preemption", type=click.Choice(["auto", "swap", "recompute"]), default="auto", show_default=True,
+              help="How a preempted sequence gives back its cache: swap = written to a file and read back on "
+                   "resume; recompute = freed, its tokens run again on resume; auto = swap once it has decoded, "
+                   "recompute while it still reads its prompt.")
+@click.option("--swap-dir", default=None, metavar="FOLDER",
+              help="Where swapped-out caches go (default: a private temporary folder).")
 @click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")
 @thinking_budgets_option
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
@@ -54,7 +61,7 @@ def default_sessions_path() -> Path:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @spec_options
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
-            max_concurrency, batching, kv_budget, max_body, thinking_budgets, sessions_path, no_sessions,
+            max_concurrency, batching, kv_budget, preemption, swap_dir, max_body, thinking_budgets, sessions_path, no_sessions,
             prefix_cache_entries,
             documents_roots, allowed_hosts, log_level, spec, spec_k):
     """Serve the model over HTTP: /v1/chat/completions, /v1/completions, /v1/models, /v1/messages,
@@ -83,7 +90,8 @@ def command(model, engine, host, port, api_key, model_id, max_tokens_default, ma
         if not root.is_dir():
             raise LocalMoEError(f"--documents-root {root}: not a folder")
     config = ServerConfig(max_tokens_default=max_tokens_default, max_tokens_limit=max_tokens_limit,
-                          spec=spec, spec_k=spec_k, max_active=max_concurrency, batching=batching, kv_budget=budget, max_body_bytes=max_body,
+                          spec=spec, spec_k=spec_k, max_active=max_concurrency, batching=batching, kv_budget=budget,
+                          preemption=preemption, swap_dir=swap_dir, max_body_bytes=max_body,
                           api_key=api_key or None,
                           sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
                           budgets=thinking_budgets, threads=engine.threads,

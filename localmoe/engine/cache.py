@@ -257,6 +257,10 @@ class KVCache:
             self._pages = (keys, values, PagedKV(*keys, *values))
         return self._pages[2]
 
+    def __getstate__(self) -> dict:
+        """Pickled without `_pages`: the kernel's view of the pools holds their addresses (engine/swap.py)."""
+        return {**self.__dict__, "_pages": None}
+
     def trim(self, offset: int) -> None:
         self.keys.trim(offset)
         self.values.trim(offset)

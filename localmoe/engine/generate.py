@@ -10,6 +10,7 @@ The loop over them (sampling, stop tokens and strings, budgets, reasoning, text)
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
@@ -21,6 +22,7 @@ from localmoe.engine.images import PromptImage, PromptImages
 from localmoe.engine.prefix_cache import PrefixCache, is_boundary, next_boundary
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.engine.spec.speculator import Speculator
+from localmoe.engine.swap import Swapped, swap_out
 from localmoe.errors import LocalMoEError
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory, keeps GEMMs efficient
@@ -91,13 +93,18 @@ class Decoder:
         # tokens still to run again on resume
         self.multi: dict[int, int] = {}
         self._replay: deque[list[int]] = deque()
+        self._swapped: Swapped | None = None  # the cache written out by `preempt(swap=...)`
         self.preemptions = 0
         self._watch()
 
-    def _resume(self) -> None:
-        """After `preempt`: a fresh cache (the prompt runs again), watched as the first one was."""
+    def resume(self) -> None:
+        """After `preempt`: the swapped-out cache read back, or a fresh one (the prompt runs again), watched
+        as the first one was. Nothing to do while the cache is in memory."""
         if self.cache is None:
-            self.cache = self.model.new_cache(1, self._cache_len)
+            if self._swapped is not None:
+                self.cache, self._swapped = self._swapped.load(), None
+            else:
+                self.cache = self.model.new_cache(1, self._cache_len)
             self._watch()
 
     def _watch(self) -> None:
@@ -121,7 +128,7 @@ class Decoder:
             raise RuntimeError("nothing pending: feed a token first")
         if self.speculating and self.decoding:
             return decode_together([self])[0]
-        self._resume()
+        self.resume()
         size = self.chunk
         if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
@@ -148,7 +155,7 @@ class Decoder:
         """The next prompt chunk, at most `limit` tokens, taken from `pending` for a batched step to run
         (`decode_together`); it ends where `logits()`' chunks end (the anchor, every `chunk` tokens), so
         the prefix cache finds the same boundaries."""
-        self._resume()
+        self.resume()
         at = len(self.in_cache)
         size = max(1, min(limit, next_boundary(at, self.chunk, self.anchor) - at))
         batch, self.pending = self.pending[:size], self.pending[size:]
@@ -184,15 +191,22 @@ class Decoder:
         row of the row kernels, as it ran: engine/spec/verify.py), not a step of its own."""
         return bool(self._replay)
 
-    def preempt(self) -> None:
-        """Free the cache now (recompute). On resume everything it held runs again in the forwards it ran in
-        before: the prompt in the same chunks, then each later token as a decode step (an injected group as
-        one forward), then what was pending; only that last forward's logits come back, equal to those it
-        would have had (each forward is the one it was; a speculating sequence's tokens, kept drafts
-        included, ran as rows of the row kernels, each computed on its own, and run again as such)."""
+    def preempt(self, swap: str | os.PathLike | None = None) -> None:
+        """Free the cache's memory now. With `swap` (a directory; not for a speculating sequence, whose
+        drafter holds the cache) the cache is written to a file there (engine/swap.py) and `resume` reads it
+        back: the sequence goes on as if never paused. Without, recompute: on resume everything it held runs
+        again in the forwards it ran in before: the prompt in the same chunks, then each later token as a
+        decode step (an injected group as one forward), then what was pending; only that last forward's
+        logits come back, equal to those it would have had (each forward is the one it was; a speculating
+        sequence's tokens, kept drafts included, ran as rows of the row kernels, each computed on its own,
+        and run again as such)."""
         if not self.preemptible:
             raise RuntimeError("this sequence holds no cache, or a speculative step's tokens wait to be handed "
                                "out: it cannot be preempted now")
+        self.preemptions += 1
+        if swap is not None and self.speculator is None:
+            self._swapped, self.cache = swap_out(self.cache, swap), None
+            return
         if self.speculator is not None:
             from localmoe.engine.spec.verify import record
 
@@ -209,7 +223,17 @@ class Decoder:
         self.cache, self.in_cache, self.multi = None, [], {}
         self.pending, self._replay = list(self.prompt), deque(replay)
         self._prompt_done, self.prefilled = False, 0
-        self.preemptions += 1
+
+    @property
+    def swapped(self) -> bool:
+        """Whether the cache is swapped out (`preempt(swap=...)`), waiting for `resume`."""
+        return self._swapped is not None
+
+    def discard(self) -> None:
+        """The sequence is dropped (cancelled): remove a swapped-out cache's file."""
+        if self._swapped is not None:
+            self._swapped.discard()
+            self._swapped = None
 
     @property
     def prefilling(self) -> bool:

@@ -99,8 +99,11 @@ class Metrics:
                    "queued or held by the KV budget; preempted: cache freed for the KV budget, to resume first).",
                    [('{state="running"}', active), ('{state="waiting"}', queue_depth),
                     ('{state="preempted"}', worker.preempted)])
-            metric("localmoe_preemptions_total", "counter", "Running sequences preempted (cache freed, recomputed "
-                   "on resume) because the running caches outgrew the KV budget.", [("", worker.preemptions)])
+            metric("localmoe_preemptions_total", "counter", "Running sequences preempted (cache's memory freed: "
+                   "swapped out or recomputed on resume) because the running caches outgrew the KV budget.",
+                   [("", worker.preemptions)])
+            metric("localmoe_swaps_total", "counter", "Preemptions that swapped the cache out to a file (read back "
+                   "on resume) rather than recomputing it.", [("", worker.swaps)])
             metric("localmoe_kv_cache_bytes", "gauge", "Bytes the running sequences' caches hold.",
                    [("", worker.kv_bytes)])
             if worker.kv_budget is not None:

@@ -39,6 +39,8 @@ class ServerConfig:
     max_active: int = 16  # sequences batched at once; more wait in the queue
     kv_budget: int | None = None  # bytes of KV cache the running sequences may hold before admission waits
     batching: str = "auto"  # the worker's decode step: auto | on | off (runtime/worker.py)
+    preemption: str = "auto"  # a preempted sequence's cache: auto | swap | recompute (runtime/worker.py)
+    swap_dir: str | None = None  # where swapped-out caches go (None: a private temporary directory)
     spec: str = "off"  # speculative decoding: prompt | draft:PATH | mtp | off (runtime/speculation.py)
     spec_k: int = 4  # the most drafts per step (the speculator chooses fewer where more do not pay)
     max_body_bytes: int = 8 << 20
@@ -186,7 +188,8 @@ class Service:
         self.metrics = Metrics()
         self.prefix_cache = (PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes)
                              if config.prefix_cache_entries > 0 else None)
-        self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget, config.batching)
+        self.worker = EngineWorker(config.max_active, config.threads or None, config.kv_budget, config.batching,
+                                   config.preemption, config.swap_dir)
         self.speculation = Speculation(loaded, config.spec, config.spec_k)
         self.created = int(time.time())
         self._grammar_tokenizer = None

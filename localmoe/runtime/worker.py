@@ -27,14 +27,18 @@ holds for every step, so a request's output never depends on the others.
 Admission and preemption. Up to `max_active` jobs run at once; the others wait in arrival
 order. With `kv_budget` (bytes), a waiting job is admitted only while the running sequences'
 caches hold less than the budget. Running caches grow a block at a time; when, at the start of a
-step, they hold more than the budget, the sequence that arrived last is preempted (recompute:
-`Decoder.preempt` frees its cache at once and it waits at the head of the line), until they fit
-or one sequence is left. A preempted sequence resumes, before any new job is admitted, once the
-bytes it held fit beside the running ones: its prompt and every token it had run go through the
-same forwards again (decode tokens in decode steps, batched with the others), so its output is
-the one it would have had. A cancelled job (its client went away), running, preempted or waiting,
-is closed at the next step and its cache released at once (`kv_bytes` drops). A job may also
-yield None: it is resumed next step without a forward.
+step, they hold more than the budget, the sequence that arrived last is preempted
+(`Decoder.preempt` frees its cache's memory at once and it waits at the head of the line), until
+they fit or one sequence is left. A preempted sequence resumes, before any new job is admitted,
+once the bytes it held fit beside the running ones. `preemption` chooses how (`_swaps`): "swap"
+writes the cache to a file (engine/swap.py) and reads it back on resume, so the sequence goes on
+at once; "recompute" runs its prompt and every token it had run through the same forwards again
+(decode tokens in decode steps, batched with the others), one step per generated token; "auto"
+(the default) swaps a sequence that has decoded and recomputes one still reading its prompt. Either
+way its output is the one it would have had. A cancelled job (its client went away), running,
+preempted or waiting, is closed at the next step and its cache released at once (`kv_bytes` drops;
+a swapped-out cache's file is removed). A job may also yield None: it is resumed next step without
+a forward.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
 
 BATCHING = ("auto", "on", "off")
+PREEMPTION = ("auto", "swap", "recompute")
 # Prompt rows a step carries beside its decode rows: as many as the decode rows, at least this. A batched
 # step costs ~a + b * rows (embedded model, CPU time of one thread: 14.5 ms at 1 row, 70 ms at 16, 138 ms
 # at 32; a ~ 11 ms), so a step with a chunk costs under twice the decode step it delays.
@@ -98,9 +103,13 @@ class EngineWorker:
     """Runs jobs on one thread; `submit` is safe from any thread."""
 
     def __init__(self, max_active: int = 16, threads: int | None = None, kv_budget: int | None = None,
-                 batching: str = "auto"):
+                 batching: str = "auto", preemption: str = "auto", swap_dir: str | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, not {batching!r}")
+        if preemption not in PREEMPTION:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION)}, not {preemption!r}")
+        self.preemption = preemption
+        self._swap_dir = swap_dir  # created on the first swap (a private temporary directory where not given)
         self.max_active = max_active
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
@@ -119,6 +128,7 @@ class EngineWorker:
         self.failures = 0
         self.cancelled = 0
         self.preemptions = 0
+        self.swaps = 0  # preemptions that swapped the cache out (the others recompute)
 
     def fused_for(self, model) -> bool:
         """Whether decode steps run each sequence's own fused step (decided once, see the module docstring)."""
@@ -180,7 +190,9 @@ class EngineWorker:
             running = self._preempted[0]
             if self._active and self.kv_budget is not None and self.kv_bytes + running.held > self.kv_budget:
                 return  # not room for it yet; new jobs wait behind it
-            self._active.append(self._preempted.pop(0))
+            self._preempted.pop(0)
+            running.wants.resume()  # a swapped-out cache read back (recompute: a fresh one)
+            self._active.append(running)
         while self._waiting and len(self._active) < self.max_active:
             if self.kv_budget is not None and self._active and self.kv_bytes >= self.kv_budget:
                 return  # the caches fill the budget: wait until a sequence finishes
@@ -227,15 +239,38 @@ class EngineWorker:
                 return  # none may be preempted now
             victim = max(held, key=lambda r: r.job.submitted)
             victim.held = victim.decoder.cache.nbytes()
-            victim.wants.preempt()
+            swap = self._swaps(victim.wants)
+            victim.wants.preempt(self.swap_dir if swap else None)
+            self.swaps += swap
             self._drop(victim)
             self._preempted.append(victim)
             self._preempted.sort(key=lambda r: r.job.submitted)
             self.preemptions += 1
 
+    def _swaps(self, dec: Decoder) -> bool:
+        """Whether preempting `dec` swaps its cache out rather than recomputing it: "swap" and "recompute"
+        say; "auto" swaps a sequence that has decoded (recomputing would run each generated token again in
+        a step of its own before it goes on) and recomputes one still reading its prompt (its chunks run
+        again as they would have; nothing is written). A speculating sequence recomputes (its drafter
+        holds the cache)."""
+        if dec.speculator is not None or self.preemption == "recompute":
+            return False
+        return self.preemption == "swap" or not dec.prefilling
+
+    @property
+    def swap_dir(self) -> str:
+        """Where swapped-out caches go (engine/swap.py)."""
+        if self._swap_dir is None:
+            import tempfile
+
+            self._swap_dir = tempfile.mkdtemp(prefix="localmoe-swap-")
+        return self._swap_dir
+
     def _close_cancelled(self) -> None:
         for line in (self._active, self._preempted):
             for running in [r for r in line if r.job.cancelled]:
+                if isinstance(running.wants, Decoder):
+                    running.wants.discard()  # a swapped-out cache's file
                 running.steps.close()
                 line.remove(running)
                 self.cancelled += 1

@@ -178,10 +178,12 @@ def test_kv_budget_holds_a_request_until_a_sequence_finishes(embedded):
     assert results["first"].content == results["second"].content
 
 
-def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monkeypatch):
-    """Two sequences outgrow the KV budget: the later one is preempted (its cache freed at once), resumes
-    when the first finishes (its prompt and tokens run again) and gives what it gives alone; /metrics
-    counts it while it waits."""
+@pytest.mark.parametrize("preemption", ["recompute", "swap", "auto"])
+def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monkeypatch, tmp_path, preemption):
+    """Two sequences outgrow the KV budget: the later one is preempted (its cache's memory freed at once:
+    recomputed, or swapped out to a file), resumes when the first finishes (recompute: its prompt and tokens
+    run again; swap: its cache read back) and gives what it gives alone; /metrics counts it while it waits.
+    "auto" swaps a sequence that has decoded."""
     from localmoe.engine import cache as cache_module
     from localmoe.runtime.metrics import Metrics
 
@@ -189,7 +191,8 @@ def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monke
     tok, model = embedded.tokenizer, embedded.model
     block = model.new_cache(1, 64).nbytes()  # one block of every layer
     preps = {"first": completion(embedded, PROMPTS[0], 24), "later": completion(embedded, PROMPTS[2], 24)}
-    worker, results = EngineWorker(max_active=4, kv_budget=5 * block, batching="on"), {}
+    worker, results = EngineWorker(max_active=4, kv_budget=5 * block, batching="on", preemption=preemption,
+                                   swap_dir=str(tmp_path)), {}
     for key, prep in preps.items():
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                              results, key))
@@ -201,24 +204,35 @@ def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monke
         assert worker.kv_bytes <= 5 * block + 2 * block  # over the budget by at most a step's growth
         if worker.preempted:
             seen.add("preempted")
-            if worker._preempted[0].wants._replay:
-                seen.add("mid-decode")  # tokens it had generated run again on resume
+            dec = worker._preempted[0].wants
+            if dec._replay:
+                seen.add("replays")  # tokens it had generated run again on resume
+            if dec.swapped:
+                seen.add("swapped")
+                assert dec.cache is None and len(list(tmp_path.iterdir())) == 1
             assert worker.active + len(results) == 1  # the first runs (or just finished); the later waits
             text = Metrics().render(worker.waiting, worker.active, worker=worker)
             assert 'localmoe_sequences{state="preempted"} 1' in text and "localmoe_preemptions_total 1" in text
-    assert seen == {"preempted", "mid-decode"} and worker.preemptions >= 1 and worker.kv_bytes == 0
+            assert f"localmoe_swaps_total {int(dec.swapped)}" in text
+    assert seen == {"preempted", "replays" if preemption == "recompute" else "swapped"}
+    assert worker.preemptions >= 1 and worker.kv_bytes == 0 and not list(tmp_path.iterdir())
+    assert (worker.swaps == 0) if preemption == "recompute" else (worker.swaps >= 1)
     for key, prep in preps.items():
         assert results[key].content == alone(embedded, prep).content, key
         assert results[key].completion_tokens == 24
 
 
-def test_cancelling_a_preempted_sequence_closes_it(embedded, monkeypatch):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_cancelling_a_preempted_sequence_closes_it(embedded, monkeypatch, tmp_path, preemption):
+    """A preempted sequence cancelled while it waits is closed at the next step (a swapped-out cache's file
+    is removed)."""
     from localmoe.engine import cache as cache_module
 
     monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)
     tok, model = embedded.tokenizer, embedded.model
     block = model.new_cache(1, 64).nbytes()
-    worker, results, jobs = EngineWorker(max_active=4, kv_budget=3 * block, batching="on"), {}, {}
+    worker, results, jobs = EngineWorker(max_active=4, kv_budget=3 * block, batching="on", preemption=preemption,
+                                         swap_dir=str(tmp_path)), {}, {}
     for key in ("first", "later"):
         prep = completion(embedded, PROMPTS[1], 24)
         jobs[key] = job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
@@ -229,9 +243,11 @@ def test_cancelling_a_preempted_sequence_closes_it(embedded, monkeypatch):
         if worker.preempted:
             break
     assert worker.preempted == 1
+    assert len(list(tmp_path.iterdir())) == (preemption == "swap")
     jobs["later"].cancel()
     worker.step()
     assert worker.preempted == 0 and type(results["later"]).__name__ == "CancelledError"
+    assert not list(tmp_path.iterdir())
     run_all(worker, results, 2)
     assert results["first"].completion_tokens == 24
 
