@@ -8,9 +8,11 @@ Each client sends `--requests` requests one after another (greedy, at most `--ma
 the prompts ask for long answers, so most run to the limit). Printed per client
 count: aggregate generated tokens/s, p50/p99 time to first token, p50/p99 inter-token latency (gaps
 between streamed content chunks), the mean batch the engine ran (batched decode tokens / steps, from
-/metrics) and expert bytes read per generated token (the pager's bytes from /metrics; 0 where the
-experts are resident or the model is dense); then each count's aggregate against one client's, and
-its p99 inter-token latency against one client's.
+/metrics), expert bytes read per generated token (the pager's bytes from /metrics; 0 where the
+experts are resident or the model is dense) and, for a paged model, the share of routed experts a step
+read (each layer's distinct experts per step / the (token, expert) pairs routed: 1.0 when every step runs
+one token, lower where the batch's tokens share experts); then each count's aggregate against one
+client's, and its p99 inter-token latency against one client's.
 """
 
 from __future__ import annotations
@@ -60,9 +62,18 @@ def start(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not start in 600 s")
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, labels: str | None = None) -> float:
+    """The sum of `name`'s samples (those with exactly `labels`, e.g. '{tier="ram"}', where given)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, flags=re.MULTILINE))
+    pattern = re.escape(labels) if labels is not None else "(?:{[^}]*})?"
+    return sum(float(v) for v in re.findall(rf"^{name}{pattern} ([0-9.e+-]+)$", text, flags=re.MULTILINE))
+
+
+def expert_counts(url: str) -> tuple[float, float]:
+    """(the RAM tier's expert requests: one per distinct expert of a layer's step, (token, expert) pairs routed)."""
+    ram = '{tier="ram"}'
+    return (metric(url, "localmoe_expert_tier_hits_total", ram) + metric(url, "localmoe_expert_tier_misses_total", ram),
+            metric(url, "localmoe_expert_routes_total"))
 
 
 def one(client: httpx.Client, k: int, max_tokens: int) -> dict:
@@ -95,6 +106,7 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
                                                          "localmoe_engine_steps_total",
                                                          "localmoe_batched_decode_tokens_total"))
+    distinct0, routed0 = expert_counts(url)
 
     def client_loop(c: int) -> list[dict]:
         with httpx.Client(base_url=url, timeout=3600) as client:
@@ -108,6 +120,7 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     steps = metric(url, "localmoe_engine_steps_total") - steps0
     batched = metric(url, "localmoe_batched_decode_tokens_total") - batched0
     read = metric(url, "localmoe_expert_tier_bytes_read_total") - bytes0
+    distinct, routed = (b - a for a, b in zip((distinct0, routed0), expert_counts(url)))
     gaps = [g for r in results for g in r["gaps"]]
     ttfts = [r["ttft"] for r in results]
     return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": round(wall, 2),
@@ -115,7 +128,8 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
             "ttft_p50_s": round(pct(ttfts, 0.5), 3), "ttft_p99_s": round(pct(ttfts, 0.99), 3),
             "itl_p50_ms": round(1e3 * pct(gaps, 0.5), 1), "itl_p99_ms": round(1e3 * pct(gaps, 0.99), 1),
             "mean_batch": round(batched / steps, 2) if steps else 0.0,
-            "expert_bytes_per_token": round(read / tokens) if tokens else 0}
+            "expert_bytes_per_token": round(read / tokens) if tokens else 0,
+            "expert_distinct_share": round(distinct / routed, 3) if routed else None}
 
 
 def main() -> None:

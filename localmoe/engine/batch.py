@@ -91,7 +91,7 @@ def rows_independent(model) -> bool:
     decodes each weight block once for all rows and gives each row the bits it has alone (GGUF blocks:
     ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs). Then batching pays (`batching_pays`), and a prompt
     token run as a row has the same bits in any chunking and beside any other rows, so the runtime runs
-    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunk=...)`)."""
+    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunks=...)`)."""
     if not has_rows(model) or model.residuals is not None:
         return False
     matrices = [model.lm_head]

@@ -146,18 +146,22 @@ class Decoder:
 
     @property
     def prompt_rows(self) -> bool:
-        """Whether its prompt chunks may run as rows of a batched step (`decode_together(chunk=...)`, for
+        """Whether its prompt chunks may run as rows of a batched step (`decode_together(chunks=...)`, for
         a model whose rows are each computed on their own: engine/batch.py `rows_independent`): it is
         prefilling, without images or a speculator (those take `logits()`)."""
         return self.prefilling and self.images is None and self.speculator is None
 
-    def take_prompt(self, limit: int) -> list[int]:
-        """The next prompt chunk, at most `limit` tokens, taken from `pending` for a batched step to run
-        (`decode_together`); it ends where `logits()`' chunks end (the anchor, every `chunk` tokens), so
-        the prefix cache finds the same boundaries."""
-        self.resume()
+    def chunk_size(self, limit: int) -> int:
+        """How many tokens `take_prompt(limit)` takes: at most `limit` (at least 1), up to where `logits()`'
+        chunks end (the anchor, every `chunk` tokens), so the prefix cache finds the same boundaries."""
         at = len(self.in_cache)
-        size = max(1, min(limit, next_boundary(at, self.chunk, self.anchor) - at))
+        return max(1, min(limit, len(self.pending), next_boundary(at, self.chunk, self.anchor) - at))
+
+    def take_prompt(self, limit: int) -> list[int]:
+        """The next prompt chunk (`chunk_size(limit)` tokens), taken from `pending` for a batched step to
+        run (`decode_together`)."""
+        self.resume()
+        size = self.chunk_size(limit)
         batch, self.pending = self.pending[:size], self.pending[size:]
         return batch
 
@@ -291,13 +295,13 @@ class Decoder:
 
 
 def decode_together(decoders: Sequence[Decoder], fused: bool = False,
-                    chunk: tuple[Decoder, int] | None = None) -> list[torch.Tensor | None]:
+                    chunks: Sequence[tuple[Decoder, int]] = ()) -> list[torch.Tensor | None]:
     """One decode step of several sequences (each `decoding`, all of one model) as one batched forward
     (engine/batch.py; `fused`: each sequence's own fused step instead); the logits [1, V] of each, in
     order (None for a resumed sequence still replaying, `Decoder.preempt`). A sequence's logits are those
-    it gets alone in the same mode. `chunk` (decoder, limit): that sequence's next prompt chunk (`prompt_rows`,
-    at most `limit` tokens) runs as more rows of the same forward, so every weight is read once for both;
-    its result (logits or None, `logits()`'s) comes last."""
+    it gets alone in the same mode. `chunks` [(decoder, limit)]: each of those sequences' next prompt chunk
+    (`prompt_rows`, at most `limit` tokens) runs as more rows of the same forward, so every weight is read
+    once for all of them; their results (logits or None, `logits()`'s) come after the decoders', in order."""
     from localmoe.engine.batch import decode_batch, forward_rows
 
     if any(d.speculating for d in decoders):
@@ -306,19 +310,26 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
         return speculative_step(decoders, fused)
     tokens = [d.pending[0] for d in decoders]
     caches = [d.cache for d in decoders]
-    if chunk is None:
+    if not chunks:
         logits = decode_batch(decoders[0].model, tokens, caches, fused)
     else:
-        prompt = chunk[0]
-        batch = prompt.take_prompt(chunk[1])
-        wanted = list(range(len(tokens))) + ([len(tokens) + len(batch) - 1] if not prompt.pending else [])
-        logits = forward_rows(prompt.model, tokens + batch, caches + [prompt.cache] * len(batch), wanted)
+        rows, wanted, batches = list(tokens), list(range(len(tokens))), []
+        for prompt, limit in chunks:
+            batches.append(prompt.take_prompt(limit))
+            rows += batches[-1]
+            caches += [prompt.cache] * len(batches[-1])
+            if not prompt.pending:  # its prompt's last token: its logits start the generation
+                wanted.append(len(rows) - 1)
+        logits = forward_rows(chunks[0][0].model, rows, caches, wanted)
     out = []
     for d, token, row in zip(decoders, tokens, logits.split(1)):
         d.pending = []
         out.append(d._ran([token], row))
-    if chunk is not None:
-        out.append(prompt._ran(batch, logits[len(tokens):] if not prompt.pending else None))
+    at = len(tokens)
+    for (prompt, _), batch in zip(chunks, batches if chunks else ()):
+        last = logits[at:at + 1] if not prompt.pending else None
+        at += last is not None
+        out.append(prompt._ran(batch, last))
     return out
 
 

@@ -25,6 +25,7 @@ class PagedRouter:
         if self.trace is not None:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
+            self.pager.stats.routed += ids.numel()
             ahead = None
             if self.next_router is not None and self.pager.prefetch_enabled and not self.pager.holds_all(
                     self.next_layer):  # (a layer whose experts all sit in slots needs no guess)

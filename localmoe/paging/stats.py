@@ -79,6 +79,9 @@ class PagingStats:
     slots: int = 0
     slot_bytes: int = 0
     steps: int = 0  # forward passes seen (decode: tokens)
+    # (token, expert) pairs the routers chose; the RAM tier's requests (one per distinct expert of a layer's
+    # call) / routed = the share of routed experts a batched step reads (1.0 for one token per step)
+    routed: int = 0
     tiers: dict[str, TierStats] = field(default_factory=lambda: {"ram": TierStats()})
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
     computed: dict[str, int] = field(default_factory=dict)  # tier -> experts computed there (with GPU tiers)
@@ -90,7 +93,7 @@ class PagingStats:
     def reset_counts(self) -> None:
         """Zero every count, keeping the tiers and the configuration fields."""
         self.tiers = {name: TierStats() for name in self.tiers}
-        self.prefetch, self.computed = PrefetchStats(), {}
+        self.prefetch, self.computed, self.routed = PrefetchStats(), {}, 0
 
     def snapshot(self) -> PagingStats:
         return copy.deepcopy(self)

@@ -59,10 +59,10 @@ class Metrics:
             return sum(n for _, n in self._recent) / RATE_WINDOW
 
     def render(self, queue_depth: int, active: int, tiers: dict | None = None, worker=None, spec=None,
-               images=None) -> str:
+               images=None, routed: int | None = None) -> str:
         """The Prometheus text; `worker` (an EngineWorker) adds the scheduler's gauges and counters, `spec`
         (engine/spec SpecStats of the finished sequences) speculative decoding's, `images` (an ImageEncoder) the
-        vision tower's."""
+        vision tower's, `routed` (a pager's PagingStats.routed) the routed (token, expert) pairs."""
         rate = self.tokens_per_second()
         lines = []
 
@@ -137,16 +137,26 @@ class Metrics:
                [(f'{{tier="{t}"}}', s.misses) for t, s in tiers.items()])
         metric("localmoe_expert_tier_bytes_read_total", "counter", "Bytes brought into each tier.",
                [(f'{{tier="{t}"}}', s.bytes_read) for t, s in tiers.items()])
+        if routed is not None:
+            metric("localmoe_expert_routes_total", "counter", "(token, expert) pairs the routers chose; the ram "
+                   "tier's requests (one per distinct expert of a layer in a step) / these = the share of routed "
+                   "experts read.", [("", routed)])
         return "\n".join(lines) + "\n"
+
+
+def paging_stats(model):
+    """The model's expert pager's PagingStats, if it has one (None for dense or resident models)."""
+    blocks = getattr(model, "moe_blocks", None)
+    if blocks is None:
+        return None
+    for block in blocks():
+        stats = getattr(getattr(block, "experts", None), "stats", None)
+        if stats is not None and hasattr(stats, "tiers"):
+            return stats
+    return None
 
 
 def paging_tiers(model) -> dict:
     """Per-tier statistics of the model's expert pager, if it has one ({} for dense models)."""
-    blocks = getattr(model, "moe_blocks", None)
-    if blocks is None:
-        return {}
-    for block in blocks():
-        stats = getattr(getattr(block, "experts", None), "stats", None)
-        if stats is not None and hasattr(stats, "tiers"):
-            return dict(stats.tiers)
-    return {}
+    stats = paging_stats(model)
+    return {} if stats is None else dict(stats.tiers)

@@ -23,7 +23,7 @@ from localmoe.errors import CancelledError, LocalMoEError, NotFoundError, Reques
 from localmoe.runtime.context import fit_messages
 from localmoe.runtime.forced import plan_forced_call
 from localmoe.runtime.images import prompt_images, size_images
-from localmoe.runtime.metrics import Metrics, paging_tiers
+from localmoe.runtime.metrics import Metrics, paging_stats
 from localmoe.runtime.speculation import Speculation
 from localmoe.runtime.turn import Prepared, TurnResult, run_chat, run_completion, run_prefill
 from localmoe.runtime.worker import EngineWorker, Job
@@ -260,9 +260,10 @@ class Service:
 
     def metrics_text(self) -> str:
         images = vars(self.loaded).get("image_encoder")  # only once an image was shown (a cached property)
-        return self.metrics.render(self.worker.waiting, self.worker.active, paging_tiers(self.model), self.worker,
-                                   self.speculation.stats if self.speculation.on or self.speculation.stats.steps
-                                   else None, images)
+        paging = paging_stats(self.model)
+        return self.metrics.render(self.worker.waiting, self.worker.active, {} if paging is None else dict(paging.tiers),
+                                   self.worker, self.speculation.stats if self.speculation.on or self.speculation.stats.steps
+                                   else None, images, None if paging is None else paging.routed)
 
     # ---- chat ----
 

@@ -8,12 +8,14 @@ worker collects what its running jobs wait for and runs, in this order:
 - the decode tokens of every running sequence as ONE batched forward (`decode_together`:
   each weight and each routed expert read once for all of them; each sequence keeps its own
   cache, so sequences join and leave between steps);
-- one prompt chunk of at most one sequence still prefilling (the oldest), so a long prompt
-  delays the others by one chunk per step, never by its whole length. Where the model's rows are
-  each computed on their own (engine/batch.py `rows_independent`: the embedded GGUF model) the chunk
-  runs as more rows of the same batched forward, as many as the decode rows (at least CHUNK_FLOOR;
-  a whole chunk when nothing decodes), so a step carrying one costs under twice a decode step and
-  the weights are read once for both; a prompt token's bits do not depend on its chunk;
+- prompt chunks of sequences still prefilling, so a long prompt delays the others by one chunk per
+  step, never by its whole length. Where the model's rows are each computed on their own
+  (engine/batch.py `rows_independent`: the embedded GGUF model) they run as more rows of the same
+  batched forward: a budget of as many rows as the step decodes (at least CHUNK_FLOOR; a whole
+  chunk when nothing decodes) shared by the prefilling sequences in arrival order, so a step
+  carrying them costs under twice a decode step, the weights are read once for all, and short
+  prompts that arrive together enter together; a prompt token's bits do not depend on its chunk or
+  its neighbours. Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
 
@@ -288,26 +290,25 @@ class EngineWorker:
         prefill = [r for r in self._active if isinstance(r.wants, Decoder) and not r.wants.decoding]
         idle = [r for r in self._active if r.wants is None]
         results: list[tuple[Running, torch.Tensor | None]] = []
-        chunk = self._prompt_chunk(decode, prefill)
-        batched = decode + ([chunk] if chunk is not None else [])
+        chunks = self._prompt_chunks(decode, prefill)
+        batched = decode + [r for r, _ in chunks]
         if batched:
             model = batched[0].wants.model
             try:
-                if chunk is None:
+                if not chunks:
                     logits = decode_together([r.wants for r in decode], self.fused_for(model))
-                else:  # the chunk's rows: as many as the decode rows (at least CHUNK_FLOOR), or a whole chunk alone
-                    limit = max(CHUNK_FLOOR, len(decode)) if decode else chunk.wants.chunk
-                    logits = decode_together([r.wants for r in decode], False, (chunk.wants, limit))
-                    self.prompt_rows += 1
+                else:
+                    logits = decode_together([r.wants for r in decode], False, [(r.wants, n) for r, n in chunks])
+                    self.prompt_rows += len(chunks)
                 results += zip(batched, logits)
                 self.batched_tokens += 0 if self.fused else len(decode)
             except Exception as e:  # noqa: BLE001 - fail the step's jobs alone, keep serving
                 for r in batched:
                     self._drop(r)
                     self._fail(r.job, e)
-        prompt_run = chunk is not None
+        prompt_run = bool(chunks)
         for r in prefill:
-            if r is chunk:
+            if any(r is c for c, _ in chunks):
                 continue
             dec = r.wants
             if dec.prefilling:
@@ -326,16 +327,29 @@ class EngineWorker:
                 self._advance(r, r.wants.logits())  # a speculative step's other accepted tokens: no forward
         self.steps += 1
 
-    def _prompt_chunk(self, decode: list[Running], prefill: list[Running]) -> Running | None:
-        """The sequence whose next prompt chunk runs as rows of this step's batched forward: the first one
-        prefilling, where the model's rows are independent (engine/batch.py `rows_independent`, decided
-        once) and nothing speculates; None: prompt chunks take their own forward (`Decoder.logits`)."""
-        first = next((r for r in prefill if r.wants.prefilling), None)
-        if first is None or not first.wants.prompt_rows or any(r.wants.speculating for r in decode):
-            return None
+    def _prompt_chunks(self, decode: list[Running], prefill: list[Running]) -> list[tuple[Running, int]]:
+        """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
+        model's rows are independent (engine/batch.py `rows_independent`, decided once) and nothing
+        speculates: the step's prompt budget (as many rows as it decodes, at least CHUNK_FLOOR; a whole
+        prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
+        next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
+        Empty where the first prefilling sequence takes its own forward (images, a speculator:
+        `Decoder.logits`)."""
+        waiting = [r for r in prefill if r.wants.prefilling]
+        if not waiting or not waiting[0].wants.prompt_rows or any(r.wants.speculating for r in decode):
+            return []
         if self.rows is None:
-            self.rows = not self.fused_for(first.wants.model) and rows_independent(first.wants.model)
-        return first if self.rows else None
+            self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)
+        if not self.rows:
+            return []
+        budget = max(CHUNK_FLOOR, len(decode)) if decode else waiting[0].wants.chunk
+        chunks = []
+        for r in waiting:
+            if budget <= 0 or not r.wants.prompt_rows:
+                break
+            chunks.append((r, r.wants.chunk_size(budget)))
+            budget -= chunks[-1][1]
+        return chunks
 
     def _run(self) -> None:
         if self._threads:

@@ -77,3 +77,25 @@ def test_batched_greedy_equals_alone(models, family, n):
     for prompt, got in zip(prompts, batched):
         alone, _ = run(model, [prompt])
         assert got == alone[0]
+
+
+def test_paged_step_reads_each_routed_expert_once(models):
+    """The pager counts the (token, expert) pairs routed (`PagingStats.routed`, /metrics
+    localmoe_expert_routes_total) beside its requests, one per distinct expert of a layer's step: with 16
+    sequences batched the step reads fewer experts than were routed; one sequence's decode reads each."""
+    from localmoe.runtime.metrics import Metrics, paging_stats
+
+    model = models["gpt_oss paged"]
+    stats = paging_stats(model)
+    k, layers = model.spec.num_experts_per_tok, len(model.moe_blocks())
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, model.spec.vocab_size) for _ in range(6)] for _ in range(16)]
+    for group in (prompts, prompts[:1]):
+        stats.reset_counts()
+        run(model, group)
+        rows = sum(len(p) + STEPS - 1 for p in group)  # the last token drawn is not run
+        assert stats.routed == rows * k * layers
+        assert (stats.ram.requests < 0.8 * stats.routed) if len(group) == 16 else \
+            (stats.ram.requests >= (STEPS - 1) * k * layers)
+    text = Metrics().render(0, 0, dict(stats.tiers), routed=stats.routed)
+    assert f"localmoe_expert_routes_total {stats.routed}" in text

@@ -322,7 +322,7 @@ def test_run_command_honours_the_thinking_budget(tmp_path):
 
 def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
     """A prompt run as rows of batched steps (the worker's path for the embedded model) gives the same bits
-    in chunks of 3, 7 or all at once, beside other sequences' decode rows or alone; against the prompt's
+    in chunks of 2, 3, 7 or all at once, beside another sequence's decode rows or prompt rows, or alone; against the prompt's
     own forward (fp32 GEMM on fp32 activations, `Decoder.logits`) only the int8 rounding of activations
     differs: the same greedy token, logits within 2% of their range (the decode rows' own rounding)."""
     from localmoe.engine.batch import rows_independent
@@ -332,27 +332,59 @@ def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
     assert rows_independent(model)
     prompt = tok.encode("Water boils at a lower temperature on a mountain because the air pressure", add_special_tokens=True)
 
-    def rows(limit: int, beside: bool = False):
+    def rows(limit: int, beside: str | None = None):
+        """The prompt's logits run in chunks of `limit` rows, beside another sequence that decodes
+        ("decode") or whose prompt shares the steps (its chunk first, "prompt"), or alone."""
         dec = Decoder(model, prompt, GREEDY)
         other = Decoder(model, tok.encode("Once upon a time", add_special_tokens=True), GREEDY) if beside else None
-        if other is not None:
+        if beside == "decode":
             other.feed([other.sample(other.logits())])  # now decoding: its rows share the steps
         out = None
         while out is None:
-            step = decode_together([other] if other is not None and other.decoding else [], False, (dec, limit))
+            decoding = [other] if other is not None and other.decoding else []
+            chunks = [(other, limit)] if other is not None and other.prefilling else []
+            step = decode_together(decoding, False, chunks + [(dec, limit)])
             out = step[-1]
-            if other is not None:
+            if other is not None and step[0] is not None:
                 other.feed([other.sample(step[0])])
         return out, dec.cache
 
     whole, cache = rows(512)
-    for limit, beside in ((3, False), (7, True)):
+    for limit, beside in ((3, None), (7, "decode"), (7, "prompt"), (2, "prompt")):
         got, got_cache = rows(limit, beside)
         assert torch.equal(got, whole), (limit, beside)
         assert torch.equal(got_cache.layers[5].keys.read(len(prompt)), cache.layers[5].keys.read(len(prompt)))
     gemm = Decoder(model, prompt, GREEDY).logits()
     assert int(gemm.argmax()) == int(whole.argmax())
     assert (gemm - whole).abs().max() <= 0.02 * (gemm.max() - gemm.min())
+
+
+def test_prompts_that_arrive_together_enter_together(embedded):
+    """Short prompts submitted together share the first step's prompt budget (a whole chunk when nothing
+    decodes): all of them run in it, as rows of one forward, and decode from the second step on; with
+    sequences decoding, the budget (as many rows as decode rows, at least CHUNK_FLOOR) goes to the
+    prefilling sequences in arrival order."""
+    from localmoe.runtime.worker import CHUNK_FLOOR
+
+    tok, model = embedded.tokenizer, embedded.model
+    worker, results = EngineWorker(max_active=16, batching="on"), {}
+    for i, text in enumerate(PROMPTS):
+        prep = completion(embedded, text, 6)
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, i))
+    worker.step()
+    assert worker.prompt_rows == len(PROMPTS) and all(r.wants.decoding for r in worker._active)
+    later = [completion(embedded, text * 3, 6) for text in PROMPTS[:3]]
+    for i, prep in enumerate(later):
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, f"later{i}"))
+    worker.step()  # 8 decode rows: a budget of CHUNK_FLOOR prompt rows, the earliest of the later prompts first
+    waiting = [r.wants for r in worker._active if r.wants.prefilling]
+    taken = [len(d.in_cache) for d in waiting]
+    assert sum(taken) == CHUNK_FLOOR and taken[0] == min(CHUNK_FLOOR, len(later[0].prompt))
+    run_all(worker, results, len(PROMPTS) + len(later))
+    for i, text in enumerate(PROMPTS):
+        assert results[i].content == alone(embedded, completion(embedded, text, 6)).content, i
 
 
 def test_auto_batches_a_moe_model_with_gqa_attention(gpt_oss):
