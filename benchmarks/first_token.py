@@ -14,7 +14,10 @@ it), so every front end reaches the same engine worker and differs only in what 
 - `tui`: the Textual app under its pilot: from pressing enter to the first text drawn into the
   assistant message;
 - `web`: the Gradio app on loopback driven by gradio_client (the browser's protocol): from submitting to
-  the first streamed page update showing assistant text.
+  the first streamed page update showing assistant text;
+- `web (browser)`: the same page in headless Chromium (playwright, where installed: `--browser`), as a
+  user sees it: from the enter key in the message box to the first assistant text drawn in the chat
+  (both times taken in the page).
 
 Each round runs every front end once, in a rotated order, each on a fresh session (no history), the
 worker idle in between. Printed: per front end the median and min over rounds, and each median against
@@ -149,6 +152,74 @@ def web_first_token(url: str) -> float:
     return first
 
 
+class Browser:
+    """Headless Chromium on a thread of its own (playwright's sync API stays on the thread that started it)."""
+
+    FIRST = """() => {
+        window.__first = null; window.__sent = null;
+        const chat = document.querySelector('#chat');
+        const seen = () => {
+            for (const bot of chat.querySelectorAll('[data-testid="bot"]'))
+                if (window.__sent !== null && bot.innerText.trim()) { window.__first = performance.now(); observer.disconnect(); return; }
+        };
+        const observer = new MutationObserver(seen);
+        observer.observe(chat, {subtree: true, childList: true, characterData: true});
+        document.querySelector('#message textarea').addEventListener('keydown', event => {
+            if (event.key === 'Enter') window.__sent = performance.now();
+        }, {capture: true, once: true});
+    }"""
+
+    def __init__(self, executable: str):
+        import queue
+
+        self.calls: queue.Queue = queue.Queue()
+        self.executable = executable
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=self.executable, headless=True, args=["--no-sandbox"])
+            while True:
+                fn, done = self.calls.get()
+                try:
+                    done.append(fn(browser))
+                except Exception as e:  # noqa: BLE001 - reported on the caller's thread
+                    done.append(e)
+
+    def call(self, fn):
+        done: list = []
+        self.calls.put((fn, done))
+        while not done:
+            time.sleep(0.01)
+        if isinstance(done[0], Exception):
+            raise done[0]
+        return done[0]
+
+
+def web_browser_first_token(browser: Browser, url: str, service) -> float:
+    """From the enter key to the first assistant text drawn in the chat, in a fresh tab (a new session)."""
+    def run(chromium):
+        page = chromium.new_page()
+        try:
+            page.goto(url)
+            page.wait_for_selector("#message textarea")
+            page.fill("#message textarea", QUESTION)
+            time.sleep(TYPING)  # the page settles, as while a user types (the UIs warm the header meanwhile)
+            page.evaluate(Browser.FIRST)
+            page.press("#message textarea", "Enter")
+            page.wait_for_function("window.__first !== null", timeout=120_000)
+            first = page.evaluate("window.__first - window.__sent") / 1000
+            while service.worker.active or service.worker.waiting:  # the whole answer: the next round starts idle
+                time.sleep(0.01)
+            return first
+        finally:
+            page.close()
+
+    return browser.call(run)
+
+
 def prompt_tokens(service) -> int:
     from localmoe.ui.tools import BUILTIN_TOOLS
 
@@ -167,6 +238,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="answer length (the UIs' max_tokens too)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--plain", action="store_true", help="also the API without tools, default effort")
+    parser.add_argument("--browser", default=None, metavar="CHROMIUM",
+                        help="also the web page in this headless Chromium (playwright), e.g. /usr/bin/chromium")
     args = parser.parse_args()
 
     from localmoe.ui.web.app import WebApp, launch
@@ -190,6 +263,9 @@ def main() -> None:
     }
     if args.plain:
         runs["api (no tools)"] = lambda: api_first_token(api, args.max_tokens, plain=True)
+    if args.browser:
+        browser = Browser(args.browser)
+        runs["web (browser)"] = lambda: web_browser_first_token(browser, web_url, service)
     for run in runs.values():  # warm-up: imports, kernels, the prefix cache's first entry
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}

@@ -40,10 +40,9 @@ def default_sessions_path() -> Path:
                    "past it new requests wait, and when running sequences outgrow it the latest is preempted "
                    "(its cache's memory freed, swapped out or recomputed on resume with the same output). "
                    "Default: no limit.")
-@click.option("--preemption", type=click.Choice(["auto", "swap", "recompute"]), default="auto", show_default=True,
-              help="How a preempted sequence gives back its cache: swap = written to a file and read back on "
-                   "resume; recompute = freed, its tokens run again on resume; auto = swap once it has decoded, "
-                   "recompute while it still reads its prompt.")
+@click.option("--preemption", type=click.Choice(["swap", "recompute"]), default="swap", show_default=True,
+              help="How a preempted sequence gives back its cache's memory: swap = written to a file and read back "
+                   "on resume; recompute = freed, its prompt and tokens run again on resume (nothing written).")
 @click.option("--swap-dir", default=None, metavar="FOLDER",
               help="Where swapped-out caches go (default: a private temporary folder).")
 @click.option("--max-body", type=int, default=8 << 20, show_default=True, help="Largest request body in bytes.")

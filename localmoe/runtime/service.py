@@ -39,7 +39,7 @@ class ServerConfig:
     max_active: int = 16  # sequences batched at once; more wait in the queue
     kv_budget: int | None = None  # bytes of KV cache the running sequences may hold before admission waits
     batching: str = "auto"  # the worker's decode step: auto | on | off (runtime/worker.py)
-    preemption: str = "auto"  # a preempted sequence's cache: auto | swap | recompute (runtime/worker.py)
+    preemption: str = "swap"  # a preempted sequence's cache: swap | recompute (runtime/worker.py)
     swap_dir: str | None = None  # where swapped-out caches go (None: a private temporary directory)
     spec: str = "off"  # speculative decoding: prompt | draft:PATH | mtp | off (runtime/speculation.py)
     spec_k: int = 4  # the most drafts per step (the speculator chooses fewer where more do not pay)

@@ -33,11 +33,11 @@ step, they hold more than the budget, the sequence that arrived last is preempte
 (`Decoder.preempt` frees its cache's memory at once and it waits at the head of the line), until
 they fit or one sequence is left. A preempted sequence resumes, before any new job is admitted,
 once the bytes it held fit beside the running ones. `preemption` chooses how (`_swaps`): "swap"
-writes the cache to a file (engine/swap.py) and reads it back on resume, so the sequence goes on
-at once; "recompute" runs its prompt and every token it had run through the same forwards again
-(decode tokens in decode steps, batched with the others), one step per generated token; "auto"
-(the default) swaps a sequence that has decoded and recomputes one still reading its prompt. Either
-way its output is the one it would have had. A cancelled job (its client went away), running,
+(the default) writes the cache to a file (engine/swap.py) and reads it back on resume, so the
+sequence goes on at once; "recompute" writes nothing and runs its prompt and every token it had run
+through the same forwards again (decode tokens in decode steps, batched with the others), one step
+per generated token (a speculating sequence always recomputes). Either way its output is the one it
+would have had. A cancelled job (its client went away), running,
 preempted or waiting, is closed at the next step and its cache released at once (`kv_bytes` drops;
 a swapped-out cache's file is removed). A job may also yield None: it is resumed next step without
 a forward.
@@ -58,7 +58,7 @@ from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
 
 BATCHING = ("auto", "on", "off")
-PREEMPTION = ("auto", "swap", "recompute")
+PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: as many as the decode rows, at least this. A batched
 # step costs ~a + b * rows (embedded model, CPU time of one thread: 14.5 ms at 1 row, 70 ms at 16, 138 ms
 # at 32; a ~ 11 ms), so a step with a chunk costs under twice the decode step it delays.
@@ -105,7 +105,7 @@ class EngineWorker:
     """Runs jobs on one thread; `submit` is safe from any thread."""
 
     def __init__(self, max_active: int = 16, threads: int | None = None, kv_budget: int | None = None,
-                 batching: str = "auto", preemption: str = "auto", swap_dir: str | None = None):
+                 batching: str = "auto", preemption: str = "swap", swap_dir: str | None = None):
         if batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}, not {batching!r}")
         if preemption not in PREEMPTION:
@@ -250,14 +250,10 @@ class EngineWorker:
             self.preemptions += 1
 
     def _swaps(self, dec: Decoder) -> bool:
-        """Whether preempting `dec` swaps its cache out rather than recomputing it: "swap" and "recompute"
-        say; "auto" swaps a sequence that has decoded (recomputing would run each generated token again in
-        a step of its own before it goes on) and recomputes one still reading its prompt (its chunks run
-        again as they would have; nothing is written). A speculating sequence recomputes (its drafter
-        holds the cache)."""
-        if dec.speculator is not None or self.preemption == "recompute":
-            return False
-        return self.preemption == "swap" or not dec.prefilling
+        """Whether preempting `dec` swaps its cache out ("swap") rather than recomputing it ("recompute", and
+        a speculating sequence: its drafter holds the cache). Swapping the embedded model's 11 MiB cache
+        out and back cost 10-26x less CPU than recomputing 16-64 generated tokens (docs/performance.md)."""
+        return self.preemption == "swap" and dec.speculator is None
 
     @property
     def swap_dir(self) -> str:
