@@ -252,7 +252,7 @@ class EngineWorker:
     def _swaps(self, dec: Decoder) -> bool:
         """Whether preempting `dec` swaps its cache out ("swap") rather than recomputing it ("recompute", and
         a speculating sequence: its drafter holds the cache). Swapping the embedded model's 11 MiB cache
-        out and back cost 10-26x less CPU than recomputing 16-64 generated tokens (docs/performance.md)."""
+        out and back cost 7-23x less CPU than recomputing 16-64 generated tokens (docs/performance.md)."""
         return self.preemption == "swap" and dec.speculator is None
 
     @property
