@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--plain", action="store_true", help="also the API without tools, default effort")
     parser.add_argument("--browser", default=None, metavar="CHROMIUM",
-                        help="also the web page in this headless Chromium (playwright), e.g. /usr/bin/chromium")
+                        help="also the web page in this headless Chromium executable (playwright)")
     args = parser.parse_args()
 
     from localmoe.ui.web.app import WebApp, launch
