@@ -33,8 +33,8 @@ def default_sessions_path() -> Path:
                    "in the queue.")
 @click.option("--batching", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Decode step of concurrent sequences: on = one batched forward over all of them; off = each "
-                   "sequence's own (fused) step in turn; auto = batched unless the model has a fused "
-                   "single-sequence step, which is faster on the CPU.")
+                   "sequence's own (fused) step in turn; auto = batched where it pays (models without a fused "
+                   "single-sequence step, GGUF-block models, MoE models with plain GQA attention).")
 @click.option("--kv-budget", default=None, metavar="SIZE",
               help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
                    "past it new requests wait, and when running sequences outgrow it the latest is preempted "
