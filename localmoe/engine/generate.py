@@ -207,9 +207,9 @@ class Decoder:
         if not self.preemptible:
             raise RuntimeError("this sequence holds no cache, or a speculative step's tokens wait to be handed "
                                "out: it cannot be preempted now")
-        self.preemptions += 1
         if swap is not None and self.speculator is None:
             self._swapped, self.cache = swap_out(self.cache, swap), None
+            self.preemptions += 1
             return
         if self.speculator is not None:
             from localmoe.engine.spec.verify import record
@@ -227,6 +227,7 @@ class Decoder:
         self.cache, self.in_cache, self.multi = None, [], {}
         self.pending, self._replay = list(self.prompt), deque(replay)
         self._prompt_done, self.prefilled = False, 0
+        self.preemptions += 1
 
     @property
     def swapped(self) -> bool:

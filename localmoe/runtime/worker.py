@@ -193,7 +193,12 @@ class EngineWorker:
             if self._active and self.kv_budget is not None and self.kv_bytes + running.held > self.kv_budget:
                 return  # not room for it yet; new jobs wait behind it
             self._preempted.pop(0)
-            running.wants.resume()  # a swapped-out cache read back (recompute: a fresh one)
+            try:
+                running.wants.resume()  # a swapped-out cache read back (recompute: a fresh one)
+            except Exception as e:  # noqa: BLE001 - a cache that cannot be read back fails its request alone
+                running.steps.close()
+                self._fail(running.job, e)
+                continue
             self._active.append(running)
         while self._waiting and len(self._active) < self.max_active:
             if self.kv_budget is not None and self._active and self.kv_bytes >= self.kv_budget:
@@ -242,7 +247,11 @@ class EngineWorker:
             victim = max(held, key=lambda r: r.job.submitted)
             victim.held = victim.decoder.cache.nbytes()
             swap = self._swaps(victim.wants)
-            victim.wants.preempt(self.swap_dir if swap else None)
+            try:
+                victim.wants.preempt(self.swap_dir if swap else None)
+            except OSError:  # the cache could not be written (no room, no folder): recompute instead
+                swap = False
+                victim.wants.preempt(None)
             self.swaps += swap
             self._drop(victim)
             self._preempted.append(victim)

@@ -178,11 +178,12 @@ def test_kv_budget_holds_a_request_until_a_sequence_finishes(embedded):
     assert results["first"].content == results["second"].content
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("preemption", ["recompute", "swap", "swap into a file"])
 def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monkeypatch, tmp_path, preemption):
     """Two sequences outgrow the KV budget: the later one is preempted (its cache's memory freed at once:
     recomputed, or swapped out to a file), resumes when the first finishes (recompute: its prompt and tokens
-    run again; swap: its cache read back) and gives what it gives alone; /metrics counts it while it waits."""
+    run again; swap: its cache read back) and gives what it gives alone; /metrics counts it while it waits.
+    A swap folder that cannot be written (a file's path) falls back to recompute."""
     from localmoe.engine import cache as cache_module
     from localmoe.runtime.metrics import Metrics
 
@@ -190,8 +191,17 @@ def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monke
     tok, model = embedded.tokenizer, embedded.model
     block = model.new_cache(1, 64).nbytes()  # one block of every layer
     preps = {"first": completion(embedded, PROMPTS[0], 24), "later": completion(embedded, PROMPTS[2], 24)}
-    worker, results = EngineWorker(max_active=4, kv_budget=5 * block, batching="on", preemption=preemption,
-                                   swap_dir=str(tmp_path)), {}
+    swap_dir = tmp_path / "swap"
+    if preemption == "swap into a file":
+        swap_dir.write_text("")
+    swapping = preemption == "swap"
+
+    def files():
+        return list(swap_dir.iterdir()) if swap_dir.is_dir() else []
+
+    worker, results = EngineWorker(max_active=4, kv_budget=5 * block, batching="on",
+                                   preemption="recompute" if preemption == "recompute" else "swap",
+                                   swap_dir=str(swap_dir)), {}
     for key, prep in preps.items():
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                              results, key))
@@ -208,14 +218,14 @@ def test_preempted_sequence_resumes_with_the_output_it_has_alone(embedded, monke
                 seen.add("replays")  # tokens it had generated run again on resume
             if dec.swapped:
                 seen.add("swapped")
-                assert dec.cache is None and len(list(tmp_path.iterdir())) == 1
+                assert dec.cache is None and len(files()) == 1
             assert worker.active + len(results) == 1  # the first runs (or just finished); the later waits
             text = Metrics().render(worker.waiting, worker.active, worker=worker)
             assert 'localmoe_sequences{state="preempted"} 1' in text and "localmoe_preemptions_total 1" in text
             assert f"localmoe_swaps_total {int(dec.swapped)}" in text
-    assert seen == {"preempted", "replays" if preemption == "recompute" else "swapped"}
-    assert worker.preemptions >= 1 and worker.kv_bytes == 0 and not list(tmp_path.iterdir())
-    assert worker.swaps == (0 if preemption == "recompute" else worker.preemptions)
+    assert seen == {"preempted", "swapped" if swapping else "replays"}
+    assert worker.preemptions >= 1 and worker.kv_bytes == 0 and not files()
+    assert worker.swaps == (worker.preemptions if swapping else 0)
     for key, prep in preps.items():
         assert results[key].content == alone(embedded, prep).content, key
         assert results[key].completion_tokens == 24
