@@ -198,7 +198,8 @@ def run(args, work: Path) -> None:
     workers = {"resident": [me, *common, "--path", str(hf)]} if args.resident else {}
     workers |= {f"paged {s}": [me, *common, "--path", str(store), "--share", str(f)] for s, f in shares.items()}
     bandwidth: list[float] = []
-    print(f"{family} {size or 'small'} ({args.dtype} dense weights): resident vs paged {', '.join(shares)} (LFRU, "
+    print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
+          f"{', '.join(shares)} (LFRU, "
           f"O_DIRECT, prefetch), "
           f"{args.threads} compute threads, {args.prompt}-token prompt, {args.warmup} warm-up + {args.decode} timed "
           f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
