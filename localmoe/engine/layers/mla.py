@@ -36,7 +36,7 @@ from localmoe.errors import LocalMoEError
 from localmoe.kernels.mla_decode import mla_decode
 
 SCORES_MAX_BYTES = 32 << 20  # fp32 scores of one key block (engine/blockwise.py): longer contexts take more blocks
-KV_BLOCK_BYTES = 8 << 20  # fp32 per-head keys and values of one key block in the flash path (no scores kept)
+KV_BLOCK_BYTES = 2 << 20  # fp32 per-head keys and values of one key block in the flash path (no scores kept)
 
 
 @dataclass(frozen=True, slots=True)
