@@ -27,8 +27,9 @@ file fits in the limit whole. `--writer localmoe` writes the Q4_K_M file with lo
 (localmoe.testing.moe_gguf: llama.cpp's layout and llama-quantize's Q4_K_M type mix, random blocks) instead of
 llama.cpp's converter + quantiser, which take too long and too much disk for a `large` model on a small machine.
 
-K3 is not measured here: llama-quantize requantises its MXFP4 experts to Q5_0 / Q4_K, which localmoe's kimi_k3
-GGUF reader refuses (its expected tensors are the MXFP4 parts).
+K3 (`--models kimi_k3:small`): llama-quantize requantises its MXFP4 experts (Q5_0 / Q4_K), which localmoe runs from
+those blocks. A random K3 is chaotic under rounding, so its logits agree with llama.cpp's far less than the other
+families' do (docs/performance.md says by how much and why).
 """
 
 from __future__ import annotations
