@@ -112,6 +112,7 @@ class EngineWorker:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION)}, not {preemption!r}")
         self.preemption = preemption
         self._swap_dir = swap_dir  # created on the first swap (a private temporary directory where not given)
+        self._own_swap_dir = swap_dir is None  # removed with the worker
         self.max_active = max_active
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
@@ -144,7 +145,21 @@ class EngineWorker:
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._queue.put(None)
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        if not self._thread.is_alive():  # else its thread closes when its step ends
+            self.close()
+
+    def close(self) -> None:
+        """Remove the files of caches still swapped out and the private swap folder (the worker stops)."""
+        for running in self._preempted:
+            if isinstance(running.wants, Decoder):
+                running.wants.discard()
+        if self._own_swap_dir and self._swap_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._swap_dir, ignore_errors=True)
+            self._swap_dir = None
 
     @property
     def running(self) -> bool:
@@ -364,3 +379,4 @@ class EngineWorker:
             self._take(block=idle)  # sleeps while there is nothing to do
             if not self._stopping:
                 self.step()
+        self.close()

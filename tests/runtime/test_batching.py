@@ -261,6 +261,28 @@ def test_cancelling_a_preempted_sequence_closes_it(embedded, monkeypatch, tmp_pa
     assert results["first"].completion_tokens == 24
 
 
+def test_stopping_removes_swapped_caches_and_the_private_folder(embedded, monkeypatch):
+    """A worker stopped while a sequence is swapped out removes the cache's file and its private swap folder."""
+    from pathlib import Path
+
+    from localmoe.engine import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 8)
+    tok, model = embedded.tokenizer, embedded.model
+    block = model.new_cache(1, 64).nbytes()
+    worker, results = EngineWorker(max_active=4, kv_budget=3 * block, batching="on"), {}  # swap, private folder
+    for key in ("first", "later"):
+        prep = completion(embedded, PROMPTS[1], 24)
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, key))
+    for _ in range(100):
+        worker.step()
+        if worker.preempted:
+            break
+    folder = Path(worker.swap_dir)
+    assert worker.swaps == 1 and len(list(folder.iterdir())) == 1
+    worker.stop()
+    assert not folder.exists()
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     from localmoe.config import EngineConfig
