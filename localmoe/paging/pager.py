@@ -246,8 +246,14 @@ class Pager:
 
     def use_gpus(self, slabs, bandwidths: Bandwidths) -> None:
         """Add GPU tiers over `slabs` (GpuSlab per device), placing by `bandwidths`; the calibration
-        profile's hottest experts are copied to their GPUs and pinned (at most half of each)."""
+        profile's hottest experts are copied to their GPUs and pinned (at most half of each). Before
+        `load_all` only (hooks.attach with `whole=False`, as `localmoe.paging` attaches with GPU slabs): a
+        pager that already hands its layers out whole has no router hooks to place experts by."""
         from localmoe.paging.gpu import GpuTier
+
+        if self._resident is not None:
+            raise RuntimeError("GPU tiers added to a pager that already holds every expert whole (load_all): "
+                               "attach the routers with whole=False before use_gpus")
 
         self.gpu = GpuTier(slabs, list(self.layouts), self.policy.name, self.stats)
         self.bandwidths = bandwidths

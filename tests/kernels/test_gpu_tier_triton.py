@@ -17,8 +17,10 @@ import torch
 from localmoe.config import PagingConfig
 from localmoe.convert import convert
 from localmoe.load import load_model
+from localmoe.paging import expert_bytes
 from localmoe.paging.gpu import GpuSlab
 from localmoe.paging.placement import Bandwidths
+from localmoe.store.packed import PackedStore
 from localmoe.testing import write_checkpoint
 
 from .conftest import TRITON_DEVICES, assert_close
@@ -31,8 +33,11 @@ COPY_ALWAYS = Bandwidths(disk=1e9, cpu_expert=1e9, pcie=50e9, gpu_expert=1e12, g
 def test_gpu_tier_layer_through_triton(tmp_path, monkeypatch, device, precision):
     src = write_checkpoint("gpt_oss", tmp_path / "src", size="tiny", seed=3)
     convert(src, tmp_path / "store", experts="mxfp4")
+    # half the experts' bytes in RAM: a slab that holds every expert would take them whole at attach (no hooks
+    # to place by; localmoe.paging attaches with GPU slabs that way)
+    budget = expert_bytes(PackedStore(tmp_path / "store")) // 2
     model = load_model(tmp_path / "store", dtype="float32", expert_precision=precision, progress=False,
-                       paging=PagingConfig(ram_budget=1 << 30)).model
+                       paging=PagingConfig(ram_budget=budget)).model
     resident = load_model(src, dtype="float32", expert_precision=precision, progress=False).model
     pager = model.moe_blocks()[0].experts
     slot = pager.slab.slot_bytes
