@@ -311,10 +311,11 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
         return speculative_step(decoders, fused)
     tokens = [d.pending[0] for d in decoders]
     caches = [d.cache for d in decoders]
+    batches: list[list[int]] = []  # each chunk's prompt tokens, as taken
     if not chunks:
         logits = decode_batch(decoders[0].model, tokens, caches, fused)
     else:
-        rows, wanted, batches = list(tokens), list(range(len(tokens))), []
+        rows, wanted = list(tokens), list(range(len(tokens)))
         for prompt, limit in chunks:
             batches.append(prompt.take_prompt(limit))
             rows += batches[-1]
@@ -327,7 +328,7 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
         d.pending = []
         out.append(d._ran([token], row))
     at = len(tokens)
-    for (prompt, _), batch in zip(chunks, batches if chunks else ()):
+    for (prompt, _), batch in zip(chunks, batches):
         last = logits[at:at + 1] if not prompt.pending else None
         at += last is not None
         out.append(prompt._ran(batch, last))

@@ -145,10 +145,10 @@ class EngineWorker:
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._queue.put(None)
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-        if not self._thread.is_alive():  # else its thread closes when its step ends
+        if self._thread.ident is None:  # never started (the caller ran `step`): nothing else closes it
             self.close()
+        else:
+            self._thread.join(timeout)  # the thread closes when it leaves its loop
 
     def close(self) -> None:
         """Remove the files of caches still swapped out and the private swap folder (the worker stops)."""
