@@ -8,6 +8,10 @@ fraction of the memory-bandwidth limit reached, and localmoe's Python/dispatch o
 overhead).
 
     python benchmarks/decode_dense.py [--tokens 64] [--threads 2] [--pairs 4] [--skip-transformers] [--quant q4_k_m]
+                                      [--cpu-time]
+
+An AVX2-only comparison on an AVX-512 host: LOCALMOE_CPU_ISA=avx2 for localmoe, and LLAMA_CPP_LIB_PATH naming a
+llama.cpp built with GGML_NATIVE=OFF GGML_AVX2=ON GGML_AVX512=OFF (llama-cpp-python loads that library).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from common import memory_read_bandwidth, report
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def time_localmoe(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, list[int]]:
+def time_localmoe(loaded, prompt_ids: list[int], tokens: int, clock=time.perf_counter) -> tuple[float, list[int]]:
     from localmoe.engine.generate import prefill
     from localmoe.engine.sampler import SamplingParams, sample
 
@@ -34,12 +38,12 @@ def time_localmoe(loaded, prompt_ids: list[int], tokens: int) -> tuple[float, li
     logits = prefill(model, prompt_ids, cache)
     greedy = SamplingParams(temperature=0)
     out = []
-    start = time.perf_counter()
+    start = clock()
     for _ in range(tokens):
         token = sample(logits, greedy)
         out.append(int(token))
         logits = model.forward(token.view(1, 1), cache)[:, -1]
-    return tokens / (time.perf_counter() - start), out
+    return tokens / (clock() - start), out
 
 
 def overhead_per_token(loaded, tokens: int) -> float:
@@ -77,7 +81,8 @@ def time_transformers(gguf_path, prompt_ids: list[int], tokens: int) -> tuple[fl
     return tokens / elapsed, generated
 
 
-def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) -> tuple[float, list[int]]:
+def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int,
+                   clock=time.perf_counter) -> tuple[float, list[int]]:
     import llama_cpp
     import numpy as np
 
@@ -89,26 +94,27 @@ def time_llama_cpp(gguf_path, prompt_ids: list[int], tokens: int, threads: int) 
 
     llm.eval(prompt_ids)
     generated = []
-    start = time.perf_counter()
+    start = clock()
     for _ in range(tokens):
         token = int(np.argmax(last_logits()))
         generated.append(token)
         llm.eval([token])
-    return tokens / (time.perf_counter() - start), generated
+    return tokens / (clock() - start), generated
 
 
 def worker(args) -> None:
     """One timed run in this process (the parent alternates these): RESULT {"decode": tok/s, "tokens": [...]}."""
     prompt_ids = [int(t) for t in args.prompt_ids.split(",")]
+    clock = time.process_time if args.cpu_time else time.perf_counter
     if args.worker == "llama":
         time_llama_cpp(args.path, prompt_ids, 8, args.threads)  # warm up
-        rate, tokens = time_llama_cpp(args.path, prompt_ids, args.tokens, args.threads)
+        rate, tokens = time_llama_cpp(args.path, prompt_ids, args.tokens, args.threads, clock)
     else:
         from localmoe.load import load_model
 
         loaded = load_model(Path(args.path), threads=args.threads, dtype=args.dtype, progress=False)
         time_localmoe(loaded, prompt_ids, 8)  # warm up
-        rate, tokens = time_localmoe(loaded, prompt_ids, args.tokens)
+        rate, tokens = time_localmoe(loaded, prompt_ids, args.tokens, clock)
     emit({"decode": rate, "tokens": tokens})
 
 
@@ -141,6 +147,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--pairs", type=int, default=4, help="alternating localmoe / llama.cpp rounds")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--cpu-time", action="store_true", help="the peers' rates by the CPU time of their process "
+                        "(all threads) instead of the wall clock: on a loaded machine, with --threads 1")
     parser.add_argument("--quant", choices=sorted(QUANTS), help="decode the default model requantised by "
                         "llama.cpp's own quantiser to this type (needs llama-cpp-python): a real K-quant file")
     parser.add_argument("--worker", choices=("localmoe", "llama"), help=argparse.SUPPRESS)
@@ -183,7 +191,7 @@ def main() -> None:
         rows.append(("llama.cpp", "not installed (pip install llama-cpp-python to compare)"))
     else:
         common = ["--path", str(gguf_path), "--threads", str(args.threads), "--tokens", str(args.tokens),
-                  "--dtype", args.dtype, "--prompt-ids", ",".join(map(str, prompt_ids))]
+                  "--dtype", args.dtype, "--prompt-ids", ",".join(map(str, prompt_ids)), *(["--cpu-time"] * args.cpu_time)]
         me = str(Path(__file__).resolve())
         res = alternate({"localmoe": [me, "--worker", "localmoe", *common], "llama.cpp": [me, "--worker", "llama", *common]},
                         args.pairs)
