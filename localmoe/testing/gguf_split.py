@@ -20,9 +20,12 @@ def split_gguf(src: Path, dst: Path, parts: int) -> list[Path]:
     return rewrite_gguf(src, dst, parts=parts)
 
 
-def rewrite_gguf(src: Path, dst: Path, *, parts: int = 1, omit: tuple[str, ...] = ()) -> list[Path]:
+def rewrite_gguf(src: Path, dst: Path, *, parts: int = 1, omit: tuple[str, ...] = (),
+                 dequantize: tuple[str, ...] = ()) -> list[Path]:
     """`src` written again by GGUFWriter: split into `parts` files (1: one file at `dst`), without the
-    tensors named in `omit` (a broken file, for error tests). Returns the files written."""
+    tensors named in `omit` (a broken file, for error tests), tensors of the ggml types named in `dequantize`
+    (e.g. "MXFP4") as F32 values by `gguf.quants.dequantize` (a file that computes the same function without
+    quantised blocks). Returns the files written."""
     import gguf
 
     reader = gguf.GGUFReader(src)
@@ -41,6 +44,10 @@ def rewrite_gguf(src: Path, dst: Path, *, parts: int = 1, omit: tuple[str, ...] 
             raise ValueError(f"{src}: nested array {key!r} is not copied by rewrite_gguf")
         writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     for t in tensors:
+        if t.tensor_type.name in dequantize:
+            values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape))))
+            continue
         data = np.ascontiguousarray(t.data)
         # quantised data comes as bytes; float types in numpy order (ggml's ne reversed)
         raw_shape = None if data.dtype == np.uint8 else tuple(int(n) for n in reversed(t.shape))

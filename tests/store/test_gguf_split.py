@@ -120,3 +120,42 @@ def test_renamed_or_foreign_part_is_refused(files, tmp_path):
     with pytest.raises(CheckpointError, match=r"tiny-00001-of-00003\.gguf: its metadata says part 1 of 3, but its "
                                               r"name says part 0"):
         open_gguf(parts[2])
+
+
+def test_dequantized_rewrite_computes_the_same_function(tmp_path):
+    """`rewrite_gguf(dequantize=("MXFP4",))` (benchmarks/k3_cpu.py's F32 twin of a K3 GGUF): every MXFP4 tensor
+    becomes F32 with the values gguf's own dequantiser gives, the others are unchanged, and the twin's logits
+    (dense F32 experts) are within 1e-5 of the range of the MXFP4 file's at exact precision."""
+    import gguf
+    import numpy as np
+
+    from localmoe.testing.gguf_split import rewrite_gguf
+    from localmoe.testing.k3_gguf import write_k3_gguf
+
+    whole = write_k3_gguf(write_checkpoint("kimi_k3", tmp_path / "src", size="tiny", seed=2), tmp_path / "k3.gguf")
+    (twin,) = rewrite_gguf(whole, tmp_path / "twin.gguf", dequantize=("MXFP4",))
+    src = {t.name: t for t in gguf.GGUFReader(whole).tensors}
+    out = {t.name: t for t in gguf.GGUFReader(twin).tensors}
+    assert src.keys() == out.keys()
+    mxfp4 = [n for n, t in src.items() if t.tensor_type == gguf.GGMLQuantizationType.MXFP4]
+    assert mxfp4 and not any(t.tensor_type == gguf.GGMLQuantizationType.MXFP4 for t in out.values())
+    for name, t in src.items():
+        got = out[name]
+        if name in mxfp4:
+            assert got.tensor_type == gguf.GGMLQuantizationType.F32 and list(got.shape) == list(t.shape)
+            want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(np.asarray(got.data).shape)
+            assert np.array_equal(np.asarray(got.data), want)
+        else:
+            assert got.tensor_type == t.tensor_type and np.array_equal(np.asarray(got.data), np.asarray(t.data))
+
+    def logits(path):
+        model = load_model(path, dtype="float32", expert_precision="exact", progress=False).model
+        cache = model.new_cache(1, 16)
+        out = [model.forward(PROMPT, cache, all_logits=True)]
+        for _ in range(3):
+            out.append(model.forward(out[-1][:, -1:].argmax(-1), cache))
+        return out
+
+    for step, (a, b) in enumerate(zip(logits(twin), logits(whole))):
+        diff = (a - b).abs().max().item()
+        assert diff <= 1e-5 * (b.max() - b.min()).item(), f"step {step}: max diff {diff:.3e}"
