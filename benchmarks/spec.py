@@ -105,13 +105,14 @@ def worker(args) -> None:
             result = payload
         else:
             if first is None:
-                first, bytes_first = time.perf_counter(), read()
+                first, bytes_first, cpu_first = time.perf_counter(), read(), time.process_time()
             text.append(payload.text)
-    end = time.perf_counter()
+    end, cpu = time.perf_counter(), time.process_time() - cpu_first
     n = result.completion_tokens
     decode_s = result.seconds - result.time_to_first_token
     spec = result.spec
     emit({"tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0, "tokens": n,
+          "cpu_tokens_per_s": (n - 1) / cpu if n > 1 and cpu > 0 else 0.0,
           "seconds": end - started, "acceptance": spec.acceptance if spec else None,
           "tokens_per_step": spec.tokens_per_step if spec else None,
           "bytes_per_token": (read() - bytes_first) / max(1, n - 1), "text": "".join(text)})
@@ -196,7 +197,7 @@ def step_worker(args) -> None:
             book = RouteBook()
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
             residency = Residency(pager, book, prefetch=kind == "prompt")
-        speculator = Speculator(PromptLookup(), args.k, residency=residency)
+        speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
     elif kind.startswith("draft:"):
         from localmoe.engine.spec.drafters import DraftModel
 
@@ -212,17 +213,19 @@ def step_worker(args) -> None:
         out.append(dec.sample(logits))
         if first is None:
             first, read0 = time.perf_counter(), sum(t.bytes_read for t in pager.stats.tiers.values())
+            cpu_first = time.process_time()
             stall0 = pager.stats.ram.stall_seconds
         if out[-1] in loaded.tokenizer.stop_token_ids:
             break
         dec.feed([out[-1]])
-    seconds = time.perf_counter() - first
+    seconds, cpu = time.perf_counter() - first, time.process_time() - cpu_first
     read = sum(t.bytes_read for t in pager.stats.tiers.values()) - read0
     stall = pager.stats.ram.stall_seconds - stall0
     if args.record:
         Path(args.record).write_text(json.dumps(out))
     s = speculator.stats if speculator else None
-    emit({"tokens_per_s": (len(out) - 1) / seconds, "tokens": len(out), "text": json.dumps(out),
+    emit({"tokens_per_s": (len(out) - 1) / seconds, "cpu_tokens_per_s": (len(out) - 1) / cpu, "tokens": len(out),
+          "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
           "bytes_per_token": read / (len(out) - 1), "stall": stall / seconds,
           "step_seconds": speculator.step_seconds if speculator else None})
@@ -249,6 +252,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
             line = f"  {spec:<24} {rate:7.2f} tokens/s"
             if spec != "off":
                 line += (f"  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in base]):.2f}x"
+                         f" (CPU time {median_ratio([r['cpu_tokens_per_s'] for r in rs], [b['cpu_tokens_per_s'] for b in base]):.2f}x)"
                          f"  acceptance {statistics.median(r['acceptance'] for r in rs):.0%}"
                          f"  {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens/step")
                 line += "" if texts[spec] == texts["off"] else "  (TEXT DIFFERS from off)"
@@ -289,7 +293,8 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
         for name, rs in results.items():
             rate = statistics.median(r["tokens_per_s"] for r in rs)
             short = name.split(":")[0]
-            line = f"  {short:<12} {rate:7.2f} tokens/s  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in ref]):.2f}x fused"
+            line = (f"  {short:<12} {rate:7.2f} tokens/s  {median_ratio([r['tokens_per_s'] for r in rs], [b['tokens_per_s'] for b in ref]):.2f}x fused"
+                    f" (CPU time {median_ratio([r['cpu_tokens_per_s'] for r in rs], [b['cpu_tokens_per_s'] for b in ref]):.2f}x)")
             if rs[0]["acceptance"] is not None:
                 line += (f"  acceptance {statistics.median(r['acceptance'] for r in rs):.0%}"
                          f"  {statistics.median(r['tokens_per_step'] for r in rs):.2f} tokens/step")

@@ -66,6 +66,7 @@ class Speculation:
         self.draft = None  # the draft model's LoadedModel
         self.head = None  # the MTP layer (engine/nextn.py NextN)
         self.model = loaded.model
+        self.tokenizer = loaded.tokenizer  # prompt lookup matches near-quotes by the tokens' text
         # price_experts on a paged model: prompt lookup prices its drafts' expert reads (off by default: no gain
         # measured over pricing by step time, docs/paging.md "A paged store that quotes")
         self.pager = pager_of(loaded) if price_experts else None
@@ -130,7 +131,7 @@ class Speculation:
         if mode == "mtp":
             drafter = MTPDrafter(self.head)
         else:
-            drafter = PromptLookup() if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
+            drafter = PromptLookup(tokenizer=self.tokenizer) if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
         residency = Residency(self.pager, self._routes()) if mode == "prompt" and self.pager is not None else None
         return Speculator(drafter, self.k, self.adaptive, residency)
 

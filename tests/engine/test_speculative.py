@@ -12,7 +12,7 @@ import pytest
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
-from localmoe.engine.spec.speculator import RETIRE_AFTER, Speculator
+from localmoe.engine.spec.speculator import RETIRE_AFTER, Speculator, bucket
 from localmoe.testing.parity import random_tokens
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -144,13 +144,43 @@ def test_fused_steps_without_a_draft_take_the_models_own_step(model, monkeypatch
 
 
 def test_prompt_lookup_drafts_the_continuation():
-    lookup = PromptLookup(max_ngram=3)
+    lookup = PromptLookup()
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     assert lookup.propose(history, 3).tokens == [4, 5, 9]
     history += [4, 5, 6, 1, 2]  # [6, 1, 2] was not seen before; the latest [1, 2] is followed by 3, 4
     assert lookup.propose(history, 2).tokens == [3, 4]
     assert lookup.propose([1, 2, 3], 4).tokens == []
     assert lookup.propose([7, 8, 7], 4).tokens == [8, 7]
+
+
+def test_prompt_lookup_drafts_after_the_longest_match():
+    """Of the earlier occurrences of the last token, the one preceded by the longest match wins (not the latest)."""
+    lookup = PromptLookup()
+    history = [5, 6, 7, 1, 2, 3, 8, 8, 9, 2, 3, 4, 4, 6, 7, 1, 2]  # [6, 7, 1, 2] matches at 1..4; [2] is latest at 9
+    draft = lookup.propose(history, 2)
+    assert draft.tokens == [3, 8] and draft.source == 5 and draft.match == 4
+    assert PromptLookup(min_ngram=2).propose([1, 2, 3, 9, 3], 2).tokens == []  # one token matched: below min_ngram
+
+
+def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):
+    """A hard-wrapped document quoted as one line: the match ignores whitespace and the draft is the source's
+    text respaced as the quote spaces it, tokenized afresh (what the model would write next)."""
+    from localmoe.tokenizer import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(smollm2_gguf)
+    source = "one read fetches the gate,\nup and down\nmatrices of an expert together.\n\nQuote it: "
+    quote = "one read fetches the gate, up and"
+    history = tok.encode(source + quote, add_special_tokens=False)
+    whole = tok.encode(source + quote + " down matrices of an expert", add_special_tokens=False)
+    assert whole[:len(history)] == history
+    want = whole[len(history):][:4]
+    exact = PromptLookup().propose(history, 4).tokens
+    near = PromptLookup(tokenizer=tok).propose(history, 4)
+    assert near.tokens == want and near.match >= 6 and exact != want
+    # spaced as the source: its own tokens
+    same = tok.encode(source + "one read fetches the gate,\nup", add_special_tokens=False)
+    assert PromptLookup(tokenizer=tok).propose(same, 3).tokens == tok.encode(source + "one read fetches the gate,\nup and down\n",
+                                                                           add_special_tokens=False)[len(same):][:3]
 
 
 def test_k_follows_measured_acceptance_and_step_cost():
@@ -174,6 +204,37 @@ def test_k_follows_measured_acceptance_and_step_cost():
     for _ in range(RETIRE_AFTER):
         bad.choose_k()
     assert bad.retired
+
+
+def test_k_follows_the_acceptance_of_the_drafts_confidence_class():
+    """Long matches kept, single-token matches rejected: a draft copied after a long match is verified whole,
+    one after a single-token match is dropped (a plain step), and the sequence keeps speculating."""
+    spec = Speculator(PromptLookup(), k=4)
+    for _ in range(10):
+        spec.choose_k()
+        spec.observe(4, 4, 5, 2.0, bucket(Draft([1, 2, 3, 4], match=12)))
+        spec.choose_k()
+        spec.observe(4, 0, 5, 2.0, bucket(Draft([1, 2, 3, 4], match=1)))
+        spec.choose_k()
+        spec.observe(0, 0, 1, 1.0)
+    assert spec.choose_k() == 4
+    assert spec.fit(Draft([1, 2, 3, 4], match=9)).tokens == [1, 2, 3, 4]
+    assert spec.fit(Draft([1, 2, 3, 4], match=1)).tokens == []
+    for _ in range(RETIRE_AFTER):
+        spec.choose_k()
+    assert not spec.retired
+
+
+def test_the_first_verify_is_cheap_and_its_time_is_not_kept():
+    """The first step drafts one token (two rows), and a row count's first time (its kernels' first use) is
+    replaced by its second, not averaged in."""
+    spec = Speculator(PromptLookup(), k=4)
+    assert spec.choose_k() == 1
+    spec.observe(1, 1, 2, 5.0)  # first use
+    assert spec.choose_k() == 0  # then a plain step, the yardstick
+    spec.observe(0, 0, 1, 1.0)
+    spec.observe(1, 1, 2, 1.2)
+    assert spec.step_seconds[2] == 1.2
 
 
 class _Pager:

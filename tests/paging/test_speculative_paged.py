@@ -93,7 +93,7 @@ def test_speculation_prices_experts_only_when_asked(ckpts):
     slot = max(store.layout(layer).slot_bytes for layer in store.layers())
     try:
         pager = paged(c, len(store.layers()) * slot)
-        loaded = SimpleNamespace(model=c.model, spec=c.model.spec)
+        loaded = SimpleNamespace(model=c.model, spec=c.model.spec, tokenizer=None)
         assert Speculation(loaded, "prompt").new().residency is None
         spec = Speculation(loaded, "prompt", price_experts=True).new()
         assert spec.residency is not None and spec.residency.pager is pager

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +28,13 @@ class Draft:
     tokens: list[int]
     q: torch.Tensor | None = None  # [k, V]: the distribution each draft was drawn from; None = deterministic
     source: int | None = None  # copied from the sequence: the position the first draft stood at (residency.py)
+    match: int = 0  # copied: how many tokens before it matched the sequence's last ones (its confidence)
+
+    def first(self, n: int) -> Draft:
+        """The draft's first n tokens."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.source, self.match)
 
 
 class Drafter(Protocol):
@@ -38,38 +46,112 @@ class Drafter(Protocol):
 
 
 class PromptLookup:
-    """N-gram lookup over the sequence itself (see the module docstring). The index of n-grams grows with
-    the history (each position indexed once), so a step costs O(max_ngram) whatever the context."""
+    """Lookup over the sequence itself (see the module docstring). Every position is indexed once by the
+    `min_ngram` tokens ending there; a step looks at up to `CANDIDATES` earlier occurrences of the last
+    `min_ngram` tokens (most recent first), extends each match backwards (up to `LONGEST` tokens) and drafts
+    what followed the longest one. With the model's `tokenizer` the match ignores whitespace (near-quotes:
+    a model quoting a document joins its hard-wrapped lines, re-indents code): tokens are compared by their
+    text without whitespace, whitespace-only tokens are skipped, and where the quote so far spaced the matched
+    words differently from the source, the source's continuation is respaced the same way and tokenized
+    afresh. A step costs O(CANDIDATES * LONGEST) whatever the context."""
 
     name = "prompt"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, not {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest continuation starts
+    def __init__(self, min_ngram: int = 1, tokenizer=None):
+        if min_ngram < 1:
+            raise ValueError(f"prompt lookup needs min_ngram >= 1, not {min_ngram}")
+        self.min_ngram, self.tokenizer = min_ngram, tokenizer
+        self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
         self._seen: list[int] = []  # the history indexed so far
+        self._keys: list = []  # what is compared: ids, or (with a tokenizer) their text less whitespace
+        self._at: list[int] = []  # each key's position in the history (whitespace-only tokens have none)
+        self._index: dict[tuple, list[int]] = {}  # the last min_ngram keys -> where they end (key indices)
+
+    def _key(self, token: int):
+        if self.tokenizer is None:
+            return token
+        text = self._text.get(token)
+        if text is None:
+            text = self._text[token] = self.tokenizer.decode([token])
+        return _SPACE.sub("", text)
 
     def _update(self, history: Sequence[int]) -> None:
         n_seen = len(self._seen)
         if list(history[:n_seen]) != self._seen:  # another sequence (or a rewound one): index it afresh
             self._index.clear()
-            self._seen, n_seen = [], 0
-        for end in range(max(n_seen, 1), len(history)):  # n-grams ending before `end`, continued at `end`
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self._index[tuple(history[end - n:end])] = end
+            self._keys, self._at, self._seen, n_seen = [], [], [], 0
+        for at in range(n_seen, len(history)):
+            key = self._key(history[at])
+            if key == "":
+                continue
+            self._keys.append(key)
+            self._at.append(at)
+            end, n = len(self._keys) - 1, self.min_ngram
+            if end >= n:  # only ends with a key after them can be continued; `end` itself is indexed next time
+                self._index.setdefault(tuple(self._keys[end - n:end]), []).append(end - 1)
         self._seen = list(history)
+
+    def _match(self) -> tuple[int, int] | None:
+        """(the key index of the best earlier match of the sequence's last keys, its length in keys)."""
+        keys, n = self._keys, self.min_ngram
+        last = len(keys) - 1
+        if last < n:
+            return None
+        best, best_len = None, 0
+        for c in reversed(self._index.get(tuple(keys[last - n + 1:]), ())[-CANDIDATES:]):
+            length = n
+            while length < LONGEST and c - length >= 0 and keys[c - length] == keys[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = c, length
+        return None if best is None else (best, best_len)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
                 generator: torch.Generator | None = None) -> Draft:
         if k <= 0 or len(history) < 2:
             return Draft([])
         self._update(history)
-        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
-            at = self._index.get(tuple(history[len(history) - n:]))
-            if at is not None:
-                return Draft(list(history[at:at + k]), source=at)
-        return Draft([])
+        found = self._match()
+        if found is None:
+            return Draft([])
+        c, length = found
+        source = self._at[c] + 1
+        if self.tokenizer is None:
+            return Draft(list(history[source:source + k]), source=source, match=length)
+        return self._respaced(history, c, length, k)
+
+    def _gap(self, history: Sequence[int], key: int) -> str:
+        """The whitespace between key `key - 1` and key `key` (the end of one token, whitespace-only tokens,
+        the start of the next)."""
+        before = self._text[history[self._at[key - 1]]] if key > 0 else ""
+        between = "".join(self._text[t] for t in history[self._at[key - 1] + 1:self._at[key]]) if key > 0 else ""
+        here = self._text[history[self._at[key]]]
+        return before[len(before.rstrip()):] + between + here[:len(here) - len(here.lstrip())]
+
+    def _respaced(self, history: Sequence[int], c: int, length: int, k: int) -> Draft:
+        """The draft after the match ending at key `c`: the source's tokens where the match spaced its words as
+        the source did, else the source's text respaced as the quote spaces it, tokenized afresh."""
+        last = len(self._keys) - 1
+        spacing = {}  # the source's gaps -> the quote's, over the match
+        for i in range(length - 1):
+            spacing[self._gap(history, c - i)] = self._gap(history, last - i)
+        source = self._at[c] + 1
+        tail = list(history[self._at[last] + 1:])  # whitespace-only tokens the quote has after its last key
+        if all(a == b for a, b in spacing.items()) and list(history[source:source + len(tail)]) == tail:
+            return Draft(list(history[source + len(tail):source + len(tail) + k]), source=source + len(tail),
+                         match=length)
+        parts = [spacing.get(gap, gap) + self._text[history[self._at[key]]].strip()
+                 for key in range(c + 1, min(c + k + 2, last + 1)) for gap in (self._gap(history, key),)]
+        text, done = "".join(parts), "".join(self._text[t] for t in tail)
+        if not text.startswith(done):
+            return Draft([])
+        return Draft(self.tokenizer.encode(text[len(done):], add_special_tokens=False)[:k], source=source,
+                     match=length)
+
+
+_SPACE = re.compile(r"\s+")
+LONGEST = 32  # a match is extended backwards this far at most
+CANDIDATES = 16  # earlier occurrences of the last min_ngram tokens tried, most recent first
 
 
 def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:

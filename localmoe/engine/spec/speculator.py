@@ -33,6 +33,13 @@ PROBE = 16  # plain steps between two tries while speculation does not pay
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
 RETIRE_AFTER = 24  # consecutive steps without a worthwhile expected gain before a sequence stops speculating
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain row step below which speculation is not worth the row path
+BUCKETS = 4  # drafts by the length of the match they were copied from: none or 1, 2-3, 4-7, 8+ tokens
+PRIOR = 2.0  # weight of the sequence's overall acceptance in a bucket's estimate (its prior)
+
+
+def bucket(draft: Draft) -> int:
+    """A draft's confidence class: the length of the match it continues, in powers of two (0: no match known)."""
+    return min(max(draft.match, 1).bit_length() - 1, BUCKETS - 1)
 
 
 @dataclass(slots=True)
@@ -70,7 +77,9 @@ class Speculator:
         self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
+        self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
         self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
+        self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is replaced, not averaged)
         # with a residency: rows -> average step time less its stall on expert reads; a plain step's stall;
         # the stall per expert missed; the pager's (stall, misses) when this step began
         self.compute_seconds: dict[int, float] = {}
@@ -78,6 +87,7 @@ class Speculator:
         self.miss_seconds: float | None = None
         self._counters: tuple[float, int] | None = None
         self._plain = 0  # plain steps since the last draft
+        self._probe = False  # this step tries one draft whatever its class's estimate (PROBE)
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
 
@@ -85,6 +95,20 @@ class Speculator:
     def acceptance(self) -> float:
         """The estimated chance that the target keeps a draft given it kept the ones before (a)."""
         return self._kept / self._trials
+
+    def bucket_acceptance(self, b: int) -> float:
+        """a for drafts of confidence class `b` (bucket()): its own counts, pulled towards `acceptance`."""
+        return (self._bucket_kept[b] + PRIOR * self.acceptance) / (self._bucket_trials[b] + PRIOR)
+
+    def _best(self, a: float) -> tuple[int, float]:
+        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
+        best, best_rate = 0, 1.0 / self.step_seconds[1]
+        a = min(a, 0.999)
+        for k in range(1, self.k_max + 1):
+            rate = (1 - a ** (k + 1)) / (1 - a) / self._estimate(k + 1)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best, best_rate
 
     def watch(self, cache) -> None:
         """The sequence's cache (a new one after a preemption): a drafter that reads the target's hidden
@@ -95,21 +119,19 @@ class Speculator:
             self.residency.watch(cache)
 
     def choose_k(self) -> int:
+        """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays)."""
         if self.residency is not None:
             self._counters = self.residency.counters()
         if not self.adaptive:
             return self.k_max
         if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one early
-            return 0 if self.step_seconds else self.k_max
+            return 0 if self.step_seconds else 1  # then start with one draft (a cheap first verify)
         if len(self.step_seconds) < 2:
-            return self.k_max  # and a drafted one
+            return 1
         plain = 1.0 / self.step_seconds[1]
-        best, best_rate = 0, plain
-        a = min(self.acceptance, 0.999)
-        for k in range(1, self.k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / self._estimate(k + 1)
-            if rate > best_rate:
-                best, best_rate = k, rate
+        seen = [b for b in range(BUCKETS) if self._bucket_trials[b] > 0]
+        best, best_rate = max((self._best(a) for a in [self.acceptance] + [self.bucket_acceptance(b) for b in seen]),
+                              key=lambda kr: kr[1])
         self._poor = self._poor + 1 if best_rate < RETIRE_GAIN * plain else 0
         if self._poor >= RETIRE_AFTER:
             self.retired = True
@@ -119,6 +141,7 @@ class Speculator:
             self._plain += 1
             if self._plain >= PROBE:
                 self._plain = 0
+                self._probe = True
                 return 1
         return best
 
@@ -134,8 +157,17 @@ class Speculator:
         return _interpolate(self.step_seconds, rows)
 
     def fit(self, draft: Draft) -> Draft:
-        """The prefix of `draft` worth verifying given the reads its predicted experts add (see the module
-        docstring), the pager asked to prefetch them; unchanged without a residency or a copied draft."""
+        """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
+        (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
+        the pager asked to prefetch them."""
+        probe, self._probe = self._probe, False
+        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or len(self.step_seconds) < 2:
+            return self._priced_fit(draft, None)
+        a = self.bucket_acceptance(bucket(draft))
+        keep = max(self._best(a)[0], int(probe))
+        return self._priced_fit(draft.first(keep), a)
+
+    def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
         r = self.residency
         if r is None or draft.source is None or not draft.tokens:
             return draft
@@ -143,9 +175,9 @@ class Speculator:
         # a plain step reads what of them is missing (priced in plain_stall); the drafts add what their union adds
         keys = r.predicted(draft.source - 1, len(draft.tokens) + 1)
         keep = len(draft.tokens)
-        if self.adaptive and self._priced():
+        if a is not None and self._priced():
             missing = r.missing(keys)
-            a = min(self.acceptance, 0.999)
+            a = min(a, 0.999)
             keep, best = 0, 1.0 / self._estimate(1)
             for j in range(1, len(draft.tokens) + 1):
                 added = (missing[j] - missing[0]) * self.miss_seconds
@@ -154,12 +186,11 @@ class Speculator:
                     keep, best = j, rate
         if keep:
             r.prefetch(keys[1:keep + 1])
-        if keep == len(draft.tokens):
-            return draft
-        return Draft(draft.tokens[:keep], None if draft.q is None else draft.q[:keep], draft.source)
+        return draft.first(keep)
 
-    def observe(self, drafted: int, accepted: int, rows: int, seconds: float) -> None:
-        """Account one step: `drafted` drafts verified, `accepted` kept, `rows` rows run in `seconds`."""
+    def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0) -> None:
+        """Account one step: `drafted` drafts verified (of class `confidence`, bucket()), `accepted` kept, `rows`
+        rows run in `seconds`."""
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
@@ -170,7 +201,12 @@ class Speculator:
             # each kept draft is a success; the first rejected one (if any) the one failure of the step
             self._kept = (1 - SMOOTH) * self._kept + accepted
             self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
-        _average(self.step_seconds, rows, seconds)
+            b = confidence
+            self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + accepted
+            self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)
+        # the first step of a row count pays its kernels' first use: the second replaces it
+        self._samples[rows] = n = self._samples.get(rows, 0) + 1
+        self.step_seconds[rows] = seconds if n <= 2 else self.step_seconds[rows] + SMOOTH * (seconds - self.step_seconds[rows])
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
             stall, misses = stall - self._counters[0], misses - self._counters[1]

@@ -38,7 +38,7 @@ from localmoe.engine.cache import ModelCache
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
 from localmoe.engine.spec.drafters import Draft
-from localmoe.engine.spec.speculator import K_MAX
+from localmoe.engine.spec.speculator import K_MAX, bucket
 
 
 def record(cache: ModelCache, on: bool) -> None:
@@ -66,10 +66,7 @@ def _propose(dec) -> Draft:
     if k <= 0:
         return Draft([])
     history = dec.in_cache + dec.pending
-    draft = spec.drafter.propose(history, k, dec.params, dec.generator)
-    if len(draft.tokens) > k:
-        draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k], draft.source)
-    return spec.fit(draft)
+    return spec.fit(spec.drafter.propose(history, k, dec.params, dec.generator).first(k))
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
@@ -141,6 +138,6 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
         d.in_cache.extend(kept)
         d.ahead = list(kept)
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
-        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds)
+        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds, bucket(drafts[n]))
         results.append(d.ready[0][1])
     return results
