@@ -1,10 +1,13 @@
 """Drafters behind one interface: `propose(history, k, params, generator) -> Draft`.
 
-- `PromptLookup`: no model. The last n tokens (n = max_ngram down to min_ngram) are looked up among
-  the earlier ones (prompt and generated text, most recent occurrence first) and the tokens that
-  followed are the draft. (Single-token matches are the weakest: SmolLM2 quoting a document kept 48%
-  of the drafts with n >= 1 and 65% with n >= 2, 2.9 and 3.6 tokens per drafted step; `min_ngram`.) Agents' work (code edits, document Q&A, tool results quoted back) repeats
-  long spans of the prompt, which this drafts for free. Deterministic: q is one-hot.
+- `PromptLookup`: no model. The sequence's last tokens are looked up among the earlier ones (prompt and
+  generated text): of the earlier occurrences of its last `min_ngram` tokens, the one preceded by the
+  longest match (the most recent of equals) gives the draft, the tokens that followed it. The match length
+  goes with the draft (`Draft.match`): a long match is a quote in progress and its drafts are mostly kept,
+  a single-token match mostly not (SmolLM2 quoting a document: 30% kept after 1-token matches, ~100% after
+  6+), so the speculator prices them apart. With the tokenizer, matching ignores whitespace (a model
+  quoting a hard-wrapped document joins its lines). Agents' work (code edits, document Q&A, tool results
+  quoted back) repeats long spans of the prompt, which this drafts for free. Deterministic: q is one-hot.
 - `DraftModel`: a smaller model sharing the target's tokenizer (checked by `check_vocab`), run token
   by token over its own cache; it samples its drafts with the request's settings (greedy under
   greedy), so q is its distribution.

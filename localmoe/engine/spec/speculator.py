@@ -1,8 +1,12 @@
 """One sequence's speculation: its drafter, the choice of k per step, its statistics.
 
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
-when the ones before it were, from recent steps) and the wall time of a step of r rows (an average per row count;
-a row count not measured yet is estimated from the nearest measured ones). A step of k drafts yields
+when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
+draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
+what its class pays) and the wall time of a step of r rows (an average per row count; a row count not
+measured yet is estimated from the nearest measured ones; the first time of a row count, which pays its
+kernels' first use, is replaced by the second). The first step drafts one token (a cheap first verify),
+the next is plain (the yardstick). A step of k drafts yields
 E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per
 second wins, and k = 0 (no draft: a plain decode step) when none beats it. The step time is the
 cost model: on a paged model it includes reading the drafted tokens' experts that are not resident,
