@@ -8,8 +8,9 @@ threads, greedy; localmoe keeps every block type as stored (`--dtype auto`) and 
 their blocks (expert precision q8: activations rounded to int8 per 32 values, per 256 for K-quant rows and the
 Q6_K lm_head, as llama.cpp does). The engines
 alternate in separate processes (benchmarks/alternate.py); printed per round and as medians: prefill and
-decode tokens/s and localmoe / llama.cpp, and the agreement of the logits at the prompt's last position
-(Pearson correlation, max |diff| over the range, same argmax).
+decode tokens/s and localmoe / llama.cpp, the decode rates as fractions of the read roofline (weight bytes per
+decode token over a plain read's bandwidth, measured between the rounds on the same clock and threads), and the
+agreement of the logits at the prompt's last position (Pearson correlation, max |diff| over the range, same argmax).
 
     python benchmarks/gguf_moe.py [--models qwen3_moe:small,glm4_moe:small] [--quant q4_k_m] [--threads 2]
                                   [--pairs 4] [--prompt 72] [--decode 64] [--work DIR]
@@ -40,11 +41,15 @@ from pathlib import Path
 
 from alternate import alternate, median_ratio
 from decode_dense import requantised
-from k3_cpu import localmoe_worker, peer_benchmark, prepare
+from k3_cpu import localmoe_worker, peer_benchmark, prepare, roofline
 
 
 def compare(family: str, size: str, args, work: Path, src: Path) -> None:
+    import time
+
     import numpy as np
+    import torch
+    from common import memory_read_bandwidth
 
     gguf = quantised(family, size, args, work, src)
     common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--decode", str(args.decode),
@@ -60,12 +65,16 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
         ours, theirs = res["localmoe"], res["llama.cpp"]
         print(f"  round {r + 1}: decode {ours['decode']:6.1f} vs {theirs['decode']:6.1f} tok/s "
               f"({ours['decode'] / theirs['decode']:.2f}x), prefill {ours['prefill']:6.1f} vs "
-              f"{theirs['prefill']:6.1f} tok/s ({ours['prefill'] / theirs['prefill']:.2f}x)", flush=True)
+              f"{theirs['prefill']:6.1f} tok/s ({ours['prefill'] / theirs['prefill']:.2f}x), read bandwidth "
+              f"{bandwidth[-1] / 1e9:.1f} GB/s", flush=True)
 
     print(f"{family} {size} as {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB, quantised by llama.cpp), "
           f"{args.threads} threads, {args.prompt}-token prompt, {args.decode} greedy tokens, {args.pairs} alternating "
           f"rounds", flush=True)
-    res = alternate(workers, args.pairs, show=show)
+    torch.set_num_threads(args.threads)
+    bandwidth: list[float] = []
+    clock = time.process_time if args.cpu_time else time.perf_counter  # the engines' own clock
+    res = alternate(workers, args.pairs, between=lambda: bandwidth.append(memory_read_bandwidth(clock=clock)), show=show)
     ours, theirs = res["localmoe"], res["llama.cpp"]
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("decode", "prefill")} for k, v in res.items()}
     a, b = np.load(logits["localmoe"]).astype(np.float64), np.load(logits["llama.cpp"]).astype(np.float64)
@@ -73,6 +82,7 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"localmoe / llama.cpp {median_ratio([r['decode'] for r in ours], [r['decode'] for r in theirs]):.2f}x; "
           f"prefill {med['localmoe']['prefill']:.1f} vs {med['llama.cpp']['prefill']:.1f} tok/s, "
           f"{median_ratio([r['prefill'] for r in ours], [r['prefill'] for r in theirs]):.2f}x")
+    print(f"  {roofline(ours[0]['bytes'], med['localmoe']['decode'], med['llama.cpp']['decode'], statistics.median(bandwidth))}")
     print(f"  logits at the prompt's last position: correlation {np.corrcoef(a, b)[0, 1]:.5f}, max |diff| "
           f"{np.abs(a - b).max() / (b.max() - b.min()):.2e} of the range, same argmax: {int(a.argmax()) == int(b.argmax())}",
           flush=True)

@@ -106,6 +106,13 @@ def decode_bytes(model) -> int:
     return int(total + per_expert * sum(b.router.rule.top_k for b in blocks))
 
 
+def roofline(bytes_: int, ours: float, theirs: float, bandwidth: float) -> str:
+    """Decode rates (tokens/s) as fractions of the read roofline: `bytes_` per token at `bandwidth` bytes/s."""
+    return (f"{bytes_ / 1e6:.1f} MB of weights per decode token, read bandwidth {bandwidth / 1e9:.1f} GB/s "
+            f"(roofline {bandwidth / bytes_:.0f} tok/s): localmoe at {bytes_ * ours / bandwidth:.2f} of it, llama.cpp "
+            f"at {bytes_ * theirs / bandwidth:.2f}")
+
+
 def localmoe_worker(args) -> None:
     import torch
 
@@ -264,9 +271,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"prefill {med['localmoe']['prefill']:.1f} vs {med['llama.cpp']['prefill']:.1f} tok/s, "
           f"{median_ratio([r['prefill'] for r in ours], [r['prefill'] for r in theirs]):.2f}x; localmoe prefill / "
           f"decode {med['localmoe']['prefill'] / med['localmoe']['decode']:.2f}")
-    print(f"  {bytes_ / 1e6:.1f} MB of weights per decode token, read bandwidth {bw / 1e9:.1f} GB/s: localmoe at "
-          f"{bytes_ * med['localmoe']['decode'] / bw:.2f} of it, llama.cpp at "
-          f"{bytes_ * med['llama.cpp']['decode'] / bw:.2f}; localmoe decode path: {ours[0]['fused'] or 'op by op'}")
+    print(f"  {roofline(bytes_, med['localmoe']['decode'], med['llama.cpp']['decode'], bw)}; localmoe decode path: "
+          f"{ours[0]['fused'] or 'op by op'}")
     for label, path, precision in (("MXFP4 file, q8 expert activations (for information)", gguf, "q8"),
                                    ("experts dequantised to F32, fp32 activations", dequantized_twin(gguf, args), "exact")):
         if path is None:
