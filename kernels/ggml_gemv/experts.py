@@ -110,4 +110,28 @@ def block_expert(x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, mat
     return out
 
 
-__all__ = ["MAX_TOP_K", "BlockExpertTable", "block_expert", "ggml_moe_token", "naive_ggml_moe_token", "takes_expert"]
+def takes_layer(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `block_layer` takes this chunk (x / out fp32, CPU, contiguous; the table: BlockExpertTable.of)."""
+    return (library() is not None and x.dtype == out.dtype == torch.float32 and x.device.type == out.device.type == "cpu"
+            and x.is_contiguous() and out.is_contiguous())
+
+
+def block_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: BlockExpertTable, experts: list[int],
+                kind: int, params: tuple[float, float], out: torch.Tensor) -> torch.Tensor:
+    """out [T, W] += for each expert e of `experts`, in that order, its weighted output on the tokens of x [T, W]
+    that chose it (ids / weights [T, k]), from the blocks of `table` (`takes_layer`): one kernel call for the
+    chunk (ggml_moe_cpu.cpp `ggml_moe_layer`), the bits of one `block_expert` call per expert in that order."""
+    lib = library()
+    T, k = ids.shape
+    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()
+    chosen = torch.tensor(experts, dtype=torch.int64)
+    scratch = torch.empty(lib.ggml_moe_layer_scratch(T, k, table.hidden, table.intermediate), dtype=torch.uint8)
+    if lib.ggml_moe_layer(x.data_ptr(), T, table.hidden, table.intermediate, ids.data_ptr(), weights.data_ptr(), k,
+                          chosen.data_ptr(), len(experts), table.addresses.data_ptr(), table.type_codes.data_ptr(), kind,
+                          params[0], params[1], out.data_ptr(), scratch.data_ptr(), threads()):
+        raise ValueError(f"ggml_moe_layer refused experts of types {[t.name for t in table.types]}")
+    return out
+
+
+__all__ = ["MAX_TOP_K", "BlockExpertTable", "block_expert", "block_layer", "ggml_moe_token", "naive_ggml_moe_token",
+           "takes_expert", "takes_layer"]

@@ -193,3 +193,39 @@ int ggml_moe_expert(const float* x, int64_t W, int64_t I, const int64_t* rows, c
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Bytes of scratch ggml_moe_layer needs for a chunk of T tokens (k experts each) of width W and inner size I.
+int64_t ggml_moe_layer_scratch(int64_t T, int64_t k, int64_t W, int64_t I) {
+  return ggml_moe_expert_scratch(T, W, I) + align64(T * 8) + align64(T * 4);
+}
+
+// A chunk's routed experts from their blocks (prefill), one call for the layer: for each expert e of
+// experts[0 .. n) in that order, its tokens (t with ids[t, j] == e, in increasing t; ids [T, k], weights
+// [T, k]) go through ggml_moe_expert with the expert's table row (table [E, 3] as ggml_moe_token's): out [T, W]
+// += the weighted outputs, each expert's blocks read once for all its tokens. The bits of one ggml_moe_expert
+// call per expert in the same order (the per-expert path: a pager's experts). Returns 0, or -1 as
+// ggml_moe_expert (nothing is added for the experts from the refused one on).
+int ggml_moe_layer(const float* x, int64_t T, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
+                   const int64_t* experts, int64_t n, const int64_t* table, const int64_t* types, int glu, float p0,
+                   float p1, float* out, void* scratch, int threads) {
+  char* base = static_cast<char*>(scratch);
+  int64_t* rows = reinterpret_cast<int64_t*>(base);
+  float* w = reinterpret_cast<float*>(base + align64(T * 8));
+  void* rest = base + align64(T * 8) + align64(T * 4);  // ggml_moe_expert aligns it itself
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = experts[i];
+    int64_t m = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        if (ids[t * k + j] == e) {
+          rows[m] = t;
+          w[m++] = weights[t * k + j];
+        }
+    if (ggml_moe_expert(x, W, I, rows, w, m, table + 3 * e, types, glu, p0, p1, out, rest, threads)) return -1;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -5,7 +5,8 @@ rounded to int8 once for all gate and up rows.
 - the kernel against its reference (every projection dequantised by quant/ggml.py, x rounded to int8 per 32
   values, per 256 for K-quant rows, as the GEMV's reference does), for every block type with an int8 row kernel,
   types mixed per projection (a K-quant gate with a Q8_0 up: x rounded both ways);
-  the same for `block_expert` (one expert over a prefill chunk's rows, `ggml_moe_expert`);
+  the same for `block_expert` (one expert over a prefill chunk's rows, `ggml_moe_expert`), and `block_layer` (a
+  chunk's experts of a layer in one call, `ggml_moe_layer`) against one `block_expert` per expert, bit for bit;
 - its AVX2 build against its AVX-512 one, bit for bit;
 - Qwen3-MoE and GLM-4.5 GGUFs in llama.cpp's Q4_K_M layout (testing/moe_gguf.py) decoding through the plan with
   the experts in the kernel, against the op-by-op engine (<= 1e-5 of the logit range) and, paged at 25% RAM from a
@@ -84,6 +85,29 @@ def test_chunk_expert_matches_the_reference_and_its_rows_alone(types):
     assert got[[1, 4, 5, 6, 8, 9]].abs().max() == 0  # rows not chosen stay untouched
     alone = block_expert(x, rows[3:4], weights[3:4], table.experts[4], 0, (0.0, 0.0), torch.zeros_like(x))
     assert torch.equal(alone[7], got[7])
+
+
+@pytest.mark.parametrize("types", TYPES[:3], ids=["-".join(t.name for t in ts) for ts in TYPES[:3]])
+def test_chunk_layer_equals_one_expert_at_a_time(types):
+    """`block_layer` (a prefill chunk's experts of a layer in one call) gives the bits of one `block_expert` per
+    expert in the same order (the per-expert path a pager's experts take), only for the experts it is given."""
+    from localmoe.kernels.ggml_gemv.experts import block_expert, block_layer
+
+    table = _table(types)
+    gen = torch.Generator().manual_seed(4)
+    T, k = 37, 3  # the expert rows' scratch after 37 ids and 37 weights (a scratch that was too short)
+    x = torch.randn(T, table.hidden, generator=gen)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    chosen = sorted(set(ids.reshape(-1).tolist()))
+    got = block_layer(x, ids, weights, table, chosen, 0, (0.0, 0.0), torch.zeros_like(x))
+    want = torch.zeros_like(x)
+    for e in chosen:
+        picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
+        block_expert(x, picks // k, weights.reshape(-1)[picks], table.experts[e], 0, (0.0, 0.0), want)
+    assert torch.equal(got, want)
+    fewer = block_layer(x, ids, weights, table, chosen[1:], 0, (0.0, 0.0), torch.zeros_like(x))
+    assert not torch.equal(fewer, got)  # only the experts given are added
 
 
 def test_refuses_mixed_types_across_experts():
@@ -172,6 +196,21 @@ def test_paged_equals_resident(gguf, tmp_path):
     got = _decode(paged, True)
     assert not any(layer.blocks for layer in paged._plan.decoder.layers)
     assert torch.equal(got, _decode(_load(gguf), True))
+
+
+def test_prefill_runs_each_moe_layer_in_one_call(gguf, monkeypatch):
+    """Resident block experts at q8: a prefill chunk's MoE layer is one `block_layer` call (no per-expert call);
+    test_paged_equals_resident checks its bits against the pager's one `block_expert` per expert."""
+    from localmoe.kernels.ggml_gemv import experts as ggml_experts
+
+    model = _load(gguf)
+    calls = {"block_layer": 0, "block_expert": 0}
+    for name in calls:
+        real = getattr(ggml_experts, name)
+        monkeypatch.setattr(ggml_experts, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **kw))[1])
+    model.forward(torch.tensor([PROMPT]), model.new_cache(1, 64))
+    assert calls == {"block_layer": len(model.moe_blocks()), "block_expert": 0}
 
 
 @pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")

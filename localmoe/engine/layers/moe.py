@@ -17,6 +17,7 @@ SwiGLU), read into a `Config` by `Config.of`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,10 @@ from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.linear import Linear, make_linear
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.dense_moe import DenseExpertTable, dense_moe_layer
+from localmoe.kernels.ggml_gemv import experts as ggml_experts
 from localmoe.kernels.mxfp4_moe import (
     GEMV_MAX_TOKENS,
+    GLU_KINDS,
     ExpertTable,
     glu,
     mxfp4_moe,
@@ -152,7 +155,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     same; `precision` is the kernel's (kernels/mxfp4_moe: "exact" or "q8"). Other experts are fetched
     once each, run on all of their tokens at once and added in the same order (`expert_accumulate`:
     dense experts through kernels/dense_moe); resident dense experts (`dense_table`) run as one
-    `dense_moe_layer` call for the chunk, with the same bits.
+    `dense_moe_layer` call for the chunk, resident GGUF-block experts at precision q8 (`block_table`) as one
+    `block_layer` call, with the same bits.
 
     A provider with `placed` (a pager with GPU tiers) hands each expert out in the tier to compute it
     in. An expert runs where its weights are: one on another device than x (a GPU tier's under a host
@@ -167,7 +171,14 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
             return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=precision)
         dense = provider.dense_table(layer)
         if dense is not None:
-            return _dense_layer(x, weights, ids, provider, layer, dense, act, precision, out)
+            return _layer_runs(x, weights, ids, provider, layer, len(dense.experts), DENSE_MAX_TOKENS, act, precision,
+                               out, lambda run: dense_moe_layer(x, ids, weights, dense, run, act.kind, act.params, out))
+        blocks = provider.block_table(layer) if precision == "q8" and ggml_experts.takes_layer(x, out) else None
+        if blocks is not None:
+            kind = GLU_KINDS.index(act.kind)
+            return _layer_runs(x, weights, ids, provider, layer, len(blocks.experts), GEMV_MAX_TOKENS, act, precision,
+                               out, lambda run: ggml_experts.block_layer(x, ids, weights, blocks, run, kind, act.params,
+                                                                         out))
     placed = getattr(provider, "placed", None)
     elsewhere: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # device -> (x, ids, weights, sum) there
     k = ids.shape[1]
@@ -195,25 +206,27 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider
     return out
 
 
-def _dense_layer(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider, layer: int,
-                 table: DenseExpertTable, act: ExpertGLU, precision: str, out: torch.Tensor) -> torch.Tensor:
-    """`dispatch` over resident dense experts: runs of experts with at most DENSE_MAX_TOKENS tokens go to
-    `dense_moe_layer` (one kernel call each run), larger ones to `expert_accumulate`, in increasing id: the same
-    bits as the per-expert loop (a pager's path)."""
+def _layer_runs(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, provider: ExpertProvider, layer: int,
+                experts: int, limit: int, act: ExpertGLU, precision: str, out: torch.Tensor,
+                run_layer: Callable[[list[int]], object]) -> torch.Tensor:
+    """`dispatch` over a layer's resident experts held whole by a kernel (dense: `dense_moe_layer`; GGUF blocks at
+    q8: `block_layer`): runs of experts with at most `limit` tokens go to `run_layer(run)` (one kernel call each
+    run), larger ones to `expert_accumulate`, in increasing id: the same bits as the per-expert loop (a pager's
+    path)."""
     flat, k = ids.reshape(-1), ids.shape[1]
     run: list[int] = []
-    for expert, n in enumerate(torch.bincount(flat, minlength=len(table.experts)).tolist()):
-        if 0 < n <= DENSE_MAX_TOKENS:
+    for expert, n in enumerate(torch.bincount(flat, minlength=experts).tolist()):
+        if 0 < n <= limit:
             run.append(expert)
         elif n:
             if run:
-                dense_moe_layer(x, ids, weights, table, run, act.kind, act.params, out)
+                run_layer(run)
                 run = []
             picks = (flat == expert).nonzero().squeeze(1)
             expert_accumulate(provider.get(layer, expert), x, picks // k, weights.reshape(-1)[picks], act, out,
                               precision, (act.kind, act.params))
     if run:
-        dense_moe_layer(x, ids, weights, table, run, act.kind, act.params, out)
+        run_layer(run)
     return out
 
 
