@@ -78,11 +78,12 @@ int ggml_dequantize_rows(const uint8_t* table, int64_t row_bytes, const int64_t*
       const bool fifth = type == kQ5_K;
       const uint8_t* blk = row + (fifth ? 176 : 144) * b;
       const uint8_t* nibbles = blk + (fifth ? 48 : 16);
-      uint8_t sc[8], mn[8];
+      uint64_t sc, mn;
       q4_k_scales(blk + 4, sc, mn);
       const float d = half(blk), dmin = half(blk + 2);
       for (int j = 0; j < 8; ++j) {
-        const float scale = d * static_cast<float>(sc[j]), offset = dmin * static_cast<float>(mn[j]);
+        const float scale = d * static_cast<float>((sc >> (8 * j)) & 0xFF);
+        const float offset = dmin * static_cast<float>((mn >> (8 * j)) & 0xFF);
         for (int i = 0; i < 32; ++i) {
           int q = (nibbles[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F;
           if (fifth) q |= ((blk[16 + i] >> j) & 1) << 4;
