@@ -122,14 +122,14 @@ QUANTS = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q
           "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 
 
-def requantised(src, quant: str):
-    """`src` requantised to `quant` by llama.cpp (cached beside it). SmolLM2's 576-wide rows are not
+def requantised(src, quant: str, out=None):
+    """`src` requantised to `quant` by llama.cpp (cached beside it, or at `out`). SmolLM2's 576-wide rows are not
     whole 256-value super-blocks, so llama.cpp falls back to Q5_0 / Q8_0 there, as it does in such files."""
     import ctypes
 
     import llama_cpp
 
-    out = src.with_name(f"{src.stem.rsplit('.', 1)[0]}.{quant.upper()}.gguf")
+    out = out or src.with_name(f"{src.stem.rsplit('.', 1)[0]}.{quant.upper()}.gguf")
     if not out.exists():
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.allow_requantize = getattr(llama_cpp, QUANTS[quant]), True

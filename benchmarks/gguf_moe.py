@@ -14,7 +14,7 @@ agreement of the logits at the prompt's last position (Pearson correlation, max 
 
     python benchmarks/gguf_moe.py [--models qwen3_moe:small,glm4_moe:small] [--quant q4_k_m] [--threads 2]
                                   [--pairs 4] [--prompt 72] [--decode 64] [--work DIR]
-                                  [--paged 25%] [--writer llama.cpp|localmoe]
+                                  [--paged 25%] [--writer llama.cpp|localmoe|requantised]
 
 `--paged 25%`: instead, the equal-memory comparison. The GGUF is converted to a packed store (`localmoe convert`),
 localmoe decodes it paged with a RAM budget of that share of the expert bytes (LFRU, O_DIRECT, prefetch) and
@@ -26,7 +26,10 @@ page cache before each run; printed: decode tokens/s of each, the ratio, the lim
 it hit the limit. Meaningful only when the experts are much larger than the interpreter (`large` sizes): a small
 file fits in the limit whole. `--writer localmoe` writes the Q4_K_M file with localmoe's own GGUF writer
 (localmoe.testing.moe_gguf: llama.cpp's layout and llama-quantize's Q4_K_M type mix, random blocks) instead of
-llama.cpp's converter + quantiser, which take too long and too much disk for a `large` model on a small machine.
+llama.cpp's converter + quantiser, which take too long and too much disk for a `large` model on a small machine;
+`--writer requantised` then has llama.cpp's own quantiser requantise that file to Q8_0 and that to `--quant`
+(llama.cpp copies a tensor already of the target type unchanged: localmoe's Q4_K_M mix is llama-quantize's, tensor
+for tensor), so both engines run blocks llama.cpp quantised.
 
 K3 (`--models kimi_k3:small`): llama-quantize requantises its MXFP4 experts (Q5_0 / Q4_K), which localmoe runs from
 those blocks. A random K3 is chaotic under rounding, so its logits agree with llama.cpp's far less than the other
@@ -89,7 +92,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
 
 
 def quantised(family: str, size: str, args, work: Path, src: Path) -> Path:
-    """The `args.quant` GGUF of the generated model: llama.cpp's converter + quantiser, or localmoe's writer."""
+    """The `args.quant` GGUF of the generated model: llama.cpp's converter + quantiser, localmoe's writer, or
+    localmoe's writer then llama.cpp's quantiser (`requantised`)."""
     if args.writer == "llama.cpp":
         _, f32 = prepare(family, size, "f32", work, src)
         return requantised(f32, args.quant)
@@ -102,6 +106,13 @@ def quantised(family: str, size: str, args, work: Path, src: Path) -> Path:
         if not (hf / "config.json").exists():
             write_checkpoint(family, hf, size, seed=0, progress=False)
         write_moe_gguf(hf, out, args.quant)
+    if args.writer == "requantised":  # through Q8_0: llama.cpp copies a tensor already of the target type as it is
+        final = work / f"{family}-{size}-requantised.{args.quant.upper()}.gguf"
+        if not final.exists():
+            q8 = requantised(out, "q8_0", work / f"{family}-{size}-requantised.Q8_0.gguf")
+            requantised(q8, args.quant, final)
+            q8.unlink()
+        return final
     return out
 
 
@@ -166,7 +177,7 @@ def main() -> None:
     parser.add_argument("--models", default="qwen3_moe:small,glm4_moe:small", help="family:size, comma-separated")
     parser.add_argument("--quant", default="q4_k_m", choices=("q4_k_m", "q5_k_m", "q6_k", "q8_0"))
     parser.add_argument("--paged", help="the equal-memory comparison at this RAM share of the experts (e.g. 25%%)")
-    parser.add_argument("--writer", choices=("llama.cpp", "localmoe"), default="llama.cpp",
+    parser.add_argument("--writer", choices=("llama.cpp", "localmoe", "requantised"), default="llama.cpp",
                         help="who writes the quantised GGUF (module doc)")
     parser.set_defaults(dtype="auto", expert_precision="q8")  # every block type as stored; int8 activations
     args_seen = parser.parse_known_args()[0]
