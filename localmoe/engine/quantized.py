@@ -17,7 +17,8 @@ Measured on 2 Zen 3 cores: 2.0-2.5x faster than bf16 `F.linear` for one row.
 
 Inside `decode_rows()` (a batched decode step, engine/batch.py) calls of up to `ggml_gemv.MAX_ROWS`
 rows run the same kernel, which decodes each weight block once for a tile of rows and gives every row
-the bits it has alone (`independent_rows`). Elsewhere calls of more than GEMV_MAX_ROWS rows are prefill
+the bits it has alone (`independent_rows`); inside `rounded_rows()` (a MoE model at expert precision q8)
+K-quant matrices run it on any number of rows (prefill too: faster than the GEMM below, ROUNDED_TYPES). Elsewhere calls of more than GEMV_MAX_ROWS rows are prefill
 chunks and run an fp32 GEMM on the dequantised weight, on fp32 x. (The kernel matches that GEMM's
 speed up to 512 rows, measured in docs/performance.md, and would spare the fp32 copy below, but it
 would round prefill's x to int8: a change of numerics left to a decision of its own.) Dequantising costs more than the GEMM of a 512-token chunk, so the first such call
@@ -57,6 +58,26 @@ def decode_rows() -> Iterator[None]:
         yield
     finally:
         _rows.decode = before
+
+
+@contextmanager
+def rounded_rows() -> Iterator[None]:
+    """Calls inside are a MoE model's steps at expert precision q8 (Transformer._forward), whose block GEMVs round
+    their inputs to int8 anyway: a BlockLinear of ROUNDED_TYPES runs the block kernel on any number of rows (a
+    prefill chunk's x rounded per block, each row on its own) instead of the fp32 GEMM on the dequantised weight,
+    which it outruns (ROUNDED_TYPES) and whose fp32 copy it spares."""
+    before = getattr(_rows, "rounded", False)
+    _rows.rounded = True
+    try:
+        yield
+    finally:
+        _rows.rounded = before
+
+
+# The block kernel against the fp32 GEMM on the dequantised weight, one Zen 4 core, 72 / 256 / 512 rows: Q4_K
+# 1024 x 1024 1.23x / 1.12x / 1.09x, 2048 x 1024 1.37x / 1.24x / 1.04x; Q6_K 256 x 1024 1.03x / 0.95x / 0.88x
+# (a Q4_K_M file's few Q6_K attn_v rows ride along with their layer's Q4_K q and k).
+ROUNDED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 
 
 def _kernel_rows() -> int:
@@ -160,6 +181,9 @@ class BlockLinear:
         K = x.shape[-1]
         rows = x.numel() // K
         kernel_rows = _kernel_rows()
+        if (rows > kernel_rows and getattr(_rows, "rounded", False) and not self.exact_x and self.segments
+                and all(kind in ROUNDED_TYPES for _, kind, _ in self.segments)):
+            kernel_rows = rows  # rounded_rows()
         if rows <= kernel_rows and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
                                        (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],

@@ -14,6 +14,8 @@ live there; routed experts live where their provider keeps them (moe.dispatch mo
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 
@@ -39,7 +41,7 @@ from localmoe.engine.layers.dsa import DSAttention
 from localmoe.engine.layers.mlp import ACTIVATIONS
 from localmoe.engine.layers.moe import MoEBlock
 from localmoe.engine.linear import make_linear
-from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
+from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized, rounded_rows
 from localmoe.engine.rope import RotaryTable
 from localmoe.engine.step import make_step
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
@@ -129,7 +131,8 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
-        rounded = config.expert_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
+        # a MoE model at expert precision q8: block GEMVs round their inputs (the head's, prefill's: `rounded_rows`)
+        self.rounded = rounded = config.expert_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
                              config.dtype, rounded)
         head = getattr(self.lm_head, "weight", None)
@@ -213,6 +216,12 @@ class Transformer:
     def _forward(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
                  all_logits: bool, image_embeds: torch.Tensor | None = None,
                  mrope: torch.Tensor | None = None, places=None) -> torch.Tensor:
+        with rounded_rows() if self.rounded else nullcontext():
+            return self._layers(tokens, cache, mask, all_logits, image_embeds, mrope, places)
+
+    def _layers(self, tokens: torch.Tensor, cache: ModelCache, mask: torch.Tensor | None,
+                all_logits: bool, image_embeds: torch.Tensor | None, mrope: torch.Tensor | None,
+                places) -> torch.Tensor:
         T = tokens.shape[1]
         start = cache.reserve(T)
         cache.append_mask(mask, T)

@@ -60,6 +60,35 @@ def test_q8_0_blocks_with_fp32_activations_match_the_dequantised_weight():
         BlockLinear([_synthetic(Q.Q4_1, 32, 64, 9)], None, exact_x=True)
 
 
+@pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
+def test_rounded_rows_run_k_quant_prefill_on_the_block_kernel():
+    """Inside rounded_rows() (a MoE model at expert precision q8) a prefill-sized call of K-quant parts (a Q4_K_M
+    file's Q4_K q, k and Q6_K v) runs the block kernel: every row as it is alone (x rounded to int8 per 256, the
+    GEMV reference's numbers), not the fp32 GEMM it runs outside; a Q8_0 matrix keeps the GEMM."""
+    from localmoe.kernels.ggml_gemv import naive_ggml_gemv
+
+    from localmoe.engine.quantized import rounded_rows
+    from localmoe.testing.ggml_blocks import random_blocks
+
+    rng = np.random.default_rng(11)
+    parts = [BlockQuantized(torch.from_numpy(random_blocks(t, rows, 256, rng)), t, (rows, 256))
+             for t, rows in ((Q.Q4_K, 64), (Q.Q4_K, 32), (Q.Q6_K, 32))]
+    linear = BlockLinear(parts, None)
+    x = torch.randn(40, 256)
+    with rounded_rows():
+        got = linear(x)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(40)])
+    assert torch.equal(got, alone)
+    want = torch.cat([naive_ggml_gemv(x.double(), p.raw.reshape(p.shape[0], -1), p.ggml_type, p.shape) for p in parts],
+                     dim=1)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert not torch.equal(linear(x), got)  # outside: the fp32 GEMM
+    q8 = BlockLinear([_synthetic(Q.Q8_0, 64, 256, 14)], None)
+    with rounded_rows():
+        kept = q8(x)
+    assert torch.equal(kept, q8(x))
+
+
 def test_make_linear_keeps_blocks_only_in_auto_mode():
     parts = [_synthetic(Q.Q4_1, 32, 64, 4)]
     assert isinstance(make_linear(parts, None, "auto"), BlockLinear)
