@@ -273,13 +273,14 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"decode {med['localmoe']['prefill'] / med['localmoe']['decode']:.2f}")
     print(f"  {roofline(bytes_, med['localmoe']['decode'], med['llama.cpp']['decode'], bw)}; localmoe decode path: "
           f"{ours[0]['fused'] or 'op by op'}")
-    for label, path, precision in (("MXFP4 file, q8 expert activations (for information)", gguf, "q8"),
-                                   ("experts dequantised to F32, fp32 activations", dequantized_twin(gguf, args), "exact")):
-        if path is None:
+    twin = dequantized_twin(gguf, args)
+    for label, paths, precision in (("MXFP4 weights, q8 expert activations (for information)", (hf, gguf), "q8"),
+                                    ("experts dequantised to F32, fp32 activations", (twin, twin), "exact")):
+        if None in paths:
             print(f"  logits, {label}: the twin would exceed --twin-limit {args.twin_limit:g} GB: not run")
             continue
         a, b = (positions(name, path, precision, common, work / f"{family}-{size}-{name}.npz")
-                for name in ("localmoe", "llama"))
+                for name, path in zip(("localmoe", "llama"), paths))
         print(f"  logits, {label}, max |localmoe - llama.cpp| over the range: "
               f"{agreement(a['logits'], b['logits'], a['margin'], args.tie_margin)}", flush=True)
 

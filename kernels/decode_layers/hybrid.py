@@ -39,7 +39,7 @@ class Mla(ctypes.Structure):
 
     _fields_ = [("q_a", Matrix), ("q_b", Matrix), ("kv_a", Matrix), ("g", Matrix), ("q_a_norm", _p),
                 ("kv_a_norm", _p), ("w_uk", _p), ("w_uv", _p), ("rows", _p), ("heads", _i), ("kv_rank", _i),
-                ("nope", _i), ("rope", _i), ("vdim", _i), ("scale", _f), ("eps", _f)]
+                ("nope", _i), ("rope", _i), ("vdim", _i), ("rotate", _i), ("scale", _f), ("eps", _f)]
 
 
 class Gdn(ctypes.Structure):
@@ -219,7 +219,8 @@ class HybridDecoder:
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor | None = None,
                  signed_sin: torch.Tensor | None = None) -> torch.Tensor:
         """x [hidden] fp32 contiguous (the token's embedding; overwritten), cache position `pos`, the RoPE
-        tables [rot] at it for GQA layers -> the final-normed hidden state [hidden]."""
+        tables [rot] at its rotary position for GQA and rotating MLA layers -> the final-normed hidden state
+        [hidden]."""
         h = torch.empty(self.hidden)
         failed = library().decode_hybrid(
             ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, _ptr(cos),

@@ -215,7 +215,7 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
   float* scratch = b.mixer + mixer_width(L);
   switch (L.mixer) {
     case 0: localmoe_hybrid::kda_step(L.kda, hn, b.mixer, scratch, xq, threads); break;
-    case 1: localmoe_hybrid::mla_step(L.mla, hn, pos, b.mixer, scratch, xq, threads); break;
+    case 1: localmoe_hybrid::mla_step(L.mla, hn, pos, cos, ssin, b.mixer, scratch, xq, threads); break;
     case 2: localmoe_hybrid::gdn_step(L.gdn, hn, b.mixer, scratch, xq, threads); break;
     default: gqa_mixer(L.gqa, hn, pos, cos, ssin, b.mixer, scratch, xq, threads);
   }
@@ -257,7 +257,7 @@ int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, i
 }
 
 // x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state; cos / ssin: the RoPE
-// tables at `pos` for GQA layers (null without any). block_size 0: plain
+// tables at the token's rotary position for GQA and rotating MLA layers (null without any). block_size 0: plain
 // residuals, else attention residuals with queries per layer and `output_query`. Returns 0, or 1 where
 // the experts callback asked to stop (h is then undefined).
 int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,

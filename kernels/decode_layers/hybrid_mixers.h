@@ -1,5 +1,6 @@
 // The mixers of the hybrid decode stack (hybrid_cpu.cpp) for one token: KDA (Kimi-Linear, Kimi K3) and
-// absorbed MLA over the latent cache (NoPE: Kimi), plus the vector helpers they share. Each is the engine's
+// absorbed MLA over the latent cache (NoPE: Kimi; RoPE over adjacent pairs: DeepSeek-V3, Kimi K2.5), plus the
+// vector helpers they share. Each is the engine's
 // op-by-op step (engine/layers/kda.py, engine/layers/mla.py) in fp32; loops are written with AVX2 intrinsics or as plain
 // in-order scalar code, so the AVX2 and AVX-512 builds give the same bits.
 #pragma once
@@ -205,7 +206,7 @@ inline void gdn_step(const Gdn& a, const float* x, float* o, float* scratch, voi
   }
 }
 
-// ---- MLA, absorbed, NoPE (Kimi): one token of one layer ----
+// ---- MLA, absorbed (NoPE: Kimi; RoPE: DeepSeek): one token of one layer ----
 
 struct Mla {
   Matrix q_a;   // [q_rank, D]; rows 0: no q LoRA (q_b is q_proj)
@@ -218,8 +219,22 @@ struct Mla {
   const float* w_uv;  // [H, v, r]
   float* rows;        // the latent cache [capacity, r + rope] fp32; this token's row written at pos
   int64_t heads, kv_rank, nope, rope, vdim;
+  int64_t rotate;  // 1: RoPE over adjacent pairs of the rope part, kept de-interleaved (DeepSeek); 0: NoPE
   float scale, eps;
 };
+
+// x [n] (pairs adjacent) <- RoPE over adjacent pairs in de-interleaved order (evens, then odds), as
+// engine/layers/mla.py `rotate_interleaved`: the half-split rotation by cos / signed sin [n] after the shuffle.
+inline void rotate_pairs(float* x, int64_t n, const float* cos, const float* ssin) {
+  alignas(32) float t[128];
+  const int64_t half = n / 2;
+  for (int64_t i = 0; i < half; ++i) t[i] = x[2 * i], t[half + i] = x[2 * i + 1];
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = t[i], b = t[i + half];
+    x[i] = a * cos[i] + b * ssin[i];
+    x[i + half] = b * cos[i + half] + a * ssin[i + half];
+  }
+}
 
 inline int64_t mla_scratch(const Mla& m) { return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim; }
 
@@ -267,8 +282,10 @@ inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
   }
 }
 
-// x [D] (normed) -> o [H v] (gated, before o_proj); the token's latent row written at `pos`.
-inline void mla_step(const Mla& m, const float* x, int64_t pos, float* o, float* scratch, void* xq, int threads) {
+// x [D] (normed) -> o [H v] (gated, before o_proj); the token's latent row written at `pos`; cos / ssin: the
+// RoPE tables [rope] at the token's rotary position (read only where m.rotate).
+inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos, const float* ssin, float* o,
+                     float* scratch, void* xq, int threads) {
   float* cq = scratch;
   float* q = cq + m.q_a.rows;
   float* gate = q + m.q_b.rows;
@@ -282,6 +299,11 @@ inline void mla_step(const Mla& m, const float* x, int64_t pos, float* o, float*
   float* row = m.rows + pos * (m.kv_rank + m.rope);
   localmoe::matvec(m.kv_a, x, row, xq, threads);
   rms_norm(row, m.kv_a_norm, m.kv_rank, m.eps, row);
+  if (m.rotate) {
+    const int64_t qd = m.nope + m.rope;
+    for (int64_t h = 0; h < m.heads; ++h) rotate_pairs(q + h * qd + m.nope, m.rope, cos, ssin);
+    rotate_pairs(row + m.kv_rank, m.rope, cos, ssin);
+  }
   MlaHeads ctx{&m, q, o, pos + 1};
   localmoe::parallel(mla_heads, &ctx, m.heads, 1, threads);
   if (m.g.rows) {

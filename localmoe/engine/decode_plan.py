@@ -8,8 +8,8 @@
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
-- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next; and GQA + MoE models the first form does not take: Qwen3-MoE,
-  GLM-4.5): KDA, MLA (absorbed, NoPE) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
+- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3, Kimi K2.5; and GQA + MoE models the first form does not
+  take: Qwen3-MoE, GLM-4.5): KDA, MLA (absorbed; NoPE, or RoPE over adjacent pairs) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
   or attention residuals (`_hybrid`); routed experts in the kernel where resident (an MXFP4 `routed_table`, a dense
   `routed_dense_table`, or GGUF blocks at expert precision q8: `routed_block_table`), else called back into the
   engine (a pager), with the same bits.
@@ -220,16 +220,19 @@ def _gqa_layer(mixer: GQAttention, model) -> dict | None:
     return d if _checked(d["qkv"]) and (mixer.gate is None or _checked(d["gate"])) else None
 
 
-def _mla_layer(mixer: MLAttention) -> dict | None:
+def _mla_layer(mixer: MLAttention, model) -> dict | None:
+    """Absorbed MLA, NoPE (Kimi) or rotating its rope part over adjacent pairs with the model's RoPE tables
+    (DeepSeek-V3, Kimi K2.5: the tables must be the rope part's width)."""
     c = mixer.config
-    if (not c.use_nope or mixer.absorb is False
-            or c.kv_lora_rank > hybrid.MAX_LATENT or c.qk_rope_head_dim > 128):
+    if (mixer.absorb is False or c.kv_lora_rank > hybrid.MAX_LATENT or c.qk_rope_head_dim > 128
+            or (not c.use_nope and (c.qk_rope_head_dim % 2 or model.rope is None
+                                    or model.rope.cos.shape[-1] != c.qk_rope_head_dim))):
         return None
     d = {"q_a": None if mixer.q_a_proj is None else _matrix(mixer.q_a_proj), "q_b": _matrix(mixer.q_proj),
          "kv_a": _matrix(mixer.kv_a_proj), "g": None if mixer.g_proj is None else _matrix(mixer.g_proj),
          "q_a_norm": mixer.q_a_norm, "kv_a_norm": mixer.kv_a_norm, "w_uk": mixer.w_uk, "w_uv": mixer.w_uv,
          "heads": c.num_heads, "kv_rank": c.kv_lora_rank, "nope": c.qk_nope_head_dim, "rope": c.qk_rope_head_dim,
-         "vdim": c.v_head_dim, "scale": mixer.scale, "eps": c.norm_eps}
+         "vdim": c.v_head_dim, "rotate": not c.use_nope, "scale": mixer.scale, "eps": c.norm_eps}
     ok = _checked(d["q_b"], d["kv_a"]) and all(_checked(d[n]) for n in ("q_a", "g") if d[n] is not None)
     return d if ok and (d["q_a"] is None) == (mixer.q_a_proj is None) and _fp32_vectors(
         d["q_a_norm"], d["kv_a_norm"], d["w_uk"], d["w_uv"]) else None
@@ -391,7 +394,8 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
 
 
 def _hybrid(cls, model) -> DecodePlan | None:
-    """Kimi K3 / Kimi-Linear / Qwen3-Next: every layer KDA, Gated DeltaNet, NoPE MLA or GQA with a dense MLP or
+    """Kimi K3 / Kimi-Linear / Qwen3-Next / DeepSeek-V3 / Kimi K2.5: every layer KDA, Gated DeltaNet, MLA (NoPE or
+    RoPE) or GQA with a dense MLP or
     a MoE block; plain or attention residuals; fp32, bf16 or GGUF-block matrices."""
     residuals = model.residuals
     if residuals is not None and not (type(residuals) is AttentionResiduals and residuals.eps == model.eps
@@ -404,7 +408,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
     glu, layers, parts = _glu(model.spec), [], []
     for i, (attn_norm, mixer, mlp_norm, mlp) in enumerate(model.layers):
         kind = {KimiDeltaAttention: "kda", MLAttention: "mla", GatedDeltaNet: "gdn", GQAttention: "gqa"}.get(type(mixer))
-        mix = None if kind is None else {"kda": _kda_layer, "mla": _mla_layer, "gdn": _gdn_layer,
+        mix = None if kind is None else {"kda": _kda_layer, "mla": lambda m: _mla_layer(m, model), "gdn": _gdn_layer,
                                          "gqa": lambda m: _gqa_layer(m, model)}[kind](mixer)
         o_proj = _matrix(mixer.out_proj if kind == "gdn" else mixer.o_proj) if mix is not None else None
         m = _mlp_layer(mlp, glu) if type(mlp) in (GatedMLP, MoEBlock) else None
@@ -420,6 +424,6 @@ def _hybrid(cls, model) -> DecodePlan | None:
                                    model.config.expert_precision == "q8", block_size,
                                    None if residuals is None else residuals.output_query, _routed(model))
     plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
-    plan.rope = any(d["mixer"] == "gqa" for d in layers)
+    plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and d["mla"]["rotate"]) for d in layers)
     return plan
 

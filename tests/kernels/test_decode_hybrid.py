@@ -1,7 +1,7 @@
 """The fused hybrid decode stack (kernels/decode_layers/hybrid_cpu.cpp, bound by engine/decode_plan.py):
 KDA, Gated DeltaNet, absorbed MLA, gated GQA, attention residuals, latent MoE and shared experts for one
 decode token in one call, against the op-by-op engine (its PyTorch reference), and its AVX2 build against
-its AVX-512 build (Kimi K3, Kimi-Linear, Qwen3-Next)."""
+its AVX-512 build (Kimi K3, Kimi-Linear, Qwen3-Next; Kimi K2.5, DeepSeek-V3's layout: MLA rotating its rope part)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ PROMPT = list(range(3, 73))  # 70 tokens: MLA attends over more than one 64-key 
 STEPS = 10
 
 
-@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear", "qwen3_next"])
+@pytest.fixture(scope="module", params=["kimi_k3", "kimi_linear", "qwen3_next", "kimi_k25"])
 def checkpoint(request, tmp_path_factory):
     return write_checkpoint(request.param, tmp_path_factory.mktemp(request.param), size="tiny", seed=3)
 
