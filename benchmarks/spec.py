@@ -201,7 +201,7 @@ def step_worker(args) -> None:
     elif kind.startswith("draft:"):
         from localmoe.engine.spec.drafters import DraftModel
 
-        draft = load_model(kind[6:], EngineConfig(dtype="float32", threads=args.threads), progress=False).model
+        draft = load_model(kind[6:], EngineConfig(threads=args.threads), progress=False).model
         speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size), args.k)
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
@@ -240,7 +240,7 @@ def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[st
 
 
 def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool = True) -> None:
-    for task in TASKS:
+    for task in args.tasks.split(","):
         workers = {spec: command(args, model, spec, task, ram, chat) for spec in specs}
         results = alternate(workers, args.pairs)
         base = results["off"]
@@ -264,7 +264,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 # (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
-                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind"), True),
+                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind", "draft"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
@@ -330,8 +330,10 @@ def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
     if not (store / "manifest.json").exists():
         print("converting it to a packed store ...", flush=True)
         convert(src, store)
-    if family == "smollm_moe":
-        draft = ""  # no smaller model of its own (a draft model is measured on gpt-oss)
+    if family == "smollm_moe":  # the dense model it was upcycled from, resident (its answers are the MoE's, nearly)
+        from localmoe.default_model import default_model_path
+
+        draft = default_model_path()
     elif not (draft / "config.json").exists():
         write_checkpoint(family, draft, size="tiny", seed=1)
     return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
@@ -355,7 +357,7 @@ def main() -> None:
     ap.add_argument("--stores", default="gpt_oss", help="the paged stores of --paged / --paged-only, comma-separated: "
                     "gpt_oss (b), kimi_k3 (c), deepseek_v32 (with an MTP layer: --spec mtp)")
     ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tasks", default=",".join(TASKS), help="(b): the prompts, comma-separated")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="the prompts, comma-separated")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="paged stores: only these configurations (fused,rows,oracle,prompt,...)")
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("LOCALMOE_CACHE", Path.home() / ".cache" / "localmoe")) / "bench",

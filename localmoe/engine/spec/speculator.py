@@ -37,13 +37,16 @@ PROBE = 16  # plain steps between two tries while speculation does not pay
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
 RETIRE_AFTER = 24  # consecutive steps without a worthwhile expected gain before a sequence stops speculating
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain row step below which speculation is not worth the row path
-BUCKETS = 4  # drafts by the length of the match they were copied from: none or 1, 2-3, 4-7, 8+ tokens
-PRIOR = 2.0  # weight of the sequence's overall acceptance in a bucket's estimate (its prior)
+# drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
+# overall acceptance), 1, 2-3, 4-7, 8+ tokens; each class's prior a (weight PRIOR), until its own counts say
+CLASS_PRIOR = (None, 0.3, 0.5, 0.7, 0.9)
+BUCKETS = len(CLASS_PRIOR)
+PRIOR = 2.0
 
 
 def bucket(draft: Draft) -> int:
     """A draft's confidence class: the length of the match it continues, in powers of two (0: no match known)."""
-    return min(max(draft.match, 1).bit_length() - 1, BUCKETS - 1)
+    return min(draft.match.bit_length(), BUCKETS - 1)
 
 
 @dataclass(slots=True)
@@ -101,8 +104,10 @@ class Speculator:
         return self._kept / self._trials
 
     def bucket_acceptance(self, b: int) -> float:
-        """a for drafts of confidence class `b` (bucket()): its own counts, pulled towards `acceptance`."""
-        return (self._bucket_kept[b] + PRIOR * self.acceptance) / (self._bucket_trials[b] + PRIOR)
+        """a for drafts of confidence class `b` (bucket()): its own counts and its prior (class 0: `acceptance`)."""
+        if b == 0:
+            return self.acceptance
+        return (self._bucket_kept[b] + PRIOR * CLASS_PRIOR[b]) / (self._bucket_trials[b] + PRIOR)
 
     def _best(self, a: float) -> tuple[int, float]:
         """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
@@ -133,9 +138,10 @@ class Speculator:
         if len(self.step_seconds) < 2:
             return 1
         plain = 1.0 / self.step_seconds[1]
-        seen = [b for b in range(BUCKETS) if self._bucket_trials[b] > 0]
-        best, best_rate = max((self._best(a) for a in [self.acceptance] + [self.bucket_acceptance(b) for b in seen]),
-                              key=lambda kr: kr[1])
+        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]  # a drafter with matches: its classes
+        best, _ = max((self._best(self.bucket_acceptance(b)) for b in (range(1, BUCKETS) if seen else [0])),
+                      key=lambda kr: kr[1])
+        best_rate = max(self._best(self.bucket_acceptance(b))[1] for b in (seen or [0]))
         self._poor = self._poor + 1 if best_rate < RETIRE_GAIN * plain else 0
         if self._poor >= RETIRE_AFTER:
             self.retired = True
@@ -168,7 +174,12 @@ class Speculator:
         if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or len(self.step_seconds) < 2:
             return self._priced_fit(draft, None)
         a = self.bucket_acceptance(bucket(draft))
-        keep = max(self._best(a)[0], int(probe))
+        keep = self._best(a)[0]
+        if keep == 0:  # a draft its class does not pay for: every PROBE of them, one is tried anyway
+            self._plain += 1
+            probe = probe or self._plain >= PROBE
+        if probe:
+            self._plain, keep = 0, max(keep, 1)
         return self._priced_fit(draft.first(keep), a)
 
     def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
