@@ -11,13 +11,15 @@ E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the
 second wins, and k = 0 (no draft: a plain decode step) when none beats it. The step time is the
 cost model: on a paged model it includes reading the drafted tokens' experts that are not resident,
 so speculation turns itself down where verifying costs more than it yields. With a `Residency`
-(residency.py: a paged model, drafts copied from the sequence) the model knows more: a step's time
-splits into compute (measured per row count, less the time stalled on expert reads) plus the reads,
-a plain step's measured stall plus, for each draft prefix, the experts its tokens' earlier routing
-predicts that the pager does not hold and the pending token's (predicted the same way) does not read
-anyway, at the measured stall per missed expert. `fit` then keeps the
-prefix of the draft with the most tokens per second under that model (a draft whose experts are
-resident costs compute only; one whose experts must be read is cut short or dropped), and has the
+(residency.py: a paged model, drafts copied from the sequence) the model knows more: the step time of r rows
+includes the expert reads of a typical step of r rows (the misses per row count are measured too), and a
+draft's own reads differ from that: its tokens' earlier routing predicts the experts the verify reads, of
+which the pager holds some. For each draft prefix, the experts it adds to the pending token's (predicted the
+same way) that are not resident, less the typical step's added misses, are priced at the measured stall per
+missed expert (a verify's reads run in parallel, so a miss there costs what the measured steps say, not a
+plain step's serial stall; an earlier model priced them serially and cut every draft). `fit` then keeps the
+prefix of the draft with the most tokens per second under that model (a draft whose experts are resident is
+cheaper than a typical one; one whose experts must be read is cut short or dropped), and has the
 pager prefetch the experts the kept drafts predict. Every `PROBE` steps at
 k = 0 one step drafts again, so a change in acceptance is noticed. After `RETIRE_AFTER` steps in which
 the best k was expected to gain less than `RETIRE_GAIN` over a plain step, the sequence stops
@@ -87,10 +89,9 @@ class Speculator:
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
         self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
         self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is replaced, not averaged)
-        # with a residency: rows -> average step time less its stall on expert reads; a plain step's stall;
-        # the stall per expert missed; the pager's (stall, misses) when this step began
-        self.compute_seconds: dict[int, float] = {}
-        self.plain_stall: float | None = None
+        # with a residency: rows -> average expert misses of a step; the stall per expert missed; the pager's
+        # (stall, misses) when this step began
+        self.step_misses: dict[int, float] = {}
         self.miss_seconds: float | None = None
         self._counters: tuple[float, int] | None = None
         self._plain = 0  # plain steps since the last draft
@@ -156,14 +157,11 @@ class Speculator:
         return best
 
     def _priced(self) -> bool:
-        """Whether the residency cost model has what it needs (a plain step and a missed expert measured)."""
-        return self.residency is not None and self.plain_stall is not None and self.miss_seconds is not None
+        """Whether the residency cost model has what it needs (a plain step's misses and a missed expert's stall)."""
+        return self.residency is not None and 1 in self.step_misses and self.miss_seconds is not None
 
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows (priced: its compute and a plain step's reads; the drafts' own
-        reads are added by `fit`)."""
-        if self._priced():
-            return _interpolate(self.compute_seconds, rows) + self.plain_stall
+        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own)."""
         return _interpolate(self.step_seconds, rows)
 
     def fit(self, draft: Draft) -> Draft:
@@ -195,8 +193,9 @@ class Speculator:
             a = min(a, 0.999)
             keep, best = 0, 1.0 / self._estimate(1)
             for j in range(1, len(draft.tokens) + 1):
-                added = (missing[j] - missing[0]) * self.miss_seconds
-                rate = (1 - a ** (j + 1)) / (1 - a) / (self._estimate(j + 1) + added)
+                typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
+                added = (missing[j] - missing[0] - typical) * self.miss_seconds
+                rate = (1 - a ** (j + 1)) / (1 - a) / max(self._estimate(j + 1) + added, self._estimate(1))
                 if rate > best:
                     keep, best = j, rate
         if keep:
@@ -225,9 +224,7 @@ class Speculator:
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
             stall, misses = stall - self._counters[0], misses - self._counters[1]
-            _average(self.compute_seconds, rows, max(seconds - stall, 0.0))
-            if rows == 1:
-                self.plain_stall = stall if self.plain_stall is None else self.plain_stall + SMOOTH * (stall - self.plain_stall)
+            _average(self.step_misses, rows, misses)
             if misses:
                 per = stall / misses
                 self.miss_seconds = per if self.miss_seconds is None else self.miss_seconds + SMOOTH * (per - self.miss_seconds)
