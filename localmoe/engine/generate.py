@@ -148,8 +148,9 @@ class Decoder:
     def prompt_rows(self) -> bool:
         """Whether its prompt chunks may run as rows of a batched step (`decode_together(chunks=...)`, for
         a model whose rows are each computed on their own: engine/batch.py `rows_independent`): it is
-        prefilling, without images or a speculator (those take `logits()`)."""
-        return self.prefilling and self.images is None and self.speculator is None
+        prefilling, without images or a speculator that watches the cache (an MTP drafter, a residency: those
+        take `logits()`); a prompt-lookup sequence prefills as a plain one does, so its text is the same."""
+        return self.prefilling and self.images is None and (self.speculator is None or not self.speculator.watches)
 
     def chunk_size(self, limit: int) -> int:
         """How many tokens `take_prompt(limit)` takes: at most `limit` (at least 1), up to where `logits()`'

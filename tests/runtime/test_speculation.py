@@ -57,6 +57,24 @@ def test_run_with_prompt_lookup_equals_off(embedded):  # noqa: F811
     assert outputs["prompt"].spec.steps > 0
 
 
+DOCUMENT = """The packed store keeps each routed expert in one page-aligned extent, so one read fetches the gate,
+up and down matrices of an expert together with their scales. The pager keeps the hot experts in RAM
+slots and reads the others from the drive on demand; its policy decides which slot an expert evicts."""
+
+
+def test_a_prompt_lookup_sequence_prefills_as_a_plain_one(embedded):  # noqa: F811
+    """The worker runs a prompt-lookup sequence's prompt as rows of its batched step, as it does a plain one's
+    (a prefill through `logits()` rounds differently, and this answer then parted from off at a near-tie)."""
+    outputs, rows = {}, {}
+    question = f"Here is a document:\n\n{DOCUMENT}\n\nWhich sentences of the document are about the pager?"
+    for mode in ("off", "prompt"):
+        service = Service(embedded, ServerConfig(prefix_cache_entries=0, spec=mode))
+        events = list(service.chat_here(ChatRequest([ChatMessage("user", question)], 24, GREEDY)))
+        outputs[mode], rows[mode] = events[-1][1].content, service.worker.prompt_rows
+    assert outputs["prompt"] == outputs["off"]
+    assert rows["prompt"] == rows["off"] > 0
+
+
 def test_a_request_may_turn_speculation_off(embedded):  # noqa: F811
     service = Service(embedded, ServerConfig(prefix_cache_entries=0, spec="prompt"))
     prep, _ = service.prepare_chat(ChatRequest([ChatMessage("user", "hi")], 4, GREEDY, spec="off"))

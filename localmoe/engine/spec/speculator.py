@@ -120,6 +120,11 @@ class Speculator:
                 best, best_rate = k, rate
         return best, best_rate
 
+    @property
+    def watches(self) -> bool:
+        """Whether it reads the target's forwards through the cache's `hidden_sink` (`watch`)."""
+        return hasattr(self.drafter, "watch") or self.residency is not None
+
     def watch(self, cache) -> None:
         """The sequence's cache (a new one after a preemption): a drafter that reads the target's hidden
         states (MTP) watches it, else the residency files the routing of the positions it runs."""
