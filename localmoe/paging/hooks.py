@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import torch
 
+DEPTH = 1  # MoE layers guessed ahead of each routed one
+
+
+def _ranked(ids: torch.Tensor) -> list[int]:
+    """The distinct experts of a guess [N, k] (each row best first), best first: every row's first pick, then
+    their seconds, ... (the pager reads guesses in this order while no demanded read waits)."""
+    return list(dict.fromkeys(ids.t().reshape(-1).tolist()))
+
 
 class PagedRouter:
-    """Stands in for `MoEBlock.router`: same call, same result, plus the paging hints."""
+    """Stands in for `MoEBlock.router`: same call, same result, plus the paging hints. `ahead`: (router, layer) of
+    the later MoE layers to guess from this layer's input, nearest first."""
 
-    def __init__(self, router, layer: int, pager=None, next_router=None, next_layer: int | None = None,
-                 trace=None):
-        self.router, self.layer, self.pager = router, layer, pager
-        self.next_router, self.next_layer, self.trace = next_router, next_layer, trace
+    def __init__(self, router, layer: int, pager=None, ahead=(), trace=None):
+        self.router, self.layer, self.pager, self.ahead, self.trace = router, layer, pager, list(ahead), trace
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k], ids [N, k]), unchanged from the wrapped router."""
@@ -26,12 +33,13 @@ class PagedRouter:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
             self.pager.stats.routed += ids.numel()
-            ahead = None
-            if self.next_router is not None and self.pager.prefetch_enabled and not self.pager.holds_all(
-                    self.next_layer):  # (a layer whose experts all sit in slots needs no guess)
-                _, guess = self.next_router(x)  # layer L+1's router on layer L's input: a guess
-                ahead = (self.next_layer, sorted(set(guess.reshape(-1).tolist())))
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), ahead)  # its loads first
+            guesses = []
+            if self.pager.prefetch_enabled:
+                for router, layer in self.ahead:
+                    if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots needs no guess)
+                        _, guess = router(x)  # a later layer's router on this layer's input: a guess
+                        guesses.append((layer, _ranked(guess)))
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router
@@ -47,8 +55,10 @@ def _plain(router):
     return router
 
 
-def attach(transformer, pager=None, trace=None, lookahead: bool = True, whole: bool = True) -> None:
-    """Wrap the routers of `transformer` (an engine Transformer) for `pager` and/or `trace`. With `whole`, a pager
+def attach(transformer, pager=None, trace=None, lookahead: bool = True, whole: bool = True,
+           depth: int = DEPTH) -> None:
+    """Wrap the routers of `transformer` (an engine Transformer) for `pager` and/or `trace`; with `lookahead`, each
+    guesses the (up to) `depth` MoE layers after it in the same pass. With `whole`, a pager
     whose slab holds every expert reads them all now (`Pager.load_all`) and gets no hooks: its layers then run as
     resident ones, routing inside the experts' kernel call."""
     if pager is not None and whole and pager.load_all():
@@ -58,9 +68,9 @@ def attach(transformer, pager=None, trace=None, lookahead: bool = True, whole: b
     blocks = transformer.moe_blocks()
     routers = [_plain(b.router) for b in blocks]
     for i, block in enumerate(blocks):
-        nxt = i + 1 < len(blocks) and lookahead
-        block.router = PagedRouter(routers[i], block.layer, pager, routers[i + 1] if nxt else None,
-                                   blocks[i + 1].layer if nxt else None, trace)
+        later = range(i + 1, min(i + 1 + depth, len(blocks))) if lookahead else ()
+        block.router = PagedRouter(routers[i], block.layer, pager, [(routers[j], blocks[j].layer) for j in later],
+                                   trace)
 
 
 def detach(transformer) -> None:

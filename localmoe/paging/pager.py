@@ -13,7 +13,8 @@ likely ones (`prefetch`: router lookahead); loads run while compute continues.
 
 Never evicted: the experts last returned (the caller is computing them), pinned experts (a
 calibration profile), and loads in flight. Prefetches never evict the current layer's
-chosen experts or an unused prefetch, and hold at most a quarter of the slots unused.
+chosen experts or an unused prefetch, and hold at most a quarter of the slots unused; a guess its layer's
+next routing does not choose becomes an ordinary cached expert (evictable; counted wasted).
 
 With GPU tiers (`use_gpus`), `placed(layer, expert, tokens)` hands out an expert a GPU holds
 from there; otherwise it gets it through the RAM tier and lets the cost model (placement.place)
@@ -25,9 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 
 from localmoe.engine.experts import ExpertWeights
 from localmoe.paging.disk import DiskBackend
@@ -42,11 +42,23 @@ DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
 
 
 class _Slot:
-    __slots__ = ("future", "gen", "index", "key", "origin", "state", "used")
+    __slots__ = ("gen", "index", "key", "origin", "read", "state", "used")
 
     def __init__(self, index: int):
-        self.index, self.key, self.state, self.future = index, None, EMPTY, None
+        self.index, self.key, self.state, self.read = index, None, EMPTY, None
         self.origin, self.used, self.gen = DEMAND, True, 0
+
+
+class _Read:
+    """One load of `key` into `slot` (its generation `gen`): queued, taken by a reader (`started`), `done` (with
+    `error` where it failed). Waiters wait on the pager's condition; there is no Future per read."""
+
+    __slots__ = ("done", "error", "gen", "key", "slot", "started")
+
+    def __init__(self, slot: _Slot, key: Key):
+        self.slot, self.key, self.gen = slot, key, slot.gen
+        self.started = self.done = False
+        self.error: BaseException | None = None
 
 
 class Pager:
@@ -61,7 +73,7 @@ class Pager:
         self._views: dict[tuple[int, int], ExpertWeights] = {}  # (layout kind, slot) -> the tensors over it
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
-        self._unused = 0  # lookahead loads not yet requested
+        self._guesses: dict[int, set[Key]] = {layer: set() for layer in self.layouts}  # unsettled lookahead loads
         self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
         self._resident = None  # ResidentExperts over the slots once `load_all` pinned every expert
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
@@ -69,8 +81,13 @@ class Pager:
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.free = list(reversed(range(num_slots)))
         self.where: dict[Key, _Slot] = {}
-        self.lock = threading.Condition()
-        self.pool = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="localmoe-io")
+        mutex = threading.Lock()
+        self.lock = threading.Condition(mutex)  # the pager's state; notified when a read ends
+        self._work = threading.Condition(mutex)  # notified when a read is queued (the readers wait on it)
+        self._urgent: deque[_Read] = deque()  # demanded loads (and a routed layer's), read first
+        self._later: deque[_Read] = deque()  # lookahead guesses, read when no demanded load waits
+        self._readers: list[threading.Thread] = []
+        self.io_threads, self._closed = max(1, io_threads), False
         self.prefetch_enabled = prefetch
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
@@ -98,8 +115,8 @@ class Pager:
             self.held = ()
             slot = self._request((layer, expert))
             self.held = (slot,)
-            state, future, gen = slot.state, slot.future, slot.gen
-        waited = self._wait(slot, (layer, expert), future, gen) if state != READY else 0.0
+            read = slot.read if slot.state != READY else None
+        waited = self._wait(read) if read is not None else 0.0
         weights = self._weights(layer, slot)
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -118,8 +135,8 @@ class Pager:
             for e in experts:
                 slots.append(self._request((layer, e)))
                 self.held = tuple(slots)
-            pending = [(s, (layer, e), s.future, s.gen) for s, e in zip(slots, experts) if s.state != READY]
-        waited = sum(self._wait(*p) for p in pending)
+            pending = [s.read for s in slots if s.state != READY]
+        waited = sum(self._wait(read) for read in pending)
         weights = [self._weights(layer, s) for s in slots]
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -135,15 +152,11 @@ class Pager:
             slot = self._allocate(demand=True)
             self._start(slot, key, DEMAND)
         elif not slot.used:  # first request of a load started before it
-            slot.used = True
-            self._mark_evictable(slot)
             if slot.origin == LOOKAHEAD:
-                self._unused -= 1
                 ram.hits += 1
-                pf.used += 1
                 pf.covered += 1
                 pf.late += slot.state == LOADING
-            # EARLY: begin_layer counted the miss already
+            self._settle(slot, chosen=True)  # EARLY: begin_layer counted the miss already
         else:
             ram.hits += 1
         self.policy.access(key, self.step)
@@ -197,18 +210,28 @@ class Pager:
 
     # ---- hints from the wrapped routers (paging/hooks.py) ----
 
-    def begin_layer(self, layer: int, experts: Iterable[int], ahead: tuple[int, Iterable[int]] | None = None) -> None:
+    def begin_layer(self, layer: int, experts: Iterable[int],
+                    ahead: Sequence[tuple[int, Iterable[int]]] = ()) -> None:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
-        now; `ahead` = (layer, guessed experts): then `prefetch` those, with the victims for both picked in one
-        policy call (the same as the two calls one after the other)."""
+        now (read before any guess). The layer's earlier guesses that routing did not choose are settled (wasted;
+        not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
+        then `prefetch` those, with the victims for all picked in one policy call (the same as the calls one after
+        the other)."""
         started = time.perf_counter()
         with self.lock:
             self._see_layer(layer, new_step_at_same=True)
+            keys = [(layer, e) for e in sorted(experts)]
+            for key in self._guesses.get(layer, set()) - set(keys):  # guesses the routing did not choose
+                slot = self.where[key]
+                self._settle(slot, chosen=False)
+                if slot.state == LOADING and not slot.read.started:  # not read yet: not read at all
+                    self._free_slot(slot)
             if self.prefetch_enabled:
-                keys = [(layer, e) for e in sorted(experts)]
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                guessed = self._guessed(*ahead) if ahead is not None else []
+                guessed = []
+                for later, guess in ahead:
+                    guessed += self._guessed(later, guess, len(guessed))
                 slots = self._make_room(len(missing) + len(guessed))
                 for key, slot in zip(missing, slots):
                     self.stats.ram.misses += 1
@@ -233,14 +256,14 @@ class Pager:
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
 
-    def _guessed(self, layer: int, experts: Iterable[int]) -> list[Key]:
+    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0) -> list[Key]:
         """The guessed experts a prefetch would load, in order: not in a slot or on a GPU, while unused lookahead
-        loads stay under a quarter of the slots (lock held)."""
+        loads (and `more` about to start) stay under a quarter of the slots (lock held)."""
         if layer not in self.layouts:
             return []
         missing = list(dict.fromkeys(key for key in ((layer, int(e)) for e in experts)
                                      if key not in self.where and not self._on_gpu(key)))
-        return missing[:max(0, max(1, len(self.slots) // 4) - self._unused)]
+        return missing[:max(0, max(1, len(self.slots) // 4) - self.stats.prefetch.pending - more)]
 
     # ---- GPU tiers ----
 
@@ -347,88 +370,126 @@ class Pager:
                 self._evict(out[-1])
         return out
 
+    def _settle(self, slot: _Slot, chosen: bool) -> None:
+        """`slot`'s load, not yet requested, is requested now or (a lookahead guess) its layer's routing did not
+        choose it (`chosen` False): it becomes an ordinary cached expert, evictable by the hints; a guess counts as
+        used or wasted (lock held)."""
+        if slot.origin == LOOKAHEAD and not slot.used:
+            pf = self.stats.prefetch
+            pf.pending -= 1
+            pf.used += chosen
+            pf.wasted += not chosen
+            self._guesses[slot.key[0]].discard(slot.key)
+        slot.used = True
+        self._mark_evictable(slot)
+
     def _mark_evictable(self, slot: _Slot | None) -> None:
         """`slot` joins the hints' eviction pool if it is ready, requested and not pinned (lock held)."""
         if slot is not None and slot.state == READY and slot.used and slot.key not in self.pinned:
             self._evictable[slot.key] = slot
 
     def _evict(self, slot: _Slot) -> None:
-        if not slot.used:
-            self.stats.prefetch.wasted += 1
         self._forget(slot)
         self.stats.ram.evictions += 1
-        slot.key, slot.state, slot.future = None, EMPTY, None
+        slot.key, slot.state, slot.read = None, EMPTY, None
+
+    def _free_slot(self, slot: _Slot) -> None:
+        """`slot`'s load is dropped (failed, or a guess cancelled before its read): the slot is free (lock held)."""
+        self._forget(slot)
+        slot.gen += 1
+        slot.key, slot.state, slot.read = None, EMPTY, None
+        self.free.append(slot.index)
 
     def _forget(self, slot: _Slot) -> None:
-        """`slot`'s expert leaves the tier (lock held)."""
+        """`slot`'s expert leaves the tier (lock held); an unsettled guess is wasted."""
+        if slot.origin == LOOKAHEAD and not slot.used:
+            self._settle(slot, chosen=False)
         del self.where[slot.key]
         self._evictable.pop(slot.key, None)
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
-        self._unused -= slot.origin == LOOKAHEAD and not slot.used
 
     def _start(self, slot: _Slot, key: Key, origin: str) -> None:
         slot.gen += 1
         slot.key, slot.state, slot.origin, slot.used = key, LOADING, origin, origin == DEMAND
         self.where[key] = slot
         self._count[key[0]] += 1
-        self._unused += origin == LOOKAHEAD
+        if origin == LOOKAHEAD:
+            self.stats.prefetch.pending += 1
+            self._guesses[key[0]].add(key)
         self.policy.insert(key, self.step)
-        slot.future = self.pool.submit(self._load, slot, key, slot.gen)
+        slot.read = _Read(slot, key)
+        (self._later if origin == LOOKAHEAD else self._urgent).append(slot.read)
+        if len(self._readers) < self.io_threads:
+            self._readers.append(threading.Thread(target=self._reader, name=f"localmoe-io-{len(self._readers)}",
+                                                  daemon=True))
+            self._readers[-1].start()
+        self._work.notify()
 
-    def _load(self, slot: _Slot, key: Key, gen: int) -> None:
-        """On an I/O thread: read the extent into the slot and check it (the tensors are the compute thread's)."""
-        with self.lock:
-            if self._inflight == 0:
-                self._busy_since = time.perf_counter()
-            self._inflight += 1
-        error = None
-        try:
-            nbytes = self.backend.read(key[0], key[1], self.slab.slot(slot.index))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-            error = e
-        with self.lock:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self.stats.ram.read_seconds += time.perf_counter() - self._busy_since
-            if slot.gen == gen and slot.state == LOADING:
-                if error is None:
-                    slot.state = READY
-                    self._mark_evictable(slot)
-                    self.stats.ram.bytes_read += nbytes
-                    self.stats.ram.loads += 1
-                else:  # a failed guess costs nothing more; a demanded one raises in `get`
-                    if not slot.used:
-                        self.stats.prefetch.wasted += 1
-                    self._forget(slot)
-                    slot.key, slot.state, slot.future = None, EMPTY, None
-                    self.free.append(slot.index)
-            self.lock.notify_all()
-        if error is not None:
-            raise error
+    def _reader(self) -> None:
+        """An I/O thread: takes the next queued read (demanded ones first), reads the extent into its slot and
+        checks it (the tensors are the compute thread's); a read whose slot moved on (a cancelled guess, a retired
+        slot) is skipped."""
+        while True:
+            with self.lock:
+                while not (self._urgent or self._later or self._closed):
+                    self._work.wait()
+                if self._closed:
+                    return
+                read = (self._urgent or self._later).popleft()
+                slot = read.slot
+                if slot.gen != read.gen or slot.state != LOADING:
+                    read.done = True
+                    continue
+                read.started = True
+                if self._inflight == 0:
+                    self._busy_since = time.perf_counter()
+                self._inflight += 1
+            error, nbytes = None, 0
+            try:
+                nbytes = self.backend.read(read.key[0], read.key[1], self.slab.slot(slot.index))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the read
+                error = e
+            with self.lock:
+                self._inflight -= 1
+                if self._inflight == 0:
+                    self.stats.ram.read_seconds += time.perf_counter() - self._busy_since
+                if slot.gen == read.gen and slot.state == LOADING:
+                    if error is None:
+                        slot.state = READY
+                        self._mark_evictable(slot)
+                        self.stats.ram.bytes_read += nbytes
+                        self.stats.ram.loads += 1
+                    else:  # a failed guess costs nothing more (wasted); a demanded one raises in `get`
+                        self._free_slot(slot)
+                read.error, read.done = error, True
+                self.lock.notify_all()
 
-    def _wait(self, slot: _Slot, key: Key, future: Future, gen: int) -> float:
-        """Wait for `slot`'s load of `key`; returns the seconds waited (also counted as stall)."""
+    def _wait(self, read: _Read) -> float:
+        """Wait for `read`; returns the seconds waited (also counted as stall)."""
         started = time.perf_counter()
-        try:
-            future.result(timeout=self.timeout)
-        except FutureTimeout:
-            with self.lock:
-                if slot.gen == gen and slot.state == LOADING:  # the thread may still write into it: retire it
-                    slot.gen += 1
-                    if self.where.get(key) is slot:
-                        self._forget(slot)
-                    slot.state, slot.key = DEAD, None
-                    self.lost_slots += 1
-                    self.held = ()
-            ext = self.store.expert_extent(*key)
-            raise ReadTimeoutError(f"layer {key[0]} expert {key[1]}: reading {ext.path} at offset {ext.offset} did "
-                                   f"not finish within {self.timeout:g} s; check the disk (dmesg) or raise the "
-                                   f"I/O timeout") from None
-        finally:
+        deadline = time.monotonic() + self.timeout
+        with self.lock:
+            while not read.done and (left := deadline - time.monotonic()) > 0:
+                self.lock.wait(left)
+            slot = read.slot
+            if not read.done and slot.gen == read.gen and slot.state == LOADING:
+                # the thread may still write into it: retire it
+                slot.gen += 1
+                if self.where.get(read.key) is slot:
+                    self._forget(slot)
+                slot.state, slot.key = DEAD, None
+                self.lost_slots += 1
+                self.held = ()
             waited = time.perf_counter() - started
-            with self.lock:
-                self.stats.ram.stall_seconds += waited
+            self.stats.ram.stall_seconds += waited
+        if not read.done:
+            ext = self.store.expert_extent(*read.key)
+            raise ReadTimeoutError(f"layer {read.key[0]} expert {read.key[1]}: reading {ext.path} at offset "
+                                   f"{ext.offset} did not finish within {self.timeout:g} s; check the disk (dmesg) or "
+                                   f"raise the I/O timeout")
+        if read.error is not None:
+            raise read.error
         return waited
 
     def resident(self) -> set[Key]:
@@ -436,5 +497,9 @@ class Pager:
             return {s.key for s in self.slots if s.state == READY}
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            self._closed = True
+            self._urgent.clear()
+            self._later.clear()
+            self._work.notify_all()
         self.backend.close()

@@ -10,7 +10,8 @@
 - lookup_seconds: the pager's own work on the compute thread (finding slots, choosing victims, the
   policy's bookkeeping, routing hints), stalls excluded;
   overlapped_seconds = read time that did not stall compute; overlap = their ratio.
-- prefetch precision = prefetched loads later demanded / prefetched loads issued;
+- prefetch precision = prefetched loads later demanded / prefetched loads issued (a guess is settled, used or
+  wasted, when it is first demanded, when its layer's next routing does not choose it, or when it leaves);
   recall = demand requests a prefetch covered / (those + demand misses).
 - GPU tiers ("gpu0", ...): requests are experts computed for that GPU's layers, hits the ones
   it held, bytes_read the bytes copied in; `computed` counts where each expert ran ("ram": on
@@ -55,9 +56,10 @@ class TierStats:
 
 @dataclass
 class PrefetchStats:
-    issued: int = 0  # prefetch loads started
+    issued: int = 0  # prefetch loads started (and those still pending when the counts were reset)
     used: int = 0  # of those, demanded before being evicted
-    wasted: int = 0  # evicted (or failed) without being demanded
+    wasted: int = 0  # not chosen by their layer's next routing, or evicted (or failed) before being demanded
+    pending: int = 0  # issued, neither used nor wasted yet (kept across `reset_counts`)
     late: int = 0  # demanded while still loading (the request stalled on it)
     covered: int = 0  # demand requests served by a prefetched load (first use)
     uncovered: int = 0  # demand misses: no prefetch had started
@@ -91,9 +93,11 @@ class PagingStats:
         return self.tiers["ram"]
 
     def reset_counts(self) -> None:
-        """Zero every count, keeping the tiers and the configuration fields."""
+        """Zero every count, keeping the tiers and the configuration fields; prefetches still pending count as
+        issued in the new period (so used + wasted + pending = issued, and precision stays within [0, 1])."""
         self.tiers = {name: TierStats() for name in self.tiers}
-        self.prefetch, self.computed, self.routed = PrefetchStats(), {}, 0
+        pending = self.prefetch.pending
+        self.prefetch, self.computed, self.routed = PrefetchStats(issued=pending, pending=pending), {}, 0
 
     def snapshot(self) -> PagingStats:
         return copy.deepcopy(self)

@@ -1,0 +1,112 @@
+"""The pager's readers: demanded loads are read before guesses, a guess its layer's routing did not choose is
+settled (wasted; never read if no reader took it yet), and the prefetch counts stay consistent across a reset."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from localmoe.engine.experts import ExpertWeights
+from localmoe.paging.disk import ODirectBackend
+from localmoe.paging.pager import Pager
+from localmoe.paging.policy import LRU
+
+
+class _Gated(ODirectBackend):
+    """Records each read as it starts, and lets it go on only when `release` is called."""
+
+    def __init__(self, store):
+        super().__init__(store)
+        self.started: list[tuple[int, int]] = []
+        self.cond, self.allowed = threading.Condition(), 0
+
+    def read(self, layer, expert, out):
+        with self.cond:
+            self.started.append((layer, expert))
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.allowed > 0, timeout=30)
+            self.allowed -= 1
+        return super().read(layer, expert, out)
+
+    def wait_started(self, n: int) -> list[tuple[int, int]]:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.started) >= n, timeout=30), self.started
+            return list(self.started)
+
+    def release(self, n: int = 1) -> None:
+        with self.cond:
+            self.allowed += n
+            self.cond.notify_all()
+
+
+def _same(store, layer, expert, w) -> bool:
+    ref = ExpertWeights.from_parts(store.expert(layer, expert))
+    return all(torch.equal(getattr(w, p).packed, getattr(ref, p).packed) for p in ("gate", "up", "down"))
+
+
+def test_demanded_reads_first_and_unchosen_guesses_never_read(gpt_oss):
+    store = gpt_oss.store()
+    a, b, c = store.layers()[:3]
+    backend = _Gated(store)
+    pager = Pager(store, 16, LRU(), backend, io_threads=1)
+    try:
+        pager.begin_layer(a, [0], [(b, [5, 6, 7])])  # a's expert 0 now, then the guesses for b, best first
+        assert backend.wait_started(1) == [(a, 0)]
+        pager.begin_layer(c, [1])  # demanded while the guesses wait: read before them
+        backend.release()
+        assert backend.wait_started(2) == [(a, 0), (c, 1)]
+        backend.release()
+        assert backend.wait_started(3)[2] == (b, 5)  # then the best guess
+        pf = pager.stats.prefetch
+        assert (pf.issued, pf.pending) == (3, 3)
+        pager.begin_layer(b, [6])  # b's routing: 5 (being read) and 7 (queued) were wrong; 7 is dropped unread
+        assert (pf.used, pf.wasted, pf.pending) == (0, 2, 1) and (b, 7) not in pager.where
+        backend.release(10)
+        held = pager.hold(b, [6])
+        assert _same(store, b, 6, held[0])
+        assert backend.started == [(a, 0), (c, 1), (b, 5), (b, 6)]
+        assert (pf.used, pf.wasted, pf.pending, pf.issued) == (1, 2, 0, 3) and pf.precision == 1 / 3
+        assert (b, 5) in pager.resident()  # a wrong guess that was read stays as an ordinary cached expert
+        assert (b, 5) in pager._evictable
+    finally:
+        backend.release(100)
+        pager.close()
+
+
+def test_stale_guesses_do_not_stop_the_lookahead(gpt_oss):
+    """Guesses the routing did not choose leave the quarter of the slots that unused guesses may take: a later
+    layer's guesses are read again (before, they stayed pending forever and the lookahead stopped)."""
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    pager = Pager(store, 8, LRU(), ODirectBackend(store), io_threads=2)  # at most 2 unused guesses
+    try:
+        assert len(store.experts_in(b)) >= 8
+        for step in range(3):
+            pager.begin_layer(a, [step], [(b, [2 + 2 * step, 3 + 2 * step])])  # two new guesses each time
+            pager.hold(a, [step])
+            pager.begin_layer(b, [0])
+            pager.hold(b, [0])
+        pf = pager.stats.prefetch
+        assert pf.issued == 6 and pf.pending == 0 and pf.used == 0 and pf.wasted == pf.issued
+    finally:
+        pager.close()
+
+
+def test_precision_stays_within_one_after_a_reset(gpt_oss):
+    """Guesses issued before `reset_counts` and used after it count as issued in the new period."""
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    pager = Pager(store, 8, LRU(), ODirectBackend(store), io_threads=2)
+    try:
+        pager.begin_layer(a, [0], [(b, [3, 4])])
+        pager.hold(a, [0])
+        pager.stats.reset_counts()
+        pf = pager.stats.prefetch
+        assert (pf.issued, pf.pending, pf.used) == (2, 2, 0)
+        pager.begin_layer(b, [3, 4])
+        pager.hold(b, [3, 4])
+        assert (pf.used, pf.wasted, pf.pending) == (2, 0, 0) and pf.precision == 1.0
+        assert pager.stats.ram.hits == 2 and pf.covered == 2
+    finally:
+        pager.close()
