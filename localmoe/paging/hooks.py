@@ -1,7 +1,8 @@
 """Hooks on a built model, applied from outside (the engine is not edited): each MoE block's
 router is wrapped so that, after routing, the pager learns the layer's chosen experts
 (`Pager.begin_layer`) and, with them, the next MoE layer's experts as its router guesses them
-from this layer's input (router lookahead: loaded after the chosen ones), and a `RoutingTrace` can record
+from this layer's input (router lookahead: loaded after the chosen ones; for one token only the ranks worth
+reading, `Pager.guess_width`), and a `RoutingTrace` can record
 (token, layer, experts). The wrapper returns exactly what the router returned, so outputs
 do not change. `detach` restores the plain routers.
 """
@@ -33,13 +34,15 @@ class PagedRouter:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
             self.pager.stats.routed += ids.numel()
-            guesses = []
-            if self.pager.prefetch_enabled:
-                for router, layer in self.ahead:
+            guesses, one = [], x.shape[0] == 1
+            if self.pager.prefetch_enabled and self.ahead:
+                # one token: the ranks worth reading (their measured precision); several: all (the union is wide)
+                width = self.pager.guess_width(ids.shape[1]) if one else ids.shape[1]
+                for router, layer in self.ahead if width else ():
                     if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots needs no guess)
                         _, guess = router(x)  # a later layer's router on this layer's input: a guess
-                        guesses.append((layer, _ranked(guess)))
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses)  # its loads first
+                        guesses.append((layer, _ranked(guess[:, :width])))
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses, ranked=one)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

@@ -38,15 +38,20 @@ from localmoe.paging.slab import HostSlab
 from localmoe.paging.stats import PagingStats
 
 EMPTY, LOADING, READY, DEAD = "empty", "loading", "ready", "dead"
+# One token's guesses are read from the best rank down while a rank's measured precision (settled guesses of that
+# rank its layer's routing chose, decayed, from a prior of 1 in 2) reaches GUESS_BAR: in a disk-bound pass a wrong
+# guess's read costs about what a right one saves. Every EXPLORE-th routed layer guesses every rank (to keep
+# measuring them).
+GUESS_BAR, EXPLORE, GUESS_DECAY = 0.5, 16, 0.97
 DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
 
 
 class _Slot:
-    __slots__ = ("gen", "index", "key", "origin", "read", "state", "used")
+    __slots__ = ("gen", "index", "key", "origin", "rank", "read", "state", "used")
 
     def __init__(self, index: int):
         self.index, self.key, self.state, self.read = index, None, EMPTY, None
-        self.origin, self.used, self.gen = DEMAND, True, 0
+        self.origin, self.used, self.gen, self.rank = DEMAND, True, 0, None
 
 
 class _Read:
@@ -74,6 +79,8 @@ class Pager:
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
         self._guesses: dict[int, set[Key]] = {layer: set() for layer in self.layouts}  # unsettled lookahead loads
+        self._ranks: dict[int, tuple[float, float]] = {}  # a guess's rank -> (chosen, settled), decayed
+        self._routed = 0  # guess_width calls
         self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
         self._resident = None  # ResidentExperts over the slots once `load_all` pinned every expert
         slot_bytes = max(layout.slot_bytes for layout in self.layouts.values())
@@ -210,13 +217,14 @@ class Pager:
 
     # ---- hints from the wrapped routers (paging/hooks.py) ----
 
-    def begin_layer(self, layer: int, experts: Iterable[int],
-                    ahead: Sequence[tuple[int, Iterable[int]]] = ()) -> None:
+    def begin_layer(self, layer: int, experts: Iterable[int], ahead: Sequence[tuple[int, Sequence[int]]] = (),
+                    ranked: bool = False) -> None:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
         now (read before any guess). The layer's earlier guesses that routing did not choose are settled (wasted;
         not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
         then `prefetch` those, with the victims for all picked in one policy call (the same as the calls one after
-        the other)."""
+        the other). `ranked`: each of `ahead`'s lists is one token's guess, best first (an expert's position is its
+        rank: `guess_width` measures each rank's precision)."""
         started = time.perf_counter()
         with self.lock:
             self._see_layer(layer, new_step_at_same=True)
@@ -231,16 +239,32 @@ class Pager:
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
                 guessed = []
                 for later, guess in ahead:
-                    guessed += self._guessed(later, guess, len(guessed))
+                    guessed += self._guessed(later, guess, len(guessed), ranked)
                 slots = self._make_room(len(missing) + len(guessed))
                 for key, slot in zip(missing, slots):
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
-                for key, slot in zip(guessed, slots[len(missing):]):
+                for (key, rank), slot in zip(guessed, slots[len(missing):]):
                     self.stats.prefetch.issued += 1
-                    self._start(slot, key, LOOKAHEAD)
+                    self._start(slot, key, LOOKAHEAD, rank)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
+
+    def guess_width(self, k: int) -> int:
+        """How many of one token's k guessed experts per later layer (best first) are worth reading: the leading
+        ranks whose measured precision reaches GUESS_BAR (all k every EXPLORE-th call); 0: guess nothing."""
+        with self.lock:
+            self._routed += 1
+            if self._routed % EXPLORE == 0:
+                return k
+            width = 0
+            while width < k and self._precision(width) >= GUESS_BAR:
+                width += 1
+            return width
+
+    def _precision(self, rank: int) -> float:
+        chosen, settled = self._ranks.get(rank, (0.0, 0.0))
+        return (chosen + 1.0) / (settled + 2.0)
 
     def prefetch(self, layer: int, experts: Iterable[int]) -> int:
         """Guess: `experts` of `layer` will be requested soon. Loads what fits; returns loads started."""
@@ -250,20 +274,25 @@ class Pager:
         with self.lock:
             guessed = self._guessed(layer, experts)
             slots = self._make_room(len(guessed))
-            for key, slot in zip(guessed, slots):
+            for (key, _), slot in zip(guessed, slots):
                 self.stats.prefetch.issued += 1
                 self._start(slot, key, LOOKAHEAD)
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
 
-    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0) -> list[Key]:
-        """The guessed experts a prefetch would load, in order: not in a slot or on a GPU, while unused lookahead
-        loads (and `more` about to start) stay under a quarter of the slots (lock held)."""
+    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0, ranked: bool = False
+                 ) -> list[tuple[Key, int | None]]:
+        """(key, rank: its position where `ranked`, else None) of the guessed experts a prefetch would load, in
+        order: not in a slot or on a GPU, while unused lookahead loads (and `more` about to start) stay under a
+        quarter of the slots (lock held)."""
         if layer not in self.layouts:
             return []
-        missing = list(dict.fromkeys(key for key in ((layer, int(e)) for e in experts)
-                                     if key not in self.where and not self._on_gpu(key)))
-        return missing[:max(0, max(1, len(self.slots) // 4) - self.stats.prefetch.pending - more)]
+        first = {}
+        for rank, e in enumerate(experts):
+            key = (layer, int(e))
+            if key not in first and key not in self.where and not self._on_gpu(key):
+                first[key] = rank if ranked else None
+        return list(first.items())[:max(0, max(1, len(self.slots) // 4) - self.stats.prefetch.pending - more)]
 
     # ---- GPU tiers ----
 
@@ -380,6 +409,9 @@ class Pager:
             pf.used += chosen
             pf.wasted += not chosen
             self._guesses[slot.key[0]].discard(slot.key)
+            if slot.rank is not None:
+                hit, settled = self._ranks.get(slot.rank, (0.0, 0.0))
+                self._ranks[slot.rank] = (hit * GUESS_DECAY + chosen, settled * GUESS_DECAY + 1.0)
         slot.used = True
         self._mark_evictable(slot)
 
@@ -409,9 +441,9 @@ class Pager:
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
 
-    def _start(self, slot: _Slot, key: Key, origin: str) -> None:
+    def _start(self, slot: _Slot, key: Key, origin: str, rank: int | None = None) -> None:
         slot.gen += 1
-        slot.key, slot.state, slot.origin, slot.used = key, LOADING, origin, origin == DEMAND
+        slot.key, slot.state, slot.origin, slot.used, slot.rank = key, LOADING, origin, origin == DEMAND, rank
         self.where[key] = slot
         self._count[key[0]] += 1
         if origin == LOOKAHEAD:

@@ -110,3 +110,30 @@ def test_precision_stays_within_one_after_a_reset(gpt_oss):
         assert pager.stats.ram.hits == 2 and pf.covered == 2
     finally:
         pager.close()
+
+
+def test_guess_width_follows_each_ranks_measured_precision(gpt_oss):
+    """One token's guesses are read from the best rank down while a rank's precision (settled guesses of that rank
+    its layer's routing chose) reaches the bar; every EXPLORE-th call guesses all ranks, to keep measuring."""
+    from localmoe.paging.pager import EXPLORE, GUESS_BAR
+
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    experts = store.experts_in(b)
+    pager = Pager(store, 64, LRU(), ODirectBackend(store), io_threads=2)
+    try:
+        assert pager.guess_width(4) == 4  # nothing measured: the prior (1 in 2) reaches the bar
+        for step in range(8):  # rank 0 always right, rank 1 always wrong
+            right, wrong = experts[(2 * step) % len(experts)], experts[(2 * step + 1) % len(experts)]
+            pager.begin_layer(a, [0], [(b, [right, wrong])], ranked=True)
+            pager.hold(a, [0])
+            pager.begin_layer(b, [right])
+            pager.hold(b, [right])
+            for key in list(pager.where):  # a fresh slab for the next step's guesses
+                if key[0] == b:
+                    pager._evict(pager.where[key])
+        assert pager._precision(0) > GUESS_BAR > pager._precision(1)
+        widths = [pager.guess_width(4) for _ in range(EXPLORE)]
+        assert sorted(widths) == [1] * (EXPLORE - 1) + [4]  # rank 0 only, but all ranks once in EXPLORE calls
+    finally:
+        pager.close()
