@@ -232,7 +232,8 @@ def step_worker(args) -> None:
 
 
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
-    cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", str(args.k), "--threads", str(args.threads),
+    spec, _, k = spec.partition("@")  # "prompt@4": another most drafts per step than --k
+    cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", k or str(args.k), "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--paged-tokens", str(args.paged_tokens),
            "--ram", str(ram)]
     cmd += ["--model", model] if model else []
@@ -352,6 +353,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated on the embedded model")
     ap.add_argument("--paged-tokens", type=int, default=48, help="tokens generated on the paged store")
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--also-k", type=int, nargs="*", default=[], help="(a): prompt lookup at these --k as well")
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
     ap.add_argument("--paged-only", action="store_true", help="(b) only")
     ap.add_argument("--stores", default="gpt_oss", help="the paged stores of --paged / --paged-only, comma-separated: "
@@ -367,7 +369,7 @@ def main() -> None:
         step_worker(args) if args.steps else worker(args)
         return
     if not args.paged_only:
-        compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"])
+        compare(args, "(a) embedded SmolLM2, resident", None, ["off", "prompt"] + [f"prompt@{k}" for k in args.also_k])
     if args.paged or args.paged_only:
         args.work.mkdir(parents=True, exist_ok=True)
         for family in args.stores.split(","):
