@@ -225,6 +225,17 @@ def test_k_follows_the_acceptance_of_the_drafts_confidence_class():
     assert not spec.retired
 
 
+def test_a_drafters_own_time_is_priced_per_draft():
+    """Drafts always kept and 5 rows at 1.4x one, but each draft costs a plain step to make (a slow draft
+    model): no k pays. The same steps with drafts made for free: the most drafts."""
+    for drafting, want in ((1.0, 0), (0.0, 4)):
+        spec = Speculator(PromptLookup(), k=4)
+        for _ in range(10):
+            spec.observe(4, 4, 5, 1.4, 0, 4 * drafting)
+            spec.observe(0, 0, 1, 1.0)
+        assert spec.choose_k() == want and spec.draft_seconds == drafting
+
+
 def test_the_first_verify_is_cheap_and_its_time_is_not_kept():
     """The first step drafts one token (two rows), and a row count's first time (its kernels' first use) is
     replaced by its second, not averaged in."""

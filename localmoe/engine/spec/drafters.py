@@ -183,6 +183,7 @@ class DraftModel:
         self.vocab_size = vocab_size  # the target's: a draft's logits are cut or padded (-inf) to it
         self.cache = model.new_cache(1, model.max_context)
         self.tokens: list[int] = []  # what the cache holds
+        self.caught_up = 0  # tokens of the sequence the last propose ran before drafting (the speculator's pricing)
 
     def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
         """Make the cache hold `history`; the logits [1, V] after its last token (None: it cannot)."""
@@ -193,6 +194,7 @@ class DraftModel:
         self.cache.trim(keep)
         del self.tokens[keep:]
         todo = list(history[keep:])
+        self.caught_up = len(todo)
         if self.cache.offset + len(todo) >= self.cache.max_len or max(todo) >= self.model.spec.vocab_size:
             return None  # no room, or an id past the draft's embedding (a target's padded vocabulary)
         logits = None

@@ -3,7 +3,8 @@
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
 when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
 draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays) and the wall time of a step of r rows (an average per row count; a row count not
+what its class pays) and the wall time of a step's forward of r rows (an average per row count; the drafter's own time is
+priced apart, per token it runs: a draft model runs its drafts and the tokens the step yields); a row count not
 measured yet is estimated from the nearest measured ones; the first time of a row count, which pays its
 kernels' first use, is replaced by the second). The first step drafts one token (a cheap first verify),
 the next is plain (the yardstick). A step of k drafts yields
@@ -89,6 +90,9 @@ class Speculator:
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
         self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
         self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is replaced, not averaged)
+        self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
+        self._catches_up = float(hasattr(drafter, "caught_up"))  # a drafter with a cache runs the yielded tokens too
+        self._drafts_timed = 0
         # with a residency: rows -> average expert misses of a step; the stall per expert missed; the pager's
         # (stall, misses) when this step began
         self.step_misses: dict[int, float] = {}
@@ -115,7 +119,8 @@ class Speculator:
         best, best_rate = 0, 1.0 / self.step_seconds[1]
         a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / self._estimate(k + 1)
+            tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
+            rate = tokens / (self._estimate(k + 1) + (k + tokens * self._catches_up) * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -200,16 +205,19 @@ class Speculator:
             for j in range(1, len(draft.tokens) + 1):
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
                 added = (missing[j] - missing[0] - typical) * self.miss_seconds
-                rate = (1 - a ** (j + 1)) / (1 - a) / max(self._estimate(j + 1) + added, self._estimate(1))
+                tokens = (1 - a ** (j + 1)) / (1 - a)
+                cost = max(self._estimate(j + 1) + added, self._estimate(1)) + j * self.draft_seconds
+                rate = tokens / cost
                 if rate > best:
                     keep, best = j, rate
         if keep:
             r.prefetch(keys[1:keep + 1])
         return draft.first(keep)
 
-    def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0) -> None:
+    def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0,
+                drafting: float = 0.0) -> None:
         """Account one step: `drafted` drafts verified (of class `confidence`, bucket()), `accepted` kept, `rows`
-        rows run in `seconds`."""
+        rows run in `seconds` (the forward), the drafts made in `drafting` seconds."""
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
@@ -220,6 +228,10 @@ class Speculator:
             # each kept draft is a success; the first rejected one (if any) the one failure of the step
             self._kept = (1 - SMOOTH) * self._kept + accepted
             self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
+            self._drafts_timed += 1
+            per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
+            # sequence's new ones (the prompt, the first time) and the drafts
+            self.draft_seconds = per if self._drafts_timed <= 2 else self.draft_seconds + SMOOTH * (per - self.draft_seconds)
             b = confidence
             self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + accepted
             self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)

@@ -85,10 +85,14 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
     logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
     (engine/generate.py Decoder): its next `sample` calls return them without a forward."""
     model = decoders[0].model
-    started = time.perf_counter()
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
-    drafts = [_propose(d) if s else None for d, s in zip(decoders, spec)]
+    drafts, drafting = [], []  # each sequence's draft and the seconds it took (priced apart from the forward)
+    for d, s in zip(decoders, spec):
+        began = time.perf_counter()
+        drafts.append(_propose(d) if s else None)
+        drafting.append(time.perf_counter() - began)
+    started = time.perf_counter()
     # a speculating sequence without a draft, where plain steps are fused: the fused step (module docstring)
     own = [s and fused and not drafts[n].tokens for n, s in enumerate(spec)]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
@@ -138,6 +142,6 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
         d.in_cache.extend(kept)
         d.ahead = list(kept)
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
-        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds, bucket(drafts[n]))
+        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds, bucket(drafts[n]), drafting[n])
         results.append(d.ready[0][1])
     return results
