@@ -4,8 +4,8 @@
   generated text): of the earlier occurrences of its last `min_ngram` tokens, the one preceded by the
   longest match (the most recent of equals) gives the draft, the tokens that followed it. The match length
   goes with the draft (`Draft.match`): a long match is a quote in progress and its drafts are mostly kept,
-  a single-token match mostly not (SmolLM2 quoting a document: 30% kept after 1-token matches, ~100% after
-  6+), so the speculator prices them apart. With the tokenizer, matching ignores whitespace (a model
+  a single-token match mostly not (SmolLM2 answering a document question: most drafts after 1-token
+  matches rejected, nearly all kept after 6+), so the speculator prices them apart. With the tokenizer, matching ignores whitespace (a model
   quoting a hard-wrapped document joins its lines). Agents' work (code edits, document Q&A, tool results
   quoted back) repeats long spans of the prompt, which this drafts for free. Deterministic: q is one-hot.
 - `DraftModel`: a smaller model sharing the target's tokenizer (checked by `check_vocab`), run token
