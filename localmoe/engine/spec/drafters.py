@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from localmoe.engine.batch import forward_rows, has_rows
 from localmoe.engine.sampler import SamplingParams, probabilities
 from localmoe.errors import LocalMoEError
 
@@ -153,6 +154,7 @@ class PromptLookup:
 
 
 _SPACE = re.compile(r"\s+")
+ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
 LONGEST = 32  # a match is extended backwards this far at most
 CANDIDATES = 16  # earlier occurrences of the last min_ngram tokens tried, most recent first
 
@@ -200,7 +202,12 @@ class DraftModel:
         logits = None
         with torch.inference_mode():
             for begin in range(0, len(todo), 512):
-                logits = self.model.forward(torch.tensor([todo[begin:begin + 512]]), self.cache)[:, -1]
+                chunk = todo[begin:begin + 512]
+                if 1 < len(chunk) <= ROWS and has_rows(self.model):  # a step's few tokens: as decode rows (the
+                    # embedded model catching up on 3 / 5 tokens: 62 / 81 ms, as a prompt chunk 96 / 122 ms at load 10)
+                    logits = forward_rows(self.model, chunk, [self.cache] * len(chunk), [len(chunk) - 1])
+                else:
+                    logits = self.model.forward(torch.tensor([chunk]), self.cache)[:, -1]
         self.tokens.extend(todo)
         self.cache.snapshot(keep_earlier=False)  # the next round trims back to here at most
         return self._fit(logits)
