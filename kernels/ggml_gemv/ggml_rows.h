@@ -367,6 +367,217 @@ struct Q6KInt8 {
   }
 };
 
+// Q4_0, Q4_1 and Q8_0 rows eight at a time ("rows8"): a block of 32 of eight consecutive weight rows is
+// transposed once into eight vectors, vector i holding in lane r the codes 4i..4i+3 of row r, and every token of a
+// tile then takes one vpdpbusd per vector against its x codes 4i..4i+3 broadcast (AVX2: vpmaddubsw + vpmaddwd):
+// lane r ends with row r's exact integer dot product of the block, so the conversion and the two FMAs that follow
+// serve eight rows at once, where the per-row form (Block32Int8) spent them on one row's 8 partial lanes. Per
+// (row, token) the value is, over the blocks b in order,
+//   acc = fma(float(sum_j q_w q_x), d_w * d_x, acc);  acc = fma(f_w, d_x * sum_j q_x, acc)   (f: Q4_0 -8 d, Q4_1 m;
+// Q8_0 has no second FMA), then + bias: one fp32 chain per (row, token), the same whether the row is computed in a
+// group of eight or alone (rows8_single, for a range's leftover rows), whatever the tokens beside it and on both ISAs
+// (the integer sums are exact). Q8_0 on VNNI: vpdpbusd multiplies u8 by s8, so x comes in as x + 128 (u8) against
+// the signed codes and 128 * sum(q_w) (from the same transposition) starts the sum; AVX2 moves w's sign onto x.
+inline bool has_rows8(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+
+// Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kTile8 = 16;
+constexpr bool kVnni = true;
+#else
+constexpr int kTile8 = 4;
+constexpr bool kVnni = false;
+#endif
+
+// Eight rows' block of 32, transposed (see above). codes[i] lane r: row r's codes 4i..4i+3 (Q4: 0..15; Q8_0:
+// signed); d: the rows' steps; f: Q4_0 -8 d, Q4_1 m; bias8: Q8_0 on VNNI -128 sum(q_w), else unused.
+struct Block8 {
+  __m256i codes[8];
+  __m256 d, f;
+  __m256i bias8;
+};
+
+// The 8 dwords at p + r * stride (r = 0..7) as one vector.
+inline __m256i gather8(const uint8_t* p, int64_t stride) {
+  int32_t v[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(v + r, p + r * stride, 4);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+}
+
+// The low (hi = false) or high 16 bits of each of 8 dwords, as fp16 -> fp32.
+inline __m256 halves8(__m256i dwords, bool hi) {
+  const __m256i pick = hi ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                          : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                             0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dwords, pick), 0x08);  // qwords 0, 2
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+// Four vectors a[k] (lanes 0-3: rows 0-3, 4-7: rows 4-7, each 128-bit lane one row's 4 dwords) -> out[k] lane r =
+// dword k of row r.
+inline void transpose4(const __m256i a[4], __m256i out[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpacklo_epi32(a[2], a[3]);
+  const __m256i t2 = _mm256_unpackhi_epi32(a[0], a[1]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t1);
+  out[1] = _mm256_unpackhi_epi64(t0, t1);
+  out[2] = _mm256_unpacklo_epi64(t2, t3);
+  out[3] = _mm256_unpackhi_epi64(t2, t3);
+}
+
+template <int T>
+__attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64_t stride, Block8& o) {
+  const __m256i head = gather8(blk, stride);  // fp16 d, then Q4_1's fp16 m (Q4_0 / Q8_0: the first codes)
+  o.d = halves8(head, false);
+  if (T == kQ8_0) {
+    // rows r and r + 4 in one vector per 16-byte half, then dwords transposed within each half
+    __m256i lo[4], hi[4];
+    for (int r = 0; r < 4; ++r) {
+      const uint8_t* a = blk + r * stride + 2;
+      const uint8_t* b = blk + (r + 4) * stride + 2;
+      lo[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b), reinterpret_cast<const __m128i*>(a));
+      hi[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + 16), reinterpret_cast<const __m128i*>(a + 16));
+    }
+    transpose4(lo, o.codes);
+    transpose4(hi, o.codes + 4);
+    if (kVnni) {
+      __m256i s = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) s = _mm256_dpbusd_epi32(s, _mm256_set1_epi8(static_cast<char>(0x80)), o.codes[i]);
+      o.bias8 = _mm256_sub_epi32(_mm256_setzero_si256(), s);
+    }
+    return;
+  }
+  constexpr int kCodes = T == kQ4_0 ? 2 : 4;
+  o.f = T == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), o.d) : halves8(head, true);
+  __m256i rows[4], dw[4];
+  for (int r = 0; r < 4; ++r)
+    rows[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride + kCodes),
+                                  reinterpret_cast<const __m128i*>(blk + r * stride + kCodes));
+  transpose4(rows, dw);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    o.codes[k] = _mm256_and_si256(dw[k], low4);                              // values 4k..4k+3
+    o.codes[k + 4] = _mm256_and_si256(_mm256_srli_epi16(dw[k], 4), low4);  // values 16+4k.. = 4(k+4)..
+  }
+}
+
+// x codes 4i..4i+3 of a block in every lane (one load).
+inline __m256i codes4(const int8_t* q, int i) { return _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * i)); }
+
+// Lane r: the exact integer dot product of row r's block with one token's codes q (32 int8); `chains` independent
+// partial sums (a lone token's eight dependent vpdpbusd would wait on each other; integer sums: any order is exact).
+template <int T, int chains>
+__attribute__((always_inline)) inline __m256i dot8(const Block8& w, const int8_t* q) {
+  __m256i s[chains];
+  for (int c = 0; c < chains; ++c) s[c] = _mm256_setzero_si256();
+  if constexpr (kVnni) {
+    if (T == kQ8_0) {
+      s[0] = w.bias8;
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int i = 0; i < 8; ++i)
+        s[i % chains] = _mm256_dpbusd_epi32(s[i % chains], _mm256_xor_si256(codes4(q, i), flip), w.codes[i]);
+    } else {
+      for (int i = 0; i < 8; ++i) s[i % chains] = _mm256_dpbusd_epi32(s[i % chains], w.codes[i], codes4(q, i));
+    }
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < 8; ++i) {
+      const __m256i x = codes4(q, i);
+      const __m256i p = T == kQ8_0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w.codes[i], w.codes[i]),
+                                                          _mm256_sign_epi8(x, w.codes[i]))
+                                   : _mm256_maddubs_epi16(w.codes[i], x);
+      s[i % chains] = _mm256_add_epi32(s[i % chains], _mm256_madd_epi16(p, ones));
+    }
+  }
+  for (int c = 1; c < chains; ++c) s[0] = _mm256_add_epi32(s[0], s[c]);
+  return s[0];
+}
+
+// Rows r .. r + 7 against TN tokens (x[t]: token t's blocks): y[t * ldy + r ..] = the eight values (+ bias).
+template <int T, int TN>
+inline void group8(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX* const* x, float* y, int64_t ldy,
+                   const float* bias) {
+  constexpr int64_t kBytes = Block32Int8<T>::kBytes;
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  // the group's rows are 8 * stride contiguous bytes, read as 8 streams: fetch the next group's while this one runs
+  const uint8_t* next = row0 + 8 * stride;
+  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);  // lines of the next group per block
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    Block8 w;
+    load_block8<T>(row0 + b * kBytes, stride, w);
+#pragma GCC unroll 16
+    for (int t = 0; t < TN; ++t) {
+      const BlockX& xb = x[t][b];
+      const __m256 dot = _mm256_cvtepi32_ps(dot8<T, (TN < 4 ? 4 / TN : 1)>(w, xb.q));
+      acc[t] = _mm256_fmadd_ps(dot, _mm256_mul_ps(w.d, _mm256_broadcast_ss(&xb.d)), acc[t]);
+      if (T != kQ8_0) acc[t] = _mm256_fmadd_ps(w.f, _mm256_broadcast_ss(&xb.s), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm256_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm256_add_ps(acc[t], _mm256_loadu_ps(bias)));
+}
+
+// One row against one token (x: its blocks): the value group8 gives that (row, token), computed alone.
+template <int T>
+inline float rows8_single(const uint8_t* row, int64_t nb, const BlockX* x) {
+  constexpr int64_t kBytes = Block32Int8<T>::kBytes;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * kBytes;
+    const BlockX& xb = x[b];
+    const float d = half(blk);
+    __m256i w;
+    if (T == kQ8_0) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    } else {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == kQ4_0 ? 2 : 4)));
+      const __m128i lo = _mm_set1_epi8(0x0F);
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+    }
+    __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
+    if (T == kQ8_0) xq = _mm256_sign_epi8(xq, w);
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), dot_u8s8(T == kQ8_0 ? _mm256_sign_epi8(w, w) : w, xq));
+    int32_t dot = 0;
+    for (int i = 0; i < 8; ++i) dot += lanes[i];
+    const float scale = d * xb.d;
+    acc = std::fma(static_cast<float>(dot), scale, acc);
+    if (T != kQ8_0) {
+      const float f = T == kQ4_0 ? -8.0f * d : half(blk + 2);
+      acc = std::fma(f, xb.s, acc);
+    }
+  }
+  return acc;
+}
+
+// Rows r0..r1 of W against TN tokens (x[t]: token t's blocks) into y[t * ldy + r]: groups of eight rows from r0 on,
+// the leftover rows alone. (One function per TN: with the token count dispatched inside the row loop, GCC
+// compiled the one-token group into the same body as the 16-token one and it ran ~3x slower.)
+template <int T, int TN>
+__attribute__((noinline)) void rows8_fixed(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x,
+                                           int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8)
+    group8<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+  for (; r < r1; ++r)
+    for (int t = 0; t < TN; ++t) {
+      const float v = rows8_single<T>(w + r * stride, nb, x[t]);
+      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
+    }
+}
+
+// rows8_fixed for a run-time n <= TN tokens.
+template <int T, int TN = kTile8>
+inline void rows8_tokens(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x, int n, int64_t r0,
+                         int64_t r1, float* y, int64_t ldy, const float* bias) {
+  if constexpr (TN > 1)
+    if (n < TN) return rows8_tokens<T, TN - 1>(w, stride, nb, x, n, r0, r1, y, ldy, bias);
+  rows8_fixed<T, TN>(w, stride, nb, x, r0, r1, y, ldy, bias);
+}
+
 // One weight row against TN tokens of int8 x: out[t] = row . x[t].
 template <class U, int TN>
 inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, float* out) {
@@ -382,10 +593,25 @@ inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, fl
 // Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1), one row at a time. (Pairing
 // rows to overlap two FMA chains paid while K-quant rows did eight dependent FMAs per super-block; with one FMA
 // per super-block (integer scale products) pairing made Q4_K / Q5_K 2x and Q6_K ~8x slower, measured on Zen 4.)
+// (Q4_0, Q4_1, Q8_0: rows8, eight rows at a time.)
+template <class U>
+struct Rows8Type {
+  static constexpr int kType = -1;
+};
+template <int T>
+struct Rows8Type<Block32Int8<T>> {
+  static constexpr int kType = T;
+};
+
 template <class U>
 inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, const Tile& x, int64_t r0, int64_t r1,
                            float* y) {
-  for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
+  constexpr int T = Rows8Type<U>::kType;
+  if constexpr (T >= 0 && (T == kQ4_0 || T == kQ4_1 || T == kQ8_0)) {
+    rows8_tokens<T>(w, row_bytes, units, x.x, 1, r0, r1, y, 0, nullptr);
+  } else {
+    for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
+  }
 }
 
 // Rows against fp32 x (exact_x, for the lm_head, whose logits pick the token: engine/transformer.py):
@@ -576,6 +802,18 @@ inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
+// Rows o0..o1 of W (Q4_0, Q4_1, Q8_0) against all N tokens of int8 x: rows8, kTile8 tokens at a time.
+template <int T>
+inline void rows8(const void* ctx, int64_t o0, int64_t o1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const BlockX* x[kTile8];
+  for (int64_t t0 = 0; t0 < a.N; t0 += kTile8) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile8, a.N - t0));
+    for (int t = 0; t < n; ++t) x[t] = a.xq.blocks + (t0 + t) * a.xq.nb;
+    rows8_tokens<T>(a.w, a.row_bytes, a.xq.nb, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
+  }
+}
+
 // Rows o0..o1 of W against all N tokens of fp32 x, kTile tokens at a time.
 template <class U>
 inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
@@ -606,15 +844,17 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   if (exact_x)
     fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_f32<Q8_0F32>;
   else
-    fn = type == kQ4_0   ? rows_int8<Block32Int8<kQ4_0>>
-         : type == kQ4_1 ? rows_int8<Block32Int8<kQ4_1>>
+    fn = type == kQ4_0   ? rows8<kQ4_0>
+         : type == kQ4_1 ? rows8<kQ4_1>
          : type == kQ5_0 ? rows_int8<Block32Int8<kQ5_0>>
          : type == kQ5_1 ? rows_int8<Block32Int8<kQ5_1>>
          : type == kQ4_K ? rows_int8<Q45KInt8<false>>
          : type == kQ5_K ? rows_int8<Q45KInt8<true>>
          : type == kQ6_K ? rows_int8<Q6KInt8>
-                         : rows_int8<Block32Int8<kQ8_0>>;
-  localmoe::parallel(fn, &args, O, localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N), threads);
+                         : rows8<kQ8_0>;
+  int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
+  if (!exact_x && has_rows8(type)) chunk = (chunk + 7) / 8 * 8;  // whole groups of eight rows
+  localmoe::parallel(fn, &args, O, chunk, threads);
 }
 
 }  // namespace localmoe_ggml

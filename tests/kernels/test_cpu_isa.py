@@ -98,9 +98,9 @@ def test_mxfp4_moe_layer(isa, precision, N):
 
 @ISA
 @pytest.mark.parametrize("ggml_type", sorted(ggml_gemv.TYPES, key=int), ids=lambda t: t.name)
-@pytest.mark.parametrize("N", [1, 3, 9, 19])  # past AVX2's tile of 4 tokens and AVX-512's of 8
+@pytest.mark.parametrize("N", [1, 3, 9, 19])  # past AVX2's tile of 4 tokens and AVX-512's of 8 (Q4_0 / Q4_1 / Q8_0: 16)
 def test_ggml_gemv(isa, ggml_type, N):
-    O, K = 40, 512
+    O, K = 43, 512  # 43: Q4_0 / Q4_1 / Q8_0 rows in groups of eight and three alone
     blocks = torch.from_numpy(random_blocks(ggml_type, O, K, np.random.default_rng(int(ggml_type))))
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
     exact = ggml_type in ggml_gemv.EXACT_X_TYPES
