@@ -20,8 +20,13 @@ read per generated token.
     (`--spec mtp`) beside the others. Random weights: the MTP layer was not trained to predict this model,
     so its acceptance shows the cost of drafting with it, not what a released checkpoint's head achieves.
 
+(b') `--stores smollm_moe`: the embedded SmolLM2 upcycled to a MoE (upcycle.py: it answers as SmolLM2 does),
+    paged at 25%; its draft model is the dense SmolLM2 it came from (the embedded GGUF, resident).
+
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
-ratios are per pair, the median printed. Expert bytes are the pager's reads during decoding (from the
+ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU
+time (on a loaded machine the CPU ratio is the steadier one). `--also-k 7` adds prompt lookup at another
+most drafts per step to (a), in the same run. Expert bytes are the pager's reads during decoding (from the
 first generated token on) over the tokens generated.
 """
 
