@@ -246,7 +246,7 @@ def run(args, work: Path) -> None:
         same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
         extra = [r["wall"] - b["wall"] for r, b in zip(runs, base)]  # the same round's baseline
         pager_time = [r["stall"] + r["lookup"] for r in runs]
-        explained = [t / e if e > 0 else float("nan") for t, e in zip(pager_time, extra)]
+        explained = [t / e for t, e in zip(pager_time, extra) if e > 0]  # rounds with extra time to explain
         bound = [max(b["wall"], r["missed"] / w) / r["wall"] for r, b, w in zip(runs, base, bandwidth)]
         print(f"    vs {base_name}: CPU {statistics.median(r['cpu'] / b['cpu'] for r, b in zip(runs, base)):.2f}x, "
               f"compute thread {statistics.median(r['thread'] / b['thread'] for r, b in zip(runs, base)):.2f}x, wall "
@@ -254,9 +254,10 @@ def run(args, work: Path) -> None:
               f"max({base_name} wall, disk time) / wall {statistics.median(bound):.2f}; greedy tokens equal: {same}")
         print(f"    accounting: extra wall per token {statistics.median(extra) * 1e3:.2f} ms over {base_name} (rounds "
               f"{' '.join(f'{e * 1e3:.1f}' for e in extra)}); the compute thread waiting for reads (stall) + in the "
-              f"pager (lookup) {statistics.median(pager_time) * 1e3:.2f} ms explain {statistics.median(explained):.0%} "
-              f"of it (rounds {' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' "
-              f"CPU)", flush=True)
+              f"pager (lookup) {statistics.median(pager_time) * 1e3:.2f} ms explain "
+              + (f"{statistics.median(explained):.0%} of it (rounds with extra time: "
+                 f"{' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' CPU)"
+                 if explained else "- (no round took longer than its baseline)"), flush=True)
 
 
 if __name__ == "__main__":
