@@ -154,7 +154,8 @@ def localmoe_worker(args) -> None:
 def record_router_margins(model) -> list:
     """Wraps every MoE block's router (as the pager's hooks do) to append, per call, each row's margin: its
     k-th largest selection score (softmax / sigmoid, plus the correction bias) minus its (k+1)-th; returns
-    the list the margins go to, one [rows] tensor per MoE layer and call."""
+    the list the margins go to, one [rows] tensor per MoE layer and call. Group-limited routing (n_group > 1,
+    not K3's) is measured on the ungrouped scores."""
     import torch
 
     margins: list = []
