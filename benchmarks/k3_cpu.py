@@ -190,8 +190,8 @@ def agreement(ours: np.ndarray, theirs: np.ndarray, margin: np.ndarray, tie: flo
     apart = np.flatnonzero(diff > 1e-3)
     first = (f"first position over 1e-3: {int(apart[0])} (its router margin {margin[apart[0]]:.1e})"
              if len(apart) else "no position over 1e-3")
-    covered = (f"max over positions 0-{clean - 1} (before the first router margin under {tie:g}): "
-               f"{diff[:clean].max():.2e} of the range" if clean else
+    before = f"before the first router margin under {tie:g}" if len(ties) else f"no router margin under {tie:g}"
+    covered = (f"max over positions 0-{clean - 1} ({before}): {diff[:clean].max():.2e} of the range" if clean else
                f"no position before the first router margin under {tie:g} (position 0: {margin[0]:.1e}): not shown")
     return (f"{covered}; {first}; last position {diff[-1]:.2e}, same argmax there: "
             f"{int(ours[-1].argmax()) == int(theirs[-1].argmax())}; smallest margin {margin.min():.1e}")
