@@ -706,6 +706,81 @@ struct Q6KF32 {
   }
 };
 
+// Q8_0 rows against fp32 x (exact_x, the lm_head) eight at a time, in rows8's layout: the block's codes of eight rows
+// transposed (load_block8), widened to fp32 per value j (lane r: row r's code j), then per token
+// p[j % 4] = fma(w_j, x_j, p[j % 4]) over j in order, s = (p0 + p1) + (p2 + p3), acc = fma(s, d_w, acc): four
+// FMAs per block and token for eight rows where Q8_0F32 spent five on one row. rows8_f32_single is the same chain for
+// one row (a range's leftover rows); the four partial sums keep one token's chains short.
+template <int TN>
+inline void group8_f32(const uint8_t* row0, int64_t stride, int64_t nb, const float* const* x, float* y, int64_t ldy,
+                       const float* bias) {
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  const uint8_t* next = row0 + 8 * stride;
+  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    Block8 w;
+    load_block8<kQ8_0>(row0 + b * 34, stride, w);
+    __m256 p[TN][4];
+    for (int t = 0; t < TN; ++t)
+      for (int k = 0; k < 4; ++k) p[t][k] = _mm256_setzero_ps();
+    for (int i = 0; i < 8; ++i) {
+      __m256 wf[4];
+      wf[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w.codes[i], 24), 24));
+      wf[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w.codes[i], 16), 24));
+      wf[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w.codes[i], 8), 24));
+      wf[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(w.codes[i], 24));
+#pragma GCC unroll 8
+      for (int t = 0; t < TN; ++t) {
+        const float* xv = x[t] + 32 * b + 4 * i;
+        for (int k = 0; k < 4; ++k) p[t][k] = _mm256_fmadd_ps(wf[k], _mm256_broadcast_ss(xv + k), p[t][k]);
+      }
+    }
+    for (int t = 0; t < TN; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[t][0], p[t][1]), _mm256_add_ps(p[t][2], p[t][3])), w.d,
+                               acc[t]);
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm256_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm256_add_ps(acc[t], _mm256_loadu_ps(bias)));
+}
+
+inline float rows8_f32_single(const uint8_t* row, int64_t nb, const float* x) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + 34 * b;
+    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < 32; ++j)
+      p[j % 4] = std::fma(static_cast<float>(static_cast<int8_t>(blk[2 + j])), x[32 * b + j], p[j % 4]);
+    acc = std::fma((p[0] + p[1]) + (p[2] + p[3]), half(blk), acc);
+  }
+  return acc;
+}
+
+constexpr int kTileF32 = 4;  // tokens per tile: 4 x 4 partial sums stay in registers
+
+template <int TN>
+__attribute__((noinline)) void rows8_f32_fixed(const uint8_t* w, int64_t stride, int64_t nb, const float* const* x,
+                                               int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8)
+    group8_f32<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+  for (; r < r1; ++r)
+    for (int t = 0; t < TN; ++t) {
+      const float v = rows8_f32_single(w + r * stride, nb, x[t]);
+      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
+    }
+}
+
+template <int TN = kTileF32>
+inline void rows8_f32_tokens(const uint8_t* w, int64_t stride, int64_t nb, const float* const* x, int n, int64_t r0,
+                             int64_t r1, float* y, int64_t ldy, const float* bias) {
+  if constexpr (TN > 1)
+    if (n < TN) return rows8_f32_tokens<TN - 1>(w, stride, nb, x, n, r0, r1, y, ldy, bias);
+  rows8_f32_fixed<TN>(w, stride, nb, x, r0, r1, y, ldy, bias);
+}
+
 // Whether a type has a fp32-x row (exact_x).
 inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
 
@@ -802,6 +877,17 @@ inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
+// Rows o0..o1 of W (Q8_0) against all N tokens of fp32 x: group8_f32, kTileF32 tokens at a time.
+inline void rows8_f32(const void* ctx, int64_t o0, int64_t o1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const float* x[kTileF32];
+  for (int64_t t0 = 0; t0 < a.N; t0 += kTileF32) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileF32, a.N - t0));
+    for (int t = 0; t < n; ++t) x[t] = a.x + (t0 + t) * a.K;
+    rows8_f32_tokens(a.w, a.row_bytes, a.K / kBlock, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
+  }
+}
+
 // Rows o0..o1 of W (Q4_0, Q4_1, Q8_0) against all N tokens of int8 x: rows8, kTile8 tokens at a time.
 template <int T>
 inline void rows8(const void* ctx, int64_t o0, int64_t o1) {
@@ -842,7 +928,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   const Args args{xq, x, N, K, w, bytes, O, bias, y};
   void (*fn)(const void*, int64_t, int64_t);
   if (exact_x)
-    fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_f32<Q8_0F32>;
+    fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows8_f32;
   else
     fn = type == kQ4_0   ? rows8<kQ4_0>
          : type == kQ4_1 ? rows8<kQ4_1>
@@ -853,7 +939,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ6_K ? rows_int8<Q6KInt8>
                          : rows8<kQ8_0>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
-  if (!exact_x && has_rows8(type)) chunk = (chunk + 7) / 8 * 8;  // whole groups of eight rows
+  if (has_rows8(type)) chunk = (chunk + 7) / 8 * 8;  // whole groups of eight rows (Q8_0 on fp32 x too)
   localmoe::parallel(fn, &args, O, chunk, threads);
 }
 
