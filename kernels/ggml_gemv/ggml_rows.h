@@ -615,32 +615,10 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
 }
 
 // Rows against fp32 x (exact_x, for the lm_head, whose logits pick the token: engine/transformer.py):
-// each block's codes widened to fp32 in registers once, then FMAs against every token's x. Q8_0:
-// ~18 operations per 34 bytes against ~9 on the int8 path, still past one core's memory stream for
-// one token; Q4_K's mins come in through each sub-block's sum of x.
+// each block's codes widened to fp32 in registers once, then FMAs against every token's x (Q8_0: group8_f32 below,
+// eight rows at a time); Q4_K's mins come in through each sub-block's sum of x.
 inline __m256 widen_u8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); }
 inline __m256 widen_s8(__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)); }
-
-struct Q8_0F32 {
-  static constexpr int64_t kBytes = 34;
-  template <int TN>
-  __attribute__((always_inline)) static void unit(const uint8_t* blk, const float* const* x, int64_t u, __m256* acc) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
-    const __m256 w0 = widen_s8(lo), w1 = widen_s8(_mm_srli_si128(lo, 8));
-    const __m256 w2 = widen_s8(hi), w3 = widen_s8(_mm_srli_si128(hi, 8));
-    const __m256 d = _mm256_set1_ps(half(blk));
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {
-      const float* xb = x[t] + u * kBlock;
-      __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-      s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-      s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-      s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
-      acc[t] = _mm256_fmadd_ps(s, d, acc[t]);
-    }
-  }
-};
 
 struct Q4KF32 {
   static constexpr int64_t kBytes = 144;
@@ -709,7 +687,7 @@ struct Q6KF32 {
 // Q8_0 rows against fp32 x (exact_x, the lm_head) eight at a time, in rows8's layout: the block's codes of eight rows
 // transposed (load_block8), widened to fp32 per value j (lane r: row r's code j), then per token
 // p[j % 4] = fma(w_j, x_j, p[j % 4]) over j in order, s = (p0 + p1) + (p2 + p3), acc = fma(s, d_w, acc): four
-// FMAs per block and token for eight rows where Q8_0F32 spent five on one row. rows8_f32_single is the same chain for
+// FMAs per block and token for eight rows where a row at a time (as Q4KF32 still does) spent five on one. rows8_f32_single is the same chain for
 // one row (a range's leftover rows); the four partial sums keep one token's chains short.
 template <int TN>
 inline void group8_f32(const uint8_t* row0, int64_t stride, int64_t nb, const float* const* x, float* y, int64_t ldy,

@@ -86,17 +86,18 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(ggml_type):
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_weight_row_has_the_same_bits_in_a_group_and_alone(ggml_type):
-    """Q4_0 / Q4_1 / Q8_0 rows run eight at a time (ggml_rows.h rows8: one vector lane per weight row) and a
+    """Q4_0 / Q4_1 / Q8_0 rows (Q8_0 on fp32 x too) run eight at a time (ggml_rows.h rows8: one lane per weight row) and a
     range's leftover rows alone (rows8_single): the two must give a (row, token) the same bits, wherever the
     call's row range starts (the MoE kernels compute slices of rows; threads split the rows)."""
     O, K = 21, _k_for(ggml_type, 352)
     raw = _weight(ggml_type, O, K, seed=22)
     x = torch.randn(18, K, generator=torch.Generator().manual_seed(23))
     x[4, 9] = 300.0
-    whole = ggml_gemv(x, raw, ggml_type, (O, K))
-    for first, last in ((0, 1), (3, 21), (5, 18), (13, 21)):
-        part = ggml_gemv(x, raw[first:last].contiguous(), ggml_type, (last - first, K))
-        assert torch.equal(part, whole[:, first:last]), f"{ggml_type.name}: rows {first}..{last}"
+    for exact_x in (False, True) if ggml_type in EXACT_X_TYPES else (False,):  # Q8_0 on fp32 x: rows8 too
+        whole = ggml_gemv(x, raw, ggml_type, (O, K), exact_x=exact_x)
+        for first, last in ((0, 1), (3, 21), (5, 18), (13, 21)):
+            part = ggml_gemv(x, raw[first:last].contiguous(), ggml_type, (last - first, K), exact_x=exact_x)
+            assert torch.equal(part, whole[:, first:last]), f"{ggml_type.name} exact_x={exact_x}: rows {first}..{last}"
 
 
 @needs_cpu_kernel
