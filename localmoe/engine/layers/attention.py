@@ -139,7 +139,7 @@ class GQAttention:
             else:
                 out = None
                 if step.valid is None and not self._selects(keys.shape[2]) and flash_available(q, keys, values):
-                    out = _flash_or_none(lambda: self._flash(q, keys, values, step.start, T))
+                    out = flash_or_none(lambda: self._flash(q, keys, values, step.start, T))
                 if out is None:
                     out = self._explicit(q, keys, values, step, T)
             out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
@@ -220,7 +220,7 @@ def flash_available(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
                                                 for t in (q, keys, values))
 
 
-def _flash_or_none(run):
+def flash_or_none(run):
     """run() (a `_flash` call), or None after disabling the flash path where torch's op fails."""
     try:
         return run()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from localmoe.engine.blockwise import MIN_BLOCK, blockwise_attention, visible_keys
 from localmoe.engine.layers import on_device
-from localmoe.engine.layers.attention import _flash_or_none, flash_attention, flash_available
+from localmoe.engine.layers.attention import flash_attention, flash_available, flash_or_none
 from localmoe.engine.linear import Linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
@@ -172,7 +172,7 @@ class MLAttention:
 
         q = torch.cat([q_nope, q_rope], dim=-1)
         if mask is None and flash_available(q, rows, rows):
-            out = _flash_or_none(lambda: self._flash_expanded(q, block, rows.shape[1]))
+            out = flash_or_none(lambda: self._flash_expanded(q, block, rows.shape[1]))
             if out is not None:
                 return out
         return blockwise_attention(q, block, rows.shape[1], mask, self.scale, max_bytes=SCORES_MAX_BYTES)
