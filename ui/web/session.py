@@ -91,8 +91,8 @@ class WebSession:
                     yield
                     return
             self.transcript.user(text)
+            yield
             if self.documents:
-                yield
                 async for _ in answer_documents(self.service, self.documents, text, self.conversation.budget,
                                                 self.transcript, self.max_tokens):
                     yield
@@ -103,12 +103,8 @@ class WebSession:
             self.busy = False
 
     async def _chat(self, text: str) -> AsyncIterator[None]:
-        """Yields once with the user's message shown, then after every event of the conversation.
-
-        The conversation runs in its own task, started before the first yield: the page draws the
-        user's message while the model reads the prompt (each yield costs the page a round of
-        Gradio's output processing), and while the conversation awaits the user's approval this
-        generator keeps yielding, so the page can show the pending call and its buttons."""
+        # The conversation runs in its own task: while it awaits the user's approval this
+        # generator must keep yielding, so the page can show the pending call and its buttons.
         events: asyncio.Queue = asyncio.Queue()
 
         async def approve(call) -> bool:
@@ -127,7 +123,6 @@ class WebSession:
         budget = self.conversation.budget
         task = asyncio.ensure_future(pump())
         try:
-            yield
             while (item := await events.get()) is not _END:
                 if isinstance(item, Exception):
                     self.transcript.note(f"{type(item).__name__}: {item}", title="Error")
