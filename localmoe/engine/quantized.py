@@ -45,33 +45,32 @@ INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # torch's i
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
 PREFILL_COPY_BYTES = 1 << 30  # fp32 copies of 4-bit weights kept for prefill, in all (see the module doc)
 _copied = [0]  # bytes of fp32 copies alive
-_rows = threading.local()  # .decode: inside decode_rows()
+_rows = threading.local()  # .decode: inside decode_rows(); .rounded: inside rounded_rows()
 
 
 @contextmanager
-def decode_rows() -> Iterator[None]:
-    """Calls inside run decode rows of a batched step: up to ggml_gemv.MAX_ROWS rows through the block
-    kernel, each row computed on its own (see the module doc)."""
-    before = getattr(_rows, "decode", False)
-    _rows.decode = True
+def _flag(name: str) -> Iterator[None]:
+    """`_rows.<name>` is True inside (this thread's, restored after: calls nest)."""
+    before = getattr(_rows, name, False)
+    setattr(_rows, name, True)
     try:
         yield
     finally:
-        _rows.decode = before
+        setattr(_rows, name, before)
 
 
-@contextmanager
-def rounded_rows() -> Iterator[None]:
+def decode_rows():
+    """Calls inside run decode rows of a batched step: up to ggml_gemv.MAX_ROWS rows through the block
+    kernel, each row computed on its own (see the module doc)."""
+    return _flag("decode")
+
+
+def rounded_rows():
     """Calls inside are a MoE model's steps at expert precision q8 (Transformer._forward), whose block GEMVs round
     their inputs to int8 anyway: a BlockLinear of ROUNDED_TYPES runs the block kernel on any number of rows (a
     prefill chunk's x rounded per block, each row on its own) instead of the fp32 GEMM on the dequantised weight,
     which it outruns (ROUNDED_TYPES) and whose fp32 copy it spares."""
-    before = getattr(_rows, "rounded", False)
-    _rows.rounded = True
-    try:
-        yield
-    finally:
-        _rows.rounded = before
+    return _flag("rounded")
 
 
 # The block kernel against the fp32 GEMM on the dequantised weight, one Zen 4 core, 72 / 256 / 512 rows: Q4_K
