@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from localmoe.kernels._triton import usable
 from localmoe.kernels.topk_select.cpu import blockwise_topk_select
-from localmoe.kernels.topk_select.reference import naive_indexer_scores, naive_topk_select, select_topk
+from localmoe.kernels.topk_select.reference import naive_indexer_scores, naive_topk_select, select_topk, top_columns
 
 
 def topk_select(q, w, k, positions, top_k: int):
@@ -17,4 +17,4 @@ def topk_select(q, w, k, positions, top_k: int):
     return blockwise_topk_select(q, w, k, positions, top_k)
 
 
-__all__ = ["blockwise_topk_select", "naive_indexer_scores", "naive_topk_select", "select_topk", "topk_select"]
+__all__ = ["blockwise_topk_select", "naive_indexer_scores", "naive_topk_select", "select_topk", "top_columns", "topk_select"]

@@ -2,7 +2,8 @@
 
 Each query token has H index heads q [H, D] and head weights w [H]; every cached token s has ONE
 index key k_s [D]. score[t, s] = sum_h w[t, h] * relu(q[t, h] . k_s) for s <= pos[t] (causal),
-else -inf; the query then attends to the top-k scoring cached tokens (-1 pads when fewer exist).
+else -inf; the query then attends to the top-k scoring cached tokens (-1 pads when fewer exist); of
+equal scores the lower position is kept (`top_columns`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,33 @@ def naive_indexer_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor, posi
     return scores.masked_fill(~causal, float("-inf"))
 
 
-def select_topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """scores [B, T, S] -> indices [B, T, top_k] int64 of the best scores (-1 where only -inf is left).
+def top_columns(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [..., L] -> (columns [..., k], kept [..., k]) with k = min(top_k, L): the columns of the k best
+    finite scores in increasing column order (`kept` False on the padding after them, where fewer than k
+    scores are finite).
 
-    Tie rule: that of `torch.topk`, as transformers' DSA uses it: every token scoring above the
-    k-th best score is kept, and where several share the k-th score (e.g. relu zeros when fewer
-    than k tokens score above 0) which of them are kept is unspecified (it can depend on the
-    call's shape). So the chosen scores, as a multiset, are exactly the k best; the order within
-    the result is unspecified too: callers treat it as a set."""
-    k = min(top_k, scores.shape[-1])
-    values, idx = scores.topk(k, dim=-1)
-    idx = idx.masked_fill(values == float("-inf"), -1)
-    if k < top_k:
-        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], top_k - k), -1)], dim=-1)
+    Tie rule (shared with the fused decode's C++ top-k, kernels/decode_layers/hybrid_mixers.h `top_rows`):
+    a higher score first; of equal scores, the lower column first. So the chosen set is a function of the
+    scores alone, never of the call's shape (relu zeros tie whenever fewer than k tokens score above 0)."""
+    L = scores.shape[-1]
+    k = min(top_k, L)
+    kth = scores.topk(k, dim=-1).values[..., -1:]  # the k-th best score
+    above, tied = scores > kth, scores == kth
+    room = k - above.sum(-1, keepdim=True)  # how many of the tied (lowest columns first) are kept
+    keep = (above | (tied & (tied.cumsum(-1) <= room))) & (scores > float("-inf"))
+    where = torch.where(keep, torch.arange(L, device=scores.device), L)
+    columns = where.topk(k, dim=-1, largest=False).values  # increasing; L marks padding
+    return columns.clamp(max=L - 1), columns < L
+
+
+def select_topk(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """scores [B, T, S] -> indices [B, T, top_k] int64 of the best scores in increasing order, -1 pads where
+    fewer than top_k are finite. Ties: `top_columns` (the lower position first), so the result depends on
+    the scores only."""
+    columns, kept = top_columns(scores, top_k)
+    idx = columns.masked_fill(~kept, -1)
+    if idx.shape[-1] < top_k:
+        idx = torch.cat([idx, idx.new_full((*idx.shape[:-1], top_k - idx.shape[-1]), -1)], dim=-1)
     return idx
 
 

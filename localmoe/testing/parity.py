@@ -76,6 +76,26 @@ def kv_cache_dtype(model, dtype: str) -> Iterator[None]:
         model.config.kv_cache_dtype = before
 
 
+@contextmanager
+def earliest_ties() -> Iterator[None]:
+    """`Tensor.topk` (largest first) keeps the lower index of equal values while inside: a valid torch.topk
+    (which leaves the tie order unspecified) with the DSA indexers' tie rule (kernels/topk_select), so a
+    transformers reference selects the same tokens as the engine where relu-zero scores tie."""
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        if not largest:
+            return original(self, k, dim, largest, sorted)
+        values, indices = torch.sort(self, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
 def load_pair(path: Path, auto_class, **kwargs):
     """(ours, transformers reference) of the checkpoint at `path`; see `load_ours`, `load_reference`."""
     return load_ours(path), load_reference(auto_class, path, **kwargs)

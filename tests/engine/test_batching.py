@@ -8,9 +8,9 @@ Kimi K3, Qwen3-Next), with the paged caches shrunk to 16-token blocks so every r
 (c) the FP8 cache keeps the greedy tokens of a 64-token run (after a short and a long prompt) and
     its logits stay within a bound of the fp32 cache's (see the test for the dense Llama's near-ties).
 
-The DSA families (deepseek_v32, glm5_next) are not here: their tiny index_topk (4) is below these
-contexts, where relu-zero score ties make the kept set depend on the call's shape (kernels/topk_select);
-tests/models/test_<family>.py checks (a) (and glm5_next's batches) at an index_topk above the context.
+The DSA families (deepseek_v32, glm5_next) are not here: tests/models/test_<family>.py checks (a) (and
+glm5_next's batches) with and without selection (kernels/topk_select's tie rule makes the kept set a function
+of the scores, not of the call's shape).
 """
 
 from __future__ import annotations

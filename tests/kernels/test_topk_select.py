@@ -75,3 +75,28 @@ def test_cpu_blockwise_selects_the_reference_scores(B, T, S, H, D, top_k):
         return s.sort(-1).values
 
     torch.testing.assert_close(chosen(got), chosen(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_bytes", [None, 64], ids=["one-call", "blocks"])
+def test_ties_keep_the_earlier_position_whatever_the_call_shape(block_bytes):
+    """Scores tied at relu zero (and at an equal positive score): the lower position wins, in one call or key
+    blocks of any size, and for each query of a batch as for that query alone; increasing order, -1 pads."""
+    from localmoe.kernels.topk_select.cpu import blockwise_topk_select
+
+    S, D, top_k = 40, 4, 6
+    k = torch.zeros(1, S, D)
+    k[0, [31, 9, 17], 0] = torch.tensor([2.0, 1.0, 2.0])  # 17 and 31 tie above 0, 9 below them; the rest score 0
+    q = torch.zeros(1, 3, 1, D)
+    q[..., 0] = 1.0
+    pos = torch.tensor([[39, 20, 3]])
+
+    def run(q, pos):
+        if block_bytes is None:
+            return select_topk(naive_indexer_scores(q, torch.ones(q.shape[:3]), k, pos), top_k)
+        return blockwise_topk_select(q, torch.ones(q.shape[:3]), k, pos, top_k, max_bytes=block_bytes)
+
+    got = run(q, pos)[0].tolist()
+    assert got == [[0, 1, 2, 9, 17, 31], [0, 1, 2, 3, 9, 17], [0, 1, 2, 3, -1, -1]]
+    for t in range(3):  # alone: the same
+        assert run(q[:, t:t + 1], pos[:, t:t + 1])[0, 0].tolist() == got[t]
+    assert select_topk(torch.tensor([[[1.0, 3.0, 3.0, 3.0]]]), 2)[0, 0].tolist() == [1, 2]

@@ -25,6 +25,7 @@ from localmoe.testing.parity import (
     assert_chunked_prefill_and_decode_equal_full,
     assert_prefill_and_greedy_decode_match,
     copy_with_config,
+    earliest_ties,
     kv_cache_dtype,
     load_ours,
     load_reference,
@@ -97,7 +98,8 @@ def test_shared_indexer_layers_are_refused(checkpoint):
 def test_prefill_and_cached_greedy_decode_match_transformers(models):
     ours, reference = models
     prompt = random_tokens(PREFILL, 1, ours.spec.vocab_size)
-    assert_prefill_and_greedy_decode_match(ours.model, reference, prompt, DECODE)
+    with earliest_ties():  # transformers' indexer topk with the engine's tie rule
+        assert_prefill_and_greedy_decode_match(ours.model, reference, prompt, DECODE)
 
 
 def test_selection_changes_the_output_below_the_context(models, checkpoint, tmp_path_factory):
@@ -116,11 +118,9 @@ def test_selection_changes_the_output_below_the_context(models, checkpoint, tmp_
 
 
 def test_prefill_then_decode_equals_full_forward(models):
-    """Pool scores tie at relu zeros on a random tiny model, and torch.topk breaks ties by the call's
-    shape (kernels/topk_select): with selection, chunked and whole prefill may keep different tied pools."""
+    """Also with selection, where pool scores tie at relu zeros on a random tiny model: the tie rule
+    (kernels/topk_select, the earlier pool) keeps the same pools whatever the call's shape."""
     model, vocab = models[0].model, models[0].spec.vocab_size
-    if models[0].spec.dsa.index_topk < 50:
-        pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(50, 2, vocab)
     assert_chunked_prefill_and_decode_equal_full(model, tokens, (23, 41), 64, rtol=1e-4, atol=1e-5)
 
@@ -132,12 +132,9 @@ def test_batch_of_two_equals_single_runs(models):
 
 def test_left_padded_row_pools_from_its_first_token(models):
     """A row left-padded by 7 gives the logits of its 13 real tokens alone: padding reaches neither the
-    index keys nor the KDA state. Under selection the batch's pool count (the other row's) changes the
-    shape torch.topk breaks relu-zero ties in, so this runs where nothing is dropped; pools starting at
-    the first real token under selection: tests/engine/test_kpool_indexer.py (tie-free data)."""
+    index keys nor the KDA state, and under selection pools start at the row's first real token, whose
+    relu-zero ties the tie rule (kernels/topk_select, the earlier pool) breaks as for the row alone."""
     model, vocab = models[0].model, models[0].spec.vocab_size
-    if models[0].spec.dsa.index_topk + models[0].spec.dsa.index_kpool <= 13:
-        pytest.skip("selection ties depend on the call shape below the context")
     tokens = random_tokens(20, 4, vocab, batch=2)
     mask = torch.ones(2, 20, dtype=torch.bool)
     mask[1, :7] = False

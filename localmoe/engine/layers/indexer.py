@@ -5,8 +5,9 @@ ONE index key k = LayerNorm(wk(x)) [Di] (weight + bias, eps 1e-6) shared by all 
 and head weights w = weights_proj(x) [Hi]. RoPE (half-split, not MLA's interleaved pairs; GLM-5:
 interleaved pairs, `interleaved`) rotates the first qk_rope_head_dim dims of q and k. Score of cached token s for query t:
     I[t, s] = sum_h w[t, h] * Hi^-0.5 * Di^-0.5 * relu(q[t, h] . k[s])   (s <= t, else -inf)
-and the query keeps the `index_topk` best (kernels/topk_select; ties: torch.topk keeps one
-of the tied tokens, unspecified which; -1 marks slots beyond the visible tokens). DeepSeek's
+and the query keeps the `index_topk` best (kernels/topk_select; of equal scores the earlier
+token, so the set depends on the scores only; increasing positions, -1 marks slots beyond the
+visible tokens). DeepSeek's
 kernels also rotate q and k by a Hadamard transform and score in FP8; the transform is
 orthogonal, so q . k is unchanged and is left out here.
 """

@@ -8,7 +8,7 @@ complete when all P are cached and real. Its key is a per-channel softmax-weight
     K_j = sum_i softmax_i(g_i + ape_i) * k_i        (i over the pool, ape = index_kpool_compress_ape [P, Di])
 A query t scores each complete pool whose last token it sees, as DSA scores a token:
     I[t, j] = sum_h w[t, h] * Hi^-0.5 * Di^-0.5 * relu(q[t, h] . K_j)
-keeps the best index_topk / P pools (torch.topk over the pools, ties as in kernels/topk_select)
+keeps the best index_topk / P pools (kernels/topk_select `top_columns`: of equal scores the earlier pool)
 and attends to all their tokens, plus (`index_kpool_tail`, transformers'
 `index_kpool_always_select_tail`) the tokens of its own incomplete pool, the last
 (visible count mod P) it sees. So up to index_topk + P - 1 tokens; -1 pads. While every query
@@ -26,6 +26,7 @@ from localmoe.engine.layers.indexer import LightningIndexer
 from localmoe.engine.linear import Linear
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
+from localmoe.kernels.topk_select import top_columns
 
 
 def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor, valid: torch.Tensor,
@@ -104,7 +105,7 @@ class KPoolIndexer(LightningIndexer):
         scores = torch.einsum("bth,bthj->btj", w, torch.einsum("bthd,bjd->bthj", q, pooled).relu())
         scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
         k = min(self.top_k // P, J)
-        chosen = scores.topk(k, dim=-1).indices  # [B, T, k]
+        chosen = top_columns(scores, k)[0]  # [B, T, k], increasing
         tokens = members[torch.arange(B, device=q.device)[:, None, None], chosen]  # [B, T, k, P]
         tokens = tokens.masked_fill(~seen.gather(-1, chosen)[..., None], -1).flatten(2)
         parts = [tokens]
