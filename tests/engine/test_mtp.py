@@ -24,7 +24,7 @@ from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.load import load_model, load_nextn
 from localmoe.testing.mtp import add_mtp_layer
-from localmoe.testing.parity import copy_with_config, random_tokens
+from localmoe.testing.parity import copy_with_config, earliest_ties, random_tokens
 from localmoe.testing.write import write_checkpoint
 
 from .test_speculative import GREEDY, prompt_for, run
@@ -84,7 +84,7 @@ def test_mtp_logits_match_a_float64_rederivation(checkpoint, tmp_path):
     ours = load_model(checkpoint, CONFIG, progress=False)
     eps = ours.spec.rms_norm_eps
     ids = random_tokens(24, 3, ours.spec.vocab_size)
-    with torch.no_grad():
+    with torch.no_grad(), earliest_ties():  # DSA: transformers' indexer topk with the engine's tie rule
         h = ref_model.model(ids).last_hidden_state[0]  # [T, D] after the final norm
         w = {n: tensors[p + n + ".weight"].double() for n in ("enorm", "hnorm", "eh_proj")}
         e = tensors["model.embed_tokens.weight"].double()[ids[0, 1:]]
