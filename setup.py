@@ -22,4 +22,5 @@ setup(packages=packages, package_dir=MAPPED,
                     "localmoe.kernels.dense_moe": ["*.cpp"],
                     "localmoe.kernels.ggml_gemv": ["*.cpp", "*.h"], "localmoe.kernels.decode_layers": ["*.cpp", "*.h"],
                     "localmoe.kernels.gqa_decode": ["*.cpp"], "localmoe.kernels.rms_norm": ["*.cpp"],
+                    "localmoe.kernels.paged_io": ["*.cpp", "*.h", "XXHASH_LICENSE"],
                     "localmoe.kernels._cpu": ["*.h"]})  # the CPU kernels are compiled at first use

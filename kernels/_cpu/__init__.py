@@ -5,7 +5,7 @@ routed experts over a prefill chunk, GQA
 decode attention (one sequence, or a batch of sequences over their paged caches) and the fused
 attention decode step, residual add + RMSNorm, all layers of a GQA +
 MoE, dense or hybrid (KDA / MLA, attention residuals, latent MoE) decode, GEMV from GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks, a
-decode token's routed experts from those blocks) have a plain C ABI and no torch headers, so they
+decode token's routed experts from those blocks, the pager's reader threads) have a plain C ABI and no torch headers, so they
 build with gcc/clang alone in a few seconds (a torch C++ extension took 2-3 minutes on the 2-core
 dev machine) and need no ninja or Python headers. They share one persistent thread pool (pool.h):
 one library, one pool for the process, whichever kernels run. The shared object is cached in
@@ -47,14 +47,15 @@ KERNELS = Path(__file__).resolve().parent.parent
 HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "_cpu" / "glu.h",
            KERNELS / "_cpu" / "matrix.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h", KERNELS / "mxfp4_moe" / "route.h",
            KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "ggml_gemv" / "ggml_rows.h",
-           KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h")
+           KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h",
+           KERNELS / "paged_io" / "xxhash.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
            KERNELS / "gqa_decode" / "paged_cpu.cpp", KERNELS / "gqa_decode" / "step_cpu.cpp",
            KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
            KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
-           KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp")
+           KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp", KERNELS / "paged_io" / "reader_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
 # ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
 ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
@@ -109,6 +110,16 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_read": ((_ptr, _i64, _i64, _ptr, _int), None),
+    "pio_open": ((_int,), _ptr),
+    "pio_file": ((_ptr, _int, ctypes.c_char_p, _i64, _i64, _i64, _i64), _i64),
+    "pio_submit": ((_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_uint64, _int, _int), None),
+    "pio_cancel": ((_ptr, _i64), _int),
+    "pio_wait": ((_ptr, _i64, ctypes.c_double), _int),
+    "pio_wait_any": ((_ptr, ctypes.c_double), _int),
+    "pio_reap": ((_ptr, _ptr, _i64), _i64),
+    "pio_busy": ((_ptr,), ctypes.c_double),
+    "pio_pause": ((_ptr, _int), None),
+    "pio_close": ((_ptr,), None),
 }
 _state: dict[str, object] = {}
 _local = threading.local()  # .threads: this thread's kernel threads inside `small_steps`

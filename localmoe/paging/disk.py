@@ -9,7 +9,9 @@ Two backends, same contract (`read(layer, expert, out) -> bytes read`):
 
 Both check what they read against the extent's xxh3_64 (CorruptExpertError names layer,
 expert, file and offset) and that the file is still the one opened: a deleted or
-replaced store file raises StoreChangedError instead of serving other bytes.
+replaced store file raises StoreChangedError instead of serving other bytes. The pager's
+native readers (paging/readers.py) do `ODirectBackend`'s reads and checks in C++ and report
+them with the same codes, which `failure` turns into the same errors.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from localmoe.config import PAGING_IO
 from localmoe.paging.errors import CorruptExpertError, PagingError, StoreChangedError
 
 BACKENDS = PAGING_IO  # the names, declared with PagingConfig
+# How a read ended (the native readers' codes too: kernels/paged_io/reader_cpu.cpp)
+OK, SHORT, CHECKSUM, ERRNO, DELETED, REPLACED, MODIFIED = range(7)
 
 
 @dataclass
@@ -52,7 +56,8 @@ class DiskBackend:
         self._files: dict[Path, _OpenFile] = {}
         self._lock = threading.Lock()
 
-    def _open(self, path: Path) -> _OpenFile:
+    def file(self, path: Path) -> _OpenFile:
+        """The open file at `path` (opened once, kept: its descriptor and its identity at open)."""
         with self._lock:
             f = self._files.get(path)
             if f is None:
@@ -71,37 +76,61 @@ class DiskBackend:
     def _opened(self, f: _OpenFile) -> None:
         pass
 
-    def check_file(self, f: _OpenFile) -> None:
-        """StoreChangedError if the path no longer names the file opened (deleted, replaced, rewritten)."""
+    def changed(self, f: _OpenFile) -> int:
+        """DELETED, REPLACED or MODIFIED where the path no longer names the file opened, else OK."""
         try:
             now = _ident(os.stat(f.path))
         except FileNotFoundError:
-            raise StoreChangedError(f"{f.path} was deleted while the model was running; restore it or load the "
-                                    f"model again") from None
+            return DELETED
         if now != f.ident:
-            what = "replaced by another file" if now[:2] != f.ident[:2] else "modified"
-            raise StoreChangedError(f"{f.path} was {what} while the model was running; load the model again "
-                                    f"(the pager will not mix experts of two stores)")
+            return REPLACED if now[:2] != f.ident[:2] else MODIFIED
+        return OK
+
+    def failure(self, layer: int, expert: int, code: int, detail: int = 0, reason: str | None = None) -> Exception:
+        """The error for a read of expert `expert` of `layer` that ended with `code` (SHORT: `detail` bytes read;
+        ERRNO: `detail` is the errno, `reason` its text if known), naming the file and the extent."""
+        ext = self.store.expert_extent(layer, expert)
+        if code == DELETED:
+            return StoreChangedError(f"{ext.path} was deleted while the model was running; restore it or load the "
+                                     f"model again")
+        if code in (REPLACED, MODIFIED):
+            what = "replaced by another file" if code == REPLACED else "modified"
+            return StoreChangedError(f"{ext.path} was {what} while the model was running; load the model again "
+                                     f"(the pager will not mix experts of two stores)")
+        if code == ERRNO:
+            return PagingError(f"layer {layer} expert {expert}: reading {ext.path} at offset {ext.offset} failed "
+                               f"({reason or os.strerror(detail)})")
+        if code == SHORT:
+            return StoreChangedError(f"layer {layer} expert {expert}: {ext.path} ends at {ext.offset + detail}, "
+                                     f"before the extent's end {ext.offset + ext.nbytes}: the file was truncated")
+        if code == CHECKSUM:
+            return CorruptExpertError(f"layer {layer} expert {expert} in {ext.path} at offset {ext.offset}: checksum "
+                                      f"mismatch; the store is corrupt: run `localmoe verify {self.store.path}` and "
+                                      f"convert the model again")
+        raise ValueError(f"unknown read result code {code}")
 
     def read(self, layer: int, expert: int, out: np.ndarray) -> int:
         """Read expert `expert` of `layer` into `out` (uint8, >= the extent, page-aligned); returns bytes read."""
         ext = self.store.expert_extent(layer, expert)
-        f = self._open(ext.path)
-        self.check_file(f)
+        f = self.file(ext.path)
+        code = self.changed(f)
+        if code != OK:
+            raise self.failure(layer, expert, code)
         view = out[:ext.nbytes]
         try:
             got = self._read(f, ext.offset, view)
         except OSError as e:
-            raise PagingError(f"layer {layer} expert {expert}: reading {ext.path} at offset {ext.offset} failed "
-                              f"({e.strerror or e})") from None
+            raise self.failure(layer, expert, ERRNO, e.errno or 0, e.strerror or str(e)) from None
         if got < ext.nbytes:
-            raise StoreChangedError(f"layer {layer} expert {expert}: {ext.path} ends at {ext.offset + got}, before "
-                                    f"the extent's end {ext.offset + ext.nbytes}: the file was truncated")
+            raise self.failure(layer, expert, SHORT, got)
         if self.verify and xxhash.xxh3_64_intdigest(view) != ext.checksum:
-            raise CorruptExpertError(f"layer {layer} expert {expert} in {ext.path} at offset {ext.offset}: checksum "
-                                     f"mismatch; the store is corrupt: run `localmoe verify "
-                                     f"{self.store.path}` and convert the model again")
+            raise self.failure(layer, expert, CHECKSUM)
         return ext.nbytes
+
+    def native(self) -> bool:
+        """Whether the native readers (kernels/paged_io) may do this backend's reads: its own O_DIRECT read, checks
+        and errors, not a subclass's."""
+        return False
 
     def _read(self, f: _OpenFile, offset: int, view: np.ndarray) -> int:
         raise NotImplementedError
@@ -118,6 +147,11 @@ class DiskBackend:
 class ODirectBackend(DiskBackend):
     name = "odirect"
     flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+
+    def native(self) -> bool:
+        cls = type(self)
+        return (cls._read is ODirectBackend._read and cls.read is DiskBackend.read and cls.changed is DiskBackend.changed
+                and cls.failure is DiskBackend.failure)
 
     def _read(self, f: _OpenFile, offset: int, view: np.ndarray) -> int:
         got, mv = 0, memoryview(view)

@@ -3,8 +3,10 @@
 `get(layer, expert)` returns the expert's weights as zero-copy views of its slot (valid
 until the next `get`, as the ExpertProvider protocol says); `hold(layer, experts)` returns a
 layer's chosen experts valid together (until the next `get` or `hold`), so the MoE kernel runs
-them in one call. A miss evicts the victim the policy picks and reads the extent on an I/O
-thread (timeout: `ReadTimeoutError`). The I/O threads only read and check bytes: the tensors over
+them in one call. A miss evicts the victim the policy picks and reads the extent on a reader
+thread (readers.py: C++ ones for the plain O_DIRECT backend; timeout: `ReadTimeoutError`). The
+readers only read and check bytes and never take the pager's lock: the pager takes in the finished
+reads whenever it is entered, and waits on a read only when its expert is needed. The tensors over
 a slot are built on the compute thread, once per (expert layout, slot), and reused, since a
 slot's memory never moves.
 Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from localmoe.engine.experts import ExpertWeights
@@ -34,6 +35,7 @@ from localmoe.paging.disk import DiskBackend
 from localmoe.paging.errors import PagingError, ReadTimeoutError
 from localmoe.paging.placement import Bandwidths, place
 from localmoe.paging.policy import Key, Policy
+from localmoe.paging.readers import make_readers
 from localmoe.paging.slab import HostSlab
 from localmoe.paging.stats import PagingStats
 
@@ -55,14 +57,14 @@ class _Slot:
 
 
 class _Read:
-    """One load of `key` into `slot` (its generation `gen`): queued, taken by a reader (`started`), `done` (with
-    `error` where it failed). Waiters wait on the pager's condition; there is no Future per read."""
+    """One load of `key` into `slot` (its generation `gen`), submitted to the readers as `id`: `done` once reaped
+    (with `error` where it failed). There is no Future per read: the compute thread waits on the readers."""
 
-    __slots__ = ("done", "error", "gen", "key", "slot", "started")
+    __slots__ = ("done", "error", "gen", "id", "key", "slot")
 
-    def __init__(self, slot: _Slot, key: Key):
-        self.slot, self.key, self.gen = slot, key, slot.gen
-        self.started = self.done = False
+    def __init__(self, read_id: int, slot: _Slot, key: Key):
+        self.id, self.slot, self.key, self.gen = read_id, slot, key, slot.gen
+        self.done = False
         self.error: BaseException | None = None
 
 
@@ -70,7 +72,8 @@ class Pager:
     """Experts of `store` (a PackedStore) paged through `num_slots` RAM slots."""
 
     def __init__(self, store, num_slots: int, policy: Policy, backend: DiskBackend, *, io_threads: int = 4,
-                 timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True):
+                 timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True,
+                 native: bool | None = None):
         self.store, self.policy, self.backend, self.timeout = store, policy, backend, timeout
         self.layouts = {layer: store.layout(layer) for layer in store.layers()}
         kinds = list(dict.fromkeys(self.layouts.values()))  # layers with the same layout share slot views
@@ -88,18 +91,16 @@ class Pager:
         self.slots = [_Slot(i) for i in range(num_slots)]
         self.free = list(reversed(range(num_slots)))
         self.where: dict[Key, _Slot] = {}
-        mutex = threading.Lock()
-        self.lock = threading.Condition(mutex)  # the pager's state; notified when a read ends
-        self._work = threading.Condition(mutex)  # notified when a read is queued (the readers wait on it)
-        self._urgent: deque[_Read] = deque()  # demanded loads (and a routed layer's), read first
-        self._later: deque[_Read] = deque()  # lookahead guesses, read when no demanded load waits
-        self._readers: list[threading.Thread] = []
-        self.io_threads, self._closed = max(1, io_threads), False
+        self.lock = threading.Lock()  # the pager's state (the readers never take it)
+        self.io_threads = max(1, io_threads)
+        # native: the C++ readers (None: where the backend and the CPU library allow them), else Python threads
+        self.readers = make_readers(backend, self.slab, self.io_threads, native)
+        self._reads: dict[int, _Read] = {}  # submitted, not yet reaped
+        self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
         self.step, self._last_layer = 0, None
-        self._inflight, self._busy_since = 0, 0.0
         self.lost_slots = 0  # slots given up to reads that timed out
         self.gpu = None  # GpuTier (use_gpus), when --gpu-mem is given
         self.bandwidths: Bandwidths | None = None  # the placement cost model's, with the GPU tier
@@ -118,6 +119,7 @@ class Pager:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         started = time.perf_counter()
         with self.lock:
+            self._reap()
             self._see_layer(layer, new_step_at_same=False)
             self.held = ()
             slot = self._request((layer, expert))
@@ -136,6 +138,7 @@ class Pager:
             return None
         started = time.perf_counter()
         with self.lock:
+            self._reap()
             self._see_layer(layer, new_step_at_same=False)
             self.held = ()
             slots = []
@@ -227,12 +230,14 @@ class Pager:
         rank: `guess_width` measures each rank's precision)."""
         started = time.perf_counter()
         with self.lock:
+            self._reap()
             self._see_layer(layer, new_step_at_same=True)
             keys = [(layer, e) for e in sorted(experts)]
             for key in self._guesses.get(layer, set()) - set(keys):  # guesses the routing did not choose
                 slot = self.where[key]
                 self._settle(slot, chosen=False)
-                if slot.state == LOADING and not slot.read.started:  # not read yet: not read at all
+                if slot.state == LOADING and self.readers.cancel(slot.read.id):  # not read yet: not read at all
+                    del self._reads[slot.read.id]
                     self._free_slot(slot)
             if self.prefetch_enabled:
                 self.protected = set(keys)
@@ -272,6 +277,7 @@ class Pager:
             return 0
         clock = time.perf_counter()
         with self.lock:
+            self._reap()
             guessed = self._guessed(layer, experts)
             slots = self._make_room(len(guessed))
             for (key, _), slot in zip(guessed, slots):
@@ -382,7 +388,12 @@ class Pager:
             if left <= 0 or not any(s.state == LOADING for s in self.slots):
                 raise PagingError(f"no expert slot can be freed ({len(self.slots)} slots, {len(self.pinned)} "
                                   f"pinned, {self.lost_slots} lost to timed-out reads); raise --ram")
-            self.lock.wait(left)
+            self.lock.release()  # wait for a read to end without the pager's lock
+            try:
+                self.readers.wait_any(left)
+            finally:
+                self.lock.acquire()
+            self._reap()
 
     def _make_room(self, n: int) -> list[_Slot]:
         """Up to `n` slots for loads nobody waits for yet (routing hints): free ones, then the policy's victims
@@ -450,60 +461,36 @@ class Pager:
             self.stats.prefetch.pending += 1
             self._guesses[key[0]].add(key)
         self.policy.insert(key, self.step)
-        slot.read = _Read(slot, key)
-        (self._later if origin == LOOKAHEAD else self._urgent).append(slot.read)
-        if len(self._readers) < self.io_threads:
-            self._readers.append(threading.Thread(target=self._reader, name=f"localmoe-io-{len(self._readers)}",
-                                                  daemon=True))
-            self._readers[-1].start()
-        self._work.notify()
+        self._next_id += 1
+        slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key)
+        self.readers.submit(self._next_id, key, slot.index, urgent=origin != LOOKAHEAD)
 
-    def _reader(self) -> None:
-        """An I/O thread: takes the next queued read (demanded ones first), reads the extent into its slot and
-        checks it (the tensors are the compute thread's); a read whose slot moved on (a cancelled guess, a retired
-        slot) is skipped."""
-        while True:
-            with self.lock:
-                while not (self._urgent or self._later or self._closed):
-                    self._work.wait()
-                if self._closed:
-                    return
-                read = (self._urgent or self._later).popleft()
-                slot = read.slot
-                if slot.gen != read.gen or slot.state != LOADING:
-                    read.done = True
-                    continue
-                read.started = True
-                if self._inflight == 0:
-                    self._busy_since = time.perf_counter()
-                self._inflight += 1
-            error, nbytes = None, 0
-            try:
-                nbytes = self.backend.read(read.key[0], read.key[1], self.slab.slot(slot.index))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the read
-                error = e
-            with self.lock:
-                self._inflight -= 1
-                if self._inflight == 0:
-                    self.stats.ram.read_seconds += time.perf_counter() - self._busy_since
-                if slot.gen == read.gen and slot.state == LOADING:
-                    if error is None:
-                        slot.state = READY
-                        self._mark_evictable(slot)
-                        self.stats.ram.bytes_read += nbytes
-                        self.stats.ram.loads += 1
-                    else:  # a failed guess costs nothing more (wasted); a demanded one raises in `get`
-                        self._free_slot(slot)
-                read.error, read.done = error, True
-                self.lock.notify_all()
+    def _reap(self) -> None:
+        """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
+        a failed one is freed (a failed guess costs nothing more, counted wasted; a demanded one raises in its
+        `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held)."""
+        for read_id, error in self.readers.reap():
+            read = self._reads.pop(read_id)
+            slot = read.slot
+            if slot.gen == read.gen and slot.state == LOADING:
+                if error is None:
+                    slot.state = READY
+                    self._mark_evictable(slot)
+                    self.stats.ram.bytes_read += self.layouts[read.key[0]].slot_bytes
+                    self.stats.ram.loads += 1
+                else:
+                    self._free_slot(slot)
+            read.error, read.done = error, True
+        busy = self.readers.busy()
+        self.stats.ram.read_seconds += busy - self._busy_seen
+        self._busy_seen = busy
 
     def _wait(self, read: _Read) -> float:
-        """Wait for `read`; returns the seconds waited (also counted as stall)."""
+        """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""
         started = time.perf_counter()
-        deadline = time.monotonic() + self.timeout
+        self.readers.wait(read.id, self.timeout)
         with self.lock:
-            while not read.done and (left := deadline - time.monotonic()) > 0:
-                self.lock.wait(left)
+            self._reap()
             slot = read.slot
             if not read.done and slot.gen == read.gen and slot.state == LOADING:
                 # the thread may still write into it: retire it
@@ -526,12 +513,10 @@ class Pager:
 
     def resident(self) -> set[Key]:
         with self.lock:
+            self._reap()
             return {s.key for s in self.slots if s.state == READY}
 
     def close(self) -> None:
         with self.lock:
-            self._closed = True
-            self._urgent.clear()
-            self._later.clear()
-            self._work.notify_all()
+            self.readers.close()
         self.backend.close()
