@@ -177,11 +177,12 @@ inline void row_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, con
 // One token's activations per block pair (128 bytes): 64 int8 on a grid of amax / 127 per block
 // (|error| <= half a step, ~2^-8 of the block's largest magnitude: the order of bf16 activations),
 // 8 int32 bias corrections and 8 fp32 scales [d(b) x4, d(b+1) x4]. Layout: q[32 * c + 16 * h + i]
-// holds element 2i + c of block h (the even/odd code nibbles of decode_pair); bias[4h + j] = 12 *
-// sum(q) over elements 8j .. 8j + 7 of block h (the weights are decoded as u8 w + 12, as above).
+// holds element 2i + c of block h (the even/odd code nibbles of decode_pair); neg_bias[4h + j] =
+// -12 * sum(q) over elements 8j .. 8j + 7 of block h (the weights are decoded as u8 w + 12, as above):
+// the dot products start from it, so that the correction costs no instruction of its own.
 struct alignas(32) PairQ8 {
   int8_t q[64];
-  int32_t bias[8];
+  int32_t neg_bias[8];
   float scale[8];
 };
 
@@ -205,7 +206,7 @@ inline void quantize_row_q8(const float* x, int64_t nb, PairQ8* xq) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), localmoe::round_scaled(v[j], inv));
     for (int e = 0; e < kBlock; ++e) {
       px.q[32 * (e % 2) + 16 * h + e / 2] = static_cast<int8_t>(q[e]);  // |q| <= 127 by construction
-      px.bias[4 * h + e / 8] += 12 * q[e];
+      px.neg_bias[4 * h + e / 8] -= 12 * q[e];
     }
   }
 }
@@ -259,18 +260,17 @@ inline __m256i pair_int(const PairW& w, const PairX& x) {
 }
 
 // The same with one token's q8 records: u8 x s8 pairs (|pair| <= 2 * 24 * 127, two summed < 2^15,
-// no saturation), summed to int32 per 8 elements, less the +12 correction.
+// no saturation), summed to int32 per 8 elements, less the +12 correction (the sums start from it).
 inline __m256i pair_int(const PairW& w, const PairQ8& x) {
   const __m256i* q = reinterpret_cast<const __m256i*>(x.q);
+  const __m256i neg_bias = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.neg_bias));
 #ifdef LOCALMOE_VNNI
-  const __m256i d = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.ev, _mm256_load_si256(q)), w.od,
-                                        _mm256_load_si256(q + 1));
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(neg_bias, w.ev, _mm256_load_si256(q)), w.od, _mm256_load_si256(q + 1));
 #else
   const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.ev, _mm256_load_si256(q)),
                                        _mm256_maddubs_epi16(w.od, _mm256_load_si256(q + 1)));
-  const __m256i d = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), neg_bias);
 #endif
-  return _mm256_sub_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(x.bias)));
 }
 
 // acc + the pair's 8 lane partial dots with one token (X: PairX or PairQ8), scaled by the weights'
@@ -311,6 +311,12 @@ inline bool half_scales16(const uint8_t* s, __m256 out[2]) {
   return true;
 }
 
+// Pair j (0..7) of a run's scales as PairW holds them, from half_scales16's two vectors.
+inline __m256 run_pair_scales(const __m256 half[2], int j) {
+  const int a = 2 * (j % 4);
+  return _mm256_permutevar8x32_ps(half[j / 4], _mm256_setr_epi32(a, a, a, a, a + 1, a + 1, a + 1, a + 1));
+}
+
 // Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against one token's records x
 // (PairX or PairQ8): y[o]. Per run of 8 block pairs, the 16 scales come from one load (half_scales16),
 // not 16 table lookups: the path is bound by loads as much as by arithmetic (+25 % for the exact
@@ -321,8 +327,6 @@ template <typename X>
 inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1, const X* x,
                          float* y) {
   const int64_t nb = K / kBlock;
-  const __m256i pick[4] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                           _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* prow = packed + o * (K / 2);
     const uint8_t* srow = scales + o * nb;
@@ -335,7 +339,7 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
         continue;
       }
       for (int j = 0; j < 8; ++j)
-        acc = pair_fma(row_pair(prow, p + j, _mm256_permutevar8x32_ps(half[j / 4], pick[j % 4])), x[p + j], acc);
+        acc = pair_fma(row_pair(prow, p + j, run_pair_scales(half, j)), x[p + j], acc);
     }
     for (; 2 * p + 2 <= nb; ++p) acc = pair_fma(row_pair(prow, srow, p), x[p], acc);
     if (2 * p < nb) acc = pair_fma(row_last_block(prow, srow, p), x[p], acc);
@@ -344,10 +348,10 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
 }
 
 // R consecutive weight rows (codes nb * 16 bytes apart, scales nb apart) against NT tokens' q8
-// records (record stride `stride` pairs): each pair decoded once per row, each token's record loaded
-// once for the R rows, then per (row, token) the same operations in the same order as with one
-// token, so a token's bits depend neither on how many tokens nor on how many rows share the call.
-// Writes y[r + t * O].
+// records (record stride `stride` pairs): each pair decoded once per row (its scales, per run of 8
+// pairs, from one load as in matrix_token), each token's record loaded once for the R rows, then per
+// (row, token) the same operations in the same order as with one token, so a token's bits depend
+// neither on how many tokens nor on how many rows share the call. Writes y[r + t * O].
 template <int R, int NT>
 inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride, float* y,
                     int64_t O) {
@@ -355,34 +359,68 @@ inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const 
   __m256 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  int64_t p = 0;
-  for (; 2 * p + 2 <= nb; ++p) {
-    PairW w[R];
-    for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p);
+  const auto tokens = [&](const PairW* w, int64_t p) {
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < R; ++r) acc[r][t] = pair_fma(w[r], xq[t * stride + p], acc[r][t]);
+  };
+  int64_t p = 0;
+  for (; 2 * p + 16 <= nb; p += 8) {
+    __m256 half[R][2];
+    bool plain = true;
+    for (int r = 0; r < R; ++r) plain = half_scales16(srow + r * nb + 2 * p, half[r]) && plain;
+    PairW w[R];
+    if (!plain) {
+      for (int j = 0; j < 8; ++j) {
+        for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p + j);
+        tokens(w, p + j);
+      }
+      continue;
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, p + j, run_pair_scales(half[r], j));
+      tokens(w, p + j);
+    }
+  }
+  PairW w[R];
+  for (; 2 * p + 2 <= nb; ++p) {
+    for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p);
+    tokens(w, p);
   }
   if (2 * p < nb) {
-    PairW w[R];
     for (int r = 0; r < R; ++r) w[r] = row_last_block(prow + r * pitch, srow + r * nb, p);
-    for (int t = 0; t < NT; ++t)
-      for (int r = 0; r < R; ++r) acc[r][t] = pair_fma(w[r], xq[t * stride + p], acc[r][t]);
+    tokens(w, p);
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) y[r + t * O] = hsum(acc[r][t]);
 }
 
-// R rows against N >= 2 tokens' q8 records, in groups of 4, 2 and 1 tokens.
+// The most tokens rows_q8 takes in one pass over the rows: AVX-512's 32 vector registers hold 2 rows x
+// 6 tokens' accumulators with the decoded pairs, AVX2's 16 one row x 4.
+#ifdef LOCALMOE_VNNI
+constexpr int kQ8Tokens = 6;
+#else
+constexpr int kQ8Tokens = 4;
+#endif
+
+// rows_q8<R, n> for 1 <= n <= kQ8Tokens.
+template <int R, int NT = kQ8Tokens>
+inline void rows_q8_n(int n, const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
+                      float* y, int64_t O) {
+  if constexpr (NT > 1) {
+    if (n < NT) return rows_q8_n<R, NT - 1>(n, prow, srow, nb, xq, stride, y, O);
+  }
+  rows_q8<R, NT>(prow, srow, nb, xq, stride, y, O);
+}
+
+// R rows against N >= 2 tokens' q8 records: passes of 4 tokens while more than kQ8Tokens are left, then
+// the rest in one pass (each pass decodes the rows' pairs again: a group of 3 costs one pass, not 2 + 1).
 template <int R>
 inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
                            int64_t N, float* y, int64_t O) {
   int64_t t = 0;
-  for (; t + 4 <= N; t += 4) rows_q8<R, 4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
-  if (N - t >= 2) {
-    rows_q8<R, 2>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
-    t += 2;
-  }
-  if (N - t >= 1) rows_q8<R, 1>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  for (; N - t > kQ8Tokens; t += 4) rows_q8<R, 4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  rows_q8_n<R>(static_cast<int>(N - t), prow, srow, nb, xq + t * stride, stride, y + t * O, O);
 }
 
 // Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against N >= 2 tokens' q8 records:

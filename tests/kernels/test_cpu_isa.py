@@ -67,7 +67,7 @@ def test_an_isa_the_cpu_lacks_falls_back_to_avx2_with_a_warning(monkeypatch):
 
 @ISA
 @pytest.mark.parametrize("O,K", [(67, 224), (96, 64), (9, 32), (130, 512), (40, 2880)], ids=lambda v: str(v))
-@pytest.mark.parametrize("N", [1, 2, 5, 100])
+@pytest.mark.parametrize("N", [1, 2, 5, 7, 100])
 @pytest.mark.parametrize("precision", ["exact", "q8"])
 def test_mxfp4_linear(isa, precision, O, K, N):
     """Odd block counts, row counts that are not a multiple of the row group, extreme and NaN scales."""

@@ -42,7 +42,7 @@ def test_cpu_kernel_matches_reference(O, K, N, close):
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("N", [1, 2, 5, 100], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 7, 11, 100], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("O,K", SHAPES)
 def test_q8_precision_matches_reference_on_rounded_inputs(O, K, N, close):
     """precision "q8": the reference on q8_round(x); a token's bits do not depend on N (the GEMV's
