@@ -25,7 +25,9 @@ read per generated token.
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU
-time (on a loaded machine the CPU ratio is the steadier one). `--also-k 7` adds prompt lookup at another
+time (on a loaded machine the CPU ratio is the steadier one). `--batching off` (the default) compares with the
+model's fused single-sequence step, as `run`, `chat`, `web` and the Python API take; `--batching auto` with the
+step `serve` takes (for the embedded model, the batched 1-row step). The `chat` task has nothing to quote. `--also-k 7` adds prompt lookup at another
 most drafts per step to (a), in the same run. Expert bytes are the pager's reads during decoding (from the
 first generated token on) over the tokens generated.
 """
@@ -77,6 +79,7 @@ TASKS = {
     "document": f"Document:\n{DOCUMENT}\n\n{CITE}",
     "paraphrase": f"Here is a document:\n\n{DOCUMENT}\n\n{QUESTION}",
     "code": f"Here is a Python file:\n\n```python\n{CODE}```\n\n{EDIT}",
+    "chat": "Why is the sky blue? Explain it to a ten-year-old in a short paragraph.",  # nothing to quote
 }
 
 
@@ -90,7 +93,8 @@ def worker(args) -> None:
 
     paging = PagingConfig(ram_budget=args.ram) if args.ram else PagingConfig()
     loaded = load_model(args.model, EngineConfig(threads=args.threads, paging=paging), progress=False)
-    local = LocalModel(loaded, ServerConfig(prefix_cache_entries=0, spec=args.spec, spec_k=args.k))
+    local = LocalModel(loaded, ServerConfig(prefix_cache_entries=0, spec=args.spec, spec_k=args.k,
+                                            batching=args.batching))
     pager = pager_of(loaded)
 
     def read() -> int:
@@ -240,7 +244,7 @@ def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[st
     spec, _, k = spec.partition("@")  # "prompt@4": another most drafts per step than --k
     cmd = [__file__, "--worker", "--spec", spec, "--task", task, "--k", k or str(args.k), "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens if chat else args.paged_tokens), "--paged-tokens", str(args.paged_tokens),
-           "--ram", str(ram)]
+           "--ram", str(ram), "--batching", args.batching]
     cmd += ["--model", model] if model else []
     return cmd + (["--chat"] if chat else [])
 
@@ -355,6 +359,9 @@ def main() -> None:
     ap.add_argument("--ram", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=4, help="most drafts per step (--spec-k)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batching", default="off", choices=("off", "auto", "on"),
+                    help="the worker's step (off: the model's fused single-sequence step, as `run`, `chat` and the "
+                         "Python API take; auto: as `serve` takes)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens generated on the embedded model")
     ap.add_argument("--paged-tokens", type=int, default=48, help="tokens generated on the paged store")
     ap.add_argument("--pairs", type=int, default=2)

@@ -7,7 +7,13 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import budget_option, model_options, spec_options, thinking_budgets_option
+from localmoe.commands.options import (
+    batching_option,
+    budget_option,
+    model_options,
+    spec_options,
+    thinking_budgets_option,
+)
 from localmoe.errors import LocalMoEError
 
 
@@ -25,11 +31,12 @@ from localmoe.errors import LocalMoEError
               help="Files or folders search_documents looks in (repeatable; default: the working directory).")
 @click.option("--no-tools", is_flag=True, help="Start with the built-in tools off (ctrl+t turns them on).")
 @spec_options
+@batching_option("off")
 @click.option("--session", "session_id", default=None, help="Resume this stored session.")
 @click.option("--sessions", "sessions_path", default=None, metavar="PATH",
               help="SQLite file of the sessions (default: sessions.db in the localmoe cache, shared with serve).")
 def command(model, engine, budget, thinking_budgets, max_tokens, workdir, tool_timeout,
-            tool_output_cap, document_paths, no_tools, spec, spec_k, session_id, sessions_path):
+            tool_output_cap, document_paths, no_tools, spec, spec_k, batching, session_id, sessions_path):
     """Chat with the model in the terminal: streaming answers, reasoning panels, tool calls you
     approve, thinking budgets, stored sessions and live paging statistics."""
     try:
@@ -48,7 +55,8 @@ def command(model, engine, budget, thinking_budgets, max_tokens, workdir, tool_t
     except (ValueError, NotADirectoryError) as e:
         raise LocalMoEError(f"--tool-timeout / --tool-output-cap / --workdir: {e}") from None
     config = ServerConfig(max_tokens_default=max_tokens, sessions_path=Path(sessions_path or default_sessions_path()),
-                          budgets=thinking_budgets, threads=engine.threads, spec=spec, spec_k=spec_k)
+                          budgets=thinking_budgets, threads=engine.threads, spec=spec, spec_k=spec_k,
+                          batching=batching)
     loader = load_service(model, engine, config)
     app = ChatApp(loader=loader, model_name=Path(model).name if model else "the embedded default model",
                   workdir=workdir, budget=budget, tools_enabled=not no_tools, session_id=session_id,

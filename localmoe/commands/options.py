@@ -155,6 +155,16 @@ allowed_hosts_option = click.option(
          "(repeatable or comma-separated; '*': any). Others get 403 (DNS-rebinding defence).")
 
 
+def batching_option(default: str):
+    """--batching, handed over as `batching`: `serve` batches by default (agents send requests at once); the chat
+    apps default to each conversation's own fused step (one user: batching's 1-row step is the slower one)."""
+    return click.option(
+        "--batching", type=click.Choice(["auto", "on", "off"]), default=default, show_default=True,
+        help="Decode step of concurrent sequences: on = one batched forward over all of them; off = each "
+             "sequence's own (fused) step in turn, the fastest for one user; auto = batched where it pays (models "
+             "without a fused single-sequence step, GGUF-block models, MoE models with plain GQA attention).")
+
+
 def spec_options(function):
     """--spec and --spec-k (speculative decoding, runtime/speculation.py), handed over as `spec` and `spec_k`."""
     options = [

@@ -7,7 +7,13 @@ from pathlib import Path
 import click
 
 from localmoe.commands.base import Command
-from localmoe.commands.options import allowed_hosts_option, model_options, spec_options, thinking_budgets_option
+from localmoe.commands.options import (
+    allowed_hosts_option,
+    batching_option,
+    model_options,
+    spec_options,
+    thinking_budgets_option,
+)
 from localmoe.errors import LocalMoEError
 from localmoe.paths import cache_dir
 
@@ -31,10 +37,7 @@ def default_sessions_path() -> Path:
 @click.option("--max-concurrency", type=int, default=16, show_default=True,
               help="Sequences batched at once (one forward per step over all of them); more requests wait "
                    "in the queue.")
-@click.option("--batching", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="Decode step of concurrent sequences: on = one batched forward over all of them; off = each "
-                   "sequence's own (fused) step in turn; auto = batched where it pays (models without a fused "
-                   "single-sequence step, GGUF-block models, MoE models with plain GQA attention).")
+@batching_option("auto")
 @click.option("--kv-budget", default=None, metavar="SIZE",
               help="KV-cache bytes the running sequences may hold (e.g. 512M, 2G); "
                    "past it new requests wait, and when running sequences outgrow it the latest is preempted "

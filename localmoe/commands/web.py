@@ -10,6 +10,7 @@ import click
 from localmoe.commands.base import Command
 from localmoe.commands.options import (
     allowed_hosts_option,
+    batching_option,
     budget_option,
     model_options,
     spec_options,
@@ -36,8 +37,9 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
               help="SQLite file for persisted chats (default: sessions.db in the localmoe cache).")
 @click.option("--no-sessions", is_flag=True, help="Keep chats only in memory.")
 @spec_options
+@batching_option("off")
 def command(model, engine, host, port, allowed_hosts, workdir, budget, no_tools, max_tokens,
-            thinking_budgets, sessions_path, no_sessions, spec, spec_k):
+            thinking_budgets, sessions_path, no_sessions, spec, spec_k, batching):
     """Chat with the model in a browser: streaming answers, reasoning panels, approved tool calls,
     questions about uploaded documents, live speed and paging plots."""
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # never phone home; read when gradio is imported
@@ -56,7 +58,8 @@ def command(model, engine, host, port, allowed_hosts, workdir, budget, no_tools,
     if max_tokens is not None and max_tokens < 1:
         raise LocalMoEError(f"--max-tokens must be at least 1, not {max_tokens}")
     config = ServerConfig(sessions_path=None if no_sessions else Path(sessions_path or default_sessions_path()),
-                          budgets=thinking_budgets, threads=engine.threads, spec=spec, spec_k=spec_k)
+                          budgets=thinking_budgets, threads=engine.threads, spec=spec, spec_k=spec_k,
+                          batching=batching)
     click.echo("localmoe web: loading the model", err=True)
     loaded = load_model(model, engine)
     config.threads = loaded.config.resolved_threads()

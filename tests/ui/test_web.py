@@ -288,23 +288,43 @@ def _settled(page, states: list[str], quiet: float = 0.6, limit: float = 10.0) -
     return states
 
 
+# Records every text the newest assistant message shows, as the page draws it: polling could miss the steps of
+# a short reply that streams in less than one poll interval.
+RECORD_JS = """(sel) => {
+  window.__botStates = [];
+  const seen = () => {
+    const els = document.querySelectorAll(sel);
+    const s = window.__botStates, t = els.length ? (els[els.length - 1].getAttribute('aria-label') || '') : '';
+    if (!s.length || s[s.length - 1][0] !== els.length || s[s.length - 1][1] !== t) s.push([els.length, t]);
+  };
+  if (window.__botObserver) window.__botObserver.disconnect();
+  window.__botObserver = new MutationObserver(seen);
+  window.__botObserver.observe(document.body, {subtree: true, childList: true, characterData: true,
+                                               attributes: true, attributeFilter: ['aria-label']});
+}"""
+
+
 def _send_and_watch(page, text: str) -> list[str]:
-    """Send `text`; return every distinct state of the newest assistant message until the turn ends."""
+    """Send `text`; return every distinct state of the newest assistant message until the turn ends (as the
+    page drew them, recorded by a MutationObserver)."""
     before = len(_bot_texts(page))
     status_before = page.inner_text("#turn-status")
+    page.evaluate(RECORD_JS, BOT)
     page.fill("#message textarea", text)
     page.press("#message textarea", "Enter")
-    states: list[str] = []
     deadline = time.monotonic() + REPLY_TIMEOUT / 1000
     while time.monotonic() < deadline:
         texts = _bot_texts(page)
-        if len(texts) > before and (not states or texts[-1] != states[-1]):
-            states.append(texts[-1])
         status = page.inner_text("#turn-status")
         if status and status != status_before and len(texts) > before:
-            return _settled(page, states)
+            _settled(page, [texts[-1]])
+            states: list[str] = []
+            for count, shown in page.evaluate("window.__botStates"):
+                if count > before and (not states or shown != states[-1]):
+                    states.append(shown)
+            return states
         time.sleep(0.05)
-    raise AssertionError(f"no finished reply to {text!r} within {REPLY_TIMEOUT / 1000:.0f} s; states {states}")
+    raise AssertionError(f"no finished reply to {text!r} within {REPLY_TIMEOUT / 1000:.0f} s")
 
 
 @pytest.mark.slow
