@@ -110,7 +110,7 @@ class Pager:
         for key in list(pinned)[:num_slots // 2]:  # keep half the slab for everything else
             self.get(*key)
             self.pinned.add(key)
-            self._evictable.pop(key, None)
+            self._unpool(key)
         self.held = ()
         self.stats = PagingStats(policy=policy.name, backend=backend.name, slots=num_slots, slot_bytes=slot_bytes)
 
@@ -195,7 +195,8 @@ class Pager:
         held = {layer: self.hold(layer, experts) for layer, experts in layers.items()}
         with self.lock:
             self.pinned |= set(self.where)
-            self._evictable.clear()
+            for key in list(self._evictable):
+                self._unpool(key)
             self.held = ()
         self._resident = ResidentExperts(held)
         return True
@@ -404,7 +405,7 @@ class Pager:
         out = [self.slots[self.free.pop()] for _ in range(min(n, len(self.free)))]
         if len(out) < n and self._evictable:
             keep = {s.key for s in self.held} | self.protected
-            picks = self.policy.victims(list(self._evictable), self.step, n - len(out) + len(keep))
+            picks = self.policy.pool_victims(self.step, n - len(out) + len(keep))  # the policy's copy of the pool
             for key in [k for k in picks if k not in keep][:n - len(out)]:
                 out.append(self._evictable[key])
                 self._evict(out[-1])
@@ -430,6 +431,12 @@ class Pager:
         """`slot` joins the hints' eviction pool if it is ready, requested and not pinned (lock held)."""
         if slot is not None and slot.state == READY and slot.used and slot.key not in self.pinned:
             self._evictable[slot.key] = slot
+            self.policy.join_pool(slot.key)
+
+    def _unpool(self, key: Key) -> None:
+        """`key` leaves the hints' eviction pool (lock held)."""
+        if self._evictable.pop(key, None) is not None:
+            self.policy.leave_pool(key)
 
     def _evict(self, slot: _Slot) -> None:
         self._forget(slot)
@@ -448,7 +455,7 @@ class Pager:
         if slot.origin == LOOKAHEAD and not slot.used:
             self._settle(slot, chosen=False)
         del self.where[slot.key]
-        self._evictable.pop(slot.key, None)
+        self._unpool(slot.key)
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
 

@@ -31,7 +31,23 @@ POLICIES = PAGING_POLICIES  # the names, declared with PagingConfig
 
 
 class Policy:
+    """A policy also keeps the pager's eviction pool (`pool`: the keys its routing hints may evict, in the order
+    they joined, kept as slots change state) so that `pool_victims` needs no candidate list per call."""
+
     name = "base"
+
+    def __init__(self) -> None:
+        self.pool: dict[Key, None] = {}
+
+    def join_pool(self, key: Key) -> None:
+        self.pool[key] = None
+
+    def leave_pool(self, key: Key) -> None:
+        self.pool.pop(key, None)
+
+    def pool_victims(self, now: int, n: int) -> list[Key]:
+        """`victims(pool, now, n)`."""
+        return self.victims(list(self.pool), now, n)
 
     def access(self, key: Key, now: int) -> None:
         """A demand access to `key` at step `now` (hit or miss)."""
@@ -59,6 +75,7 @@ class LRU(Policy):
     name = "lru"
 
     def __init__(self) -> None:
+        super().__init__()
         self.order: OrderedDict[Key, None] = OrderedDict()  # least recent first
 
     def access(self, key: Key, now: int) -> None:
@@ -90,6 +107,7 @@ class LFU(Policy):
     name = "lfu"
 
     def __init__(self) -> None:
+        super().__init__()
         self.count: defaultdict[Key, int] = defaultdict(int)
         self.last: dict[Key, int] = {}
         self.clock = 0
@@ -122,7 +140,8 @@ class LFRU(Policy):
 
     Counts decay by half every `half_life` passes (aging: old popularity fades as the topic
     drifts). `access` is O(1); `victim` scores each candidate, O(candidates) like the pager's
-    scan."""
+    scan. The per-layer terms of the scores are kept between calls and recomputed only for the layers
+    accessed since (all after a rebase), and the eviction pool is a mask over the rows (`pool_victims`)."""
 
     name = "lfru"
 
@@ -131,6 +150,7 @@ class LFRU(Policy):
         if half_life <= 0 or prior <= 0 or reuse_prior <= 0 or popularity_tokens < 0:
             raise PagingError(f"LFRU needs half_life, prior, reuse_prior > 0 and popularity_tokens >= 0, not "
                               f"{half_life}, {prior}, {reuse_prior}, {popularity_tokens}")
+        super().__init__()
         self.half_life, self.prior, self.reuse_prior = half_life, prior, reuse_prior
         self.popularity = dict(popularity or {})
         self.popularity_tokens = popularity_tokens if self.popularity else 0.0
@@ -150,6 +170,12 @@ class LFRU(Policy):
         self._uses, self._stays = np.zeros(0), np.zeros(0)
         self._last = self._layer = self._expert = np.zeros(0, np.int64)
         self._pop = np.zeros(0)
+        self._in_pool = np.zeros(0, bool)  # rows in the eviction pool
+        # per layer: passes, sw, swm, lift, rs, stay_rate, pass_now, pass_before (see `_scores`); `_fresh`: the
+        # layers whose terms are up to date (an access makes its layer's stale, a rebase all)
+        self._terms = np.zeros((6, 0))
+        self._passes_at = np.zeros((2, 0), np.int64)
+        self._fresh: set[int] = set()
 
     def _row(self, key: Key) -> int:
         i = self.index.get(key)
@@ -159,6 +185,7 @@ class LFRU(Policy):
                 n = max(64, 2 * i)
                 self._uses, self._stays, self._pop = (np.resize(a, n) for a in (self._uses, self._stays, self._pop))
                 self._last, self._layer, self._expert = (np.resize(a, n) for a in (self._last, self._layer, self._expert))
+                self._in_pool = np.concatenate([self._in_pool, np.zeros(n - len(self._in_pool), bool)])
             self._uses[i] = self._stays[i] = 0.0
             self._last[i], self._layer[i], self._expert[i] = -1, key[0], key[1]
             self._pop[i] = min(self.popularity.get(key, 0.0), 0.999)
@@ -179,10 +206,12 @@ class LFRU(Policy):
         self._uses *= f
         self._stays *= f
         self.base = now
+        self._fresh.clear()
 
     def access(self, key: Key, now: int) -> None:
         layer = key[0]
         self.layer = layer
+        self._fresh.discard(layer)
         w = self._weight(now)
         if self.pass_now.get(layer) != now:  # the layer's next pass begins
             self.pass_before[layer] = self.pass_now.get(layer)
@@ -249,32 +278,47 @@ class LFRU(Policy):
         """`victim` scored one candidate at a time in Python (the reference it must agree with)."""
         return min(candidates, key=lambda k: (self.next_use(k), self.last.get(k, -1), k))  # total order: any scan order agrees
 
-    def _scores(self, rows: np.ndarray) -> np.ndarray:
-        """`next_use` of each row, operation for operation (so bit for bit) as the scalar code: the
-        per-layer terms are computed in Python once per layer, then gathered per row."""
-        uses, stays, last, layers = self._uses[rows], self._stays[rows], self._last[rows], self._layer[rows]
-        present = np.flatnonzero(np.bincount(layers)).tolist()
+    def _layer_terms(self, present: list[int]) -> None:
+        """Bring the per-layer terms of `present` layers up to date (those accessed since they were computed)."""
         n = present[-1] + 1
-        passes, sw, swm, lift, rs = (np.zeros(n) for _ in range(5))
-        stay_rate = np.zeros(n)
+        if self._terms.shape[1] < n:
+            grow = max(n, 2 * self._terms.shape[1])
+            self._terms = np.concatenate([self._terms, np.zeros((6, grow - self._terms.shape[1]))], axis=1)
+            self._passes_at = np.concatenate([self._passes_at, np.zeros((2, grow - self._passes_at.shape[1]),
+                                                                        np.int64)], axis=1)
+        passes, sw, swm, lift, rs, stay_rate = self._terms
+        pass_now, pass_before = self._passes_at
         never = np.iinfo(np.int64).min
-        pass_now, pass_before = np.full(n, never), np.full(n, never)
         for layer in present:
+            if layer in self._fresh:
+                continue
+            self._fresh.add(layer)
             layer_uses, passes[layer], w = (self.layer_uses.get(layer, 0.0), self.passes.get(layer, 0.0),
                                             self._layer_weight(layer))
             if self.popularity_tokens:
                 stay_rate[layer] = self.layer_stays.get(layer, 0.0) / layer_uses if layer_uses else 0.0
-                sw[layer] = self.popularity_tokens * w
+                sw[layer], swm[layer] = self.popularity_tokens * w, 0.0
             else:
                 idle = self.layer_seen.get(layer, 1) * passes[layer] - layer_uses
                 mean = (layer_uses - self.layer_stays.get(layer, 0.0)) / idle if idle > 0 else 0.0
-                sw[layer] = self.prior * w
+                sw[layer], stay_rate[layer] = self.prior * w, 0.0
                 swm[layer] = sw[layer] * mean
             lift[layer], rs[layer] = self.lift(layer), self.reuse_prior * w
-            if self.pass_now.get(layer) is not None:
-                pass_now[layer] = self.pass_now[layer]
-            if layer == self.layer and self.pass_before.get(layer) is not None:
-                pass_before[layer] = self.pass_before[layer]
+            now, before = self.pass_now.get(layer), self.pass_before.get(layer)
+            pass_now[layer] = never if now is None else now
+            pass_before[layer] = never if before is None else before
+
+    def _scores(self, rows: np.ndarray) -> np.ndarray:
+        """`next_use` of each row, operation for operation (so bit for bit) as the scalar code: the
+        per-layer terms are computed in Python once per layer (`_layer_terms`), then gathered per row."""
+        uses, stays, last, layers = self._uses[rows], self._stays[rows], self._last[rows], self._layer[rows]
+        present = np.flatnonzero(np.bincount(layers)).tolist()
+        self._layer_terms(present)
+        passes, sw, swm, lift, rs, stay_rate = self._terms
+        pass_now = self._passes_at[0]
+        pass_before = np.full(len(pass_now), np.iinfo(np.int64).min)  # only the layer in progress looks back
+        if self.layer is not None and self.layer < len(pass_before):
+            pass_before[self.layer] = self._passes_at[1, self.layer]
         sw_r = sw[layers]
         if self.popularity_tokens:
             p = self._pop[rows]
@@ -306,10 +350,32 @@ class LFRU(Policy):
 
     def victims(self, candidates: Iterable[Key], now: int, n: int) -> list[Key]:
         """`Policy.victims` in one scoring pass: the `n` first in `victim`'s order (score, last use, key)."""
-        rows = self._candidate_rows(candidates)
+        return self._first(self._candidate_rows(candidates), n)
+
+    def join_pool(self, key: Key) -> None:
+        super().join_pool(key)
+        i = self._row(key)  # (may grow the arrays: before `_in_pool` is looked up)
+        self._in_pool[i] = True
+
+    def leave_pool(self, key: Key) -> None:
+        super().leave_pool(key)
+        i = self.index.get(key)
+        if i is not None:
+            self._in_pool[i] = False
+
+    def pool_victims(self, now: int, n: int) -> list[Key]:
+        return self._first(np.flatnonzero(self._in_pool), n)
+
+    def _first(self, rows: np.ndarray, n: int) -> list[Key]:
+        """The `n` first of `rows` in `victim`'s order: only the rows scoring at most the n-th lowest score are
+        sorted (the others come after them)."""
         if n <= 0 or not len(rows):
             return []
-        order = np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], self._scores(rows)))[:n]
+        score = self._scores(rows)
+        if n < len(rows):
+            keep = score <= np.partition(score, n - 1)[n - 1]
+            rows, score = rows[keep], score[keep]
+        order = np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], score))[:n]
         return [(int(self._layer[i]), int(self._expert[i])) for i in rows[order]]
 
 
@@ -326,6 +392,7 @@ class Belady(Policy):
     name = "belady"
 
     def __init__(self, future: Sequence[Key]) -> None:
+        super().__init__()
         self.future = [tuple(k) for k in future]
         self.uses: defaultdict[Key, list[int]] = defaultdict(list)
         for i, key in enumerate(self.future):

@@ -75,3 +75,27 @@ def test_victims_at_once_are_the_victims_one_after_another(name):
             one_by_one.append(policy.victim(left, step))
             left.remove(one_by_one[-1])
         assert policy.victims(cands, step, n) == one_by_one
+
+
+@pytest.mark.parametrize("name", ["lfru", "lru", "lfu"])
+def test_pool_victims_are_the_victims_among_the_pool(name):
+    """The policy's copy of the pager's eviction pool (joined and left as slots change state; LFRU keeps it as a
+    mask over its rows and its per-layer terms between calls) gives the victims `victim` picks one after another
+    among the pool's keys, also right after accesses (stale per-layer terms) and rebases (half_life 2)."""
+    from localmoe.paging.policy import make_policy
+
+    rng = random.Random(7)
+    policy = make_policy(name, **({"half_life": 2.0} if name == "lfru" else {}))
+    for step in range(80):
+        for layer in range(4):
+            for e in set(rng.choices(range(24), [1.0 / (i + 1) for i in range(24)], k=4)):
+                policy.access((layer, e), step)
+            for _ in range(6):
+                key = (rng.randrange(4), rng.randrange(26))  # some never accessed
+                (policy.join_pool if rng.random() < 0.6 else policy.leave_pool)(key)
+            n = rng.randrange(1, 12)
+            left, one_by_one = list(policy.pool), []
+            while left and len(one_by_one) < n:
+                one_by_one.append(policy.victim(left, step))
+                left.remove(one_by_one[-1])
+            assert policy.pool_victims(step, n) == one_by_one

@@ -163,6 +163,7 @@ def test_hint_eviction_pool_is_every_ready_requested_unpinned_slot(kimi_k3, tmp_
         with pager.lock:
             scan = {s.key for s in pager.slots if s.state == "ready" and s.used and s.key not in pager.pinned}
             assert set(pager._evictable) == scan and all(pager._evictable[k].key == k for k in scan)
+            assert list(pager.policy.pool) == list(pager._evictable)  # the policy's copy, in the same order
         checked.append(layer)
         return hold(layer, experts)
 
