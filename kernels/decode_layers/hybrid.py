@@ -1,6 +1,7 @@
 """`decode_hybrid` (hybrid_cpu.cpp) bound to a model's layers: KDA, Gated DeltaNet, absorbed-MLA and GQA
-mixers, dense or MoE MLPs (latent projection, shared experts, a shared-expert gate), plain or attention
-residuals, for one decode token of one sequence in one call (Kimi K3, Kimi-Linear, Qwen3-Next).
+mixers (MLA with DSA's lightning or k-pool indexer and its top-k, or a dsa_shared selection), dense or MoE MLPs
+(latent projection, shared experts, a shared-expert gate), plain or attention residuals, for one decode token of
+one sequence in one call (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5).
 
 The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.py, mla.py, attention.py, moe.py,
 attn_res.py)
@@ -23,6 +24,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 NO_MATRIX = (None, 0, 0, 0, None)
 MAX_HEAD_DIM, MAX_LATENT = 512, 1024  # hybrid_mixers.h stack buffers: KDA K, MLA kv_lora_rank (+ rope <= 128)
 MAX_BLOCKS = 62  # attention-residual blocks per token (hybrid_cpu.cpp depth_mix scores)
+MAX_INDEX_DIM = 128  # DSA index_head_dim: one key within one block of the index cache (index_cache.INDEX_SCALE_BLOCK)
 MAX_TOP_K = 64  # routed experts per token of a layer with resident dense experts (hybrid_cpu.cpp mlp's order)
 
 
@@ -34,12 +36,22 @@ class Kda(ctypes.Structure):
                 ("bounded", _i), ("lower_bound", _f), ("eps", _f)]
 
 
+class Indexer(ctypes.Structure):
+    """hybrid_mixers.h `struct Indexer` (select 0: none, 1: the layer's own indexer, 2: dsa_shared)."""
+
+    _fields_ = [("wq_b", Matrix), ("wk", Matrix), ("weights", Matrix), ("gate", Matrix), ("k_norm_w", _p),
+                ("k_norm_b", _p), ("ape", _p), ("keys", _p), ("select", _i), ("heads", _i), ("head_dim", _i),
+                ("rope_dim", _i), ("interleaved", _i), ("top_k", _i), ("pool", _i), ("tail", _i), ("block", _i),
+                ("head_stride", _i), ("dense_context", _i), ("weight_scale", _f)]
+
+
 class Mla(ctypes.Structure):
     """hybrid_mixers.h `struct Mla`."""
 
     _fields_ = [("q_a", Matrix), ("q_b", Matrix), ("kv_a", Matrix), ("g", Matrix), ("q_a_norm", _p),
                 ("kv_a_norm", _p), ("w_uk", _p), ("w_uv", _p), ("rows", _p), ("heads", _i), ("kv_rank", _i),
-                ("nope", _i), ("rope", _i), ("vdim", _i), ("rotate", _i), ("scale", _f), ("eps", _f)]
+                ("nope", _i), ("rope", _i), ("vdim", _i), ("rotate", _i), ("scale", _f), ("eps", _f),
+                ("dsa", Indexer)]
 
 
 class Gdn(ctypes.Structure):
@@ -172,6 +184,7 @@ class HybridDecoder:
         mixer = d[d["mixer"]]
         ms = [d["o_proj"], *(d.get(n) for n in ("gate_up", "down", "lat_down", "lat_up"))]
         ms += [mixer.get(n) for n in ("in_proj", "f_b", "g_b", "q_a", "q_b", "kv_a", "g", "qkv", "gate")]
+        ms += [mixer.get("dsa", {}).get(n) for n in ("wq_b", "wk", "weights", "gate")]
         return [m for m in ms if m is not None]
 
     @staticmethod
@@ -181,6 +194,8 @@ class HybridDecoder:
             value = d.get(name)
             if kind is Matrix:
                 setattr(c, name, _matrix(value or NO_MATRIX))
+            elif kind is Indexer:
+                HybridDecoder._fill(getattr(c, name), value or {})
             elif kind is _p:
                 setattr(c, name, _ptr(value))
             elif value is not None:
@@ -199,6 +214,11 @@ class HybridDecoder:
     def set_rows(self, i: int, rows: torch.Tensor) -> None:
         """Layer i's latent cache pool: fp32 rows [capacity, r + rope] from its start (the token's row is written)."""
         self.layers[i].mla.rows = rows.data_ptr()
+
+    def set_index(self, i: int, keys: torch.Tensor) -> None:
+        """Layer i's (DSA) index-key cache pool [blocks, capacity, block] fp32 (the token's key is written)."""
+        dsa = self.layers[i].mla.dsa
+        dsa.keys, dsa.block, dsa.head_stride = keys.data_ptr(), keys.shape[-1], keys.stride(0)
 
     def _experts(self, index: int, h: int, x: int, out: int) -> int:
         try:

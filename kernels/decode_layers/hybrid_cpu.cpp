@@ -1,8 +1,9 @@
 // Every layer of a hybrid model for one decode token, in one call: KDA, Gated DeltaNet and absorbed MLA
-// mixers (hybrid_mixers.h) or GQA (gqa_step.h, with Qwen3-Next's sigmoid output gate), a dense gated MLP
-// or a MoE block (optional latent projection: down, experts, norm, up; optional shared experts, optionally
-// behind a sigmoid gate), and either plain residuals or Kimi K3's attention residuals (depth mixing over
-// stored block representations). Kimi K3, Kimi-Linear and Qwen3-Next decode through it
+// mixers (hybrid_mixers.h; MLA with DSA's lightning or k-pool indexer and top-k, or a dsa_shared selection)
+// or GQA (gqa_step.h, with Qwen3-Next's sigmoid output gate), a dense gated MLP or a MoE block (optional
+// latent projection: down, experts, norm, up; optional shared experts, optionally behind a sigmoid gate),
+// and either plain residuals or Kimi K3's attention residuals (depth mixing over stored block
+// representations). Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5 and GLM-5 decode through it
 // (engine/decode_plan.py). Per layer, as engine/transformer.py and engine/layers/attn_res.py run it op by op:
 //   plain:     a = mixer(rms(x)); x += a; m = mlp(rms(x)); x += m
 //   attn-res:  h = mix([blocks, ps], attn_query) (ps alone before the first block); every block_size
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "../_cpu/glu.h"
 #include "../gqa_decode/gqa_step.h"
@@ -94,6 +96,7 @@ namespace {
 
 struct Buffers {
   float *h, *hn, *a, *m, *mix, *lat, *y, *mlp, *mixer;
+  localmoe_hybrid::Selection sel;  // the latest DSA selection of this token (MLA layers)
   float* blocks;  // attention residuals: stored blocks [nblocks, D]
 };
 
@@ -215,7 +218,7 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
   float* scratch = b.mixer + mixer_width(L);
   switch (L.mixer) {
     case 0: localmoe_hybrid::kda_step(L.kda, hn, b.mixer, scratch, xq, threads); break;
-    case 1: localmoe_hybrid::mla_step(L.mla, hn, pos, cos, ssin, b.mixer, scratch, xq, threads); break;
+    case 1: localmoe_hybrid::mla_step(L.mla, hn, pos, cos, ssin, b.mixer, scratch, b.sel, xq, threads); break;
     case 2: localmoe_hybrid::gdn_step(L.gdn, hn, b.mixer, scratch, xq, threads); break;
     default: gqa_mixer(L.gqa, hn, pos, cos, ssin, b.mixer, scratch, xq, threads);
   }
@@ -275,6 +278,11 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
   b.y = b.lat + L0;
   b.mlp = b.y + L0;
   b.mixer = b.mlp;  // the mixer and the MLP never need their scratch at the same time
+  int64_t picks = 1;  // the widest DSA selection: top_k (+ a k-pool tail)
+  for (int64_t l = 0; l < n; ++l) picks = std::max(picks, layers[l].mla.dsa.top_k + layers[l].mla.dsa.pool);
+  thread_local std::vector<int64_t> selected;
+  selected.resize(picks);
+  b.sel = {selected.data(), 0, 0};
   if (!block_size) {
     rms_norm(x, layers[0].attn_norm, D, eps, b.hn);
     for (int64_t l = 0; l < n; ++l) {

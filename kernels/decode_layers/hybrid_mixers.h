@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "../_cpu/matrix.h"
 #include "../_cpu/pool.h"
@@ -208,6 +209,29 @@ inline void gdn_step(const Gdn& a, const float* x, float* o, float* scratch, voi
 
 // ---- MLA, absorbed (NoPE: Kimi; RoPE: DeepSeek): one token of one layer ----
 
+// DSA's token selection for an MLA layer (engine/layers/indexer.py, kpool_indexer.py, dsa_shared.py).
+struct Indexer {
+  Matrix wq_b;     // [Hi Di, q_rank]: index queries from the q LoRA output
+  Matrix wk;       // [Di, D]: the token's index key, then LayerNorm (k_norm_w, k_norm_b, eps 1e-6)
+  Matrix weights;  // [Hi, D]: head weights (times weight_scale)
+  Matrix gate;     // [Di, D] k-pool gate logits (GLM-5-Next); rows 0: keys scored per token (DeepSeek)
+  const float* k_norm_w;
+  const float* k_norm_b;
+  const float* ape;  // [pool, Di] (k-pool)
+  float* keys;       // the index cache, fp32: value j of token s at keys[(j / block) * head_stride + s * block + j % block]
+  int64_t select;    // 0: plain MLA; 1: this layer's indexer selects; 2: the latest selecting layer's rows (dsa_shared)
+  int64_t heads, head_dim, rope_dim, interleaved, top_k, pool, tail, block, head_stride;
+  int64_t dense_context;  // up to this many cached tokens nothing is dropped: attend to all
+  float weight_scale;
+};
+
+// The rows a selecting layer chose for this token, for itself and the dsa_shared layers after it.
+struct Selection {
+  int64_t* rows;  // increasing cache positions
+  int64_t count;
+  int64_t valid;  // 0: the latest selecting layer attended to every row (nothing chosen)
+};
+
 struct Mla {
   Matrix q_a;   // [q_rank, D]; rows 0: no q LoRA (q_b is q_proj)
   Matrix q_b;   // [H (nope + rope), q_rank | D]
@@ -221,6 +245,7 @@ struct Mla {
   int64_t heads, kv_rank, nope, rope, vdim;
   int64_t rotate;  // 1: RoPE over adjacent pairs of the rope part, kept de-interleaved (DeepSeek); 0: NoPE
   float scale, eps;
+  Indexer dsa;  // select 0: plain MLA over every cached row
 };
 
 // x [n] (pairs adjacent) <- RoPE over adjacent pairs in de-interleaved order (evens, then odds), as
@@ -236,13 +261,133 @@ inline void rotate_pairs(float* x, int64_t n, const float* cos, const float* ssi
   }
 }
 
-inline int64_t mla_scratch(const Mla& m) { return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim; }
+// x [n] <- the half-split rotation (engine/rope.py apply_rope) by cos / signed sin [n].
+inline void rotate_half(float* x, int64_t n, const float* cos, const float* ssin) {
+  const int64_t half = n / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + b * ssin[i];
+    x[i + half] = b * cos[i + half] + a * ssin[i + half];
+  }
+}
+
+inline int64_t mla_scratch(const Mla& m) {
+  const int64_t index = m.dsa.select == 1 ? m.dsa.heads * m.dsa.head_dim + m.dsa.heads : 0;
+  return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim + index;
+}
+
+// out[0 .. min(k, n)) <- the indices of the k best of s[0 .. n) in increasing order; returns their count.
+// Tie rule (kernels/topk_select `top_columns`): a higher score first, of equal scores the lower index.
+inline int64_t top_rows(const float* s, int64_t n, int64_t k, int64_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = i;
+  if (k < n) {
+    std::nth_element(out, out + k, out + n, [s](int64_t a, int64_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    std::sort(out, out + k);
+    return k;
+  }
+  return n;
+}
+
+struct IndexScores {
+  const Indexer* ix;
+  const float* q;  // [Hi, Di]
+  const float* w;  // [Hi], scaled
+  const float* keys;  // scored keys: token (or pool) j's at keys + j * stride
+  int64_t stride;
+  float* out;
+};
+
+// out[j] = sum_h w[h] relu(q[h] . key_j), in head order (engine/layers/indexer.py `select`)
+inline void index_scores(const void* ctx, int64_t begin, int64_t end) {
+  const IndexScores& c = *static_cast<const IndexScores*>(ctx);
+  const int64_t H = c.ix->heads, Di = c.ix->head_dim;
+  for (int64_t j = begin; j < end; ++j) {
+    const float* k = c.keys + j * c.stride;
+    float total = 0.0f;
+    for (int64_t h = 0; h < H; ++h) total += c.w[h] * std::max(0.0f, dot(c.q + h * Di, k, Di));
+    c.out[j] = total;
+  }
+}
+
+inline float* index_key(const Indexer& ix, int64_t s, int64_t j) {
+  return ix.keys + (j / ix.block) * ix.head_stride + s * ix.block + j % ix.block;
+}
+
+// The token's index key (and k-pool gate logits) written at `pos`: LayerNorm(wk x), its first rope_dim
+// dims rotated (half-split, or adjacent pairs de-interleaved as the MLA rope part).
+inline void index_key_step(const Indexer& ix, const float* x, int64_t pos, const float* cos, const float* ssin,
+                           void* xq, int threads) {
+  const int64_t Di = ix.head_dim;
+  float* k = index_key(ix, pos, 0);
+  localmoe::matvec(ix.wk, x, k, xq, threads);
+  float mean = 0.0f, var = 0.0f;
+  for (int64_t i = 0; i < Di; ++i) mean += k[i];
+  mean /= static_cast<float>(Di);
+  for (int64_t i = 0; i < Di; ++i) var += (k[i] - mean) * (k[i] - mean);
+  const float r = 1.0f / std::sqrt(var / static_cast<float>(Di) + 1e-6f);
+  for (int64_t i = 0; i < Di; ++i) k[i] = (k[i] - mean) * r * ix.k_norm_w[i] + ix.k_norm_b[i];
+  if (ix.rope_dim) (ix.interleaved ? rotate_pairs : rotate_half)(k, ix.rope_dim, cos, ssin);
+  if (ix.gate.rows) localmoe::matvec(ix.gate, x, index_key(ix, pos, Di), xq, threads);
+}
+
+// The rows query `pos` attends to (S = pos + 1 cached tokens, more than dense_context): the index queries
+// from the q LoRA output cq, head weights from x, scores over the tokens (or complete pools) and the top-k.
+inline void index_select(const Indexer& ix, const float* x, const float* cq, int64_t pos, const float* cos,
+                         const float* ssin, float* scratch, Selection& sel, void* xq, int threads) {
+  const int64_t H = ix.heads, Di = ix.head_dim, S = pos + 1;
+  float* q = scratch;
+  float* w = q + H * Di;
+  localmoe::matvec(ix.wq_b, cq, q, xq, threads);
+  if (ix.rope_dim)
+    for (int64_t h = 0; h < H; ++h) (ix.interleaved ? rotate_pairs : rotate_half)(q + h * Di, ix.rope_dim, cos, ssin);
+  localmoe::matvec(ix.weights, x, w, xq, threads);
+  for (int64_t h = 0; h < H; ++h) w[h] *= ix.weight_scale;
+  thread_local std::vector<float> scores, pooled;
+  thread_local std::vector<int64_t> order;
+  if (!ix.gate.rows) {  // one key per token (DeepSeek-V3.2's lightning indexer)
+    scores.resize(S);
+    order.resize(S);
+    IndexScores ctx{&ix, q, w, index_key(ix, 0, 0), ix.block, scores.data()};
+    localmoe::parallel(index_scores, &ctx, S, 256, threads);
+    sel.count = top_rows(scores.data(), S, ix.top_k, order.data());
+    std::copy(order.begin(), order.begin() + sel.count, sel.rows);
+    sel.valid = 1;
+    return;
+  }
+  // k-pool: pool j holds tokens j P .. j P + P - 1; its key is the per-channel softmax(gate + ape) mean
+  const int64_t P = ix.pool, J = S / P;
+  pooled.resize(J * Di);
+  scores.resize(J);
+  order.resize(J);
+  for (int64_t j = 0; j < J; ++j) {
+    float* K = pooled.data() + j * Di;
+    for (int64_t d = 0; d < Di; ++d) {
+      float mx = -INFINITY, total = 0.0f, acc = 0.0f;
+      for (int64_t i = 0; i < P; ++i) mx = std::max(mx, index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d]);
+      for (int64_t i = 0; i < P; ++i) total += std::exp(index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d] - mx);
+      for (int64_t i = 0; i < P; ++i)
+        acc += std::exp(index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d] - mx) / total * index_key(ix, j * P + i, 0)[d];
+      K[d] = acc;
+    }
+  }
+  IndexScores ctx{&ix, q, w, pooled.data(), Di, scores.data()};
+  localmoe::parallel(index_scores, &ctx, J, 64, threads);
+  const int64_t k = top_rows(scores.data(), J, ix.top_k / P, order.data());
+  int64_t n = 0;
+  for (int64_t c = 0; c < k; ++c)
+    for (int64_t i = 0; i < P; ++i) sel.rows[n++] = order[c] * P + i;
+  if (ix.tail && P > 1)  // the query's own incomplete pool
+    for (int64_t t = S - S % P; t < S; ++t) sel.rows[n++] = t;
+  sel.count = n;
+  sel.valid = 1;
+}
 
 struct MlaHeads {
   const Mla* m;
   const float* q;  // [H, nope + rope]
   float* out;      // [H, v]
-  int64_t length;  // rows attended: pos + 1
+  int64_t length;  // rows attended: pos + 1, or the count of `picks`
+  const int64_t* picks;  // the rows attended (increasing), or null: rows 0 .. length - 1
 };
 
 inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
@@ -261,7 +406,7 @@ inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
       const int64_t n = std::min<int64_t>(64, c.length - s0);
       float bm = -INFINITY;
       for (int64_t s = 0; s < n; ++s) {
-        p[s] = dot(qa, m.rows + (s0 + s) * R, R) * m.scale;
+        p[s] = dot(qa, m.rows + (c.picks ? c.picks[s0 + s] : s0 + s) * R, R) * m.scale;
         bm = std::max(bm, p[s]);
       }
       const float nm = std::max(mx, bm), corr = std::exp(mx - nm);
@@ -272,7 +417,7 @@ inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
       for (int64_t s = 0; s < n; ++s) {
         const float e = std::exp(p[s] - nm);
         l += e;
-        axpy(e, m.rows + (s0 + s) * R, acc, r);
+        axpy(e, m.rows + (c.picks ? c.picks[s0 + s] : s0 + s) * R, acc, r);
       }
       mx = nm;
     }
@@ -283,12 +428,15 @@ inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
 }
 
 // x [D] (normed) -> o [H v] (gated, before o_proj); the token's latent row written at `pos`; cos / ssin: the
-// RoPE tables [rope] at the token's rotary position (read only where m.rotate).
+// RoPE tables [rope] at the token's rotary position (read only where m.rotate or the indexer rotates). A DSA
+// layer (m.dsa.select) also writes its index key and, past dense_context cached tokens, attends only to the
+// rows its indexer (or, dsa_shared, the latest selecting layer) chose: `sel`.
 inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos, const float* ssin, float* o,
-                     float* scratch, void* xq, int threads) {
+                     float* scratch, Selection& sel, void* xq, int threads) {
   float* cq = scratch;
   float* q = cq + m.q_a.rows;
   float* gate = q + m.q_b.rows;
+  float* index = gate + m.g.rows + m.heads * m.vdim;
   const float* qin = x;
   if (m.q_a.rows) {
     localmoe::matvec(m.q_a, x, cq, xq, threads);
@@ -304,7 +452,15 @@ inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos
     for (int64_t h = 0; h < m.heads; ++h) rotate_pairs(q + h * qd + m.nope, m.rope, cos, ssin);
     rotate_pairs(row + m.kv_rank, m.rope, cos, ssin);
   }
-  MlaHeads ctx{&m, q, o, pos + 1};
+  const Indexer& ix = m.dsa;
+  bool sparse = ix.select && pos + 1 > ix.dense_context;
+  if (ix.select == 1) {
+    index_key_step(ix, x, pos, cos, ssin, xq, threads);
+    sel.valid = 0;
+    if (sparse) index_select(ix, x, cq, pos, cos, ssin, index, sel, xq, threads);
+  }
+  sparse = sparse && sel.valid;  // dsa_shared: the plan puts a selecting layer with the same context before it
+  MlaHeads ctx{&m, q, o, sparse ? sel.count : pos + 1, sparse ? sel.rows : nullptr};
   localmoe::parallel(mla_heads, &ctx, m.heads, 1, threads);
   if (m.g.rows) {
     localmoe::matvec(m.g, x, gate, xq, threads);

@@ -8,8 +8,9 @@
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
-- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3, Kimi K2.5; and GQA + MoE models the first form does not
-  take: Qwen3-MoE, GLM-4.5): KDA, MLA (absorbed; NoPE, or RoPE over adjacent pairs) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
+- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5, GLM-5 (DSA); and GQA + MoE models the
+  first form does not take: Qwen3-MoE, GLM-4.5): KDA, MLA (absorbed; NoPE, or RoPE over adjacent pairs; with DSA's
+  lightning or k-pool indexer and top-k, or a dsa_shared layer's reuse of the selection) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
   or attention residuals (`_hybrid`); routed experts in the kernel where resident (an MXFP4 `routed_table`, a dense
   `routed_dense_table`, or GGUF blocks at expert precision q8: `routed_block_table`), else called back into the
   engine (a pager), with the same bits.
@@ -25,8 +26,12 @@ import torch
 from localmoe.engine.experts import expert_forward
 from localmoe.engine.layers.attention import GQAttention
 from localmoe.engine.layers.attn_res import AttentionResiduals
+from localmoe.engine.layers.dsa import DSAttention
+from localmoe.engine.layers.dsa_shared import SharedDSAttention
 from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
+from localmoe.engine.layers.index_cache import DSACache
 from localmoe.engine.layers.kda import KimiDeltaAttention
+from localmoe.engine.layers.kpool_indexer import KPoolIndexer
 from localmoe.engine.layers.mla import MLAttention
 from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.layers.moe import ExpertGLU, MoEBlock, Router, dispatch
@@ -234,8 +239,31 @@ def _mla_layer(mixer: MLAttention, model) -> dict | None:
          "heads": c.num_heads, "kv_rank": c.kv_lora_rank, "nope": c.qk_nope_head_dim, "rope": c.qk_rope_head_dim,
          "vdim": c.v_head_dim, "rotate": not c.use_nope, "scale": mixer.scale, "eps": c.norm_eps}
     ok = _checked(d["q_b"], d["kv_a"]) and all(_checked(d[n]) for n in ("q_a", "g") if d[n] is not None)
+    if isinstance(mixer, DSAttention):
+        d["dsa"] = _dsa_fields(mixer, model)
+        ok = ok and d["dsa"] is not None
     return d if ok and (d["q_a"] is None) == (mixer.q_a_proj is None) and _fp32_vectors(
         d["q_a_norm"], d["kv_a_norm"], d["w_uk"], d["w_uv"]) else None
+
+
+def _dsa_fields(mixer: DSAttention, model) -> dict | None:
+    """hybrid.Indexer's fields: a dsa_shared layer's context, or the layer's lightning / k-pool indexer (keys
+    within one index-cache block, rotated by the model's tables where they have a rope part)."""
+    if isinstance(mixer, SharedDSAttention):
+        return {"select": 2, "dense_context": mixer.dense_context}
+    ix = mixer.indexer
+    kpool = isinstance(ix, KPoolIndexer)
+    if (ix.head_dim > hybrid.MAX_INDEX_DIM or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim
+            or (ix.rope_dim and (model.rope is None or model.rope.cos.shape[-1] != ix.rope_dim))
+            or (kpool and ix.pool > 1 and not ix.tail)):
+        return None
+    d = {"select": 1, "wq_b": _matrix(ix.wq_b), "wk": _matrix(ix.wk), "weights": _matrix(ix.weights_proj),
+         "gate": _matrix(ix.gate) if kpool else None, "k_norm_w": ix.k_norm_weight, "k_norm_b": ix.k_norm_bias,
+         "ape": ix.ape if kpool else None, "heads": ix.heads, "head_dim": ix.head_dim, "rope_dim": ix.rope_dim,
+         "interleaved": ix.interleaved, "top_k": ix.top_k, "pool": ix.pool if kpool else 0,
+         "tail": kpool and ix.tail, "dense_context": ix.dense_context, "weight_scale": ix.weight_scale}
+    ok = _checked(d["wq_b"], d["wk"], d["weights"]) and (not kpool or _checked(d["gate"]))
+    return d if ok and _fp32_vectors(d["k_norm_w"], d["k_norm_b"], d["ape"]) else None
 
 
 def _mlp_layer(mlp, glu: tuple | None) -> tuple[dict, list] | None:
@@ -380,10 +408,16 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
                 return None
             decoder.set_pools(i, *pools)
         else:
-            pool = layer.rows.flat_pool(pos + 1)  # [1, 1, capacity, r + rope]
-            if pool is None:
+            if mixer.record_selection:
+                return None  # probe-recall keeps the selection: op by op
+            dsa = isinstance(layer, DSACache)
+            pool = (layer.latent if dsa else layer).rows.flat_pool(pos + 1)  # [1, capacity, r + rope]
+            keys = layer.index.rows.flat_pool(pos + 1) if dsa else None  # [blocks, capacity, block]
+            if pool is None or (dsa and keys is None):
                 return None
             decoder.set_rows(i, pool)
+            if dsa:
+                decoder.set_index(i, keys)
     at = pos + cache.rope_delta
     rope = (model.rope.cos[at], model.rope.sin[at]) if plan.rope else (None, None)
     h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos, *rope)
@@ -406,14 +440,20 @@ def _hybrid(cls, model) -> DecodePlan | None:
     if type(model.embed) not in (torch.Tensor, BlockEmbedding):
         return None
     glu, layers, parts = _glu(model.spec), [], []
+    selecting = None  # dense_context of the latest layer with an indexer of its own (dsa_shared layers reuse it)
     for i, (attn_norm, mixer, mlp_norm, mlp) in enumerate(model.layers):
-        kind = {KimiDeltaAttention: "kda", MLAttention: "mla", GatedDeltaNet: "gdn", GQAttention: "gqa"}.get(type(mixer))
+        kind = {KimiDeltaAttention: "kda", MLAttention: "mla", GatedDeltaNet: "gdn", GQAttention: "gqa",
+                DSAttention: "mla", SharedDSAttention: "mla"}.get(type(mixer))
         mix = None if kind is None else {"kda": _kda_layer, "mla": lambda m: _mla_layer(m, model), "gdn": _gdn_layer,
                                          "gqa": lambda m: _gqa_layer(m, model)}[kind](mixer)
         o_proj = _matrix(mixer.out_proj if kind == "gdn" else mixer.o_proj) if mix is not None else None
         m = _mlp_layer(mlp, glu) if type(mlp) in (GatedMLP, MoEBlock) else None
         if mix is None or m is None or not _checked(o_proj) or not _fp32_vectors(attn_norm, mlp_norm):
             return None
+        select = mix.get("dsa", {}).get("select", 0)
+        if select == 2 and selecting != mix["dsa"]["dense_context"]:
+            return None  # a shared layer selects only when a layer before it with the same context did
+        selecting = mix["dsa"]["dense_context"] if select == 1 else selecting
         d = {"attn_norm": attn_norm, "mlp_norm": mlp_norm, "mixer": kind, kind: mix, "o_proj": o_proj, **m[0]}
         if residuals is not None:
             d["attn_query"], d["mlp_query"] = residuals.attn_queries[i], residuals.mlp_queries[i]
@@ -424,6 +464,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
                                    model.config.expert_precision == "q8", block_size,
                                    None if residuals is None else residuals.output_query, _routed(model))
     plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
-    plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and d["mla"]["rotate"]) for d in layers)
+    plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and (d["mla"]["rotate"] or d["mla"].get(
+        "dsa", {}).get("rope_dim"))) for d in layers)
     return plan
 

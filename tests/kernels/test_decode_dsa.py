@@ -1,0 +1,118 @@
+"""DSA layers in the fused hybrid decode step (kernels/decode_layers/hybrid_mixers.h `Indexer`, bound by
+engine/decode_plan.py): the lightning indexer (index key into the DSA cache, index queries and head weights,
+relu scores, top-k with kernels/topk_select's tie rule) and the sparse absorbed MLA over the chosen rows, for
+DeepSeek-V3.2 and GLM-5 (whose dsa_shared layers reuse the latest selection), against the op-by-op engine.
+
+The tiny models' index_topk (4) is below every decode context here, so each step selects, and from a short
+prompt many relu-zero scores tie: the tie order decides the chosen rows (`test_the_tie_order_is_seen`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels import _cpu
+from localmoe.kernels.topk_select import reference as topk_reference
+
+from localmoe.config import EngineConfig
+from localmoe.engine import decode_plan
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+
+from .conftest import greedy_logits
+
+pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
+
+STEPS = 16
+SHORT, LONG = list(range(3, 8)), list(range(3, 73))  # 5 tokens: ties at relu zero; 70: past a 64-key block
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def checkpoint(request, tmp_path_factory):
+    return write_checkpoint(request.param, tmp_path_factory.mktemp(request.param), size="tiny", seed=3)
+
+
+def _load(path, dtype="float32", precision="exact"):
+    return load_model(path, EngineConfig(dtype=dtype, max_context=128, expert_precision=precision),
+                      progress=False).model
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference over the steps, as a fraction of each step's logit range."""
+    return ((got - want).abs().amax(-1) / (want.amax(-1) - want.amin(-1))).max().item()
+
+
+@pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_matches_op_by_op(checkpoint, dtype, prompt):
+    model = _load(checkpoint, dtype)
+    assert model.spec.dsa.index_topk < len(prompt) or prompt is SHORT
+    want, got = greedy_logits(model, prompt, STEPS, False, 128), greedy_logits(model, prompt, STEPS, True, 128)
+    assert all(c.mla.dsa.select for c in model._plan.decoder.layers)  # every layer is a DSA one
+    assert _error(got, want) < 1e-5, f"fused decode differs from op by op by {_error(got, want):.2e}"
+
+
+def test_the_tie_order_is_seen(checkpoint, monkeypatch):
+    """Op by op with the opposite tie order (the later of equal scores) is far from the fused step: the
+    comparison above sees which tied rows the C++ top-k keeps."""
+    model = _load(checkpoint)
+    fused = greedy_logits(model, SHORT, STEPS, True, 128)
+    earliest = topk_reference.top_columns
+
+    def latest(scores, k):
+        columns, kept = earliest(scores.flip(-1), k)
+        return (scores.shape[-1] - 1 - columns).flip(-1), kept.flip(-1)
+
+    monkeypatch.setattr(topk_reference, "top_columns", latest)
+    assert _error(fused, greedy_logits(model, SHORT, STEPS, False, 128)) > 1e-2
+
+
+@pytest.mark.parametrize("field,change", [("top_k", lambda v: v - 1), ("weight_scale", lambda v: -v)])
+def test_a_wrong_top_k_or_scale_is_seen(checkpoint, monkeypatch, field, change):
+    model = _load(checkpoint)
+    want = greedy_logits(model, SHORT, STEPS, False, 128)
+    build = decode_plan.DecodePlan.build
+
+    def wrong(model):
+        plan = build(model)
+        for layer in plan.decoder.layers:
+            if layer.mla.dsa.select == 1:
+                setattr(layer.mla.dsa, field, change(getattr(layer.mla.dsa, field)))
+        return plan
+
+    monkeypatch.setattr(decode_plan.DecodePlan, "build", wrong)
+    assert _error(greedy_logits(model, SHORT, STEPS, True, 128), want) > 1e-2
+
+
+@pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")
+@pytest.mark.parametrize("precision", ["exact", "q8"])
+def test_avx2_equals_avx512(checkpoint, precision):
+    model = _load(checkpoint, precision=precision)
+    runs = {}
+    for isa in ("avx2", "avx512vnni"):
+        with _cpu.forced_isa(isa):
+            runs[isa] = greedy_logits(model, LONG, STEPS, True, 128)
+    assert torch.equal(runs["avx2"], runs["avx512vnni"])
+
+
+def test_paged_equals_resident(checkpoint, tmp_path):
+    """Experts through a pager with one layer's worth of slots (called back from the fused step) give the
+    resident fused step's bits."""
+    from localmoe.convert import convert
+    from localmoe.paging import PagingConfig, attach, detach, make_pager
+    from localmoe.store.packed import PackedStore
+
+    model = _load(checkpoint)
+    want = greedy_logits(model, LONG, STEPS, True, 128)
+    convert(checkpoint, tmp_path / "store.lmoe", experts="keep")
+    store = PackedStore(tmp_path / "store.lmoe")
+    slot = max(store.layout(layer).slot_bytes for layer in store.layers())
+    pager = make_pager(store, PagingConfig(ram_budget=4 * slot, policy="lfru", timeout=10))
+    model.use_experts(pager)
+    attach(model, pager)
+    try:
+        got = greedy_logits(model, LONG, STEPS, True, 128)
+    finally:
+        detach(model)
+        pager.close()
+    assert pager.stats.ram.misses > 0
+    assert torch.equal(got, want)
