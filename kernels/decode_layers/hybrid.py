@@ -1,10 +1,11 @@
 """`decode_hybrid` (hybrid_cpu.cpp) bound to a model's layers: KDA, Gated DeltaNet, absorbed-MLA and GQA
 mixers (MLA with DSA's lightning or k-pool indexer and its top-k, or a dsa_shared selection), dense or MoE MLPs
-(latent projection, shared experts, a shared-expert gate), plain or attention residuals, for one decode token of
-one sequence in one call (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5).
+(latent projection, shared experts, a shared-expert gate), plain or attention residuals or hyper-connections, for
+one decode token of one sequence in one call (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5,
+GLM-5, GLM-5-Next).
 
-The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.py, mla.py, attention.py, moe.py,
-attn_res.py)
+The kernel is the op-by-op engine step (engine/layers/: kda.py, gated_deltanet.py, mla.py, dsa.py, attention.py,
+moe.py, attn_res.py, hyper_connections.py)
 in fp32 C++; tests/kernels/test_decode_hybrid.py checks it against that path (the reference) within
 1e-5 of the logit range and the AVX2 build against the AVX-512 one bit for bit. Routed experts run in
 the kernel where a layer gives a resident MXFP4, dense or GGUF-block table, else through `experts(layer, h, x)` -> [W], called
@@ -25,6 +26,7 @@ NO_MATRIX = (None, 0, 0, 0, None)
 MAX_HEAD_DIM, MAX_LATENT = 512, 1024  # hybrid_mixers.h stack buffers: KDA K, MLA kv_lora_rank (+ rope <= 128)
 MAX_BLOCKS = 62  # attention-residual blocks per token (hybrid_cpu.cpp depth_mix scores)
 MAX_INDEX_DIM = 128  # DSA index_head_dim: one key within one block of the index cache (index_cache.INDEX_SCALE_BLOCK)
+MAX_STREAMS = 16  # hyper-connection streams (hybrid_cpu.cpp kMaxStreams)
 MAX_TOP_K = 64  # routed experts per token of a layer with resident dense experts (hybrid_cpu.cpp mlp's order)
 
 
@@ -83,7 +85,9 @@ class HybridLayer(ctypes.Structure):
                 ("lat_norm", _p), ("lat_eps", _f), ("router_w", _p), ("router_b", _p), ("correction", _p),
                 ("table", _p), ("dense", _p), ("scoring", _i), ("renormalize", _i), ("experts", _i),
                 ("intermediate", _i), ("top_k", _i), ("expert_glu", _i), ("dense_type", _i), ("scaling", _f),
-                ("p0", _f), ("p1", _f), ("blocks", _p), ("block_types", _i * 3)]
+                ("p0", _f), ("p1", _f), ("blocks", _p), ("block_types", _i * 3), ("hc_attn", Matrix),
+                ("hc_ffn", Matrix), ("hc_attn_base", _p), ("hc_attn_scale", _p), ("hc_ffn_base", _p),
+                ("hc_ffn_scale", _p), ("hc_mult", _i), ("hc_iters", _i), ("hc_eps", _f)]
 
 
 ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _p, _p, _p)
@@ -122,7 +126,8 @@ class HybridDecoder:
     attn_norm, mlp_norm ([D] fp32), attn_query / mlp_query ([D] or None), mixer (one of MIXERS) with its
     dict under that key (matrices as (data, type, rows, cols, bias) tuples of decode_layers.Matrix, fp32
     vectors: the fields of the struct of that name), o_proj; moe (bool), gate_up / down (dense MLP or
-    shared experts, or None), glu (glu.h kind, p0, p1), shared_gate ([D] or None); for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
+    shared experts, or None), glu (glu.h kind, p0, p1), shared_gate ([D] or None); hyper-connections (GLM-5-Next): hc_attn / hc_ffn (fn Matrix tuples), hc_attn_base,
+    hc_attn_scale, hc_ffn_base, hc_ffn_scale, hc (streams, Sinkhorn rounds, eps), or absent; for a MoE: lat_down / lat_up / lat_norm / lat_eps (or None),
     router_w / router_b / correction, table (ExpertTable.addresses or None), dense (DenseExpertTable.addresses
     or None; with dense_type, its MATRIX_TYPES value), blocks (ggml_gemv BlockExpertTable.addresses or None; with
     block_types, the gate / up / down GGML types; no table: the callback), scoring,
@@ -140,14 +145,16 @@ class HybridDecoder:
         lib = library()
         for c, d in zip(self.layers, layers):
             for name in ("attn_norm", "mlp_norm", "attn_query", "mlp_query", "lat_norm", "router_w", "router_b",
-                         "correction", "table", "dense", "blocks", "shared_gate"):
+                         "correction", "table", "dense", "blocks", "shared_gate", "hc_attn_base", "hc_attn_scale",
+                         "hc_ffn_base", "hc_ffn_scale"):
                 setattr(c, name, _ptr(d.get(name)))
             c.mixer = MIXERS.index(d["mixer"])
             self._fill(getattr(c, d["mixer"]), d[d["mixer"]])
             c.o_proj = _matrix(d["o_proj"])
             c.moe = int(d["moe"])
-            for name in ("gate_up", "down", "lat_down", "lat_up"):
+            for name in ("gate_up", "down", "lat_down", "lat_up", "hc_attn", "hc_ffn"):
                 setattr(c, name, _matrix(d.get(name) or NO_MATRIX))
+            c.hc_mult, c.hc_iters, c.hc_eps = d.get("hc", (0, 0, 0.0))
             c.glu, c.glu_p0, c.glu_p1 = d.get("glu", (0, 0.0, 0.0))
             widest = max(widest, *(m[3] for m in self._matrices(d)))
             if c.moe:
@@ -182,7 +189,7 @@ class HybridDecoder:
     @staticmethod
     def _matrices(d: dict) -> list[tuple]:
         mixer = d[d["mixer"]]
-        ms = [d["o_proj"], *(d.get(n) for n in ("gate_up", "down", "lat_down", "lat_up"))]
+        ms = [d["o_proj"], *(d.get(n) for n in ("gate_up", "down", "lat_down", "lat_up", "hc_attn", "hc_ffn"))]
         ms += [mixer.get(n) for n in ("in_proj", "f_b", "g_b", "q_a", "q_b", "kv_a", "g", "qkv", "gate")]
         ms += [mixer.get("dsa", {}).get(n) for n in ("wq_b", "wk", "weights", "gate")]
         return [m for m in ms if m is not None]

@@ -2,8 +2,8 @@
 // mixers (hybrid_mixers.h; MLA with DSA's lightning or k-pool indexer and top-k, or a dsa_shared selection)
 // or GQA (gqa_step.h, with Qwen3-Next's sigmoid output gate), a dense gated MLP or a MoE block (optional
 // latent projection: down, experts, norm, up; optional shared experts, optionally behind a sigmoid gate),
-// and either plain residuals or Kimi K3's attention residuals (depth mixing over stored block
-// representations). Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5 and GLM-5 decode through it
+// and plain residuals, Kimi K3's attention residuals (depth mixing over stored block representations) or
+// GLM-5-Next's hyper-connections (hc_mult streams mixed around each sublayer). Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5 and GLM-5 decode through it
 // (engine/decode_plan.py). Per layer, as engine/transformer.py and engine/layers/attn_res.py run it op by op:
 //   plain:     a = mixer(rms(x)); x += a; m = mlp(rms(x)); x += m
 //   attn-res:  h = mix([blocks, ps], attn_query) (ps alone before the first block); every block_size
@@ -87,6 +87,15 @@ struct HybridLayer {
   float scaling, p0, p1;
   const int64_t* blocks;   // resident GGUF-block experts [E, 3] (kernels/ggml_gemv ggml_moe_cpu.cpp); null: none
   int64_t block_types[3];  // their gate, up, down GGMLQuantizationType
+  // GLM-5-Next's hyper-connections around the mixer (attn) and the MLP (ffn): fn [(2 + N) N, N D] fp32, base
+  // [(2 + N) N], scale [3]; hc_mult N (layer 0's): 0 without them, hc_iters Sinkhorn rounds, hc_eps their floor
+  Matrix hc_attn, hc_ffn;
+  const float* hc_attn_base;
+  const float* hc_attn_scale;
+  const float* hc_ffn_base;
+  const float* hc_ffn_scale;
+  int64_t hc_mult, hc_iters;
+  float hc_eps;
 };
 
 // (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop.
@@ -182,6 +191,66 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
   return 0;
 }
 
+constexpr int64_t kMaxStreams = 16;  // hyper-connection streams (hybrid.py MAX_STREAMS)
+
+// One sublayer's hyper-connection weights from the streams X [N, D] (engine/layers/hyper_connections.py
+// `HyperConnection.weights`): pre, post [N], comb [N, N] (row m, column n) Sinkhorn-normalised.
+void hc_weights(const Matrix& fn, const float* base, const float* scale, int64_t N, int64_t D, float norm_eps,
+                float hc_eps, int64_t iters, const float* X, float* z, float* pre, float* post, float* comb, void* xq,
+                int threads) {
+  const int64_t ND = N * D;
+  const float r = 1.0f / std::sqrt(dot(X, X, ND) / static_cast<float>(ND) + norm_eps);
+  for (int64_t i = 0; i < ND; ++i) z[i] = X[i] * r;
+  float out[(2 + kMaxStreams) * kMaxStreams];
+  localmoe::matvec(fn, z, out, xq, threads);
+  for (int64_t n = 0; n < N; ++n) {
+    pre[n] = localmoe_hybrid::sigmoid(out[n] * scale[0] + base[n]) + hc_eps;
+    post[n] = 2.0f * localmoe_hybrid::sigmoid(out[N + n] * scale[1] + base[N + n]);
+  }
+  for (int64_t m = 0; m < N; ++m) {  // softmax over each row, plus the floor
+    float* c = comb + m * N;
+    float mx = -INFINITY, total = 0.0f;
+    for (int64_t n = 0; n < N; ++n) mx = std::max(mx, c[n] = out[2 * N + m * N + n] * scale[2] + base[2 * N + m * N + n]);
+    for (int64_t n = 0; n < N; ++n) total += (c[n] = std::exp(c[n] - mx));
+    for (int64_t n = 0; n < N; ++n) c[n] = c[n] / total + hc_eps;
+  }
+  auto columns = [&] {
+    for (int64_t n = 0; n < N; ++n) {
+      float total = 0.0f;
+      for (int64_t m = 0; m < N; ++m) total += comb[m * N + n];
+      for (int64_t m = 0; m < N; ++m) comb[m * N + n] /= total + hc_eps;
+    }
+  };
+  columns();
+  for (int64_t it = 1; it < iters; ++it) {
+    for (int64_t m = 0; m < N; ++m) {
+      float total = 0.0f;
+      for (int64_t n = 0; n < N; ++n) total += comb[m * N + n];
+      for (int64_t n = 0; n < N; ++n) comb[m * N + n] /= total + hc_eps;
+    }
+    columns();
+  }
+}
+
+// h [D] = sum_n pre[n] X[n]; after the sublayer's y [D]: X[n] <- post[n] y + sum_m comb[m, n] X[m] (old X).
+void hc_collapse(const float* X, const float* pre, int64_t N, int64_t D, float* h) {
+  for (int64_t d = 0; d < D; ++d) {
+    float s = 0.0f;
+    for (int64_t n = 0; n < N; ++n) s += pre[n] * X[n * D + d];
+    h[d] = s;
+  }
+}
+
+void hc_spread(float* X, float* old, const float* y, const float* post, const float* comb, int64_t N, int64_t D) {
+  std::memcpy(old, X, N * D * sizeof(float));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d) {
+      float s = 0.0f;
+      for (int64_t m = 0; m < N; ++m) s += comb[m * N + n] * old[m * D + d];
+      X[n * D + d] = post[n] * y[d] + s;
+    }
+}
+
 int64_t gqa_scratch(const Gqa& g) {
   return localmoe_gqa::step_scratch(g.heads, g.kv_heads, g.head_dim) + g.gate.rows;
 }
@@ -261,7 +330,8 @@ int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, i
 
 // x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state; cos / ssin: the RoPE
 // tables at the token's rotary position for GQA and rotating MLA layers (null without any). block_size 0: plain
-// residuals, else attention residuals with queries per layer and `output_query`. Returns 0, or 1 where
+// residuals (or, where layer 0's hc_mult is set, hyper-connections), else attention residuals with queries per
+// layer and `output_query`. Returns 0, or 1 where
 // the experts callback asked to stop (h is then undefined).
 int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
                   const float* ssin, int64_t block_size,
@@ -283,6 +353,37 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
   thread_local std::vector<int64_t> selected;
   selected.resize(picks);
   b.sel = {selected.data(), 0, 0};
+  if (layers[0].hc_mult) {  // hyper-connections: N streams, each sublayer between a collapse and a spread
+    const int64_t N = layers[0].hc_mult, iters = layers[0].hc_iters;
+    const float hc_eps = layers[0].hc_eps;
+    thread_local std::vector<float> streams;
+    streams.resize(3 * N * D);
+    float *X = streams.data(), *old = X + N * D, *z = old + N * D;
+    float pre[kMaxStreams], post[kMaxStreams], comb[kMaxStreams * kMaxStreams];
+    for (int64_t k = 0; k < N; ++k) std::memcpy(X + k * D, x, D * sizeof(float));
+    for (int64_t l = 0; l < n; ++l) {
+      const HybridLayer& L = layers[l];
+      hc_weights(L.hc_attn, L.hc_attn_base, L.hc_attn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, xq,
+                 threads);
+      hc_collapse(X, pre, N, D, b.mix);
+      rms_norm(b.mix, L.attn_norm, D, eps, b.hn);
+      mixer(L, b.hn, pos, cos, ssin, b.a, b, xq, threads);
+      hc_spread(X, old, b.a, post, comb, N, D);
+      hc_weights(L.hc_ffn, L.hc_ffn_base, L.hc_ffn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, xq,
+                 threads);
+      hc_collapse(X, pre, N, D, b.mix);
+      rms_norm(b.mix, L.mlp_norm, D, eps, b.hn);
+      if (mlp(L, l, D, b.hn, b.m, b, experts, q8, ids, weights, moe_scratch, xq, threads)) return 1;
+      hc_spread(X, old, b.m, post, comb, N, D);
+    }
+    for (int64_t d = 0; d < D; ++d) {  // the streams' mean
+      float s = 0.0f;
+      for (int64_t k = 0; k < N; ++k) s += X[k * D + d];
+      b.mix[d] = s / static_cast<float>(N);
+    }
+    rms_norm(b.mix, final_norm, D, eps, h);
+    return 0;
+  }
   if (!block_size) {
     rms_norm(x, layers[0].attn_norm, D, eps, b.hn);
     for (int64_t l = 0; l < n; ++l) {

@@ -8,10 +8,10 @@
 - GQA + dense SiLU-gated MLP (Llama, SmolLM2, Qwen2, Qwen3): attention without an output gate,
   every matrix fp32, bf16 or GGUF blocks of a kernels/ggml_gemv type (Linear, BlockLinear; parts of
   different block types as a stacked Matrix).
-- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5, GLM-5 (DSA); and GQA + MoE models the
-  first form does not take: Qwen3-MoE, GLM-4.5): KDA, MLA (absorbed; NoPE, or RoPE over adjacent pairs; with DSA's
-  lightning or k-pool indexer and top-k, or a dsa_shared layer's reuse of the selection) or GQA mixers, dense or MoE MLPs (latent projection, shared experts), plain
-  or attention residuals (`_hybrid`); routed experts in the kernel where resident (an MXFP4 `routed_table`, a dense
+- hybrid (Kimi K3, Kimi-Linear, Qwen3-Next, DeepSeek-V3 / V3.2, Kimi K2.5, GLM-5, GLM-5-Next; and GQA + MoE models
+  the first form does not take: Qwen3-MoE, GLM-4.5): KDA, MLA (absorbed; NoPE, or RoPE over adjacent pairs; with
+  DSA's lightning or k-pool indexer and top-k, or a dsa_shared layer's reuse of the selection) or GQA mixers, dense
+  or MoE MLPs (latent projection, shared experts), plain or attention residuals or hyper-connections (`_hybrid`); routed experts in the kernel where resident (an MXFP4 `routed_table`, a dense
   `routed_dense_table`, or GGUF blocks at expert precision q8: `routed_block_table`), else called back into the
   engine (a pager), with the same bits.
 The GQA forms take plain residuals only (no attention residuals or hyper-connections). The plan checks on every call
@@ -29,6 +29,7 @@ from localmoe.engine.layers.attn_res import AttentionResiduals
 from localmoe.engine.layers.dsa import DSAttention
 from localmoe.engine.layers.dsa_shared import SharedDSAttention
 from localmoe.engine.layers.gated_deltanet import GatedDeltaNet
+from localmoe.engine.layers.hyper_connections import HyperConnections
 from localmoe.engine.layers.index_cache import DSACache
 from localmoe.engine.layers.kda import KimiDeltaAttention
 from localmoe.engine.layers.kpool_indexer import KPoolIndexer
@@ -427,15 +428,27 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
     return h.view(1, 1, -1)
 
 
+def _hyper_connections(hc: HyperConnections, model) -> bool:
+    """Whether the fused step takes these hyper-connections: fp32 on the CPU, the streams' norm at the model's
+    epsilon, one Sinkhorn setting for all."""
+    every = [*hc.attn, *hc.mlp]
+    return 1 <= hc.streams <= hybrid.MAX_STREAMS and all(
+        h.n == hc.streams and h.norm_eps == model.eps and h.iters == every[0].iters and h.hc_eps == every[0].hc_eps
+        and h.iters >= 1 and _fp32_vectors(h.fn, h.base, h.scale) for h in every)
+
+
 def _hybrid(cls, model) -> DecodePlan | None:
-    """Kimi K3 / Kimi-Linear / Qwen3-Next / DeepSeek-V3 / Kimi K2.5: every layer KDA, Gated DeltaNet, MLA (NoPE or
-    RoPE) or GQA with a dense MLP or
-    a MoE block; plain or attention residuals; fp32, bf16 or GGUF-block matrices."""
+    """Kimi K3 / Kimi-Linear / Qwen3-Next / DeepSeek-V3 / V3.2 / Kimi K2.5 / GLM-5 / GLM-5-Next: every layer KDA,
+    Gated DeltaNet, MLA (NoPE or RoPE; DSA) or GQA with a dense MLP or a MoE block; plain or attention residuals or
+    hyper-connections; fp32, bf16 or GGUF-block matrices."""
     residuals = model.residuals
-    if residuals is not None and not (type(residuals) is AttentionResiduals and residuals.eps == model.eps
-                                      and len(model.layers) // residuals.block_size + 2 <= hybrid.MAX_BLOCKS
-                                      and _fp32_vectors(residuals.output_query, *residuals.attn_queries,
-                                                        *residuals.mlp_queries)):
+    hyper = type(residuals) is HyperConnections
+    if hyper and not _hyper_connections(residuals, model):
+        return None
+    if residuals is not None and not hyper and not (
+            type(residuals) is AttentionResiduals and residuals.eps == model.eps
+            and len(model.layers) // residuals.block_size + 2 <= hybrid.MAX_BLOCKS
+            and _fp32_vectors(residuals.output_query, *residuals.attn_queries, *residuals.mlp_queries)):
         return None
     if type(model.embed) not in (torch.Tensor, BlockEmbedding):
         return None
@@ -455,14 +468,19 @@ def _hybrid(cls, model) -> DecodePlan | None:
             return None  # a shared layer selects only when a layer before it with the same context did
         selecting = mix["dsa"]["dense_context"] if select == 1 else selecting
         d = {"attn_norm": attn_norm, "mlp_norm": mlp_norm, "mixer": kind, kind: mix, "o_proj": o_proj, **m[0]}
-        if residuals is not None:
+        if hyper:
+            for name, hc in (("attn", residuals.attn[i]), ("ffn", residuals.mlp[i])):
+                d |= {f"hc_{name}": (hc.fn, 0, *hc.fn.shape, None), f"hc_{name}_base": hc.base,
+                      f"hc_{name}_scale": hc.scale}
+            d["hc"] = (residuals.streams, residuals.attn[i].iters, residuals.attn[i].hc_eps)
+        elif residuals is not None:
             d["attn_query"], d["mlp_query"] = residuals.attn_queries[i], residuals.mlp_queries[i]
         layers.append(d)
         parts += m[1]
-    block_size = residuals.block_size if residuals is not None else 0
+    block_size = residuals.block_size if residuals is not None and not hyper else 0
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
                                    model.config.expert_precision == "q8", block_size,
-                                   None if residuals is None else residuals.output_query, _routed(model))
+                                   residuals.output_query if block_size else None, _routed(model))
     plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
     plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and (d["mla"]["rotate"] or d["mla"].get(
         "dsa", {}).get("rope_dim"))) for d in layers)

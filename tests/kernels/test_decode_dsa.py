@@ -1,7 +1,8 @@
 """DSA layers in the fused hybrid decode step (kernels/decode_layers/hybrid_mixers.h `Indexer`, bound by
 engine/decode_plan.py): the lightning indexer (index key into the DSA cache, index queries and head weights,
 relu scores, top-k with kernels/topk_select's tie rule) and the sparse absorbed MLA over the chosen rows, for
-DeepSeek-V3.2 and GLM-5 (whose dsa_shared layers reuse the latest selection), against the op-by-op engine.
+DeepSeek-V3.2, GLM-5 (whose dsa_shared layers reuse the latest selection) and GLM-5-Next (the k-pool indexer
+beside KDA layers, inside hyper-connections: hybrid_cpu.cpp `hc_weights`), against the op-by-op engine.
 
 The tiny models' index_topk (4) is below every decode context here, so each step selects, and from a short
 prompt many relu-zero scores tie: the tie order decides the chosen rows (`test_the_tie_order_is_seen`)."""
@@ -26,7 +27,7 @@ STEPS = 16
 SHORT, LONG = list(range(3, 8)), list(range(3, 73))  # 5 tokens: ties at relu zero; 70: past a 64-key block
 
 
-@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa", "glm5_next"])
 def checkpoint(request, tmp_path_factory):
     return write_checkpoint(request.param, tmp_path_factory.mktemp(request.param), size="tiny", seed=3)
 
@@ -47,14 +48,18 @@ def test_fused_matches_op_by_op(checkpoint, dtype, prompt):
     model = _load(checkpoint, dtype)
     assert model.spec.dsa.index_topk < len(prompt) or prompt is SHORT
     want, got = greedy_logits(model, prompt, STEPS, False, 128), greedy_logits(model, prompt, STEPS, True, 128)
-    assert all(c.mla.dsa.select for c in model._plan.decoder.layers)  # every layer is a DSA one
+    assert any(c.mla.dsa.select for c in model._plan.decoder.layers)
+    assert bool(model._plan.decoder.layers[0].hc_mult) == (model.spec.hyper_connections is not None)
     assert _error(got, want) < 1e-5, f"fused decode differs from op by op by {_error(got, want):.2e}"
 
 
 def test_the_tie_order_is_seen(checkpoint, monkeypatch):
     """Op by op with the opposite tie order (the later of equal scores) is far from the fused step: the
-    comparison above sees which tied rows the C++ top-k keeps."""
+    comparison above sees which tied rows the C++ top-k keeps. (GLM-5-Next's tiny pools never tie at the k-th
+    place in these runs: its k-pool selection shares `top_rows` and `top_columns` with the others.)"""
     model = _load(checkpoint)
+    if model.spec.dsa.index_kpool:
+        pytest.skip("no tie at the k-th pool in this run")
     fused = greedy_logits(model, SHORT, STEPS, True, 128)
     earliest = topk_reference.top_columns
 
@@ -66,16 +71,21 @@ def test_the_tie_order_is_seen(checkpoint, monkeypatch):
     assert _error(fused, greedy_logits(model, SHORT, STEPS, False, 128)) > 1e-2
 
 
-@pytest.mark.parametrize("field,change", [("top_k", lambda v: v - 1), ("weight_scale", lambda v: -v)])
-def test_a_wrong_top_k_or_scale_is_seen(checkpoint, monkeypatch, field, change):
+@pytest.mark.parametrize("field,change", [("top_k", lambda v: v - 1), ("weight_scale", lambda v: -v),
+                                          ("hc_eps", lambda v: 0.1)])
+def test_a_wrong_top_k_scale_or_mix_is_seen(checkpoint, monkeypatch, field, change):
     model = _load(checkpoint)
+    if field.startswith("hc") and model.spec.hyper_connections is None:
+        pytest.skip("no hyper-connections")
     want = greedy_logits(model, SHORT, STEPS, False, 128)
     build = decode_plan.DecodePlan.build
 
     def wrong(model):
         plan = build(model)
         for layer in plan.decoder.layers:
-            if layer.mla.dsa.select == 1:
+            if field.startswith("hc"):
+                setattr(layer, field, change(getattr(layer, field)))
+            elif layer.mla.dsa.select == 1:
                 setattr(layer.mla.dsa, field, change(getattr(layer.mla.dsa, field)))
         return plan
 
