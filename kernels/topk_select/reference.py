@@ -29,6 +29,9 @@ def top_columns(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.T
     scores alone, never of the call's shape (relu zeros tie whenever fewer than k tokens score above 0)."""
     L = scores.shape[-1]
     k = min(top_k, L)
+    if k == 0:
+        empty = scores.new_empty((*scores.shape[:-1], 0), dtype=torch.long)
+        return empty, empty.bool()
     kth = scores.topk(k, dim=-1).values[..., -1:]  # the k-th best score
     above, tied = scores > kth, scores == kth
     room = k - above.sum(-1, keepdim=True)  # how many of the tied (lowest columns first) are kept

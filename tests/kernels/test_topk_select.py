@@ -100,3 +100,4 @@ def test_ties_keep_the_earlier_position_whatever_the_call_shape(block_bytes):
     for t in range(3):  # alone: the same
         assert run(q[:, t:t + 1], pos[:, t:t + 1])[0, 0].tolist() == got[t]
     assert select_topk(torch.tensor([[[1.0, 3.0, 3.0, 3.0]]]), 2)[0, 0].tolist() == [1, 2]
+    assert select_topk(torch.zeros(1, 1, 0), 2)[0, 0].tolist() == [-1, -1]  # nothing to choose from
