@@ -77,7 +77,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "gqa_decode": ((_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64,
                     _i64, _i64, _ptr, _i64, _ptr, _f32, _ptr, _int), None),
     "gqa_decode_paged": ((_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr,
-                          _f32, _ptr, _int), None),
+                          _f32, _ptr, _int), _i64),
     "gqa_step_scratch": ((_i64, _i64, _i64), _i64),
     "gqa_step": ((_ptr, _i64, _ptr, _int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                   _ptr, _f32, _ptr, _ptr, _f32, _ptr, _int, _ptr, _ptr, _ptr, _int), None),

@@ -1,7 +1,8 @@
 """Grouped-query attention decode (one new query per sequence): `gqa_decode` runs the CPU kernel for
 fp32 CPU tensors where the library is built, else the reference; `gqa_decode_paged` writes N
 sequences' new K/V rows into their own paged caches and attends for all of them in one call (the
-batched decode step); `step_kernel_for` binds a layer's
+batched decode step; `gqa_decode_rows` is that call with the rows' kernel fields made by the caller,
+`kernel_fields`, once per step for every layer); `step_kernel_for` binds a layer's
 weights to the fused decode step (QKV GEMV, RoPE, cache write, attention, output GEMV in one call;
 reference: `naive_gqa_step`) where the kernel can take them."""
 
@@ -29,6 +30,24 @@ def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: 
     return naive_gqa_decode_paged(q, k, v, caches, positions, firsts, scale, sinks)
 
 
+def kernel_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...] | None:
+    """The CPU kernel's first 8 fields of a row over cache c with these heads and dim (cpu.paged_fields:
+    addresses, strides, block, capacity), or None where the kernel cannot read c (use gqa_decode_paged)."""
+    return cpu.paged_fields(c, kv_heads, head_dim) if cpu.address(c) is not None else None
+
+
+def rows_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether gqa_decode_rows takes q [N, H, D] and the new rows k/v [N, Hkv, D] (else use gqa_decode_paged)."""
+    return cpu.supported(q, k.unsqueeze(2), v.unsqueeze(2)) and k.stride(-1) == v.stride(-1) == 1
+
+
+def gqa_decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """gqa_decode_paged through the CPU kernel with the rows' fields made by the caller: seqs [N, 10] int64,
+    row n's `kernel_fields`, position and first key (see cpu.gqa_decode_rows); `rows_supported` must hold."""
+    return cpu.gqa_decode_rows(q, k, v, seqs, scale, sinks)
+
+
 StepKernel = cpu.StepKernel  # the type step_kernel_for returns
 
 
@@ -44,5 +63,5 @@ def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Ten
     return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale, q_norm, k_norm, eps)
 
 
-__all__ = ["PagedKV", "StepKernel", "gqa_decode", "gqa_decode_paged", "naive_gqa_decode", "naive_gqa_decode_paged",
-           "naive_gqa_step", "step_kernel_for"]
+__all__ = ["PagedKV", "StepKernel", "gqa_decode", "gqa_decode_paged", "gqa_decode_rows", "kernel_fields",
+           "naive_gqa_decode", "naive_gqa_decode_paged", "naive_gqa_step", "rows_supported", "step_kernel_for"]

@@ -39,8 +39,8 @@ def gqa_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
 
 def _address(c: PagedKV) -> tuple[int, ...] | None:
     """The kernel's row fields of a sequence's cache (paged_cpu.cpp: key pool, key table, key head
-    stride, value pool, value table, value head stride, block), then its capacity in positions, Hkv
-    and D; None where the kernel cannot read it (fp32 contiguous CPU pools, long tables)."""
+    stride, value pool, value table, value head stride, block, capacity in positions), then Hkv and D;
+    None where the kernel cannot read it (fp32 contiguous CPU pools, long tables)."""
     kp, kt, vp, vt = c.key_pool, c.key_table, c.value_pool, c.value_table
     if not (kp.dtype == vp.dtype == torch.float32 and kp.device.type == vp.device.type == "cpu"
             and kp.is_contiguous() and vp.is_contiguous() and kp.shape == vp.shape and kp.shape[3] % 8 == 0
@@ -66,26 +66,42 @@ def paged_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: l
             and all(address(c) is not None for c in caches))
 
 
+def paged_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The kernel's first 8 fields of a row over cache c (`address`: pools, tables, head strides, block,
+    capacity); `paged_supported` must hold for c, and its pools must have these heads and dim."""
+    fields = c.address
+    assert fields[8:] == (kv_heads, head_dim), f"pool {tuple(c.key_pool.shape)} against [{kv_heads}, P, block, {head_dim}]"
+    return fields[:8]
+
+
 def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions, firsts,
                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """As reference.naive_gqa_decode_paged (q [N, H, D], k/v [N, Hkv, D] through their strides), in one
     call (paged_cpu.cpp); `paged_supported` must hold."""
+    N, Hkv, D = q.shape[0], k.shape[1], q.shape[2]
+    assert len(caches) == len(positions) == len(firsts) == N, "one cache, position and first key per row"
+    seqs = torch.tensor([paged_fields(c, Hkv, D) + (pos, first) for c, pos, first in zip(caches, positions, firsts)],
+                        dtype=torch.long).view(N, 10)
+    return gqa_decode_rows(q, k, v, seqs, scale, sinks)
+
+
+def gqa_decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, scale: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """gqa_decode_paged with the rows' fields already made: seqs [N, 10] int64 contiguous, row n's
+    `paged_fields` (of caches that `paged_supported` took, with these heads and dim), its position and its
+    first key; q/k/v as `supported` takes them. A caller that runs many layers over the same sequences builds
+    every layer's fields once per step (engine/batch.py)."""
     N, H, D = q.shape
     Hkv = k.shape[1]
-    assert H % Hkv == 0 and k.shape == v.shape == (N, Hkv, D) and len(caches) == len(positions) == len(firsts) == N
-    rows = []
-    for c, pos, first in zip(caches, positions, firsts):
-        fields = c.address
-        assert fields[8:] == (Hkv, D), f"pool {tuple(c.key_pool.shape)} against [{Hkv}, P, block, {D}]"
-        assert 0 <= pos < fields[7], f"position {pos} lies past the cache's {fields[7]} positions"
-        rows.append(fields[:7] + (pos, first))
-    seqs = torch.tensor(rows, dtype=torch.long)
+    assert H % Hkv == 0 and k.shape == v.shape == (N, Hkv, D), f"q {tuple(q.shape)}, k/v {tuple(k.shape)}"
+    assert seqs.shape == (N, 10) and seqs.dtype == torch.long and seqs.is_contiguous(), f"seqs {tuple(seqs.shape)}"
     if sinks is not None:
         sinks = sinks.float().contiguous()
     out = q.new_empty(N, H, D)
-    library().gqa_decode_paged(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
-                               v.data_ptr(), v.stride(0), v.stride(1), N, H, H // Hkv, D, seqs.data_ptr(),
-                               None if sinks is None else sinks.data_ptr(), scale, out.data_ptr(), threads())
+    bad = library().gqa_decode_paged(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                                     v.data_ptr(), v.stride(0), v.stride(1), N, H, H // Hkv, D, seqs.data_ptr(),
+                                     None if sinks is None else sinks.data_ptr(), scale, out.data_ptr(), threads())
+    assert bad < 0, f"row {bad}: position {int(seqs[bad, 8])} lies past the cache's {int(seqs[bad, 7])} positions"
     return out
 
 

@@ -26,7 +26,7 @@ void gqa_decode(const float* q, int64_t qb, int64_t qh, int64_t B, int64_t H, in
                 float scale, float* out, int threads) {
   const Args args{q, qb, qh, H, group, D, k, kb, kh, ks, v, vb, vh, vs, first, S, visible, mb, sinks, scale, out};
   const int64_t bytes_per_head = std::max<int64_t>(1, (S - first) * D * 8);
-  localmoe::parallel(heads, &args, B * H, localmoe::kChunkBytes / bytes_per_head, threads);
+  localmoe::parallel(heads, &args, B * (H / group), localmoe::kChunkBytes / bytes_per_head, threads);
 }
 
 }  // extern "C"

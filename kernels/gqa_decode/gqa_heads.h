@@ -44,65 +44,109 @@ struct StridedRows {
   const float* value(int64_t s) const { return v + s * vs; }
 };
 
-// out [D] = attention of one query head q [D] over the keys s in [first, S) that `vis` allows (null:
-// all), with an optional sink logit (null: none): online softmax over blocks of kKeys keys.
+// The query heads that share one KV head, computed together: each key and value row is loaded once for
+// all of them (and their dot products interleave), while every head's own operations and their order are
+// those it has alone, so a head's bits do not depend on how many share the pass.
+constexpr int64_t kGroup = 4;  // query heads per pass (their accumulators: kGroup x D floats)
+
+// out[g * D ..] = attention of query head g < G (q + g * qh, [D] each) over the keys s in [first, S) that
+// `vis` allows (null: all), with an optional sink logit per head (sinks[g]; null: none): online softmax
+// over blocks of kKeys keys. G <= kGroup.
 template <class Rows>
-inline void one_head(const float* q, const Rows& rows, int64_t first, int64_t S, const uint8_t* vis,
-                     const float* sink, float scale, int64_t D, float* o) {
+inline void group_pass(const float* q, int64_t qh, int64_t G, const Rows& rows, int64_t first, int64_t S,
+                       const uint8_t* vis, const float* sinks, float scale, int64_t D, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t nv = D / 8;
-  __m256 acc[kMaxDim / 8];
-  for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_setzero_ps();
-  float m = sink ? *sink : neg_inf, l = sink ? 1.0f : 0.0f;  // the sink: e^(sink - m) with m = sink
-  alignas(32) float score[kKeys];
+  __m256 acc[kGroup][kMaxDim / 8];
+  float m[kGroup], l[kGroup], top[kGroup];
+  alignas(32) float score[kGroup][kKeys];
+  const float* kr[kKeys];
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < nv; ++j) acc[g][j] = _mm256_setzero_ps();
+    m[g] = sinks ? sinks[g] : neg_inf;  // the sink: e^(sink - m) with m = sink
+    l[g] = sinks ? 1.0f : 0.0f;
+  }
   for (int64_t s0 = first; s0 < S; s0 += kKeys) {
     const int64_t n = std::min(kKeys, S - s0);
-    float top = neg_inf;
+    int64_t live = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      kr[j] = vis && !vis[s0 + j] ? nullptr : rows.key(s0 + j);
+      live += kr[j] != nullptr;
+    }
+    if (live == 0) continue;
+    for (int64_t g = 0; g < G; ++g) top[g] = neg_inf;
     for (int64_t j = 0; j < kKeys; ++j) {
-      const int64_t s = s0 + j;
-      if (j >= n || (vis && !vis[s])) {
-        score[j] = neg_inf;
+      if (j >= n || kr[j] == nullptr) {
+        for (int64_t g = 0; g < G; ++g) score[g][j] = neg_inf;
         continue;
       }
-      const float* kr = rows.key(s);
-      __m256 d = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
-      for (int64_t t = 1; t < nv; ++t) d = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * t), _mm256_loadu_ps(kr + 8 * t), d);
-      score[j] = hsum(d) * scale;
-      top = std::max(top, score[j]);
+      __m256 d[kGroup];
+      const __m256 k0 = _mm256_loadu_ps(kr[j]);
+      for (int64_t g = 0; g < G; ++g) d[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * qh), k0);
+      for (int64_t t = 1; t < nv; ++t) {
+        const __m256 kt = _mm256_loadu_ps(kr[j] + 8 * t);
+        for (int64_t g = 0; g < G; ++g) d[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * qh + 8 * t), kt, d[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        score[g][j] = hsum(d[g]) * scale;
+        top[g] = std::max(top[g], score[g][j]);
+      }
     }
-    if (top == neg_inf) continue;
-    if (top > m) {  // rescale what was summed against the new maximum
-      const float f = std::exp(m - top);  // 0 while nothing was summed (m = -inf)
-      for (int64_t j = 0; j < nv; ++j) acc[j] = _mm256_mul_ps(acc[j], _mm256_set1_ps(f));
-      l *= f;
-      m = top;
+    for (int64_t g = 0; g < G; ++g) {
+      if (top[g] == neg_inf) {  // nothing to add for this head (its scores stay -inf: no value is read)
+        for (int64_t j = 0; j < kKeys; ++j) score[g][j] = 0.0f;
+        continue;
+      }
+      if (top[g] > m[g]) {  // rescale what was summed against the new maximum
+        const float f = std::exp(m[g] - top[g]);  // 0 while nothing was summed (m = -inf)
+        for (int64_t j = 0; j < nv; ++j) acc[g][j] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(f));
+        l[g] *= f;
+        m[g] = top[g];
+      }
+      const __m256 vm = _mm256_set1_ps(m[g]);
+      __m256 psum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kKeys; j += 8) {  // -inf scores give exactly 0 (exp_ps clamps and flushes)
+        const __m256 p = localmoe::exp_ps(_mm256_sub_ps(_mm256_load_ps(score[g] + j), vm));
+        _mm256_store_ps(score[g] + j, p);
+        psum = _mm256_add_ps(psum, p);
+      }
+      l[g] += hsum(psum);
     }
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 psum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kKeys; j += 8) {  // -inf scores give exactly 0 (exp_ps clamps and flushes)
-      const __m256 p = localmoe::exp_ps(_mm256_sub_ps(_mm256_load_ps(score + j), vm));
-      _mm256_store_ps(score + j, p);
-      psum = _mm256_add_ps(psum, p);
-    }
-    l += hsum(psum);
     for (int64_t j = 0; j < n; ++j) {
-      if (score[j] == 0.0f) continue;
-      const __m256 p = _mm256_set1_ps(score[j]);
+      if (kr[j] == nullptr) continue;
       const float* vr = rows.value(s0 + j);
-      for (int64_t t = 0; t < nv; ++t) acc[t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * t), acc[t]);
+      for (int64_t g = 0; g < G; ++g) {
+        if (score[g][j] == 0.0f) continue;
+        const __m256 p = _mm256_set1_ps(score[g][j]);
+        for (int64_t t = 0; t < nv; ++t) acc[g][t] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + 8 * t), acc[g][t]);
+      }
     }
   }
-  const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-  for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(acc[t], inv));
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(out + g * D + 8 * t, _mm256_mul_ps(acc[g][t], inv));
+  }
 }
 
+// out [G, D] (head g at out + g * D) = attention of the G query heads q + g * qh that read one KV head, in
+// passes of kGroup heads (`group_pass`); sinks: [G] or null.
+template <class Rows>
+inline void group_heads(const float* q, int64_t qh, int64_t G, const Rows& rows, int64_t first, int64_t S,
+                        const uint8_t* vis, const float* sinks, float scale, int64_t D, float* out) {
+  for (int64_t g = 0; g < G; g += kGroup)
+    group_pass(q + g * qh, qh, std::min(kGroup, G - g), rows, first, S, vis, sinks ? sinks + g : nullptr, scale, D,
+               out + g * D);
+}
+
+// Tasks i0 .. i1 of B x Hkv: sequence b = i / Hkv, KV head i % Hkv and the `group` query heads that read it.
 inline void heads(const void* ctx, int64_t i0, int64_t i1) {
   const Args& a = *static_cast<const Args*>(ctx);
+  const int64_t Hkv = a.H / a.group;
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / a.H, h = i % a.H, kvh = h / a.group;
+    const int64_t b = i / Hkv, kvh = i % Hkv, h = kvh * a.group;
     const StridedRows rows{a.k + b * a.kb + kvh * a.kh, a.v + b * a.vb + kvh * a.vh, a.ks, a.vs};
-    one_head(a.q + b * a.qb + h * a.qh, rows, a.first, a.S, a.visible ? a.visible + b * a.mb : nullptr,
-             a.sinks ? a.sinks + h : nullptr, a.scale, a.D, a.out + i * a.D);
+    group_heads(a.q + b * a.qb + h * a.qh, a.qh, a.group, rows, a.first, a.S, a.visible ? a.visible + b * a.mb : nullptr,
+                a.sinks ? a.sinks + h : nullptr, a.scale, a.D, a.out + (b * a.H + h) * a.D);
   }
 }
 

@@ -54,7 +54,7 @@ inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const 
   const Args args{qkv, 0, D, H, H / Hkv, D, kpool, 0, head_stride, D, vpool, 0, head_stride, D,
                   first, pos + 1, nullptr, 0, sinks, scale, attn};
   const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 8);
-  localmoe::parallel(heads, &args, H, localmoe::kChunkBytes / bytes_per_head, threads);
+  localmoe::parallel(heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
   localmoe::matvec(o_w, attn, out, xq, threads);
 }
 

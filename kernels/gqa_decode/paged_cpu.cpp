@@ -9,9 +9,10 @@
 // position s lies in physical block table[s / block], at h * head_stride + (table[s / block] * block +
 // s % block) * D. Rows may share a cache (a speculative verify: consecutive positions in row order):
 // every row's k/v is written before any attention runs, and row n reads only positions <= pos_n.
-// Each (row, head) is computed whole by one thread, with the same instructions as gqa_decode over a
-// contiguous copy of the same keys: a row's bits depend neither on the other rows nor on the thread
-// count.
+// Each (row, KV head) is computed whole by one thread, its query heads together (gqa_heads.h
+// `group_heads`: each key and value row read once for them), with the same instructions per head as
+// gqa_decode over a contiguous copy of the same keys: a row's bits depend neither on the other rows nor
+// on the thread count.
 #include <algorithm>
 #include <cstdint>
 
@@ -19,10 +20,12 @@
 
 namespace {
 
-using localmoe_gqa::one_head;
+using localmoe_gqa::group_heads;
 
 // One row's cache: int64 [kSeqFields] (addresses as integers).
-enum Field { kKeyPool, kKeyTable, kKeyStride, kValuePool, kValueTable, kValueStride, kBlock, kPos, kFirst, kSeqFields };
+enum Field {
+  kKeyPool, kKeyTable, kKeyStride, kValuePool, kValueTable, kValueStride, kBlock, kCapacity, kPos, kFirst, kSeqFields
+};
 
 struct PagedRows {
   const float *k, *v;
@@ -48,17 +51,19 @@ float* row_at(const int64_t* seq, Field pool, Field table, Field stride, int64_t
   return reinterpret_cast<float*>(seq[pool]) + h * seq[stride] + (t[pos / block] * block + pos % block) * D;
 }
 
+// Tasks i0 .. i1 of N x Hkv: row n = i / Hkv, KV head i % Hkv and the `group` query heads that read it.
 void heads(const void* ctx, int64_t i0, int64_t i1) {
   const Batch& a = *static_cast<const Batch*>(ctx);
+  const int64_t Hkv = a.H / a.group;
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t n = i / a.H, h = i % a.H, kvh = h / a.group;
+    const int64_t n = i / Hkv, kvh = i % Hkv, h = kvh * a.group;
     const int64_t* seq = a.seqs + n * kSeqFields;
     const PagedRows rows{reinterpret_cast<const float*>(seq[kKeyPool]) + kvh * seq[kKeyStride],
                          reinterpret_cast<const float*>(seq[kValuePool]) + kvh * seq[kValueStride],
                          reinterpret_cast<const int64_t*>(seq[kKeyTable]),
                          reinterpret_cast<const int64_t*>(seq[kValueTable]), seq[kBlock], a.D};
-    one_head(a.q + n * a.qn + h * a.qh, rows, seq[kFirst], seq[kPos] + 1, nullptr, a.sinks ? a.sinks + h : nullptr,
-             a.scale, a.D, a.out + i * a.D);
+    group_heads(a.q + n * a.qn + h * a.qh, a.qh, a.group, rows, seq[kFirst], seq[kPos] + 1, nullptr,
+                a.sinks ? a.sinks + h : nullptr, a.scale, a.D, a.out + (n * a.H + h) * a.D);
   }
 }
 
@@ -67,13 +72,18 @@ void heads(const void* ctx, int64_t i0, int64_t i1) {
 extern "C" {
 
 // Writes k/v rows [N, Hkv, D] (k[n * kn + h * kh + d], likewise v) into each row's cache, then
-// out [N, H, D] = each row's attention (see the top of this file); seqs [N, 9] int64: key pool,
+// out [N, H, D] = each row's attention (see the top of this file); seqs [N, 10] int64: key pool,
 // key block table, key head stride, value pool, value block table, value head stride, block,
-// pos, first. H = Hkv * group.
-void gqa_decode_paged(const float* q, int64_t qn, int64_t qh, const float* k, int64_t kn, int64_t kh, const float* v,
-                      int64_t vn, int64_t vh, int64_t N, int64_t H, int64_t group, int64_t D, const int64_t* seqs,
-                      const float* sinks, float scale, float* out, int threads) {
+// capacity (positions the tables hold), pos, first. H = Hkv * group. Returns -1, or the first row whose
+// position lies outside [0, capacity) (then nothing is written).
+int64_t gqa_decode_paged(const float* q, int64_t qn, int64_t qh, const float* k, int64_t kn, int64_t kh,
+                         const float* v, int64_t vn, int64_t vh, int64_t N, int64_t H, int64_t group, int64_t D,
+                         const int64_t* seqs, const float* sinks, float scale, float* out, int threads) {
   const int64_t Hkv = H / group;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* seq = seqs + n * kSeqFields;
+    if (seq[kPos] < 0 || seq[kPos] >= seq[kCapacity]) return n;
+  }
   int64_t keys = 0;
   for (int64_t n = 0; n < N; ++n) {
     const int64_t* seq = seqs + n * kSeqFields;
@@ -84,8 +94,9 @@ void gqa_decode_paged(const float* q, int64_t qn, int64_t qh, const float* k, in
     keys += std::max<int64_t>(1, seq[kPos] + 1 - seq[kFirst]);
   }
   const Batch batch{q, qn, qh, H, group, D, seqs, sinks, scale, out};
-  const int64_t bytes_per_head = std::max<int64_t>(1, keys / std::max<int64_t>(N, 1) * D * 8);
-  localmoe::parallel(heads, &batch, N * H, localmoe::kChunkBytes / bytes_per_head, threads);
+  const int64_t bytes_per_task = std::max<int64_t>(1, keys / std::max<int64_t>(N, 1) * D * 8);
+  localmoe::parallel(heads, &batch, N * Hkv, localmoe::kChunkBytes / bytes_per_task, threads);
+  return -1;
 }
 
 }  // extern "C"

@@ -24,7 +24,9 @@ its two best tokens depending on whether another sequence happened to decode at 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
-from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged
+from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
 from localmoe.kernels.rms_norm import add_rms_norm
 
 
@@ -125,11 +127,13 @@ def _plain_gqa(mixer, caches) -> bool:
     return isinstance(mixer, GQAttention) and mixer.sparse_topk is None and not mixer.record_selection
 
 
-def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Tensor, sin: torch.Tensor,
+         rows: torch.Tensor | None) -> torch.Tensor:
     """GQA decode of N sequences: the projections (and q/k norms, RoPE: cos/sin [N, 1, 1, rot], the rows'
     tables) for all rows at once, then every row's cache write and attention in one kernel call over the
-    sequences' paged caches (`gqa_decode_paged`); where a cache cannot be written in place (bf16/fp8
-    rows), the cache write and attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
+    sequences' paged caches (`gqa_decode_rows` with this layer's `rows` [N, 10] from `_PagedRows`, else
+    `gqa_decode_paged`); where a cache cannot be written in place (bf16/fp8 rows), the cache write and
+    attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
     N = h.shape[0]
     H, Hkv, D = mixer.heads, mixer.kv_heads, mixer.head_dim
     qk, v = _rowwise(mixer.qkv, h).split((mixer.split[0] + mixer.split[1], mixer.split[2]), dim=-1)
@@ -143,6 +147,9 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Te
     else:
         qk = apply_rope(qk, cos, sin)
     q, k = qk.split((H, Hkv), dim=2)
+    if rows is not None and rows_supported(q[:, 0], k[:, 0], v[:, 0]):
+        out = gqa_decode_rows(q[:, 0], k[:, 0], v[:, 0], rows, mixer.scale, mixer.head_sinks)
+        return _gqa_out(mixer, h, out)
     window = mixer.window
     firsts = [max(0, step.start + 1 - window) if window else 0 for step in steps]
     # last row first: a cache on several rows (a verify) grows for its last position before the earlier
@@ -157,7 +164,12 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Te
             keys, values = cache.update(step.start, k[n:n + 1], v[n:n + 1])
             out.append(gqa_decode(q[n:n + 1, 0], keys, values, mixer.scale, firsts[n], None, mixer.head_sinks))
         out = torch.cat(out)
-    out = out.view(N, 1, H * D)
+    return _gqa_out(mixer, h, out)
+
+
+def _gqa_out(mixer: GQAttention, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The attention rows out [N, H, D] through the output gate (if any) and o_proj -> [N, 1, hidden]."""
+    out = out.view(h.shape[0], 1, mixer.heads * mixer.head_dim)
     if mixer.gate is not None:
         out = out * torch.sigmoid(_rowwise(mixer.gate, h))
     return _rowwise(mixer.o_proj, out)
@@ -165,6 +177,59 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Te
 
 def _no_pages(pos: int) -> None:
     """`pages` of a layer cache that has no paged pools: None."""
+
+
+class _PagedRows:
+    """One sequence's paged K/V of every plain GQA layer as the attention kernel's fields (`kernel_fields`,
+    [L, 8] int64: a layer that is not plain GQA has zeros), kept across steps while no buffer changed
+    (`PagedBuffer.generation`: growth, trim) and positions stay below `capacity`: a step then prepares
+    the fields of every layer and row with a few tensor operations (`_step_rows`) instead of a call per
+    layer and sequence. `fields` is None where some layer's cache cannot be read by the kernel (bf16 / fp8
+    rows, a cache without pages): the step then takes `_gqa`'s per-layer path."""
+
+    _kept: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # ModelCache -> its _PagedRows
+
+    def __init__(self, model, cache: ModelCache, pos: int):
+        fields, self.buffers = [], []
+        for i, (_, mixer, _, _) in enumerate(model.layers):
+            if not _plain_gqa(mixer, ()):
+                fields.append((0,) * 8)
+                continue
+            layer = cache.layers[i]
+            pages = getattr(layer, "pages", _no_pages)(pos)
+            row = None if pages is None else kernel_fields(pages, mixer.kv_heads, mixer.head_dim)
+            if row is None:
+                fields = None
+                break
+            fields.append(row)
+            self.buffers += [layer.keys, layer.values]
+        self.fields = None if fields is None else torch.tensor(fields, dtype=torch.long)
+        self.generations = [b.generation for b in self.buffers]
+        self.capacity = min((b.capacity for b in self.buffers), default=cache.max_len)
+
+    @classmethod
+    def of(cls, model, cache: ModelCache, pos: int) -> _PagedRows:
+        """cache's fields with room for position `pos` (made again where a buffer changed or must grow)."""
+        kept = cls._kept.get(cache)
+        if kept is None or pos >= kept.capacity or [b.generation for b in kept.buffers] != kept.generations:
+            kept = cls._kept[cache] = cls(model, cache, pos)
+        return kept
+
+
+def _step_rows(model, steps, caches: Sequence[ModelCache]) -> torch.Tensor | None:
+    """Every layer's kernel rows for this step, [L, N, 10] int64 (row n: its cache's `_PagedRows` fields, its
+    position, its first key under the layer's window), or None where some cache cannot be read by the
+    kernel. A cache on several rows gets room for its last row's position before any row reads its pools."""
+    last = {id(cache): step.start for step, cache in zip(steps, caches)}  # row order: the last row's wins
+    kept = {key: _PagedRows.of(model, cache, last[key]) for key, cache in ((id(c), c) for c in caches)}
+    if any(k.fields is None for k in kept.values()):
+        return None
+    fields = torch.stack([kept[id(cache)].fields for cache in caches], dim=1)  # [L, N, 8]
+    L, N = fields.shape[:2]
+    pos = torch.tensor([step.start for step in steps], dtype=torch.long)
+    window = torch.tensor([getattr(mixer, "window", 0) or 0 for _, mixer, _, _ in model.layers], dtype=torch.long)
+    first = torch.where(window[:, None] > 0, (pos + 1 - window[:, None]).clamp(min=0), 0)  # [L, N]
+    return torch.cat([fields, pos.expand(L, N)[..., None], first[..., None]], dim=-1).contiguous()
 
 
 @torch.inference_mode()
@@ -205,9 +270,11 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         cos = torch.cat([s.cos for s in steps]) if model.rope is not None else None  # [N, 1, 1, rot]
         sin = torch.cat([s.sin for s in steps]) if model.rope is not None else None
+        rows = _step_rows(model, steps, caches)
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
             if _plain_gqa(mixer, caches):
-                mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches], cos, sin)
+                mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches], cos, sin,
+                             None if rows is None else rows[i])
             else:  # other mixers: each row alone, in row order
                 mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
             h = add_rms_norm(x, mixed, mlp_norm, eps)

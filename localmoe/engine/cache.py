@@ -77,6 +77,7 @@ class PagedBuffer:
         self._index: torch.Tensor | None = None  # the table as [B, n] long, for gathers
         self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None  # identity table: [1, H, P*block, *]
         self._paged: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32, one sequence: (pool, table [n])
+        self.generation = 0  # +1 whenever the pool or the tables change (what a caller's view of them checks)
         self._allocate(1)  # one block per sequence up front (at most BLOCK_TOKENS positions), the rest on demand
 
     def _allocate(self, tokens: int) -> None:
@@ -104,6 +105,7 @@ class PagedBuffer:
         return new
 
     def _reindex(self) -> None:
+        self.generation += 1
         n = len(self.table[0])
         self.capacity = n * self.block
         self._index = torch.tensor(self.table, dtype=torch.long, device=self.pool.device)

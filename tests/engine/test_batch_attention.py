@@ -1,5 +1,6 @@
 """The batched decode step's attention (engine/batch.py `_gqa`): every row's cache write and GQA attention
-in one kernel call over the sequences' paged caches (kernels/gqa_decode `gqa_decode_paged`) gives the
+in one kernel call over the sequences' paged caches (kernels/gqa_decode `gqa_decode_rows`, every layer's rows
+prepared once per step) gives the
 same bits as the per-sequence path it replaced (cache.update, then gqa_decode on the read keys), which
 stays the fallback for caches the kernel cannot write in place (bf16/fp8 rows). Tiny gpt-oss (sliding
 windows, sinks) and Qwen3-MoE (q/k norms), caches in 4-token blocks so the rows cross blocks, a sequence
@@ -49,7 +50,7 @@ def test_one_kernel_call_equals_the_per_sequence_path(model, monkeypatch):
     with torch.inference_mode():
         got, caches = _run(model, prompts, 10)
         calls = []
-        monkeypatch.setattr(cpu, "gqa_decode_paged", lambda *a, **k: calls.append(1) or _real(*a, **k))
+        monkeypatch.setattr(cpu, "gqa_decode_rows", lambda *a, **k: calls.append(1) or _real(*a, **k))
         _run(model, prompts[:2], 1)
         assert calls or cpu.library() is None  # the batched kernel ran
         monkeypatch.setattr(KVCache, "pages", lambda self, pos: None)  # every layer: the per-sequence path
@@ -65,7 +66,7 @@ def test_one_kernel_call_equals_the_per_sequence_path(model, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-_real = cpu.gqa_decode_paged
+_real = cpu.gqa_decode_rows
 
 
 def test_lossy_caches_take_the_per_sequence_path(model):
