@@ -520,6 +520,62 @@ inline void group8(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX
     _mm256_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm256_add_ps(acc[t], _mm256_loadu_ps(bias)));
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Rows r .. r + 15 against TN tokens, as group8 for two groups of eight in one 512-bit vector per code dword (lanes
+// 0-7: rows r..r+7, 8-15: rows r+8..r+15): each token's x dword is broadcast once for sixteen rows and its scale
+// products, conversion and FMAs serve sixteen; per lane the same operations in the same order as group8 (same bits).
+inline __m512 join8(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m512i join8(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int T, int TN>
+inline void group16(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX* const* x, float* y, int64_t ldy,
+                    const float* bias) {
+  constexpr int64_t kBytes = Block32Int8<T>::kBytes;
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  const uint8_t* next = row0 + 16 * stride;  // the next group's rows, fetched while this one runs (see group8)
+  const int64_t per_block = (16 * stride + 64 * nb - 1) / (64 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    Block8 lo, hi;
+    load_block8<T>(row0 + b * kBytes, stride, lo);
+    load_block8<T>(row0 + 8 * stride + b * kBytes, stride, hi);
+    __m512i codes[8];
+    for (int i = 0; i < 8; ++i) codes[i] = join8(lo.codes[i], hi.codes[i]);
+    const __m512 d = join8(lo.d, hi.d);
+    const __m512 f = T == kQ8_0 ? d : join8(lo.f, hi.f);
+    const __m512i bias8 = T == kQ8_0 ? join8(lo.bias8, hi.bias8) : _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int t = 0; t < TN; ++t) {
+      const BlockX& xb = x[t][b];
+      __m512i s[2] = {bias8, _mm512_setzero_si512()};  // two chains (integer sums: exact in any order)
+      if (T == kQ8_0) {
+        const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+        for (int i = 0; i < 8; ++i)
+          s[i % 2] = _mm512_dpbusd_epi32(s[i % 2], _mm512_xor_si512(_mm512_set1_epi32(load_u32(xb.q + 4 * i)), flip),
+                                         codes[i]);
+      } else {
+        for (int i = 0; i < 8; ++i)
+          s[i % 2] = _mm512_dpbusd_epi32(s[i % 2], codes[i], _mm512_set1_epi32(load_u32(xb.q + 4 * i)));
+      }
+      s[0] = _mm512_add_epi32(s[0], s[1]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+      if (T != kQ8_0) acc[t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xb.s), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
+}
+#endif
+
 // One row against one token (x: its blocks): the value group8 gives that (row, token), computed alone.
 template <int T>
 inline float rows8_single(const uint8_t* row, int64_t nb, const BlockX* x) {
@@ -560,6 +616,11 @@ template <int T, int TN>
 __attribute__((noinline)) void rows8_fixed(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x,
                                            int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
   int64_t r = r0;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (TN > 1)  // (one token: group8's eight independent chains keep its ports busier)
+    for (; r + 16 <= r1; r += 16)
+      group16<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+#endif
   for (; r + 8 <= r1; r += 8)
     group8<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
   for (; r < r1; ++r)
