@@ -303,37 +303,28 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
     order (None for a resumed sequence still replaying, `Decoder.preempt`). A sequence's logits are those
     it gets alone in the same mode. `chunks` [(decoder, limit)]: each of those sequences' next prompt chunk
     (`prompt_rows`, at most `limit` tokens) runs as more rows of the same forward, so every weight is read
-    once for all of them; their results (logits or None, `logits()`'s) come after the decoders', in order."""
+    once for all of them (also beside speculating sequences' verify rows); their results (logits or None,
+    `logits()`'s) come after the decoders', in order."""
     from localmoe.engine.batch import decode_batch, forward_rows
+    from localmoe.engine.prompt_rows import PromptRows
 
     if any(d.speculating for d in decoders):
         from localmoe.engine.spec.verify import speculative_step
 
-        return speculative_step(decoders, fused)
+        return speculative_step(decoders, fused, chunks)
     tokens = [d.pending[0] for d in decoders]
-    caches = [d.cache for d in decoders]
-    batches: list[list[int]] = []  # each chunk's prompt tokens, as taken
     if not chunks:
-        logits = decode_batch(decoders[0].model, tokens, caches, fused)
+        logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
+        taken = []
     else:
-        rows, wanted = list(tokens), list(range(len(tokens)))
-        for prompt, limit in chunks:
-            batches.append(prompt.take_prompt(limit))
-            rows += batches[-1]
-            caches += [prompt.cache] * len(batches[-1])
-            if not prompt.pending:  # its prompt's last token: its logits start the generation
-                wanted.append(len(rows) - 1)
-        logits = forward_rows(chunks[0][0].model, rows, caches, wanted)
+        taken = PromptRows(chunks)
+        rows, caches = tokens + taken.tokens, [d.cache for d in decoders] + taken.caches
+        logits = forward_rows(chunks[0][0].model, rows, caches, list(range(len(tokens))) + taken.wanted(len(tokens)))
     out = []
     for d, token, row in zip(decoders, tokens, logits.split(1)):
         d.pending = []
         out.append(d._ran([token], row))
-    at = len(tokens)
-    for (prompt, _), batch in zip(chunks, batches):
-        last = logits[at:at + 1] if not prompt.pending else None
-        at += last is not None
-        out.append(prompt._ran(batch, last))
-    return out
+    return out + (taken.results(logits[len(tokens):]) if chunks else [])
 
 
 def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:

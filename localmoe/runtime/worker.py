@@ -349,14 +349,14 @@ class EngineWorker:
 
     def _prompt_chunks(self, decode: list[Running], prefill: list[Running]) -> list[tuple[Running, int]]:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
-        model's rows are independent (engine/batch.py `rows_independent`, decided once) and nothing
-        speculates: the step's prompt budget (as many rows as it decodes, at least CHUNK_FLOOR; a whole
+        model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
+        sequences' verify rows too): the step's prompt budget (as many rows as it decodes, at least CHUNK_FLOOR; a whole
         prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
         next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]
-        if not waiting or not waiting[0].wants.prompt_rows or any(r.wants.speculating for r in decode):
+        if not waiting or not waiting[0].wants.prompt_rows:
             return []
         if self.rows is None:
             self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)

@@ -46,6 +46,30 @@ def test_speculating_and_plain_sequences_in_one_batch(embedded):  # noqa: F811
     assert results[1].spec is None
 
 
+def test_a_prompt_arriving_beside_a_speculating_sequence_runs_as_rows(embedded):  # noqa: F811
+    """A request that arrives while another speculates prefills as rows of the verify's forward (as it would
+    beside a plain sequence; before, it took its own prefill, which rounds differently), and both answers are
+    what each gives alone."""
+    first, second = completion(embedded, QUOTE, 24), completion(embedded, "The capital of France is", 12)
+    first.speculator = Speculator(PromptLookup(), k=4, adaptive=False)
+    worker, results = EngineWorker(max_active=4, batching="on"), {}
+    tok, model = embedded.tokenizer, embedded.model
+    worker.submit(job_of(lambda job: run_completion(tok, model, first, job.emit, lambda: job.cancelled), results, 0))
+    for _ in range(200):  # until the first sequence decodes and has drafted
+        worker.step()
+        if first.speculator.stats.drafted:
+            break
+    assert first.speculator.stats.drafted and not results
+    rows_before = worker.prompt_rows
+    worker.submit(job_of(lambda job: run_completion(tok, model, second, job.emit, lambda: job.cancelled), results, 1))
+    run_all(worker, results, 2)
+    assert worker.prompt_rows > rows_before  # the second prompt's chunks ran as rows beside the verify
+    for i, text, n in ((0, QUOTE, 24), (1, "The capital of France is", 12)):
+        single = alone(embedded, completion(embedded, text, n))
+        assert results[i].content == single.content, i
+    assert results[0].spec.accepted > 0
+
+
 def test_run_with_prompt_lookup_equals_off(embedded):  # noqa: F811
     outputs = {}
     for mode in ("off", "prompt"):

@@ -35,6 +35,7 @@ import torch
 
 from localmoe.engine.batch import decode_batch, forward_rows, has_rows
 from localmoe.engine.cache import ModelCache
+from localmoe.engine.prompt_rows import PromptRows
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
 from localmoe.engine.spec.drafters import Draft
@@ -80,10 +81,12 @@ def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
                           lambda i: probabilities(logits[i:i + 1], dec.params, history(i))[0], dec.generator)
 
 
-def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tensor]:
+def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = ()) -> list[torch.Tensor | None]:
     """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
     logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
-    (engine/generate.py Decoder): its next `sample` calls return them without a forward."""
+    (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
+    sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
+    results after the decoders'."""
     model = decoders[0].model
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
@@ -102,12 +105,21 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
             record(d.cache, False)  # the previous step's
             record(d.cache, True)
     out: list[torch.Tensor | None] = [None] * len(decoders)
+    if chunks and (fused or not has_rows(model)):
+        raise ValueError("prompt chunks run as rows of a batched step only (not fused, a model with rows)")
+    prompts, chunked = (PromptRows(chunks), None) if chunks else (None, [])
     if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
         together = [n for n in range(len(decoders)) if (spec[n] and not own[n]) or replay[n] or not fused]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
-        logits = forward_rows(model, tokens, caches).split([len(rows[n]) for n in together]) if together else []
-        for n, lg in zip(together, logits):
+        if prompts is not None:
+            wanted = list(range(len(tokens))) + prompts.wanted(len(tokens))
+            logits = forward_rows(model, tokens + prompts.tokens, caches + prompts.caches, wanted)
+            chunked = prompts.results(logits[len(tokens):])
+            logits = logits[:len(tokens)]
+        else:
+            logits = forward_rows(model, tokens, caches) if together else None
+        for n, lg in zip(together, logits.split([len(rows[n]) for n in together]) if together else []):
             out[n] = lg
     else:
         for n in range(len(decoders)):
@@ -144,4 +156,4 @@ def speculative_step(decoders: Sequence, fused: bool = False) -> list[torch.Tens
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
         d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds, bucket(drafts[n]), drafting[n])
         results.append(d.ready[0][1])
-    return results
+    return results + chunked
