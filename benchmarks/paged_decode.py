@@ -158,7 +158,8 @@ def worker(args) -> None:
         out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
                 "moe": moe[0] / n, "missed": needed * pager.stats.slot_bytes / n, "misses": needed / n,
                 "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
-                "hit_rate": ram.hit_rate, "slots": pager.stats.slots}
+                "hit_rate": ram.hit_rate, "slots": pager.stats.slots,
+                "readers": type(pager.readers).__name__}
         pager.close()
     emit(out)
 
@@ -233,7 +234,7 @@ def run(args, work: Path) -> None:
             return statistics.median(r[key] for r in runs)
 
         roof = [r["missed"] / b / r["wall"] for r, b in zip(runs, bandwidth)]  # each round's own bandwidth
-        print(f"  {name} ({runs[0]['slots']} slots, hit rate {med('hit_rate'):.1%}): CPU {med('cpu') * 1e3:.2f} ms, "
+        print(f"  {name} ({runs[0]['slots']} slots, {runs[0].get('readers', '?')}, hit rate {med('hit_rate'):.1%}): CPU {med('cpu') * 1e3:.2f} ms, "
               f"compute thread {med('thread') * 1e3:.2f} ms, wall {med('wall') * 1e3:.2f} ms; per token: stall "
               f"{med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, lookup {med('lookup') * 1e3:.2f} ms, "
               f"paged MoE layers {med('moe') * 1e3:.2f} ms, missed {med('missed') / 1e6:.2f} MB "

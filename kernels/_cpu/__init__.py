@@ -119,7 +119,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "pio_reap": ((_ptr, _ptr, _i64), _i64),
     "pio_busy": ((_ptr,), ctypes.c_double),
     "pio_pause": ((_ptr, _int), None),
-    "pio_close": ((_ptr,), None),
+    "pio_close": ((_ptr, ctypes.c_double), _int),
 }
 _state: dict[str, object] = {}
 _local = threading.local()  # .threads: this thread's kernel threads inside `small_steps`

@@ -25,7 +25,8 @@ class ReaderPool:
 
     def __init__(self, threads: int):
         self._lib = library()
-        self._pool = self._lib.pio_open(threads)
+        self._pool = self._lib.pio_open(threads)  # never freed (a few bytes): a wait racing with `close` is safe
+        self._closed = False
         self._out = np.empty(3 * REAP, np.int64)
         self._out_ptr = self._out.ctypes.data
 
@@ -71,8 +72,10 @@ class ReaderPool:
         """For tests: while paused, no reader takes a queued read."""
         self._lib.pio_pause(self._pool, int(paused))
 
-    def close(self) -> None:
-        """Drops the queued reads; the threads end (a read in flight finishes first)."""
-        if self._pool:
-            self._lib.pio_close(self._pool)
-            self._pool = None
+    def close(self, timeout: float) -> bool:
+        """Drops the queued reads and ends the threads; waits up to `timeout` s for the reads in flight. Whether
+        none is left in flight (else their memory must be kept: they still write into it)."""
+        if self._closed:
+            return True
+        self._closed = True
+        return bool(self._lib.pio_close(self._pool, timeout))

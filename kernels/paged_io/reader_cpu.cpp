@@ -219,19 +219,19 @@ void pio_pause(void* p, int paused) {
   s.work.notify_all();
 }
 
-// Drops the queued reads and lets the readers end (a read in flight finishes first, on its own).
-void pio_close(void* p) {
-  auto* pool = static_cast<Pool*>(p);
-  {
-    std::lock_guard<std::mutex> lk(pool->state->mu);
-    pool->state->closed = true;
-    pool->state->urgent.clear();
-    pool->state->later.clear();
-    pool->state->pending.clear();
-  }
-  pool->state->work.notify_all();
-  pool->state->done.notify_all();
-  delete pool;
+// Drops the queued reads and lets the readers end; waits up to `timeout` seconds for the reads in flight (their
+// slots' memory must outlive them) and returns 1 if none is left. The pool object stays allocated (a few bytes),
+// so a waiter racing with the close is safe: it finds no read pending.
+int pio_close(void* p, double timeout) {
+  State& s = *static_cast<Pool*>(p)->state;
+  std::unique_lock<std::mutex> lk(s.mu);
+  s.closed = true;
+  s.urgent.clear();
+  s.later.clear();
+  s.pending.clear();
+  s.work.notify_all();
+  s.done.notify_all();
+  return s.done.wait_for(lk, std::chrono::duration<double>(timeout), [&] { return s.inflight == 0; }) ? 1 : 0;
 }
 
 }  // extern "C"

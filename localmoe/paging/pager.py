@@ -525,5 +525,5 @@ class Pager:
 
     def close(self) -> None:
         with self.lock:
-            self.readers.close()
+            self.readers.close(self.timeout)
         self.backend.close()

@@ -4,7 +4,8 @@ The pager (pager.py) submits a read by id, urgent (demanded, or a routed layer's
 learns what finished only when it asks (`reap`, on the compute thread): the readers never take the pager's lock.
 A reader takes one lock per read, to record it and take the next one (urgent reads first, each kind in submission
 order). `cancel` drops a read no reader took yet; `wait` blocks until one read is finished, `wait_any` until some
-read is; `busy` is the seconds with at least one read in flight.
+read is; `busy` is the seconds with at least one read in flight. A read submitted after `close` fails at once
+(PagingError).
 
 Two implementations, the same contract:
 - `NativeReaders`: the plain O_DIRECT backend's reads (`DiskBackend.native`) on C++ threads (kernels/paged_io):
@@ -23,10 +24,16 @@ from collections import deque
 
 from localmoe.errors import LocalMoEError
 from localmoe.paging.disk import OK, DiskBackend
+from localmoe.paging.errors import PagingError
 from localmoe.paging.policy import Key
 from localmoe.paging.slab import HostSlab
 
 Finished = tuple[int, BaseException | None]  # (read id, its error or None)
+_OUTLIVING: list = []  # slabs that native reads still in flight at `close` write into: kept for good
+
+
+def _closed() -> PagingError:
+    return PagingError("the pager was closed; load the model again to read more experts")
 
 
 class PythonReaders:
@@ -45,6 +52,9 @@ class PythonReaders:
 
     def submit(self, read_id: int, key: Key, slot: int, urgent: bool) -> None:
         with self._work:
+            if self._closed:
+                self._finished.append((read_id, _closed()))
+                return
             (self._urgent if urgent else self._later).append((read_id, key, slot))
             self._pending.add(read_id)
             if len(self._workers) < self.threads:
@@ -109,7 +119,8 @@ class PythonReaders:
         finally:
             lock.release()
 
-    def close(self) -> None:
+    def close(self, timeout: float) -> None:
+        """Drops the queued reads; the threads end (a read in flight finishes first: the threads hold the slab)."""
         with self._work:
             self._closed = True
             self._urgent.clear()
@@ -132,6 +143,7 @@ class NativeReaders:
         self._extents: dict[Key, tuple[int, int, int, int]] = {}  # key -> (file index, offset, bytes, checksum)
         self._keys: dict[int, Key] = {}  # read id -> its expert, until reaped or cancelled
         self._failed: list[Finished] = []  # reads that failed before reaching the pool (opening the file)
+        self._closed = False
 
     def _extent(self, key: Key) -> tuple[int, int, int, int]:
         ext = self._extents.get(key)
@@ -145,6 +157,9 @@ class NativeReaders:
         return ext
 
     def submit(self, read_id: int, key: Key, slot: int, urgent: bool) -> None:
+        if self._closed:
+            self._failed.append((read_id, _closed()))
+            return
         try:
             file, offset, nbytes, checksum = self._extent(key)
         except LocalMoEError as e:  # the file cannot be opened: the read fails, for whoever waits for it
@@ -180,8 +195,17 @@ class NativeReaders:
         """For tests: while paused, no reader takes a queued read."""
         self._pool.pause(paused)
 
-    def close(self) -> None:
-        self._pool.close()
+    def close(self, timeout: float) -> None:
+        """Drops the queued reads and ends the threads, waiting up to `timeout` s for the reads in flight; where
+        one is still in flight (a hung disk) the slab it writes into is kept for good."""
+        if not self._closed:
+            self._closed = True
+            if not self._pool.close(timeout):
+                _OUTLIVING.append(self.slab)
+
+    def __del__(self) -> None:  # a pager dropped without `close`: its slab must outlive the reads in flight
+        if not getattr(self, "_closed", True):
+            self.close(30.0)
 
 
 def make_readers(backend: DiskBackend, slab: HostSlab, threads: int, native: bool | None = None):

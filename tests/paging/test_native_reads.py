@@ -4,6 +4,7 @@ checksum, timeout) naming the file and extent and reaching the waiter."""
 
 from __future__ import annotations
 
+import gc
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ from localmoe.kernels.paged_io import available
 from localmoe.engine.experts import ExpertWeights
 from localmoe.paging import PagingConfig, make_pager
 from localmoe.paging.disk import MmapBackend, ODirectBackend
-from localmoe.paging.errors import CorruptExpertError, ReadTimeoutError, StoreChangedError
+from localmoe.paging.errors import CorruptExpertError, PagingError, ReadTimeoutError, StoreChangedError
 from localmoe.paging.pager import Pager
 from localmoe.paging.policy import LRU
 from localmoe.paging.readers import NativeReaders, PythonReaders
@@ -160,3 +161,28 @@ def test_native_read_timeout_retires_the_slot(gpt_oss):
     finally:
         pager.readers.pause(False)
         pager.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_read_after_close_fails_at_once(gpt_oss, native):
+    store = gpt_oss.store()
+    pager = Pager(store, 4, LRU(), ODirectBackend(store), native=native)
+    pager.get(1, 0)
+    pager.close()
+    with pytest.raises(PagingError, match="the pager was closed"):
+        pager.get(1, 1)
+
+
+def test_a_pager_dropped_with_reads_queued_and_in_flight(gpt_oss):
+    """The native readers write into the slab: a pager dropped without `close` waits for its reads in flight before
+    its slab goes (a read into freed memory would crash the process or corrupt another's)."""
+    store = gpt_oss.store()
+    for _ in range(5):
+        pager = Pager(store, 64, LRU(), ODirectBackend(store), native=True)
+        for layer in store.layers():
+            pager.begin_layer(layer, store.experts_in(layer)[:8])
+        del pager
+        gc.collect()
+    pager = Pager(store, 4, LRU(), ODirectBackend(store), native=True)
+    assert _same(store, 1, 1, pager.get(1, 1))
+    pager.close()
