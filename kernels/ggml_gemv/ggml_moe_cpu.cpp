@@ -91,6 +91,13 @@ void pass_rows(const void* ctx, int64_t r0, int64_t r1) {
 
 int64_t units_of(int type, int64_t cols) { return cols / kBlock / (is_k_quant(type) ? 8 : 1); }
 
+// Rows per chunk of a pass over matrices of `type` with rows of row_bytes: whole groups of eight where the type's rows
+// run eight at a time (has_rows8; a range's leftover rows would run alone, slower).
+int64_t pass_chunk(int type, int64_t row_bytes) {
+  const int64_t chunk = std::max<int64_t>(1, localmoe::kChunkBytes / std::max<int64_t>(1, row_bytes));
+  return has_rows8(type) ? (chunk + 7) / 8 * 8 : chunk;
+}
+
 }  // namespace
 
 extern "C" {
@@ -131,8 +138,7 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
       first.row_bytes[m] = row_bytes(static_cast<int>(types[p]), W / kBlock);
       first.units[m] = units_of(static_cast<int>(types[p]), W);
     }
-  localmoe::parallel(pass_rows, &first, 2 * k * I,
-                     localmoe::kChunkBytes / std::max<int64_t>(1, first.row_bytes[0]), threads);
+  localmoe::parallel(pass_rows, &first, 2 * k * I, pass_chunk(t0, first.row_bytes[0]), threads);
 
   Pass second{};
   second.O = W, second.y = y;
@@ -145,8 +151,7 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
     second.row_bytes[j] = row_bytes(static_cast<int>(types[2]), I / kBlock);
     second.units[j] = units_of(static_cast<int>(types[2]), I);
   }
-  localmoe::parallel(pass_rows, &second, k * W, localmoe::kChunkBytes / std::max<int64_t>(1, second.row_bytes[0]),
-                     threads);
+  localmoe::parallel(pass_rows, &second, k * W, pass_chunk(t2, second.row_bytes[0]), threads);
   for (int64_t j = 0; j < k; ++j)
     for (int64_t i = 0; i < W; ++i) out[i] += weights[j] * y[j * W + i];
   return 0;

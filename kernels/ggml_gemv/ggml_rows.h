@@ -269,7 +269,7 @@ struct Block32Int8 {
   }
 };
 
-// Q4_K, Q5_K: units of one super-block (8 sub-blocks of 32) against x's super-block (BlockXK): per token,
+// Q5_K (Q4_K: rows8k, ggml_rows8_k.h): units of one super-block (8 sub-blocks of 32) against x's super-block (BlockXK): per token,
 // sum_j sc[j] (w_j . x_j) in int32 lanes (vpmaddubsw: |pair| <= 2 * 31 * 127; vpmaddwd by sc[j] <= 63), converted
 // once, acc = fma(float(sum), d_w d_x, acc); the mins as m[j] * sum(x_j) (exact in fp32), acc -= that times
 // dmin d_x. The same integer sums on both ISAs (no vpdpbusd here: the scale multiply needs the int16 pairs).
@@ -378,7 +378,8 @@ struct Q6KInt8 {
 // group of eight or alone (rows8_single, for a range's leftover rows), whatever the tokens beside it and on both ISAs
 // (the integer sums are exact). Q8_0 on VNNI: vpdpbusd multiplies u8 by s8, so x comes in as x + 128 (u8) against
 // the signed codes and 128 * sum(q_w) (from the same transposition) starts the sum; AVX2 moves w's sign onto x.
-inline bool has_rows8(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0; }
+// (Q4_K: rows8k, ggml_rows8_k.h.)
+inline bool has_rows8(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K; }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -639,6 +640,12 @@ inline void rows8_tokens(const uint8_t* w, int64_t stride, int64_t nb, const Blo
   rows8_fixed<T, TN>(w, stride, nb, x, r0, r1, y, ldy, bias);
 }
 
+}  // namespace localmoe_ggml
+
+#include "ggml_rows8_k.h"  // Q4_K eight rows at a time (rows8k)
+
+namespace localmoe_ggml {
+
 // One weight row against TN tokens of int8 x: out[t] = row . x[t].
 template <class U, int TN>
 inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, float* out) {
@@ -670,6 +677,8 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   constexpr int T = Rows8Type<U>::kType;
   if constexpr (T >= 0 && (T == kQ4_0 || T == kQ4_1 || T == kQ8_0)) {
     rows8_tokens<T>(w, row_bytes, units, x.x, 1, r0, r1, y, 0, nullptr);
+  } else if constexpr (std::is_same_v<U, Q45KInt8<false>>) {  // Q4_K: rows8k
+    rows8k_fixed<1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
   }
@@ -939,6 +948,17 @@ inline void rows8(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
+// Rows o0..o1 of W (Q4_K) against all N tokens of int8 x: rows8k, kTileK8 tokens at a time.
+inline void rows8k(const void* ctx, int64_t o0, int64_t o1) {
+  const Args& a = *static_cast<const Args*>(ctx);
+  const BlockXK* x[kTileK8];
+  for (int64_t t0 = 0; t0 < a.N; t0 += kTileK8) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileK8, a.N - t0));
+    for (int t = 0; t < n; ++t) x[t] = a.xq.kblocks + (t0 + t) * (a.xq.nb / 8);
+    rows8k_tokens(a.w, a.row_bytes, a.xq.nb / 8, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
+  }
+}
+
 // Rows o0..o1 of W against all N tokens of fp32 x, kTile tokens at a time.
 template <class U>
 inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
@@ -973,7 +993,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ4_1 ? rows8<kQ4_1>
          : type == kQ5_0 ? rows_int8<Block32Int8<kQ5_0>>
          : type == kQ5_1 ? rows_int8<Block32Int8<kQ5_1>>
-         : type == kQ4_K ? rows_int8<Q45KInt8<false>>
+         : type == kQ4_K ? rows8k
          : type == kQ5_K ? rows_int8<Q45KInt8<true>>
          : type == kQ6_K ? rows_int8<Q6KInt8>
                          : rows8<kQ8_0>;

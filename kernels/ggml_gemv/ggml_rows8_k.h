@@ -1,0 +1,285 @@
+// Q4_K rows eight at a time ("rows8k"), against x rounded per 256 (BlockXK); included by ggml_rows.h after rows8, whose
+// halves8 / transpose4 / codes4 it uses.
+//
+// A super-block of eight consecutive rows is decoded once into vectors with one lane per row: d and dmin, the eight
+// 6-bit scales and mins (the rows' first 16 bytes transposed, halves8, then llama.cpp's masks on 32-bit lanes: lane r
+// of `scale j` is row r's sc[j]), and per pair of sub-blocks the 32 nibble bytes of the
+// eight rows transposed (lane r of dw[i]: row r's bytes 4i..4i+3; the low nibbles are sub-block 2p, the high ones
+// 2p + 1). Every token of a tile then takes, per sub-block, eight vpdpbusd of those codes against its x codes
+// broadcast four at a time (AVX2: vpmaddubsw + vpmaddwd, |pair| <= 2 * 15 * 128), so lane r ends with row r's exact
+// integer dot product of the sub-block, multiplied by the scale (vpmulld) into the super-block's integer sum
+// (|sum| <= 8 * 63 * 32 * 15 * 128 < 2^31). The mins come in as sum_j m[j] sum(x_j), integers below 2^24, exact in
+// fp32 in any order. Per (row, token) the value is then, over the super-blocks in order,
+//   acc = fma(float(sum), d_w * d_x, acc);  acc = fma(-mins, dmin_w * d_x, acc)
+// one fp32 chain whatever the rows or tokens beside it and on both ISAs. The per-row form (Q45KInt8, still Q5_K's)
+// spent a vpmaddubsw, vpmaddwd, add and scale shuffle per row, token and sub-block where a tile spends one vpdpbusd;
+// the transposition is paid once per eight rows (1024 x 512 at 16 tokens: 1.6-1.8x). One token takes the per-row
+// products and sums them across lanes (group8_q4k_one: same bits, ~1.0-1.2x the per-row form); a range's leftover rows
+// take q4k_row (same bits).
+#pragma once
+
+namespace localmoe_ggml {
+
+// Tokens per tile of rows8k: an accumulator and an integer sum per token beside the eight code vectors.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kTileK8 = 8;
+#else
+constexpr int kTileK8 = 4;
+#endif
+
+// acc + the u8 x s8 products of u and s summed four at a time per int32 lane (exact: every caller's pairs < 2^15).
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// dw[i] lane r: bytes 4i..4i+3 of the 32 at p + r * stride (r < 8).
+__attribute__((always_inline)) inline void transpose8x32(const uint8_t* p, int64_t stride, __m256i dw[8]) {
+  __m256i lo[4], hi[4];
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* a = p + r * stride;
+    const uint8_t* b = p + (r + 4) * stride;
+    lo[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b), reinterpret_cast<const __m128i*>(a));
+    hi[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + 16), reinterpret_cast<const __m128i*>(a + 16));
+  }
+  transpose4(lo, dw);
+  transpose4(hi, dw + 4);
+}
+
+// Rows r .. r + 7 (Q4_K, rows of `stride` bytes, nsb super-blocks) against TN tokens (x[t]: token t's super-blocks):
+// y[t * ldy + r ..] = the eight values (+ bias).
+template <int TN>
+inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* const* x, float* y,
+                       int64_t ldy, const float* bias) {
+  constexpr int kChains = TN == 1 ? 2 : 1;  // a lone token's eight dependent vpdpbusd per sub-block, split
+  const __m256i low4 = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  const uint8_t* next = row0 + 8 * stride;  // the next group's eight rows, fetched while this one runs
+  const int64_t per_block = (8 * stride + 64 * nsb - 1) / (64 * nsb);
+  for (int64_t u = 0; u < nsb; ++u) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (u * per_block + l)), _MM_HINT_T0);
+    const uint8_t* blk = row0 + u * 144;
+    // the first 16 bytes of the eight rows (fp16 d, dmin; the 12 scale bytes) transposed: lane r of head16[k] is dword k
+    // of row r (eight scalar stores read back as a vector would not forward: gather8 is for one dword per block)
+    __m256i rows16[4], head16[4];
+    for (int r = 0; r < 4; ++r)
+      rows16[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride),
+                                      reinterpret_cast<const __m128i*>(blk + r * stride));
+    transpose4(rows16, head16);
+    const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
+    const __m256i w0 = head16[1], w1 = head16[2], w2 = head16[3];
+    const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
+    const __m256i two = _mm256_set1_epi32(0x03030303);
+    const __m256i sc[2] = {_mm256_and_si256(w0, six),
+                           _mm256_or_si256(_mm256_and_si256(w2, four),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4))};
+    const __m256i mn[2] = {_mm256_and_si256(w1, six),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), four),
+                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
+    __m256i sum[TN];
+    __m256 mins[TN];
+    for (int t = 0; t < TN; ++t) sum[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {  // sum_j m[j] sum(x_j): integers below 2^24, exact
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[j / 4], 8 * (j % 4)), byte));
+#pragma GCC unroll 8
+      for (int t = 0; t < TN; ++t)
+        mins[t] = j == 0 ? _mm256_mul_ps(m, _mm256_broadcast_ss(&x[t][u].sums[0]))
+                         : _mm256_fmadd_ps(m, _mm256_broadcast_ss(&x[t][u].sums[j]), mins[t]);
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      __m256i dw[8];
+      transpose8x32(blk + 16 + 32 * p, stride, dw);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * p + h;
+        __m256i codes[8];
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+          codes[i] = _mm256_and_si256(h ? _mm256_srli_epi16(dw[i], 4) : dw[i], low4);
+        const __m256i scale = _mm256_and_si256(_mm256_srli_epi32(sc[j / 4], 8 * (j % 4)), byte);
+#pragma GCC unroll 8
+        for (int t = 0; t < TN; ++t) {
+          const int8_t* q = x[t][u].q + 32 * j;
+          __m256i s[kChains];
+          for (int c = 0; c < kChains; ++c) s[c] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) s[i % kChains] = dot4_add(s[i % kChains], codes[i], codes4(q, i));
+          for (int c = 1; c < kChains; ++c) s[0] = _mm256_add_epi32(s[0], s[c]);
+          sum[t] = _mm256_add_epi32(sum[t], _mm256_mullo_epi32(s[0], scale));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const __m256 xd = _mm256_broadcast_ss(&x[t][u].d);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_mul_ps(d, xd), acc[t]);
+      acc[t] = _mm256_fnmadd_ps(mins[t], _mm256_mul_ps(dmin, xd), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm256_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm256_add_ps(acc[t], _mm256_loadu_ps(bias)));
+}
+
+// Row r's super-block `blk` against x's: the per-row form's 8 int32 lanes (the scales shuffled out of a register,
+// vpmaddubsw + vpmaddwd), whose sum is the super-block's integer sum.
+__attribute__((always_inline)) inline __m256i q4k_lanes(const uint8_t* blk, const BlockXK& xb) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  uint64_t sc8, mn8;
+  q4_k_scales(blk + 4, sc8, mn8);
+  const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)));
+  const __m256i scales = _mm256_set_m128i(sc16, sc16);
+  __m256i sum = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int p = 0; p < 4; ++p) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
+    const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * p + h;
+      const char a = static_cast<char>(2 * j), c = static_cast<char>(2 * j + 1);
+      const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_setr_epi8(a, c, a, c, a, c, a, c, a, c, a, c, a, c, a, c,
+                                                                         a, c, a, c, a, c, a, c, a, c, a, c, a, c, a, c));
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q + 32 * j));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(w[h], xq), scale));
+    }
+  }
+  return sum;
+}
+
+// One row against one token, the same chain as group8_q4k's lane for that (row, token): the per-row form (a
+// super-block's sub-blocks in the 8 int32 lanes, each scale shuffled out of a register) for a lone token, where
+// eight rows' transposition costs more than it saves (one token, Zen 4: 0.64-0.9x), and for a range's leftover rows.
+// The integer sums and sum_j m[j] sum(x_j) (in int32 here: exact, the same value) of up to four super-blocks are
+// summed across lanes together (three vphaddd each), converted, then the scalar FMAs in super-block order
+// (q4k_supers: N <= 4 super-blocks, unrolled).
+template <int N>
+__attribute__((always_inline)) inline float q4k_supers(const uint8_t* row, const BlockXK* x, float acc) {
+  __m256i sum[4], mins[4];
+  float step[N], offset[N];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    sum[k] = mins[k] = _mm256_setzero_si256();
+    if (k >= N) continue;
+    const uint8_t* blk = row + k * 144;
+    const BlockXK& xb = x[k];
+    sum[k] = q4k_lanes(blk, xb);
+    uint64_t sc8, mn8;
+    q4_k_scales(blk + 4, sc8, mn8);
+    mins[k] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn8))),
+                                 _mm256_cvttps_epi32(_mm256_loadu_ps(xb.sums)));
+    step[k] = half(blk) * xb.d;
+    offset[k] = half(blk + 2) * xb.d;
+  }
+  // [S0 S1 S2 S3]: hadd(hadd(S0, S1), hadd(S2, S3)) holds each one's low-half and high-half sums
+  const auto across = [](const __m256i* v) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  };
+  const __m128 fs = across(sum), fm = across(mins);
+  alignas(16) float s[4], m[4];
+  _mm_store_ps(s, fs);
+  _mm_store_ps(m, fm);
+#pragma GCC unroll 4
+  for (int k = 0; k < N; ++k) {
+    acc = std::fma(s[k], step[k], acc);
+    acc = std::fma(-m[k], offset[k], acc);
+  }
+  return acc;
+}
+
+inline float q4k_row(const uint8_t* row, int64_t nsb, const BlockXK* x) {
+  float acc = 0.0f;
+  int64_t u = 0;
+  for (; u + 4 <= nsb; u += 4) acc = q4k_supers<4>(row + u * 144, x + u, acc);
+  switch (nsb - u) {
+    case 3: return q4k_supers<3>(row + u * 144, x + u, acc);
+    case 2: return q4k_supers<2>(row + u * 144, x + u, acc);
+    case 1: return q4k_supers<1>(row + u * 144, x + u, acc);
+    default: return acc;
+  }
+}
+
+// Rows r .. r + 7 against ONE token, the bits of group8_q4k<1> at less work: each row's super-blocks go through the
+// per-row form (q4k_lanes), row after row (the weights read in order: eight rows a super-block at a time ran at
+// ~0.5x from memory), up to kRunK super-blocks at a time; then per super-block the eight rows' lane vectors are summed
+// across lanes into one vector with a lane per row (seven vphaddd), and d, dmin and the mins come from the transposed
+// first 16 bytes as in group8_q4k. (Transposing the codes costs more than it saves for one token: 0.64-0.9x, Zen 4.)
+constexpr int64_t kRunK = 16;
+
+inline void group8_q4k_one(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* x, float* y,
+                           const float* bias) {
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t u0 = 0; u0 < nsb; u0 += kRunK) {
+    const int64_t n = std::min(kRunK, nsb - u0);
+    __m256i lanes[kRunK][8];
+    for (int r = 0; r < 8; ++r)
+      for (int64_t k = 0; k < n; ++k) lanes[k][r] = q4k_lanes(row0 + r * stride + (u0 + k) * 144, x[u0 + k]);
+    for (int64_t k = 0; k < n; ++k) {
+      const uint8_t* blk = row0 + (u0 + k) * 144;
+      const BlockXK& xb = x[u0 + k];
+      __m256i rows16[4], head16[4];
+      for (int r = 0; r < 4; ++r)
+        rows16[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride),
+                                        reinterpret_cast<const __m128i*>(blk + r * stride));
+      transpose4(rows16, head16);
+      const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
+      const __m256i w1 = head16[2], w2 = head16[3];
+      const __m256i mn[2] = {_mm256_and_si256(w1, _mm256_set1_epi32(0x3F3F3F3F)),
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), _mm256_set1_epi32(0x0F0F0F0F)),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6),
+                                                                                _mm256_set1_epi32(0x03030303)), 4))};
+      __m256 mins = _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        const __m256 m = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(mn[j / 4], 8 * (j % 4)), byte));
+        mins = j == 0 ? _mm256_mul_ps(m, _mm256_broadcast_ss(&xb.sums[0]))
+                      : _mm256_fmadd_ps(m, _mm256_broadcast_ss(&xb.sums[j]), mins);
+      }
+      // hadd(hadd(S0, S1), hadd(S2, S3)) = [S0 S1 S2 S3 low halves | high halves], likewise S4..S7
+      const __m256i* s = lanes[k];
+      const __m256i h03 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+      const __m256i h47 = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+      const __m256i total = _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20),
+                                             _mm256_permute2x128_si256(h03, h47, 0x31));
+      const __m256 xd = _mm256_broadcast_ss(&xb.d);
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, xd), acc);
+      acc = _mm256_fnmadd_ps(mins, _mm256_mul_ps(dmin, xd), acc);
+    }
+  }
+  _mm256_storeu_ps(y, bias == nullptr ? acc : _mm256_add_ps(acc, _mm256_loadu_ps(bias)));
+}
+
+// Rows r0..r1 of W against TN tokens into y[t * ldy + r]: groups of eight rows from r0 on, the leftover rows alone.
+template <int TN>
+__attribute__((noinline)) void rows8k_fixed(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x,
+                                            int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
+  int64_t r = r0;
+  for (; r + 8 <= r1; r += 8) {
+    if (TN == 1) group8_q4k_one(w + r * stride, stride, nsb, x[0], y + r, bias == nullptr ? nullptr : bias + r);
+    else group8_q4k<TN>(w + r * stride, stride, nsb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+  }
+  for (; r < r1; ++r)
+    for (int t = 0; t < TN; ++t) {
+      const float v = q4k_row(w + r * stride, nsb, x[t]);
+      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
+    }
+}
+
+// rows8k_fixed for a run-time n <= TN tokens.
+template <int TN = kTileK8>
+inline void rows8k_tokens(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x, int n, int64_t r0,
+                          int64_t r1, float* y, int64_t ldy, const float* bias) {
+  if constexpr (TN > 1)
+    if (n < TN) return rows8k_tokens<TN - 1>(w, stride, nsb, x, n, r0, r1, y, ldy, bias);
+  rows8k_fixed<TN>(w, stride, nsb, x, r0, r1, y, ldy, bias);
+}
+
+}  // namespace localmoe_ggml
