@@ -13,9 +13,9 @@
 // on which other experts share the call.
 //
 // Precision q8 (EngineConfig.expert_precision, the engine's default): each projection's input is
-// rounded to int8 per 32-element block (mxfp4_rows.h `quantize_row_q8`, llama.cpp's Q8_0 trade) and
-// every group, whatever its n, runs the u8 x s8 path: about half the operations of the exact
-// integer path per block pair, and a token's bits are the same whatever n (prefill = decode).
+// rounded to int8 per 32-element block (mxfp4_q8.h, llama.cpp's Q8_0 trade) and every group, whatever
+// its n, runs the u8 x s8 path over 8 blocks per fp32 step, each row's blocks decoded once for the
+// group's tokens; a token's bits are the same whatever n (prefill = decode).
 //
 // Expert table: int64 [E, 9] of addresses: gate.{packed, scales, bias}, up.{...}, down.{...};
 // packed/scales in the canonical layout (gate/up [I, D/2] and [I, D/32], down [D, I/2] and
@@ -32,6 +32,7 @@
 
 #include "../dense_gemv/dense_rows.h"
 #include "glu.h"
+#include "mxfp4_q8.h"
 #include "mxfp4_rows.h"
 #include "pool.h"
 #include "route.h"
@@ -57,7 +58,7 @@ struct Phase {
   int proj0;                // table column block of the first projection (0: gate, 2: down)
   int64_t K, O;
   const float* xp;          // [M, K]
-  const uint8_t* xq;        // [M] records of pairs_bytes(K), or of pairs_q8_bytes(K) when q8
+  const uint8_t* xq;        // [M] records of pairs_bytes(K), or of q8_bytes(K) when q8
   float* out[2];            // [M, O] per projection
   bool q8;
 };
@@ -73,7 +74,7 @@ constexpr int64_t kTokenPathMax = 8;
 // per row: with K = 768 a row is only ~60 cycles of work).
 void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
   const Phase& a = *static_cast<const Phase*>(ctx);
-  const int64_t nb = a.K / kBlock, per_group = a.nproj * a.O, qbytes = pairs_bytes(a.K), pairs = (nb + 1) / 2;
+  const int64_t nb = a.K / kBlock, per_group = a.nproj * a.O, qbytes = pairs_bytes(a.K);
   int64_t gi = i0 / per_group, proj = (i0 % per_group) / a.O, o0 = i0 % a.O;
   for (int64_t i = i0; i < i1; gi += (++proj == a.nproj), proj %= a.nproj, o0 = 0) {
     const Group& g = (*a.groups)[gi];
@@ -83,15 +84,13 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
     const float* bias = reinterpret_cast<const float*>(row[2]);
     const int64_t o1 = std::min(a.O, o0 + (i1 - i));
     float* y0 = a.out[proj] + g.first * a.O;
-    if (g.n == 1 && a.q8)
-      matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, y0);
-    else if (g.n <= kTokenPathMax && !a.q8)  // each token on its own: the bits it has alone
+    if (a.q8)
+      matrix_q8(packed, scales, a.K, o0, o1, reinterpret_cast<const GroupQ8*>(a.xq + g.first * q8_bytes(a.K)), g.n,
+                y0, a.O);
+    else if (g.n <= kTokenPathMax)  // each token on its own: the bits it has alone
       for (int64_t t = 0; t < g.n; ++t)
         matrix_token(packed, scales, a.K, o0, o1, reinterpret_cast<const PairX*>(a.xq + (g.first + t) * qbytes),
                      y0 + t * a.O);
-    else if (a.q8)
-      matrix_q8_tokens(packed, scales, a.K, o0, o1, reinterpret_cast<const PairQ8*>(a.xq) + g.first * pairs, pairs,
-                       g.n, y0, a.O);
     else
       for (int64_t o = o0; o < o1; ++o)
         row_tokens(packed + o * (a.K / 2), scales + o * nb, nb, a.xp + g.first * a.K, g.n, a.K, y0 + o, a.O);
@@ -106,11 +105,11 @@ void phase_rows(const void* ctx, int64_t i0, int64_t i1) {
 // parts for the tokens of groups of up to kTokenPathMax and permuted fp32 rows otherwise. src(a) is assignment a's input row of K.
 template <typename Src>
 void prepare_inputs(const std::vector<Group>& groups, int64_t K, Src src, float* xp, uint8_t* xq, bool q8) {
-  const int64_t qbytes = q8 ? pairs_q8_bytes(K) : pairs_bytes(K);
+  const int64_t qbytes = q8 ? q8_bytes(K) : pairs_bytes(K);
   for (const Group& g : groups)
     for (int64_t a = g.first; a < g.first + g.n; ++a) {
       if (q8)
-        quantize_row_q8(src(a), K / kBlock, reinterpret_cast<PairQ8*>(xq + a * qbytes));
+        quantize_row_q8(src(a), K / kBlock, reinterpret_cast<GroupQ8*>(xq + a * qbytes));
       else if (g.n <= kTokenPathMax)
         quantize_row(src(a), K / kBlock, reinterpret_cast<PairX*>(xq + a * qbytes));
       else
@@ -123,7 +122,7 @@ inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
 struct Scratch {
   int64_t* order;  // [M] flat assignment (t * k + j) of each sorted position
   float* xp;       // [M, max(D, I)]
-  uint8_t* xq;     // [M] x pairs_bytes(max(D, I)) (>= pairs_q8_bytes)
+  uint8_t* xq;     // [M] x pairs_bytes(max(D, I)) (>= q8_bytes)
   float* gate;     // [M, I]: gate, then the GLU output
   float* up;       // [M, I]
   float* y;        // [M, D]

@@ -20,8 +20,8 @@
 // gemv, N >= 2 tokens, exact: per token the integer path costs ~15 operations per block pair
 // against 8 FMAs once the block is in fp32, so each block is decoded to fp32 once and shared by up
 // to 8 tokens.
-// gemv, q8 (any N): x rounded to int8 per block (quantize_row_q8), u8 x s8 dot products: about
-// half the exact path's work, the fused MoE layer's default (moe_cpu.cpp), the same bits per token.
+// gemv, q8 (any N): x rounded to int8 per block, u8 x s8 dot products over 8 blocks per fp32 step
+// (mxfp4_q8.h): the fused MoE layer's default (moe_cpu.cpp), the same bits per token.
 // Every path computes a row whole on one thread, so the bits do not depend on the thread count.
 // dequantize: the same decode to exact fp32, for the prefill path (dequantise + sgemm).
 //
@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "mxfp4_q8.h"
 #include "mxfp4_rows.h"
 #include "pool.h"
 
@@ -45,7 +46,7 @@ using namespace localmoe_mxfp4;
 
 struct GemvArgs {
   const float* x;      // exact, N >= 2: x permuted per block
-  const void* xq;      // exact, N = 1: the token's PairX records; q8: every token's PairQ8 records
+  const void* xq;      // exact, N = 1: the token's PairX records; q8: every token's GroupQ8 records
   int64_t N, K, O;
   const uint8_t* packed;
   const uint8_t* scales;
@@ -55,13 +56,11 @@ struct GemvArgs {
 
 void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
   const GemvArgs& a = *static_cast<const GemvArgs*>(ctx);
-  const int64_t nb = a.K / kBlock, K = a.K, pairs = (nb + 1) / 2;
-  if (a.N == 1 && a.q8) {
-    matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairQ8*>(a.xq), a.y);
+  const int64_t nb = a.K / kBlock, K = a.K;
+  if (a.q8) {
+    matrix_q8(a.packed, a.scales, K, o0, o1, static_cast<const GroupQ8*>(a.xq), a.N, a.y, a.O);
   } else if (a.N == 1) {
     matrix_token(a.packed, a.scales, K, o0, o1, static_cast<const PairX*>(a.xq), a.y);
-  } else if (a.q8) {
-    matrix_q8_tokens(a.packed, a.scales, K, o0, o1, static_cast<const PairQ8*>(a.xq), pairs, a.N, a.y, a.O);
   } else {
     for (int64_t o = o0; o < o1; ++o) row_tokens(a.packed + o * (K / 2), a.scales + o * nb, nb, a.x, a.N, K, a.y + o, a.O);
   }
@@ -96,7 +95,7 @@ extern "C" {
 
 // Bytes of scratch mxfp4_gemv needs for N tokens of K (q8: 1 for q8 activations, 0 exact).
 int64_t mxfp4_gemv_scratch(int64_t N, int64_t K, int q8) {
-  if (q8) return N * pairs_q8_bytes(K) + 32;
+  if (q8) return N * q8_bytes(K) + 32;
   return N == 1 ? pairs_bytes(K) + 32 : N * K * static_cast<int64_t>(sizeof(float));
 }
 
@@ -109,8 +108,8 @@ void mxfp4_gemv(const float* x, int64_t N, int64_t K, const uint8_t* packed, con
   GemvArgs args{nullptr, nullptr, N, K, O, packed, scales, y, q8 != 0};
   void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(scratch) + 31) & ~uintptr_t{31});  // 32 spare
   if (q8) {
-    PairQ8* xq = static_cast<PairQ8*>(aligned);
-    for (int64_t t = 0; t < N; ++t) quantize_row_q8(x + t * K, nb, xq + t * ((nb + 1) / 2));
+    GroupQ8* xq = static_cast<GroupQ8*>(aligned);
+    for (int64_t t = 0; t < N; ++t) quantize_row_q8(x + t * K, nb, xq + t * q8_groups(nb));
     args.xq = xq;
   } else if (N == 1) {
     PairX* xq = static_cast<PairX*>(aligned);

@@ -173,44 +173,6 @@ inline void row_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, con
   if (N - t >= 1) row_f32<1>(prow, srow, nb, xp + t * K, K, y + t * O, O);
 }
 
-// ---- q8 activations (EngineConfig.expert_precision "q8"): llama.cpp's trade, kept per token ----
-// One token's activations per block pair (128 bytes): 64 int8 on a grid of amax / 127 per block
-// (|error| <= half a step, ~2^-8 of the block's largest magnitude: the order of bf16 activations),
-// 8 int32 bias corrections and 8 fp32 scales [d(b) x4, d(b+1) x4]. Layout: q[32 * c + 16 * h + i]
-// holds element 2i + c of block h (the even/odd code nibbles of decode_pair); neg_bias[4h + j] =
-// -12 * sum(q) over elements 8j .. 8j + 7 of block h (the weights are decoded as u8 w + 12, as above):
-// the dot products start from it, so that the correction costs no instruction of its own.
-struct alignas(32) PairQ8 {
-  int8_t q[64];
-  int32_t neg_bias[8];
-  float scale[8];
-};
-
-// One token: x [K] fp32 -> xq [npairs] (a missing odd last block is all zeros). q = round(x * 127 /
-// amax) to nearest even, d = amax / 127 (both in fp32: reference.q8_round rounds the same way). A
-// block holding NaN or Inf gets scale NaN.
-inline void quantize_row_q8(const float* x, int64_t nb, PairQ8* xq) {
-  std::memset(static_cast<void*>(xq), 0, (nb + 1) / 2 * sizeof(PairQ8));
-  alignas(32) int32_t q[kBlock];
-  for (int64_t b = 0; b < nb; ++b) {
-    const localmoe::Block32 blk = localmoe::load_block32(x + b * kBlock);
-    const __m256* v = blk.v;
-    const float top = blk.top;
-    const bool finite = blk.finite;
-    PairQ8& px = xq[b / 2];
-    const int h = static_cast<int>(b & 1);
-    for (int j = 0; j < 4; ++j) px.scale[4 * h + j] = finite ? top / 127.0f : std::nanf("");
-    if (!finite || top == 0.0f) continue;
-    const __m256 inv = _mm256_set1_ps(127.0f / top);
-    for (int j = 0; j < 4; ++j)
-      _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * j), localmoe::round_scaled(v[j], inv));
-    for (int e = 0; e < kBlock; ++e) {
-      px.q[32 * (e % 2) + 16 * h + e / 2] = static_cast<int8_t>(q[e]);  // |q| <= 127 by construction
-      px.neg_bias[4 * h + e / 8] -= 12 * q[e];
-    }
-  }
-}
-
 // A decoded block pair: even/odd elements as u8 (2 * e2m1 + 12) and the weights' scales [s0 x4, s1 x4].
 struct PairW {
   __m256i ev, od;
@@ -259,24 +221,9 @@ inline __m256i pair_int(const PairW& w, const PairX& x) {
   return _mm256_sub_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(x.bias)));
 }
 
-// The same with one token's q8 records: u8 x s8 pairs (|pair| <= 2 * 24 * 127, two summed < 2^15,
-// no saturation), summed to int32 per 8 elements, less the +12 correction (the sums start from it).
-inline __m256i pair_int(const PairW& w, const PairQ8& x) {
-  const __m256i* q = reinterpret_cast<const __m256i*>(x.q);
-  const __m256i neg_bias = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.neg_bias));
-#ifdef LOCALMOE_VNNI
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(neg_bias, w.ev, _mm256_load_si256(q)), w.od, _mm256_load_si256(q + 1));
-#else
-  const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(w.ev, _mm256_load_si256(q)),
-                                       _mm256_maddubs_epi16(w.od, _mm256_load_si256(q + 1)));
-  return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), neg_bias);
-#endif
-}
-
-// acc + the pair's 8 lane partial dots with one token (X: PairX or PairQ8), scaled by the weights'
+// acc + the pair's 8 lane partial dots with one token's exact records, scaled by the weights'
 // scale times the activations'.
-template <typename X>
-inline __m256 pair_fma(const PairW& w, const X& x, __m256 acc) {
+inline __m256 pair_fma(const PairW& w, const PairX& x, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pair_int(w, x)), _mm256_mul_ps(w.scale, _mm256_load_ps(x.scale)), acc);
 }
 
@@ -318,13 +265,12 @@ inline __m256 run_pair_scales(const __m256 half[2], int j) {
 }
 
 // Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against one token's records x
-// (PairX or PairQ8): y[o]. Per run of 8 block pairs, the 16 scales come from one load (half_scales16),
+// (PairX): y[o]. Per run of 8 block pairs, the 16 scales come from one load (half_scales16),
 // not 16 table lookups: the path is bound by loads as much as by arithmetic (+25 % for the exact
 // path with VNNI; the same bits either way, the scales being exact powers of two). One row at a
 // time: computing 2-4 rows together shares the loads of x and ran 7-10 % faster from L2, but
 // streaming from memory 15-40 % slower (Zen 4: the interleaved rows' streams defeat the prefetchers).
-template <typename X>
-inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1, const X* x,
+inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1, const PairX* x,
                          float* y) {
   const int64_t nb = K / kBlock;
   for (int64_t o = o0; o < o1; ++o) {
@@ -346,98 +292,6 @@ inline void matrix_token(const uint8_t* packed, const uint8_t* scales, int64_t K
     y[o] = hsum(acc);
   }
 }
-
-// R consecutive weight rows (codes nb * 16 bytes apart, scales nb apart) against NT tokens' q8
-// records (record stride `stride` pairs): each pair decoded once per row (its scales, per run of 8
-// pairs, from one load as in matrix_token), each token's record loaded once for the R rows, then per
-// (row, token) the same operations in the same order as with one token, so a token's bits depend
-// neither on how many tokens nor on how many rows share the call. Writes y[r + t * O].
-template <int R, int NT>
-inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride, float* y,
-                    int64_t O) {
-  const int64_t pitch = nb * (kBlock / 2);
-  __m256 acc[R][NT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
-  const auto tokens = [&](const PairW* w, int64_t p) {
-    for (int t = 0; t < NT; ++t)
-      for (int r = 0; r < R; ++r) acc[r][t] = pair_fma(w[r], xq[t * stride + p], acc[r][t]);
-  };
-  int64_t p = 0;
-  for (; 2 * p + 16 <= nb; p += 8) {
-    __m256 half[R][2];
-    bool plain = true;
-    for (int r = 0; r < R; ++r) plain = half_scales16(srow + r * nb + 2 * p, half[r]) && plain;
-    PairW w[R];
-    if (!plain) {
-      for (int j = 0; j < 8; ++j) {
-        for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p + j);
-        tokens(w, p + j);
-      }
-      continue;
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, p + j, run_pair_scales(half[r], j));
-      tokens(w, p + j);
-    }
-  }
-  PairW w[R];
-  for (; 2 * p + 2 <= nb; ++p) {
-    for (int r = 0; r < R; ++r) w[r] = row_pair(prow + r * pitch, srow + r * nb, p);
-    tokens(w, p);
-  }
-  if (2 * p < nb) {
-    for (int r = 0; r < R; ++r) w[r] = row_last_block(prow + r * pitch, srow + r * nb, p);
-    tokens(w, p);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) y[r + t * O] = hsum(acc[r][t]);
-}
-
-// The most tokens rows_q8 takes in one pass over the rows: AVX-512's 32 vector registers hold 2 rows x
-// 6 tokens' accumulators with the decoded pairs, AVX2's 16 one row x 4.
-#ifdef LOCALMOE_VNNI
-constexpr int kQ8Tokens = 6;
-#else
-constexpr int kQ8Tokens = 4;
-#endif
-
-// rows_q8<R, n> for 1 <= n <= kQ8Tokens.
-template <int R, int NT = kQ8Tokens>
-inline void rows_q8_n(int n, const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
-                      float* y, int64_t O) {
-  if constexpr (NT > 1) {
-    if (n < NT) return rows_q8_n<R, NT - 1>(n, prow, srow, nb, xq, stride, y, O);
-  }
-  rows_q8<R, NT>(prow, srow, nb, xq, stride, y, O);
-}
-
-// R rows against N >= 2 tokens' q8 records: passes of 4 tokens while more than kQ8Tokens are left, then
-// the rest in one pass (each pass decodes the rows' pairs again: a group of 3 costs one pass, not 2 + 1).
-template <int R>
-inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const PairQ8* xq, int64_t stride,
-                           int64_t N, float* y, int64_t O) {
-  int64_t t = 0;
-  for (; N - t > kQ8Tokens; t += 4) rows_q8<R, 4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
-  rows_q8_n<R>(static_cast<int>(N - t), prow, srow, nb, xq + t * stride, stride, y + t * O, O);
-}
-
-// Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against N >= 2 tokens' q8 records:
-// y[o + t * O]. With 32 vector registers (AVX-512) two rows share each load of a token's record
-// (the multi-token path is bound by those loads: +15-25 % at 8-64 tokens, Zen 4); AVX2's 16 hold one
-// row's.
-inline void matrix_q8_tokens(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1,
-                             const PairQ8* xq, int64_t stride, int64_t N, float* y, int64_t O) {
-  const int64_t nb = K / kBlock;
-  int64_t o = o0;
-#ifdef LOCALMOE_VNNI
-  for (; o + 2 <= o1; o += 2) rows_q8_tokens<2>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
-#endif
-  for (; o < o1; ++o) rows_q8_tokens<1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
-}
-
-inline int64_t pairs_q8_bytes(int64_t K) { return (K / kBlock + 1) / 2 * static_cast<int64_t>(sizeof(PairQ8)); }
 
 // Bytes of one token's exact records for K inputs (PairX).
 inline int64_t pairs_bytes(int64_t K) { return (K / kBlock + 1) / 2 * static_cast<int64_t>(sizeof(PairX)); }
