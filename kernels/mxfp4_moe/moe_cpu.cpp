@@ -122,7 +122,7 @@ inline int64_t align64(int64_t bytes) { return (bytes + 63) & ~int64_t{63}; }
 struct Scratch {
   int64_t* order;  // [M] flat assignment (t * k + j) of each sorted position
   float* xp;       // [M, max(D, I)]
-  uint8_t* xq;     // [M] x pairs_bytes(max(D, I)) (>= q8_bytes)
+  uint8_t* xq;     // [M] x the larger of pairs_bytes and q8_bytes of max(D, I) (q8: 320 bytes per 8 blocks)
   float* gate;     // [M, I]: gate, then the GLU output
   float* up;       // [M, I]
   float* y;        // [M, D]
@@ -130,7 +130,7 @@ struct Scratch {
 
   Scratch(void* base, int64_t M, int64_t D, int64_t I) {
     const int64_t K = std::max(D, I);
-    const int64_t sizes[6] = {align64(M * 8), align64(M * K * 4), align64(M * pairs_bytes(K)), align64(M * I * 4),
+    const int64_t sizes[6] = {align64(M * 8), align64(M * K * 4), align64(M * std::max(pairs_bytes(K), q8_bytes(K))), align64(M * I * 4),
                               align64(M * I * 4), align64(M * D * 4)};
     char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t{63});
     void* parts[6];

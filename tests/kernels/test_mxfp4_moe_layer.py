@@ -240,10 +240,12 @@ def test_expert_table_takes_only_mxfp4_experts():
 @needs_cpu_kernel
 @pytest.mark.parametrize("N", [1, 2, 5, 63, mxfp4_moe.GEMV_MAX_TOKENS + 4], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("kind,params", GLUS, ids=GLU_IDS)
-def test_q8_layer_matches_float64_of_q8_rounded_inputs(kind, params, N):
+@pytest.mark.parametrize("D,I", [(96, 64), (32, 64)], ids=lambda v: str(v))
+def test_q8_layer_matches_float64_of_q8_rounded_inputs(kind, params, N, D, I):
     """precision "q8": the kernel (and past GEMV_MAX_TOKENS the reference loop) equals a float64
-    evaluation whose projection inputs go through reference.q8_round."""
-    E, D, I, k = 7, 96, 64, 3
+    evaluation whose projection inputs go through reference.q8_round. Widths of 1-3 blocks: a q8
+    record (8 blocks) is then larger than an exact one, and the scratch must hold it."""
+    E, k = 7, 3
     experts = _experts(E, D, I, seed=20 + N)
     ids, weights = _routing(N, E, k, seed=21 + N)
     x = torch.randn(N, D, generator=torch.Generator().manual_seed(22 + N))
