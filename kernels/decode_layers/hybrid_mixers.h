@@ -16,6 +16,7 @@
 #include "../_cpu/matrix.h"
 #include "../_cpu/pool.h"
 #include "../_cpu/vec_math.h"
+#include "../gqa_decode/gqa_step.h"  // rope: the half-split rotation
 
 namespace localmoe_hybrid {
 
@@ -261,16 +262,6 @@ inline void rotate_pairs(float* x, int64_t n, const float* cos, const float* ssi
   }
 }
 
-// x [n] <- the half-split rotation (engine/rope.py apply_rope) by cos / signed sin [n].
-inline void rotate_half(float* x, int64_t n, const float* cos, const float* ssin) {
-  const int64_t half = n / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const float a = x[i], b = x[i + half];
-    x[i] = a * cos[i] + b * ssin[i];
-    x[i + half] = b * cos[i + half] + a * ssin[i + half];
-  }
-}
-
 inline int64_t mla_scratch(const Mla& m) {
   const int64_t index = m.dsa.select == 1 ? m.dsa.heads * m.dsa.head_dim + m.dsa.heads : 0;
   return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim + index;
@@ -326,7 +317,7 @@ inline void index_key_step(const Indexer& ix, const float* x, int64_t pos, const
   for (int64_t i = 0; i < Di; ++i) var += (k[i] - mean) * (k[i] - mean);
   const float r = 1.0f / std::sqrt(var / static_cast<float>(Di) + 1e-6f);
   for (int64_t i = 0; i < Di; ++i) k[i] = (k[i] - mean) * r * ix.k_norm_w[i] + ix.k_norm_b[i];
-  if (ix.rope_dim) (ix.interleaved ? rotate_pairs : rotate_half)(k, ix.rope_dim, cos, ssin);
+  if (ix.rope_dim) (ix.interleaved ? rotate_pairs : localmoe_gqa::rope)(k, ix.rope_dim, cos, ssin);
   if (ix.gate.rows) localmoe::matvec(ix.gate, x, index_key(ix, pos, Di), xq, threads);
 }
 
@@ -339,7 +330,7 @@ inline void index_select(const Indexer& ix, const float* x, const float* cq, int
   float* w = q + H * Di;
   localmoe::matvec(ix.wq_b, cq, q, xq, threads);
   if (ix.rope_dim)
-    for (int64_t h = 0; h < H; ++h) (ix.interleaved ? rotate_pairs : rotate_half)(q + h * Di, ix.rope_dim, cos, ssin);
+    for (int64_t h = 0; h < H; ++h) (ix.interleaved ? rotate_pairs : localmoe_gqa::rope)(q + h * Di, ix.rope_dim, cos, ssin);
   localmoe::matvec(ix.weights, x, w, xq, threads);
   for (int64_t h = 0; h < H; ++h) w[h] *= ix.weight_scale;
   thread_local std::vector<float> scores, pooled;

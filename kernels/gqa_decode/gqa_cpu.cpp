@@ -5,9 +5,10 @@
 // adds no value), applied to v[b, h / G, s]. The torch path for this was ~25 small ops per layer
 // and step (mask, window, repeat, cat, softmax, two matmuls); here one call does every head.
 //
-// One pass over the keys per head (online softmax, blocks of 64 keys): no [H, S] score buffer, so a
-// long context costs no extra memory. Each (sequence, head) is computed whole by one thread, so the
-// bits do not depend on the thread count. K/V are read through strides (a view of the paged cache's
+// One pass over the keys per KV head for all its query heads (gqa_heads.h: each key and value row read once
+// for them; online softmax, blocks of 64 keys): no [H, S] score buffer, so a long context costs no extra
+// memory. Each (sequence, KV head) is computed whole by one thread, each query head with its own operations,
+// so the bits do not depend on the thread count. K/V are read through strides (a view of the paged cache's
 // pool, or a gathered copy); their last dimension is contiguous. D is a multiple of 8, at most 512.
 #include <algorithm>
 #include <cstdint>
