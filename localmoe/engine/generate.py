@@ -305,26 +305,23 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
     (`prompt_rows`, at most `limit` tokens) runs as more rows of the same forward, so every weight is read
     once for all of them (also beside speculating sequences' verify rows); their results (logits or None,
     `logits()`'s) come after the decoders', in order."""
-    from localmoe.engine.batch import decode_batch, forward_rows
-    from localmoe.engine.prompt_rows import PromptRows
+    from localmoe.engine.batch import decode_batch
+    from localmoe.engine.prompt_rows import forward_with_prompts
 
     if any(d.speculating for d in decoders):
         from localmoe.engine.spec.verify import speculative_step
 
         return speculative_step(decoders, fused, chunks)
-    tokens = [d.pending[0] for d in decoders]
+    tokens, caches = [d.pending[0] for d in decoders], [d.cache for d in decoders]
     if not chunks:
-        logits = decode_batch(decoders[0].model, tokens, [d.cache for d in decoders], fused)
-        taken = []
+        logits, prompts = decode_batch(decoders[0].model, tokens, caches, fused), []
     else:
-        taken = PromptRows(chunks)
-        rows, caches = tokens + taken.tokens, [d.cache for d in decoders] + taken.caches
-        logits = forward_rows(chunks[0][0].model, rows, caches, list(range(len(tokens))) + taken.wanted(len(tokens)))
+        logits, prompts = forward_with_prompts(chunks[0][0].model, tokens, caches, chunks)
     out = []
     for d, token, row in zip(decoders, tokens, logits.split(1)):
         d.pending = []
         out.append(d._ran([token], row))
-    return out + (taken.results(logits[len(tokens):]) if chunks else [])
+    return out + prompts
 
 
 def prefill(model: CausalLM, prompt: Sequence[int], cache: ModelCache, chunk: int = PREFILL_CHUNK) -> torch.Tensor:

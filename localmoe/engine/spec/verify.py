@@ -35,7 +35,7 @@ import torch
 
 from localmoe.engine.batch import decode_batch, forward_rows, has_rows
 from localmoe.engine.cache import ModelCache
-from localmoe.engine.prompt_rows import PromptRows
+from localmoe.engine.prompt_rows import forward_with_prompts
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
 from localmoe.engine.spec.drafters import Draft
@@ -107,16 +107,13 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
     out: list[torch.Tensor | None] = [None] * len(decoders)
     if chunks and (fused or not has_rows(model)):
         raise ValueError("prompt chunks run as rows of a batched step only (not fused, a model with rows)")
-    prompts, chunked = (PromptRows(chunks), None) if chunks else (None, [])
+    chunked = []  # the prompt chunks' results
     if has_rows(model):  # speculating sequences, and plain ones where the worker batches, as rows of one forward
         together = [n for n in range(len(decoders)) if (spec[n] and not own[n]) or replay[n] or not fused]
         tokens = [t for n in together for t in rows[n]]
         caches = [decoders[n].cache for n in together for _ in rows[n]]
-        if prompts is not None:
-            wanted = list(range(len(tokens))) + prompts.wanted(len(tokens))
-            logits = forward_rows(model, tokens + prompts.tokens, caches + prompts.caches, wanted)
-            chunked = prompts.results(logits[len(tokens):])
-            logits = logits[:len(tokens)]
+        if chunks:
+            logits, chunked = forward_with_prompts(model, tokens, caches, chunks)
         else:
             logits = forward_rows(model, tokens, caches) if together else None
         for n, lg in zip(together, logits.split([len(rows[n]) for n in together]) if together else []):
