@@ -49,6 +49,16 @@ __attribute__((always_inline)) inline void transpose8x32(const uint8_t* p, int64
   transpose4(hi, dw + 4);
 }
 
+// The first 16 bytes of a super-block in eight rows (fp16 d, dmin; the 12 scale bytes), transposed: lane r of head[k]
+// is dword k of row r (eight scalar stores read back as a vector would not forward: gather8 is for one dword per block).
+__attribute__((always_inline)) inline void heads8(const uint8_t* blk, int64_t stride, __m256i head[4]) {
+  __m256i rows[4];
+  for (int r = 0; r < 4; ++r)
+    rows[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride),
+                                  reinterpret_cast<const __m128i*>(blk + r * stride));
+  transpose4(rows, head);
+}
+
 // Rows r .. r + 7 (Q4_K, rows of `stride` bytes, nsb super-blocks) against TN tokens (x[t]: token t's super-blocks):
 // y[t * ldy + r ..] = the eight values (+ bias).
 template <int TN>
@@ -64,13 +74,8 @@ inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const B
     for (int64_t l = 0; l < per_block; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (u * per_block + l)), _MM_HINT_T0);
     const uint8_t* blk = row0 + u * 144;
-    // the first 16 bytes of the eight rows (fp16 d, dmin; the 12 scale bytes) transposed: lane r of head16[k] is dword k
-    // of row r (eight scalar stores read back as a vector would not forward: gather8 is for one dword per block)
-    __m256i rows16[4], head16[4];
-    for (int r = 0; r < 4; ++r)
-      rows16[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride),
-                                      reinterpret_cast<const __m128i*>(blk + r * stride));
-    transpose4(rows16, head16);
+    __m256i head16[4];
+    heads8(blk, stride, head16);
     const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
     const __m256i w0 = head16[1], w1 = head16[2], w2 = head16[3];
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
@@ -225,11 +230,8 @@ inline void group8_q4k_one(const uint8_t* row0, int64_t stride, int64_t nsb, con
     for (int64_t k = 0; k < n; ++k) {
       const uint8_t* blk = row0 + (u0 + k) * 144;
       const BlockXK& xb = x[u0 + k];
-      __m256i rows16[4], head16[4];
-      for (int r = 0; r < 4; ++r)
-        rows16[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride),
-                                        reinterpret_cast<const __m128i*>(blk + r * stride));
-      transpose4(rows16, head16);
+      __m256i head16[4];
+      heads8(blk, stride, head16);
       const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
       const __m256i w1 = head16[2], w2 = head16[3];
       const __m256i mn[2] = {_mm256_and_si256(w1, _mm256_set1_epi32(0x3F3F3F3F)),
