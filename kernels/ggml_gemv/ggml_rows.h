@@ -320,50 +320,75 @@ struct Q45KInt8 {
   }
 };
 
+// acc + the int16 pairs of p times s summed into int32 lanes: vpdpwssd with AVX-512 VNNI, vpmaddwd + vpaddd on AVX2
+// (the same wrapping integer sums, hence the same bits).
+inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, p, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+#endif
+}
+
 // Q6_K: the unsigned codes q (0..63) against x (vpmaddubsw: |pair| <= 2 * 63 * 127), the two 16-value halves
-// of a 32-value chunk get their int8 scales in one vpmaddwd; the -32 comes in as 32 sum_i scale[i] sum(x_i)
+// of a 32-value chunk get their int8 scales in one vpmaddwd (madd_add); the -32 comes in as 32 sum_i scale[i] sum(x_i)
 // over x's 16-value sums (llama.cpp's way); per token one int32 sum per super-block, one FMA by d_w d_x.
-inline __m256i q6_k_unsigned(const uint8_t* blk, int c) {
-  const int h = c >> 2, s = c & 3;
-  __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (s & 1)));
-  lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));
-  const __m256i hi = _mm256_and_si256(
-      _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)), 2 * s),
-      _mm256_set1_epi8(3));
-  return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));  // 0..63
+// q6_k_unsigned4: the four chunks 4h .. 4h + 3 that share qh[32h ..] and ql[64h ..], with llama.cpp's masks (the high
+// bits masked in place, then shifted: 17 operations for four chunks where a shift per chunk took 21). One token keeps
+// two chains of integer sums (a single vpdpwssd chain waited on its latency; the sum is exact in any order): with both,
+// 1.2x from cache and 1.1x from memory (32768 x 1024, Zen 4), same bits.
+inline void q6_k_unsigned4(const uint8_t* blk, int h, __m256i q[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+  q[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x03)), 4));
+  q[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0C)), 2));
+  q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+  q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                         _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
 }
 
 struct Q6KInt8 {
   static constexpr int64_t kBytes = 210, kBlocks = 8;
   template <int TN>
   __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
+    constexpr int kChains = TN == 1 ? 2 : 1;
     const float d = half(blk + 208);
     const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
     // scales 0-7 and 8-15 in both 128-bit lanes; chunk c takes scale 2c in its low lane, 2c + 1 in its high one
     const __m256i lanes[2] = {_mm256_permute2x128_si256(scales16, scales16, 0x00),
                               _mm256_permute2x128_si256(scales16, scales16, 0x11)};
-    __m256i sum[TN];
+    __m256i sum[TN][kChains];
 #pragma GCC unroll 8
     for (int t = 0; t < TN; ++t) {  // -32 sum_i scale[i] sum(x_i), exact in int32
       const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].sums16));
-      sum[t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(scales16, sums), 5));
+      sum[t][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(scales16, sums), 5));
+      for (int c = 1; c < kChains; ++c) sum[t][c] = _mm256_setzero_si256();
     }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i q[4];
+      q6_k_unsigned4(blk, h, q);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const int c = 4 * h + s;
+        const char a = static_cast<char>(4 * c % 16), b = static_cast<char>((4 * c + 2) % 16);  // words 2c, 2c + 1
+        const __m256i scale = _mm256_shuffle_epi8(lanes[h], _mm256_setr_epi8(
+            a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+            b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1));
 #pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = q6_k_unsigned(blk, c);
-      const char a = static_cast<char>(4 * c % 16), b = static_cast<char>((4 * c + 2) % 16);  // words 2c, 2c + 1
-      const __m256i scale = _mm256_shuffle_epi8(lanes[c / 4], _mm256_setr_epi8(
-          a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
-          b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1));
-#pragma GCC unroll 8
-      for (int t = 0; t < TN; ++t) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * c));
-        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(q, xq), scale));
+        for (int t = 0; t < TN; ++t) {
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * c));
+          sum[t][c % kChains] = madd_add(sum[t][c % kChains], _mm256_maddubs_epi16(q[s], xq), scale);
+        }
       }
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t)
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(d * x.k[t][u].d), acc[t]);
+    for (int t = 0; t < TN; ++t) {
+      for (int c = 1; c < kChains; ++c) sum[t][0] = _mm256_add_epi32(sum[t][0], sum[t][c]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][0]), _mm256_set1_ps(d * x.k[t][u].d), acc[t]);
+    }
   }
 };
 
