@@ -1,6 +1,6 @@
 // A weight matrix as the fused decode steps read it: fp32 or bf16 rows (dense_rows.h) or GGUF
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (ggml_rows.h), with an optional fp32 bias; `matvec` is y = W x (+ b)
-// for one token through the right GEMV on the library's pool.
+// for one token through the right GEMV on the library's pool, `matrows` the same for N tokens.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,24 @@ inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int
     localmoe_dense::gemv<uint16_t>(x, 1, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
   else
     localmoe_ggml::gemv(x, 1, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
+                        y, scratch, threads);
+}
+
+// Bytes of scratch `matrows` needs for N tokens of up to K values.
+inline int64_t matrows_scratch(int64_t N, int64_t K) { return localmoe_ggml::scratch_bytes(N, K); }
+
+// y [N, rows] = x [N, cols] W^T (+ b): every weight block read once for all N tokens, each token's bits those
+// `matvec` gives it alone (the dense and GGUF-block GEMVs compute every token on its own, whatever the others);
+// a stacked matrix's parts (outputs interleaved per token) take one token at a time.
+inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads) {
+  if (N == 1 || m.type == kStacked) {
+    for (int64_t t = 0; t < N; ++t) matvec(m, x + t * m.cols, y + t * m.rows, scratch, threads);
+  } else if (m.type == kF32)
+    localmoe_dense::gemv<float>(x, N, m.cols, static_cast<const float*>(m.data), m.rows, m.bias, y, threads);
+  else if (m.type == kBF16)
+    localmoe_dense::gemv<uint16_t>(x, N, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
+  else
+    localmoe_ggml::gemv(x, N, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
                         y, scratch, threads);
 }
 

@@ -8,7 +8,8 @@ the layers op by op. The MoE decoder calls the same entry points as the op-by-op
 give the same bits (tests/models/test_gpt_oss.py); the dense one is checked against the op-by-op
 step and against transformers (tests/models/test_llama_tiny.py, test_smollm2_gguf.py). Each holds
 its layers as a ctypes array built once; the caller updates each layer's cache pools when they move
-(`set_pools`) and calls it per token.
+(`set_pools`) and calls it per token. `DenseDecoder.rows` runs the dense stack for N sequences at once over
+their paged caches (the batched decode step, engine/batch.py), each row with the bits of its call alone.
 """
 
 from __future__ import annotations
@@ -148,6 +149,35 @@ class DenseDecoder(_Pools):
         self.xq = torch.empty(library().decode_dense_xq_bytes(widest), dtype=torch.uint8)
         self.delta = torch.empty(hidden)
         self.pools: list[tuple[int, int, int] | None] = [None] * len(layers)
+        self.widest = widest
+        self.row_floats = library().decode_dense_rows_work(ctypes.addressof(self.layers), len(self.layers))
+        self.row_buffers: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, work, xq, delta
+
+    def rows(self, x: torch.Tensor, seqs: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`decode_dense_rows`: N sequences' tokens at once over their paged caches, each row with the bits
+        `__call__` gives it alone. x [N, hidden] fp32 contiguous (the embedded tokens; updated), seqs [L, N, 10]
+        int64 contiguous (each layer's kernels/gqa_decode `gqa_decode_rows` fields of the rows: engine/batch.py),
+        cos / signed_sin [N, rot] (each row's RoPE tables, rows contiguous) -> the final-normed hidden states
+        [N, hidden]."""
+        N, L = x.shape[0], len(self.layers)
+        assert x.shape == (N, self.hidden) and x.dtype == torch.float32 and x.is_contiguous(), f"x {tuple(x.shape)}"
+        assert seqs.shape == (L, N, 10) and seqs.dtype == torch.long and seqs.is_contiguous(), \
+            f"seqs {tuple(seqs.shape)} against [{L}, {N}, 10]"
+        assert cos.shape == signed_sin.shape and cos.shape[0] == N and cos.stride(-1) == signed_sin.stride(-1) == 1 \
+            and cos.stride(0) == signed_sin.stride(0), f"RoPE tables {tuple(cos.shape)}, {tuple(signed_sin.shape)}"
+        lib = library()
+        if self.row_buffers is None or self.row_buffers[0] < N:  # grown to the largest batch seen
+            self.row_buffers = (N, torch.empty(N * self.row_floats),
+                                torch.empty(lib.decode_dense_rows_xq_bytes(N, self.widest), dtype=torch.uint8),
+                                torch.empty(N, self.hidden))
+        _, work, xq, delta = self.row_buffers
+        h = torch.empty(N, self.hidden)
+        bad = lib.decode_dense_rows(ctypes.addressof(self.layers), L, N, x.data_ptr(), self.hidden, seqs.data_ptr(),
+                                    cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), self.final_norm.data_ptr(),
+                                    self.eps, h.data_ptr(), delta.data_ptr(), work.data_ptr(), xq.data_ptr(), threads())
+        assert bad < 0, (f"layer {bad // N} row {bad % N}: position {int(seqs.view(-1, 10)[bad, 8])} lies past the "
+                         f"cache's {int(seqs.view(-1, 10)[bad, 7])} positions")
+        return h
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """As GqaMoeDecoder.__call__."""

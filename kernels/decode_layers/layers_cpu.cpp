@@ -1,6 +1,7 @@
 // Every layer of a model for one decode token, in one call: `decode_gqa_moe` for GQA + routed-MXFP4-MoE
 // models (gpt-oss), `decode_dense` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2,
-// Qwen3 with its per-head q/k norms).
+// Qwen3 with its per-head q/k norms), and `decode_dense_rows`: decode_dense for N sequences at once over
+// their paged caches (the batched decode step), each row with the bits decode_dense gives it alone.
 //
 // Per layer, with x the residual stream [D] and h its normed copy:
 //   h = add_rms_norm(x, -, attn_norm)                       (first layer only; later ones get h below)
@@ -20,6 +21,9 @@
 
 extern "C" {
 void add_rms_norm(float* x, const float* delta, const float* weight, int64_t N, int64_t D, float eps, float* out);
+int64_t gqa_decode_paged(const float* q, int64_t qn, int64_t qh, const float* k, int64_t kn, int64_t kh,
+                         const float* v, int64_t vn, int64_t vh, int64_t N, int64_t H, int64_t group, int64_t D,
+                         const int64_t* seqs, const float* sinks, float scale, float* out, int threads);
 void gqa_step(const float* x, int64_t hidden, const void* wqkv, int qkv_bf16, const float* bqkv, int64_t H,
               int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin, float* kpool, float* vpool,
               int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, const float* q_norm,
@@ -114,6 +118,69 @@ void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int6
     localmoe::matvec(L.down, mlp, delta, xq, threads);
     add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
   }
+}
+
+// Bytes of the `xq` scratch decode_dense_rows needs for N rows of up to K values.
+int64_t decode_dense_rows_xq_bytes(int64_t N, int64_t K) { return localmoe::matrows_scratch(N, K); }
+
+// Floats of decode_dense_rows' `work` per row: the largest layer's q/k/v and attention rows, or its gate/up rows.
+int64_t decode_dense_rows_work(const DenseLayer* layers, int64_t n) {
+  int64_t floats = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const DenseLayer& L = layers[l];
+    floats = std::max({floats, (2 * L.heads + 2 * L.kv_heads) * L.head_dim, L.gate_up.rows});
+  }
+  return floats;
+}
+
+// decode_dense for N sequences, one new token each (row r: a sequence's token, or one of several consecutive
+// tokens of a sequence, as engine/batch.py forward_rows lays them out): x [N, D] (updated) -> h [N, D]. Each
+// matrix is read once for all rows (`matrows`); the norms, RoPE, q/k norms and SiLU run per row as in
+// decode_dense, and the attention is kernels/gqa_decode paged_cpu.cpp over each row's paged cache (every row's
+// k/v written first, then each (row, KV head) with the same instructions as decode_dense's contiguous pass).
+// So a row's bits are those decode_dense gives its sequence alone, whatever the other rows and threads.
+// seqs [n, N, 10] int64: layer l's paged_cpu.cpp row fields (pools, tables, strides, block, capacity, pos,
+// first); cos/ssin [N, rope_stride]: each row's RoPE tables; delta [N, D]; work: decode_dense_rows_work floats per
+// row; xq: decode_dense_rows_xq_bytes(N, widest input). Returns -1, or the first (layer * N + row) whose
+// position lies outside its cache's capacity (then nothing is computed or written).
+int64_t decode_dense_rows(const DenseLayer* layers, int64_t n, int64_t N, float* x, int64_t D, const int64_t* seqs,
+                          const float* cos, const float* ssin, int64_t rope_stride, const float* final_norm, float eps,
+                          float* h, float* delta, float* work, void* xq, int threads) {
+  constexpr int64_t kFields = 10, kCapacity = 7, kPos = 8;  // paged_cpu.cpp's row fields
+  for (int64_t i = 0; i < n * N; ++i) {
+    const int64_t* seq = seqs + i * kFields;
+    if (seq[kPos] < 0 || seq[kPos] >= seq[kCapacity]) return i;
+  }
+  add_rms_norm(x, nullptr, layers[0].attn_norm, N, D, eps, h);
+  for (int64_t l = 0; l < n; ++l) {
+    const DenseLayer& L = layers[l];
+    const int64_t H = L.heads, Hkv = L.kv_heads, Dh = L.head_dim, width = (H + 2 * Hkv) * Dh;
+    float* qkv = work;              // [N, width]
+    float* attn = work + N * width;  // [N, H Dh]
+    localmoe::matrows(L.qkv, h, N, qkv, xq, threads);
+    for (int64_t r = 0; r < N; ++r) {
+      float* row = qkv + r * width;
+      if (L.q_norm != nullptr)
+        for (int64_t j = 0; j < H + Hkv; ++j)
+          localmoe_gqa::head_rms_norm(row + j * Dh, Dh, j < H ? L.q_norm : L.k_norm, eps);
+      for (int64_t j = 0; j < H + Hkv; ++j)
+        localmoe_gqa::rope(row + j * Dh, L.rot, cos + r * rope_stride, ssin + r * rope_stride);
+    }
+    gqa_decode_paged(qkv, width, Dh, qkv + H * Dh, width, Dh, qkv + (H + Hkv) * Dh, width, Dh, N, H, H / Hkv, Dh,
+                     seqs + l * N * kFields, L.sinks, L.scale, attn, threads);
+    localmoe::matrows(L.o, attn, N, delta, xq, threads);
+    add_rms_norm(x, delta, L.mlp_norm, N, D, eps, h);
+    const int64_t I = L.gate_up.rows / 2;
+    float* mlp = work;  // [N, 2 I], then silu(gate) * up packed as [N, I]
+    localmoe::matrows(L.gate_up, h, N, mlp, xq, threads);
+    for (int64_t r = 0; r < N; ++r) {
+      localmoe::glu_rows(localmoe::kSwiGLU, mlp + r * 2 * I, mlp + r * 2 * I + I, I, 0.0f, 0.0f);
+      if (r > 0) std::memmove(mlp + r * I, mlp + r * 2 * I, I * sizeof(float));  // over rows consumed already
+    }
+    localmoe::matrows(L.down, mlp, N, delta, xq, threads);
+    add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, N, D, eps, h);
+  }
+  return -1;
 }
 
 }  // extern "C"

@@ -12,14 +12,19 @@ Plain GQA layers (`_gqa`) also project q/k/v and the output for all rows at once
 write and the attention itself run per sequence. Other mixers (MLA, DSA, delta rule, top-k
 selecting attention) run each sequence alone on its row.
 
-A row's result does not depend on the others: every matrix of N <= GEMV_MAX_ROWS rows (GGUF block
-weights: ggml_gemv.MAX_ROWS, one kernel call decoding each block once for all rows) runs the decode
+Dense models (GQA + SiLU MLP: Llama, SmolLM2, Qwen2, Qwen3) whose fused single-sequence plan exists
+(engine/decode_plan.py) run the whole step but the lm_head in one kernel call over all rows
+(`rows_plan`, kernels/decode_layers `DenseDecoder.rows`): every matrix read once for all rows, and every row
+with the bits of the fused single-sequence step, so batched == alone == `localmoe run` by construction.
+
+Elsewhere a row's result does not depend on the others either: every matrix of N <= GEMV_MAX_ROWS rows (GGUF
+block weights: ggml_gemv.MAX_ROWS, one kernel call decoding each block once for all rows) runs the decode
 kernels, which compute each row independently, and larger batches are cut into such slices
 (`_rowwise`). So a greedy sequence produces the same tokens alone or batched with 15
-others. The model's own decode step (its fused `DecodePlan`, kernels/decode_layers) rounds
-differently, so a worker uses one or the other for every sequence and every step, never both
-(`fused=True`: each sequence its own fused step): otherwise a request could part at a near-tie of
-its two best tokens depending on whether another sequence happened to decode at the same step.
+others. There the model's own decode step (its fused `DecodePlan`) rounds differently, so a worker uses one or
+the other for every sequence and every step, never both (`fused=True`: each sequence its own fused step):
+otherwise a request could part at a near-tie of its two best tokens depending on whether another sequence
+happened to decode at the same step.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
+from localmoe.kernels.decode_layers import DenseDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
 from localmoe.kernels.rms_norm import add_rms_norm
@@ -93,9 +99,12 @@ def rows_independent(model) -> bool:
     decodes each weight block once for all rows and gives each row the bits it has alone (GGUF blocks:
     ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs). Then batching pays (`batching_pays`), and a prompt
     token run as a row has the same bits in any chunking and beside any other rows, so the runtime runs
-    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunks=...)`)."""
+    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunks=...)`). A model whose
+    dense plan runs the rows (`rows_plan`) has them whatever its matrices."""
     if not has_rows(model) or model.residuals is not None:
         return False
+    if rows_plan(model) is not None:
+        return True
     matrices = [model.lm_head]
     for _, mixer, _, mlp in model.layers:
         if not _plain_gqa(mixer, ()) or isinstance(mlp, MoEBlock):
@@ -106,15 +115,17 @@ def rows_independent(model) -> bool:
 
 
 def batching_pays(model) -> bool:
-    """Whether the worker's "auto" mode batches this model's decode steps. A fused single-sequence step
-    (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
+    """Whether the worker's "auto" mode batches this model's decode steps. Where the model's dense plan runs
+    the rows (`rows_plan`: Llama, SmolLM2, Qwen2, Qwen3 with fp32, bf16 or GGUF-block matrices), a batch of one
+    costs the fused single-sequence step and each row has its bits: always. Otherwise a fused single-sequence
+    step (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
     op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md). Batching
     wins where every matrix runs the multi-row kernels (`rows_independent`: the embedded SmolLM2 Q4_1 GGUF, a
     batch of 16 costs ~5x one sequence's step instead of ~16x), and for MoE models whose mixers are all plain
     GQA (gpt-oss, Qwen3-MoE): a step reads each routed expert once for every token routed to it and runs every
     sequence's attention in one kernel call (gpt-oss `small`, 16 clients: 1.42x one client's aggregate
     batched, 1.02x with the fused step per sequence). Models without a fused step batch."""
-    if not has_fused_step(model) or rows_independent(model):
+    if rows_plan(model) is not None or not has_fused_step(model) or rows_independent(model):
         return True
     if model.residuals is not None:  # K3's attention residuals, GLM-5-Next's hyper-connections: mixers per row
         return False
@@ -216,17 +227,17 @@ class _PagedRows:
         return kept
 
 
-def _step_rows(model, steps, caches: Sequence[ModelCache]) -> torch.Tensor | None:
+def _step_rows(model, starts: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor | None:
     """Every layer's kernel rows for this step, [L, N, 10] int64 (row n: its cache's `_PagedRows` fields, its
-    position, its first key under the layer's window), or None where some cache cannot be read by the
+    position starts[n], its first key under the layer's window), or None where some cache cannot be read by the
     kernel. A cache on several rows gets room for its last row's position before any row reads its pools."""
-    last = {id(cache): step.start for step, cache in zip(steps, caches)}  # row order: the last row's wins
+    last = {id(cache): start for start, cache in zip(starts, caches)}  # row order: the last row's wins
     kept = {key: _PagedRows.of(model, cache, last[key]) for key, cache in ((id(c), c) for c in caches)}
     if any(k.fields is None for k in kept.values()):
         return None
     fields = torch.stack([kept[id(cache)].fields for cache in caches], dim=1)  # [L, N, 8]
     L, N = fields.shape[:2]
-    pos = torch.tensor([step.start for step in steps], dtype=torch.long)
+    pos = torch.tensor(starts, dtype=torch.long)
     window = torch.tensor([getattr(mixer, "window", 0) or 0 for _, mixer, _, _ in model.layers], dtype=torch.long)
     first = torch.where(window[:, None] > 0, (pos + 1 - window[:, None]).clamp(min=0), 0)  # [L, N]
     return torch.cat([fields, pos.expand(L, N)[..., None], first[..., None]], dim=-1).contiguous()
@@ -253,24 +264,32 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
     N = len(tokens)
     ids = torch.tensor(tokens, dtype=torch.long, device=model.device).view(N, 1)  # the caches are on it too
     ahead: dict[int, int] = {}  # rows of each cache so far in this call
-    steps = []
+    starts = []
     for cache in caches:
         n = ahead.get(id(cache), 0)
         ahead[id(cache)] = n + 1
-        steps.append(make_step(cache, cache.reserve(n + 1) + n, 1, model.rope))
+        starts.append(cache.reserve(n + 1) + n)
     eps = model.eps
     with small_steps(), decode_rows():
         x = F.embedding(ids, model.embed) if torch.is_tensor(model.embed) else model.embed(ids)
+        h = _planned_rows(model, x, starts, caches)
+        if h is not None:
+            logits = _rowwise(model.lm_head, h if wanted is None else h[list(wanted)])
+            for cache in caches:
+                cache.advance(1)
+            _tell_hidden(ids, h, starts, caches)
+            return logits[:, -1]
+        steps = [make_step(cache, start, 1, model.rope) for start, cache in zip(starts, caches)]
         if model.residuals is not None:
             logits, h = _residual_rows(model, x, steps, caches)
             for cache in caches:
                 cache.advance(1)
-            _tell_hidden(ids, h, steps, caches)
+            _tell_hidden(ids, h, starts, caches)
             return logits[:, -1] if wanted is None else logits[list(wanted), -1]
         h = add_rms_norm(x, None, model.layers[0][0], eps)
         cos = torch.cat([s.cos for s in steps]) if model.rope is not None else None  # [N, 1, 1, rot]
         sin = torch.cat([s.sin for s in steps]) if model.rope is not None else None
-        rows = _step_rows(model, steps, caches)
+        rows = _step_rows(model, starts, caches)
         for i, (_, mixer, mlp_norm, mlp) in enumerate(model.layers):
             if _plain_gqa(mixer, caches):
                 mixed = _gqa(mixer, h, steps, [cache.layers[i] for cache in caches], cos, sin,
@@ -284,11 +303,38 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
         logits = _rowwise(model.lm_head, h if wanted is None else h[list(wanted)])
     for cache in caches:
         cache.advance(1)
-    _tell_hidden(ids, h, steps, caches)
+    _tell_hidden(ids, h, starts, caches)
     return logits[:, -1]
 
 
-def _tell_hidden(ids: torch.Tensor, h: torch.Tensor, steps, caches: Sequence[ModelCache]) -> None:
+def rows_plan(model):
+    """The model's fused decode plan (engine/decode_plan.py) where its dense form runs the batched step's rows
+    (`DenseDecoder.rows`: every layer for every row in one kernel call, each row with the bits of the fused
+    single-sequence step), else None: other plans, a layer that is not plain GQA now (a probe records its
+    selection), a model without one."""
+    plan = model.decode_plan() if hasattr(model, "decode_plan") else None
+    if plan is None or not isinstance(plan.decoder, DenseDecoder):
+        return None
+    return plan if all(_plain_gqa(mixer, ()) for _, mixer, _, _ in model.layers) else None
+
+
+def _planned_rows(model, x: torch.Tensor, starts: Sequence[int], caches: Sequence[ModelCache]) -> torch.Tensor | None:
+    """forward_rows' layers through the model's dense plan (`rows_plan`): x [N, 1, D] embeddings at positions
+    `starts` -> the final-normed hidden states [N, 1, D]; None (nothing done) where the plan does not take this
+    step (no plan, a padded cache, a cache the paged kernel cannot read)."""
+    plan = rows_plan(model)
+    if plan is None or any(cache.key_mask is not None for cache in caches):
+        return None
+    rows = _step_rows(model, starts, caches)
+    if rows is None:
+        return None
+    at = torch.tensor([start + cache.rope_delta for start, cache in zip(starts, caches)], dtype=torch.long)
+    N = x.shape[0]
+    h = plan.decoder.rows(x.reshape(N, -1).float().contiguous(), rows, model.rope.cos[at], model.rope.sin[at])
+    return h.view(N, 1, -1)
+
+
+def _tell_hidden(ids: torch.Tensor, h: torch.Tensor, starts: Sequence[int], caches: Sequence[ModelCache]) -> None:
     """Hand each cache's `hidden_sink` (if any) its rows' final-norm hidden states h [N, 1, D], in row order."""
     rows: dict[int, list[int]] = {}
     for n, cache in enumerate(caches):
@@ -296,4 +342,4 @@ def _tell_hidden(ids: torch.Tensor, h: torch.Tensor, steps, caches: Sequence[Mod
             rows.setdefault(id(cache), []).append(n)
     for ns in rows.values():
         cache = caches[ns[0]]
-        cache.hidden_sink(steps[ns[0]].start, ids[ns, 0], h[ns, 0], False)
+        cache.hidden_sink(starts[ns[0]], ids[ns, 0], h[ns, 0], False)

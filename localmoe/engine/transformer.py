@@ -270,12 +270,18 @@ class Transformer:
         return self.lm_head(h if all_logits else h[:, -1:])
 
     def _planned_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:
-        """One sequence's decode step through the model's DecodePlan (every layer in one kernel call),
-        built on first use and again when the layers changed (a failed build stops at the first layer
-        that does not qualify: a few microseconds); None where it does not apply."""
+        """One sequence's decode step through the model's DecodePlan (every layer in one kernel call); None
+        where it does not apply."""
+        plan = self.decode_plan()
+        return None if plan is None else plan.run(tokens, cache)
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The model's DecodePlan (engine/decode_plan.py), built on first use and again when the layers changed
+        (a failed build stops at the first layer that does not qualify: a few microseconds); None where there is
+        none. The batched step runs its dense form over many rows (engine/batch.py)."""
         if self._plan is None or not self._plan.current():
             self._plan = DecodePlan.build(self)
-        return None if self._plan is None else self._plan.run(tokens, cache)
+        return self._plan
 
     def moe_blocks(self) -> list[MoEBlock]:
         return [mlp for _, _, _, mlp in self.layers if isinstance(mlp, MoEBlock)]

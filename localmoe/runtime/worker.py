@@ -10,7 +10,7 @@ worker collects what its running jobs wait for and runs, in this order:
   cache, so sequences join and leave between steps);
 - prompt chunks of sequences still prefilling, so a long prompt delays the others by one chunk per
   step, never by its whole length. Where the model's rows are each computed on their own
-  (engine/batch.py `rows_independent`: the embedded GGUF model) they run as more rows of the same
+  (engine/batch.py `rows_independent`: the dense-plan models) they run as more rows of the same
   batched forward: a budget of as many rows as the step decodes (at least CHUNK_FLOOR; a whole
   chunk when nothing decodes) shared by the prefilling sequences in arrival order, so a step
   carrying them costs under twice a decode step, the weights are read once for all, and short
@@ -21,10 +21,12 @@ worker collects what its running jobs wait for and runs, in this order:
 
 `batching` chooses the decode step: "on" always batches; "off" runs each sequence's own decode
 step one after another (the fused single-sequence step where the model has one); "auto" (the
-default) batches where it pays (engine/batch.py `batching_pays`: models without a fused
-single-sequence step, and those whose matrices all run multi-row kernels, like GGUF block weights);
-it keeps the fused step where that is faster per token than the batched op-by-op step. The choice
-holds for every step, so a request's output never depends on the others.
+default) batches where it pays (engine/batch.py `batching_pays`): dense models whose fused plan runs the
+batched rows in one kernel call (engine/batch.py `rows_plan`: a step of one sequence costs the fused step, and
+every row has the fused step's bits, so "on", "off" and `localmoe run` agree), models without a fused
+single-sequence step, and those whose matrices all run multi-row kernels; it keeps the fused step where that is
+faster per token than the batched op-by-op step. The choice holds for every step, so a request's output never
+depends on the others.
 
 Admission and preemption. Up to `max_active` jobs run at once; the others wait in arrival
 order. With `kv_budget` (bytes), a waiting job is admitted only while the running sequences'

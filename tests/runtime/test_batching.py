@@ -102,16 +102,40 @@ def test_auto_batches_where_every_matrix_runs_a_multi_row_kernel(embedded):
     assert outputs[0] == outputs[1]
 
 
-def test_auto_keeps_the_fused_step_per_sequence_where_batching_does_not_pay():
-    """The same model with fp32 weights has a fused single-sequence step and no multi-row block kernel:
-    "auto" runs the fused step for each sequence (nothing is batched)."""
+def test_auto_batches_a_dense_model_through_its_plan():
+    """The same model with fp32 weights: its dense plan runs the batched rows in one kernel call (engine/batch.py
+    `rows_plan`), each row with the fused single-sequence step's bits, so "auto" batches it, and a request's
+    output with others running equals its output alone and its output in an "off" worker (the fused step)."""
     from localmoe.config import EngineConfig
+    from localmoe.engine.batch import rows_plan
     from localmoe.load import load_model
 
     loaded = load_model(None, EngineConfig(threads=1, dtype="float32"), progress=False)
-    outputs, fused, batched = _auto_outputs(loaded, [completion(loaded, text, 8) for text in PROMPTS[:2]])
-    assert fused and batched == 0
+    assert rows_plan(loaded.model) is not None
+    preps = [completion(loaded, text, 8) for text in PROMPTS[:2]]
+    outputs, fused, batched = _auto_outputs(loaded, preps)
+    assert not fused and batched > 0
     assert outputs[0] == outputs[1]
+    tok, model = loaded.tokenizer, loaded.model
+    worker, results = EngineWorker(max_active=2, batching="off"), {}
+    worker.submit(job_of(lambda job: run_completion(tok, model, preps[0], job.emit, lambda: job.cancelled),
+                         results, 0))
+    run_all(worker, results, 1)
+    assert worker.fused and results[0].content == outputs[0]
+
+
+def test_auto_keeps_the_fused_step_per_sequence_where_batching_does_not_pay(tmp_path):
+    """Kimi-Linear (KDA mixers: each sequence's mixer runs alone on its row in a batched step) has a fused
+    single-sequence step that the batched op-by-op step does not beat: "auto" keeps it."""
+    from localmoe.config import EngineConfig
+    from localmoe.engine.batch import batching_pays, has_fused_step
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("kimi_linear", tmp_path, "tiny", seed=0)
+    model = load_model(path, EngineConfig(threads=1), progress=False).model
+    assert has_fused_step(model) and not batching_pays(model)
+    assert EngineWorker().fused_for(model)
 
 
 def test_sequences_join_and_leave_between_steps(embedded):

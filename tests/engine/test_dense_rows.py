@@ -1,0 +1,152 @@
+"""The dense decode plan over many rows (kernels/decode_layers `decode_dense_rows`, engine/batch.py
+`forward_rows` through `rows_plan`): every row of a batched step has the bits the fused single-sequence step
+(`decode_dense`, what `localmoe run` decodes with) gives its sequence alone, for 1, 2, 8 and 16 sequences of
+different lengths, for a sequence on several rows (a verify, a prompt chunk), on the AVX2 and AVX-512 builds;
+and the logits stay within 1e-5 of their range of the op-by-op batched step, which computes the same
+layers with torch's norms, RoPE and SiLU (fp32 / bf16 weights; see that test for the GGUF). On the embedded SmolLM2 (Q4_1 GGUF blocks) and tiny fp32 / bf16
+Llama-family models (Qwen2's q/k/v biases, Qwen3's per-head q/k norms), with 16-token cache blocks so every
+run crosses blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from localmoe.kernels import _cpu
+from localmoe.kernels.decode_layers import DenseDecoder
+
+from localmoe.config import EngineConfig
+from localmoe.engine import batch
+from localmoe.engine.generate import prefill
+
+pytestmark = [pytest.mark.skipif(_cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)"),
+              pytest.mark.usefixtures("small_blocks")]
+
+VOCAB = 97
+
+
+def _tiny(model_type: str, dtype: str):
+    """A tiny random Llama-family model (transformers' init, norms and biases perturbed) in `dtype`."""
+    transformers = pytest.importorskip("transformers")
+    from localmoe.load import build_from_tensors
+    from localmoe.models import family_for_model_type
+
+    config = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+              "qwen3": transformers.Qwen3Config}[model_type](
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        **({"head_dim": 16} if model_type == "qwen3" else {}))
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = {name: p + 0.2 * torch.randn_like(p) if "norm" in name or name.endswith("bias") else p
+               for name, p in reference.state_dict().items()}
+    family = family_for_model_type(model_type)
+    return build_from_tensors(family, family.spec_from_hf(config.to_dict()), tensors, family.hf_tensors,
+                              EngineConfig(dtype=dtype, threads=1))
+
+
+MODELS = ["embedded", "llama-fp32", "qwen2-bf16", "qwen3-fp32"]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=MODELS)
+def model(request):
+    if request.param == "embedded":
+        from localmoe.load import load_model
+
+        return load_model(None, EngineConfig(threads=1), progress=False).model
+    kind, dtype = request.param.split("-")
+    return _tiny(kind, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
+
+
+def _caches(model, n: int):
+    """n batch-1 caches prefilled with prompts of 3 + 5 i tokens (different lengths, crossing blocks)."""
+    vocab = model.spec.vocab_size
+    caches = []
+    for i in range(n):
+        cache = model.new_cache(1, 160)
+        prefill(model, torch.randint(0, vocab, (3 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
+                cache)
+        caches.append(cache)
+    return caches
+
+
+def _fused(model, tokens, caches) -> torch.Tensor:
+    """Each token through the model's own single-sequence step (its fused plan), one after another."""
+    with torch.inference_mode():
+        return torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """Counts the rows `DenseDecoder.rows` runs (so a test knows the plan, not the op-by-op step, ran)."""
+    seen = []
+    run = DenseDecoder.rows
+
+    def rows(self, x, *args):
+        seen.append(x.shape[0])
+        return run(self, x, *args)
+
+    monkeypatch.setattr(DenseDecoder, "rows", rows)
+    return seen
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 16])
+def test_rows_have_the_fused_step_bits(model, n, planned):
+    assert batch.rows_plan(model) is not None
+    fused, rows = _caches(model, n), _caches(model, n)
+    tokens = [(7 + 11 * i) % model.spec.vocab_size for i in range(n)]
+    for step in range(3):
+        want = _fused(model, tokens, fused)
+        got = batch.forward_rows(model, tokens, rows)
+        assert torch.equal(got, want), f"step {step}: max |diff| {(got - want).abs().max().item():.3e}"
+        assert [c.offset for c in rows] == [c.offset for c in fused]
+        tokens = want.argmax(-1).tolist()
+    assert planned == [n] * 3
+
+
+def test_a_sequence_on_several_rows_has_the_bits_of_its_steps_alone(model, planned):
+    """Rows 1-3 are one sequence's three consecutive tokens (a verify, a prompt chunk) beside two others; only
+    the rows in `wanted` give logits."""
+    fused, rows = _caches(model, 3), _caches(model, 3)
+    tokens = [5, 9, 14, 21, 30]
+    on = [0, 1, 1, 1, 2]
+    want = _fused(model, tokens, [fused[i] for i in on])
+    got = batch.forward_rows(model, tokens, [rows[i] for i in on], wanted=[0, 3, 4])
+    assert torch.equal(got, want[[0, 3, 4]])
+    assert planned == [5]
+    tokens = want[[0, 3, 4]].argmax(-1).tolist()  # and the next step reads what those rows wrote
+    assert torch.equal(batch.forward_rows(model, tokens, rows), _fused(model, tokens, fused))
+
+
+def test_rows_stay_close_to_the_op_by_op_step(model, monkeypatch):
+    """Not on the embedded GGUF: its block GEMVs round each input to int8 per 32 values, so the last-bit
+    differences of torch's RoPE / SiLU flip a rounding somewhere and the flip grows through the layers (a
+    step of real prompts: 1.2e-5 where nothing flipped, 0.58-0.70 of a logit range of 32-41 where something
+    did; the fused single-sequence step differs from the op-by-op one by the same amounts). Its fused step,
+    whose bits the rows have, is held to transformers by tests/models/test_smollm2_gguf.py."""
+    if any(type(mixer.qkv).__name__ == "BlockLinear" for _, mixer, _, _ in model.layers):
+        pytest.skip("int8-rounded activations: see the docstring")
+    n = 8
+    planned_caches, op_caches = _caches(model, n), _caches(model, n)
+    tokens = [(3 + 5 * i) % model.spec.vocab_size for i in range(n)]
+    got = batch.forward_rows(model, tokens, planned_caches)
+    monkeypatch.setattr(batch, "rows_plan", lambda model: None)
+    want = batch.forward_rows(model, tokens, op_caches)
+    spread = (want.max(-1).values - want.min(-1).values).min().item()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-5 * spread, f"max |diff| {err:.3e} against a logit range of {spread:.3e}"
+
+
+OTHER_ISAS = [name for name in _cpu.supported_isas() if name != "avx2"] if _cpu.library() is not None else []
+
+
+@pytest.mark.skipif(not OTHER_ISAS, reason="this CPU runs the AVX2 kernels only")
+@pytest.mark.parametrize("isa", OTHER_ISAS)
+def test_rows_have_the_same_bits_on_every_isa(model, isa):
+    results = []
+    for name in ("avx2", isa):
+        with _cpu.forced_isa(name):
+            caches = _caches(model, 5)
+            tokens = [(2 + 3 * i) % model.spec.vocab_size for i in range(5)]
+            results.append(torch.cat([batch.forward_rows(model, tokens, caches),
+                                      batch.forward_rows(model, tokens[::-1], caches)]))
+    assert torch.equal(results[0], results[1]), f"max |diff| {(results[0] - results[1]).abs().max().item():.3e}"
