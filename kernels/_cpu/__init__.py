@@ -50,6 +50,7 @@ HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS
            KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "ggml_gemv" / "ggml_rows.h",
            KERNELS / "ggml_gemv" / "ggml_rows8_k.h",
            KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h",
+           KERNELS / "fp8_cache" / "cache_rows.h",
            KERNELS / "paged_io" / "xxhash.h")
 SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe_cpu.cpp",
            KERNELS / "dense_gemv" / "dense_cpu.cpp", KERNELS / "gqa_decode" / "gqa_cpu.cpp",
@@ -57,7 +58,8 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
            KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
-           KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp", KERNELS / "paged_io" / "reader_cpu.cpp")
+           KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp", KERNELS / "paged_io" / "reader_cpu.cpp",
+           KERNELS / "fp8_cache" / "fp8_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
 # ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
 ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
@@ -116,6 +118,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_gemv_bf16": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),
     "dense_read": ((_ptr, _i64, _i64, _ptr, _int), None),
+    "cache_rows_write": ((_ptr, _i64, _ptr), None),
+    "cache_rows_read": ((_ptr, _i64, _i64, _i64, _ptr), None),
     "pio_open": ((_int,), _ptr),
     "pio_file": ((_ptr, _int, ctypes.c_char_p, _i64, _i64, _i64, _i64), _i64),
     "pio_submit": ((_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_uint64, _int, _int), None),

@@ -18,6 +18,7 @@ import ctypes
 
 import torch
 from localmoe.kernels._cpu import library, threads
+from localmoe.kernels.fp8_cache.cpu import CacheRows
 
 from . import Matrix
 
@@ -25,8 +26,6 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 NO_MATRIX = (None, 0, 0, 0, None)
 MAX_HEAD_DIM, MAX_LATENT = 512, 1024  # hybrid_mixers.h stack buffers: KDA K, MLA kv_lora_rank (+ rope <= 128)
 MAX_BLOCKS = 62  # attention-residual blocks per token (hybrid_cpu.cpp depth_mix scores)
-MAX_INDEX_DIM = 128  # DSA index_head_dim: one key within one block of the index cache (index_cache.INDEX_SCALE_BLOCK)
-MAX_STREAMS = 16  # hyper-connection streams (hybrid_cpu.cpp kMaxStreams)
 MAX_TOP_K = 64  # routed experts per token of a layer with resident dense experts (hybrid_cpu.cpp mlp's order)
 
 
@@ -42,16 +41,16 @@ class Indexer(ctypes.Structure):
     """hybrid_mixers.h `struct Indexer` (select 0: none, 1: the layer's own indexer, 2: dsa_shared)."""
 
     _fields_ = [("wq_b", Matrix), ("wk", Matrix), ("weights", Matrix), ("gate", Matrix), ("k_norm_w", _p),
-                ("k_norm_b", _p), ("ape", _p), ("keys", _p), ("select", _i), ("heads", _i), ("head_dim", _i),
-                ("rope_dim", _i), ("interleaved", _i), ("top_k", _i), ("pool", _i), ("tail", _i), ("block", _i),
-                ("head_stride", _i), ("dense_context", _i), ("weight_scale", _f)]
+                ("k_norm_b", _p), ("ape", _p), ("keys", CacheRows), ("select", _i), ("heads", _i), ("head_dim", _i),
+                ("rope_dim", _i), ("interleaved", _i), ("top_k", _i), ("pool", _i), ("tail", _i),
+                ("dense_context", _i), ("weight_scale", _f), ("pooled", _p), ("pooled_done", _p)]
 
 
 class Mla(ctypes.Structure):
     """hybrid_mixers.h `struct Mla`."""
 
     _fields_ = [("q_a", Matrix), ("q_b", Matrix), ("kv_a", Matrix), ("g", Matrix), ("q_a_norm", _p),
-                ("kv_a_norm", _p), ("w_uk", _p), ("w_uv", _p), ("rows", _p), ("heads", _i), ("kv_rank", _i),
+                ("kv_a_norm", _p), ("w_uk", _p), ("w_uv", _p), ("rows", CacheRows), ("heads", _i), ("kv_rank", _i),
                 ("nope", _i), ("rope", _i), ("vdim", _i), ("rotate", _i), ("scale", _f), ("eps", _f),
                 ("dsa", Indexer)]
 
@@ -203,6 +202,8 @@ class HybridDecoder:
                 setattr(c, name, _matrix(value or NO_MATRIX))
             elif kind is Indexer:
                 HybridDecoder._fill(getattr(c, name), value or {})
+            elif kind is CacheRows:
+                continue  # the caller's, before each call (`set_rows`, `set_index`)
             elif kind is _p:
                 setattr(c, name, _ptr(value))
             elif value is not None:
@@ -218,14 +219,17 @@ class HybridDecoder:
         gqa = self.layers[i].gqa
         gqa.kpool, gqa.vpool, gqa.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
 
-    def set_rows(self, i: int, rows: torch.Tensor) -> None:
-        """Layer i's latent cache pool: fp32 rows [capacity, r + rope] from its start (the token's row is written)."""
-        self.layers[i].mla.rows = rows.data_ptr()
+    def set_rows(self, i: int, rows: CacheRows) -> None:
+        """Layer i's latent cache (kernels/fp8_cache `cache_rows`: one head of r + rope values; the token's row is
+        written)."""
+        self.layers[i].mla.rows = rows
 
-    def set_index(self, i: int, keys: torch.Tensor) -> None:
-        """Layer i's (DSA) index-key cache pool [blocks, capacity, block] fp32 (the token's key is written)."""
+    def set_index(self, i: int, keys: CacheRows, pooled: torch.Tensor | None = None,
+                  done: torch.Tensor | None = None) -> None:
+        """Layer i's (DSA) index-key cache (heads: its blocks; the token's key is written); a k-pool layer's kept
+        pool keys [>= the complete pools, Di] fp32 and their count [1] int64 (the kernel adds the new ones)."""
         dsa = self.layers[i].mla.dsa
-        dsa.keys, dsa.block, dsa.head_stride = keys.data_ptr(), keys.shape[-1], keys.stride(0)
+        dsa.keys, dsa.pooled, dsa.pooled_done = keys, _ptr(pooled), _ptr(done)
 
     def _experts(self, index: int, h: int, x: int, out: int) -> int:
         try:

@@ -191,17 +191,15 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
   return 0;
 }
 
-constexpr int64_t kMaxStreams = 16;  // hyper-connection streams (hybrid.py MAX_STREAMS)
-
 // One sublayer's hyper-connection weights from the streams X [N, D] (engine/layers/hyper_connections.py
-// `HyperConnection.weights`): pre, post [N], comb [N, N] (row m, column n) Sinkhorn-normalised.
+// `HyperConnection.weights`): pre, post [N], comb [N, N] (row m, column n) Sinkhorn-normalised; out: (2 + N) N
+// floats of scratch.
 void hc_weights(const Matrix& fn, const float* base, const float* scale, int64_t N, int64_t D, float norm_eps,
-                float hc_eps, int64_t iters, const float* X, float* z, float* pre, float* post, float* comb, void* xq,
-                int threads) {
+                float hc_eps, int64_t iters, const float* X, float* z, float* pre, float* post, float* comb, float* out,
+                void* xq, int threads) {
   const int64_t ND = N * D;
   const float r = 1.0f / std::sqrt(dot(X, X, ND) / static_cast<float>(ND) + norm_eps);
   for (int64_t i = 0; i < ND; ++i) z[i] = X[i] * r;
-  float out[(2 + kMaxStreams) * kMaxStreams];
   localmoe::matvec(fn, z, out, xq, threads);
   for (int64_t n = 0; n < N; ++n) {
     pre[n] = localmoe_hybrid::sigmoid(out[n] * scale[0] + base[n]) + hc_eps;
@@ -356,21 +354,21 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
   if (layers[0].hc_mult) {  // hyper-connections: N streams, each sublayer between a collapse and a spread
     const int64_t N = layers[0].hc_mult, iters = layers[0].hc_iters;
     const float hc_eps = layers[0].hc_eps;
-    thread_local std::vector<float> streams;
-    streams.resize(3 * N * D);
+    thread_local std::vector<float> streams;  // X, old, z [N, D]; pre, post [N], comb [N, N], the fn output (2 + N) N
+    streams.resize(3 * N * D + (5 + 2 * N) * N);
     float *X = streams.data(), *old = X + N * D, *z = old + N * D;
-    float pre[kMaxStreams], post[kMaxStreams], comb[kMaxStreams * kMaxStreams];
+    float *pre = z + N * D, *post = pre + N, *comb = post + N, *out = comb + N * N;
     for (int64_t k = 0; k < N; ++k) std::memcpy(X + k * D, x, D * sizeof(float));
     for (int64_t l = 0; l < n; ++l) {
       const HybridLayer& L = layers[l];
-      hc_weights(L.hc_attn, L.hc_attn_base, L.hc_attn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, xq,
-                 threads);
+      hc_weights(L.hc_attn, L.hc_attn_base, L.hc_attn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, out,
+                 xq, threads);
       hc_collapse(X, pre, N, D, b.mix);
       rms_norm(b.mix, L.attn_norm, D, eps, b.hn);
       mixer(L, b.hn, pos, cos, ssin, b.a, b, xq, threads);
       hc_spread(X, old, b.a, post, comb, N, D);
-      hc_weights(L.hc_ffn, L.hc_ffn_base, L.hc_ffn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, xq,
-                 threads);
+      hc_weights(L.hc_ffn, L.hc_ffn_base, L.hc_ffn_scale, N, D, eps, hc_eps, iters, X, z, pre, post, comb, out,
+                 xq, threads);
       hc_collapse(X, pre, N, D, b.mix);
       rms_norm(b.mix, L.mlp_norm, D, eps, b.hn);
       if (mlp(L, l, D, b.hn, b.m, b, experts, q8, ids, weights, moe_scratch, xq, threads)) return 1;

@@ -16,6 +16,7 @@
 #include "../_cpu/matrix.h"
 #include "../_cpu/pool.h"
 #include "../_cpu/vec_math.h"
+#include "../fp8_cache/cache_rows.h"  // the latent and index caches: fp32, bf16 or fp8, read and written in place
 #include "../gqa_decode/gqa_step.h"  // rope: the half-split rotation
 
 namespace localmoe_hybrid {
@@ -219,11 +220,13 @@ struct Indexer {
   const float* k_norm_w;
   const float* k_norm_b;
   const float* ape;  // [pool, Di] (k-pool)
-  float* keys;       // the index cache, fp32: value j of token s at keys[(j / block) * head_stride + s * block + j % block]
+  localmoe_cache::CacheRows keys;  // the index cache: per token the key (k-pool: then the gate logits) in blocks
   int64_t select;    // 0: plain MLA; 1: this layer's indexer selects; 2: the latest selecting layer's rows (dsa_shared)
-  int64_t heads, head_dim, rope_dim, interleaved, top_k, pool, tail, block, head_stride;
+  int64_t heads, head_dim, rope_dim, interleaved, top_k, pool, tail;
   int64_t dense_context;  // up to this many cached tokens nothing is dropped: attend to all
   float weight_scale;
+  float* pooled;         // k-pool: the keys of the complete pools [pooled_done, Di] so far (they never change)
+  int64_t* pooled_done;  // how many `pooled` holds; the engine lowers it when the cache is trimmed
 };
 
 // The rows a selecting layer chose for this token, for itself and the dsa_shared layers after it.
@@ -242,7 +245,7 @@ struct Mla {
   const float* kv_a_norm;
   const float* w_uk;  // [H, nope, r]
   const float* w_uv;  // [H, v, r]
-  float* rows;        // the latent cache [capacity, r + rope] fp32; this token's row written at pos
+  localmoe_cache::CacheRows rows;  // the latent cache, one "head" of r + rope values; this token's row written at pos
   int64_t heads, kv_rank, nope, rope, vdim;
   int64_t rotate;  // 1: RoPE over adjacent pairs of the rope part, kept de-interleaved (DeepSeek); 0: NoPE
   float scale, eps;
@@ -262,9 +265,12 @@ inline void rotate_pairs(float* x, int64_t n, const float* cos, const float* ssi
   }
 }
 
+// The index cache's values per token: the key, then (k-pool) its gate logits.
+inline int64_t index_width(const Indexer& ix) { return ix.keys.heads * ix.keys.dim; }
+
 inline int64_t mla_scratch(const Mla& m) {
-  const int64_t index = m.dsa.select == 1 ? m.dsa.heads * m.dsa.head_dim + m.dsa.heads : 0;
-  return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim + index;
+  const int64_t index = m.dsa.select == 1 ? m.dsa.heads * m.dsa.head_dim + m.dsa.heads + index_width(m.dsa) : 0;
+  return m.q_a.rows + m.q_b.rows + m.g.rows + m.heads * m.vdim + m.kv_rank + m.rope + index;
 }
 
 // out[0 .. min(k, n)) <- the indices of the k best of s[0 .. n) in increasing order; returns their count.
@@ -279,12 +285,24 @@ inline int64_t top_rows(const float* s, int64_t n, int64_t k, int64_t* out) {
   return n;
 }
 
+// Token s's index-cache values as fp32 [index_width] in one piece (the cache's blocks side by side), of a
+// cache holding `length` positions: a pointer into the cache where one block holds them, else `buf`.
+inline const float* index_row(const Indexer& ix, int64_t s, int64_t length, float* buf) {
+  const localmoe_cache::CacheRows& c = ix.keys;
+  if (c.heads == 1) return localmoe_cache::row(c, 0, s, length, buf);
+  for (int64_t h = 0; h < c.heads; ++h) {
+    const float* r = localmoe_cache::row(c, h, s, length, buf + h * c.dim);
+    if (r != buf + h * c.dim) std::memcpy(buf + h * c.dim, r, c.dim * sizeof(float));
+  }
+  return buf;
+}
+
 struct IndexScores {
   const Indexer* ix;
-  const float* q;  // [Hi, Di]
-  const float* w;  // [Hi], scaled
-  const float* keys;  // scored keys: token (or pool) j's at keys + j * stride
-  int64_t stride;
+  const float* q;       // [Hi, Di]
+  const float* w;       // [Hi], scaled
+  const float* pooled;  // k-pool: the pools' keys [J, Di]; null: token j's key from the cache
+  int64_t length;       // positions cached
   float* out;
 };
 
@@ -292,24 +310,21 @@ struct IndexScores {
 inline void index_scores(const void* ctx, int64_t begin, int64_t end) {
   const IndexScores& c = *static_cast<const IndexScores*>(ctx);
   const int64_t H = c.ix->heads, Di = c.ix->head_dim;
+  thread_local std::vector<float> buf;
+  buf.resize(index_width(*c.ix));
   for (int64_t j = begin; j < end; ++j) {
-    const float* k = c.keys + j * c.stride;
+    const float* k = c.pooled ? c.pooled + j * Di : index_row(*c.ix, j, c.length, buf.data());
     float total = 0.0f;
     for (int64_t h = 0; h < H; ++h) total += c.w[h] * std::max(0.0f, dot(c.q + h * Di, k, Di));
     c.out[j] = total;
   }
 }
 
-inline float* index_key(const Indexer& ix, int64_t s, int64_t j) {
-  return ix.keys + (j / ix.block) * ix.head_stride + s * ix.block + j % ix.block;
-}
-
 // The token's index key (and k-pool gate logits) written at `pos`: LayerNorm(wk x), its first rope_dim
-// dims rotated (half-split, or adjacent pairs de-interleaved as the MLA rope part).
+// dims rotated (half-split, or adjacent pairs de-interleaved as the MLA rope part); k: [index_width] scratch.
 inline void index_key_step(const Indexer& ix, const float* x, int64_t pos, const float* cos, const float* ssin,
-                           void* xq, int threads) {
+                           float* k, void* xq, int threads) {
   const int64_t Di = ix.head_dim;
-  float* k = index_key(ix, pos, 0);
   localmoe::matvec(ix.wk, x, k, xq, threads);
   float mean = 0.0f, var = 0.0f;
   for (int64_t i = 0; i < Di; ++i) mean += k[i];
@@ -318,7 +333,30 @@ inline void index_key_step(const Indexer& ix, const float* x, int64_t pos, const
   const float r = 1.0f / std::sqrt(var / static_cast<float>(Di) + 1e-6f);
   for (int64_t i = 0; i < Di; ++i) k[i] = (k[i] - mean) * r * ix.k_norm_w[i] + ix.k_norm_b[i];
   if (ix.rope_dim) (ix.interleaved ? rotate_pairs : localmoe_gqa::rope)(k, ix.rope_dim, cos, ssin);
-  if (ix.gate.rows) localmoe::matvec(ix.gate, x, index_key(ix, pos, Di), xq, threads);
+  if (ix.gate.rows) localmoe::matvec(ix.gate, x, k + Di, xq, threads);
+  localmoe_cache::write(ix.keys, pos, k);
+}
+
+// k-pool: the keys of pools [*pooled_done, J) into `pooled` (pool j holds tokens j P .. j P + P - 1; its key
+// is the per-channel softmax(gate + ape) mean of their keys), over a cache of `length` positions.
+inline void pool_keys(const Indexer& ix, int64_t J, int64_t length) {
+  const int64_t P = ix.pool, Di = ix.head_dim, width = index_width(ix);
+  thread_local std::vector<float> buf;
+  thread_local std::vector<const float*> member;
+  buf.resize(P * width);
+  member.resize(P);
+  for (int64_t j = *ix.pooled_done; j < J; ++j) {
+    for (int64_t i = 0; i < P; ++i) member[i] = index_row(ix, j * P + i, length, buf.data() + i * width);
+    float* K = ix.pooled + j * Di;
+    for (int64_t d = 0; d < Di; ++d) {
+      float mx = -INFINITY, total = 0.0f, acc = 0.0f;
+      for (int64_t i = 0; i < P; ++i) mx = std::max(mx, member[i][Di + d] + ix.ape[i * Di + d]);
+      for (int64_t i = 0; i < P; ++i) total += std::exp(member[i][Di + d] + ix.ape[i * Di + d] - mx);
+      for (int64_t i = 0; i < P; ++i) acc += std::exp(member[i][Di + d] + ix.ape[i * Di + d] - mx) / total * member[i][d];
+      K[d] = acc;
+    }
+  }
+  *ix.pooled_done = std::max(*ix.pooled_done, J);
 }
 
 // The rows query `pos` attends to (S = pos + 1 cached tokens, more than dense_context): the index queries
@@ -333,35 +371,23 @@ inline void index_select(const Indexer& ix, const float* x, const float* cq, int
     for (int64_t h = 0; h < H; ++h) (ix.interleaved ? rotate_pairs : localmoe_gqa::rope)(q + h * Di, ix.rope_dim, cos, ssin);
   localmoe::matvec(ix.weights, x, w, xq, threads);
   for (int64_t h = 0; h < H; ++h) w[h] *= ix.weight_scale;
-  thread_local std::vector<float> scores, pooled;
+  thread_local std::vector<float> scores;
   thread_local std::vector<int64_t> order;
   if (!ix.gate.rows) {  // one key per token (DeepSeek-V3.2's lightning indexer)
     scores.resize(S);
     order.resize(S);
-    IndexScores ctx{&ix, q, w, index_key(ix, 0, 0), ix.block, scores.data()};
+    IndexScores ctx{&ix, q, w, nullptr, S, scores.data()};
     localmoe::parallel(index_scores, &ctx, S, 256, threads);
     sel.count = top_rows(scores.data(), S, ix.top_k, order.data());
     std::copy(order.begin(), order.begin() + sel.count, sel.rows);
     sel.valid = 1;
     return;
   }
-  // k-pool: pool j holds tokens j P .. j P + P - 1; its key is the per-channel softmax(gate + ape) mean
-  const int64_t P = ix.pool, J = S / P;
-  pooled.resize(J * Di);
+  const int64_t P = ix.pool, J = S / P;  // the complete pools; their keys are kept
+  pool_keys(ix, J, S);
   scores.resize(J);
   order.resize(J);
-  for (int64_t j = 0; j < J; ++j) {
-    float* K = pooled.data() + j * Di;
-    for (int64_t d = 0; d < Di; ++d) {
-      float mx = -INFINITY, total = 0.0f, acc = 0.0f;
-      for (int64_t i = 0; i < P; ++i) mx = std::max(mx, index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d]);
-      for (int64_t i = 0; i < P; ++i) total += std::exp(index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d] - mx);
-      for (int64_t i = 0; i < P; ++i)
-        acc += std::exp(index_key(ix, j * P + i, Di)[d] + ix.ape[i * Di + d] - mx) / total * index_key(ix, j * P + i, 0)[d];
-      K[d] = acc;
-    }
-  }
-  IndexScores ctx{&ix, q, w, pooled.data(), Di, scores.data()};
+  IndexScores ctx{&ix, q, w, ix.pooled, S, scores.data()};
   localmoe::parallel(index_scores, &ctx, J, 64, threads);
   const int64_t k = top_rows(scores.data(), J, ix.top_k / P, order.data());
   int64_t n = 0;
@@ -379,42 +405,63 @@ struct MlaHeads {
   float* out;      // [H, v]
   int64_t length;  // rows attended: pos + 1, or the count of `picks`
   const int64_t* picks;  // the rows attended (increasing), or null: rows 0 .. length - 1
+  int64_t cached;  // positions in the cache (pos + 1)
+  int64_t groups;  // the heads in this many contiguous groups
 };
 
+// Heads of groups [begin, end): each group walks the rows 64 at a time (a bf16 / fp8 block dequantised once
+// for all its heads), every head's online softmax in the same order as one head alone.
 inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
   const MlaHeads& c = *static_cast<const MlaHeads*>(ctx);
   const Mla& m = *c.m;
-  const int64_t r = m.kv_rank, R = r + m.rope, qd = m.nope + m.rope;
-  alignas(32) float qa[1152], acc[1024], p[64];
-  for (int64_t h = begin; h < end; ++h) {
+  const int64_t r = m.kv_rank, R = r + m.rope, qd = m.nope + m.rope, H = m.heads;
+  const int64_t h0 = begin * H / c.groups, h1 = end * H / c.groups, nh = h1 - h0;
+  thread_local std::vector<float> qa, acc, block, mx, l;
+  qa.resize(nh * R);
+  acc.resize(nh * r);
+  block.resize(64 * R);
+  mx.assign(nh, -INFINITY);
+  l.assign(nh, 0.0f);
+  alignas(32) float p[64];
+  const float* rows[64];
+  for (int64_t h = h0; h < h1; ++h) {
     const float* q = c.q + h * qd;
-    std::memset(qa, 0, r * sizeof(float));
-    for (int64_t n = 0; n < m.nope; ++n) axpy(q[n], m.w_uk + (h * m.nope + n) * r, qa, r);  // W_uk^T q_nope
-    std::memcpy(qa + r, q + m.nope, m.rope * sizeof(float));
-    std::memset(acc, 0, r * sizeof(float));
-    float mx = -INFINITY, l = 0.0f;
-    for (int64_t s0 = 0; s0 < c.length; s0 += 64) {  // online softmax, 64 keys at a time
-      const int64_t n = std::min<int64_t>(64, c.length - s0);
+    float* a = qa.data() + (h - h0) * R;
+    std::memset(a, 0, r * sizeof(float));
+    for (int64_t n = 0; n < m.nope; ++n) axpy(q[n], m.w_uk + (h * m.nope + n) * r, a, r);  // W_uk^T q_nope
+    std::memcpy(a + r, q + m.nope, m.rope * sizeof(float));
+    std::memset(acc.data() + (h - h0) * r, 0, r * sizeof(float));
+  }
+  for (int64_t s0 = 0; s0 < c.length; s0 += 64) {  // online softmax, 64 keys at a time
+    const int64_t n = std::min<int64_t>(64, c.length - s0);
+    for (int64_t s = 0; s < n; ++s)
+      rows[s] = localmoe_cache::row(m.rows, 0, c.picks ? c.picks[s0 + s] : s0 + s, c.cached, block.data() + s * R);
+    for (int64_t i = 0; i < nh; ++i) {
+      const float* a = qa.data() + i * R;
+      float* o = acc.data() + i * r;
       float bm = -INFINITY;
       for (int64_t s = 0; s < n; ++s) {
-        p[s] = dot(qa, m.rows + (c.picks ? c.picks[s0 + s] : s0 + s) * R, R) * m.scale;
+        p[s] = dot(a, rows[s], R) * m.scale;
         bm = std::max(bm, p[s]);
       }
-      const float nm = std::max(mx, bm), corr = std::exp(mx - nm);
+      const float nm = std::max(mx[i], bm), corr = std::exp(mx[i] - nm);
       if (corr != 1.0f) {
-        for (int64_t i = 0; i < r; ++i) acc[i] *= corr;
+        for (int64_t j = 0; j < r; ++j) o[j] *= corr;
       }
-      l *= corr;
+      l[i] *= corr;
       for (int64_t s = 0; s < n; ++s) {
         const float e = std::exp(p[s] - nm);
-        l += e;
-        axpy(e, m.rows + (c.picks ? c.picks[s0 + s] : s0 + s) * R, acc, r);
+        l[i] += e;
+        axpy(e, rows[s], o, r);
       }
-      mx = nm;
+      mx[i] = nm;
     }
-    const float inv = 1.0f / l;
-    for (int64_t i = 0; i < r; ++i) acc[i] *= inv;
-    for (int64_t v = 0; v < m.vdim; ++v) c.out[h * m.vdim + v] = dot(m.w_uv + (h * m.vdim + v) * r, acc, r);
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    float* o = acc.data() + (h - h0) * r;
+    const float inv = 1.0f / l[h - h0];
+    for (int64_t i = 0; i < r; ++i) o[i] *= inv;
+    for (int64_t v = 0; v < m.vdim; ++v) c.out[h * m.vdim + v] = dot(m.w_uv + (h * m.vdim + v) * r, o, r);
   }
 }
 
@@ -427,7 +474,8 @@ inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos
   float* cq = scratch;
   float* q = cq + m.q_a.rows;
   float* gate = q + m.q_b.rows;
-  float* index = gate + m.g.rows + m.heads * m.vdim;
+  float* row = gate + m.g.rows + m.heads * m.vdim;
+  float* index = row + m.kv_rank + m.rope;
   const float* qin = x;
   if (m.q_a.rows) {
     localmoe::matvec(m.q_a, x, cq, xq, threads);
@@ -435,7 +483,6 @@ inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos
     qin = cq;
   }
   localmoe::matvec(m.q_b, qin, q, xq, threads);
-  float* row = m.rows + pos * (m.kv_rank + m.rope);
   localmoe::matvec(m.kv_a, x, row, xq, threads);
   rms_norm(row, m.kv_a_norm, m.kv_rank, m.eps, row);
   if (m.rotate) {
@@ -443,16 +490,18 @@ inline void mla_step(const Mla& m, const float* x, int64_t pos, const float* cos
     for (int64_t h = 0; h < m.heads; ++h) rotate_pairs(q + h * qd + m.nope, m.rope, cos, ssin);
     rotate_pairs(row + m.kv_rank, m.rope, cos, ssin);
   }
+  localmoe_cache::write(m.rows, pos, row);
   const Indexer& ix = m.dsa;
   bool sparse = ix.select && pos + 1 > ix.dense_context;
   if (ix.select == 1) {
-    index_key_step(ix, x, pos, cos, ssin, xq, threads);
+    index_key_step(ix, x, pos, cos, ssin, index + ix.heads * ix.head_dim + ix.heads, xq, threads);
     sel.valid = 0;
     if (sparse) index_select(ix, x, cq, pos, cos, ssin, index, sel, xq, threads);
   }
   sparse = sparse && sel.valid;  // dsa_shared: the plan puts a selecting layer with the same context before it
-  MlaHeads ctx{&m, q, o, sparse ? sel.count : pos + 1, sparse ? sel.rows : nullptr};
-  localmoe::parallel(mla_heads, &ctx, m.heads, 1, threads);
+  const int64_t groups = std::max<int64_t>(1, std::min<int64_t>(threads, m.heads));
+  MlaHeads ctx{&m, q, o, sparse ? sel.count : pos + 1, sparse ? sel.rows : nullptr, pos + 1, groups};
+  localmoe::parallel(mla_heads, &ctx, groups, 1, threads);
   if (m.g.rows) {
     localmoe::matvec(m.g, x, gate, xq, threads);
     for (int64_t i = 0; i < m.heads * m.vdim; ++i) o[i] *= sigmoid(gate[i]);

@@ -3,7 +3,8 @@
 `blockwise_attention` runs the online softmax (a running maximum and normaliser per query row,
 as flash attention does) over blocks of keys that the caller builds on demand, so neither the
 [rows, S] score matrix nor per-head copies of long K/V ever exist whole. Masks are sliced per
-block from the caller's mask or, for an unpadded causal step (mask None), built per block only
+block from the caller's mask, or built per block by the caller's function (DSA's selected keys:
+no [T, S] mask at all) or, for an unpadded causal step (mask None), built per block only
 where the block reaches past the step's first query: earlier blocks are fully visible.
 When every key fits one block the result is the plain `softmax(scores) @ values`, bit for bit.
 """
@@ -17,10 +18,15 @@ import torch
 MIN_BLOCK = 64  # keys per block at the least (a smaller block costs more Python than it saves memory)
 
 
-def visible_keys(mask: torch.Tensor | None, T: int, S: int, lo: int, hi: int,
-                 device: torch.device) -> torch.Tensor | None:
+Mask = torch.Tensor | Callable[[int, int], torch.Tensor] | None
+
+
+def visible_keys(mask: Mask, T: int, S: int, lo: int, hi: int, device: torch.device) -> torch.Tensor | None:
     """Which keys lo..hi-1 each of the step's T queries sees, [B|1, 1, T, hi - lo] bool; None when all.
-    mask [B|1, T, S] (True = visible) or None: causal, query t at cache position S - T + t (built on `device`)."""
+    mask [B|1, T, S] (True = visible), a function (lo, hi) -> its block [B|1, T, hi - lo], or None: causal,
+    query t at cache position S - T + t (built on `device`)."""
+    if callable(mask):
+        return mask(lo, hi)[:, None]
     if mask is not None:
         return mask[:, None, :, lo:hi]
     first = S - T  # the first query's position
@@ -30,7 +36,7 @@ def visible_keys(mask: torch.Tensor | None, T: int, S: int, lo: int, hi: int,
 
 
 def blockwise_attention(q: torch.Tensor, kv_block: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], S: int,
-                        mask: torch.Tensor | None, scale: float, heads_tokens: tuple[int, int] | None = None,
+                        mask: Mask, scale: float, heads_tokens: tuple[int, int] | None = None,
                         max_bytes: int = 32 << 20) -> torch.Tensor:
     """softmax(q keys^T * scale, masked) values over S keys, block by block.
 

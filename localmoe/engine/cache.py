@@ -143,10 +143,26 @@ class PagedBuffer:
         """For kernels that write and read the cache in place: the pool as [1, H, capacity, D] with
         room for positions < `end` (allocated here), where the buffer is fp32 for one sequence and its
         table is the identity; None otherwise (then use write/read)."""
-        if self.lossy or self.batch != 1:
+        if self.lossy:
+            return None
+        held = self.storage(end)
+        return None if held is None else held[0][None]
+
+    def storage(self, end: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                                         torch.Tensor | None] | None:
+        """For kernels that write and read the cache in place in its own dtype (kernels/fp8_cache `cache_rows`:
+        the same quantisation on write, dequantisation and exact ring on read): (pool [H, capacity, D], fp8's
+        scales [H, capacity], the exact ring [H, ring, D] and its positions [ring] (bf16 / fp8)) with room for
+        positions < `end` (allocated here), where the buffer holds one sequence and its table is the identity;
+        None otherwise (then use write/read)."""
+        if self.batch != 1:
             return None
         self._ensure(end)
-        return None if self._flat is None else self._flat[0]
+        if self._flat is None:
+            return None
+        pool, scales = self._flat
+        return (pool[0], None if scales is None else scales[0], self.recent[0] if self.lossy else None,
+                self.recent_pos if self.lossy else None)
 
     def pages(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For kernels that write and read the cache in place through its block table: the pool

@@ -40,6 +40,7 @@ from localmoe.engine.linear import Linear
 from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
 from localmoe.kernels import decode_layers
 from localmoe.kernels.decode_layers import hybrid
+from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
 from localmoe.kernels.mxfp4_moe.held import HeldTable
@@ -254,7 +255,7 @@ def _dsa_fields(mixer: DSAttention, model) -> dict | None:
         return {"select": 2, "dense_context": mixer.dense_context}
     ix = mixer.indexer
     kpool = isinstance(ix, KPoolIndexer)
-    if (ix.head_dim > hybrid.MAX_INDEX_DIM or ix.rope_dim % 2 or ix.rope_dim > ix.head_dim
+    if (ix.rope_dim % 2 or ix.rope_dim > ix.head_dim
             or (ix.rope_dim and (model.rope is None or model.rope.cos.shape[-1] != ix.rope_dim))
             or (kpool and ix.pool > 1 and not ix.tail)):
         return None
@@ -412,13 +413,14 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
             if mixer.record_selection:
                 return None  # probe-recall keeps the selection: op by op
             dsa = isinstance(layer, DSACache)
-            pool = (layer.latent if dsa else layer).rows.flat_pool(pos + 1)  # [1, capacity, r + rope]
-            keys = layer.index.rows.flat_pool(pos + 1) if dsa else None  # [blocks, capacity, block]
-            if pool is None or (dsa and keys is None):
+            rows = (layer.latent if dsa else layer).rows.storage(pos + 1)  # one head of r + rope values
+            keys = layer.index.rows.storage(pos + 1) if dsa else None  # heads: the index cache's blocks
+            if rows is None or (dsa and keys is None):
                 return None
-            decoder.set_rows(i, pool)
+            decoder.set_rows(i, cache_rows(*rows))
             if dsa:
-                decoder.set_index(i, keys)
+                kept = layer.pools  # k-pool: the complete pools' keys, kept
+                decoder.set_index(i, cache_rows(*keys), *(kept.fused_room((pos + 1) // kept.pool) if kept else ()))
     at = pos + cache.rope_delta
     rope = (model.rope.cos[at], model.rope.sin[at]) if plan.rope else (None, None)
     h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos, *rope)
@@ -432,7 +434,7 @@ def _hyper_connections(hc: HyperConnections, model) -> bool:
     """Whether the fused step takes these hyper-connections: fp32 on the CPU, the streams' norm at the model's
     epsilon, one Sinkhorn setting for all."""
     every = [*hc.attn, *hc.mlp]
-    return 1 <= hc.streams <= hybrid.MAX_STREAMS and all(
+    return 1 <= hc.streams and all(
         h.n == hc.streams and h.norm_eps == model.eps and h.iters == every[0].iters and h.hc_eps == every[0].hc_eps
         and h.iters >= 1 and _fp32_vectors(h.fn, h.base, h.scale) for h in every)
 

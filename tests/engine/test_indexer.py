@@ -87,3 +87,43 @@ def test_fp8_index_cache_has_one_scale_per_block_of_128():
     err = (out - keys).abs()
     assert (err[..., :128] <= keys[..., :128].abs().amax(-1, keepdim=True) * 2 ** -4).all()
     assert torch.equal(out[:, -32:], keys[:, -32:])  # the newest positions are kept exactly
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefill_selection_mask_is_built_per_block(dsa_layer, monkeypatch, padded):
+    """A prefill chunk (T > GATHER_MAX_T) attends to its selection through a mask built one key block at a time
+    (dsa.selection_mask): the bits of the whole [B, T, S] mask, both attention paths, and no block of the mask
+    is wider than the attention's key block."""
+    from localmoe.engine import blockwise
+    from localmoe.engine.layers import dsa, mla
+
+    layer, c = dsa_layer, dsa_layer.config
+    g = torch.Generator().manual_seed(5)
+    B, T, S, k = 2, 12, 300, 20
+    q_nope = torch.randn(B, c.num_heads, T, c.qk_nope_head_dim, generator=g)
+    q_rope = torch.randn(B, c.num_heads, T, c.qk_rope_head_dim, generator=g)
+    rows = torch.randn(B, S, c.row_dim, generator=g)
+    selected = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    selected[0, 0, -3:] = -1  # pads
+    pad = torch.ones(B, T, S, dtype=torch.bool)
+    pad[1, :, :7] = False
+    mask = pad if padded else None
+    whole = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter_(-1, torch.where(selected < 0, S, selected), True)
+    whole = whole[..., :S] & pad if padded else whole[..., :S]
+    monkeypatch.setattr(mla, "SCORES_MAX_BYTES", 64 * 4 * B * c.num_heads * T)  # 64-key blocks
+    widths = []
+    block = dsa.selection_mask(selected, mask)
+    monkeypatch.setattr(dsa, "selection_mask", lambda s, m: lambda lo, hi: widths.append(hi - lo) or block(lo, hi))
+    step = Step(S - T, torch.arange(S - T, S)[None], mask, None, None)
+    x = torch.zeros(B, T, c.hidden_size)
+    for absorb in (True, False):
+        layer.absorb = absorb
+        try:
+            want = layer.output(x, layer.attend(q_nope, q_rope, rows, whole))
+            widths.clear()
+            got = layer.attend_selected(x, q_nope, q_rope, rows, selected, step)
+        finally:
+            layer.absorb = None
+        assert torch.equal(got, want)
+        assert len(widths) == -(-S // 64) and max(widths) == 64
+    assert blockwise.MIN_BLOCK == 64

@@ -51,20 +51,30 @@ def close():
     return assert_close
 
 
-def greedy_logits(model, prompt: list[int], steps: int, planned: bool, max_len: int) -> torch.Tensor:
+def greedy_logits(model, prompt: list[int], steps: int, planned: bool, max_len: int,
+                  every_step: bool = False) -> torch.Tensor:
     """Logits [steps, V] of `steps` greedy decode steps after `prompt`; `planned`: through the model's decode
-    plan (checked to be the hybrid one), else op by op (the plan's step declined)."""
+    plan (checked to be the hybrid one; `every_step`: checked to have run every step), else op by op (the
+    plan's step declined)."""
+    from localmoe.kernels.decode_layers.hybrid import HybridDecoder
+
     model._plan = None
     if not planned:
         model._planned_step = lambda tokens, cache: None
-    cache = model.new_cache(1, max_len)
-    logits = model.forward(torch.tensor([prompt]), cache)
-    out = []
-    for _ in range(steps):
-        logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
-        out.append(logits[0, -1])
+    calls, call = [], HybridDecoder.__call__
+    HybridDecoder.__call__ = lambda self, *args: calls.append(1) or call(self, *args)
+    try:
+        cache = model.new_cache(1, max_len)
+        logits = model.forward(torch.tensor([prompt]), cache)
+        out = []
+        for _ in range(steps):
+            logits = model.forward(logits[:, -1].argmax(-1, keepdim=True), cache)
+            out.append(logits[0, -1])
+    finally:
+        HybridDecoder.__call__ = call
     if planned:
         assert type(model._plan.decoder).__name__ == "HybridDecoder"
+        assert not every_step or len(calls) == steps, f"{len(calls)} of {steps} steps ran fused"
     else:
         del model._planned_step
     return torch.stack(out)

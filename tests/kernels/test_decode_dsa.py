@@ -16,8 +16,10 @@ from localmoe.kernels.topk_select import reference as topk_reference
 
 from localmoe.config import EngineConfig
 from localmoe.engine import decode_plan
+from localmoe.engine.layers import index_cache
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import kv_cache_dtype
 
 from .conftest import greedy_logits
 
@@ -43,14 +45,55 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["short", "long"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_matches_op_by_op(checkpoint, dtype, prompt):
+@pytest.mark.parametrize("dtype,cache", [("float32", "float32"), ("bfloat16", "float32"), ("float32", "bfloat16"),
+                                         ("float32", "fp8")])
+def test_fused_matches_op_by_op(checkpoint, dtype, cache, prompt):
+    """Every step fused; with a bf16 / fp8 cache the kernel writes the engine's rounded rows and reads them back
+    as the engine does (tests/kernels/test_cache_rows.py), so only the order of operations differs."""
     model = _load(checkpoint, dtype)
     assert model.spec.dsa.index_topk < len(prompt) or prompt is SHORT
-    want, got = greedy_logits(model, prompt, STEPS, False, 128), greedy_logits(model, prompt, STEPS, True, 128)
+    with kv_cache_dtype(model, cache):
+        want = greedy_logits(model, prompt, STEPS, False, 128)
+        got = greedy_logits(model, prompt, STEPS, True, 128, every_step=True)
     assert any(c.mla.dsa.select for c in model._plan.decoder.layers)
     assert bool(model._plan.decoder.layers[0].hc_mult) == (model.spec.hyper_connections is not None)
     assert _error(got, want) < 1e-5, f"fused decode differs from op by op by {_error(got, want):.2e}"
+
+
+def test_the_cache_rounding_is_seen(checkpoint):
+    """Op by op over an fp8 cache is far from op by op over an fp32 one (rows older than the exact ring are
+    read rounded), so the fp8 case above checks the kernel's rounding and reading."""
+    model = _load(checkpoint)
+    want = greedy_logits(model, LONG, STEPS, False, 128)
+    with kv_cache_dtype(model, "fp8"):
+        assert _error(greedy_logits(model, LONG, STEPS, False, 128), want) > 1e-3
+
+
+def test_kept_pools_change_nothing(checkpoint, monkeypatch):
+    """GLM-5-Next's complete pools' keys are kept (index_cache.KeptPools): op by op and fused give the bits of
+    recomputing every pool each step, and op by op pools only the newest tokens once a decode step runs."""
+    from localmoe.engine.layers import kpool_indexer
+
+    model = _load(checkpoint)
+    if not model.spec.dsa.index_kpool:
+        pytest.skip("no k-pool indexer")
+    kept = {path: greedy_logits(model, LONG, STEPS, path, 128, every_step=path) for path in (False, True)}
+    pooled, seen = kpool_indexer.pool_keys, []
+    monkeypatch.setattr(kpool_indexer, "pool_keys", lambda keys, *a: seen.append(keys.shape[1]) or pooled(keys, *a))
+    greedy_logits(model, LONG, STEPS, False, 128)
+    assert max(seen[1:]) < 2 * model.spec.dsa.index_kpool  # after the prompt: the open pool's tokens only
+    monkeypatch.setattr(kpool_indexer.KPoolIndexer, "pooled",
+                        lambda self, cached, valid, step, kept=None: pooled(
+                            cached[..., :self.head_dim], cached[..., self.head_dim:], self.ape, valid, False))
+    room = index_cache.KeptPools.fused_room
+
+    def again(self, pools):  # the kernel pools everything again
+        self.fused_done.zero_()
+        return room(self, pools)
+
+    monkeypatch.setattr(index_cache.KeptPools, "fused_room", again)
+    for path in (False, True):
+        assert torch.equal(greedy_logits(model, LONG, STEPS, path, 128), kept[path])
 
 
 def test_the_tie_order_is_seen(checkpoint, monkeypatch):
@@ -94,13 +137,14 @@ def test_a_wrong_top_k_scale_or_mix_is_seen(checkpoint, monkeypatch, field, chan
 
 
 @pytest.mark.skipif("avx512vnni" not in _cpu.supported_isas(), reason="the CPU lacks AVX-512 VNNI")
-@pytest.mark.parametrize("precision", ["exact", "q8"])
-def test_avx2_equals_avx512(checkpoint, precision):
+@pytest.mark.parametrize("precision,cache", [("exact", "float32"), ("q8", "float32"), ("exact", "fp8"),
+                                             ("exact", "bfloat16")])
+def test_avx2_equals_avx512(checkpoint, precision, cache):
     model = _load(checkpoint, precision=precision)
     runs = {}
     for isa in ("avx2", "avx512vnni"):
-        with _cpu.forced_isa(isa):
-            runs[isa] = greedy_logits(model, LONG, STEPS, True, 128)
+        with _cpu.forced_isa(isa), kv_cache_dtype(model, cache):
+            runs[isa] = greedy_logits(model, LONG, STEPS, True, 128, every_step=True)
     assert torch.equal(runs["avx2"], runs["avx512vnni"])
 
 

@@ -6,7 +6,8 @@ cached tokens the lightning indexer (engine/layers/indexer.py) picks for each qu
 - while no query can lose a token (`indexer.dense_context`), nothing is dropped: plain (causal) MLA.
 - decode (T <= GATHER_MAX_T): the selected latent rows are gathered, [B, T, k, r + rope], and the
   absorbed attention runs over those k rows only, so its cost stops growing with the context.
-- prefill: a [B, T, S] mask of the selected tokens joins the causal mask (same result).
+- prefill: the selected tokens are a mask built one key block at a time (`selection_mask`) for the blockwise
+  attention, so no [B, T, S] mask is built: working memory does not grow with the context.
 """
 
 from __future__ import annotations
@@ -97,6 +98,18 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
     return layer
 
 
+def selection_mask(selected: torch.Tensor, mask: torch.Tensor | None):
+    """selected [B, T, k] key indices (-1 pads), mask [B|1, T, S] | None -> (lo, hi) -> [B, T, hi - lo] bool: the
+    keys lo..hi-1 each query selected (and, padded, may see), the block of the [B, T, S] mask it stands for."""
+    def block(lo: int, hi: int) -> torch.Tensor:
+        n = hi - lo
+        inside = (selected >= lo) & (selected < hi)
+        chosen = torch.zeros(*selected.shape[:2], n + 1, dtype=torch.bool, device=selected.device)  # column n: others
+        chosen.scatter_(-1, torch.where(inside, selected - lo, n), True)
+        return chosen[..., :n] if mask is None else chosen[..., :n] & mask[..., lo:hi]
+    return block
+
+
 class DSAttention(mla.MLAttention):
     """MLA + lightning indexer; `index_topk` from the config (EngineConfig.sparse_topk does not apply)."""
 
@@ -105,7 +118,8 @@ class DSAttention(mla.MLAttention):
 
     def new_cache(self, batch: int, max_len: int, dtype: str = "float32") -> DSACache:
         """Latent rows and index keys, both in the K/V cache `dtype` (fp8: one scale per row / key block)."""
-        return DSACache(batch, max_len, self.config.row_dim, self.indexer.cache_dim, dtype, self.device)
+        pool = self.indexer.pool if isinstance(self.indexer, KPoolIndexer) else 0
+        return DSACache(batch, max_len, self.config.row_dim, self.indexer.cache_dim, dtype, self.device, pool)
 
     def nbytes(self) -> int:
         return super().nbytes() + self.indexer.nbytes()
@@ -120,7 +134,7 @@ class DSAttention(mla.MLAttention):
         if S <= self.indexer.dense_context and not self.record_selection:  # nothing would be dropped
             return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
         q_index, w = self.indexer.queries(x, q_resid, step)
-        selected = self.indexer.select(q_index, w, keys, step)  # [B, T, k], -1 pads
+        selected = self.indexer.select(q_index, w, keys, step, cache.pools)  # [B, T, k], -1 pads
         step.selection = selected  # for the dsa_shared layers after this one (engine/layers/dsa_shared.py)
         if self.record_selection:
             self.last_selection = selected
@@ -128,13 +142,9 @@ class DSAttention(mla.MLAttention):
 
     def attend_selected(self, x, q_nope, q_rope, rows, selected, step: Step) -> torch.Tensor:
         """The layer's output when each query attends only to its `selected` [B, T, k] rows (-1 pads)."""
-        T, S = x.shape[1], rows.shape[1]
-        if T <= GATHER_MAX_T:
+        if x.shape[1] <= GATHER_MAX_T:
             return self.output(x, self.attend_gathered(q_nope, q_rope, rows, selected, step))
-        chosen = torch.zeros(*selected.shape[:2], S + 1, dtype=torch.bool, device=selected.device)  # column S: -1 pads
-        chosen.scatter_(-1, torch.where(selected < 0, S, selected), True)
-        mask = chosen[..., :S] if step.mask is None else chosen[..., :S] & step.mask
-        return self.output(x, self.attend(q_nope, q_rope, rows, mask))
+        return self.output(x, self.attend(q_nope, q_rope, rows, selection_mask(selected, step.mask)))
 
     def attend_gathered(self, q_nope, q_rope, rows, selected, step: Step) -> torch.Tensor:
         """Absorbed attention over the selected rows only: rows [B, S, r + rope], selected [B, T, k] -> [B, H, T, v]."""

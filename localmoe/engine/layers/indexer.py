@@ -70,9 +70,10 @@ class LightningIndexer:
         q = self._rotate(self.wq_b(q_resid).view(B, T, self.heads, self.head_dim), step)
         return q, self.weights_proj(x) * self.weight_scale
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, step: Step) -> torch.Tensor:
+    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, step: Step, kept=None) -> torch.Tensor:
         """q [B, T, Hi, Di], w [B, T, Hi], keys [B, S, Di] -> indices [B, T, top_k] (-1 pads); query t of this
-        step sits at cache position step.start + t and sees positions <= it (padding is masked later)."""
+        step sits at cache position step.start + t and sees positions <= it (padding is masked later). `kept`:
+        the k-pool indexer's store of pooled keys (none here)."""
         B, T = q.shape[:2]
         positions = torch.arange(step.start, step.start + T, device=q.device).expand(B, T)
         return topk_select(q, w, keys, positions, self.top_k)

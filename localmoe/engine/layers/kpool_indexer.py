@@ -14,8 +14,9 @@ and attends to all their tokens, plus (`index_kpool_tail`, transformers'
 (visible count mod P) it sees. So up to index_topk + P - 1 tokens; -1 pads. While every query
 sees fewer than index_topk + P tokens nothing is dropped (`dense_context`).
 
-Pooled keys are recomputed from the cached rows on every call: O(S Di), next to the
-O(S / P Hi Di) pool scoring. Caching the keys of completed pools would save that part.
+A complete pool's key never changes: an unpadded call keeps them (index_cache.KeptPools) and pools only the
+tokens after the kept pools (the same bits as pooling everything again: each pool's softmax and sum see only
+its own P rows), so a decode token costs O(P Di) of pooling, not O(S Di). Padded calls pool everything.
 """
 
 from __future__ import annotations
@@ -92,13 +93,33 @@ class KPoolIndexer(LightningIndexer):
         """x [B, T, hidden] -> cache rows [B, T, 2 Di]: the index key, then the pool-gate logits."""
         return torch.cat([super().keys(x, step), self.gate(x)], dim=-1)
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, cached: torch.Tensor, step: Step) -> torch.Tensor:
+    def pooled(self, cached: torch.Tensor, valid: torch.Tensor, step: Step, kept=None):
+        """`pool_keys` of the cached rows [B, S, 2 Di]; unpadded with a `kept` store (index_cache.KeptPools): the
+        kept pools' keys and only the later ones computed (then kept too)."""
+        Di = self.head_dim
+        if kept is None or step.mask is not None:
+            return pool_keys(cached[..., :Di], cached[..., Di:], self.ape, valid, step.mask is not None)
+        B, S = valid.shape
+        P = self.pool
+        J = S // P
+        done = 0 if kept.keys is None else kept.keys.shape[1]
+        if done < J:
+            new = cached[:, done * P:]
+            fresh = pool_keys(new[..., :Di], new[..., Di:], self.ape, valid[:, done * P:], False)[0]
+            kept.keys = fresh if kept.keys is None else torch.cat([kept.keys, fresh], dim=1)
+        if J == 0:
+            return cached.new_zeros(B, 0, Di), valid.new_zeros(B, 0, P, dtype=torch.long), valid[:, :0]
+        members = torch.arange(J * P, device=cached.device).view(1, J, P).expand(B, J, P)
+        return kept.keys[:, :J], members, torch.ones(B, J, dtype=torch.bool, device=cached.device)
+
+    def select(self, q: torch.Tensor, w: torch.Tensor, cached: torch.Tensor, step: Step, kept=None) -> torch.Tensor:
         """q [B, T, Hi, Di], w [B, T, Hi] (scaled), cached rows [B, S, 2 Di] -> token indices [B, T, width]
-        (-1 pads). A padding query keeps only its own position (its output is ignored, but stays finite)."""
+        (-1 pads). A padding query keeps only its own position (its output is ignored, but stays finite).
+        `kept`: the cache's store of complete pools' keys (index_cache.KeptPools), or None."""
         B, T = q.shape[:2]
-        S, P, Di = cached.shape[1], self.pool, self.head_dim
+        S, P = cached.shape[1], self.pool
         valid = key_validity(step, B, S)
-        pooled, members, complete = pool_keys(cached[..., :Di], cached[..., Di:], self.ape, valid, step.mask is not None)
+        pooled, members, complete = self.pooled(cached, valid, step, kept)
         J = pooled.shape[1]
         positions = torch.arange(step.start, step.start + T, device=q.device)  # cache positions of the queries
         seen = complete[:, None, :] & (members[:, None, :, -1] <= positions[None, :, None])  # [B, T, J]
