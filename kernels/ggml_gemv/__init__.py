@@ -3,7 +3,7 @@ int8 per 32 values, per 256 for the K-quants (`x_block`: llama.cpp's Q8_0 / Q8_K
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head).
 
 Many tokens at once (a batched decode step's N rows) decode each weight block once for a tile of
-tokens (8 with AVX-512 VNNI, 4 on AVX2; Q4_0 / Q4_1 / Q8_0: 16 / 4, eight weight rows per vector) instead of
+tokens (8 with AVX-512 VNNI, 4 on AVX2; Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: 16 / 4, eight weight rows per vector) instead of
 once per token, and a token's result has the same
 bits whatever N is (ggml_rows.h). MAX_ROWS: the most rows the engine hands one call (a decode batch;
 prefill chunks above it run an fp32 GEMM on the dequantised weight, engine/quantized.py).

@@ -17,7 +17,7 @@
 // N tokens (a batched decode step): each weight block is decoded once per tile of 8 tokens (AVX-512
 // VNNI; 4 on AVX2) and applied to all of them, where the first version decoded it again per token
 // (3072 x 576 Q4_1, one core: ~2.0 cycles per block and token at N >= 8 against ~5.2 for one token;
-// benchmarks/ggml_gemm.py). Q4_0, Q4_1 and Q8_0 go further (rows8): eight weight rows share each vector, one lane
+// benchmarks/ggml_gemm.py). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 go further (rows8): eight weight rows share each vector, one lane
 // per row, so a block's conversion and FMAs serve eight rows at once (3072 x 576 Q4_1: ~1.2 cycles per block and
 // token at 16 tokens, ~2.6-2.9 for one, against ~2.25 and ~5.4 per row). A token's result has the same bits
 // whatever N is, and whichever rows share the call (ggml_rows.h).

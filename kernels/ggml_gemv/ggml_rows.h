@@ -392,19 +392,22 @@ struct Q6KInt8 {
   }
 };
 
-// Q4_0, Q4_1 and Q8_0 rows eight at a time ("rows8"): a block of 32 of eight consecutive weight rows is
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows eight at a time ("rows8"): a block of 32 of eight consecutive weight rows is
 // transposed once into eight vectors, vector i holding in lane r the codes 4i..4i+3 of row r, and every token of a
 // tile then takes one vpdpbusd per vector against its x codes 4i..4i+3 broadcast (AVX2: vpmaddubsw + vpmaddwd):
 // lane r ends with row r's exact integer dot product of the block, so the conversion and the two FMAs that follow
 // serve eight rows at once, where the per-row form (Block32Int8) spent them on one row's 8 partial lanes. Per
 // (row, token) the value is, over the blocks b in order,
-//   acc = fma(float(sum_j q_w q_x), d_w * d_x, acc);  acc = fma(f_w, d_x * sum_j q_x, acc)   (f: Q4_0 -8 d, Q4_1 m;
-// Q8_0 has no second FMA), then + bias: one fp32 chain per (row, token), the same whether the row is computed in a
-// group of eight or alone (rows8_single, for a range's leftover rows), whatever the tokens beside it and on both ISAs
-// (the integer sums are exact). Q8_0 on VNNI: vpdpbusd multiplies u8 by s8, so x comes in as x + 128 (u8) against
-// the signed codes and 128 * sum(q_w) (from the same transposition) starts the sum; AVX2 moves w's sign onto x.
-// (Q4_K: rows8k, ggml_rows8_k.h.)
-inline bool has_rows8(int type) { return type == kQ4_0 || type == kQ4_1 || type == kQ8_0 || type == kQ4_K; }
+//   acc = fma(float(sum_j q_w q_x), d_w * d_x, acc);  acc = fma(f_w, d_x * sum_j q_x, acc)
+// (f: Q4_0 -8 d, Q5_0 -16 d, Q4_1 / Q5_1 m; Q8_0 has no second FMA), then + bias: one fp32 chain per (row, token),
+// the same whether the row is computed in a group of eight or alone (rows8_single, for a range's leftover rows),
+// whatever the tokens beside it and on both ISAs (the integer sums are exact). Q5_0 / Q5_1 joined in session 7 (one
+// token from cache, Zen 4: 19.5-20 GB/s against 12.5-13.5 per row), which changed their bits. Q8_0 on VNNI: vpdpbusd
+// multiplies u8 by s8, so x comes in as x + 128 (u8) against the signed codes and 128 * sum(q_w) (from the same
+// transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K: rows8k, ggml_rows8_k.h.)
+inline bool has_rows8(int type) {
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K;
+}
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -415,8 +418,9 @@ constexpr int kTile8 = 4;
 constexpr bool kVnni = false;
 #endif
 
-// Eight rows' block of 32, transposed (see above). codes[i] lane r: row r's codes 4i..4i+3 (Q4: 0..15; Q8_0:
-// signed); d: the rows' steps; f: Q4_0 -8 d, Q4_1 m; bias8: Q8_0 on VNNI -128 sum(q_w), else unused.
+// Eight rows' block of 32, transposed (see above). codes[i] lane r: row r's codes 4i..4i+3 (Q4: 0..15; Q5: 0..31;
+// Q8_0: signed); d: the rows' steps; f: Q4_0 -8 d, Q5_0 -16 d, Q4_1 / Q5_1 m; bias8: Q8_0 on VNNI -128 sum(q_w),
+// else unused.
 struct Block8 {
   __m256i codes[8];
   __m256 d, f;
@@ -473,8 +477,9 @@ __attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64
     }
     return;
   }
-  constexpr int kCodes = T == kQ4_0 ? 2 : 4;
-  o.f = T == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), o.d) : halves8(head, true);
+  constexpr int kCodes = Block32Int8<T>::kCodes;
+  o.f = T == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), o.d)
+        : T == kQ5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), o.d) : halves8(head, true);
   __m256i rows[4], dw[4];
   for (int r = 0; r < 4; ++r)
     rows[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride + kCodes),
@@ -484,6 +489,23 @@ __attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64
   for (int k = 0; k < 4; ++k) {
     o.codes[k] = _mm256_and_si256(dw[k], low4);                              // values 4k..4k+3
     o.codes[k + 4] = _mm256_and_si256(_mm256_srli_epi16(dw[k], 4), low4);  // values 16+4k.. = 4(k+4)..
+  }
+  if (T == kQ5_0 || T == kQ5_1) {
+    // the fifth bits (the 32-bit field before the nibbles, bit v for value v): byte j of lane r of codes[i] takes bit
+    // 4i + j of row r's field as 16. Byte m of each lane's field copied to its four bytes (one vpshufb for codes 2m
+    // and 2m + 1), masked by (1, 2, 4, 8) or (16, 32, 64, 128) per byte and compared (llama.cpp's bytes_from_bits):
+    // four operations a vector (a multiply spreading each nibble took five: 15 against 20 GB/s, one token, Zen 4).
+    const __m256i qh = gather8(blk + kCodes - 4, stride);
+    const __m256i masks[2] = {_mm256_set1_epi32(0x08040201), _mm256_set1_epi32(static_cast<int>(0x80402010u))};
+    for (int m = 0; m < 4; ++m) {
+      const __m256i rep = _mm256_shuffle_epi8(qh, _mm256_set_epi8(
+          12 + m, 12 + m, 12 + m, 12 + m, 8 + m, 8 + m, 8 + m, 8 + m, 4 + m, 4 + m, 4 + m, 4 + m, m, m, m, m,
+          12 + m, 12 + m, 12 + m, 12 + m, 8 + m, 8 + m, 8 + m, 8 + m, 4 + m, 4 + m, 4 + m, 4 + m, m, m, m, m));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(rep, masks[h]), masks[h]);
+        o.codes[2 * m + h] = _mm256_or_si256(o.codes[2 * m + h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+      }
+    }
   }
 }
 
@@ -615,9 +637,11 @@ inline float rows8_single(const uint8_t* row, int64_t nb, const BlockX* x) {
     if (T == kQ8_0) {
       w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
     } else {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == kQ4_0 ? 2 : 4)));
+      constexpr int64_t kCodes = Block32Int8<T>::kCodes;
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes));
       const __m128i lo = _mm_set1_epi8(0x0F);
       w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo), _mm_and_si128(q, lo));
+      if (T == kQ5_0 || T == kQ5_1) w = _mm256_or_si256(w, fifth_bits(blk + kCodes - 4));
     }
     __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
     if (T == kQ8_0) xq = _mm256_sign_epi8(xq, w);
@@ -628,7 +652,7 @@ inline float rows8_single(const uint8_t* row, int64_t nb, const BlockX* x) {
     const float scale = d * xb.d;
     acc = std::fma(static_cast<float>(dot), scale, acc);
     if (T != kQ8_0) {
-      const float f = T == kQ4_0 ? -8.0f * d : half(blk + 2);
+      const float f = T == kQ4_0 ? -8.0f * d : T == kQ5_0 ? -16.0f * d : half(blk + 2);
       acc = std::fma(f, xb.s, acc);
     }
   }
@@ -686,7 +710,7 @@ inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, fl
 // Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1), one row at a time. (Pairing
 // rows to overlap two FMA chains paid while K-quant rows did eight dependent FMAs per super-block; with one FMA
 // per super-block (integer scale products) pairing made Q4_K / Q5_K 2x and Q6_K ~8x slower, measured on Zen 4.)
-// (Q4_0, Q4_1, Q8_0: rows8, eight rows at a time.)
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: rows8, eight rows at a time.)
 template <class U>
 struct Rows8Type {
   static constexpr int kType = -1;
@@ -700,7 +724,7 @@ template <class U>
 inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, const Tile& x, int64_t r0, int64_t r1,
                            float* y) {
   constexpr int T = Rows8Type<U>::kType;
-  if constexpr (T >= 0 && (T == kQ4_0 || T == kQ4_1 || T == kQ8_0)) {
+  if constexpr (T >= 0) {
     rows8_tokens<T>(w, row_bytes, units, x.x, 1, r0, r1, y, 0, nullptr);
   } else if constexpr (std::is_same_v<U, Q45KInt8<false>>) {  // Q4_K: rows8k
     rows8k_fixed<1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
@@ -961,7 +985,7 @@ inline void rows8_f32(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
-// Rows o0..o1 of W (Q4_0, Q4_1, Q8_0) against all N tokens of int8 x: rows8, kTile8 tokens at a time.
+// Rows o0..o1 of W (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against all N tokens of int8 x: rows8, kTile8 tokens at a time.
 template <int T>
 inline void rows8(const void* ctx, int64_t o0, int64_t o1) {
   const Args& a = *static_cast<const Args*>(ctx);
@@ -1016,8 +1040,8 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   else
     fn = type == kQ4_0   ? rows8<kQ4_0>
          : type == kQ4_1 ? rows8<kQ4_1>
-         : type == kQ5_0 ? rows_int8<Block32Int8<kQ5_0>>
-         : type == kQ5_1 ? rows_int8<Block32Int8<kQ5_1>>
+         : type == kQ5_0 ? rows8<kQ5_0>
+         : type == kQ5_1 ? rows8<kQ5_1>
          : type == kQ4_K ? rows8k
          : type == kQ5_K ? rows_int8<Q45KInt8<true>>
          : type == kQ6_K ? rows_int8<Q6KInt8>
