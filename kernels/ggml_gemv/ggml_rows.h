@@ -392,6 +392,48 @@ struct Q6KInt8 {
   }
 };
 
+// Rows eight at a time, one dispatch for every group kernel (rows8: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 on int8 x;
+// rows8k: Q4_K, ggml_rows8_k.h; rows8_f32: Q8_0 on fp32 x). A group kernel G supplies
+//   X                        a token's x as the kernel reads it (BlockX, BlockXK, float)
+//   kTile                    tokens per tile
+//   group<TN>(row0, stride, units, x, y, ldy, bias)   rows row0 .. row0 + 7 against TN tokens into y[t * ldy + 0..8)
+//   wide<TN>(w, stride, units, x, r0, r1, y, ldy, bias) -> r   the rows it takes in wider groups from r0 on (or r0)
+//   single(row, units, x)    one row against one token: the value `group` gives that (row, token)
+// rows_fixed runs groups of eight from r0 on and the leftover rows alone; one function per (G, TN), not inlined into
+// its caller: with the token count dispatched inside the row loop, GCC compiled the one-token group into the same
+// body as the 16-token one and it ran ~3x slower. rows_tokens picks it for a run-time n <= TN. (Timed against the
+// three copies it replaces: benchmarks/ggml_gemm.py, same rates.)
+template <class G, int TN>
+__attribute__((noinline)) void rows_fixed(const uint8_t* w, int64_t stride, int64_t units,
+                                          const typename G::X* const* x, int64_t r0, int64_t r1, float* y, int64_t ldy,
+                                          const float* bias) {
+  int64_t r = G::template wide<TN>(w, stride, units, x, r0, r1, y, ldy, bias);
+  for (; r + 8 <= r1; r += 8)
+    G::template group<TN>(w + r * stride, stride, units, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+  for (; r < r1; ++r)
+    for (int t = 0; t < TN; ++t) {
+      const float v = G::single(w + r * stride, units, x[t]);
+      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
+    }
+}
+
+template <class G, int TN = G::kTile>
+inline void rows_tokens(const uint8_t* w, int64_t stride, int64_t units, const typename G::X* const* x, int n,
+                        int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
+  if constexpr (TN > 1)
+    if (n < TN) return rows_tokens<G, TN - 1>(w, stride, units, x, n, r0, r1, y, ldy, bias);
+  rows_fixed<G, TN>(w, stride, units, x, r0, r1, y, ldy, bias);
+}
+
+// No wider groups (rows_fixed starts its groups of eight at r0).
+struct NoWide {
+  template <int TN, class X>
+  static int64_t wide(const uint8_t*, int64_t, int64_t, const X* const*, int64_t r0, int64_t, float*, int64_t,
+                      const float*) {
+    return r0;
+  }
+};
+
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 rows eight at a time ("rows8"): a block of 32 of eight consecutive weight rows is
 // transposed once into eight vectors, vector i holding in lane r the codes 4i..4i+3 of row r, and every token of a
 // tile then takes one vpdpbusd per vector against its x codes 4i..4i+3 broadcast (AVX2: vpmaddubsw + vpmaddwd):
@@ -659,35 +701,30 @@ inline float rows8_single(const uint8_t* row, int64_t nb, const BlockX* x) {
   return acc;
 }
 
-// Rows r0..r1 of W against TN tokens (x[t]: token t's blocks) into y[t * ldy + r]: groups of eight rows from r0 on,
-// the leftover rows alone. (One function per TN: with the token count dispatched inside the row loop, GCC
-// compiled the one-token group into the same body as the 16-token one and it ran ~3x slower.)
-template <int T, int TN>
-__attribute__((noinline)) void rows8_fixed(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x,
-                                           int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
-  int64_t r = r0;
+// rows8 as a group kernel for rows_fixed; on AVX-512 VNNI a tile of 2 or more tokens takes sixteen rows at a time
+// first (one token: group8's eight independent chains keep its ports busier).
+template <int T>
+struct Rows8 {
+  using X = BlockX;
+  static constexpr int kTile = kTile8;
+  template <int TN>
+  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, const float* bias) {
+    int64_t r = r0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  if constexpr (TN > 1)  // (one token: group8's eight independent chains keep its ports busier)
-    for (; r + 16 <= r1; r += 16)
-      group16<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+    if constexpr (TN > 1)
+      for (; r + 16 <= r1; r += 16)
+        group16<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
 #endif
-  for (; r + 8 <= r1; r += 8)
-    group8<T, TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
-  for (; r < r1; ++r)
-    for (int t = 0; t < TN; ++t) {
-      const float v = rows8_single<T>(w + r * stride, nb, x[t]);
-      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
-    }
-}
-
-// rows8_fixed for a run-time n <= TN tokens.
-template <int T, int TN = kTile8>
-inline void rows8_tokens(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x, int n, int64_t r0,
-                         int64_t r1, float* y, int64_t ldy, const float* bias) {
-  if constexpr (TN > 1)
-    if (n < TN) return rows8_tokens<T, TN - 1>(w, stride, nb, x, n, r0, r1, y, ldy, bias);
-  rows8_fixed<T, TN>(w, stride, nb, x, r0, r1, y, ldy, bias);
-}
+    return r;
+  }
+  template <int TN>
+  __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nb,
+                                                   const BlockX* const* x, float* y, int64_t ldy, const float* bias) {
+    group8<T, TN>(row0, stride, nb, x, y, ldy, bias);
+  }
+  static float single(const uint8_t* row, int64_t nb, const BlockX* x) { return rows8_single<T>(row, nb, x); }
+};
 
 }  // namespace localmoe_ggml
 
@@ -725,9 +762,9 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
                            float* y) {
   constexpr int T = Rows8Type<U>::kType;
   if constexpr (T >= 0) {
-    rows8_tokens<T>(w, row_bytes, units, x.x, 1, r0, r1, y, 0, nullptr);
+    rows_fixed<Rows8<T>, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
   } else if constexpr (std::is_same_v<U, Q45KInt8<false>>) {  // Q4_K: rows8k
-    rows8k_fixed<1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
+    rows_fixed<Rows8K, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
   }
@@ -855,28 +892,17 @@ inline float rows8_f32_single(const uint8_t* row, int64_t nb, const float* x) {
   return acc;
 }
 
-constexpr int kTileF32 = 4;  // tokens per tile: 4 x 4 partial sums stay in registers
-
-template <int TN>
-__attribute__((noinline)) void rows8_f32_fixed(const uint8_t* w, int64_t stride, int64_t nb, const float* const* x,
-                                               int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
-  int64_t r = r0;
-  for (; r + 8 <= r1; r += 8)
-    group8_f32<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
-  for (; r < r1; ++r)
-    for (int t = 0; t < TN; ++t) {
-      const float v = rows8_f32_single(w + r * stride, nb, x[t]);
-      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
-    }
-}
-
-template <int TN = kTileF32>
-inline void rows8_f32_tokens(const uint8_t* w, int64_t stride, int64_t nb, const float* const* x, int n, int64_t r0,
-                             int64_t r1, float* y, int64_t ldy, const float* bias) {
-  if constexpr (TN > 1)
-    if (n < TN) return rows8_f32_tokens<TN - 1>(w, stride, nb, x, n, r0, r1, y, ldy, bias);
-  rows8_f32_fixed<TN>(w, stride, nb, x, r0, r1, y, ldy, bias);
-}
+// rows8_f32 as a group kernel for rows_fixed: tiles of 4 tokens (4 x 4 partial sums stay in registers).
+struct Rows8F32 : NoWide {
+  using X = float;
+  static constexpr int kTile = 4;
+  template <int TN>
+  __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nb,
+                                                   const float* const* x, float* y, int64_t ldy, const float* bias) {
+    group8_f32<TN>(row0, stride, nb, x, y, ldy, bias);
+  }
+  static float single(const uint8_t* row, int64_t nb, const float* x) { return rows8_f32_single(row, nb, x); }
+};
 
 // Whether a type has a fp32-x row (exact_x).
 inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
@@ -974,37 +1000,23 @@ inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
-// Rows o0..o1 of W (Q8_0) against all N tokens of fp32 x: group8_f32, kTileF32 tokens at a time.
-inline void rows8_f32(const void* ctx, int64_t o0, int64_t o1) {
-  const Args& a = *static_cast<const Args*>(ctx);
-  const float* x[kTileF32];
-  for (int64_t t0 = 0; t0 < a.N; t0 += kTileF32) {
-    const int n = static_cast<int>(std::min<int64_t>(kTileF32, a.N - t0));
-    for (int t = 0; t < n; ++t) x[t] = a.x + (t0 + t) * a.K;
-    rows8_f32_tokens(a.w, a.row_bytes, a.K / kBlock, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
-  }
-}
+// Token t's x as a group kernel reads it (G::X).
+inline const BlockX* token_x(const Args& a, int64_t t, const BlockX*) { return a.xq.blocks + t * a.xq.nb; }
+inline const BlockXK* token_x(const Args& a, int64_t t, const BlockXK*) { return a.xq.kblocks + t * (a.xq.nb / 8); }
+inline const float* token_x(const Args& a, int64_t t, const float*) { return a.x + t * a.K; }
 
-// Rows o0..o1 of W (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) against all N tokens of int8 x: rows8, kTile8 tokens at a time.
-template <int T>
-inline void rows8(const void* ctx, int64_t o0, int64_t o1) {
+// Rows o0..o1 of W against all N tokens through group kernel G (rows8<T>: Rows8<T>, Q4_K: Rows8K, Q8_0 on fp32 x:
+// Rows8F32), G::kTile tokens at a time.
+template <class G>
+inline void rows_grouped(const void* ctx, int64_t o0, int64_t o1) {
   const Args& a = *static_cast<const Args*>(ctx);
-  const BlockX* x[kTile8];
-  for (int64_t t0 = 0; t0 < a.N; t0 += kTile8) {
-    const int n = static_cast<int>(std::min<int64_t>(kTile8, a.N - t0));
-    for (int t = 0; t < n; ++t) x[t] = a.xq.blocks + (t0 + t) * a.xq.nb;
-    rows8_tokens<T>(a.w, a.row_bytes, a.xq.nb, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
-  }
-}
-
-// Rows o0..o1 of W (Q4_K) against all N tokens of int8 x: rows8k, kTileK8 tokens at a time.
-inline void rows8k(const void* ctx, int64_t o0, int64_t o1) {
-  const Args& a = *static_cast<const Args*>(ctx);
-  const BlockXK* x[kTileK8];
-  for (int64_t t0 = 0; t0 < a.N; t0 += kTileK8) {
-    const int n = static_cast<int>(std::min<int64_t>(kTileK8, a.N - t0));
-    for (int t = 0; t < n; ++t) x[t] = a.xq.kblocks + (t0 + t) * (a.xq.nb / 8);
-    rows8k_tokens(a.w, a.row_bytes, a.xq.nb / 8, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
+  using X = typename G::X;
+  const int64_t units = std::is_same_v<X, BlockXK> ? a.xq.nb / 8 : a.K / kBlock;
+  const X* x[G::kTile];
+  for (int64_t t0 = 0; t0 < a.N; t0 += G::kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(G::kTile, a.N - t0));
+    for (int t = 0; t < n; ++t) x[t] = token_x(a, t0 + t, static_cast<const X*>(nullptr));
+    rows_tokens<G>(a.w, a.row_bytes, units, x, n, o0, o1, a.y + t0 * a.O, a.O, a.bias);
   }
 }
 
@@ -1036,16 +1048,16 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   const Args args{xq, x, N, K, w, bytes, O, bias, y};
   void (*fn)(const void*, int64_t, int64_t);
   if (exact_x)
-    fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows8_f32;
+    fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_grouped<Rows8F32>;
   else
-    fn = type == kQ4_0   ? rows8<kQ4_0>
-         : type == kQ4_1 ? rows8<kQ4_1>
-         : type == kQ5_0 ? rows8<kQ5_0>
-         : type == kQ5_1 ? rows8<kQ5_1>
-         : type == kQ4_K ? rows8k
+    fn = type == kQ4_0   ? rows_grouped<Rows8<kQ4_0>>
+         : type == kQ4_1 ? rows_grouped<Rows8<kQ4_1>>
+         : type == kQ5_0 ? rows_grouped<Rows8<kQ5_0>>
+         : type == kQ5_1 ? rows_grouped<Rows8<kQ5_1>>
+         : type == kQ4_K ? rows_grouped<Rows8K>
          : type == kQ5_K ? rows_int8<Q45KInt8<true>>
          : type == kQ6_K ? rows_int8<Q6KInt8>
-                         : rows8<kQ8_0>;
+                         : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
   if (has_rows8(type)) chunk = (chunk + 7) / 8 * 8;  // whole groups of eight rows (Q8_0 on fp32 x too)
   localmoe::parallel(fn, &args, O, chunk, threads);

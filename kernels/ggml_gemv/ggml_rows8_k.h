@@ -260,29 +260,17 @@ inline void group8_q4k_one(const uint8_t* row0, int64_t stride, int64_t nsb, con
   _mm256_storeu_ps(y, bias == nullptr ? acc : _mm256_add_ps(acc, _mm256_loadu_ps(bias)));
 }
 
-// Rows r0..r1 of W against TN tokens into y[t * ldy + r]: groups of eight rows from r0 on, the leftover rows alone.
-template <int TN>
-__attribute__((noinline)) void rows8k_fixed(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x,
-                                            int64_t r0, int64_t r1, float* y, int64_t ldy, const float* bias) {
-  int64_t r = r0;
-  for (; r + 8 <= r1; r += 8) {
-    if (TN == 1) group8_q4k_one(w + r * stride, stride, nsb, x[0], y + r, bias == nullptr ? nullptr : bias + r);
-    else group8_q4k<TN>(w + r * stride, stride, nsb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+// rows8k as a group kernel for rows_fixed (ggml_rows.h): group8_q4k_one for one token, group8_q4k for a tile.
+struct Rows8K : NoWide {
+  using X = BlockXK;
+  static constexpr int kTile = kTileK8;
+  template <int TN>
+  __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nsb,
+                                                   const BlockXK* const* x, float* y, int64_t ldy, const float* bias) {
+    if constexpr (TN == 1) group8_q4k_one(row0, stride, nsb, x[0], y, bias);
+    else group8_q4k<TN>(row0, stride, nsb, x, y, ldy, bias);
   }
-  for (; r < r1; ++r)
-    for (int t = 0; t < TN; ++t) {
-      const float v = q4k_row(w + r * stride, nsb, x[t]);
-      y[t * ldy + r] = bias == nullptr ? v : v + bias[r];
-    }
-}
-
-// rows8k_fixed for a run-time n <= TN tokens.
-template <int TN = kTileK8>
-inline void rows8k_tokens(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x, int n, int64_t r0,
-                          int64_t r1, float* y, int64_t ldy, const float* bias) {
-  if constexpr (TN > 1)
-    if (n < TN) return rows8k_tokens<TN - 1>(w, stride, nsb, x, n, r0, r1, y, ldy, bias);
-  rows8k_fixed<TN>(w, stride, nsb, x, r0, r1, y, ldy, bias);
-}
+  static float single(const uint8_t* row, int64_t nsb, const BlockXK* x) { return q4k_row(row, nsb, x); }
+};
 
 }  // namespace localmoe_ggml
