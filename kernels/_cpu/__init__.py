@@ -45,6 +45,7 @@ from localmoe.paths import cache_dir
 
 KERNELS = Path(__file__).resolve().parent.parent
 HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS / "_cpu" / "glu.h",
+           KERNELS / "_cpu" / "expert_rows.h",
            KERNELS / "_cpu" / "matrix.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h", KERNELS / "mxfp4_moe" / "mxfp4_q8.h",
            KERNELS / "mxfp4_moe" / "route.h",
            KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "ggml_gemv" / "ggml_rows.h",

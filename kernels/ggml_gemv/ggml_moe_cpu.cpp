@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "expert_rows.h"
 #include "ggml_rows.h"
 #include "glu.h"
 #include "pool.h"
@@ -207,10 +208,10 @@ int64_t ggml_moe_layer_scratch(int64_t T, int64_t k, int64_t W, int64_t I) {
 }
 
 // A chunk's routed experts from their blocks (prefill), one call for the layer: for each expert e of
-// experts[0 .. n) in that order, its tokens (t with ids[t, j] == e, in increasing t; ids [T, k], weights
-// [T, k]) go through ggml_moe_expert with the expert's table row (table [E, 3] as ggml_moe_token's): out [T, W]
-// += the weighted outputs, each expert's blocks read once for all its tokens. The bits of one ggml_moe_expert
-// call per expert in the same order (the per-expert path: a pager's experts). Returns 0, or -1 as
+// experts[0 .. n) in that order, its picks (expert_rows.h: every (t, j) with ids[t, j] == e, in order; ids [T, k],
+// weights [T, k]) go through ggml_moe_expert with the expert's table row (table [E, 3] as ggml_moe_token's):
+// out [T, W] += the weighted outputs, each expert's blocks read once for all its tokens. The bits of one
+// ggml_moe_expert call per expert in the same order (the per-expert path: a pager's experts). Returns 0, or -1 as
 // ggml_moe_expert (nothing is added for the experts from the refused one on).
 int ggml_moe_layer(const float* x, int64_t T, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
                    const int64_t* experts, int64_t n, const int64_t* table, const int64_t* types, int glu, float p0,
@@ -221,14 +222,10 @@ int ggml_moe_layer(const float* x, int64_t T, int64_t W, int64_t I, const int64_
   void* rest = base + align64(T * 8) + align64(T * 4);  // ggml_moe_expert aligns it itself
   for (int64_t i = 0; i < n; ++i) {
     const int64_t e = experts[i];
-    int64_t m = 0;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < k; ++j)
-        if (ids[t * k + j] == e) {
-          rows[m] = t;
-          w[m++] = weights[t * k + j];
-        }
-    if (ggml_moe_expert(x, W, I, rows, w, m, table + 3 * e, types, glu, p0, p1, out, rest, threads)) return -1;
+    const auto run = [&](const int64_t* r, const float* wt, int64_t m) {
+      return ggml_moe_expert(x, W, I, r, wt, m, table + 3 * e, types, glu, p0, p1, out, rest, threads) == 0;
+    };
+    if (!localmoe_moe::for_expert_rows(ids, weights, T, k, e, T, rows, w, run)) return -1;
   }
   return 0;
 }

@@ -110,6 +110,28 @@ def test_chunk_layer_equals_one_expert_at_a_time(types):
     assert not torch.equal(fewer, got)  # only the experts given are added
 
 
+def test_a_token_routed_twice_to_one_expert_counts_twice():
+    """The layer call takes every pick (expert_rows.h), as the per-expert path does: a token that names one expert
+    twice gets it once per weight. Here expert 2 has 3 picks per token, more picks than the chunk has tokens
+    (the rows' scratch holds T: the picks run in pieces), and the bits equal one block_expert call over all of them."""
+    from localmoe.kernels.ggml_gemv.experts import block_expert, block_layer
+
+    table = _table(TYPES[0])
+    gen = torch.Generator().manual_seed(5)
+    T, k = 3, 3
+    x = torch.randn(T, table.hidden, generator=gen)
+    ids = torch.tensor([[2, 2, 2], [2, 2, 2], [4, 2, 2]])
+    weights = torch.rand(T, k, generator=gen)
+    got = block_layer(x, ids, weights, table, [2, 4], 0, (0.0, 0.0), torch.zeros_like(x))
+    want = torch.zeros_like(x)
+    for e in (2, 4):
+        picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
+        block_expert(x, picks // k, weights.reshape(-1)[picks], table.experts[e], 0, (0.0, 0.0), want)
+    assert torch.equal(got, want)
+    once = block_layer(x, ids[:, :1], weights[:, :1], table, [2, 4], 0, (0.0, 0.0), torch.zeros_like(x))
+    assert not torch.equal(once, got)  # the repeats are counted
+
+
 def test_refuses_mixed_types_across_experts():
     a, b = _table(TYPES[0]), _table(TYPES[1])
     assert BlockExpertTable.of([a.experts[0], b.experts[0]]) is None
