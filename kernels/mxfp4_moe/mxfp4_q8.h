@@ -109,11 +109,13 @@ __attribute__((always_inline)) inline __m256 group_scales(const uint8_t* s) {
       _mm256_slli_epi32(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lanes), _mm256_set1_epi32(1)), 23));
 }
 
-// Group g (blocks 8g .. 8g + 7) of a row: codes prow, scale bytes srow; the lines 1 KiB ahead prefetched.
+// Group g (blocks 8g .. 8g + 7) of a row: codes prow, scales bytes srow; the lines kPrefetch bytes ahead
+// prefetched (at 1 KiB, 1.17x slower: a decode token's experts come from RAM in short runs).
+constexpr int64_t kPrefetch = 2048;
 __attribute__((always_inline)) inline GroupW row_group(const uint8_t* prow, const uint8_t* srow, int64_t g) {
   const uint8_t* c = prow + g * 128;
-  _mm_prefetch(reinterpret_cast<const char*>(c + 1024), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(c + 1024 + 64), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch + 64), _MM_HINT_T0);
   const __m256i p[4] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)),
                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64)),
@@ -121,9 +123,25 @@ __attribute__((always_inline)) inline GroupW row_group(const uint8_t* prow, cons
   return decode_group(p, group_scales(srow + g * 8));
 }
 
+// The half scales of a row's last n < 8 blocks (after g >= 1 whole groups), as group_scales_table(srow + 8 g, n)
+// gives them: the row's last 8 scale bytes in one load (still inside the row), shifted down to the n wanted,
+// the lanes of the missing blocks 0; the table where one of the n is 0 or 0xFF.
+__attribute__((always_inline)) inline __m256 tail_scales(const uint8_t* srow, int64_t g, int64_t n) {
+  uint64_t bytes;
+  std::memcpy(&bytes, srow + 8 * g + n - 8, 8);
+  const __m128i b = _mm_cvtsi64_si128(static_cast<long long>(bytes >> (8 * (8 - n))));
+  const __m128i special = _mm_or_si128(_mm_cmpeq_epi8(b, _mm_setzero_si128()), _mm_cmpeq_epi8(b, _mm_set1_epi8(-1)));
+  if ((_mm_movemask_epi8(special) & ((1 << n) - 1)) != 0) return group_scales_table(srow + 8 * g, n);
+  const __m128i lanes = _mm_shuffle_epi8(b, _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i scale = _mm256_slli_epi32(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lanes), _mm256_set1_epi32(1)), 23);
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  return _mm256_castsi256_ps(_mm256_and_si256(scale, live));  // kLaneBlock[l] < n
+}
+
 // The row's last group when it has n < 8 blocks: nothing read past the row, the missing blocks code 0
 // with scale 0 (against all-zero activations: exactly 0).
-inline GroupW row_last_group(const uint8_t* prow, const uint8_t* srow, int64_t g, int64_t n) {
+__attribute__((always_inline)) inline GroupW row_last_group(const uint8_t* prow, const uint8_t* srow, int64_t g,
+                                                            int64_t n) {
   const uint8_t* c = prow + g * 128;
   __m256i p[4];
   for (int k = 0; k < 4; ++k) {
@@ -132,7 +150,7 @@ inline GroupW row_last_group(const uint8_t* prow, const uint8_t* srow, int64_t g
            : blocks == 1 ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 32 * k)))
                          : _mm256_setzero_si256();
   }
-  return decode_group(p, group_scales_table(srow + g * 8, n));
+  return decode_group(p, g > 0 ? tail_scales(srow, g, n) : group_scales_table(srow, n));
 }
 
 // The group's 8 int32 lane sums with one token (lane l: block kLaneBlock[l], whole), less the +12
@@ -192,6 +210,35 @@ inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const 
     for (int t = 0; t < NT; ++t) y[r + t * O] = hsum(acc[r][t]);
 }
 
+// hsum of a, b, c, d into y[0..3], by the same operations as hsum on each (the same bits): the two halves,
+// then the two pairs, then the last two of each vector, four vectors at a time.
+__attribute__((always_inline)) inline void hsum4(__m256 a, __m256 b, __m256 c, __m256 d, float* y) {
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  const __m256d ab2 = _mm256_castps_pd(ab), cd2 = _mm256_castps_pd(cd);
+  const __m256 t = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ab2, cd2)),
+                                 _mm256_castpd_ps(_mm256_unpackhi_pd(ab2, cd2)));  // a0+a2 a1+a3 c.. c.. | b.. d..
+  const __m256 r = _mm256_add_ps(t, _mm256_movehdup_ps(t));                      // a at 0, c at 2, b at 4, d at 6
+  _mm_storeu_ps(y, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 2, 6, 0, 4, 2, 6))));
+}
+
+// Four consecutive rows against one token: each row's sums and fp32 steps as rows_q8<1, 1> (the same bits),
+// the four in flight together and summed up by one hsum4. Writes y[0..3].
+inline void rows4_q8_one(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, float* y) {
+  const int64_t pitch = nb * (kBlock / 2);
+  __m256 acc[4];
+  for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; 8 * g + 8 <= nb; ++g)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) acc[r] = group_fma(row_group(prow + r * pitch, srow + r * nb, g), xq[g], acc[r]);
+  if (8 * g < nb)
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+      acc[r] = group_fma(row_last_group(prow + r * pitch, srow + r * nb, g, nb - 8 * g), xq[g], acc[r]);
+  hsum4(acc[0], acc[1], acc[2], acc[3], y);
+}
+
 // The most tokens rows_q8 takes in one pass over the rows (AVX-512's 32 vector registers: 2 rows'
 // decoded groups and accumulators; AVX2's 16: one row's).
 #ifdef LOCALMOE_VNNI
@@ -228,6 +275,7 @@ inline void matrix_q8(const uint8_t* packed, const uint8_t* scales, int64_t K, i
   const int64_t nb = K / kBlock, stride = q8_groups(nb);
   int64_t o = o0;
   if (N == 1) {
+    for (; o + 4 <= o1; o += 4) rows4_q8_one(packed + o * (K / 2), scales + o * nb, nb, xq, y + o);
     for (; o < o1; ++o) rows_q8<1, 1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, y + o, O);
     return;
   }

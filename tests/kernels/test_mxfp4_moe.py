@@ -96,6 +96,22 @@ def test_cpu_special_scales_and_bias(N, K, close):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 3], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("K", [320, 448], ids=lambda k: f"K{k}")  # whole groups of 8 blocks, then 2 / 6 blocks
+def test_q8_special_scales_in_a_rows_last_group(N, K, close):
+    """q8: scale bytes 0 (2^-127), 0xFF (NaN) and large in a row's last, partial group of blocks (whose
+    scales come from one load of the row's last 8 bytes) behave as the reference on the rounded inputs; 9
+    rows: two runs of four rows and one alone at N = 1."""
+    packed, scales = _weights(9, K, seed=5)
+    scales[3, -1], scales[4, -2], scales[5, -1], scales[8, -1] = 0, 255, 200, 1
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(K + N))
+    got = mxfp4_moe.mxfp4_linear(x, packed, scales, precision="q8")
+    assert got[:, 4].isnan().all() and not got[:, [0, 1, 2, 3, 5, 6, 7, 8]].isnan().any()
+    want = naive_mxfp4_linear(mxfp4_moe.q8_round(x), packed, scales)
+    close(got[:, [0, 1, 2, 3, 5, 6, 7, 8]], want[:, [0, 1, 2, 3, 5, 6, 7, 8]], 1e-5, "q8 special tail")
+
+
+@needs_cpu_kernel
 def test_cpu_gemv_non_finite_activations():
     """NaN or Inf in a token's x makes its outputs non-finite, as in the reference; other tokens keep theirs."""
     packed, scales = _weights(12, 128, seed=11)
