@@ -38,22 +38,36 @@ inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int
                         y, scratch, threads);
 }
 
-// Bytes of scratch `matrows` needs for N tokens of up to K values.
-inline int64_t matrows_scratch(int64_t N, int64_t K) { return localmoe_ggml::scratch_bytes(N, K); }
+// Tokens per GEMV call of `matrows`: their x (and its int8 copy) stays in L2 while the weight rows stream past
+// (a whole prompt chunk in one call read x from memory again for every group of weight rows).
+constexpr int64_t kMatrowsSlice = 64;
 
-// y [N, rows] = x [N, cols] W^T (+ b): every weight block read once for all N tokens, each token's bits those
-// `matvec` gives it alone (the dense and GGUF-block GEMVs compute every token on its own, whatever the others);
-// a stacked matrix's parts (outputs interleaved per token) take one token at a time.
+// Bytes of scratch `matrows` needs for N tokens of up to K values.
+inline int64_t matrows_scratch(int64_t N, int64_t K) {
+  return localmoe_ggml::scratch_bytes(N < kMatrowsSlice ? N : kMatrowsSlice, K);
+}
+
+// y [N, rows] = x [N, cols] W^T (+ b): every weight block read once for each slice of up to kMatrowsSlice
+// tokens, each token's bits those `matvec` gives it alone (the dense and GGUF-block GEMVs compute every token on
+// its own, whatever the others); a stacked matrix's parts (outputs interleaved per token) take one token at a time.
 inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads) {
   if (N == 1 || m.type == kStacked) {
     for (int64_t t = 0; t < N; ++t) matvec(m, x + t * m.cols, y + t * m.rows, scratch, threads);
-  } else if (m.type == kF32)
-    localmoe_dense::gemv<float>(x, N, m.cols, static_cast<const float*>(m.data), m.rows, m.bias, y, threads);
-  else if (m.type == kBF16)
-    localmoe_dense::gemv<uint16_t>(x, N, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
-  else
-    localmoe_ggml::gemv(x, N, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
-                        y, scratch, threads);
+    return;
+  }
+  for (int64_t t = 0; t < N; t += kMatrowsSlice) {
+    const int64_t n = N - t < kMatrowsSlice ? N - t : kMatrowsSlice;
+    const float* xs = x + t * m.cols;
+    float* ys = y + t * m.rows;
+    if (m.type == kF32)
+      localmoe_dense::gemv<float>(xs, n, m.cols, static_cast<const float*>(m.data), m.rows, m.bias, ys, threads);
+    else if (m.type == kBF16)
+      localmoe_dense::gemv<uint16_t>(xs, n, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, ys,
+                                     threads);
+    else
+      localmoe_ggml::gemv(xs, n, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows,
+                          m.bias, ys, scratch, threads);
+  }
 }
 
 }  // namespace localmoe

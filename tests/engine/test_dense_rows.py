@@ -117,6 +117,17 @@ def test_a_sequence_on_several_rows_has_the_bits_of_its_steps_alone(model, plann
     assert torch.equal(batch.forward_rows(model, tokens, rows), _fused(model, tokens, fused))
 
 
+def test_a_prompt_chunk_past_one_gemv_slice_has_the_bits_of_its_steps_alone(model, planned):
+    """70 rows of one sequence (a prompt chunk: more rows than one GEMV call of the plan takes, matrix.h
+    kMatrowsSlice) beside a decoding one."""
+    fused, rows = _caches(model, 2), _caches(model, 2)
+    tokens = [(13 * i + 1) % model.spec.vocab_size for i in range(71)]
+    on = [0] + [1] * 70
+    want = _fused(model, tokens, [fused[i] for i in on])
+    assert torch.equal(batch.forward_rows(model, tokens, [rows[i] for i in on]), want)
+    assert planned == [71]
+
+
 def test_rows_stay_close_to_the_op_by_op_step(model, monkeypatch):
     """Not on the embedded GGUF: its block GEMVs round each input to int8 per 32 values, so the last-bit
     differences of torch's RoPE / SiLU flip a rounding somewhere and the flip grows through the layers (a
