@@ -62,8 +62,8 @@ from localmoe.errors import CancelledError
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: as many as the decode rows, at least this. A batched
-# step costs ~a + b * rows (embedded model, CPU time of one thread: 14.5 ms at 1 row, 70 ms at 16, 138 ms
-# at 32; a ~ 11 ms), so a step with a chunk costs under twice the decode step it delays.
+# step costs ~a + b * rows (embedded model through its dense plan, CPU time of one thread: 7.6 ms at 1 row,
+# 20.8 at 8, 37.6 at 16, 73.3 at 32; a ~ 4 ms), so a step with a chunk costs about twice the decode step it delays.
 CHUNK_FLOOR = 8
 
 
