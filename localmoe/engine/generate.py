@@ -86,6 +86,7 @@ class Decoder:
         # decided from, handed out by `logits()` / `sample()` without a forward; `ahead` = those of them
         # already in the cache (the kept drafts) that the caller has not fed back yet
         self.speculator = speculator
+        self.recording = False  # a verify left its delta-rule layers keeping states (engine/spec/verify.py record)
         self.ready: deque[tuple[int, torch.Tensor]] = deque()
         self.ahead: list[int] = []
         # preemption (`preempt`): the forwards after the prompt that ran more than one token (an injected
@@ -169,6 +170,11 @@ class Decoder:
     def _ran(self, batch: list[int], logits: torch.Tensor | None) -> torch.Tensor | None:
         """Account for a forward over `batch`: its logits, or None while the prompt or a replay goes on."""
         self.forwards += 1
+        if self.recording and not self.speculating:  # the speculator retired after its last verify: the
+            from localmoe.engine.spec.verify import record  # delta-rule layers stop keeping a state per token
+
+            record(self.cache, False)
+            self.recording = False
         if self._prompt_done and len(batch) > 1:
             self.multi[len(self.in_cache) - len(self.prompt)] = len(batch)
         self.in_cache.extend(batch)

@@ -185,7 +185,8 @@ def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):
 
 def test_k_follows_measured_acceptance_and_step_cost():
     """Drafts kept and cheap extra rows: the most drafts; drafts rejected: none, and after RETIRE_AFTER such
-    steps the sequence stops speculating (back to the engine's own decode step)."""
+    steps a drafter that costs something at k = 0 stops speculating (back to the engine's own decode step),
+    while prompt lookup (free) goes on declining."""
     good = Speculator(PromptLookup(), k=4)
     for _ in range(20):
         good.observe(4, 4, 5, 1.4)  # 5 rows cost 1.4x one row
@@ -196,7 +197,7 @@ def test_k_follows_measured_acceptance_and_step_cost():
         costly.observe(4, 2, 5, 4.0)  # half the drafts kept, but 5 rows cost 4x one (experts read per row)
         costly.observe(0, 0, 1, 1.0)
     assert costly.choose_k() in (0, 1)
-    bad = Speculator(PromptLookup(), k=4)
+    bad = Speculator(NoDraft(), k=4)
     for _ in range(20):
         bad.observe(4, 0, 5, 1.4)
         bad.observe(0, 0, 1, 1.0)
@@ -204,6 +205,15 @@ def test_k_follows_measured_acceptance_and_step_cost():
     for _ in range(RETIRE_AFTER):
         bad.choose_k()
     assert bad.retired
+    lookup = Speculator(PromptLookup(), k=4)  # drafts after 1-token matches rejected: cut, never retired
+    for _ in range(20):
+        lookup.observe(4, 0, 5, 1.4, bucket(Draft([1], match=1)))
+        lookup.observe(0, 0, 1, 1.0)
+    tried = 0
+    for _ in range(RETIRE_AFTER):
+        lookup.choose_k()
+        tried += len(lookup.fit(Draft([1, 2, 3, 4], match=1)).tokens)
+    assert tried <= 1 and not lookup.retired  # one try (PROBE) at most
 
 
 def test_k_follows_the_acceptance_of_the_drafts_confidence_class():
@@ -236,16 +246,81 @@ def test_a_drafters_own_time_is_priced_per_draft():
         assert spec.choose_k() == want and spec.draft_seconds == drafting
 
 
-def test_the_first_verify_is_cheap_and_its_time_is_not_kept():
-    """The first step drafts one token (two rows), and a row count's first time (its kernels' first use) is
-    replaced by its second, not averaged in."""
+def test_the_first_verify_is_one_that_pays_even_at_a_pessimistic_cost():
+    """The first step is plain (the yardstick). Before any verify is measured its rows are priced at two plain
+    steps and more: only a draft after a long match (mostly kept) is verified, others are plain steps; a row
+    count's first time (its kernels' first use) is replaced by its second, not averaged in."""
     spec = Speculator(PromptLookup(), k=4)
-    assert spec.choose_k() == 1
-    spec.observe(1, 1, 2, 5.0)  # first use
-    assert spec.choose_k() == 0  # then a plain step, the yardstick
+    assert spec.choose_k() == 0
     spec.observe(0, 0, 1, 1.0)
-    spec.observe(1, 1, 2, 1.2)
-    assert spec.step_seconds[2] == 1.2
+    assert spec.choose_k() == 4  # some class may pay: the lookup runs
+    assert spec.fit(Draft([1, 2, 3, 4], match=1)).tokens == []
+    assert spec.fit(Draft([1, 2, 3, 4], match=3)).tokens == []
+    assert spec.fit(Draft([1, 2, 3, 4], match=12)).tokens == [1, 2, 3, 4]
+    spec.observe(4, 4, 5, 5.0, bucket(Draft([1], match=12)))  # first use
+    spec.observe(4, 4, 5, 1.5, bucket(Draft([1], match=12)))
+    assert spec.step_seconds[5] == 1.5
+
+
+def test_tries_while_no_draft_pays_cost_a_bounded_share():
+    """Nothing is kept: one draft is still tried now and then, spaced so that the tries cost at most
+    PROBE_SHARE of the time ((t(2) - t(1)) / t(1) / PROBE_SHARE steps), each rejected try doubling the spacing;
+    a kept one brings it back. Plain steps cost nothing more than the lookup: prompt lookup never retires."""
+    from localmoe.engine.spec.speculator import PROBE, PROBE_MAX, PROBE_SHARE
+
+    for cost in (1.1, 1.2, 2.0):  # a 2-row verify at 1.1 / 1.2 / 2 plain steps
+        first = max(PROBE, round((cost - 1.0) / PROBE_SHARE))
+        spec = Speculator(PromptLookup(), k=4)
+        spec.observe(0, 0, 1, 1.0)
+        for _ in range(30):
+            spec.observe(1, 0, 2, cost, 1)
+        gaps, plain, total = [], 0, 0
+        while total < 4000:
+            total += 1
+            k = spec.choose_k()
+            draft = spec.fit(Draft([7, 8, 9, 10][:k], match=1)) if k else Draft([])
+            if draft.tokens:
+                gaps.append(plain)
+                plain = 0
+                spec.observe(len(draft.tokens), 0, 1 + len(draft.tokens), cost, 1)
+            else:
+                plain += 1
+                spec.observe(0, 0, 1, 1.0)
+        assert not spec.retired
+        assert first - 1 <= gaps[0] <= first and gaps[1] >= 2 * gaps[0] - 1 and max(gaps) <= PROBE_MAX
+        assert len(gaps) * (cost - 1.0) <= PROBE_SHARE * total * 1.5
+    spec = Speculator(PromptLookup(), k=4)  # a kept try: the spacing is PROBE again
+    spec.observe(0, 0, 1, 1.0)
+    spec.observe(1, 0, 2, 1.2, 1)
+    spec._backoff = 8
+    spec._probing = True
+    spec.observe(1, 1, 2, 1.2, 1)
+    assert spec._backoff == 1
+
+
+def test_a_retired_speculator_stops_the_states_kept_for_rollback(tmp_path):
+    """A verify leaves a delta-rule layer keeping a state per token until the next step; once the speculator
+    retires, the next plain step stops that (else a state per token is kept until the sequence ends)."""
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.testing import write_checkpoint
+
+    path = write_checkpoint("kimi_linear", tmp_path, "tiny", seed=0)
+    model = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model
+    spec = Speculator(NoDraft(), k=1)
+    spec.observe(0, 0, 1, 1.0)
+    dec = Decoder(model, prompt_for(model), GREEDY, speculator=spec)
+    states = [layer for layer in dec.cache.layers if hasattr(layer, "record")]
+    assert states
+    for step in range(8):
+        logits = dec.logits()
+        if logits is None:
+            continue
+        if step == 5:  # after a verify (recording on): the speculator retires
+            assert dec.recording
+            spec.retired = True
+        dec.feed([dec.sample(logits)])
+    assert not dec.recording and all(layer._recording is None for layer in states)
 
 
 class _Pager:

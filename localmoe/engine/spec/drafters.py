@@ -43,6 +43,8 @@ class Draft:
 
 class Drafter(Protocol):
     name: str
+    # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
+    # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -60,6 +62,7 @@ class PromptLookup:
     afresh. A step costs O(CANDIDATES * LONGEST) whatever the context."""
 
     name = "prompt"
+    free = matches = True
 
     def __init__(self, min_ngram: int = 1, tokenizer=None):
         if min_ngram < 1:

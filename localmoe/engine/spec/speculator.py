@@ -3,15 +3,37 @@
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
 when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
 draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays) and the wall time of a step's forward of r rows (an average per row count; the drafter's own time is
-priced apart, per token it runs: a draft model runs its drafts and the tokens the step yields); a row count not
-measured yet is estimated from the nearest measured ones; the first time of a row count, which pays its
-kernels' first use, is replaced by the second). The first step drafts one token (a cheap first verify),
-the next is plain (the yardstick). A step of k drafts yields
-E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per
-second wins, and k = 0 (no draft: a plain decode step) when none beats it. The step time is the
-cost model: on a paged model it includes reading the drafted tokens' experts that are not resident,
-so speculation turns itself down where verifying costs more than it yields. With a `Residency`
+what its class pays) and the wall time of a step's forward of r rows (an average per row count; the drafter's
+own time is priced apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the
+first time of a row count, which pays its kernels' first use, is replaced by the second). A step of k drafts
+yields E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per second
+wins, and k = 0 (no draft: a plain decode step) when none beats it.
+
+Row counts not measured yet are estimated pessimistically, so the first verify is one that pays even so (a
+draft after a long match, mostly kept) and measuring costs little: the first step is plain (t(1), the
+yardstick); before any verify is measured t(r) = t(1) x FIRST_ROWS x (1 + ROW_SLOPE (r - 2)) (a verify's rows
+take the row kernels, which against a model's fused single-token step cost about two of its steps at 2 rows;
+where the plain step is the row kernels' too, `rows_plain`, FIRST_ROWS_SAME: 2 rows cost 1.17-1.3 of one);
+once some are measured, between two of them linearly, below the smallest measured verify linearly from t(1),
+and beyond the largest with the slope of the two largest verifies (ROW_SLOPE of the largest while there is one).
+t(1) is never used for the slope of the verifies: where plain steps are fused, t(1) is another kernel. A
+drafter without match lengths (a draft model, MTP: how likely a draft is kept is unknown until tried) drafts
+one token a step until a verify is measured.
+
+Probing: while no class of draft pays, one draft is still tried now and then (a change in acceptance is
+noticed), each try costing what a rejected 2-row verify costs over a plain step. The tries are spaced so that
+they cost at most PROBE_SHARE of the decode time ((t(2) - t(1)) / t(1) / PROBE_SHARE steps apart, at least
+PROBE), and every try whose draft is rejected doubles the spacing (up to PROBE_MAX steps) until one is kept.
+
+Declining costs what the drafter's lookup costs, so where that is nothing (prompt lookup: `Drafter.free`) a
+sequence never stops speculating: a free answer that later quotes its prompt (an explanation, then the edited
+file) still drafts for the quote. A drafter with a cost of its own at k = 0 (a draft model catching up, an MTP
+layer or a residency reading every forward's hidden states through the cache's sink, which keeps the model off
+its fused plan) retires after `RETIRE_AFTER` steps in which the best k was expected to gain less than
+`RETIRE_GAIN` over a plain step: the sequence goes back to the engine's own decode step.
+
+The step time is the cost model: on a paged model it includes reading the drafted tokens' experts that are
+not resident, so speculation turns itself down where verifying costs more than it yields. With a `Residency`
 (residency.py: a paged model, drafts copied from the sequence) the model knows more: the step time of r rows
 includes the expert reads of a typical step of r rows (the misses per row count are measured too), and a
 draft's own reads differ from that: its tokens' earlier routing predicts the experts the verify reads, of
@@ -21,12 +43,7 @@ missed expert (a verify's reads run in parallel, so a miss there costs what the 
 plain step's serial stall; an earlier model priced them serially and cut every draft). `fit` then keeps the
 prefix of the draft with the most tokens per second under that model (a draft whose experts are resident is
 cheaper than a typical one; one whose experts must be read is cut short or dropped), and has the
-pager prefetch the experts the kept drafts predict. Every `PROBE` steps at
-k = 0 one step drafts again, so a change in acceptance is noticed. After `RETIRE_AFTER` steps in which
-the best k was expected to gain less than `RETIRE_GAIN` over a plain step, the sequence stops
-speculating (`retired`): a speculating sequence takes the row kernels even on plain steps, and where
-the model has a faster fused single-token step (the embedded dense model on the CPU) that is what it
-gives up; a retired sequence goes back to the engine's own decode step.
+pager prefetch the experts the kept drafts predict.
 """
 
 from __future__ import annotations
@@ -36,10 +53,15 @@ from dataclasses import dataclass
 from localmoe.engine.spec.drafters import Draft, Drafter
 
 K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
-PROBE = 16  # plain steps between two tries while speculation does not pay
+PROBE = 16  # the fewest plain steps between two tries while no draft pays
+PROBE_MAX = 512  # the most (the spacing doubles with every try rejected)
+PROBE_SHARE = 0.01  # tries while no draft pays cost at most this share of the decode time
+FIRST_ROWS = 2.0  # before any verify is measured: t(2) / t(1) (pessimistic: the row kernels against a fused step)
+FIRST_ROWS_SAME = 1.3  # the same where the plain step is the row kernels' (`rows_plain`)
+ROW_SLOPE = 0.25  # before two verifies are measured: each row past the largest measured adds this share of it
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
-RETIRE_AFTER = 24  # consecutive steps without a worthwhile expected gain before a sequence stops speculating
-RETIRE_GAIN = 1.15  # expected tokens/s over a plain row step below which speculation is not worth the row path
+RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
+RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
 # overall acceptance), 1, 2-3, 4-7, 8+ tokens; each class's prior a (weight PRIOR), until its own counts say
 CLASS_PRIOR = (None, 0.3, 0.5, 0.7, 0.9)
@@ -99,7 +121,12 @@ class Speculator:
         self.miss_seconds: float | None = None
         self._counters: tuple[float, int] | None = None
         self._plain = 0  # plain steps since the last draft
-        self._probe = False  # this step tries one draft whatever its class's estimate (PROBE)
+        self._probe = False  # this step tries one draft whatever its class's estimate (see the module docstring)
+        self._probing = False  # the step being verified is such a try
+        self._backoff = 1  # the spacing of the tries, times this (doubled by every try rejected)
+        # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
+        self.free = getattr(drafter, "free", False) and residency is None
+        self.rows_plain = False  # the plain steps are the row kernels' too (the caller sets it: verify.py)
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
 
@@ -116,7 +143,7 @@ class Speculator:
 
     def _best(self, a: float) -> tuple[int, float]:
         """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
-        best, best_rate = 0, 1.0 / self.step_seconds[1]
+        best, best_rate = 0, 1.0 / self._estimate(1)
         a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
@@ -144,50 +171,79 @@ class Speculator:
             self._counters = self.residency.counters()
         if not self.adaptive:
             return self.k_max
-        if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one early
-            return 0 if self.step_seconds else 1  # then start with one draft (a cheap first verify)
-        if len(self.step_seconds) < 2:
+        if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one first
+            return 0
+        if self._measuring():
             return 1
-        plain = 1.0 / self.step_seconds[1]
-        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]  # a drafter with matches: its classes
-        best, _ = max((self._best(self.bucket_acceptance(b)) for b in (range(1, BUCKETS) if seen else [0])),
-                      key=lambda kr: kr[1])
-        best_rate = max(self._best(self.bucket_acceptance(b))[1] for b in (seen or [0]))
-        self._poor = self._poor + 1 if best_rate < RETIRE_GAIN * plain else 0
-        if self._poor >= RETIRE_AFTER:
-            self.retired = True
-            if self.residency is not None:
-                self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
+        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
+        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
+        classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
+        best, _ = max((self._best(self.bucket_acceptance(b)) for b in classes), key=lambda kr: kr[1])
+        if not self.free:
+            best_rate = max(self._best(self.bucket_acceptance(b))[1] for b in (seen or [0]))
+            self._poor = self._poor + 1 if best_rate < RETIRE_GAIN / self._estimate(1) else 0
+            if self._poor >= RETIRE_AFTER:
+                self.retired = True
+                if self.residency is not None:
+                    self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
         if best == 0:
             self._plain += 1
-            if self._plain >= PROBE:
-                self._plain = 0
+            if self._probe_due():
                 self._probe = True
                 return 1
         return best
+
+    def _measuring(self) -> bool:
+        """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
+        a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
+        kept), and it retires where drafting does not pay."""
+        return not getattr(self.drafter, "matches", False) and all(r < 2 for r in self.step_seconds)
+
+    def _probe_due(self) -> bool:
+        """Whether the plain steps since the last draft call for a try (see the module docstring)."""
+        one = self._estimate(1)
+        share = (self._estimate(2) - one) / one / PROBE_SHARE
+        return self._plain >= min(max(PROBE, share) * self._backoff, PROBE_MAX)
 
     def _priced(self) -> bool:
         """Whether the residency cost model has what it needs (a plain step's misses and a missed expert's stall)."""
         return self.residency is not None and 1 in self.step_misses and self.miss_seconds is not None
 
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own)."""
-        return _interpolate(self.step_seconds, rows)
+        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): measured,
+        else estimated from the measured ones (see the module docstring; t(1) is measured first)."""
+        t = self.step_seconds
+        if rows in t:
+            return t[rows]
+        verifies = sorted(r for r in t if r >= 2)
+        if not verifies:
+            return t[1] * (FIRST_ROWS_SAME if self.rows_plain else FIRST_ROWS) * (1 + ROW_SLOPE * (rows - 2))
+        below = max((r for r in verifies if r < rows), default=1)
+        above = min((r for r in verifies if r > rows), default=None)
+        if above is not None:  # between two measured (or t(1) and the smallest verify)
+            return t[below] + (t[above] - t[below]) * (rows - below) / (above - below)
+        if len(verifies) > 1:
+            lo, hi = verifies[-2], verifies[-1]
+            slope = max(t[hi] - t[lo], 0.0) / (hi - lo)
+        else:
+            slope = ROW_SLOPE * t[below]
+        return t[below] + slope * (rows - below)
 
     def fit(self, draft: Draft) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
         (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
         the pager asked to prefetch them."""
-        probe, self._probe = self._probe, False
-        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or len(self.step_seconds) < 2:
+        probe, self._probe, self._probing = self._probe, False, False
+        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
             return self._priced_fit(draft, None)
         a = self.bucket_acceptance(bucket(draft))
         keep = self._best(a)[0]
-        if keep == 0:  # a draft its class does not pay for: every PROBE of them, one is tried anyway
+        if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._plain += 1
-            probe = probe or self._plain >= PROBE
-        if probe:
-            self._plain, keep = 0, max(keep, 1)
+            self._probing = probe or self._probe_due()
+            keep = int(self._probing)
+        if keep:
+            self._plain = 0
         return self._priced_fit(draft.first(keep), a)
 
     def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
@@ -221,6 +277,9 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
+        if self._probing and drafted:  # a try while no draft paid: rejected, the next waits twice as long
+            self._backoff = 1 if accepted else min(2 * self._backoff, PROBE_MAX)
+        self._probing = False
         if drafted:
             s.drafted_steps += 1
             s.drafted += drafted

@@ -91,7 +91,10 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
     drafts, drafting = [], []  # each sequence's draft and the seconds it took (priced apart from the forward)
+    rows_plain = not fused and has_rows(model)  # a plain step is a row of the row kernels too
     for d, s in zip(decoders, spec):
+        if s:
+            d.speculator.rows_plain = rows_plain
         began = time.perf_counter()
         drafts.append(_propose(d) if s else None)
         drafting.append(time.perf_counter() - began)
@@ -104,6 +107,7 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         if s:
             record(d.cache, False)  # the previous step's
             record(d.cache, True)
+            d.recording = True
     out: list[torch.Tensor | None] = [None] * len(decoders)
     if chunks and (fused or not has_rows(model)):
         raise ValueError("prompt chunks run as rows of a batched step only (not fused, a model with rows)")
