@@ -13,7 +13,8 @@ Row counts not measured yet are estimated pessimistically, so the first verify i
 draft after a long match, mostly kept) and measuring costs little: the first step is plain (t(1), the
 yardstick); before any verify is measured t(r) = t(1) x FIRST_ROWS x (1 + ROW_SLOPE (r - 2)) (a verify's rows
 take the row kernels, which against a model's fused single-token step cost about two of its steps at 2 rows;
-where the plain step is the row kernels' too, `rows_plain`, FIRST_ROWS_SAME: 2 rows cost 1.17-1.3 of one);
+where the plain step is the row kernels' too, or a dense plan runs both, `rows_plain`, FIRST_ROWS_SAME: 2 rows
+cost 1.17-1.3 of one);
 once some are measured, between two of them linearly, below the smallest measured verify linearly from t(1),
 and beyond the largest with the slope of the two largest verifies (ROW_SLOPE of the largest while there is one).
 t(1) is never used for the slope of the verifies: where plain steps are fused, t(1) is another kernel. A

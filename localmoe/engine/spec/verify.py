@@ -19,7 +19,8 @@ steps are the model's own fused single-token step: the worker where batching doe
 sequence) a step without a draft takes that fused step as a plain sequence would, so speculation costs
 nothing on the steps where the speculator declines to draft, and the step time it compares drafting
 against is the fused step's; the verify rows still round as the row kernels do, so against a fused plain
-run the text can part at a near-tie of two tokens. (Such a step files no routing for the residency: its
+run the text can part at a near-tie of two tokens, except where the model's dense plan runs the rows
+(batch.py `rows_plan`: every row has the fused step's bits, and a row costs about what the fused step does). (Such a step files no routing for the residency: its
 sink would keep the model off its fused plan. An MTP drafter keeps its sink: it needs every hidden state.) A
 speculating sequence resumed after a preemption (`Decoder.replaying`) runs each token it had again as
 one such row, without drafting, so its caches come back as they were.
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from localmoe.engine.batch import decode_batch, forward_rows, has_rows
+from localmoe.engine.batch import decode_batch, forward_rows, has_rows, rows_plan
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.prompt_rows import forward_with_prompts
 from localmoe.engine.sampler import probabilities, sample
@@ -91,7 +92,8 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
     drafts, drafting = [], []  # each sequence's draft and the seconds it took (priced apart from the forward)
-    rows_plain = not fused and has_rows(model)  # a plain step is a row of the row kernels too
+    # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
+    rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
     for d, s in zip(decoders, spec):
         if s:
             d.speculator.rows_plain = rows_plain
