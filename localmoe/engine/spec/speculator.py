@@ -7,7 +7,8 @@ what its class pays) and the wall time of a step's forward of r rows (an average
 own time is priced apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the
 first time of a row count, which pays its kernels' first use, is replaced by the second). A step of k drafts
 yields E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per second
-wins, and k = 0 (no draft: a plain decode step) when none beats it.
+wins, and k = 0 (no draft: a plain decode step) when none beats a plain step by GAIN (5%: measured step times
+scatter, and a draft that only breaks even is a loss when they err).
 
 Row counts not measured yet are estimated pessimistically, so the first verify is one that pays even so (a
 draft after a long match, mostly kept) and measuring costs little: the first step is plain (t(1), the
@@ -61,6 +62,7 @@ FIRST_ROWS = 2.0  # before any verify is measured: t(2) / t(1) (pessimistic: the
 FIRST_ROWS_SAME = 1.3  # the same where the plain step is the row kernels' (`rows_plain`)
 ROW_SLOPE = 0.25  # before two verifies are measured: each row past the largest measured adds this share of it
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
+GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -144,7 +146,7 @@ class Speculator:
 
     def _best(self, a: float) -> tuple[int, float]:
         """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
-        best, best_rate = 0, 1.0 / self._estimate(1)
+        best, best_rate = 0, GAIN / self._estimate(1)
         a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
@@ -258,7 +260,7 @@ class Speculator:
         if a is not None and self._priced():
             missing = r.missing(keys)
             a = min(a, 0.999)
-            keep, best = 0, 1.0 / self._estimate(1)
+            keep, best = 0, GAIN / self._estimate(1)
             for j in range(1, len(draft.tokens) + 1):
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
                 added = (missing[j] - missing[0] - typical) * self.miss_seconds

@@ -153,7 +153,8 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         d.in_cache.append(rows[n][0])
         j, x = _accept(d, drafts[n], out[n])
         kept = drafts[n].tokens[:j]
-        d.cache.trim(starts[n] + 1 + j)
+        if j < len(drafts[n].tokens):  # rejected drafts leave the caches (a trim per layer: not on plain steps)
+            d.cache.trim(starts[n] + 1 + j)
         d.in_cache.extend(kept)
         d.ahead = list(kept)
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
