@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "../dense_gemv/dense_rows.h"
+#include "expert_rows.h"
 #include "glu.h"
 
 namespace {
@@ -21,16 +22,18 @@ using localmoe_dense::load1;
 using localmoe_dense::load8;
 
 // R rows x NT tokens: R * NT accumulators + R weight vectors + 1 x vector. AVX2 has 16 ymm registers (3 x 3);
-// the AVX-512 build's VL encoding reaches 32, so it takes 3 x 6, reading x 1.5x less per FMA. Each dot is
-// the same 8-lane accumulation either way: the two builds give the same bits.
+// the AVX-512 build's VL encoding reaches 32, so it takes 3 x 9 (a whole expert's ~9 prefill tokens in one pass:
+// each weight vector loaded from RAM feeds 9 FMAs). Each dot is the same 8-lane accumulation either way: the two
+// builds give the same bits.
 #ifdef __AVX512VL__
-constexpr int kRows = 3, kTokens = 6;
+constexpr int kRows = 3, kTokens = 9;
 #else
 constexpr int kRows = 3, kTokens = 3;
 #endif
 
 // dots[t * R + r] = w_r . x_t for R rows of w (stride K) and NT tokens of x (stride K). Rows set in `prefetch`
-// (bit r: row r) of the block two ahead are prefetched along the way (measured: one and four ahead were slower).
+// (bit r: row r) of the block two ahead are prefetched along the way into L2 (measured: one and four ahead were
+// slower; into L1, _MM_HINT_T0, a Kimi-Linear small layer's experts from RAM ran 1.5x slower).
 template <typename T, int R, int NT>
 inline void block(const T* w, const float* x, int64_t K, float* dots, unsigned prefetch) {
   __m256 acc[R][NT];
@@ -42,7 +45,7 @@ inline void block(const T* w, const float* x, int64_t K, float* dots, unsigned p
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
     if (prefetch)
       for (int r = 0; r < R; ++r)
-        if (prefetch >> r & 1u) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T0);
+        if (prefetch >> r & 1u) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T1);
     for (int t = 0; t < NT; ++t) {
       const __m256 xv = _mm256_loadu_ps(x + t * K + k);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
@@ -56,27 +59,29 @@ inline void block(const T* w, const float* x, int64_t K, float* dots, unsigned p
     }
 }
 
-// The R rows against N tokens, in groups of kTokens. The prefetches of the rows two blocks ahead are spread
-// over the groups (group g takes rows g, g + G, ...): the memory stream runs while every group computes, not
-// only the first (with all prefetches in the first group the stream idled during the later ones).
+// block<T, R, n> for 1 <= n <= NT.
+template <typename T, int R, int NT = kTokens>
+inline void block_n(int n, const T* w, const float* x, int64_t K, float* dots, unsigned prefetch) {
+  if constexpr (NT > 1) {
+    if (n < NT) return block_n<T, R, NT - 1>(n, w, x, K, dots, prefetch);
+  }
+  block<T, R, NT>(w, x, K, dots, prefetch);
+}
+
+// The R rows against N tokens, in groups of at most kTokens, as even as they go (10 tokens: 5 + 5, not 9 + 1).
+// The prefetches of the rows two blocks ahead are spread over the groups (group g takes rows g, g + G, ...): the
+// memory stream runs while every group computes, not only the first (with all prefetches in the first group the
+// stream idled during the later ones).
 template <typename T, int R>
 inline void rows_block(const T* w, const float* x, int64_t N, int64_t K, float* dots) {
   const int64_t groups = (N + kTokens - 1) / kTokens;
-  for (int64_t t = 0, g = 0; t < N; t += kTokens, ++g) {
-    const float* xt = x + t * K;
-    float* d = dots + t * R;
-    const int64_t n = std::min<int64_t>(kTokens, N - t);
+  for (int64_t t = 0, g = 0; t < N; ++g) {
+    const int64_t n = (N - t + (groups - g) - 1) / (groups - g);
     unsigned prefetch = 0;
     for (int r = 0; r < R; ++r)
       if (r % groups == g) prefetch |= 1u << r;
-    switch (n) {
-      case 6: block<T, R, std::min(6, kTokens)>(w, xt, K, d, prefetch); break;
-      case 5: block<T, R, std::min(5, kTokens)>(w, xt, K, d, prefetch); break;
-      case 4: block<T, R, std::min(4, kTokens)>(w, xt, K, d, prefetch); break;
-      case 3: block<T, R, 3>(w, xt, K, d, prefetch); break;
-      case 2: block<T, R, 2>(w, xt, K, d, prefetch); break;
-      default: block<T, R, 1>(w, xt, K, d, prefetch);
-    }
+    block_n<T, R>(static_cast<int>(n), w, x + t * K, K, dots + t * R, prefetch);
+    t += n;
   }
 }
 
@@ -192,9 +197,12 @@ void dense_moe_expert(const float* x, int64_t D, const int64_t* rows, const floa
 int64_t dense_moe_layer_scratch(int64_t T, int64_t D, int64_t I) { return T * (D + 2 * I + 3); }
 
 // A MoE layer's routed experts from one call: for each expert e of experts[0..M) in that order (increasing ids:
-// the order a per-expert dispatch adds them), the tokens n that chose it (ids [T, k], in increasing n, with
-// weights [T, k]) through `dense_moe_expert`'s computation: the same bits as one dense_moe_expert call per
-// expert. table [E, 3]: addresses of each expert's gate, up, down (all fp32 or all bf16, per `bf16`).
+// the order a per-expert dispatch adds them), its picks (ids [T, k], weights [T, k]: every (t, j) with ids[t, j]
+// == e, in increasing t then j, kernels/_cpu/expert_rows.h; a token that names e twice gets it twice) through
+// `dense_moe_expert`'s computation, in pieces of at most T rows (a token's row does not depend on the rows beside
+// it, and a piece's adds into `out` run in its order on the thread that owns the output column): the same bits
+// as one dense_moe_expert call per expert. table [E, 3]: addresses of each expert's gate, up, down (all fp32 or
+// all bf16, per `bf16`).
 void dense_moe_layer(const float* x, int64_t D, const int64_t* ids, const float* weights, int64_t T, int64_t k,
                      const int64_t* table, const int64_t* experts, int64_t M, int bf16, int64_t I, int glu, float p0,
                      float p1, float* out, float* scratch, int threads) {
@@ -202,18 +210,13 @@ void dense_moe_layer(const float* x, int64_t D, const int64_t* ids, const float*
   float* wts = scratch + 2 * T;
   float* work = wts + T;
   for (int64_t m = 0; m < M; ++m) {
-    const int64_t e = experts[m];
-    int64_t N = 0;
-    for (int64_t n = 0; n < T; ++n)
-      for (int64_t j = 0; j < k; ++j)
-        if (ids[n * k + j] == e) {
-          rows[N] = n;
-          wts[N++] = weights[n * k + j];
-          break;
-        }
-    const int64_t* w = table + 3 * e;
-    run_expert(x, D, rows, wts, N, reinterpret_cast<const void*>(w[0]), reinterpret_cast<const void*>(w[1]),
-               reinterpret_cast<const void*>(w[2]), bf16, I, glu, p0, p1, out, work, threads);
+    const int64_t* w = table + 3 * experts[m];
+    localmoe_moe::for_expert_rows(ids, weights, T, k, experts[m], T, rows, wts, [&](const int64_t* r, const float* wt,
+                                                                                     int64_t n) {
+      run_expert(x, D, r, wt, n, reinterpret_cast<const void*>(w[0]), reinterpret_cast<const void*>(w[1]),
+                 reinterpret_cast<const void*>(w[2]), bf16, I, glu, p0, p1, out, work, threads);
+      return true;
+    });
   }
 }
 

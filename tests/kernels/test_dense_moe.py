@@ -37,7 +37,7 @@ def _rel(got, want):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("n", [1, 2, 9, 11, 64], ids=lambda n: f"N{n}")  # tails of 6-token tiles: 3, 5, 4
+@pytest.mark.parametrize("n", [1, 2, 9, 10, 11, 64], ids=lambda n: f"N{n}")  # AVX-512 passes: 9, 5 + 5, 6 + 5, 8 x 8
 def test_matches_the_op_by_op_torch_path(n, dtype):
     x, rows, weights, mats, out = _case(n, dtype)
     want = _torch_path(x, rows, weights, mats, out)
@@ -102,6 +102,30 @@ def test_a_layer_call_equals_one_call_per_expert(dtype):
         picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
         naive_dense_expert(x, picks // k, weights.reshape(-1)[picks], *experts[e], "situ", (3.0, 2.0), ref)
     assert _rel(got - out, ref - out) <= 1e-5
+
+
+def test_a_token_routed_twice_to_one_expert_counts_twice():
+    """The layer call takes every pick (kernels/_cpu/expert_rows.h), as the per-expert path does: a token that names
+    one expert twice gets it once per weight. Expert 2 has more picks than the chunk has tokens (the rows' scratch
+    holds T: the picks run in pieces), and the bits equal one dense_expert call over all of them."""
+    g = torch.Generator().manual_seed(6)
+    T3, k = 3, 3
+    x = torch.randn(T3, D, generator=g)
+    ids = torch.tensor([[2, 2, 2], [2, 2, 2], [4, 2, 2]])
+    weights = torch.rand(T3, k, generator=g)
+    experts = [tuple(torch.randn(*s, generator=g) / s[1] ** 0.5 for s in ((I, D), (I, D), (D, I))) for _ in range(5)]
+    table = dense_moe.DenseExpertTable.of(experts)
+    got = dense_moe.dense_moe_layer(x, ids, weights, table, [2, 4], "swiglu", (0.0, 0.0), torch.zeros_like(x))
+    want, ref = torch.zeros_like(x), torch.zeros_like(x)
+    for e in (2, 4):
+        picks = (ids.reshape(-1) == e).nonzero().squeeze(1)
+        cpu.dense_expert(x, picks // k, weights.reshape(-1)[picks], *experts[e], "swiglu", (0.0, 0.0), want)
+        naive_dense_expert(x, picks // k, weights.reshape(-1)[picks], *experts[e], "swiglu", (0.0, 0.0), ref)
+    assert torch.equal(got, want)
+    assert _rel(got, ref) <= 1e-5
+    once = dense_moe.dense_moe_layer(x, ids[:, :1], weights[:, :1], table, [2, 4], "swiglu", (0.0, 0.0),
+                                     torch.zeros_like(x))
+    assert not torch.equal(once, got)  # the repeats are counted
 
 
 def test_a_table_refuses_experts_it_cannot_point_at():
