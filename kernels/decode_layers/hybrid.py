@@ -229,6 +229,9 @@ class HybridDecoder:
         """Layer i's (DSA) index-key cache (heads: its blocks; the token's key is written); a k-pool layer's kept
         pool keys [>= the complete pools, Di] fp32 and their count [1] int64 (the kernel adds the new ones)."""
         dsa = self.layers[i].mla.dsa
+        if keys.heads * keys.dim != dsa.head_dim * (2 if dsa.gate.rows else 1):
+            raise ValueError(f"layer {i}: the index cache holds {keys.heads} x {keys.dim} values per token, not "
+                             f"the indexer's key{' and gate logits' if dsa.gate.rows else ''} ({dsa.head_dim} each)")
         dsa.keys, dsa.pooled, dsa.pooled_done = keys, _ptr(pooled), _ptr(done)
 
     def _experts(self, index: int, h: int, x: int, out: int) -> int:

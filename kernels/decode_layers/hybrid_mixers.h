@@ -266,7 +266,7 @@ inline void rotate_pairs(float* x, int64_t n, const float* cos, const float* ssi
 }
 
 // The index cache's values per token: the key, then (k-pool) its gate logits.
-inline int64_t index_width(const Indexer& ix) { return ix.keys.heads * ix.keys.dim; }
+inline int64_t index_width(const Indexer& ix) { return ix.head_dim * (ix.gate.rows ? 2 : 1); }
 
 inline int64_t mla_scratch(const Mla& m) {
   const int64_t index = m.dsa.select == 1 ? m.dsa.heads * m.dsa.head_dim + m.dsa.heads + index_width(m.dsa) : 0;

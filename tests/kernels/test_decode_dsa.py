@@ -170,3 +170,23 @@ def test_paged_equals_resident(checkpoint, tmp_path):
         pager.close()
     assert pager.stats.ram.misses > 0
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm5_next"])
+def test_wide_index_keys_and_many_streams(family, tmp_path, monkeypatch):
+    """index_head_dim 256 (keys over two fp8-scale blocks of the index cache; k-pool: keys and gate logits over
+    four) and, for GLM-5-Next, 18 hyper-connection streams: the fused step takes them (before: op by op past
+    128 and 16), within 1e-5 of op by op over fp32 and fp8 caches."""
+    import importlib
+
+    sizes = importlib.import_module(f"localmoe.testing.families.{family}").SIZES
+    monkeypatch.setitem(sizes, "tiny", dict(sizes["tiny"], index_dim=256, **({"hc": 18} if family == "glm5_next"
+                                                                                else {})))
+    model = _load(write_checkpoint(family, tmp_path, size="tiny", seed=3))
+    assert model.spec.dsa.index_head_dim == 256
+    for cache in ("float32", "fp8"):
+        with kv_cache_dtype(model, cache):
+            want = greedy_logits(model, LONG, STEPS, False, 128)
+            got = greedy_logits(model, LONG, STEPS, True, 128, every_step=True)
+        assert _error(got, want) < 1e-5, f"{cache}: fused decode differs from op by op by {_error(got, want):.2e}"
+    assert model._plan.decoder.layers[0].hc_mult == (18 if family == "glm5_next" else 0)
