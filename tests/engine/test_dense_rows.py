@@ -4,8 +4,8 @@
 different lengths, for a sequence on several rows (a verify, a prompt chunk), on the AVX2 and AVX-512 builds;
 and the logits stay within 1e-5 of their range of the op-by-op batched step, which computes the same
 layers with torch's norms, RoPE and SiLU (fp32 / bf16 weights; see that test for the GGUF). On the embedded SmolLM2 (Q4_1 GGUF blocks) and tiny fp32 / bf16
-Llama-family models (Qwen2's q/k/v biases, Qwen3's per-head q/k norms), with 16-token cache blocks so every
-run crosses blocks."""
+Llama-family models (Qwen2's q/k/v biases, Qwen3's per-head q/k norms) and a tiny Llama of mixed GGUF K-quant and
+Q5 blocks (stacked q; k; v and gate; up), with 16-token cache blocks so every run crosses blocks."""
 
 from __future__ import annotations
 
@@ -44,7 +44,39 @@ def _tiny(model_type: str, dtype: str):
                               EngineConfig(dtype=dtype, threads=1))
 
 
-MODELS = ["embedded", "llama-fp32", "qwen2-bf16", "qwen3-fp32"]
+def _mixed_blocks():
+    """A tiny Llama of GGUF blocks mixed as Q4_K_M / Q5_K_M files mix them (q, k Q4_K and v Q6_K: a stacked q; k; v;
+    gate Q5_0 and up Q5_1: a stacked gate; up; o Q5_K, down Q6_K), random blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from localmoe.engine.quantized import BlockQuantized
+    from localmoe.load import build_from_tensors
+    from localmoe.models import family_for_model_type
+    from localmoe.testing.ggml_blocks import random_blocks
+
+    transformers = pytest.importorskip("transformers")
+    kinds = {"v_proj.weight": Q.Q6_K, "down_proj.weight": Q.Q6_K, "lm_head.weight": Q.Q6_K,
+             "o_proj.weight": Q.Q5_K, "gate_proj.weight": Q.Q5_0, "up_proj.weight": Q.Q5_1}
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tensors = dict(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).state_dict())
+    rng = np.random.default_rng(0)
+    for name, t in list(tensors.items()):
+        if t.dim() == 2:
+            kind = next((k for suffix, k in kinds.items() if name.endswith(suffix)), Q.Q4_K)
+            tensors[name] = BlockQuantized(torch.from_numpy(random_blocks(kind, *t.shape, rng, step=(2e-4, 1e-3))),
+                                           kind, tuple(t.shape))
+    family = family_for_model_type("llama")
+    model = build_from_tensors(family, family.spec_from_hf(config.to_dict()), tensors, family.hf_tensors,
+                               EngineConfig(dtype="auto", threads=1))
+    assert len(model.layers[0][1].qkv.segments) == 2 and len(model.layers[0][3].gate_up.segments) == 2
+    return model
+
+
+MODELS = ["embedded", "llama-fp32", "qwen2-bf16", "qwen3-fp32", "mixed-blocks"]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=MODELS)
@@ -53,6 +85,8 @@ def model(request):
         from localmoe.load import load_model
 
         return load_model(None, EngineConfig(threads=1), progress=False).model
+    if request.param == "mixed-blocks":
+        return _mixed_blocks()
     kind, dtype = request.param.split("-")
     return _tiny(kind, {"fp32": "float32", "bf16": "bfloat16"}[dtype])
 
