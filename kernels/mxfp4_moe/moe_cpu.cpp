@@ -179,7 +179,20 @@ void moe_layer(const float* x, int64_t N, int64_t D, int64_t I, int64_t k, const
   if (groups.empty()) return;
   const int64_t G = static_cast<int64_t>(groups.size());
 
-  prepare_inputs(groups, D, [&](int64_t a) { return x + (s.order[a] / k) * D; }, s.xp, s.xq, q8);
+  if (q8) {  // each token's q8 record made once, copied to its other assignments (a prefill token has k)
+    const int64_t bytes = q8_bytes(D);
+    std::vector<int64_t> first(N, -1);
+    for (const Group& g : groups)
+      for (int64_t a = g.first; a < g.first + g.n; ++a) {
+        const int64_t t = s.order[a] / k;
+        if (first[t] < 0)
+          quantize_row_q8(x + t * D, D / kBlock, reinterpret_cast<GroupQ8*>(s.xq + a * bytes)), first[t] = a;
+        else
+          std::memcpy(s.xq + a * bytes, s.xq + first[t] * bytes, bytes);
+      }
+  } else {
+    prepare_inputs(groups, D, [&](int64_t a) { return x + (s.order[a] / k) * D; }, s.xp, s.xq, false);
+  }
   Phase gate_up{&groups, table, 2, 0, D, I, s.xp, s.xq, {s.gate, s.up}, q8 != 0};
   parallel(phase_rows, &gate_up, G * 2 * I, kChunkBytes / (D / 2 + D / kBlock), threads);
 
