@@ -49,8 +49,19 @@ inline int64_t matrows_scratch(int64_t N, int64_t K) {
 
 // y [N, rows] = x [N, cols] W^T (+ b): every weight block read once for each slice of up to kMatrowsSlice
 // tokens, each token's bits those `matvec` gives it alone (the dense and GGUF-block GEMVs compute every token on
-// its own, whatever the others); a stacked matrix's parts (outputs interleaved per token) take one token at a time.
-inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads) {
+// its own, whatever the others). A stacked matrix's parts run one at a time into `parts` ([N, rows] floats),
+// each copied into its columns of y; without `parts` they take one token at a time.
+inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads,
+                    float* parts = nullptr) {
+  if (m.type == kStacked && N > 1 && parts != nullptr) {
+    int64_t at = 0;
+    for (const Matrix* part = static_cast<const Matrix*>(m.data); part->rows > 0; at += part->rows, ++part) {
+      matrows(*part, x, N, parts, scratch, threads);
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t r = 0; r < part->rows; ++r) y[t * m.rows + at + r] = parts[t * part->rows + r];
+    }
+    return;
+  }
   if (N == 1 || m.type == kStacked) {
     for (int64_t t = 0; t < N; ++t) matvec(m, x + t * m.cols, y + t * m.rows, scratch, threads);
     return;

@@ -123,14 +123,15 @@ void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int6
 // Bytes of the `xq` scratch decode_dense_rows needs for N rows of up to K values.
 int64_t decode_dense_rows_xq_bytes(int64_t N, int64_t K) { return localmoe::matrows_scratch(N, K); }
 
-// Floats of decode_dense_rows' `work` per row: the largest layer's q/k/v and attention rows, or its gate/up rows.
+// Floats of decode_dense_rows' `work` per row: the largest layer's q/k/v and attention rows, or its gate/up rows,
+// then as many again for a stacked matrix's parts (matrix.h `matrows`).
 int64_t decode_dense_rows_work(const DenseLayer* layers, int64_t n) {
   int64_t floats = 0;
   for (int64_t l = 0; l < n; ++l) {
     const DenseLayer& L = layers[l];
     floats = std::max({floats, (2 * L.heads + 2 * L.kv_heads) * L.head_dim, L.gate_up.rows});
   }
-  return floats;
+  return 2 * floats;
 }
 
 // decode_dense for N sequences, one new token each (row r: a sequence's token, or one of several consecutive
@@ -151,13 +152,15 @@ int64_t decode_dense_rows(const DenseLayer* layers, int64_t n, int64_t N, float*
     const int64_t* seq = seqs + i * kFields;
     if (seq[kPos] < 0 || seq[kPos] >= seq[kCapacity]) return i;
   }
+  const int64_t work_floats = decode_dense_rows_work(layers, n);
   add_rms_norm(x, nullptr, layers[0].attn_norm, N, D, eps, h);
   for (int64_t l = 0; l < n; ++l) {
     const DenseLayer& L = layers[l];
     const int64_t H = L.heads, Hkv = L.kv_heads, Dh = L.head_dim, width = (H + 2 * Hkv) * Dh;
     float* qkv = work;              // [N, width]
     float* attn = work + N * width;  // [N, H Dh]
-    localmoe::matrows(L.qkv, h, N, qkv, xq, threads);
+    float* parts = work + N * (work_floats / 2);  // a stacked matrix's parts
+    localmoe::matrows(L.qkv, h, N, qkv, xq, threads, parts);
     for (int64_t r = 0; r < N; ++r) {
       float* row = qkv + r * width;
       if (L.q_norm != nullptr)
@@ -172,7 +175,7 @@ int64_t decode_dense_rows(const DenseLayer* layers, int64_t n, int64_t N, float*
     add_rms_norm(x, delta, L.mlp_norm, N, D, eps, h);
     const int64_t I = L.gate_up.rows / 2;
     float* mlp = work;  // [N, 2 I], then silu(gate) * up packed as [N, I]
-    localmoe::matrows(L.gate_up, h, N, mlp, xq, threads);
+    localmoe::matrows(L.gate_up, h, N, mlp, xq, threads, parts);
     for (int64_t r = 0; r < N; ++r) {
       localmoe::glu_rows(localmoe::kSwiGLU, mlp + r * 2 * I, mlp + r * 2 * I + I, I, 0.0f, 0.0f);
       if (r > 0) std::memmove(mlp + r * I, mlp + r * 2 * I, I * sizeof(float));  // over rows consumed already
