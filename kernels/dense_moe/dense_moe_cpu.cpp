@@ -186,7 +186,7 @@ int64_t dense_moe_scratch(int64_t N, int64_t D, int64_t I) { return N * (D + 2 *
 
 // out [*, D] += weights[n] * down(glu(gate x[rows[n]], up x[rows[n]])) for n < N; x [*, D] fp32; gate, up
 // [I, D], down [D, I] fp32 (bf16 = 0) or bf16 bits (bf16 = 1), contiguous; scratch: dense_moe_scratch floats.
-// glu, p0, p1: kernels/_cpu/glu.h. rows must be distinct.
+// glu, p0, p1: kernels/_cpu/glu.h. rows may repeat (a token routed twice to one expert): each pick adds its term.
 void dense_moe_expert(const float* x, int64_t D, const int64_t* rows, const float* weights, int64_t N,
                       const void* gate, const void* up, const void* down, int bf16, int64_t I, int glu, float p0,
                       float p1, float* out, float* scratch, int threads) {

@@ -20,8 +20,9 @@ sequence) a step without a draft takes that fused step as a plain sequence would
 nothing on the steps where the speculator declines to draft, and the step time it compares drafting
 against is the fused step's; the verify rows still round as the row kernels do, so against a fused plain
 run the text can part at a near-tie of two tokens, except where the model's dense plan runs the rows
-(batch.py `rows_plan`: every row has the fused step's bits, and a row costs about what the fused step does). (Such a step files no routing for the residency: its
-sink would keep the model off its fused plan. An MTP drafter keeps its sink: it needs every hidden state.) A
+(batch.py `rows_plan`: every row has the fused step's bits, and a row costs about what the fused step
+does). (Such a step files no routing for the residency: its sink would keep the model off its fused plan.
+An MTP drafter keeps its sink: it needs every hidden state.) A
 speculating sequence resumed after a preemption (`Decoder.replaying`) runs each token it had again as
 one such row, without drafting, so its caches come back as they were.
 """
