@@ -61,19 +61,32 @@ def dsa_layer(tmp_path_factory):
     return load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model.layers[1][1]
 
 
-def test_gathered_attention_equals_masked_attention_on_the_same_selection(dsa_layer):
-    layer, c = dsa_layer, dsa_layer.config
-    g = torch.Generator().manual_seed(3)
-    B, T, S, k = 2, 3, 40, 6
-    q_nope = torch.randn(B, c.num_heads, T, c.qk_nope_head_dim, generator=g)
-    q_rope = torch.randn(B, c.num_heads, T, c.qk_rope_head_dim, generator=g)
-    rows = torch.randn(B, S, c.row_dim, generator=g)
+def _random_selection(config, seed: int, B: int, T: int, S: int, k: int, pads: int):
+    """Random queries [B, H, T, *], latent rows [B, S, row_dim] and k distinct selected keys per query [B, T, k],
+    the first query's last `pads` entries -1 (pads)."""
+    g = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(B, config.num_heads, T, config.qk_nope_head_dim, generator=g)
+    q_rope = torch.randn(B, config.num_heads, T, config.qk_rope_head_dim, generator=g)
+    rows = torch.randn(B, S, config.row_dim, generator=g)
     selected = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
-    selected[0, 0, -2:] = -1  # pads
+    selected[0, 0, -pads:] = -1
+    return q_nope, q_rope, rows, selected
+
+
+def _whole_selection_mask(selected: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, T, k] selected keys (-1 pads) -> the [B, T, S] bool mask of them, built at once."""
+    B, T, _ = selected.shape
+    mask = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter_(-1, torch.where(selected < 0, S, selected), True)
+    return mask[..., :S]
+
+
+def test_gathered_attention_equals_masked_attention_on_the_same_selection(dsa_layer):
+    layer = dsa_layer
+    B, T, S, k = 2, 3, 40, 6
+    q_nope, q_rope, rows, selected = _random_selection(layer.config, 3, B, T, S, k, pads=2)
     step = Step(S - T, torch.arange(S - T, S)[None], None, None, None)
     gathered = layer.attend_gathered(q_nope, q_rope, rows, selected, step)
-    mask = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter_(-1, torch.where(selected < 0, S, selected), True)
-    masked = layer.attend_absorbed(q_nope, q_rope, rows, mask[..., :S])
+    masked = layer.attend_absorbed(q_nope, q_rope, rows, _whole_selection_mask(selected, S))
     torch.testing.assert_close(gathered, masked, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(masked, layer.attend_absorbed(q_nope, q_rope, rows, None))  # selection matters
 
@@ -98,18 +111,13 @@ def test_prefill_selection_mask_is_built_per_block(dsa_layer, monkeypatch, padde
     from localmoe.engine.layers import dsa, mla
 
     layer, c = dsa_layer, dsa_layer.config
-    g = torch.Generator().manual_seed(5)
     B, T, S, k = 2, 12, 300, 20
-    q_nope = torch.randn(B, c.num_heads, T, c.qk_nope_head_dim, generator=g)
-    q_rope = torch.randn(B, c.num_heads, T, c.qk_rope_head_dim, generator=g)
-    rows = torch.randn(B, S, c.row_dim, generator=g)
-    selected = torch.stack([torch.randperm(S, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
-    selected[0, 0, -3:] = -1  # pads
+    q_nope, q_rope, rows, selected = _random_selection(c, 5, B, T, S, k, pads=3)
     pad = torch.ones(B, T, S, dtype=torch.bool)
     pad[1, :, :7] = False
     mask = pad if padded else None
-    whole = torch.zeros(B, T, S + 1, dtype=torch.bool).scatter_(-1, torch.where(selected < 0, S, selected), True)
-    whole = whole[..., :S] & pad if padded else whole[..., :S]
+    whole = _whole_selection_mask(selected, S)
+    whole = whole & pad if padded else whole
     monkeypatch.setattr(mla, "SCORES_MAX_BYTES", 64 * 4 * B * c.num_heads * T)  # 64-key blocks
     widths = []
     block = dsa.selection_mask(selected, mask)
