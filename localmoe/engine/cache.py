@@ -296,6 +296,8 @@ class ModelCache:
 
     def __init__(self, layers: list[LayerCache], batch: int, max_len: int, device: str | torch.device = "cpu"):
         self.layers = layers
+        # the layers that can keep a state per position while recording (delta-rule states: engine/spec/verify.py)
+        self.recorders = [layer for layer in layers if hasattr(layer, "record")]
         self.batch = batch
         self.max_len = max_len
         self.device = torch.device(device)

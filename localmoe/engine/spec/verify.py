@@ -48,11 +48,8 @@ def record(cache: ModelCache, on: bool) -> None:
     """Delta-rule layers keep (on) or drop (off) the states of the positions they reach from now on.
     A speculating sequence records from the start of a verify until its next step (or its end), so an
     injected token can still drop kept drafts not fed back yet (Decoder.feed). The layers that record are
-    looked up once per cache (a step of a model without delta-rule layers loops over nothing)."""
-    layers = getattr(cache, "_recorders", None)
-    if layers is None:
-        layers = cache._recorders = [layer for layer in cache.layers if hasattr(layer, "record")]
-    for layer in layers:
+    the cache's `recorders`, found once when it was made (a model without delta-rule layers has none)."""
+    for layer in cache.recorders:
         layer.record(on)
 
 
