@@ -218,7 +218,7 @@ class EngineConfig:
     max_context: int = 0  # KV cache length; 0 = min(model max, 8192)
     kv_cache_dtype: str = "float32"  # K/V and MLA latent rows: KV_CACHE_DTYPES; delta-rule state stays fp32
     # MXFP4 and GGUF-block routed experts: "q8" rounds each projection's input to int8 per 32 values
-    # (per 256 for K-quant blocks: llama.cpp's trade, ~2x faster on AVX2), and so does a MoE model's GGUF block
+    # (per 256 for K-quant blocks: llama.cpp's trade, ~2x faster on AVX2), and so does any model's GGUF block
     # lm_head (engine/transformer.py _head); "exact" keeps fp32 activations there (kernels/mxfp4_moe)
     expert_precision: str = "q8"
     device: str = "cpu"

@@ -120,7 +120,7 @@ def model_options(function):
                      help="Context length to allocate the cache for (default: min(model max, 8192))."),
         kv_cache_dtype_option,
         click.option("--expert-precision", type=click.Choice(EXPERT_PRECISIONS), default="q8", show_default=True,
-                     help="Routed experts' activations (MXFP4 or GGUF blocks) and a MoE GGUF's block lm_head's: "
+                     help="Activations of routed experts (MXFP4 or GGUF blocks) and of a GGUF block lm_head: "
                           "q8 rounds them to int8 per 32 values, per 256 for K-quants (as llama.cpp; about 2x "
                           "faster on AVX2), exact keeps float32."),
     ]
