@@ -170,8 +170,8 @@ class Decoder:
     def _ran(self, batch: list[int], logits: torch.Tensor | None) -> torch.Tensor | None:
         """Account for a forward over `batch`: its logits, or None while the prompt or a replay goes on."""
         self.forwards += 1
-        if self.recording and not self.speculating:  # the speculator retired after its last verify: the
-            from localmoe.engine.spec.verify import record  # delta-rule layers stop keeping a state per token
+        if self.recording:  # a plain step after a verify (the speculator declined or retired): the delta-rule
+            from localmoe.engine.spec.verify import record  # layers stop keeping a state per token
 
             record(self.cache, False)
             self.recording = False
@@ -311,13 +311,20 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
     (`prompt_rows`, at most `limit` tokens) runs as more rows of the same forward, so every weight is read
     once for all of them (also beside speculating sequences' verify rows); their results (logits or None,
     `logits()`'s) come after the decoders', in order."""
-    from localmoe.engine.batch import decode_batch
-    from localmoe.engine.prompt_rows import forward_with_prompts
-
     if any(d.speculating for d in decoders):
         from localmoe.engine.spec.verify import speculative_step
 
-        return speculative_step(decoders, fused, chunks)
+        return speculative_step(decoders, fused, chunks, plain_step)
+    return plain_step(decoders, fused, chunks)
+
+
+def plain_step(decoders: Sequence[Decoder], fused: bool = False,
+               chunks: Sequence[tuple[Decoder, int]] = ()) -> list[torch.Tensor | None]:
+    """`decode_together` without drafts: each sequence's pending token (and `chunks`) as one forward. Also the
+    step of speculating sequences whose speculators all declined to draft (engine/spec/verify.py)."""
+    from localmoe.engine.batch import decode_batch
+    from localmoe.engine.prompt_rows import forward_with_prompts
+
     tokens, caches = [d.pending[0] for d in decoders], [d.cache for d in decoders]
     if not chunks:
         logits, prompts = decode_batch(decoders[0].model, tokens, caches, fused), []

@@ -12,7 +12,7 @@ import pytest
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
-from localmoe.engine.spec.speculator import RETIRE_AFTER, Speculator, bucket
+from localmoe.engine.spec.speculator import BUCKETS, RETIRE_AFTER, Speculator, bucket
 from localmoe.testing.parity import random_tokens
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -183,6 +183,73 @@ def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):
                                                                            add_special_tokens=False)[len(same):][:3]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_steps_where_every_speculator_declines_are_the_plain_step(model, monkeypatch, fused):
+    """A step where no sequence drafts is the plain step (fused or batched rows, as plain sequences take): the
+    plain run's tokens, no acceptance, no verify; only its time is observed."""
+    from localmoe.engine.spec import verify
+
+    prompt = prompt_for(model)
+    dec = Decoder(model, prompt, GREEDY)
+    want = []
+    while len(want) < 8:
+        logits = decode_together([dec], fused=fused)[0] if dec.decoding else dec.logits()
+        if logits is not None:
+            want.append(dec.sample(logits))
+            dec.feed([want[-1]])
+
+    def no_verify(*args, **kwargs):
+        raise AssertionError("a step without a draft went through the acceptance")
+
+    monkeypatch.setattr(verify, "_accept", no_verify)
+    spec = Speculator(NoDraft(), k=1, adaptive=False)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    got = []
+    while len(got) < 8:
+        logits = decode_together([dec], fused=fused)[0] if dec.decoding and not dec.ready else dec.logits()
+        if logits is not None:
+            got.append(dec.sample(logits))
+            dec.feed([got[-1]])
+    assert got == want and spec.stats.steps == 7 and 1 in spec.step_seconds
+
+
+def test_a_declining_speculator_prices_its_classes_once(monkeypatch):
+    """Plain step after plain step, the classes' best k are not priced again (their inputs did not change) until
+    a verify runs or t(1) moves by more than REPRICE; prompt lookup is told the shortest match worth a draft and
+    builds none after a shorter one."""
+    from localmoe.engine.spec.speculator import RECENT, REPRICE
+
+    spec = Speculator(PromptLookup(), k=4)
+    spec.observe(0, 0, 1, 1.0)
+    for _ in range(10):
+        spec.observe(4, 4, 5, 1.5, bucket(Draft([1], match=12)))
+        spec.observe(4, 0, 5, 1.5, bucket(Draft([1], match=1)))
+    spec.observe(0, 0, 1, 1.0)
+    priced = []
+    best = spec._best
+    monkeypatch.setattr(spec, "_best", lambda a: priced.append(a) or best(a))
+    spec.choose_k()
+    assert len(priced) == BUCKETS
+    least = spec.least_match()
+    assert least > 1 and spec.fit(Draft([1, 2], match=1)).tokens == []
+    for i in range(40):  # plain steps, t(1) within REPRICE
+        spec.choose_k()
+        spec.least_match()
+        spec.fit(Draft([]))
+        spec.observe(0, 0, 1, 1.0 + REPRICE / 2 * (i % 2))
+    assert len(priced) == BUCKETS
+    for _ in range(RECENT):  # slower plain steps move t(1) past REPRICE: priced again
+        spec.observe(0, 0, 1, 1.0 + 2 * REPRICE)
+    spec.choose_k()
+    assert len(priced) == 2 * BUCKETS
+    spec.observe(4, 4, 5, 1.5, bucket(Draft([1], match=12)))  # a verify: priced again
+    spec.choose_k()
+    assert len(priced) == 3 * BUCKETS
+    history = [7, 1, 2, 3, 9, 5, 1, 2, 3]  # the last 3 tokens match 3 earlier ones
+    assert PromptLookup().propose(history, 2, least=4).tokens == []
+    assert PromptLookup().propose(history, 2, least=2).tokens == [9, 5]
+
+
 def test_k_follows_measured_acceptance_and_step_cost():
     """Drafts kept and cheap extra rows: the most drafts; drafts rejected: none, and after RETIRE_AFTER such
     steps a drafter that costs something at k = 0 stops speculating (back to the engine's own decode step),
@@ -300,27 +367,37 @@ def test_tries_while_no_draft_pays_cost_a_bounded_share():
 
 def test_a_retired_speculator_stops_the_states_kept_for_rollback(tmp_path):
     """A verify leaves a delta-rule layer keeping a state per token until the next step; once the speculator
-    retires, the next plain step stops that (else a state per token is kept until the sequence ends)."""
+    retires, or declines to draft (the plain step), the next step stops that (else a state per token is kept
+    until the sequence ends)."""
     from localmoe.config import EngineConfig
     from localmoe.load import load_model
     from localmoe.testing import write_checkpoint
 
     path = write_checkpoint("kimi_linear", tmp_path, "tiny", seed=0)
     model = load_model(path, EngineConfig(dtype="float32", threads=1), progress=False).model
-    spec = Speculator(NoDraft(), k=1)
-    spec.observe(0, 0, 1, 1.0)
-    dec = Decoder(model, prompt_for(model), GREEDY, speculator=spec)
-    states = [layer for layer in dec.cache.layers if hasattr(layer, "record")]
-    assert states
-    for step in range(8):
-        logits = dec.logits()
-        if logits is None:
-            continue
-        if step == 5:  # after a verify (recording on): the speculator retires
-            assert dec.recording
-            spec.retired = True
-        dec.feed([dec.sample(logits)])
-    assert not dec.recording and all(layer._recording is None for layer in states)
+    class Repeat:  # drafts the last token again: every step verifies
+        name = "repeat"
+
+        def propose(self, history, k, params, generator):
+            return Draft([history[-1]])
+
+    for stop in ("retire", "decline"):
+        spec = Speculator(Repeat(), k=1, adaptive=False)
+        dec = Decoder(model, prompt_for(model), GREEDY, speculator=spec)
+        states = [layer for layer in dec.cache.layers if hasattr(layer, "record")]
+        assert states
+        for step in range(8):
+            logits = dec.logits()
+            if logits is None:
+                continue
+            if step == 5:  # after a verify (recording on): the speculator retires, or declines from now on
+                assert dec.recording
+                if stop == "retire":
+                    spec.retired = True
+                else:
+                    spec.drafter = NoDraft()
+            dec.feed([dec.sample(logits)])
+        assert not dec.recording and all(layer._recording is None for layer in states)
 
 
 class _Pager:

@@ -44,7 +44,8 @@ class Draft:
 class Drafter(Protocol):
     name: str
     # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
-    # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class)
+    # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
+    # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -83,8 +84,9 @@ class PromptLookup:
         return _SPACE.sub("", text)
 
     def _update(self, history: Sequence[int]) -> None:
+        history = history if isinstance(history, list) else list(history)
         n_seen = len(self._seen)
-        if list(history[:n_seen]) != self._seen:  # another sequence (or a rewound one): index it afresh
+        if len(history) < n_seen or history[:n_seen] != self._seen:  # another sequence (or a rewound one): afresh
             self._index.clear()
             self._keys, self._at, self._seen, n_seen = [], [], [], 0
         for at in range(n_seen, len(history)):
@@ -96,7 +98,7 @@ class PromptLookup:
             end, n = len(self._keys) - 1, self.min_ngram
             if end >= n:  # only ends with a key after them can be continued; `end` itself is indexed next time
                 self._index.setdefault(tuple(self._keys[end - n:end]), []).append(end - 1)
-        self._seen = list(history)
+        self._seen.extend(history[n_seen:])
 
     def _match(self) -> tuple[int, int] | None:
         """(the key index of the best earlier match of the sequence's last keys, its length in keys)."""
@@ -114,12 +116,13 @@ class PromptLookup:
         return None if best is None else (best, best_len)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
-                generator: torch.Generator | None = None) -> Draft:
+                generator: torch.Generator | None = None, least: int = 1) -> Draft:
+        """Up to k tokens after the longest match; none where it is shorter than `least` tokens."""
         if k <= 0 or len(history) < 2:
             return Draft([])
         self._update(history)
         found = self._match()
-        if found is None:
+        if found is None or found[1] < least:
             return Draft([])
         c, length = found
         source = self._at[c] + 1

@@ -3,9 +3,10 @@
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
 when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
 draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays) and the wall time of a step's forward of r rows (an average per row count; the drafter's
-own time is priced apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the
-first time of a row count, which pays its kernels' first use, is replaced by the second). A step of k drafts
+what its class pays) and the wall time of a step of r rows (its forward and the acceptance; the median of the
+row count's last RECENT steps, so a step preempted under load does not move it; the drafter's own time is priced
+apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the first time of a row
+count, which pays its kernels' first use, is dropped by the second). A step of k drafts
 yields E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per second
 wins, and k = 0 (no draft: a plain decode step) when none beats a plain step by GAIN (5%: measured step times
 scatter, and a draft that only breaks even is a loss when they err).
@@ -27,7 +28,10 @@ noticed), each try costing what a rejected 2-row verify costs over a plain step.
 they cost at most PROBE_SHARE of the decode time ((t(2) - t(1)) / t(1) / PROBE_SHARE steps apart, at least
 PROBE), and every try whose draft is rejected doubles the spacing (up to PROBE_MAX steps) until one is kept.
 
-Declining costs what the drafter's lookup costs, so where that is nothing (prompt lookup: `Drafter.free`) a
+Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
+runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
+match that pays (`least_match`: it builds no draft after a shorter one), and a step in which no sequence drafts
+is the plain step (engine/generate.py `plain_step`, its time observed). Where that is nothing (prompt lookup: `Drafter.free`) a
 sequence never stops speculating: a free answer that later quotes its prompt (an explanation, then the edited
 file) still drafts for the quote. A drafter with a cost of its own at k = 0 (a draft model catching up, an MTP
 layer or a residency reading every forward's hidden states through the cache's sink, which keeps the model off
@@ -50,6 +54,8 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from localmoe.engine.spec.drafters import Draft, Drafter
@@ -62,7 +68,10 @@ FIRST_ROWS = 2.0  # before any verify is measured: t(2) / t(1) (pessimistic: the
 FIRST_ROWS_SAME = 1.3  # the same where the plain step is the row kernels' (`rows_plain`)
 ROW_SLOPE = 0.25  # before two verifies are measured: each row past the largest measured adds this share of it
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
+RECENT = 9  # a row count's step time is the median of its last RECENT steps (a step preempted under load is an
+# outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
+REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -115,8 +124,9 @@ class Speculator:
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
-        self.step_seconds: dict[int, float] = {}  # rows -> average wall time of a step
-        self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is replaced, not averaged)
+        self.step_seconds: dict[int, float] = {}  # rows -> the median wall time of its recent steps
+        self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is dropped by the second)
+        self._recent: dict[int, deque] = {}  # rows -> the last RECENT step times
         self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
         self._catches_up = float(hasattr(drafter, "caught_up"))  # a drafter with a cache runs the yielded tokens too
         self._drafts_timed = 0
@@ -131,7 +141,12 @@ class Speculator:
         self._backoff = 1  # the spacing of the tries, times this (doubled by every try rejected)
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
-        self.rows_plain = False  # the plain steps are the row kernels' too (the caller sets it: verify.py)
+        self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
+        self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
+        self._memo_t1 = 0.0
+        # what the memo says: plain steps between two tries while no draft pays (times _backoff), the best k
+        # over the classes, whether the classes seen gain enough (retirement), the shortest match that pays
+        self._spacing, self._choice, self._worth, self._least = float(PROBE), 0, True, 1
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
 
@@ -180,13 +195,10 @@ class Speculator:
             return 0
         if self._measuring():
             return 1
-        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
-        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
-        classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
-        best, _ = max((self._best(self.bucket_acceptance(b)) for b in classes), key=lambda kr: kr[1])
+        self._priced_classes()
+        best = self._choice
         if not self.free:
-            best_rate = max(self._best(self.bucket_acceptance(b))[1] for b in (seen or [0]))
-            self._poor = self._poor + 1 if best_rate < RETIRE_GAIN / self._estimate(1) else 0
+            self._poor = 0 if self._worth else self._poor + 1
             if self._poor >= RETIRE_AFTER:
                 self.retired = True
                 if self.residency is not None:
@@ -198,6 +210,32 @@ class Speculator:
                 return 1
         return best
 
+    def _priced_classes(self) -> list[tuple[int, float]]:
+        """`_best` of each confidence class (bucket()), priced again only once a verify ran (acceptance, row
+        times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
+        one = self.step_seconds[1]
+        if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
+            self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
+            self._memo_t1 = one
+            self._spacing = max(PROBE, (self._estimate(2) - one) / one / PROBE_SHARE)
+            seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
+            # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
+            classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
+            self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
+            # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
+            self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
+            least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS - 1)
+            self._least = 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
+        return self._memo
+
+    def least_match(self) -> int:
+        """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
+        not build the drafts of shorter ones. 1 where every draft may be kept (not adaptive, not priced yet, a
+        try due, a residency pricing drafts by their reads)."""
+        if not self.adaptive or 1 not in self.step_seconds or self.residency is not None or self._probe_due():
+            return 1
+        return self._least
+
     def _measuring(self) -> bool:
         """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
         a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
@@ -206,9 +244,8 @@ class Speculator:
 
     def _probe_due(self) -> bool:
         """Whether the plain steps since the last draft call for a try (see the module docstring)."""
-        one = self._estimate(1)
-        share = (self._estimate(2) - one) / one / PROBE_SHARE
-        return self._plain >= min(max(PROBE, share) * self._backoff, PROBE_MAX)
+        self._priced_classes()
+        return self._plain >= min(self._spacing * self._backoff, PROBE_MAX)
 
     def _priced(self) -> bool:
         """Whether the residency cost model has what it needs (a plain step's misses and a missed expert's stall)."""
@@ -239,10 +276,13 @@ class Speculator:
         (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
         the pager asked to prefetch them."""
         probe, self._probe, self._probing = self._probe, False, False
-        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
+        if not self.adaptive or 1 not in self.step_seconds or self._measuring():
             return self._priced_fit(draft, None)
+        if not draft.tokens:  # nothing to verify (no match, or one shorter than `least_match`): a plain step
+            self._plain += 1
+            return draft
         a = self.bucket_acceptance(bucket(draft))
-        keep = self._best(a)[0]
+        keep = self._priced_classes()[bucket(draft)][0]
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._plain += 1
             self._probing = probe or self._probe_due()
@@ -285,6 +325,8 @@ class Speculator:
         if self._probing and drafted:  # a try while no draft paid: rejected, the next waits twice as long
             self._backoff = 1 if accepted else min(2 * self._backoff, PROBE_MAX)
         self._probing = False
+        if drafted or rows > 1:
+            self._memo = None  # the acceptance or a verify's time changed: price the classes again
         if drafted:
             s.drafted_steps += 1
             s.drafted += drafted
@@ -301,7 +343,11 @@ class Speculator:
             self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)
         # the first step of a row count pays its kernels' first use: the second replaces it
         self._samples[rows] = n = self._samples.get(rows, 0) + 1
-        self.step_seconds[rows] = seconds if n <= 2 else self.step_seconds[rows] + SMOOTH * (seconds - self.step_seconds[rows])
+        recent = self._recent.setdefault(rows, deque(maxlen=RECENT))
+        if n == 2:
+            recent.clear()
+        recent.append(seconds)
+        self.step_seconds[rows] = statistics.median(recent)
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
             stall, misses = stall - self._counters[0], misses - self._counters[1]

@@ -69,7 +69,9 @@ def _propose(dec) -> Draft:
     if k <= 0:
         return Draft([])
     history = dec.in_cache + dec.pending
-    return spec.fit(spec.drafter.propose(history, k, dec.params, dec.generator).first(k))
+    # a drafter with match lengths is told the shortest match worth a draft (it skips building shorter ones')
+    extra = {"least": spec.least_match()} if getattr(spec.drafter, "matches", False) else {}
+    return spec.fit(spec.drafter.propose(history, k, dec.params, dec.generator, **extra).first(k))
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
@@ -83,24 +85,35 @@ def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
                           lambda i: probabilities(logits[i:i + 1], dec.params, history(i))[0], dec.generator)
 
 
-def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = ()) -> list[torch.Tensor | None]:
+def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = (),
+                     plain_step=None) -> list[torch.Tensor | None]:
     """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
     logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
     (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
     sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
-    results after the decoders'."""
+    results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
+    runs a step in which no sequence drafts."""
     model = decoders[0].model
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
     drafts, drafting = [], []  # each sequence's draft and the seconds it took (priced apart from the forward)
-    # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
-    rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
     for d, s in zip(decoders, spec):
-        if s:
-            d.speculator.rows_plain = rows_plain
+        if s and d.speculator.rows_plain is None:
+            # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
+            d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
         began = time.perf_counter()
         drafts.append(_propose(d) if s else None)
         drafting.append(time.perf_counter() - began)
+    if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
+            not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
+        # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
+        started = time.perf_counter()
+        results = plain_step(decoders, fused, chunks)
+        seconds = time.perf_counter() - started
+        for d, s, took in zip(decoders, spec, drafting):
+            if s:
+                d.speculator.observe(0, 0, 1, seconds, 0, took)
+        return results
     started = time.perf_counter()
     # a speculating sequence without a draft, where plain steps are fused: the fused step (module docstring)
     own = [s and fused and not drafts[n].tokens for n, s in enumerate(spec)]
@@ -150,6 +163,7 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         if not spec[n]:
             results.append(d._ran(rows[n][0:1], out[n]))  # None while a resumed sequence replays
             continue
+        began = time.perf_counter()  # the step's cost is its forward and this sequence's acceptance
         d.forwards += 1
         d.in_cache.append(rows[n][0])
         j, x = _accept(d, drafts[n], out[n])
@@ -159,6 +173,7 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         d.in_cache.extend(kept)
         d.ahead = list(kept)
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
-        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds, bucket(drafts[n]), drafting[n])
+        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds + time.perf_counter() - began,
+                             bucket(drafts[n]), drafting[n])
         results.append(d.ready[0][1])
     return results + chunked
