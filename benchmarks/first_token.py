@@ -17,7 +17,10 @@ it), so every front end reaches the same engine worker and differs only in what 
   the first streamed page update showing assistant text;
 - `web (browser)`: the same page in headless Chromium (playwright, where installed: `--browser`), as a
   user sees it: from the enter key in the message box to the first assistant text drawn in the chat
-  (both times taken in the page).
+  (both times taken in the page); the page's script sends the message to the stream route and draws
+  the answer itself (ui/web/stream.py);
+- `web (browser, queue)`: the same with the page's script switched off, so the message goes through
+  Gradio's submit and queue and Gradio draws the answer (the path a message with an image takes).
 
 Each round runs every front end once, in a rotated order, each on a fresh session (no history), the
 worker idle in between. Printed: per front end the median and min over rounds, and each median against
@@ -164,7 +167,7 @@ class Browser:
         };
         const observer = new MutationObserver(seen);
         observer.observe(chat, {subtree: true, childList: true, characterData: true});
-        document.querySelector('#message textarea').addEventListener('keydown', event => {
+        window.addEventListener('keydown', event => {  // window's capture phase: before any page handler
             if (event.key === 'Enter') window.__sent = performance.now();
         }, {capture: true, once: true});
     }"""
@@ -198,13 +201,16 @@ class Browser:
         return done[0]
 
 
-def web_browser_first_token(browser: Browser, url: str, service) -> float:
-    """From the enter key to the first assistant text drawn in the chat, in a fresh tab (a new session)."""
+def web_browser_first_token(browser: Browser, url: str, service, stream: bool = True) -> float:
+    """From the enter key to the first assistant text drawn in the chat, in a fresh tab (a new session); with
+    `stream` False the page's script leaves the message to Gradio's submit."""
     def run(chromium):
         page = chromium.new_page()
         try:
             page.goto(url)
             page.wait_for_selector("#message textarea")
+            page.wait_for_function("document.querySelector('#stream-key textarea').value")  # the tab's key
+            page.evaluate(f"window.localmoeStream.enabled = {'true' if stream else 'false'}")
             page.fill("#message textarea", QUESTION)
             time.sleep(TYPING)  # the page settles, as while a user types (the UIs warm the header meanwhile)
             page.evaluate(Browser.FIRST)
@@ -266,6 +272,7 @@ def main() -> None:
     if args.browser:
         browser = Browser(args.browser)
         runs["web (browser)"] = lambda: web_browser_first_token(browser, web_url, service)
+        runs["web (browser, queue)"] = lambda: web_browser_first_token(browser, web_url, service, stream=False)
     for run in runs.values():  # warm-up: imports, kernels, the prefix cache's first entry
         run()
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -278,7 +285,7 @@ def main() -> None:
           f"with the UIs' tools")
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"  {name:15s} median {median * 1000:7.1f} ms  min {min(values) * 1000:7.1f} ms  "
+        print(f"  {name:20s} median {median * 1000:7.1f} ms  min {min(values) * 1000:7.1f} ms  "
               f"vs api {median / base:.2f}x")
     service.stop()
 

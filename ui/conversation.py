@@ -145,11 +145,17 @@ class Conversation:
             self.messages.extend(new)
             forced = None
             turn = None
-            async for kind, payload in stream.events():
-                if kind == "delta" and payload.tool_call is None and payload.text:
-                    yield ConversationEvent(payload.channel, text=payload.text)
-                elif kind == "done":
-                    turn = payload
+            try:
+                async for kind, payload in stream.events():
+                    if kind == "delta" and payload.tool_call is None and payload.text:
+                        yield ConversationEvent(payload.channel, text=payload.text)
+                    elif kind == "done":
+                        turn = payload
+            except asyncio.CancelledError:  # stopped: the history keeps what was shown, as the store does
+                partial = stream.partial
+                self.messages.append(ChatMessage("assistant", partial.content, reasoning=partial.reasoning or None,
+                                                 tool_calls=list(partial.tool_calls), interrupted=True))
+                raise
             self.messages.append(ChatMessage("assistant", turn.content, reasoning=turn.reasoning or None,
                                              tool_calls=list(turn.tool_calls)))
             self.last_turn = turn

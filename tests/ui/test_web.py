@@ -1,5 +1,6 @@
 """The Gradio web app (`localmoe web`): its parts on their own, one tab's chat over a real
-Service (tool calls approved and denied), and the real page in headless Chromium."""
+Service (tool calls approved and denied, an answer stopped), and the real page in headless Chromium
+(answers streamed by the page's script outside Gradio's queue, and through Gradio's own submit)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ gradio = pytest.importorskip("gradio", reason="the web app needs the ui extra: p
 
 from localmoe.ui.web.approval import ApprovalGate
 from localmoe.ui.web.live import LiveHistory
+from localmoe.ui.web.stream import STREAM_PATH, PageDiff, StreamKeys, same_origin
 from localmoe.ui.web.transcript import Transcript, fenced
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +78,51 @@ def test_transcript_marks_a_denied_call_and_shows_no_output():
     t.apply(_event("tool_result", tool_call=call, result="The user denied this", approved=False), "high")
     assert t.messages[0]["metadata"] == {"title": "Tool call run_command: denied, not run", "status": "done"}
     assert "Output" not in t.messages[0]["content"]
+
+
+def test_page_diff_sends_text_as_it_grows_and_the_rest_as_a_redraw():
+    t = Transcript()
+    gate = ApprovalGate()
+    t.user("earlier")
+    diff = PageDiff(t, gate)
+    assert diff.ops() == []  # what the page showed before the message is not sent again
+    t.user("hi")
+    assert diff.ops() == [{"op": "new", "i": 1, "role": "user", "title": None, "text": "hi"}]
+    t.apply(_event("reasoning", text="hm"), "high")
+    t.apply(_event("reasoning", text="m"), "high")
+    assert diff.ops() == [{"op": "new", "i": 2, "role": "assistant", "title": "Reasoning", "text": "hmm"}]
+    t.apply(_event("content", text="Hel"), "high")  # closes the reasoning panel: nothing to redraw for that
+    assert diff.ops() == [{"op": "new", "i": 3, "role": "assistant", "title": None, "text": "Hel"}]
+    t.apply(_event("content", text="lo"), "high")
+    assert diff.ops() == [{"op": "append", "i": 3, "text": "lo"}]
+    assert diff.ops() == []
+    call = ToolCall("list_dir", {"path": "."}, id="call_1")
+    t.apply(_event("turn_done"), "high")
+    t.apply(_event("tool_call", tool_call=call), "high")  # a card: Gradio draws it
+    assert diff.ops() == [{"op": "sync"}]
+    gate.call = call  # the approval card shows
+    assert diff.ops() == [{"op": "sync"}]
+    t.apply(_event("tool_result", tool_call=call, result="a.txt", approved=True), "high")
+    t.apply(_event("content", text="Done"), "high")
+    assert diff.ops() == [{"op": "new", "i": 5, "role": "assistant", "title": None, "text": "Done"}, {"op": "sync"}]
+    t.note("boom", title="Error")
+    assert diff.ops() == [{"op": "sync"}]
+    t.clear()
+    assert diff.ops() == [{"op": "sync"}]
+
+
+def test_stream_keys_and_origin_check():
+    keys = StreamKeys()
+    first, second = keys.issue("tab-a"), keys.issue("tab-b")
+    assert first != second and len(first) >= 32
+    assert keys.session_hash(first) == "tab-a" and keys.session_hash("guess") is None
+    assert keys.session_hash(None) is None and keys.session_hash(["x"]) is None
+    keys.forget("tab-a")
+    assert keys.session_hash(first) is None and keys.session_hash(second) == "tab-b"
+    assert same_origin({"origin": "http://127.0.0.1:7860", "host": "127.0.0.1:7860"})
+    assert not same_origin({"origin": "http://127.0.0.1:7861", "host": "127.0.0.1:7860"})  # another local app
+    assert not same_origin({"origin": "null", "host": "127.0.0.1:7860"})
+    assert not same_origin({"host": "127.0.0.1:7860"})  # no Origin: not a page's fetch
 
 
 def test_gate_waits_for_a_decision_from_another_thread():
@@ -183,6 +230,42 @@ def test_approved_call_runs_and_denied_call_never_does(service, tmp_path):
     assert any(m.role == "tool" and m.content == DENIED for m in stored)  # the model is told, durably
 
 
+@pytest.mark.slow
+def test_stop_ends_the_answer_and_keeps_what_was_shown(service, tmp_path):
+    """Stop cancels the running turn at once: the transcript keeps its text and says "stopped", the history and the
+    store keep the partial answer marked interrupted, the worker is free, and the next message is answered."""
+    from localmoe.ui.web.session import WebSession
+
+    session = WebSession(service, tmp_path, budget="low", max_tokens=2000)
+    session.conversation.tools_enabled = False
+
+    async def scenario():
+        shown = 0
+        async for _ in session.send("Count from 1 to 300, one number per line."):
+            texts = [m["content"] for m in session.transcript.messages if m["role"] == "assistant"]
+            if texts and texts[-1] and not shown:
+                shown = len(texts[-1])
+                threading.Thread(target=session.stop).start()  # as Gradio's Stop handler does, from a thread
+        return shown
+
+    shown = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert shown and session.transcript.last_turn == "stopped"
+    answer = session.transcript.messages[-1]["content"]
+    assert session.transcript.messages[-1]["role"] == "assistant" and len(answer) >= shown
+    assert len(answer) < 200, "the answer ran on after Stop"
+    last = session.conversation.messages[-1]
+    assert last.role == "assistant" and last.interrupted and last.content == answer
+    stored = service.sessions.messages(session.conversation.session_id)
+    assert stored[-1].role == "assistant" and stored[-1].interrupted and stored[-1].content == answer
+    deadline = time.monotonic() + 10
+    while service.worker.active or service.worker.waiting:  # the sequence is closed, its cache freed
+        assert time.monotonic() < deadline, "the stopped sequence still runs"
+        time.sleep(0.01)
+    session.max_tokens = session.conversation.max_tokens = 4
+    asyncio.run(asyncio.wait_for(_send_deciding(session, "Say hi.", []), 120))
+    assert re.match(r"[1-4] tokens", session.transcript.last_turn) and not session.busy  # answered, not stopped
+
+
 # ---- the real page in headless Chromium ----
 
 def _browser() -> str | None:
@@ -259,10 +342,15 @@ def page(browser, web_server):
     return _tab(browser, web_server[0])
 
 
+KEY_READY = "() => document.querySelector('#stream-key textarea').value !== ''"  # the tab may use the stream route
+SCRIPT_IDLE = "() => !window.localmoeStream.busy && !window.localmoeStream.syncing"
+
+
 def _tab(browser, url: str):
     tab = browser.new_page(viewport={"width": 1400, "height": 1000})
     tab.goto(url)
     tab.wait_for_selector("#message textarea")
+    tab.wait_for_function(KEY_READY, timeout=30_000)
     return tab
 
 
@@ -294,8 +382,10 @@ RECORD_JS = """(sel) => {
   window.__botStates = [];
   const seen = () => {
     const els = document.querySelectorAll(sel);
-    const s = window.__botStates, t = els.length ? (els[els.length - 1].getAttribute('aria-label') || '') : '';
-    if (!s.length || s[s.length - 1][0] !== els.length || s[s.length - 1][1] !== t) s.push([els.length, t]);
+    const s = window.__botStates, last = els[els.length - 1], t = last ? (last.getAttribute('aria-label') || '') : '';
+    const script = !!(last && last.closest('#lm-stream'));  // drawn by the page's script, not by Gradio
+    if (!s.length || s[s.length - 1][0] !== els.length || s[s.length - 1][1] !== t || s[s.length - 1][2] !== script)
+      s.push([els.length, t, script]);
   };
   if (window.__botObserver) window.__botObserver.disconnect();
   window.__botObserver = new MutationObserver(seen);
@@ -304,9 +394,10 @@ RECORD_JS = """(sel) => {
 }"""
 
 
-def _send_and_watch(page, text: str) -> list[str]:
+def _send_and_watch(page, text: str, drawn_by: list | None = None) -> list[str]:
     """Send `text`; return every distinct state of the newest assistant message until the turn ends (as the
-    page drew them, recorded by a MutationObserver)."""
+    page drew them, recorded by a MutationObserver); `drawn_by` gets, per state, whether the page's script drew
+    it (True) or Gradio (False)."""
     before = len(_bot_texts(page))
     status_before = page.inner_text("#turn-status")
     page.evaluate(RECORD_JS, BOT)
@@ -317,11 +408,14 @@ def _send_and_watch(page, text: str) -> list[str]:
         texts = _bot_texts(page)
         status = page.inner_text("#turn-status")
         if status and status != status_before and len(texts) > before:
+            page.wait_for_function(SCRIPT_IDLE, timeout=30_000)
             _settled(page, [texts[-1]])
             states: list[str] = []
-            for count, shown in page.evaluate("window.__botStates"):
+            for count, shown, script in page.evaluate("window.__botStates"):
                 if count > before and (not states or shown != states[-1]):
                     states.append(shown)
+                    if drawn_by is not None:
+                        drawn_by.append(script)
             return states
         time.sleep(0.05)
     raise AssertionError(f"no finished reply to {text!r} within {REPLY_TIMEOUT / 1000:.0f} s")
@@ -333,10 +427,14 @@ def test_page_streams_a_reply_that_matches_the_stored_session(page, web_server):
 
     page.click("#model-panel button")
     assert "llama" in page.inner_text("#model-info")  # the inspector's architecture line, from the GGUF
-    states = _send_and_watch(page, "Name three colours.")
+    drawn_by: list[bool] = []
+    states = _send_and_watch(page, "Name three colours.", drawn_by)
     final = states[-1].removeprefix("bot's message: ")
     lengths = [len(s) for s in states]
     assert len(states) >= 2 and lengths == sorted(lengths), f"the reply did not grow while streaming: {states}"
+    # token by token by the page's script (the stream route), then Gradio's chat holds the same text
+    assert sum(drawn_by) >= 2 and not page.query_selector("#lm-stream > *"), (states, drawn_by)
+    assert _bot_texts(page)[-1] == states[-1] and page.input_value("#message textarea") == ""
     store = SessionStore(web_server[1] / "sessions.db")
     try:
         (info,) = store.list()
@@ -360,6 +458,113 @@ def test_page_refuses_a_foreign_host_header(web_server):
         assert refused.status_code == 403, (path, refused.status_code)
         assert "evil.example" in refused.json()["error"]["message"] and "--allowed-hosts" in refused.text
     assert httpx.get(url, headers={"Host": f"localhost:{url.rsplit(':', 1)[1].strip('/')}"}, timeout=10).status_code == 200
+
+
+def test_stream_route_answers_only_the_pages_own_tab(web_server):
+    """The stream route takes a message only from a page this server served (its Origin) holding the tab's key."""
+    import httpx
+
+    url = web_server[0].rstrip("/")
+    host = url.removeprefix("http://")
+    body = {"key": "not-a-key", "text": "hi"}
+    for headers, said in (({}, "Origin"), ({"Origin": "http://127.0.0.1:1"}, "Origin"),
+                          ({"Origin": "null"}, "Origin"), ({"Origin": url}, "unknown page key")):
+        refused = httpx.post(url + STREAM_PATH, json=body, headers=headers, timeout=10)
+        assert refused.status_code == 403 and said in refused.json()["error"]["message"], (headers, refused.text)
+    refused = httpx.post(url + STREAM_PATH, json=body, headers={"Origin": "http://evil.example", "Host": "evil.example"},
+                         timeout=10)
+    assert refused.status_code == 403 and "--allowed-hosts" in refused.text  # the Host check comes first
+    assert httpx.post(url + STREAM_PATH, content=b"[", headers={"Origin": url, "Host": host},
+                      timeout=10).status_code == 400
+
+
+@pytest.mark.slow
+def test_a_refused_message_is_shown_and_stays_in_the_box(browser, web_server):
+    """The stream route refusing a message (here a stale key) shows why in the chat and leaves the text to resend."""
+    tab = _tab(browser, web_server[0])
+    tab.evaluate("() => { const t = document.querySelector('#stream-key textarea'); t.value = 'stale'; }")
+    tab.fill("#message textarea", "Hello there")
+    tab.press("#message textarea", "Enter")
+    tab.wait_for_function("() => document.querySelector('#lm-stream') && "
+                          "document.querySelector('#lm-stream').innerText.includes('unknown page key')", timeout=30_000)
+    tab.wait_for_function(SCRIPT_IDLE, timeout=30_000)
+    assert tab.input_value("#message textarea") == "Hello there"
+    tab.close()
+
+
+@pytest.fixture(scope="module")
+def long_web(tmp_path_factory):
+    """`localmoe web` on the embedded model with long answers allowed and a short context (an error to provoke)."""
+    yield from _web(tmp_path_factory.mktemp("long-web"), "--max-tokens", "600", "--max-context", "1024")
+
+
+def _first_text(tab, timeout: float = REPLY_TIMEOUT) -> None:
+    tab.wait_for_function("() => [...document.querySelectorAll('#lm-stream [data-testid=bot]')]"
+                          ".some(e => e.innerText.trim())", timeout=timeout)
+
+
+def _last_stored(directory: Path):
+    from localmoe.chat.sessions import SessionStore
+
+    store = SessionStore(directory / "sessions.db")
+    try:
+        return {info.id: store.messages(info.id)[-1] for info in store.list()}
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_stop_button_ends_a_streamed_answer(browser, long_web):
+    tab = _tab(browser, long_web[0])
+    tab.fill("#message textarea", "Count from 1 to 500, one number per line.")
+    tab.press("#message textarea", "Enter")
+    _first_text(tab)
+    tab.click("#stop")
+    tab.wait_for_function("() => document.querySelector('#turn-status').innerText.includes('stopped')",
+                          timeout=30_000)
+    tab.wait_for_function(SCRIPT_IDLE, timeout=30_000)
+    shown = _bot_texts(tab)[-1].removeprefix("bot's message: ")
+    assert shown.strip() and not tab.query_selector("#lm-stream > *")  # Gradio's chat holds the partial answer
+    (last,) = _last_stored(long_web[1]).values()
+    assert last.role == "assistant" and last.interrupted and last.content.strip() == shown.strip()  # cut short
+    states = _send_and_watch(tab, "Say hi.")  # the tab answers again
+    assert states and "stopped" not in tab.inner_text("#turn-status")
+    tab.close()
+
+
+@pytest.mark.slow
+def test_a_closed_page_cancels_its_answer(browser, long_web):
+    """Closing the tab mid-answer closes the stream; the server cancels the sequence (the store keeps what was
+    streamed, marked interrupted) instead of generating on for nobody."""
+    before = set(_last_stored(long_web[1]))
+    tab = _tab(browser, long_web[0])
+    tab.fill("#message textarea", "Count from 1 to 500, one number per line.")
+    tab.press("#message textarea", "Enter")
+    _first_text(tab)
+    tab.close()
+    deadline = time.monotonic() + 30
+    while True:
+        new = {k: m for k, m in _last_stored(long_web[1]).items() if k not in before}
+        if new and next(iter(new.values())).role == "assistant":
+            break
+        assert time.monotonic() < deadline, "the closed page's answer was never ended"
+        time.sleep(0.2)
+    (last,) = new.values()
+    assert last.interrupted  # cut short, not run to its end (600 tokens)
+
+
+@pytest.mark.slow
+def test_an_error_is_shown_in_the_chat(browser, long_web):
+    """A message the model cannot take (longer than the context) gets an Error panel from Gradio's redraw."""
+    tab = _tab(browser, long_web[0])
+    tab.fill("#message textarea", "lorem ipsum dolor " * 600)
+    tab.press("#message textarea", "Enter")
+    tab.wait_for_function("() => [...document.querySelectorAll('#chat [data-testid=bot]')]"
+                          ".some(e => e.innerText.includes('Error'))", timeout=REPLY_TIMEOUT)
+    tab.wait_for_function(SCRIPT_IDLE, timeout=30_000)
+    assert not tab.query_selector("#lm-stream > *")  # drawn by Gradio, from the transcript
+    assert any("context" in t for t in _bot_texts(tab)), _bot_texts(tab)
+    tab.close()
 
 
 @pytest.mark.slow

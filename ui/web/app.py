@@ -4,6 +4,8 @@ live plots and a model-info panel.
 
 Each browser tab gets a `WebSession` (keyed by Gradio's session hash); every tab shares the
 one `Service`, so all prompt, tool and session logic is the Conversation's, not the page's.
+A typed message is answered through the stream route (stream.py, stream.js: the page draws the
+answer as it comes, outside Gradio's queue); a message with an image goes through Gradio's submit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gradio as gr
 from localmoe.ui.web.live import LiveHistory
 from localmoe.ui.web.model_info import model_markdown
 from localmoe.ui.web.session import WebSession
+from localmoe.ui.web.stream import StreamKeys, mount
 from localmoe.ui.web.transcript import call_arguments, fenced
 from starlette.middleware import Middleware
 
@@ -26,7 +29,16 @@ DOCUMENT_TYPES = [".txt", ".md", ".rst", ".csv", ".json", ".html", ".htm", ".pdf
 CSS = """
 #approval { border: 2px solid var(--color-accent); }
 #turn-status, #live-status { font-size: var(--text-sm); color: var(--body-text-color-subdued); }
+#lm-stream { display: flex; flex-direction: column; gap: var(--spacing-xxl); padding: var(--spacing-xxl) 0; }
+#lm-stream .lm-row { max-width: 85%; padding: var(--spacing-xl); border-radius: var(--radius-xl);
+                     white-space: pre-wrap; overflow-wrap: anywhere; }
+#lm-stream .lm-user { align-self: flex-end; background: var(--color-accent-soft); }
+#lm-stream .lm-assistant { align-self: flex-start; background: var(--background-fill-secondary); }
+#chat .bubble-wrap:has(#lm-stream > *) .placeholder-content { display: none; }
 """
+STREAM_JS = Path(__file__).with_name("stream.js")
+# after Gradio redrew the chat for the page's script: tell it how many messages Gradio shows now
+SYNCED_JS = "(chat) => { window.localmoeStream && window.localmoeStream.synced(chat.length); return []; }"
 
 
 class WebApp:
@@ -42,6 +54,7 @@ class WebApp:
         self.tools_enabled = tools_enabled
         self.max_tokens = max_tokens  # per model turn; None: the service's default
         self.sessions: dict[str, WebSession] = {}
+        self.keys = StreamKeys()  # the stream route's per-tab keys
         self.history = LiveHistory()
         self.last_turn = None  # the latest finished model turn of any tab: the status line's speed and TTFT
 
@@ -53,11 +66,18 @@ class WebApp:
                                             upload_root=Path(gr.utils.get_upload_folder()))
         return self.sessions[key]
 
+    def session_for_key(self, key) -> WebSession | None:
+        """The tab whose page holds `key` (the stream route's check), or None."""
+        session_hash = self.keys.session_hash(key)
+        return self.sessions.get(session_hash) if session_hash is not None else None
+
     def _turn_finished(self, turn) -> None:
         self.last_turn = turn
 
     def forget(self, request: gr.Request) -> None:
-        session = self.sessions.pop(getattr(request, "session_hash", None) or "default", None)
+        key = getattr(request, "session_hash", None) or "default"
+        self.keys.forget(key)
+        session = self.sessions.pop(key, None)
         if session is not None:
             session.close()
 
@@ -80,6 +100,9 @@ class WebApp:
                         message = gr.Textbox(elem_id="message", show_label=False, scale=8, autofocus=True,
                                              placeholder="Message (Enter sends)")
                         send = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                        stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                    stream_key = gr.Textbox(visible="hidden", elem_id="stream-key")  # the stream route's key
+                    sync = gr.Button(visible="hidden", elem_id="stream-sync")  # the page's script: redraw the chat
                     image = gr.Image(type="filepath", sources=["upload", "clipboard"], elem_id="image", height=140,
                                      label="Image for the next message (upload or paste; a model with a vision tower)")
                     turn_status = gr.Markdown(elem_id="turn-status")
@@ -120,6 +143,20 @@ class WebApp:
                     return gr.update(visible=False)
                 return handler
 
+            def issue_key(request: gr.Request) -> str:
+                self.session(request)
+                return self.keys.issue(getattr(request, "session_hash", None) or "default")
+
+            def redraw(request: gr.Request):
+                return self._view(self.session(request))
+
+            def stop_answer(request: gr.Request) -> None:
+                self.session(request).stop()
+
+            demo.load(issue_key, None, [stream_key], show_progress="hidden")
+            sync.click(redraw, None, outputs[:4], concurrency_limit=None, show_progress="hidden").then(
+                None, [chat], None, js=SYNCED_JS, show_progress="hidden")
+            stop.click(stop_answer, None, None, concurrency_limit=None, show_progress="hidden")
             approve.click(decide(True), None, [approval], concurrency_limit=None)
             deny.click(decide(False), None, [approval], concurrency_limit=None)
 
@@ -190,7 +227,9 @@ def launch(app: WebApp, host: str = "127.0.0.1", port: int = 7860, block: bool =
     host_check = Middleware(HostCheck, allowed=allowed_hosts_for(host, allowed_hosts))
     _, url, _ = demo.launch(server_name=host, server_port=port, share=False, inbrowser=False, quiet=True,
                             prevent_thread_lock=True, ssr_mode=False, theme=theme(), css=CSS,
-                            footer_links=["settings"], app_kwargs={"middleware": [host_check]})
+                            footer_links=["settings"], app_kwargs={"middleware": [host_check]},
+                            head=f"<script>{STREAM_JS.read_text()}</script>")
+    mount(demo.app, app)
     if block:
         print(f"localmoe web: serving on {url}", flush=True)
         demo.block_thread()

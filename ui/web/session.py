@@ -37,6 +37,8 @@ class WebSession:
         self.documents: list[Path] = []
         self.upload_root = Path(upload_root) if upload_root is not None else None  # attached files must be inside
         self.busy = False
+        self.stopped = False  # the user stopped the answer in progress (`stop`)
+        self._task: asyncio.Task | None = None  # the conversation's task while it answers
         self.max_tokens = max_tokens
         self.on_turn = on_turn  # called with each finished model turn's TurnResult (the app's live figures)
 
@@ -61,6 +63,15 @@ class WebSession:
 
     def close(self) -> None:
         self.gate.deny_pending()
+        self.stop()
+
+    def stop(self) -> None:
+        """End the answer in progress (the Stop button): its model turn is cancelled where it is (what was shown
+        stays, in the history and the store, marked interrupted) and no tool round follows."""
+        if self._task is not None and not self._task.done():
+            self.stopped = True
+            self.gate.deny_pending()
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
 
     def attach_images(self, paths: list[Path]) -> None:
         """Images (uploaded or pasted files, inside `upload_root` when one is set) for the next message, each checked
@@ -121,7 +132,8 @@ class WebSession:
                 await events.put(_END)
 
         budget = self.conversation.budget
-        task = asyncio.ensure_future(pump())
+        self.stopped = False
+        task = self._task = asyncio.ensure_future(pump())
         try:
             while (item := await events.get()) is not _END:
                 if isinstance(item, Exception):
@@ -131,7 +143,11 @@ class WebSession:
                     if item.kind == "turn_done" and item.turn is not None and self.on_turn is not None:
                         self.on_turn(item.turn)
                 yield
+            if self.stopped:
+                self.transcript.stopped()
+                yield
         finally:
+            self._task = None
             self.gate.deny_pending()
             if not task.done():
                 task.cancel()

@@ -98,6 +98,14 @@ class Transcript:
                 self.last_turn = turn_summary(event.turn, budget)
             self._reasoning = self._content = None  # a tool round starts a new turn: new panels and bubble
 
+    def stopped(self) -> None:
+        """The user stopped the answer: its panels are closed and the turn line says so."""
+        self._close_reasoning()
+        for index in self._cards.values():
+            self.messages[index]["metadata"]["status"] = "done"
+        self.last_turn = "stopped"
+        self._reasoning = self._content = None
+
     def _tool_result(self, event) -> None:
         call = event.tool_call
         index = self._cards.get(self._key(call))
