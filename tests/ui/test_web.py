@@ -70,6 +70,37 @@ def test_transcript_puts_reasoning_and_tool_calls_in_panels():
     assert "10 tokens in 2.00 s (5.0 tok/s)" in t.last_turn and "budget max" in t.last_turn
 
 
+def test_a_stored_conversation_is_shown_as_it_was_streamed():
+    """Transcript.load (a reloaded tab) draws the stored messages as the live events drew them."""
+    from localmoe.ui.conversation import DENIED
+
+    from localmoe.chat.format import ChatMessage
+    from localmoe.chat.images import ImageRef
+
+    ran = ToolCall("list_dir", {"path": "."}, id="call_1")
+    denied = ToolCall("run_command", {"command": "rm x"}, id="call_2")
+    live = Transcript()
+    live.user("list it")
+    for event in (_event("reasoning", text="let me look"), _event("content", text="Listing."), _event("turn_done"),
+                  _event("tool_call", tool_call=ran), _event("tool_call", tool_call=denied),
+                  _event("tool_result", tool_call=ran, result="a.txt", approved=True),
+                  _event("tool_result", tool_call=denied, result=DENIED, approved=False),
+                  _event("content", text="One file."), _event("turn_done")):
+        live.apply(event, "high")
+    stored = [ChatMessage("user", "list it"),
+              ChatMessage("assistant", "Listing.", reasoning="let me look", tool_calls=[ran, denied]),
+              ChatMessage("tool", "a.txt", name="list_dir", tool_call_id="call_1"),
+              ChatMessage("tool", DENIED, name="run_command", tool_call_id="call_2"),
+              ChatMessage("assistant", "One file.")]
+    loaded = Transcript()
+    loaded.load(stored)
+    assert loaded.messages == live.messages
+    cut = Transcript()  # an answer cut short before its call was answered, and a message with an image
+    cut.load([ChatMessage("user", "see", images=[ImageRef("ab" * 32, b"")]), ChatMessage("assistant", "", tool_calls=[ran])])
+    assert [m["content"] for m in cut.messages[:2]] == ["(an image)", "see"]
+    assert cut.messages[2]["metadata"] == {"title": "Tool call list_dir: not run", "status": "done"}
+
+
 def test_transcript_marks_a_denied_call_and_shows_no_output():
     t = Transcript()
     call = ToolCall("run_command", {"command": "rm -rf x"}, id="call_2")
@@ -568,6 +599,33 @@ def test_an_error_is_shown_in_the_chat(browser, long_web):
 
 
 @pytest.mark.slow
+def test_a_reloaded_page_keeps_its_conversation(browser, web_server):
+    """The tab's stored session survives a reload: the chat shows it again and the next message continues it."""
+    tab = _tab(browser, web_server[0])
+    _send_and_watch(tab, "Name a fruit.")
+    shown = tab.inner_text("#chat .message-wrap")
+    chat_id = tab.input_value("#chat-id textarea")
+    sessions = set(_last_stored(web_server[1]))
+    assert chat_id in sessions
+    tab.reload()
+    tab.wait_for_selector("#message textarea")
+    tab.wait_for_function(KEY_READY, timeout=30_000)
+    tab.wait_for_function("() => document.querySelectorAll('#chat [data-testid=bot]').length > 0", timeout=30_000)
+    assert tab.inner_text("#chat .message-wrap") == shown
+    _send_and_watch(tab, "And a vegetable?")
+    assert set(_last_stored(web_server[1])) == sessions and tab.input_value("#chat-id textarea") == chat_id
+    from localmoe.chat.sessions import SessionStore
+
+    store = SessionStore(web_server[1] / "sessions.db")
+    try:
+        users = [m.content for m in store.messages(chat_id) if m.role == "user"]
+    finally:
+        store.close()
+    assert users == ["Name a fruit.", "And a vegetable?"]  # the same session went on
+    tab.close()
+
+
+@pytest.mark.slow
 def test_budget_change_reaches_the_next_turn(page):
     page.click("#budget input")
     page.get_by_role("option", name="low", exact=True).click()
@@ -587,6 +645,7 @@ def _upload_and_ask(page, document, shown: str, question: str) -> str:
     page.wait_for_function(f"() => document.querySelectorAll('{BOT}').length > {before} + 1 && "
                            "document.querySelector('#turn-status').innerText.includes('answered from')",
                            timeout=REPLY_TIMEOUT)
+    page.wait_for_function(SCRIPT_IDLE, timeout=30_000)  # Gradio has redrawn the chat from the finished transcript
     texts = [t.removeprefix("bot's message: ") for t in _bot_texts(page)[before:]]
     return next(t for t in texts if shown in t)  # the Sources panel names the uploaded file
 

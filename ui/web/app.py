@@ -22,6 +22,7 @@ from localmoe.ui.web.transcript import call_arguments, fenced
 from starlette.middleware import Middleware
 
 from localmoe.chat.format import REASONING_EFFORTS
+from localmoe.errors import LocalMoEError
 from localmoe.pathguard import PathRefused
 from localmoe.server.security import HostCheck, allowed_hosts_for
 
@@ -39,6 +40,9 @@ CSS = """
 STREAM_JS = Path(__file__).with_name("stream.js")
 # after Gradio redrew the chat for the page's script: tell it how many messages Gradio shows now
 SYNCED_JS = "(chat) => { window.localmoeStream && window.localmoeStream.synced(chat.length); return []; }"
+# the tab's stored conversation survives a reload: its id is kept in the tab's sessionStorage
+RECALL_JS = "() => sessionStorage.getItem('localmoe-chat') || ''"
+REMEMBER_JS = "(id) => { sessionStorage.setItem('localmoe-chat', id || ''); return []; }"
 
 
 class WebApp:
@@ -103,6 +107,7 @@ class WebApp:
                         stop = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
                     stream_key = gr.Textbox(visible="hidden", elem_id="stream-key")  # the stream route's key
                     sync = gr.Button(visible="hidden", elem_id="stream-sync")  # the page's script: redraw the chat
+                    chat_id = gr.Textbox(visible="hidden", elem_id="chat-id")  # the stored session this tab shows
                     image = gr.Image(type="filepath", sources=["upload", "clipboard"], elem_id="image", height=140,
                                      label="Image for the next message (upload or paste; a model with a vision tower)")
                     turn_status = gr.Markdown(elem_id="turn-status")
@@ -133,7 +138,7 @@ class WebApp:
                 async for _ in session.send(text, [Path(picture)] if picture else []):
                     yield self._view(session) + ("", None)
 
-            outputs = [chat, approval, approval_text, turn_status, message, image]
+            outputs = [chat, approval, approval_text, turn_status, chat_id, message, image]
             for trigger in (message.submit, send.click):
                 trigger(respond, [message, image], outputs, concurrency_limit=None, show_progress="hidden")
 
@@ -143,9 +148,16 @@ class WebApp:
                     return gr.update(visible=False)
                 return handler
 
-            def issue_key(request: gr.Request) -> str:
-                self.session(request)
-                return self.keys.issue(getattr(request, "session_hash", None) or "default")
+            def open_tab(stored_id: str, request: gr.Request):
+                """A new tab, or a reloaded one: the stream route's key, and the tab's stored conversation if it
+                had one."""
+                session = self.session(request)
+                if stored_id:
+                    try:
+                        session.resume(stored_id)
+                    except (ValueError, LocalMoEError):  # no store, or an id that is not one: a new chat
+                        pass
+                return (self.keys.issue(getattr(request, "session_hash", None) or "default"),) + self._view(session)
 
             def redraw(request: gr.Request):
                 return self._view(self.session(request))
@@ -153,8 +165,9 @@ class WebApp:
             def stop_answer(request: gr.Request) -> None:
                 self.session(request).stop()
 
-            demo.load(issue_key, None, [stream_key], show_progress="hidden")
-            sync.click(redraw, None, outputs[:4], concurrency_limit=None, show_progress="hidden").then(
+            demo.load(open_tab, [chat_id], [stream_key] + outputs[:5], js=RECALL_JS, show_progress="hidden")
+            chat_id.change(None, [chat_id], None, js=REMEMBER_JS)
+            sync.click(redraw, None, outputs[:5], concurrency_limit=None, show_progress="hidden").then(
                 None, [chat], None, js=SYNCED_JS, show_progress="hidden")
             stop.click(stop_answer, None, None, concurrency_limit=None, show_progress="hidden")
             approve.click(decide(True), None, [approval], concurrency_limit=None)
@@ -178,25 +191,25 @@ class WebApp:
             def start_over(request: gr.Request):
                 session = self.session(request)
                 session.new_chat()
-                return [], gr.update(visible=False), ""
+                return [], gr.update(visible=False), "", session.conversation.session_id or ""
 
             budget.change(set_budget, [budget], None)
             tools.change(set_tools, [tools], None)
             documents.change(set_documents, [documents], [turn_status])
-            new_chat.click(start_over, None, [chat, approval, turn_status])
-            chat.clear(start_over, None, [chat, approval, turn_status])
+            new_chat.click(start_over, None, [chat, approval, turn_status, chat_id])
+            chat.clear(start_over, None, [chat, approval, turn_status, chat_id])
             timer.tick(self._live, None, [live_status, speed, tiers], show_progress="hidden")
             demo.unload(self.forget)
         return demo
 
     def _view(self, session: WebSession) -> tuple:
-        """Chat messages, approval card (shown while a call waits) and the last turn's line."""
+        """Chat messages, approval card (shown while a call waits), the last turn's line, the stored session's id."""
         call = session.gate.call
         card = ""
         if call is not None:
             card = f"**The model wants to run `{call.name}`**\n\n" + fenced(call_arguments(call), "json")
         return (copy.deepcopy(session.transcript.messages), gr.update(visible=call is not None), card,
-                session.transcript.last_turn)
+                session.transcript.last_turn, session.conversation.session_id or "")
 
     def _live(self):
         from localmoe.ui.stats import snapshot, status_line

@@ -56,6 +56,12 @@ class WebSession:
         runner.document_paths = list(self.documents) or [runner.workdir]
         runner.document_roots = [self.upload_root] if self.documents and self.upload_root else [runner.workdir]
 
+    def resume(self, session_id: str) -> None:
+        """Continue a stored session in this tab (the page was reloaded): its messages are shown and the next
+        message goes on from them. Raises ValueError (no session store) or LocalMoEError (a bad id)."""
+        self.conversation.resume(session_id)
+        self.transcript.load(self.conversation.messages)
+
     def new_chat(self) -> None:
         self.gate.deny_pending()
         self.conversation.new_session()

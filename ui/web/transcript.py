@@ -12,6 +12,7 @@ import json
 import re
 
 REASONING_TITLE = "Reasoning"
+IMAGE_SHOWN = "(an image)"  # a stored user image, in a resumed conversation (its bytes are not served again)
 TOOL_OUTPUT_SHOWN = 4000  # characters of a tool's output drawn in its card (the model gets all of it)
 
 
@@ -97,6 +98,38 @@ class Transcript:
             if event.turn is not None:
                 self.last_turn = turn_summary(event.turn, budget)
             self._reasoning = self._content = None  # a tool round starts a new turn: new panels and bubble
+
+    def load(self, messages) -> None:
+        """Show a stored conversation (ChatMessages of a resumed session) as it looked when it was answered."""
+        from localmoe.ui.conversation import DENIED, ConversationEvent
+
+        from localmoe.chat.format import ToolCall
+
+        self.clear()
+        calls: dict = {}
+        for message in messages:
+            if message.role == "user":
+                for _ in message.images:
+                    self.user(IMAGE_SHOWN)
+                self.user(message.content)
+            elif message.role == "assistant":
+                if message.reasoning:
+                    self.apply(ConversationEvent("reasoning", text=message.reasoning), "")
+                if message.content:
+                    self.apply(ConversationEvent("content", text=message.content), "")
+                self.apply(ConversationEvent("turn_done"), "")
+                for call in message.tool_calls:
+                    calls[call.id] = call
+                    self.apply(ConversationEvent("tool_call", tool_call=call), "")
+            elif message.role == "tool":
+                call = calls.get(message.tool_call_id) or ToolCall(message.name or "tool", {}, id=message.tool_call_id)
+                self.apply(ConversationEvent("tool_result", tool_call=call, result=message.content,
+                                             approved=message.content != DENIED), "")
+        for index in self._cards.values():  # a call the session never answered (its answer was cut short)
+            card = self.messages[index]
+            if card["metadata"]["status"] == "pending":
+                card["metadata"].update(title=card["metadata"]["title"].replace("waiting for approval", "not run"),
+                                        status="done")
 
     def stopped(self) -> None:
         """The user stopped the answer: its panels are closed and the turn line says so."""
