@@ -417,9 +417,9 @@ def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
 def test_prompts_that_arrive_together_enter_together(embedded):
     """Short prompts submitted together share the first step's prompt budget (a whole chunk when nothing
     decodes): all of them run in it, as rows of one forward, and decode from the second step on; with
-    sequences decoding, the budget (as many rows as decode rows, at least CHUNK_FLOOR) goes to the
+    sequences decoding, the budget (PROMPT_ROWS rows) goes to the
     prefilling sequences in arrival order."""
-    from localmoe.runtime.worker import CHUNK_FLOOR
+    from localmoe.runtime.worker import PROMPT_ROWS
 
     tok, model = embedded.tokenizer, embedded.model
     worker, results = EngineWorker(max_active=16, batching="on"), {}
@@ -433,10 +433,10 @@ def test_prompts_that_arrive_together_enter_together(embedded):
     for i, prep in enumerate(later):
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                              results, f"later{i}"))
-    worker.step()  # 8 decode rows: a budget of CHUNK_FLOOR prompt rows, the earliest of the later prompts first
+    worker.step()  # 8 decode rows: a budget of PROMPT_ROWS prompt rows, the earliest of the later prompts first
     waiting = [r.wants for r in worker._active if r.wants.prefilling]
     taken = [len(d.in_cache) for d in waiting]
-    assert sum(taken) == CHUNK_FLOOR and taken[0] == min(CHUNK_FLOOR, len(later[0].prompt))
+    assert sum(taken) == PROMPT_ROWS and taken[0] == min(PROMPT_ROWS, len(later[0].prompt))
     run_all(worker, results, len(PROMPTS) + len(later))
     for i, text in enumerate(PROMPTS):
         assert results[i].content == alone(embedded, completion(embedded, text, 6)).content, i
