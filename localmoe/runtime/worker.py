@@ -11,9 +11,10 @@ worker collects what its running jobs wait for and runs, in this order:
 - prompt chunks of sequences still prefilling, so a long prompt delays the others by one chunk per
   step, never by its whole length. Where the model's rows are each computed on their own
   (engine/batch.py `rows_independent`: the dense-plan models) they run as more rows of the same
-  batched forward: a budget of PROMPT_ROWS rows (a whole chunk when nothing decodes) shared by the
-  prefilling sequences in arrival order, so a step carrying them costs ~1.3x a 16-row decode step
-  (the others' inter-token latency), the weights are read once for all, and short
+  batched forward: a budget that fills the step to STEP_ROWS rows, at least PROMPT_ROWS (a whole
+  chunk when nothing decodes), shared by the prefilling sequences in arrival order, so a step
+  carrying them costs at most ~1.3x a 16-row decode step (the others' inter-token latency), the
+  weights are read once for all, and short
   prompts that arrive together enter together; a prompt token's bits do not depend on its chunk or
   its neighbours. Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
@@ -61,12 +62,14 @@ from localmoe.errors import CancelledError
 
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
-# Prompt rows a step carries beside its decode rows (a whole chunk when nothing decodes). A batched step costs
-# ~a + b * rows (embedded model through its dense plan, the int8 head, CPU time of one thread: 6.4 ms at 1 row,
-# 26.8 at 16; a prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost
-# ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; a fixed 8 keeps them at ~1.3x
-# for a later first token (docs/performance.md, "Prompt rows per step, session 8").
+# Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS rows, at least PROMPT_ROWS (a
+# whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, the
+# int8 head, CPU time of one thread: 6.4 ms at 1 row, 26.8 at 16; a prompt row skips the head), so at 16 clients a
+# step carrying as many prompt rows as it decodes cost ~1.95x the decode step it delayed and such steps set the p99
+# inter-token latency; 8 beside 16 cost ~1.3x, and filling steps with few decode rows lets prompts in sooner
+# (docs/performance.md, "The int8 lm_head, prompt rows per step, session 8").
 PROMPT_ROWS = 8
+STEP_ROWS = 16
 
 
 class Job:
@@ -354,8 +357,8 @@ class EngineWorker:
     def _prompt_chunks(self, decode: list[Running], prefill: list[Running]) -> list[tuple[Running, int]]:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
-        sequences' verify rows too): the step's prompt budget (PROMPT_ROWS; a whole prefill chunk when nothing
-        decodes) goes to the prefilling sequences in arrival order, each up to its
+        sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
+        a whole prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
         next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
@@ -366,7 +369,7 @@ class EngineWorker:
             self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)
         if not self.rows:
             return []
-        budget = PROMPT_ROWS if decode else waiting[0].wants.chunk
+        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode else waiting[0].wants.chunk
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:
