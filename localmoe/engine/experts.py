@@ -194,6 +194,7 @@ class ExpertProvider(Protocol):
     # Optional: `placed(layer, expert, tokens) -> (ExpertWeights, tier)` in place of `get`: the weights
     # in the tier to compute the expert in for `tokens` tokens, "ram" (the CPU) or a GPU tier "gpuN"
     # (a pager with GPU tiers; the weights are then on that GPU).
+    # Optional: `waits = True`: `get` may wait for reads from disk (a step's cost is then wall time, not CPU).
 
 
 def _streamed(t):

@@ -45,6 +45,8 @@ __all__ = [
 class StoreExperts:
     """Every expert read straight from the store's maps (no budget: the page cache decides)."""
 
+    waits = True  # a page fault reads from disk (engine/experts.py ExpertProvider)
+
     def __init__(self, store):
         self.store = store
 

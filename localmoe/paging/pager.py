@@ -71,6 +71,8 @@ class _Read:
 class Pager:
     """Experts of `store` (a PackedStore) paged through `num_slots` RAM slots."""
 
+    waits = True  # `get` may wait for reads (engine/experts.py ExpertProvider)
+
     def __init__(self, store, num_slots: int, policy: Policy, backend: DiskBackend, *, io_threads: int = 4,
                  timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True,
                  native: bool | None = None):

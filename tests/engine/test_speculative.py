@@ -467,3 +467,22 @@ def test_fit_cuts_a_draft_where_its_experts_must_be_read():
     spec.residency.pager.held |= {(1, 4), (3, 4), (1, 5), (3, 5)}
     assert spec.fit(Draft([7, 8, 9], source=2)).tokens == [7, 8, 9]
     assert spec.fit(Draft([7, 8])).tokens == [7, 8]  # not copied: nothing predicted, left to choose_k
+
+
+def test_steps_are_timed_in_cpu_time_unless_a_step_may_wait_for_reads():
+    """Where the experts are in memory a step's cost is the process's CPU time (wall time on a loaded host
+    measures the neighbours); where a provider may wait for reads (a pager, the store's page cache), wall time."""
+    import time
+    from types import SimpleNamespace
+
+    from localmoe.engine.spec.verify import step_clock
+    from localmoe.paging import StoreExperts
+    from localmoe.paging.pager import Pager
+
+    def model(experts):
+        return SimpleNamespace(moe_blocks=lambda: [SimpleNamespace(experts=e) for e in experts])
+
+    assert step_clock(model([])) is time.process_time
+    assert step_clock(model([object()])) is time.process_time
+    for provider in (Pager, StoreExperts):
+        assert step_clock(model([object(), provider.__new__(provider)])) is time.perf_counter

@@ -3,7 +3,8 @@
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
 when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
 draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays) and the wall time of a step of r rows (its forward and the acceptance; the median of the
+what its class pays) and the time of a step of r rows (CPU time where the experts are in memory, wall time
+where a step may wait for reads: verify.py `step_clock`) (its forward and the acceptance; the median of the
 row count's last RECENT steps, so a step preempted under load does not move it; the drafter's own time is priced
 apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the first time of a row
 count, which pays its kernels' first use, is dropped by the second). A step of k drafts
@@ -124,7 +125,7 @@ class Speculator:
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
-        self.step_seconds: dict[int, float] = {}  # rows -> the median wall time of its recent steps
+        self.step_seconds: dict[int, float] = {}  # rows -> the median time of its recent steps
         self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is dropped by the second)
         self._recent: dict[int, deque] = {}  # rows -> the last RECENT step times
         self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
@@ -142,6 +143,7 @@ class Speculator:
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
+        self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
         self._memo_t1 = 0.0
         # what the memo says: plain steps between two tries while no draft pays (times _backoff), the best k

@@ -53,6 +53,15 @@ def record(cache: ModelCache, on: bool) -> None:
         layer.record(on)
 
 
+def step_clock(model):
+    """What a step's cost is measured in: the process's CPU time where the model's experts are in memory (the
+    compute is the cost; on a loaded host wall time measures the neighbours: at load 10 a plain step and a 5-row
+    verify took about the same wall time, and drafts that were never kept looked free), wall time where a step
+    may wait for expert reads (`waits`: a pager, the store's page cache), which cost time but no CPU."""
+    blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
+    return time.perf_counter if any(getattr(b.experts, "waits", False) for b in blocks) else time.process_time
+
+
 def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor:
     """A non-batchable model's rows, one decode step each, the delta-rule states copied after each."""
     out = []
@@ -101,20 +110,23 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         if s and d.speculator.rows_plain is None:
             # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
             d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
-        began = time.perf_counter()
+            d.speculator.clock = step_clock(model)
+    clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
+    for d, s in zip(decoders, spec):
+        began = clock()
         drafts.append(_propose(d) if s else None)
-        drafting.append(time.perf_counter() - began)
+        drafting.append(clock() - began)
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
             not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
         # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
-        started = time.perf_counter()
+        started = clock()
         results = plain_step(decoders, fused, chunks)
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
         for d, s, took in zip(decoders, spec, drafting):
             if s:
                 d.speculator.observe(0, 0, 1, seconds, 0, took)
         return results
-    started = time.perf_counter()
+    started = clock()
     # a speculating sequence without a draft, where plain steps are fused: the fused step (module docstring)
     own = [s and fused and not drafts[n].tokens for n, s in enumerate(spec)]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
@@ -156,14 +168,14 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
                 decoders[n].cache.hidden_sink = sink
         for n, lg in zip(alone, logits.split(1)):
             out[n] = lg
-    seconds = time.perf_counter() - started
+    seconds = clock() - started
     results = []
     for n, d in enumerate(decoders):
         d.pending = []
         if not spec[n]:
             results.append(d._ran(rows[n][0:1], out[n]))  # None while a resumed sequence replays
             continue
-        began = time.perf_counter()  # the step's cost is its forward and this sequence's acceptance
+        began = clock()  # the step's cost is its forward and this sequence's acceptance
         d.forwards += 1
         d.in_cache.append(rows[n][0])
         j, x = _accept(d, drafts[n], out[n])
@@ -173,7 +185,7 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         d.in_cache.extend(kept)
         d.ahead = list(kept)
         d.ready = deque(zip(kept + [x], out[n][:j + 1].split(1)))
-        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds + time.perf_counter() - began,
+        d.speculator.observe(len(drafts[n].tokens), j, len(rows[n]), seconds + clock() - began,
                              bucket(drafts[n]), drafting[n])
         results.append(d.ready[0][1])
     return results + chunked
