@@ -175,7 +175,7 @@ class ModelSpec:
 
 
 DTYPES = ("auto", "float32", "bfloat16")
-EXPERT_PRECISIONS = ("q8", "exact")  # kernels/mxfp4_moe: PRECISIONS
+EXPERT_PRECISIONS = ("q8", "q8-all", "exact")  # EngineConfig.expert_precision; the experts' is kernels/mxfp4_moe PRECISIONS
 KV_CACHE_DTYPES = ("float32", "bfloat16", "fp8")  # engine/cache.py; fp8 = e4m3 + one fp32 scale per head/row
 PAGING_POLICIES = ("lru", "lfu", "lfru", "belady")  # paging/policy.py
 PAGING_IO = ("odirect", "mmap")  # paging/disk.py
@@ -218,8 +218,9 @@ class EngineConfig:
     max_context: int = 0  # KV cache length; 0 = min(model max, 8192)
     kv_cache_dtype: str = "float32"  # K/V and MLA latent rows: KV_CACHE_DTYPES; delta-rule state stays fp32
     # MXFP4 and GGUF-block routed experts: "q8" rounds each projection's input to int8 per 32 values
-    # (per 256 for K-quant blocks: llama.cpp's trade, ~2x faster on AVX2), and so does any model's GGUF block
-    # lm_head (engine/transformer.py _head); "exact" keeps fp32 activations there (kernels/mxfp4_moe)
+    # (per 256 for K-quant blocks: llama.cpp's trade, ~2x faster on AVX2), and so does a MoE model's GGUF block
+    # lm_head (engine/transformer.py _head); "q8-all" rounds every model's GGUF block lm_head too (dense ones:
+    # llama.cpp's numerics); "exact" keeps fp32 activations there (kernels/mxfp4_moe)
     expert_precision: str = "q8"
     device: str = "cpu"
     max_batch: int = 1
@@ -241,6 +242,11 @@ class EngineConfig:
             raise LocalMoEError("threads and max_context must be >= 0 and max_batch >= 1")
         if self.sparse_topk is not None and self.sparse_topk < 1:
             raise LocalMoEError(f"--sparse-topk must be a positive number of tokens, not {self.sparse_topk}")
+
+    @property
+    def experts_precision(self) -> str:
+        """What routed experts compute at (kernels/mxfp4_moe PRECISIONS): "q8" under q8 and q8-all, else "exact"."""
+        return "exact" if self.expert_precision == "exact" else "q8"
 
     def resolved_threads(self) -> int:
         if self.threads:

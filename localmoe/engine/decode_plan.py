@@ -117,7 +117,7 @@ class DecodePlan:
                 "p0": block.act.p0, "p1": block.act.p1, "keep": table})
             parts += [(mixer, "fused_step", step), (block, "router", router), (block, "experts", block.experts)]
         decoder = decode_layers.GqaMoeDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
-                                              model.config.expert_precision == "q8")
+                                              model.config.experts_precision == "q8")
         return cls(model, decoder, parts)
 
     @classmethod
@@ -481,7 +481,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
         parts += m[1]
     block_size = residuals.block_size if residuals is not None and not hyper else 0
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
-                                   model.config.expert_precision == "q8", block_size,
+                                   model.config.experts_precision == "q8", block_size,
                                    residuals.output_query if block_size else None, _routed(model))
     plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
     plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and (d["mla"]["rotate"] or d["mla"].get(

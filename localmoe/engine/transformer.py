@@ -92,15 +92,16 @@ def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple
 
 
 def _head(weight, dtype: str, rounded: bool):
-    """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `rounded` (expert precision q8, the
-    default, for every model): its input is rounded to int8 per block as llama.cpp does (per 32 values, per 256
-    for a Q4_K_M file's Q6_K head; any of ggml_gemv.TYPES). On the embedded SmolLM2's tied Q8_0 head that costs
-    ~6 ms at 16 rows instead of ~14 ms on fp32 inputs (docs/performance.md); with fp32 inputs the head was 46% of
-    a Qwen3-MoE Q4_K_M decode token. The fused single-sequence step and the batched rows share this head, so a
-    row's logits are the same alone, batched and in `localmoe run`. At expert precision exact (what the parity
-    tests against references run) a Q8_0, Q4_K or Q6_K head reads fp32 inputs (exact_x: SmolLM2's tied Q8_0
-    head reads 30 instead of 56 MB per token as bf16); another block-quantised head is dequantised (Linear:
-    fp32 or bf16 weights)."""
+    """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `rounded` (a MoE model at expert
+    precision q8, whose other block GEMVs already round their inputs, or any model at q8-all): its input is
+    rounded to int8 per block as llama.cpp does (per 32 values, per 256 for a Q4_K_M file's Q6_K head; any of
+    ggml_gemv.TYPES; with fp32 inputs the head was 46% of a Qwen3-MoE Q4_K_M decode token, and the embedded
+    SmolLM2's tied Q8_0 head costs 4.5 instead of 13 ms at 16 rows). Otherwise it never reads int8-rounded
+    activations: its logits pick the token, and on the embedded SmolLM2 a Q8_0 head on rounded inputs changes the
+    greedy answer to "What is the capital of France?" (into llama.cpp's, a French list); a Q8_0, Q4_K or Q6_K head
+    then runs on fp32 inputs (exact_x: SmolLM2's tied Q8_0 head reads 30 instead of 56 MB per token as bf16),
+    another block-quantised head is dequantised (Linear: fp32 or bf16 weights). The fused single-sequence step and
+    the batched rows share this head, so a row's logits are the same alone, batched and in `localmoe run`."""
     if isinstance(weight, BlockQuantized):
         if dtype == "auto" and ggml_gemv.kernel_available():
             if rounded and weight.ggml_type in ggml_gemv.TYPES:
@@ -133,11 +134,11 @@ class Transformer:
         self.max_context = config.context_for(spec)
         self.eps = spec.rms_norm_eps
         self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
-        # a MoE model at expert precision q8: block GEMVs round their inputs (prefill's too: `rounded_rows`); the
-        # GGUF block lm_head rounds its input at q8 in every model (_head)
-        self.rounded = config.expert_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
+        # a MoE model at expert precision q8: block GEMVs round their inputs (the head's, prefill's: `rounded_rows`);
+        # at q8-all every model's GGUF block head does (_head)
+        self.rounded = config.experts_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
-                             config.dtype, config.expert_precision == "q8")
+                             config.dtype, self.rounded or config.expert_precision == "q8-all")
         head = getattr(self.lm_head, "weight", None)
         if ("lm_head.weight" not in weights and isinstance(head, torch.Tensor) and isinstance(self.embed, torch.Tensor)
                 and head.dtype == self.embed.dtype and head.shape == self.embed.shape):
@@ -169,7 +170,7 @@ class Transformer:
         elif spec.hyper_connections is not None:
             self.residuals = hyper_connections.build(spec.hyper_connections, weights, device=device)
         for block in self.moe_blocks():
-            block.precision = config.expert_precision
+            block.precision = config.experts_precision
         if experts is not None:
             self.use_experts(experts)
         self.vision = build_vision(spec, weights, device)  # None without an image tower (engine/images.py)

@@ -63,11 +63,11 @@ from localmoe.errors import CancelledError
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS rows, at least PROMPT_ROWS (a
-# whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, the
-# int8 head, CPU time of one thread: 6.4 ms at 1 row, 26.8 at 16; a prompt row skips the head), so at 16 clients a
-# step carrying as many prompt rows as it decodes cost ~1.95x the decode step it delayed and such steps set the p99
-# inter-token latency; 8 beside 16 cost ~1.3x, and filling steps with few decode rows lets prompts in sooner
-# (docs/performance.md, "The int8 lm_head, prompt rows per step, session 8").
+# whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, CPU
+# time of one thread: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; a prompt row skips
+# the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the decode step it
+# delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps with few decode
+# rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step, session 8").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
 

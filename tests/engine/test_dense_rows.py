@@ -76,15 +76,17 @@ def _mixed_blocks():
     return model
 
 
-MODELS = ["embedded", "llama-fp32", "qwen2-bf16", "qwen3-fp32", "mixed-blocks"]
+MODELS = ["embedded", "embedded-q8all", "llama-fp32", "qwen2-bf16", "qwen3-fp32", "mixed-blocks"]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=MODELS)
 def model(request):
-    if request.param == "embedded":
+    if request.param.startswith("embedded"):
         from localmoe.load import load_model
 
-        return load_model(None, EngineConfig(threads=1), progress=False).model
+        # q8-all: the head's input rounded to int8 as well (engine/transformer.py _head), on both paths alike
+        precision = "q8-all" if request.param.endswith("q8all") else "q8"
+        return load_model(None, EngineConfig(threads=1, expert_precision=precision), progress=False).model
     if request.param == "mixed-blocks":
         return _mixed_blocks()
     kind, dtype = request.param.split("-")

@@ -62,20 +62,20 @@ def test_q8_0_blocks_with_fp32_activations_match_the_dequantised_weight():
 
 @pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
 def test_the_embedded_head_follows_the_expert_precision(smollm2_gguf):
-    """The tied Q8_0 lm_head of the embedded model: at expert precision q8 (the default) its input is rounded to
-    int8 per 32 values (the dequantised weight in float64 on q8_round(h)), at exact it reads fp32 (the same
-    weight on h); the two differ."""
+    """The tied Q8_0 lm_head of the embedded (dense) model: at expert precision q8-all its input is rounded to
+    int8 per 32 values (the dequantised weight in float64 on q8_round(h)); at q8 (the default) and exact it reads
+    fp32 (the same weight on h); the two differ."""
     from localmoe.kernels.mxfp4_moe import q8_round
 
     from localmoe.config import EngineConfig
 
     heads = {p: load_model(smollm2_gguf, EngineConfig(expert_precision=p, max_context=64),
-                           progress=False).model.lm_head for p in ("q8", "exact")}
-    assert (heads["q8"].exact_x, heads["exact"].exact_x) == (False, True)
+                           progress=False).model.lm_head for p in ("q8", "q8-all", "exact")}
+    assert [heads[p].exact_x for p in ("q8", "q8-all", "exact")] == [True, False, True]
     weight = heads["q8"].parts[0].float().double()
     h = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(2))
     h[:, 11] *= 20  # one large channel, as real hidden states have: rounding per 32 is coarse around it
-    rounded, exact = heads["q8"](h).double(), heads["exact"](h).double()
+    rounded, exact = heads["q8-all"](h).double(), heads["q8"](h).double()
     scale = (h.double() @ weight.T).abs().max()
     assert ((rounded - q8_round(h.double()) @ weight.T).abs().max() / scale) < 1e-5
     assert ((exact - h.double() @ weight.T).abs().max() / scale) < 1e-5
@@ -124,9 +124,7 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     raw = BlockQuantized(gguf_file.raw("blk.3.ffn_up.weight"), Q.Q4_1, gguf_file.info("blk.3.ffn_up.weight").shape)
     x = torch.randn(1, 576)
     assert _rel_rms(BlockLinear([raw], None)(x), x @ raw.float().T) < 1e-2
-    # at expert precision exact (as the references run): at q8 the head's rounded input turns this greedy answer
-    # into llama.cpp's on the same file, a degenerate French list (docs/performance.md)
-    loaded = load_model(smollm2_gguf, dtype="auto", expert_precision="exact", progress=False)
+    loaded = load_model(smollm2_gguf, dtype="auto", progress=False)
     assert isinstance(loaded.model.layers[0][3].gate_up, BlockLinear)
     from localmoe.engine.sampler import SamplingParams
 
@@ -213,7 +211,7 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
             tensors[name] = BlockQuantized(torch.from_numpy(raw), kind, tuple(t.shape))
     family = family_for_model_type("llama")
     ours = build_from_tensors(family, family.spec_from_hf(config.to_dict()), tensors, family.hf_tensors,
-                              EngineConfig(dtype="auto", expert_precision="exact"))  # the head on fp32 inputs
+                              EngineConfig(dtype="auto"))
     qkv = ours.layers[0][1].qkv
     assert isinstance(qkv, BlockLinear) and [k for _, k, _ in qkv.segments] == [Q.Q4_K, Q.Q6_K]
     assert [k for _, k, _ in ours.layers[0][3].gate_up.segments] == [Q.Q5_0, Q.Q5_1]
