@@ -118,7 +118,7 @@ def worker(args) -> None:
     paging = PagingConfig()
     if args.share:
         total = expert_bytes(PackedStore(args.path))
-        paging = PagingConfig(ram_budget=int(total * args.share), io_threads=args.io_threads)
+        paging = PagingConfig(ram_budget=int(total * args.share), io_threads=int(args.io_threads))
     config = EngineConfig(dtype=args.dtype, threads=args.threads, max_context=context,
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
@@ -170,7 +170,8 @@ def main() -> None:
     parser.add_argument("--ram", default="100%,25%", help="paged budgets, shares of the expert bytes")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", default="4", help="reader threads; several (e.g. 2,4): each budget below "
+                        "100%% runs with each, alternating (the bandwidth is measured with the first)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--decode", type=int, default=32)
@@ -195,12 +196,17 @@ def run(args, work: Path) -> None:
     family, _, size = args.model.partition(":")
     hf, store = prepare(family, size or "small", work, args.resident)
     me = str(Path(__file__).resolve())
-    common = ["--worker", "--threads", str(args.threads), "--io-threads", str(args.io_threads), "--prompt",
+    ios = [int(n) for n in str(args.io_threads).split(",")]
+    args.io_threads = ios[0]
+    common = ["--worker", "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
-    workers = {"resident": [me, *common, "--path", str(hf)]} if args.resident else {}
-    workers |= {f"paged {s}": [me, *common, "--path", str(store), "--share", str(f)] for s, f in shares.items()}
+    workers = {"resident": [me, *common, "--io-threads", str(ios[0]), "--path", str(hf)]} if args.resident else {}
+    for s, f in shares.items():  # several reader counts: each budget that reads (below 100%) with each
+        for n in ios if f < 1 else ios[:1]:
+            name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "")
+            workers[name] = [me, *common, "--io-threads", str(n), "--path", str(store), "--share", str(f)]
     bandwidth: list[float] = []
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
           f"{', '.join(shares)} (LFRU, "
