@@ -359,10 +359,35 @@ def test_tries_while_no_draft_pays_cost_a_bounded_share():
     spec = Speculator(PromptLookup(), k=4)  # a kept try: the spacing is PROBE again
     spec.observe(0, 0, 1, 1.0)
     spec.observe(1, 0, 2, 1.2, 1)
-    spec._backoff = 8
+    spec._backoff[1] = 8
     spec._probing = True
     spec.observe(1, 1, 2, 1.2, 1)
-    assert spec._backoff == 1
+    assert spec._backoff[1] == 1
+
+
+def test_a_class_rejected_early_is_tried_again_while_longer_matches_draft():
+    """Each class's tries are spaced on their own: a class whose first draft was rejected is tried again after
+    (t(2) - t(1)) / t(1) / PROBE_SHARE steps although longer matches draft every other step (a try shared by
+    all classes was put off by every draft of another class, so one early rejection shut a class for good)."""
+    from localmoe.engine.spec.speculator import PROBE_SHARE
+
+    spec = Speculator(PromptLookup(), k=4)
+    spec.observe(0, 0, 1, 1.0)
+    spec.observe(1, 0, 2, 1.3, bucket(Draft([1], match=2)))  # a 2-3 token match's draft rejected
+    assert spec.fit(Draft([1], match=2)).tokens == []  # its class no longer pays
+    tried = []
+    for step in range(200):
+        spec.choose_k()
+        if step % 2:
+            assert spec.fit(Draft([1, 2, 3, 4], match=9)).tokens == [1, 2, 3, 4]
+            spec.observe(4, 4, 5, 2.0, bucket(Draft([1], match=9)))
+        elif spec.fit(Draft([1], match=2)).tokens:
+            tried.append(step)
+            spec.observe(1, 0, 2, 1.3, bucket(Draft([1], match=2)))
+        else:
+            spec.observe(0, 0, 1, 1.0)
+    spacing = (1.3 - 1.0) / PROBE_SHARE
+    assert tried and tried[0] <= spacing + 2 and len(tried) <= 200 / spacing + 1
 
 
 def test_a_retired_speculator_stops_the_states_kept_for_rollback(tmp_path):

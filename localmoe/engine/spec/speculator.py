@@ -24,10 +24,12 @@ t(1) is never used for the slope of the verifies: where plain steps are fused, t
 drafter without match lengths (a draft model, MTP: how likely a draft is kept is unknown until tried) drafts
 one token a step until a verify is measured.
 
-Probing: while no class of draft pays, one draft is still tried now and then (a change in acceptance is
-noticed), each try costing what a rejected 2-row verify costs over a plain step. The tries are spaced so that
-they cost at most PROBE_SHARE of the decode time ((t(2) - t(1)) / t(1) / PROBE_SHARE steps apart, at least
-PROBE), and every try whose draft is rejected doubles the spacing (up to PROBE_MAX steps) until one is kept.
+Probing: a draft of a class that does not pay is still tried now and then (a change in acceptance is noticed;
+one early rejection of a class whose prior paid no longer shuts it for the rest of the sequence while longer
+matches keep drafting), each try costing what a rejected 2-row verify costs over a plain step. Each class's tries
+are spaced so that they cost at most PROBE_SHARE of the decode time ((t(2) - t(1) + the draft's own time) / t(1) /
+PROBE_SHARE steps after the class's last verify, at least PROBE), and every try whose draft is rejected doubles
+the class's spacing (up to PROBE_MAX steps) until one is kept.
 
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
@@ -64,7 +66,7 @@ from localmoe.engine.spec.drafters import Draft, Drafter
 K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
 PROBE = 16  # the fewest plain steps between two tries while no draft pays
 PROBE_MAX = 512  # the most (the spacing doubles with every try rejected)
-PROBE_SHARE = 0.01  # tries while no draft pays cost at most this share of the decode time
+PROBE_SHARE = 0.005  # the tries of a class that does not pay cost at most this share of the decode time
 FIRST_ROWS = 2.0  # before any verify is measured: t(2) / t(1) (pessimistic: the row kernels against a fused step)
 FIRST_ROWS_SAME = 1.3  # the same where the plain step is the row kernels' (`rows_plain`)
 ROW_SLOPE = 0.25  # before two verifies are measured: each row past the largest measured adds this share of it
@@ -136,10 +138,9 @@ class Speculator:
         self.step_misses: dict[int, float] = {}
         self.miss_seconds: float | None = None
         self._counters: tuple[float, int] | None = None
-        self._plain = 0  # plain steps since the last draft
-        self._probe = False  # this step tries one draft whatever its class's estimate (see the module docstring)
-        self._probing = False  # the step being verified is such a try
-        self._backoff = 1  # the spacing of the tries, times this (doubled by every try rejected)
+        self._since = [0] * BUCKETS  # steps since each class's last verify
+        self._probing = False  # the step being verified tries a draft its class does not pay for
+        self._backoff = [1] * BUCKETS  # the spacing of a class's tries, times this (doubled by every try rejected)
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
@@ -149,6 +150,7 @@ class Speculator:
         # what the memo says: plain steps between two tries while no draft pays (times _backoff), the best k
         # over the classes, whether the classes seen gain enough (retirement), the shortest match that pays
         self._spacing, self._choice, self._worth, self._least = float(PROBE), 0, True, 1
+        self._classes = range(BUCKETS)  # the classes drafts may come in
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
 
@@ -205,11 +207,8 @@ class Speculator:
                 self.retired = True
                 if self.residency is not None:
                     self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
-        if best == 0:
-            self._plain += 1
-            if self._probe_due():
-                self._probe = True
-                return 1
+        if best == 0 and any(self._due(b) for b in self._classes):
+            return 1  # a try is due: one draft (`fit` keeps it if its class is the one due)
         return best
 
     def _priced_classes(self) -> list[tuple[int, float]]:
@@ -219,24 +218,26 @@ class Speculator:
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
             self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
             self._memo_t1 = one
-            self._spacing = max(PROBE, (self._estimate(2) - one) / one / PROBE_SHARE)
+            # a try costs a 2-row verify over a plain step, and making its draft
+            self._spacing = max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
             seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
             # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
-            classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
+            self._classes = classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
             self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
             # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
             self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
-            least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS - 1)
-            self._least = 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
+            self._least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS)  # the least class that pays
         return self._memo
 
     def least_match(self) -> int:
         """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
         not build the drafts of shorter ones. 1 where every draft may be kept (not adaptive, not priced yet, a
         try due, a residency pricing drafts by their reads)."""
-        if not self.adaptive or 1 not in self.step_seconds or self.residency is not None or self._probe_due():
+        if not self.adaptive or 1 not in self.step_seconds or self.residency is not None:
             return 1
-        return self._least
+        self._priced_classes()
+        least = next((b for b in range(1, self._least) if self._due(b)), self._least)  # a class due for a try
+        return 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
 
     def _measuring(self) -> bool:
         """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
@@ -244,10 +245,9 @@ class Speculator:
         kept), and it retires where drafting does not pay."""
         return not getattr(self.drafter, "matches", False) and all(r < 2 for r in self.step_seconds)
 
-    def _probe_due(self) -> bool:
-        """Whether the plain steps since the last draft call for a try (see the module docstring)."""
-        self._priced_classes()
-        return self._plain >= min(self._spacing * self._backoff, PROBE_MAX)
+    def _due(self, b: int) -> bool:
+        """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
+        return self._since[b] >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
 
     def _priced(self) -> bool:
         """Whether the residency cost model has what it needs (a plain step's misses and a missed expert's stall)."""
@@ -277,20 +277,15 @@ class Speculator:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
         (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
         the pager asked to prefetch them."""
-        probe, self._probe, self._probing = self._probe, False, False
-        if not self.adaptive or 1 not in self.step_seconds or self._measuring():
+        self._probing = False
+        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
             return self._priced_fit(draft, None)
-        if not draft.tokens:  # nothing to verify (no match, or one shorter than `least_match`): a plain step
-            self._plain += 1
-            return draft
-        a = self.bucket_acceptance(bucket(draft))
-        keep = self._priced_classes()[bucket(draft)][0]
+        b = bucket(draft)
+        a = self.bucket_acceptance(b)
+        keep = self._priced_classes()[b][0]
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
-            self._plain += 1
-            self._probing = probe or self._probe_due()
+            self._probing = self._due(b)
             keep = int(self._probing)
-        if keep:
-            self._plain = 0
         return self._priced_fit(draft.first(keep), a)
 
     def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
@@ -324,8 +319,12 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
-        if self._probing and drafted:  # a try while no draft paid: rejected, the next waits twice as long
-            self._backoff = 1 if accepted else min(2 * self._backoff, PROBE_MAX)
+        for b in range(BUCKETS):
+            self._since[b] += 1
+        if drafted:
+            self._since[confidence] = 0
+            if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
+                self._backoff[confidence] = 1 if accepted else min(2 * self._backoff[confidence], PROBE_MAX)
         self._probing = False
         if drafted or rows > 1:
             self._memo = None  # the acceptance or a verify's time changed: price the classes again
