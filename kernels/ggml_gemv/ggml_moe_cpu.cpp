@@ -42,8 +42,8 @@ RowFn row_fn(int type) {
     case kQ5_0: return one_row<Block32Int8<kQ5_0>>;
     case kQ5_1: return one_row<Block32Int8<kQ5_1>>;
     case kQ8_0: return one_row<Block32Int8<kQ8_0>>;
-    case kQ4_K: return one_row<Q45KInt8<false>>;
-    case kQ5_K: return one_row<Q45KInt8<true>>;
+    case kQ4_K: return one_row<Rows8K>;
+    case kQ5_K: return one_row<Rows8K5>;
     case kQ6_K: return one_row<Q6KInt8>;
     default: return nullptr;
   }

@@ -199,7 +199,7 @@ inline __m256i q6_k_codes(const uint8_t* blk, int c) {
 
 // Rows against int8 x, for up to kTile tokens at once: each unit of a row (a block of 32, or a K-quant
 // super-block of 256) is decoded once into registers and applied to every token of the tile. Blocks of
-// 32 (K-quants: see Q45KInt8 / Q6KInt8, against x per 256), per token and block: an exact integer dot product in 8 int32 lanes, then acc = fma(float(dot),
+// 32 (Q6_K: see Q6KInt8, against x per 256), per token and block: an exact integer dot product in 8 int32 lanes, then acc = fma(float(dot),
 // step_w * d_x, acc) in those lanes, and corr = fma(factor_w, d_x * sum(q_x), corr) (the factor
 // brings in Q4_0's -8, Q4_1's m, the K-quants' mins; corr's lanes are the tile's tokens); finally
 // y = hsum(acc) + corr. A token's operations do not depend on N or on the tokens beside it (a batched
@@ -265,57 +265,6 @@ struct Block32Int8 {
       __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb.q));
       if (T == kQ8_0) xq = _mm256_sign_epi8(xq, w);
       add_dot(acc[t], dot_u8s8(magnitude, xq), scaled(step, xb));  // |pair| <= 2 * 128 * 127
-    }
-  }
-};
-
-// Q5_K (Q4_K: rows8k, ggml_rows8_k.h): units of one super-block (8 sub-blocks of 32) against x's super-block (BlockXK): per token,
-// sum_j sc[j] (w_j . x_j) in int32 lanes (vpmaddubsw: |pair| <= 2 * 31 * 127; vpmaddwd by sc[j] <= 63), converted
-// once, acc = fma(float(sum), d_w d_x, acc); the mins as m[j] * sum(x_j) (exact in fp32), acc -= that times
-// dmin d_x. The same integer sums on both ISAs (no vpdpbusd here: the scale multiply needs the int16 pairs).
-template <bool kFifthBit>
-struct Q45KInt8 {
-  static constexpr int64_t kBytes = kFifthBit ? 176 : 144, kNibbles = kFifthBit ? 48 : 16, kBlocks = 8;
-  template <int TN>
-  __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
-    const __m256i one = _mm256_set1_epi8(1), low4 = _mm256_set1_epi8(0x0F);
-    uint64_t sc8, mn8;
-    q4_k_scales(blk + 4, sc8, mn8);
-    const float d = half(blk), dmin = half(blk + 2);
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn8))));
-    // one token: each sub-block's scale shuffled out of a register (8 words in both lanes); a tile: broadcast
-    const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)));
-    const __m256i scales = _mm256_set_m128i(sc16, sc16);
-    const __m256i qh = kFifthBit ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : one;
-    __m256i sum[TN];
-    for (int t = 0; t < TN; ++t) sum[t] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kNibbles + 32 * p));
-      const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
-      for (int h = 0; h < 2; ++h) {
-        const int j = 2 * p + h;
-        __m256i wj = w[h];
-        if (kFifthBit) {
-          const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one);
-          wj = _mm256_or_si256(wj, _mm256_slli_epi16(bit, 4));
-        }
-        const char a = static_cast<char>(2 * j), b = static_cast<char>(2 * j + 1);
-        const __m256i scale = TN == 1 ? _mm256_shuffle_epi8(scales, _mm256_setr_epi8(
-                                            a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b,
-                                            a, b, a, b, a, b, a, b, a, b, a, b, a, b, a, b))
-                                      : _mm256_set1_epi16(static_cast<int16_t>((sc8 >> (8 * j)) & 0xFF));
-#pragma GCC unroll 8
-        for (int t = 0; t < TN; ++t) {
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * j));
-          sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wj, xq), scale));
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {
-      const BlockXK& xk = x.k[t][u];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(d * xk.d), acc[t]);
-      acc[t] = _mm256_fnmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(xk.sums)), _mm256_set1_ps(dmin * xk.d), acc[t]);
     }
   }
 };
@@ -393,7 +342,7 @@ struct Q6KInt8 {
 };
 
 // Rows eight at a time, one dispatch for every group kernel (rows8: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 on int8 x;
-// rows8k: Q4_K, ggml_rows8_k.h; rows8_f32: Q8_0 on fp32 x). A group kernel G supplies
+// rows8k: Q4_K / Q5_K, ggml_rows8_k.h; rows8_f32: Q8_0 on fp32 x). A group kernel G supplies
 //   X                        a token's x as the kernel reads it (BlockX, BlockXK, float)
 //   kTile                    tokens per tile
 //   group<TN>(row0, stride, units, x, y, ldy, bias)   rows row0 .. row0 + 7 against TN tokens into y[t * ldy + 0..8)
@@ -446,9 +395,10 @@ struct NoWide {
 // whatever the tokens beside it and on both ISAs (the integer sums are exact). Q5_0 / Q5_1 joined in session 7 (one
 // token from cache, Zen 4: 19.5-20 GB/s against 12.5-13.5 per row), which changed their bits. Q8_0 on VNNI: vpdpbusd
 // multiplies u8 by s8, so x comes in as x + 128 (u8) against the signed codes and 128 * sum(q_w) (from the same
-// transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K: rows8k, ggml_rows8_k.h.)
+// transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K / Q5_K: rows8k, ggml_rows8_k.h.)
 inline bool has_rows8(int type) {
-  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K;
+  return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
+         type == kQ5_K;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -728,7 +678,7 @@ struct Rows8 {
 
 }  // namespace localmoe_ggml
 
-#include "ggml_rows8_k.h"  // Q4_K eight rows at a time (rows8k)
+#include "ggml_rows8_k.h"  // Q4_K and Q5_K eight rows at a time (rows8k)
 
 namespace localmoe_ggml {
 
@@ -747,7 +697,7 @@ inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, fl
 // Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1), one row at a time. (Pairing
 // rows to overlap two FMA chains paid while K-quant rows did eight dependent FMAs per super-block; with one FMA
 // per super-block (integer scale products) pairing made Q4_K / Q5_K 2x and Q6_K ~8x slower, measured on Zen 4.)
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: rows8, eight rows at a time.)
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: rows8, eight rows at a time; Q4_K / Q5_K: rows8k; Q6_K one row at a time.)
 template <class U>
 struct Rows8Type {
   static constexpr int kType = -1;
@@ -763,8 +713,8 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   constexpr int T = Rows8Type<U>::kType;
   if constexpr (T >= 0) {
     rows_fixed<Rows8<T>, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
-  } else if constexpr (std::is_same_v<U, Q45KInt8<false>>) {  // Q4_K: rows8k
-    rows_fixed<Rows8K, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
+  } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5>) {  // Q4_K / Q5_K: rows8k
+    rows_fixed<U, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
   }
@@ -1055,7 +1005,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ5_0 ? rows_grouped<Rows8<kQ5_0>>
          : type == kQ5_1 ? rows_grouped<Rows8<kQ5_1>>
          : type == kQ4_K ? rows_grouped<Rows8K>
-         : type == kQ5_K ? rows_int8<Q45KInt8<true>>
+         : type == kQ5_K ? rows_grouped<Rows8K5>
          : type == kQ6_K ? rows_int8<Q6KInt8>
                          : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);

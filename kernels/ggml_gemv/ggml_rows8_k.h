@@ -1,21 +1,24 @@
-// Q4_K rows eight at a time ("rows8k"), against x rounded per 256 (BlockXK); included by ggml_rows.h after rows8, whose
-// halves8 / transpose4 / codes4 it uses.
+// Q4_K and Q5_K rows eight at a time ("rows8k"), against x rounded per 256 (BlockXK); included by ggml_rows.h after rows8,
+// whose halves8 / transpose4 / codes4 it uses. Q5_K is Q4_K with 32 bytes of fifth bits (qh) between the scales and
+// the nibbles: bit j of qh[i] is value i of sub-block j's fifth bit, added as 16 to the nibble (`fifth_bit`); all
+// below holds for both (kFifth: Q5_K). Q5_K ran one row at a time (Q45KInt8<true>) before session 8; the form of
+// 8-lane fp32 chains it took there changed into this one chain, so its int8 bits changed (as Q4_K's did in session 6).
 //
 // A super-block of eight consecutive rows is decoded once into vectors with one lane per row: d and dmin, the eight
 // 6-bit scales and mins (the rows' first 16 bytes transposed, halves8, then llama.cpp's masks on 32-bit lanes: lane r
 // of `scale j` is row r's sc[j]), and per pair of sub-blocks the 32 nibble bytes of the
 // eight rows transposed (lane r of dw[i]: row r's bytes 4i..4i+3; the low nibbles are sub-block 2p, the high ones
 // 2p + 1). Every token of a tile then takes, per sub-block, eight vpdpbusd of those codes against its x codes
-// broadcast four at a time (AVX2: vpmaddubsw + vpmaddwd, |pair| <= 2 * 15 * 128), so lane r ends with row r's exact
+// broadcast four at a time (AVX2: vpmaddubsw + vpmaddwd, |pair| <= 2 * 31 * 128), so lane r ends with row r's exact
 // integer dot product of the sub-block, multiplied by the scale (vpmulld) into the super-block's integer sum
-// (|sum| <= 8 * 63 * 32 * 15 * 128 < 2^31). The mins come in as sum_j m[j] sum(x_j), integers below 2^24, exact in
+// (|sum| <= 8 * 63 * 32 * 31 * 128 < 2^31). The mins come in as sum_j m[j] sum(x_j), integers below 2^24, exact in
 // fp32 in any order. Per (row, token) the value is then, over the super-blocks in order,
 //   acc = fma(float(sum), d_w * d_x, acc);  acc = fma(-mins, dmin_w * d_x, acc)
-// one fp32 chain whatever the rows or tokens beside it and on both ISAs. The per-row form (Q45KInt8, still Q5_K's)
+// one fp32 chain whatever the rows or tokens beside it and on both ISAs. The per-row form (Q45KInt8, removed in session 8)
 // spent a vpmaddubsw, vpmaddwd, add and scale shuffle per row, token and sub-block where a tile spends one vpdpbusd;
 // the transposition is paid once per eight rows (1024 x 512 at 16 tokens: 1.6-1.8x). One token takes the per-row
-// products and sums them across lanes (group8_q4k_one: same bits, ~1.0-1.2x the per-row form); a range's leftover rows
-// take q4k_row (same bits).
+// products and sums them across lanes (group8_qk_one: same bits, ~1.0-1.2x the per-row form); a range's leftover rows
+// take qk_row (same bits).
 #pragma once
 
 namespace localmoe_ggml {
@@ -34,6 +37,21 @@ inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
+}
+
+// A K-quant super-block's layout: bytes, and where the nibbles start (Q4_K: after d, dmin and the 12 scale bytes;
+// Q5_K: after the 32 bytes of fifth bits too).
+template <bool kFifth>
+struct KLayout {
+  static constexpr int64_t kBytes = kFifth ? 176 : 144, kNibbles = kFifth ? 48 : 16;
+};
+
+// codes | 16 where bit j of the byte of qh is set (per byte: the mask keeps bit j, a shift within the byte moves it to
+// bit 4; a 16-bit shift by at most 4 cannot carry a masked bit into the next byte).
+__attribute__((always_inline)) inline __m256i fifth_bit(__m256i codes, __m256i qh, int j) {
+  const __m256i bit = _mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(1 << j)));
+  const __m256i at4 = j < 4 ? _mm256_slli_epi16(bit, 4 - j) : j > 4 ? _mm256_srli_epi16(bit, j - 4) : bit;
+  return _mm256_or_si256(codes, at4);
 }
 
 // dw[i] lane r: bytes 4i..4i+3 of the 32 at p + r * stride (r < 8).
@@ -59,11 +77,12 @@ __attribute__((always_inline)) inline void heads8(const uint8_t* blk, int64_t st
   transpose4(rows, head);
 }
 
-// Rows r .. r + 7 (Q4_K, rows of `stride` bytes, nsb super-blocks) against TN tokens (x[t]: token t's super-blocks):
-// y[t * ldy + r ..] = the eight values (+ bias).
-template <int TN>
-inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* const* x, float* y,
-                       int64_t ldy, const float* bias) {
+// Rows r .. r + 7 (Q4_K / Q5_K, rows of `stride` bytes, nsb super-blocks) against TN tokens (x[t]: token t's
+// super-blocks): y[t * ldy + r ..] = the eight values (+ bias). Q5_K's fifth bits are transposed as the nibbles are.
+template <int TN, bool kFifth>
+inline void group8_qk(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* const* x, float* y,
+                      int64_t ldy, const float* bias) {
+  using L = KLayout<kFifth>;
   constexpr int kChains = TN == 1 ? 2 : 1;  // a lone token's eight dependent vpdpbusd per sub-block, split
   const __m256i low4 = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
   __m256 acc[TN];
@@ -73,9 +92,10 @@ inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const B
   for (int64_t u = 0; u < nsb; ++u) {
     for (int64_t l = 0; l < per_block; ++l)
       _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (u * per_block + l)), _MM_HINT_T0);
-    const uint8_t* blk = row0 + u * 144;
-    __m256i head16[4];
+    const uint8_t* blk = row0 + u * L::kBytes;
+    __m256i head16[4], dh[8];
     heads8(blk, stride, head16);
+    if constexpr (kFifth) transpose8x32(blk + 16, stride, dh);
     const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
     const __m256i w0 = head16[1], w1 = head16[2], w2 = head16[3];
     const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
@@ -100,14 +120,16 @@ inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const B
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {
       __m256i dw[8];
-      transpose8x32(blk + 16 + 32 * p, stride, dw);
+      transpose8x32(blk + L::kNibbles + 32 * p, stride, dw);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * p + h;
         __m256i codes[8];
 #pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i)
+        for (int i = 0; i < 8; ++i) {
           codes[i] = _mm256_and_si256(h ? _mm256_srli_epi16(dw[i], 4) : dw[i], low4);
+          if constexpr (kFifth) codes[i] = fifth_bit(codes[i], dh[i], j);
+        }
         const __m256i scale = _mm256_and_si256(_mm256_srli_epi32(sc[j / 4], 8 * (j % 4)), byte);
 #pragma GCC unroll 8
         for (int t = 0; t < TN; ++t) {
@@ -135,8 +157,11 @@ inline void group8_q4k(const uint8_t* row0, int64_t stride, int64_t nsb, const B
 // Row r's super-block `blk` against x's: the per-row form's 8 int32 lanes (the scales shuffled out of a register,
 // vpmaddubsw + madd_add), whose sum is the super-block's integer sum; two chains of sums (exact in any order: a single
 // vpdpwssd chain waited on its latency; with two, 1.05-1.1x from cache, Zen 4).
-__attribute__((always_inline)) inline __m256i q4k_lanes(const uint8_t* blk, const BlockXK& xb) {
+template <bool kFifth>
+__attribute__((always_inline)) inline __m256i qk_lanes(const uint8_t* blk, const BlockXK& xb) {
+  using L = KLayout<kFifth>;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i qh = kFifth ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : low4;
   uint64_t sc8, mn8;
   q4_k_scales(blk + 4, sc8, mn8);
   const __m128i sc16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc8)));
@@ -144,11 +169,12 @@ __attribute__((always_inline)) inline __m256i q4k_lanes(const uint8_t* blk, cons
   __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
   for (int p = 0; p < 4; ++p) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * p));
-    const __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + L::kNibbles + 32 * p));
+    __m256i w[2] = {_mm256_and_si256(q, low4), _mm256_and_si256(_mm256_srli_epi16(q, 4), low4)};
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const int j = 2 * p + h;
+      if constexpr (kFifth) w[h] = fifth_bit(w[h], qh, j);
       const char a = static_cast<char>(2 * j), c = static_cast<char>(2 * j + 1);
       const __m256i scale = _mm256_shuffle_epi8(scales, _mm256_setr_epi8(a, c, a, c, a, c, a, c, a, c, a, c, a, c, a, c,
                                                                          a, c, a, c, a, c, a, c, a, c, a, c, a, c, a, c));
@@ -159,23 +185,23 @@ __attribute__((always_inline)) inline __m256i q4k_lanes(const uint8_t* blk, cons
   return _mm256_add_epi32(sum[0], sum[1]);
 }
 
-// One row against one token, the same chain as group8_q4k's lane for that (row, token): the per-row form (a
+// One row against one token, the same chain as group8_qk's lane for that (row, token): the per-row form (a
 // super-block's sub-blocks in the 8 int32 lanes, each scale shuffled out of a register) for a lone token, where
 // eight rows' transposition costs more than it saves (one token, Zen 4: 0.64-0.9x), and for a range's leftover rows.
 // The integer sums and sum_j m[j] sum(x_j) (in int32 here: exact, the same value) of up to four super-blocks are
 // summed across lanes together (three vphaddd each), converted, then the scalar FMAs in super-block order
-// (q4k_supers: N <= 4 super-blocks, unrolled).
-template <int N>
-__attribute__((always_inline)) inline float q4k_supers(const uint8_t* row, const BlockXK* x, float acc) {
+// (qk_supers: N <= 4 super-blocks, unrolled).
+template <int N, bool kFifth>
+__attribute__((always_inline)) inline float qk_supers(const uint8_t* row, const BlockXK* x, float acc) {
   __m256i sum[4], mins[4];
   float step[N], offset[N];
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
     sum[k] = mins[k] = _mm256_setzero_si256();
     if (k >= N) continue;
-    const uint8_t* blk = row + k * 144;
+    const uint8_t* blk = row + k * KLayout<kFifth>::kBytes;
     const BlockXK& xb = x[k];
-    sum[k] = q4k_lanes(blk, xb);
+    sum[k] = qk_lanes<kFifth>(blk, xb);
     uint64_t sc8, mn8;
     q4_k_scales(blk + 4, sc8, mn8);
     mins[k] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(mn8))),
@@ -200,36 +226,40 @@ __attribute__((always_inline)) inline float q4k_supers(const uint8_t* row, const
   return acc;
 }
 
-inline float q4k_row(const uint8_t* row, int64_t nsb, const BlockXK* x) {
+template <bool kFifth>
+inline float qk_row(const uint8_t* row, int64_t nsb, const BlockXK* x) {
+  constexpr int64_t B = KLayout<kFifth>::kBytes;
   float acc = 0.0f;
   int64_t u = 0;
-  for (; u + 4 <= nsb; u += 4) acc = q4k_supers<4>(row + u * 144, x + u, acc);
+  for (; u + 4 <= nsb; u += 4) acc = qk_supers<4, kFifth>(row + u * B, x + u, acc);
   switch (nsb - u) {
-    case 3: return q4k_supers<3>(row + u * 144, x + u, acc);
-    case 2: return q4k_supers<2>(row + u * 144, x + u, acc);
-    case 1: return q4k_supers<1>(row + u * 144, x + u, acc);
+    case 3: return qk_supers<3, kFifth>(row + u * B, x + u, acc);
+    case 2: return qk_supers<2, kFifth>(row + u * B, x + u, acc);
+    case 1: return qk_supers<1, kFifth>(row + u * B, x + u, acc);
     default: return acc;
   }
 }
 
-// Rows r .. r + 7 against ONE token, the bits of group8_q4k<1> at less work: each row's super-blocks go through the
-// per-row form (q4k_lanes), row after row (the weights read in order: eight rows a super-block at a time ran at
+// Rows r .. r + 7 against ONE token, the bits of group8_qk<1> at less work: each row's super-blocks go through the
+// per-row form (qk_lanes), row after row (the weights read in order: eight rows a super-block at a time ran at
 // ~0.5x from memory), up to kRunK super-blocks at a time; then per super-block the eight rows' lane vectors are summed
 // across lanes into one vector with a lane per row (seven vphaddd), and d, dmin and the mins come from the transposed
-// first 16 bytes as in group8_q4k. (Transposing the codes costs more than it saves for one token: 0.64-0.9x, Zen 4.)
+// first 16 bytes as in group8_qk. (Transposing the codes costs more than it saves for one token: 0.64-0.9x, Zen 4.)
 constexpr int64_t kRunK = 16;
 
-inline void group8_q4k_one(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* x, float* y,
-                           const float* bias) {
+template <bool kFifth>
+inline void group8_qk_one(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* x, float* y,
+                          const float* bias) {
+  constexpr int64_t B = KLayout<kFifth>::kBytes;
   const __m256i byte = _mm256_set1_epi32(0xFF);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t u0 = 0; u0 < nsb; u0 += kRunK) {
     const int64_t n = std::min(kRunK, nsb - u0);
     __m256i lanes[kRunK][8];
     for (int r = 0; r < 8; ++r)
-      for (int64_t k = 0; k < n; ++k) lanes[k][r] = q4k_lanes(row0 + r * stride + (u0 + k) * 144, x[u0 + k]);
+      for (int64_t k = 0; k < n; ++k) lanes[k][r] = qk_lanes<kFifth>(row0 + r * stride + (u0 + k) * B, x[u0 + k]);
     for (int64_t k = 0; k < n; ++k) {
-      const uint8_t* blk = row0 + (u0 + k) * 144;
+      const uint8_t* blk = row0 + (u0 + k) * B;
       const BlockXK& xb = x[u0 + k];
       __m256i head16[4];
       heads8(blk, stride, head16);
@@ -260,17 +290,21 @@ inline void group8_q4k_one(const uint8_t* row0, int64_t stride, int64_t nsb, con
   _mm256_storeu_ps(y, bias == nullptr ? acc : _mm256_add_ps(acc, _mm256_loadu_ps(bias)));
 }
 
-// rows8k as a group kernel for rows_fixed (ggml_rows.h): group8_q4k_one for one token, group8_q4k for a tile.
-struct Rows8K : NoWide {
+// rows8k as a group kernel for rows_fixed (ggml_rows.h): group8_qk_one for one token, group8_qk for a tile
+// (Rows8K: Q4_K, Rows8K5: Q5_K).
+template <bool kFifth>
+struct Rows8QK : NoWide {
   using X = BlockXK;
   static constexpr int kTile = kTileK8;
   template <int TN>
   __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nsb,
                                                    const BlockXK* const* x, float* y, int64_t ldy, const float* bias) {
-    if constexpr (TN == 1) group8_q4k_one(row0, stride, nsb, x[0], y, bias);
-    else group8_q4k<TN>(row0, stride, nsb, x, y, ldy, bias);
+    if constexpr (TN == 1) group8_qk_one<kFifth>(row0, stride, nsb, x[0], y, bias);
+    else group8_qk<TN, kFifth>(row0, stride, nsb, x, y, ldy, bias);
   }
-  static float single(const uint8_t* row, int64_t nsb, const BlockXK* x) { return q4k_row(row, nsb, x); }
+  static float single(const uint8_t* row, int64_t nsb, const BlockXK* x) { return qk_row<kFifth>(row, nsb, x); }
 };
+using Rows8K = Rows8QK<false>;
+using Rows8K5 = Rows8QK<true>;
 
 }  // namespace localmoe_ggml
