@@ -77,7 +77,7 @@ struct Pass {
   RowFn fn[128];
   int64_t row_bytes[128], units[128];
   Tile tiles[128];
-  int64_t O;
+  int64_t O, n;  // rows per matrix, matrices
   float* y;  // [n * O]
 };
 
@@ -85,6 +85,8 @@ void pass_rows(const void* ctx, int64_t r0, int64_t r1) {
   const Pass& p = *static_cast<const Pass*>(ctx);
   for (int64_t r = r0; r < r1;) {  // a run of rows of one matrix at a time
     const int64_t m = r / p.O, o0 = r % p.O, o1 = std::min(p.O, o0 + (r1 - r));
+    if (o1 == p.O && m + 1 < p.n)  // the matrix ends in this run: the next one's first rows (the row kernels fetch ahead
+      prefetch_ahead(p.data[m + 1], kAheadRows * p.row_bytes[m + 1]);  // only within a matrix)
     p.fn[m](p.data[m], p.row_bytes[m], p.units[m], p.tiles[m], o0, o1, p.y + m * p.O);
     r += o1 - o0;
   }
@@ -129,7 +131,7 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
   float* y = gu + k * 2 * I;                  // [k, W]
 
   Pass first{};
-  first.O = I, first.y = gu;
+  first.O = I, first.n = 2 * k, first.y = gu;
   for (int64_t j = 0; j < k; ++j)
     for (int p = 0; p < 2; ++p) {
       const int64_t m = 2 * j + p;
@@ -142,7 +144,7 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
   localmoe::parallel(pass_rows, &first, 2 * k * I, pass_chunk(t0, first.row_bytes[0]), threads);
 
   Pass second{};
-  second.O = W, second.y = y;
+  second.O = W, second.n = k, second.y = y;
   for (int64_t j = 0; j < k; ++j) {
     float* g = gu + j * 2 * I;
     localmoe::glu_rows(glu, g, g + I, I, p0, p1);

@@ -256,8 +256,10 @@ inline void group8_qk_one(const uint8_t* row0, int64_t stride, int64_t nsb, cons
   for (int64_t u0 = 0; u0 < nsb; u0 += kRunK) {
     const int64_t n = std::min(kRunK, nsb - u0);
     __m256i lanes[kRunK][8];
-    for (int r = 0; r < 8; ++r)
+    for (int r = 0; r < 8; ++r) {
+      prefetch_ahead(row0 + (kAheadRows + r) * stride + u0 * B, n * B);
       for (int64_t k = 0; k < n; ++k) lanes[k][r] = qk_lanes<kFifth>(row0 + r * stride + (u0 + k) * B, x[u0 + k]);
+    }
     for (int64_t k = 0; k < n; ++k) {
       const uint8_t* blk = row0 + (u0 + k) * B;
       const BlockXK& xb = x[u0 + k];
