@@ -131,12 +131,13 @@ class HybridDecoder:
     or None; with dense_type, its MATRIX_TYPES value), blocks (ggml_gemv BlockExpertTable.addresses or None; with
     block_types, the gate / up / down GGML types; no table: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
-    returns layer `index`'s routed-expert sum [W] for a layer without a table. The caller sets each
-    layer's cache pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
+    returns layer `index`'s routed-expert sum [W] for a layer without a table. `head`: the lm_head as a Matrix
+    tuple, computed in the same call (the call then gives logits), or None. The caller sets each layer's cache
+    pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
 
     def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool,
-                 block_size: int, output_query: torch.Tensor | None, experts=None):
-        self.held = [layers, final_norm, output_query]
+                 block_size: int, output_query: torch.Tensor | None, experts=None, head: tuple | None = None):
+        self.held = [layers, final_norm, output_query, head]
         self.hidden, self.final_norm, self.eps, self.q8 = hidden, final_norm, eps, q8
         self.block_size, self.output_query = block_size, output_query
         self.layers = (HybridLayer * len(layers))()
@@ -175,6 +176,10 @@ class HybridDecoder:
                     c.block_types[:] = d["block_types"]
                     moe_bytes = max(moe_bytes, 4 * c.experts + 64 +
                                     lib.ggml_moe_token_scratch(c.top_k, width, c.intermediate))
+        self.head = None if head is None else _matrix(head)
+        self.vocab = 0 if head is None else head[2]
+        if head is not None:
+            widest = max(widest, head[3])
         floats = lib.decode_hybrid_scratch(ctypes.addressof(self.layers), len(layers), hidden, block_size)
         self.scratch = torch.empty(floats)
         self.moe_scratch = torch.empty(max(moe_bytes, 64), dtype=torch.uint8)
@@ -184,6 +189,11 @@ class HybridDecoder:
         self.experts, self.error = experts, None
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the callback's (h, x, out) views by address
         self.callback = ExpertsFn(self._experts)
+        self.address = ctypes.addressof(self.layers)
+        self.head_ref = None if self.head is None else ctypes.byref(self.head)
+        self.h = torch.empty(hidden)  # the final hidden state where the call gives logits
+        self.stream = torch.empty(hidden)  # the residual stream of a call given an embedding row's address
+        self.x = self.stream.data_ptr()
 
     @staticmethod
     def _matrices(d: dict) -> list[tuple]:
@@ -250,19 +260,25 @@ class HybridDecoder:
             self.error = e
             return 1
 
-    def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor | int, pos: int, cos: torch.Tensor | None = None,
                  signed_sin: torch.Tensor | None = None) -> torch.Tensor:
-        """x [hidden] fp32 contiguous (the token's embedding; overwritten), cache position `pos`, the RoPE
-        tables [rot] at its rotary position for GQA and rotating MLA layers -> the final-normed hidden state
-        [hidden]."""
-        h = torch.empty(self.hidden)
+        """x [hidden] fp32 contiguous (the token's embedding; overwritten), or the address of such a row (copied
+        first, not written), cache position `pos`, the RoPE tables [rot] at its rotary position for GQA and
+        rotating MLA layers -> the logits [vocab] where the decoder has a head, else the final-normed hidden
+        state [hidden]."""
+        out = torch.empty(self.vocab or self.hidden)
+        h = self.h.data_ptr() if self.vocab else out.data_ptr()
+        if type(x) is int:
+            x = ctypes.memmove(self.x, x, 4 * self.hidden)
+        else:
+            x = x.data_ptr()
         failed = library().decode_hybrid(
-            ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos, _ptr(cos),
-            _ptr(signed_sin), self.block_size,
-            _ptr(self.output_query), self.final_norm.data_ptr(), self.eps, int(self.q8), h.data_ptr(),
-            self.ids.data_ptr(), self.weights.data_ptr(), self.scratch.data_ptr(), self.moe_scratch.data_ptr(),
-            self.xq.data_ptr(), self.callback, threads())
+            self.address, len(self.layers), x, self.hidden, pos, _ptr(cos),
+            _ptr(signed_sin), self.block_size, _ptr(self.output_query), self.final_norm.data_ptr(), self.eps,
+            int(self.q8), h, self.head_ref, out.data_ptr(), self.ids.data_ptr(),
+            self.weights.data_ptr(), self.scratch.data_ptr(), self.moe_scratch.data_ptr(), self.xq.data_ptr(),
+            self.callback, threads())
         if failed:
             error, self.error = self.error, None
             raise error or RuntimeError("decode_hybrid: ggml_moe_token refused a layer's block experts")
-        return h
+        return out

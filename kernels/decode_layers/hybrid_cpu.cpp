@@ -326,15 +326,15 @@ int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, i
   return 64 + (6 + blocks) * D + widest;
 }
 
-// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state; cos / ssin: the RoPE
-// tables at the token's rotary position for GQA and rotating MLA layers (null without any). block_size 0: plain
-// residuals (or, where layer 0's hc_mult is set, hyper-connections), else attention residuals with queries per
-// layer and `output_query`. Returns 0, or 1 where
-// the experts callback asked to stop (h is then undefined).
-int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
-                  const float* ssin, int64_t block_size,
-                  const float* output_query, const float* final_norm, float eps, int q8, float* h, int64_t* ids,
-                  float* weights, float* scratch, void* moe_scratch, void* xq, ExpertsFn experts, int threads) {
+}  // extern "C"
+
+namespace {
+
+// decode_hybrid's layers: x [D] -> h [D], the final-normed hidden state.
+int hybrid_layers(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                  const float* ssin, int64_t block_size, const float* output_query, const float* final_norm, float eps,
+                  int q8, float* h, int64_t* ids, float* weights, float* scratch, void* moe_scratch, void* xq,
+                  ExpertsFn experts, int threads) {
   Buffers b{};
   float* p = scratch;
   for (float** f : {&b.hn, &b.a, &b.m, &b.mix}) *f = p, p += D;
@@ -416,6 +416,28 @@ int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
   }
   depth_mix(b.blocks, nb, ps, output_query, D, eps, b.mix);
   rms_norm(b.mix, final_norm, D, eps, h);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state, and where `head` is given
+// (the lm_head [V, D]: in this call, so a decode step is one call from the embedding to the logits) logits [V] =
+// head h; cos / ssin: the RoPE tables at the token's rotary position for GQA and rotating MLA layers (null without
+// any). block_size 0: plain residuals (or, where layer 0's hc_mult is set, hyper-connections), else attention
+// residuals with queries per layer and `output_query`. xq: matvec scratch for the widest input (the head's too).
+// Returns 0, or 1 where the experts callback asked to stop (h and logits are then undefined).
+int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                  const float* ssin, int64_t block_size,
+                  const float* output_query, const float* final_norm, float eps, int q8, float* h,
+                  const Matrix* head, float* logits, int64_t* ids,
+                  float* weights, float* scratch, void* moe_scratch, void* xq, ExpertsFn experts, int threads) {
+  if (hybrid_layers(layers, n, x, D, pos, cos, ssin, block_size, output_query, final_norm, eps, q8, h, ids, weights,
+                    scratch, moe_scratch, xq, experts, threads) != 0)
+    return 1;
+  if (head != nullptr) localmoe::matvec(*head, h, logits, xq, threads);
   return 0;
 }
 

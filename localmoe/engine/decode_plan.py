@@ -77,6 +77,7 @@ class DecodePlan:
         self.parts = parts  # (owner, attribute, the object it held at build time) for `current`
         self.plain_routers = plain_routers  # the kernel routes: paging hooks around a router need op by op
         self._run = run  # the hybrid form's own run(plan, tokens, cache)
+        self.logits = False  # whether `run` gives the logits (the lm_head in the kernel call), not the hidden state
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
@@ -156,9 +157,9 @@ class DecodePlan:
             type(held) is Router for _, name, held in self.parts if name == "router"))
 
     def run(self, tokens: torch.Tensor, cache) -> torch.Tensor | None:
-        """tokens [1, 1] -> the final-normed hidden state [1, 1, hidden], the cache advanced; None (nothing
-        done) where this call must run op by op: a padded cache, a top-k attention selection or a
-        cache that cannot be written in place."""
+        """tokens [1, 1] -> the final-normed hidden state [1, 1, hidden] (the logits [1, 1, V] where `logits`),
+        the cache advanced; None (nothing done) where this call must run op by op: a padded cache, a top-k
+        attention selection or a cache that cannot be written in place."""
         if self._run is not None:
             return self._run(self, tokens, cache)
         pos = cache.offset
@@ -390,28 +391,42 @@ def _routed(model):
 
 
 def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor | None:
+    """The hybrid step with as little Python as it can (a decode token's Python runs on cold caches, after the
+    kernel's stream of weights: ~50 us of it hot took ~600 us there): each layer's cache pointers are set again
+    only where the cache's tensors changed (`plan.bound`), the token's embedding row goes to the kernel by
+    address, and the kernel computes the lm_head too where it can (`plan.logits`)."""
     pos = cache.offset
     if cache.key_mask is not None or pos + 1 > cache.max_len:
         return None
-    model, decoder, states = plan.model, plan.decoder, []
-    for i, (_, mixer, _, _) in enumerate(model.layers):
-        layer = cache.layers[i]
-        if getattr(mixer, "sparse_topk", None) is not None and mixer.sparse_topk < pos + 1:
-            return None  # top-k selection drops keys now: op by op
-        if isinstance(mixer, (KimiDeltaAttention, GatedDeltaNet)):
+    decoder, layers, bound = plan.decoder, cache.layers, plan.bound
+    for i, kind, mixer in plan.slots:
+        layer = layers[i]
+        if kind == "recurrent":  # KDA, Gated DeltaNet: the state and conv tail, updated in place
             if layer.offset != pos or layer.state.shape[0] != 1:
                 return None
-            layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
-            decoder.set_state(i, layer.state, layer.conv_tail)
-            states.append(layer)
-        elif isinstance(mixer, GQAttention):
+            held = bound[i]
+            if held is None or held[0] is not layer.state or held[1] is not layer.conv_tail:
+                layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
+                decoder.set_state(i, layer.state, layer.conv_tail)
+                bound[i] = (layer.state, layer.conv_tail)
+        elif mixer.sparse_topk is not None and mixer.sparse_topk < pos + 1:
+            return None  # top-k selection drops keys now: op by op
+        elif kind == "gqa":
             pools = layer.decode_pools(pos)
             if pools is None:
                 return None
             decoder.set_pools(i, *pools)
-        else:
-            if mixer.record_selection:
-                return None  # probe-recall keeps the selection: op by op
+        elif mixer.record_selection:
+            return None  # probe-recall keeps the selection: op by op
+        elif kind == "mla":  # the latent cache: its view changes only when the buffer grows or is reallocated
+            buffer, held = layer.rows, bound[i]
+            if held is None or held[0] is not buffer or held[1] != buffer.generation or pos >= buffer.capacity:
+                rows = buffer.storage(pos + 1)  # one head of r + rope values
+                if rows is None:
+                    return None
+                decoder.set_rows(i, cache_rows(*rows))
+                bound[i] = (buffer, buffer.generation)
+        else:  # DSA: the latent cache, and where the layer has one of its own the index cache and kept pools
             dsa = isinstance(layer, DSACache)
             rows = (layer.latent if dsa else layer).rows.storage(pos + 1)  # one head of r + rope values
             keys = layer.index.rows.storage(pos + 1) if dsa else None  # heads: the index cache's blocks
@@ -421,13 +436,23 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
             if dsa:
                 kept = layer.pools  # k-pool: the complete pools' keys, kept
                 decoder.set_index(i, cache_rows(*keys), *(kept.fused_room((pos + 1) // kept.pool) if kept else ()))
-    at = pos + cache.rope_delta
-    rope = (model.rope.cos[at], model.rope.sin[at]) if plan.rope else (None, None)
-    h = decoder(model.embed[tokens.view(-1)[0]].clone(), pos, *rope)
-    for layer in states:
-        layer.offset += 1
+    rope = (None, None)
+    if plan.rope:
+        at = pos + cache.rope_delta
+        rope = (plan.model.rope.cos[at], plan.model.rope.sin[at])
+    embed = plan.embed_rows
+    if embed is None:
+        x = plan.model.embed[tokens.view(-1)[0]].clone()
+    else:
+        token = int(tokens)
+        if not 0 <= token < embed[2]:
+            raise IndexError(f"token id {token} is outside the embedding's {embed[2]} rows")
+        x = embed[0] + embed[1] * token  # the row's address: the kernel copies it
+    out = decoder(x, pos, *rope)
+    for i in plan.recurrent:
+        layers[i].offset += 1
     cache.advance(1)
-    return h.view(1, 1, -1)
+    return out.view(1, 1, -1)
 
 
 def _hyper_connections(hc: HyperConnections, model) -> bool:
@@ -480,11 +505,25 @@ def _hybrid(cls, model) -> DecodePlan | None:
         layers.append(d)
         parts += m[1]
     block_size = residuals.block_size if residuals is not None and not hyper else 0
+    # a dense head on the dense GEMV kernel (the same call the Linear makes): in the kernel call, the same bits
+    head = _matrix(model.lm_head) if type(model.lm_head) is Linear and model.lm_head.gemv is not None else None
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
                                    model.config.experts_precision == "q8", block_size,
-                                   residuals.output_query if block_size else None, _routed(model))
-    plan = cls(model, decoder, parts, run=_hybrid_run, plain_routers=False)
+                                   residuals.output_query if block_size else None, _routed(model), head)
+    plan = cls(model, decoder, parts + [(model, "lm_head", model.lm_head)], run=_hybrid_run, plain_routers=False)
+    plan.logits = head is not None
     plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and (d["mla"]["rotate"] or d["mla"].get(
         "dsa", {}).get("rope_dim"))) for d in layers)
+    # _hybrid_run's per-layer work: (index, kind, mixer), the recurrent layers, the pointers set so far
+    kinds = {KimiDeltaAttention: "recurrent", GatedDeltaNet: "recurrent", GQAttention: "gqa", MLAttention: "mla"}
+    plan.slots = [(i, kinds.get(type(mixer), "dsa"), mixer) for i, (_, mixer, _, _) in enumerate(model.layers)]
+    plan.recurrent = [i for i, kind, _ in plan.slots if kind == "recurrent"]
+    plan.bound = [None] * len(model.layers)
+    embed = model.embed
+    plan.embed_rows = None  # (address of row 0, bytes per row, rows) where the kernel can copy the token's row itself
+    if type(embed) is torch.Tensor and embed.dtype == torch.float32 and embed.is_contiguous() and \
+            embed.device.type == "cpu":
+        plan.embed_rows = (embed.data_ptr(), embed.stride(0) * 4, embed.shape[0])
+        plan.parts.append((model, "embed", embed))
     return plan
 

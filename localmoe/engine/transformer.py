@@ -211,9 +211,9 @@ class Transformer:
         if tokens.numel() <= SMALL_STEP_TOKENS:
             with small_steps():
                 if tokens.numel() == 1 and mask is None and cache.hidden_sink is None:
-                    h = self._planned_step(tokens, cache)
-                    if h is not None:
-                        return self.lm_head(h)
+                    logits = self._planned_step(tokens, cache)
+                    if logits is not None:
+                        return logits
                 return self._forward(tokens, cache, mask, all_logits)
         return self._forward(tokens, cache, mask, all_logits)
 
@@ -274,10 +274,11 @@ class Transformer:
         return self.lm_head(h if all_logits else h[:, -1:])
 
     def _planned_step(self, tokens: torch.Tensor, cache: ModelCache) -> torch.Tensor | None:
-        """One sequence's decode step through the model's DecodePlan (every layer in one kernel call); None
-        where it does not apply."""
+        """One sequence's decode step through the model's DecodePlan (every layer in one kernel call, the lm_head
+        too where the plan gives logits) -> logits [1, 1, V]; None where it does not apply."""
         plan = self.decode_plan()
-        return None if plan is None else plan.run(tokens, cache)
+        out = None if plan is None else plan.run(tokens, cache)
+        return out if out is None or plan.logits else self.lm_head(out)
 
     def decode_plan(self) -> DecodePlan | None:
         """The model's DecodePlan (engine/decode_plan.py), built on first use and again when the layers changed

@@ -69,3 +69,58 @@ def test_avx2_equals_avx512(checkpoint, precision):
         with _cpu.forced_isa(isa):
             runs[isa] = _decode(model, True)
     assert torch.equal(runs["avx2"], runs["avx512vnni"])
+
+
+class _Head:
+    """The model's lm_head behind a type the plan does not take into its kernel call."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)
+
+
+def test_the_head_in_the_kernel_call_has_the_linears_bits(checkpoint):
+    """Where the plan computes the lm_head in its kernel call (`logits`), the logits are the model's Linear's on
+    the plan's hidden state, bit for bit."""
+    model = _load(checkpoint, precision="q8")
+    inside = _decode(model, True)
+    assert model._plan.logits
+    head, model.lm_head = model.lm_head, _Head(model.lm_head)
+    try:
+        apart = _decode(model, True)
+        assert not model._plan.logits
+    finally:
+        model.lm_head = head
+    assert torch.equal(inside, apart)
+
+
+def test_sequences_taking_turns_equal_each_alone(checkpoint, monkeypatch):
+    """The plan sets a layer's cache pointers again only where the cache's tensors changed: two sequences'
+    caches taking turns step by step, their latent caches reallocated on the way (16-token blocks: the pool
+    grows past 80 positions), give each sequence's logits alone, bit for bit."""
+    from localmoe.kernels.decode_layers.hybrid import HybridDecoder
+
+    from localmoe.engine import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 16)
+    calls, call = [], HybridDecoder.__call__
+    monkeypatch.setattr(HybridDecoder, "__call__", lambda self, *args: calls.append(1) or call(self, *args))
+    model = _load(checkpoint, precision="q8")
+    prompts, steps = [PROMPT, PROMPT[::-1]], 14
+
+    def run(caches: list, order: list[int]) -> list[list[torch.Tensor]]:
+        logits = [model.forward(torch.tensor([p]), c)[:, -1] for p, c in zip(prompts, caches)]
+        out = [[], []]
+        for s in order:
+            logits[s] = model.forward(logits[s].argmax(-1, keepdim=True), caches[s])[:, -1]
+            out[s].append(logits[s][0])
+        return out
+
+    model._plan = None
+    alone = [run([model.new_cache(1, 128), model.new_cache(1, 128)], [s] * steps)[s] for s in (0, 1)]
+    turns = run([model.new_cache(1, 128), model.new_cache(1, 128)], [0, 1] * steps)
+    assert model._plan.logits and len(calls) == 4 * steps, f"{len(calls)} of {4 * steps} steps ran fused"
+    for s in (0, 1):
+        assert torch.equal(torch.stack(turns[s]), torch.stack(alone[s])), f"sequence {s}"
