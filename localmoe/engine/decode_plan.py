@@ -505,8 +505,12 @@ def _hybrid(cls, model) -> DecodePlan | None:
         layers.append(d)
         parts += m[1]
     block_size = residuals.block_size if residuals is not None and not hyper else 0
-    # a dense head on the dense GEMV kernel (the same call the Linear makes): in the kernel call, the same bits
-    head = _matrix(model.lm_head) if type(model.lm_head) is Linear and model.lm_head.gemv is not None else None
+    # the head in the kernel call where matvec makes the head's own GEMV call (the same bits): a dense head on the
+    # dense GEMV kernel, a GGUF block head of one type on x rounded to int8 (not exact_x)
+    lm_head = model.lm_head
+    folds = (type(lm_head) is Linear and lm_head.gemv is not None) or (
+        type(lm_head) is BlockLinear and not lm_head.exact_x and lm_head.raw is not None)
+    head = _matrix(lm_head) if folds else None
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
                                    model.config.experts_precision == "q8", block_size,
                                    residuals.output_query if block_size else None, _routed(model), head)

@@ -243,3 +243,19 @@ def test_fused_avx2_equals_avx512(gguf):
         with _cpu.forced_isa(isa):
             runs.append(_decode(model, True))
     assert torch.equal(*runs)
+
+
+def test_the_block_head_in_the_kernel_call_has_its_bits(gguf):
+    """The fused step computes the Q6_K lm_head (rounded input at q8) in its kernel call: the logits of the
+    BlockLinear on the step's hidden state, bit for bit."""
+    model = _load(gguf)
+    inside = _decode(model, True)
+    assert model._plan.logits
+    head = model.lm_head
+    model.lm_head = lambda h: head(h)  # not a BlockLinear: the plan leaves the head to the model
+    try:
+        apart = _decode(model, True)
+        assert not model._plan.logits
+    finally:
+        model.lm_head = head
+    assert torch.equal(inside, apart)
