@@ -57,7 +57,6 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -138,7 +137,7 @@ class Speculator:
         self.step_misses: dict[int, float] = {}
         self.miss_seconds: float | None = None
         self._counters: tuple[float, int] | None = None
-        self._since = [0] * BUCKETS  # steps since each class's last verify
+        self._tried = [0] * BUCKETS  # the step (stats.steps) of each class's last verify
         self._probing = False  # the step being verified tries a draft its class does not pay for
         self._backoff = [1] * BUCKETS  # the spacing of a class's tries, times this (doubled by every try rejected)
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
@@ -247,7 +246,8 @@ class Speculator:
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
-        return self._since[b] >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
+        since = self.stats.steps - self._tried[b]
+        return since >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
 
     def _priced(self) -> bool:
         """Whether the residency cost model has what it needs (a plain step's misses and a missed expert's stall)."""
@@ -319,10 +319,8 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
-        for b in range(BUCKETS):
-            self._since[b] += 1
         if drafted:
-            self._since[confidence] = 0
+            self._tried[confidence] = s.steps
             if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
                 self._backoff[confidence] = 1 if accepted else min(2 * self._backoff[confidence], PROBE_MAX)
         self._probing = False
@@ -348,7 +346,7 @@ class Speculator:
         if n == 2:
             recent.clear()
         recent.append(seconds)
-        self.step_seconds[rows] = statistics.median(recent)
+        self.step_seconds[rows] = sorted(recent)[len(recent) // 2]  # the median (the upper one of an even count)
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
             stall, misses = stall - self._counters[0], misses - self._counters[1]
