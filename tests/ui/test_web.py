@@ -297,6 +297,58 @@ def test_stop_ends_the_answer_and_keeps_what_was_shown(service, tmp_path):
     assert re.match(r"[1-4] tokens", session.transcript.last_turn) and not session.busy  # answered, not stopped
 
 
+@pytest.mark.slow
+def test_stream_route_relays_an_approved_tool_round(service, tmp_path):
+    """The route over a real Service: the user's message and the text as operations, each tool card and the
+    approval card as a redraw, the approved call run, the next turn's text, then done."""
+    import json
+
+    import httpx
+    from localmoe.ui.web.app import WebApp
+    from localmoe.ui.web.session import WebSession
+    from localmoe.ui.web.stream import mount
+    from starlette.applications import Starlette
+
+    web = WebApp(service, workdir=tmp_path)
+    session = web.sessions["tab"] = WebSession(service, tmp_path, budget="low", max_tokens=24)
+    session.conversation.tool_choice = "list_dir"  # forces a call on the first model turn
+    key = web.keys.issue("tab")
+    app = Starlette()
+    mount(app, web)
+
+    async def scenario():
+        async def approve():
+            while session.gate.call is None:
+                await asyncio.sleep(0.01)
+            session.gate.decide(True)
+
+        approver = asyncio.ensure_future(approve())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:7860") as client:
+            response = await client.post(STREAM_PATH, json={"key": key, "text": "What files are here?"},
+                                         headers={"Origin": "http://127.0.0.1:7860"}, timeout=120)
+        await approver
+        return response
+
+    response = asyncio.run(asyncio.wait_for(scenario(), 180))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("application/x-ndjson")
+    ops = [json.loads(line) for line in response.text.splitlines()]
+    assert ops[0] == {"op": "new", "i": 0, "role": "user", "title": None, "text": "What files are here?"}
+    assert ops[-1] == {"op": "done"} and {"op": "sync"} in ops
+    card = next(i for i, m in enumerate(session.transcript.messages) if "list_dir" in m.get("metadata", {}).get("title", ""))
+    assert session.transcript.messages[card]["metadata"]["title"].endswith("approved, ran")
+    assert "Output:" in session.transcript.messages[card]["content"]  # it ran (its arguments are the model's)
+    shown: dict[int, str] = {}  # replaying the text operations gives the transcript's text messages after the card
+    for op in ops:
+        if op["op"] == "new":
+            shown[op["i"]] = op["text"]
+        elif op["op"] == "append":
+            shown[op["i"]] += op["text"]
+    for i, text in shown.items():
+        if i > card:
+            assert session.transcript.messages[i]["content"] == text
+    assert any(i > card for i in shown), "the turn after the tool result was not streamed"
+
+
 # ---- the real page in headless Chromium ----
 
 def _browser() -> str | None:
