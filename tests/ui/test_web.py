@@ -477,15 +477,18 @@ RECORD_JS = """(sel) => {
 }"""
 
 
-def _send_and_watch(page, text: str, drawn_by: list | None = None) -> list[str]:
-    """Send `text`; return every distinct state of the newest assistant message until the turn ends (as the
-    page drew them, recorded by a MutationObserver); `drawn_by` gets, per state, whether the page's script drew
-    it (True) or Gradio (False)."""
+def _send_and_watch(page, text: str, drawn_by: list | None = None, button: bool = False) -> list[str]:
+    """Send `text` (the enter key, or the Send button); return every distinct state of the newest assistant
+    message until the turn ends (as the page drew them, recorded by a MutationObserver); `drawn_by` gets, per
+    state, whether the page's script drew it (True) or Gradio (False)."""
     before = len(_bot_texts(page))
     status_before = page.inner_text("#turn-status")
     page.evaluate(RECORD_JS, BOT)
     page.fill("#message textarea", text)
-    page.press("#message textarea", "Enter")
+    if button:
+        page.click("#send")
+    else:
+        page.press("#message textarea", "Enter")
     deadline = time.monotonic() + REPLY_TIMEOUT / 1000
     while time.monotonic() < deadline:
         texts = _bot_texts(page)
@@ -664,7 +667,9 @@ def test_a_reloaded_page_keeps_its_conversation(browser, web_server):
     tab.wait_for_function(KEY_READY, timeout=30_000)
     tab.wait_for_function("() => document.querySelectorAll('#chat [data-testid=bot]').length > 0", timeout=30_000)
     assert tab.inner_text("#chat .message-wrap") == shown
-    _send_and_watch(tab, "And a vegetable?")
+    drawn_by: list[bool] = []
+    _send_and_watch(tab, "And a vegetable?", drawn_by, button=True)
+    assert any(drawn_by)  # the Send button goes through the stream route too
     assert set(_last_stored(web_server[1])) == sessions and tab.input_value("#chat-id textarea") == chat_id
     from localmoe.chat.sessions import SessionStore
 
