@@ -23,4 +23,5 @@ setup(packages=packages, package_dir=MAPPED,
                     "localmoe.kernels.ggml_gemv": ["*.cpp", "*.h"], "localmoe.kernels.decode_layers": ["*.cpp", "*.h"],
                     "localmoe.kernels.gqa_decode": ["*.cpp"], "localmoe.kernels.rms_norm": ["*.cpp"],
                     "localmoe.kernels.paged_io": ["*.cpp", "*.h", "XXHASH_LICENSE"],
-                    "localmoe.kernels._cpu": ["*.h"], "localmoe.ui.web": ["*.js"]})  # the CPU kernels are compiled at first use
+                    "localmoe.kernels._cpu": ["*.h"], "localmoe.ui.web": ["*.js"],
+                    "localmoe.ui.tui": ["*.tcss"]})  # the CPU kernels are compiled at first use

@@ -59,16 +59,18 @@
     if (wrap) wrap.scrollTop = wrap.scrollHeight;
   }
 
+  const SYNC_LOST = 15000; // ms: a redraw whose follow-up never came (an event Gradio dropped) is asked again
   function sync() {
-    if (S.syncing) {
+    if (S.syncing && performance.now() - S.syncStarted < SYNC_LOST) {
       S.again = true;
       return;
     }
+    S.syncStarted = performance.now();
     const button = q("#stream-sync");
     if (!button) return;
     S.syncing = true;
     // after the answer, Gradio's redraw replaces every bubble drawn here; a new message starts a clean slate
-    S.replaced = S.busy ? null : [...drawn.values(), ...unplaced];
+    if (!S.busy) S.replaced = [...(S.replaced || []), ...drawn.values(), ...unplaced];
     if (!S.busy) {
       drawn.clear();
       unplaced = [];
