@@ -189,7 +189,10 @@ class HybridDecoder:
         self.experts, self.error = experts, None
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the callback's (h, x, out) views by address
         self.callback = ExpertsFn(self._experts)
-        self.address = ctypes.addressof(self.layers)
+        # the call's fixed arguments, converted once (a decode token's Python runs on cold caches)
+        self.address, self.count = ctypes.addressof(self.layers), len(self.layers)
+        self.norms = (_ptr(output_query), final_norm.data_ptr(), eps, int(q8))
+        self.buffers = tuple(t.data_ptr() for t in (self.ids, self.weights, self.scratch, self.moe_scratch, self.xq))
         self.head_ref = None if self.head is None else ctypes.byref(self.head)
         self.h = torch.empty(hidden)  # the final hidden state where the call gives logits
         self.stream = torch.empty(hidden)  # the residual stream of a call given an embedding row's address
@@ -273,11 +276,9 @@ class HybridDecoder:
         else:
             x = x.data_ptr()
         failed = library().decode_hybrid(
-            self.address, len(self.layers), x, self.hidden, pos, _ptr(cos),
-            _ptr(signed_sin), self.block_size, _ptr(self.output_query), self.final_norm.data_ptr(), self.eps,
-            int(self.q8), h, self.head_ref, out.data_ptr(), self.ids.data_ptr(),
-            self.weights.data_ptr(), self.scratch.data_ptr(), self.moe_scratch.data_ptr(), self.xq.data_ptr(),
-            self.callback, threads())
+            self.address, self.count, x, self.hidden, pos, None if cos is None else cos.data_ptr(),
+            None if signed_sin is None else signed_sin.data_ptr(), self.block_size, *self.norms, h, self.head_ref,
+            out.data_ptr(), *self.buffers, self.callback, threads())
         if failed:
             error, self.error = self.error, None
             raise error or RuntimeError("decode_hybrid: ggml_moe_token refused a layer's block experts")

@@ -402,10 +402,12 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
     for i, kind, mixer in plan.slots:
         layer = layers[i]
         if kind == "recurrent":  # KDA, Gated DeltaNet: the state and conv tail, updated in place
-            if layer.offset != pos or layer.state.shape[0] != 1:
+            if layer.offset != pos:
                 return None
             held = bound[i]
             if held is None or held[0] is not layer.state or held[1] is not layer.conv_tail:
+                if layer.state.shape[0] != 1:
+                    return None
                 layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
                 decoder.set_state(i, layer.state, layer.conv_tail)
                 bound[i] = (layer.state, layer.conv_tail)
