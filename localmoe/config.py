@@ -244,7 +244,7 @@ class EngineConfig:
             raise LocalMoEError(f"--sparse-topk must be a positive number of tokens, not {self.sparse_topk}")
 
     @property
-    def experts_precision(self) -> str:
+    def expert_kernel_precision(self) -> str:
         """What routed experts compute at (kernels/mxfp4_moe PRECISIONS): "q8" under q8 and q8-all, else "exact"."""
         return "exact" if self.expert_precision == "exact" else "q8"
 

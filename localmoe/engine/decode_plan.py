@@ -118,7 +118,7 @@ class DecodePlan:
                 "p0": block.act.p0, "p1": block.act.p1, "keep": table})
             parts += [(mixer, "fused_step", step), (block, "router", router), (block, "experts", block.experts)]
         decoder = decode_layers.GqaMoeDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
-                                              model.config.experts_precision == "q8")
+                                              model.config.expert_kernel_precision == "q8")
         return cls(model, decoder, parts)
 
     @classmethod
@@ -514,7 +514,7 @@ def _hybrid(cls, model) -> DecodePlan | None:
         type(lm_head) is BlockLinear and not lm_head.exact_x and lm_head.raw is not None)
     head = _matrix(lm_head) if folds else None
     decoder = hybrid.HybridDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
-                                   model.config.experts_precision == "q8", block_size,
+                                   model.config.expert_kernel_precision == "q8", block_size,
                                    residuals.output_query if block_size else None, _routed(model), head)
     plan = cls(model, decoder, parts + [(model, "lm_head", model.lm_head)], run=_hybrid_run, plain_routers=False)
     plan.logits = head is not None

@@ -68,7 +68,7 @@ class NextN:
         self.mixer = MIXERS[mixer].build(layer_config(spec, mixer), weights, p, device, dtype)
         self.mlp = MLPS[ffn].build(layer_config(spec, ffn), weights, p, device, dtype)
         if isinstance(self.mlp, moe.MoEBlock):
-            self.mlp.precision = config.experts_precision
+            self.mlp.precision = config.expert_kernel_precision
         own = weights.get(p + OWN_HEAD)
         self.own_head = own is not None
         self.head = make_linear([on_device(own, device)], None, dtype) if self.own_head else target.lm_head

@@ -136,7 +136,7 @@ class Transformer:
         self.embed = _embedding(on_device(weights["embed_tokens.weight"], device), config.dtype)
         # a MoE model at expert precision q8: block GEMVs round their inputs (the head's, prefill's: `rounded_rows`);
         # at q8-all every model's GGUF block head does (_head)
-        self.rounded = config.experts_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
+        self.rounded = config.expert_kernel_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
                              config.dtype, self.rounded or config.expert_precision == "q8-all")
         head = getattr(self.lm_head, "weight", None)
@@ -170,7 +170,7 @@ class Transformer:
         elif spec.hyper_connections is not None:
             self.residuals = hyper_connections.build(spec.hyper_connections, weights, device=device)
         for block in self.moe_blocks():
-            block.precision = config.experts_precision
+            block.precision = config.expert_kernel_precision
         if experts is not None:
             self.use_experts(experts)
         self.vision = build_vision(spec, weights, device)  # None without an image tower (engine/images.py)

@@ -268,7 +268,7 @@ def test_expert_precision_is_checked_and_defaults_to_q8():
 
     assert EngineConfig().expert_precision == "q8"
     # q8-all: the experts at q8 too (it rounds every model's GGUF block lm_head besides: engine/transformer.py)
-    assert [EngineConfig(expert_precision=p).experts_precision for p in ("q8", "q8-all", "exact")] == \
+    assert [EngineConfig(expert_precision=p).expert_kernel_precision for p in ("q8", "q8-all", "exact")] == \
         ["q8", "q8", "exact"]
     with pytest.raises(LocalMoEError, match="--expert-precision must be one of q8, q8-all, exact"):
         EngineConfig(expert_precision="q4")
