@@ -299,6 +299,38 @@ def test_stop_ends_the_answer_and_keeps_what_was_shown(service, tmp_path):
 
 
 @pytest.mark.slow
+def test_new_chat_during_an_answer_stops_it_first(service, tmp_path):
+    """New chat while an answer streams: the answer is stopped and kept in its own stored session (interrupted),
+    and nothing of it reaches the new conversation's history or chat pane."""
+    from localmoe.ui.web.session import WebSession
+
+    session = WebSession(service, tmp_path, budget="low", max_tokens=2000)
+    session.conversation.tools_enabled = False
+
+    async def scenario():
+        started = asyncio.Event()
+
+        async def answer():
+            async for _ in session.send("Count from 1 to 300, one number per line."):
+                if any(m["role"] == "assistant" and m["content"] for m in session.transcript.messages):
+                    started.set()
+
+        streaming = asyncio.ensure_future(answer())
+        await asyncio.wait_for(started.wait(), 120)
+        old = session.conversation.session_id
+        await session.new_chat()
+        assert not session.busy, "New chat returned while the old answer still ran"
+        await streaming
+        return old
+
+    old = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert session.transcript.messages == [] and session.conversation.messages == []
+    assert session.conversation.session_id != old
+    stored = service.sessions.messages(old)
+    assert stored[-1].role == "assistant" and stored[-1].interrupted and 0 < len(stored[-1].content) < 200
+
+
+@pytest.mark.slow
 def test_stream_route_relays_an_approved_tool_round(service, tmp_path):
     """The route over a real Service: the user's message and the text as operations (replayed, they give the
     transcript's text), each tool card and the approval card as a redraw, the approved call run, then done."""

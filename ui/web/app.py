@@ -188,9 +188,9 @@ class WebApp:
                 names = ", ".join(p.name for p in session.documents)
                 return f"Questions now go to {names}." if names else ""
 
-            def start_over(request: gr.Request):
+            async def start_over(request: gr.Request):
                 session = self.session(request)
-                session.new_chat()
+                await session.new_chat()
                 return [], gr.update(visible=False), "", session.conversation.session_id or ""
 
             budget.change(set_budget, [budget], None)

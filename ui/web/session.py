@@ -9,6 +9,7 @@ model's turns and pauses at each tool call until the user clicks Approve or Deny
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class WebSession:
         self.busy = False
         self.stopped = False  # the user stopped the answer in progress (`stop`)
         self._task: asyncio.Task | None = None  # the conversation's task while it answers
+        self._idle = asyncio.Event()  # set while no `send` runs
+        self._idle.set()
         self.max_tokens = max_tokens
         self.on_turn = on_turn  # called with each finished model turn's TurnResult (the app's live figures)
 
@@ -62,7 +65,13 @@ class WebSession:
         self.conversation.resume(session_id)
         self.transcript.load(self.conversation.messages)
 
-    def new_chat(self) -> None:
+    async def new_chat(self, wait: float = 10.0) -> None:
+        """Start a new conversation. An answer in progress is stopped first (kept in its own session, marked
+        interrupted) and its end awaited, up to `wait` seconds, so it cannot write into the new conversation."""
+        self.stop()
+        if self.busy:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), wait)
         self.gate.deny_pending()
         self.conversation.new_session()
         self.transcript.clear()
@@ -98,6 +107,7 @@ class WebSession:
             yield
             return
         self.busy = True
+        self._idle.clear()
         try:
             if images:
                 try:
@@ -118,6 +128,7 @@ class WebSession:
                     yield
         finally:
             self.busy = False
+            self._idle.set()
 
     async def _chat(self, text: str) -> AsyncIterator[None]:
         # The conversation runs in its own task: while it awaits the user's approval this
