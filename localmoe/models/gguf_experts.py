@@ -161,10 +161,21 @@ def join_kv_b(weights: dict, spec: ModelSpec) -> None:
             weights[a + "kv_b_proj.weight"] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
+# `self_attn.*` matrices the MLA and KDA builders take in their blocks (engine/linear.py make_linear: a BlockLinear,
+# parts of different types as segments, which the decode plans read as they are)
+BLOCK_PROJECTIONS = frozenset(f"{p}.weight" for p in (
+    "q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_proj", "g_a_proj", "g_b_proj", "f_b_proj", "o_proj",
+    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
+
+
 def dequantize_attention(weights: dict, markers: tuple[str, ...] = (".self_attn.",)) -> None:
-    """Attention matrices kept in blocks (--dtype auto) as fp32: the MLA, indexer, KDA and Gated DeltaNet
-    builders take floats (`markers`: the name parts of the tensors to dequantise)."""
+    """Attention matrices kept in blocks (--dtype auto) as fp32 where their builders take floats (`markers`: the
+    name parts of the tensors to dequantise): the indexer's, Gated DeltaNet's, MLA's k_b / v_b (join_kv_b). The MLA
+    and KDA projections directly under `self_attn.` (BLOCK_PROJECTIONS) stay in their blocks: dequantised they were
+    bf16 Linears, 31 MB per K3 small Q4_K_M token where the file holds 9 MB of blocks."""
     for name in [n for n in weights if any(m in n for m in markers)]:
+        if ".self_attn." in name and name.split(".self_attn.")[-1] in BLOCK_PROJECTIONS:
+            continue
         if isinstance(weights[name], BlockQuantized):
             weights[name] = weights[name].float()
 

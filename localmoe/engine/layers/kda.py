@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.engine.layers import on_device
-from localmoe.engine.linear import Linear
+from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.state_cache import DeltaStateCache
 from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError
@@ -178,15 +178,15 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
         return on_device(weights[p + name], device)
 
     gate = [w("g_proj.weight")] if cfg.full_rank_gate else [w("g_a_proj.weight")]
-    in_proj = torch.cat([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight"), w("f_a_proj.weight"),
-                         w("b_proj.weight"), *gate])
+    in_proj = make_linear([w("q_proj.weight"), w("k_proj.weight"), w("v_proj.weight"), w("f_a_proj.weight"),
+                           w("b_proj.weight"), *gate], None, dtype)
     conv = torch.cat([w(f"{x}_conv1d.weight")[:, 0] for x in "qkv"])
     A_log = w("A_log").flatten()
     if A_log.numel() < H:
         raise CheckpointError(f"{p}A_log: {A_log.numel()} values for {H} heads")
-    g_b = None if cfg.full_rank_gate else Linear(w("g_b_proj.weight"), None, dtype)
-    return KimiDeltaAttention(cfg, Linear(in_proj, None, dtype), Linear(w("f_b_proj.weight"), None, dtype), g_b,
-                              Linear(w("o_proj.weight"), None, dtype), conv,
+    g_b = None if cfg.full_rank_gate else make_linear([w("g_b_proj.weight")], None, dtype)
+    return KimiDeltaAttention(cfg, in_proj, make_linear([w("f_b_proj.weight")], None, dtype), g_b,
+                              make_linear([w("o_proj.weight")], None, dtype), conv,
                               A_log[:H],  # K3 stores A_log padded to max(H, K); the first H are live
                               w("dt_bias"), w("o_norm.weight"))
 

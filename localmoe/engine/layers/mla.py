@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from localmoe.engine.blockwise import MIN_BLOCK, blockwise_attention, visible_keys
 from localmoe.engine.layers import on_device
 from localmoe.engine.layers.attention import flash_attention, flash_available, flash_or_none
-from localmoe.engine.linear import Linear
+from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.rope import apply_rope
 from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.state_cache import LatentCache
@@ -285,7 +285,7 @@ def parts(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
     p = prefix + "self_attn."
 
     def lin(name: str) -> Linear:
-        return Linear(on_device(weights[p + name + ".weight"], device), None, dtype)
+        return make_linear([on_device(weights[p + name + ".weight"], device)], None, dtype)
 
     q_a, q_norm = None, None
     if cfg.q_lora_rank:
