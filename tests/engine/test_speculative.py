@@ -114,32 +114,32 @@ def test_injected_token_drops_kept_drafts(model):
     assert tail == want
 
 
+def _greedy_steps(model, prompt, fused: bool, speculator=None, n: int = 8) -> list[int]:
+    """n greedy tokens, one decode_together step per token (a speculating sequence's kept tokens come from logits())."""
+    dec = Decoder(model, prompt, GREEDY, speculator=speculator)
+    out = []
+    while len(out) < n:
+        logits = decode_together([dec], fused=fused)[0] if dec.decoding and not dec.ready else dec.logits()
+        if logits is not None:
+            out.append(dec.sample(logits))
+            dec.feed([out[-1]])
+    return out
+
+
 def test_fused_steps_without_a_draft_take_the_models_own_step(model, monkeypatch):
     """Where plain steps are fused (`fused=True`), a speculating sequence's steps without a draft take the
     model's own step, not the rows: the plain run's tokens, and no forward_rows call at all."""
     from localmoe.engine.spec import verify
 
     prompt = prompt_for(model)
-    dec = Decoder(model, prompt, GREEDY)
-    want = []
-    while len(want) < 8:
-        logits = decode_together([dec], fused=True)[0] if dec.decoding else dec.logits()
-        if logits is not None:
-            want.append(dec.sample(logits))
-            dec.feed([want[-1]])
+    want = _greedy_steps(model, prompt, fused=True)
 
     def no_rows(*args, **kwargs):
         raise AssertionError("a step without a draft ran the row kernels")
 
     monkeypatch.setattr(verify, "forward_rows", no_rows)
     spec = Speculator(NoDraft(), k=1, adaptive=False)
-    dec = Decoder(model, prompt, GREEDY, speculator=spec)
-    got = []
-    while len(got) < 8:
-        logits = decode_together([dec], fused=True)[0] if dec.decoding and not dec.ready else dec.logits()
-        if logits is not None:
-            got.append(dec.sample(logits))
-            dec.feed([got[-1]])
+    got = _greedy_steps(model, prompt, fused=True, speculator=spec)
     assert got == want and spec.stats.steps == 7  # the first token is the prompt's
 
 
@@ -190,26 +190,14 @@ def test_steps_where_every_speculator_declines_are_the_plain_step(model, monkeyp
     from localmoe.engine.spec import verify
 
     prompt = prompt_for(model)
-    dec = Decoder(model, prompt, GREEDY)
-    want = []
-    while len(want) < 8:
-        logits = decode_together([dec], fused=fused)[0] if dec.decoding else dec.logits()
-        if logits is not None:
-            want.append(dec.sample(logits))
-            dec.feed([want[-1]])
+    want = _greedy_steps(model, prompt, fused=fused)
 
     def no_verify(*args, **kwargs):
         raise AssertionError("a step without a draft went through the acceptance")
 
     monkeypatch.setattr(verify, "_accept", no_verify)
     spec = Speculator(NoDraft(), k=1, adaptive=False)
-    dec = Decoder(model, prompt, GREEDY, speculator=spec)
-    got = []
-    while len(got) < 8:
-        logits = decode_together([dec], fused=fused)[0] if dec.decoding and not dec.ready else dec.logits()
-        if logits is not None:
-            got.append(dec.sample(logits))
-            dec.feed([got[-1]])
+    got = _greedy_steps(model, prompt, fused=fused, speculator=spec)
     assert got == want and spec.stats.steps == 7 and 1 in spec.step_seconds
 
 
