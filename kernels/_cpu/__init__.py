@@ -228,22 +228,54 @@ def _load_best() -> ctypes.CDLL:
         return _load("avx2")
 
 
-def _build(name: str) -> Path:
+def _target(name: str) -> Path:
+    """Where the library for ISA `name` is cached: named by the compiler, its flags and every source's contents."""
     cxx = _compiler()
     flags = FLAGS + ISAS[name][0]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
     for path in HEADERS + SOURCES:
         digest.update(path.name.encode() + path.read_bytes())
-    cache = cache_dir() / "kernels"
-    target = cache / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
+    return cache_dir() / "kernels" / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
+
+
+@contextmanager
+def _one_builder(target: Path, name: str) -> Iterator[None]:
+    """Held while `target` is built: a process that finds another building the same library waits for it
+    (then finds it built) instead of compiling it again beside it. Where file locks are unavailable (not
+    POSIX), builds may run side by side; each renames its own result into place."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(target.with_name(target.name + ".lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"localmoe: waiting for another process building the CPU kernels for {name}", file=sys.stderr,
+                  flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(name: str) -> Path:
+    target = _target(name)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _one_builder(target, name):
+        if target.exists():  # another process built it while this one waited
+            return target
         print(f"localmoe: building the CPU kernels for {name} (first use of this version here, 5-15 s)",
               file=sys.stderr, flush=True)
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cxx = _compiler()
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, *flags, f"-I{KERNELS / '_cpu'}", *map(str, SOURCES), "-o", str(out)]
+            cmd = [cxx, *FLAGS, *ISAS[name][0], f"-I{KERNELS / '_cpu'}", *map(str, SOURCES), "-o", str(out)]
             run = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 last = (run.stderr.strip().splitlines() or ["?"])[-1]
