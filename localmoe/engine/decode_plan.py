@@ -78,6 +78,14 @@ class DecodePlan:
         self.plain_routers = plain_routers  # the kernel routes: paging hooks around a router need op by op
         self._run = run  # the hybrid form's own run(plan, tokens, cache)
         self.logits = False  # whether `run` gives the logits (the lm_head in the kernel call), not the hidden state
+        # the hybrid form's per-token state (set by `_hybrid`, read by `_hybrid_run`): whether a layer rotates, each
+        # layer's (index, kind, mixer), the recurrent layers, the cache tensors each layer's pointers were set from,
+        # and (address of row 0, bytes per row, rows) where the kernel copies the token's embedding row itself
+        self.rope = False
+        self.slots: list[tuple[int, str, object]] = []
+        self.recurrent: list[int] = []
+        self.bound: list[tuple | None] = []
+        self.embed_rows: tuple[int, int, int] | None = None
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
@@ -520,13 +528,11 @@ def _hybrid(cls, model) -> DecodePlan | None:
     plan.logits = head is not None
     plan.rope = any(d["mixer"] == "gqa" or (d["mixer"] == "mla" and (d["mla"]["rotate"] or d["mla"].get(
         "dsa", {}).get("rope_dim"))) for d in layers)
-    # _hybrid_run's per-layer work: (index, kind, mixer), the recurrent layers, the pointers set so far
     kinds = {KimiDeltaAttention: "recurrent", GatedDeltaNet: "recurrent", GQAttention: "gqa", MLAttention: "mla"}
     plan.slots = [(i, kinds.get(type(mixer), "dsa"), mixer) for i, (_, mixer, _, _) in enumerate(model.layers)]
     plan.recurrent = [i for i, kind, _ in plan.slots if kind == "recurrent"]
     plan.bound = [None] * len(model.layers)
     embed = model.embed
-    plan.embed_rows = None  # (address of row 0, bytes per row, rows) where the kernel can copy the token's row itself
     if type(embed) is torch.Tensor and embed.dtype == torch.float32 and embed.is_contiguous() and \
             embed.device.type == "cpu":
         plan.embed_rows = (embed.data_ptr(), embed.stride(0) * 4, embed.shape[0])
