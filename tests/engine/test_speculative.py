@@ -126,23 +126,6 @@ def _greedy_steps(model, prompt, fused: bool, speculator=None, n: int = 8) -> li
     return out
 
 
-def test_fused_steps_without_a_draft_take_the_models_own_step(model, monkeypatch):
-    """Where plain steps are fused (`fused=True`), a speculating sequence's steps without a draft take the
-    model's own step, not the rows: the plain run's tokens, and no forward_rows call at all."""
-    from localmoe.engine.spec import verify
-
-    prompt = prompt_for(model)
-    want = _greedy_steps(model, prompt, fused=True)
-
-    def no_rows(*args, **kwargs):
-        raise AssertionError("a step without a draft ran the row kernels")
-
-    monkeypatch.setattr(verify, "forward_rows", no_rows)
-    spec = Speculator(NoDraft(), k=1, adaptive=False)
-    got = _greedy_steps(model, prompt, fused=True, speculator=spec)
-    assert got == want and spec.stats.steps == 7  # the first token is the prompt's
-
-
 def test_prompt_lookup_drafts_the_continuation():
     lookup = PromptLookup()
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
@@ -186,7 +169,8 @@ def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):
 @pytest.mark.parametrize("fused", [True, False])
 def test_steps_where_every_speculator_declines_are_the_plain_step(model, monkeypatch, fused):
     """A step where no sequence drafts is the plain step (fused or batched rows, as plain sequences take): the
-    plain run's tokens, no acceptance, no verify; only its time is observed."""
+    plain run's tokens, no acceptance, no verify; only its time is observed. Where plain steps are fused, it is
+    the model's own step: no forward_rows call at all."""
     from localmoe.engine.spec import verify
 
     prompt = prompt_for(model)
@@ -195,7 +179,12 @@ def test_steps_where_every_speculator_declines_are_the_plain_step(model, monkeyp
     def no_verify(*args, **kwargs):
         raise AssertionError("a step without a draft went through the acceptance")
 
+    def no_rows(*args, **kwargs):
+        raise AssertionError("a fused step without a draft ran the row kernels")
+
     monkeypatch.setattr(verify, "_accept", no_verify)
+    if fused:
+        monkeypatch.setattr(verify, "forward_rows", no_rows)
     spec = Speculator(NoDraft(), k=1, adaptive=False)
     got = _greedy_steps(model, prompt, fused=fused, speculator=spec)
     assert got == want and spec.stats.steps == 7 and 1 in spec.step_seconds
