@@ -228,14 +228,19 @@ def _load_best() -> ctypes.CDLL:
         return _load("avx2")
 
 
-def _target(name: str) -> Path:
+def _sources() -> dict[str, bytes]:
+    """Every header and source, by its path under kernels/: read once, so the library built is the one hashed."""
+    return {path.relative_to(KERNELS).as_posix(): path.read_bytes() for path in HEADERS + SOURCES}
+
+
+def _target(name: str, sources: dict[str, bytes]) -> Path:
     """Where the library for ISA `name` is cached: named by the compiler, its flags and every source's contents."""
     cxx = _compiler()
     flags = FLAGS + ISAS[name][0]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256(" ".join(flags).encode() + version.encode())
-    for path in HEADERS + SOURCES:
-        digest.update(path.name.encode() + path.read_bytes())
+    for rel, data in sources.items():
+        digest.update(Path(rel).name.encode() + data)
     return cache_dir() / "kernels" / f"localmoe_cpu-{name}-{digest.hexdigest()[:16]}.so"
 
 
@@ -263,19 +268,28 @@ def _one_builder(target: Path, name: str) -> Iterator[None]:
 
 
 def _build(name: str) -> Path:
-    target = _target(name)
+    """The cached library for ISA `name`, built first if needed. It is compiled from a copy of the sources made
+    when they were hashed: a tree edited during the build (minutes on a loaded machine) cannot put other code
+    under this hash."""
+    sources = _sources()
+    target = _target(name, sources)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _one_builder(target, name):
         if target.exists():  # another process built it while this one waited
             return target
-        print(f"localmoe: building the CPU kernels for {name} (first use of this version here, 5-15 s)",
+        print(f"localmoe: building the CPU kernels for {name} (first use of this version here: a few minutes)",
               file=sys.stderr, flush=True)
         cxx = _compiler()
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            tree = Path(tmp) / "kernels"  # the sources' own layout: their relative includes resolve in the copy
+            for rel, data in sources.items():
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tree / rel).write_bytes(data)
             out = Path(tmp) / target.name
-            cmd = [cxx, *FLAGS, *ISAS[name][0], f"-I{KERNELS / '_cpu'}", *map(str, SOURCES), "-o", str(out)]
+            cmd = [cxx, *FLAGS, *ISAS[name][0], f"-I{tree / '_cpu'}",
+                   *(str(tree / path.relative_to(KERNELS)) for path in SOURCES), "-o", str(out)]
             run = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 last = (run.stderr.strip().splitlines() or ["?"])[-1]
