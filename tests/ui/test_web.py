@@ -100,6 +100,32 @@ def test_a_stored_conversation_is_shown_as_it_was_streamed():
     cut.load([ChatMessage("user", "see", images=[ImageRef("ab" * 32, b"")]), ChatMessage("assistant", "", tool_calls=[ran])])
     assert [m["content"] for m in cut.messages[:2]] == ["(an image)", "see"]
     assert cut.messages[2]["metadata"] == {"title": "Tool call list_dir: not run", "status": "done"}
+    shown = Transcript()  # with a file for the stored image: drawn as the live upload was
+    shown.load([ChatMessage("user", "see", images=[ImageRef("ab" * 32, b"")])], lambda ref: Path(f"/up/{ref.sha256}"))
+    assert [m["content"] for m in shown.messages] == [{"path": f"/up/{'ab' * 32}"}, "see"]
+
+
+def test_a_resumed_image_is_written_back_as_a_file_the_page_serves(tmp_path):
+    """WebSession's files for stored images: inside the upload root, named by hash with the image's own type; no
+    file for bytes that are no image, nor without an upload root."""
+    import io
+
+    from PIL import Image
+
+    from localmoe.chat.images import ImageRef
+    from localmoe.ui.web.session import WebSession
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 3), (200, 10, 10)).save(buf, format="JPEG")
+    ref = ImageRef.of(buf.getvalue())
+    session = WebSession.__new__(WebSession)  # only the upload root matters here: no service, no conversation
+    session.upload_root = tmp_path
+    path = session._image_file(ref)
+    assert path == tmp_path / "stored" / f"{ref.sha256}.jpeg" and path.read_bytes() == ref.data
+    assert session._image_file(ref) == path and len(list(path.parent.iterdir())) == 1  # written once
+    assert session._image_file(ImageRef.of(b"not an image")) is None
+    session.upload_root = None
+    assert session._image_file(ref) is None
 
 
 def test_transcript_marks_a_denied_call_and_shows_no_output():
@@ -731,6 +757,42 @@ def test_a_reloaded_page_keeps_its_conversation(browser, web_server):
 
 
 @pytest.mark.slow
+def test_a_duplicated_tab_starts_its_own_conversation(browser, web_server):
+    """A duplicated tab starts with a copy of the first tab's sessionStorage (the stored conversation's id): while
+    the first tab is open the copy starts a new chat instead of writing into the first tab's conversation; once no
+    open tab shows it, a tab with that id resumes it (as a reload does)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})  # one profile: its tabs share channels
+
+    def opened(stored_id: str | None = None):  # with stored_id: a tab whose sessionStorage holds it, as a duplicate's
+        tab = context.new_page()
+        if stored_id:
+            tab.add_init_script(f"sessionStorage.setItem('localmoe-chat', {stored_id!r})")
+        tab.goto(web_server[0])
+        tab.wait_for_selector("#message textarea")
+        tab.wait_for_function(KEY_READY, timeout=REPLY_TIMEOUT)
+        return tab
+
+    first = opened()
+    _send_and_watch(first, "Name a tree.")
+    chat_id = first.input_value("#chat-id textarea")
+    assert chat_id in _session_ids(web_server[1])
+    copy = opened(chat_id)
+    time.sleep(1.0)  # a resumed chat would be drawn by now
+    assert _bot_texts(copy) == [] and copy.input_value("#chat-id textarea") == ""
+    _send_and_watch(copy, "Name a river.")
+    assert copy.input_value("#chat-id textarea") not in ("", chat_id)
+    assert [m.content for m in _stored(web_server[1], chat_id) if m.role == "user"] == ["Name a tree."]
+    copy.close()
+    shown = first.inner_text("#chat .message-wrap")
+    first.close()
+    again = opened(chat_id)  # the first tab is gone: its conversation is resumed
+    again.wait_for_function("() => document.querySelectorAll('#chat [data-testid=bot]').length > 0",
+                            timeout=REPLY_TIMEOUT)
+    assert again.inner_text("#chat .message-wrap") == shown and again.input_value("#chat-id textarea") == chat_id
+    context.close()
+
+
+@pytest.mark.slow
 def test_budget_change_reaches_the_next_turn(page):
     page.click("#budget input")
     page.get_by_role("option", name="low", exact=True).click()
@@ -824,6 +886,10 @@ def test_an_uploaded_image_goes_with_the_next_message(browser, vision_web, tmp_p
     _send_and_watch(tab, "What colour is it?")
     tab.wait_for_selector('#chat [data-testid="user"] img', timeout=30_000)  # the image in the chat
     assert not tab.query_selector("#image img")  # the box is cleared for the next message
+    tab.reload()  # the reloaded tab shows the stored image again, served from the stored bytes
+    tab.wait_for_function("() => [...document.querySelectorAll('#chat [data-testid=\"user\"] img')]"
+                          ".some(i => i.complete && i.naturalWidth === 60 && i.naturalHeight === 40)",
+                          timeout=30_000)
     tab.close()
     store = SessionStore(vision_web[1] / "sessions.db")
     try:

@@ -38,11 +38,12 @@ CSS = """
 #chat .bubble-wrap:has(#lm-stream > *) .placeholder-content { display: none; }
 """
 STREAM_JS = Path(__file__).with_name("stream.js")
+TAB_JS = Path(__file__).with_name("tab.js")
 # after Gradio redrew the chat for the page's script: tell it how many messages Gradio shows now
 SYNCED_JS = "(chat) => { window.localmoeStream && window.localmoeStream.synced(chat.length); return []; }"
-# the tab's stored conversation survives a reload: its id is kept in the tab's sessionStorage
-RECALL_JS = "() => sessionStorage.getItem('localmoe-chat') || ''"
-REMEMBER_JS = "(id) => { sessionStorage.setItem('localmoe-chat', id || ''); return []; }"
+# the tab's stored conversation survives a reload, not a duplication of the tab (tab.js)
+RECALL_JS = "() => window.localmoeTab.recall()"
+REMEMBER_JS = "(id) => { window.localmoeTab.remember(id); return []; }"
 
 
 class WebApp:
@@ -241,7 +242,7 @@ def launch(app: WebApp, host: str = "127.0.0.1", port: int = 7860, block: bool =
     _, url, _ = demo.launch(server_name=host, server_port=port, share=False, inbrowser=False, quiet=True,
                             prevent_thread_lock=True, ssr_mode=False, theme=theme(), css=CSS,
                             footer_links=["settings"], app_kwargs={"middleware": [host_check]},
-                            head=f"<script>{STREAM_JS.read_text()}</script>")
+                            head=f"<script>{STREAM_JS.read_text()}</script><script>{TAB_JS.read_text()}</script>")
     mount(demo.app, app)
     if block:
         print(f"localmoe web: serving on {url}", flush=True)

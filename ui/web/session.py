@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -63,7 +64,29 @@ class WebSession:
         """Continue a stored session in this tab (the page was reloaded): its messages are shown and the next
         message goes on from them. Raises ValueError (no session store) or LocalMoEError (a bad id)."""
         self.conversation.resume(session_id)
-        self.transcript.load(self.conversation.messages)
+        self.transcript.load(self.conversation.messages, self._image_file)
+
+    def _image_file(self, ref) -> Path | None:
+        """A stored image written back as a file the page may serve (in `upload_root`, named by its hash), or
+        None without an upload root or for bytes that are no image."""
+        if self.upload_root is None:
+            return None
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(io.BytesIO(ref.data)) as probe:
+                kind = (probe.format or "").lower()
+        except (UnidentifiedImageError, OSError, ValueError):
+            return None
+        path = self.upload_root / "stored" / f"{ref.sha256}.{kind or 'img'}"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(f".{os.getpid()}.part")
+            part.write_bytes(ref.data)
+            part.replace(path)
+        return path
 
     async def new_chat(self, wait: float = 10.0) -> None:
         """Start a new conversation. An answer in progress is stopped first (kept in its own session, marked

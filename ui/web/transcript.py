@@ -12,7 +12,7 @@ import json
 import re
 
 REASONING_TITLE = "Reasoning"
-IMAGE_SHOWN = "(an image)"  # a stored user image, in a resumed conversation (its bytes are not served again)
+IMAGE_SHOWN = "(an image)"  # a stored user image that cannot be shown again (no file for it: see `load`)
 TOOL_OUTPUT_SHOWN = 4000  # characters of a tool's output drawn in its card (the model gets all of it)
 
 
@@ -99,8 +99,10 @@ class Transcript:
                 self.last_turn = turn_summary(event.turn, budget)
             self._reasoning = self._content = None  # a tool round starts a new turn: new panels and bubble
 
-    def load(self, messages) -> None:
-        """Show a stored conversation (ChatMessages of a resumed session) as it looked when it was answered."""
+    def load(self, messages, image_file=None) -> None:
+        """Show a stored conversation (ChatMessages of a resumed session) as it looked when it was answered.
+        `image_file(ref)` gives a file the page may serve for a stored image (ImageRef), or None: then the
+        image is shown as IMAGE_SHOWN."""
         from localmoe.ui.conversation import DENIED, ConversationEvent
 
         from localmoe.chat.format import ToolCall
@@ -109,8 +111,12 @@ class Transcript:
         calls: dict = {}
         for message in messages:
             if message.role == "user":
-                for _ in message.images:
-                    self.user(IMAGE_SHOWN)
+                for ref in message.images:
+                    path = image_file(ref) if image_file is not None else None
+                    if path is not None:
+                        self.user_image(path)
+                    else:
+                        self.user(IMAGE_SHOWN)
                 self.user(message.content)
             elif message.role == "assistant":
                 if message.reasoning:
