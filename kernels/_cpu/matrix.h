@@ -24,7 +24,7 @@ struct Matrix {
 
 // A GGUF block type with kX16 added: the matrix reads x rounded to int16 per 32 values (Q8_0: ggml_rows.h x16, a dense
 // model's lm_head) instead of int8.
-constexpr int64_t kX16 = 0x100;
+constexpr int64_t kX16 = 0x1000;
 
 inline void ggml_matrix(const Matrix& m, const float* x, int64_t n, float* y, void* scratch, int threads) {
   localmoe_ggml::gemv(x, n, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type & ~kX16), m.rows,
