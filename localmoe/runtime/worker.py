@@ -65,10 +65,12 @@ BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS rows, at least PROMPT_ROWS (a
 # whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, CPU
-# time of one thread: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; a prompt row skips
-# the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the decode step it
-# delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps with few decode
-# rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step, session 8").
+# time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; session
+# 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9 and 37.1; a
+# prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the
+# decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps
+# with few decode rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step,
+# session 8").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
 
@@ -360,8 +362,9 @@ class EngineWorker:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
         sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
-        a whole prefill chunk when nothing decodes or the model's experts are paged) goes to the prefilling sequences in arrival order, each up to its
-        next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
+        a whole prefill chunk when nothing decodes or the model's experts are paged) goes to the prefilling
+        sequences in arrival order, each up to its next chunk boundary (`Decoder.chunk_size`), so short prompts that
+        arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]

@@ -116,7 +116,7 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(ggml_type):
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_weight_row_has_the_same_bits_in_a_group_and_alone(ggml_type):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows (Q8_0 on fp32 and int16 x too) run eight at a time (ggml_rows.h rows_fixed:
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows (Q8_0 on fp32 / int16 x too) run eight at a time (rows_fixed:
     one lane per weight row) and a range's leftover rows alone (G::single): the two must give a (row, token) the same
     bits, wherever the call's row range starts (the MoE kernels compute slices of rows; threads split the rows)."""
     O, K = 21, _k_for(ggml_type, 352)
