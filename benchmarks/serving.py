@@ -13,6 +13,11 @@ experts are resident or the model is dense) and, for a paged model, the share of
 read (each layer's distinct experts per step / the (token, expert) pairs routed: 1.0 when every step runs
 one token, lower where the batch's tokens share experts); then each count's aggregate against one
 client's, and its p99 inter-token latency against one client's.
+
+The server runs with `localmoe serve`'s defaults but for sessions (off) and the concurrency (the largest client
+count), so the prefix cache is on as users get it (4 finished sequences: a request whose prompt starts like an
+earlier one's reuses that cache, e.g. the chat template's system header; the six prompts repeat across clients);
+`-- --prefix-cache 0` measures every prompt prefilled in full. The first printed line states the server's options.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def free_port() -> int:
 
 def start(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions", "--prefix-cache", "0",
+    cmd = [sys.executable, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions",
            "--max-concurrency", str(max(args.clients)), "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
@@ -142,6 +147,8 @@ def main() -> None:
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     proc, url = start(args)
+    print(json.dumps({"server": "localmoe serve defaults (prefix cache on: 4 sequences) with --no-sessions"
+                                f" --max-concurrency {max(args.clients)}", "serve_args": args.serve_args}), flush=True)
     try:
         one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
         rows = []

@@ -219,8 +219,9 @@ class EngineConfig:
     kv_cache_dtype: str = "float32"  # K/V and MLA latent rows: KV_CACHE_DTYPES; delta-rule state stays fp32
     # MXFP4 and GGUF-block routed experts: "q8" rounds each projection's input to int8 per 32 values
     # (per 256 for K-quant blocks: llama.cpp's trade, ~2x faster on AVX2), and so does a MoE model's GGUF block
-    # lm_head (engine/transformer.py _head); "q8-all" rounds every model's GGUF block lm_head too (dense ones:
-    # llama.cpp's numerics); "exact" keeps fp32 activations there (kernels/mxfp4_moe)
+    # lm_head (engine/transformer.py _head; a dense model's Q8_0 head rounds to int16 per 32 instead); "q8-all" rounds
+    # every model's GGUF block lm_head to int8 (dense ones: llama.cpp's numerics); "exact" keeps fp32 activations
+    # there (kernels/mxfp4_moe)
     expert_precision: str = "q8"
     device: str = "cpu"
     max_batch: int = 1

@@ -22,6 +22,15 @@ struct Matrix {
   const float* bias;  // [rows] or null
 };
 
+// A GGUF block type with kX16 added: the matrix reads x rounded to int16 per 32 values (Q8_0: ggml_rows.h x16, a dense
+// model's lm_head) instead of int8.
+constexpr int64_t kX16 = 0x1000;
+
+inline void ggml_matrix(const Matrix& m, const float* x, int64_t n, float* y, void* scratch, int threads) {
+  localmoe_ggml::gemv(x, n, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type & ~kX16), m.rows,
+                      m.bias, y, scratch, threads, m.type & kX16 ? localmoe_ggml::kXInt16 : localmoe_ggml::kXInt8);
+}
+
 // Bytes of scratch `matvec` needs for inputs of up to K values.
 inline int64_t matvec_scratch(int64_t K) { return localmoe_ggml::scratch_bytes(1, K); }
 
@@ -34,8 +43,7 @@ inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int
   else if (m.type == kBF16)
     localmoe_dense::gemv<uint16_t>(x, 1, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, y, threads);
   else
-    localmoe_ggml::gemv(x, 1, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows, m.bias,
-                        y, scratch, threads);
+    ggml_matrix(m, x, 1, y, scratch, threads);
 }
 
 // Tokens per GEMV call of `matrows`: their x (and its int8 copy) stays in L2 while the weight rows stream past
@@ -76,8 +84,7 @@ inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* 
       localmoe_dense::gemv<uint16_t>(xs, n, m.cols, static_cast<const uint16_t*>(m.data), m.rows, m.bias, ys,
                                      threads);
     else
-      localmoe_ggml::gemv(xs, n, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type), m.rows,
-                          m.bias, ys, scratch, threads);
+      ggml_matrix(m, xs, n, ys, scratch, threads);
   }
 }
 

@@ -35,14 +35,16 @@ class Layer(ctypes.Structure):
 
 class Matrix(ctypes.Structure):
     """kernels/_cpu/matrix.h `struct Matrix`: type 0 fp32, 1 bf16, a GGMLQuantizationType value (2 Q4_0,
-    3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K) for raw GGUF blocks, or STACKED: data is an array of these five
-    64-bit fields per part (an int64 tensor [parts + 1, 5], the last row zero)."""
+    3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K) for raw GGUF blocks (Q8_0 + X16: on x rounded to int16),
+    or STACKED: data is an array of these five 64-bit fields per part (an int64 tensor [parts + 1, 5], the last row
+    zero)."""
 
     _fields_ = [("data", _p), ("type", _i), ("rows", _i), ("cols", _i), ("bias", _p)]
 
 
 MATRIX_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 GGML_MATRIX_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)  # GGMLQuantizationType Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K
+X16 = 0x1000  # added to Q8_0's type: the matrix reads x rounded to int16 per 32 (matrix.h kX16, a BlockLinear.x16)
 STACKED = 255
 
 
@@ -189,4 +191,4 @@ class DenseDecoder(_Pools):
         return h
 
 
-__all__ = ["GGML_MATRIX_TYPES", "MATRIX_TYPES", "STACKED", "DenseDecoder", "GqaMoeDecoder", "Layer", "Matrix", "available"]
+__all__ = ["GGML_MATRIX_TYPES", "MATRIX_TYPES", "STACKED", "X16", "DenseDecoder", "GqaMoeDecoder", "Layer", "Matrix", "available"]

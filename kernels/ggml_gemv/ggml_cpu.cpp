@@ -35,13 +35,14 @@ int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return scratch_bytes(N, K); }
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
 // 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K); K a multiple of 32 (256 for K-quants);
 // everything contiguous.
-// exact_x: x is not rounded to int8 (Q8_0, Q4_K, Q6_K; scratch unused). Returns 0, or -1 for an
-// unknown type, a K that is not a whole number of blocks, or exact_x on another type.
+// x_mode (ggml_rows.h XMode): 0 x rounded to int8 per block, 1 fp32 x as it is (exact_x: Q8_0, Q4_K, Q6_K; scratch
+// unused), 2 x rounded to int16 per 32 (Q8_0). Returns 0, or -1 for an unknown type, a K that is not a whole number
+// of blocks, or a mode the type does not have.
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
-              float* y, void* scratch, int threads, int exact_x) {
-  if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || (exact_x && !has_exact_x(type)))
+              float* y, void* scratch, int threads, int x_mode) {
+  if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || !has_x_mode(type, x_mode))
     return -1;
-  gemv(x, N, K, w, type, O, bias, y, scratch, threads, exact_x != 0);
+  gemv(x, N, K, w, type, O, bias, y, scratch, threads, x_mode);
   return 0;
 }
 

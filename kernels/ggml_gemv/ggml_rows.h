@@ -214,12 +214,14 @@ constexpr int kTile = 4;
 
 // x as the int8 rows read it: the blocks [N, nb], and each block's d * sum(q) transposed, [nb, padded]
 // with padded = N rounded up to 8 (zero past N), so that a tile's tokens load as one vector.
-// K-quant rows read `kblocks` [N, nb / 8] instead (BlockXK).
+// K-quant rows read `kblocks` [N, nb / 8] instead (BlockXK), x16 rows `blocks16` [N, nb] (BlockX16).
+struct BlockX16;
 struct XQ {
   const BlockX* blocks;
   const float* s;
   int64_t nb, padded;
   const BlockXK* kblocks;
+  const BlockX16* blocks16;
 };
 
 // A tile of tokens t0 .. t0 + TN - 1: their blocks, and XQ.s from t0 on (K-quant rows: their super-blocks, k).
@@ -457,21 +459,26 @@ inline void transpose4(const __m256i a[4], __m256i out[4]) {
   out[3] = _mm256_unpackhi_epi64(t2, t3);
 }
 
+// Q8_0: the signed codes of eight rows' block (at blk, rows `stride` apart) transposed as Block8.codes.
+__attribute__((always_inline)) inline void q8_0_codes8(const uint8_t* blk, int64_t stride, __m256i codes[8]) {
+  // rows r and r + 4 in one vector per 16-byte half, then dwords transposed within each half
+  __m256i lo[4], hi[4];
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* a = blk + r * stride + 2;
+    const uint8_t* b = blk + (r + 4) * stride + 2;
+    lo[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b), reinterpret_cast<const __m128i*>(a));
+    hi[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + 16), reinterpret_cast<const __m128i*>(a + 16));
+  }
+  transpose4(lo, codes);
+  transpose4(hi, codes + 4);
+}
+
 template <int T>
 __attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64_t stride, Block8& o) {
   const __m256i head = gather8(blk, stride);  // fp16 d, then Q4_1's fp16 m (Q4_0 / Q8_0: the first codes)
   o.d = halves8(head, false);
   if (T == kQ8_0) {
-    // rows r and r + 4 in one vector per 16-byte half, then dwords transposed within each half
-    __m256i lo[4], hi[4];
-    for (int r = 0; r < 4; ++r) {
-      const uint8_t* a = blk + r * stride + 2;
-      const uint8_t* b = blk + (r + 4) * stride + 2;
-      lo[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b), reinterpret_cast<const __m128i*>(a));
-      hi[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b + 16), reinterpret_cast<const __m128i*>(a + 16));
-    }
-    transpose4(lo, o.codes);
-    transpose4(hi, o.codes + 4);
+    q8_0_codes8(blk, stride, o.codes);
     if (kVnni) {
       __m256i s = _mm256_setzero_si256();
       for (int i = 0; i < 8; ++i) s = _mm256_dpbusd_epi32(s, _mm256_set1_epi8(static_cast<char>(0x80)), o.codes[i]);
@@ -864,6 +871,174 @@ struct Rows8F32 : NoWide {
   static float single(const uint8_t* row, int64_t nb, const float* x) { return rows8_f32_single(row, nb, x); }
 };
 
+// Q8_0 rows against x rounded to int16 per block of 32 (x16, the dense lm_head's default input: engine/transformer.py
+// _head): step d = amax / 32767, q = round-to-even(x / d), so x keeps ~2^-16 of its block's largest value where int8
+// x keeps 2^-8 (fp32 x: 2^-24). A block's dot product sum_j w_j q_j is an exact int32 (|w| <= 128, |q| <= 32767: under
+// 2^27 over 32 values), vpdpwssd (AVX-512 VNNI) or vpmaddwd + vpaddd (AVX2) over int16 pairs; per (row, token), over
+// the blocks in order,
+//   acc = fma(float(dot), d_w * d_x, acc)
+// then + bias: one fp32 chain, the same whether the row runs in a group of sixteen (AVX-512), of eight, or alone
+// (rows8_x16_single), whatever tokens share the call, on both ISAs. The rows in rows8's layout: code vector i (lane r:
+// row r's codes 4i..4i+3) widens to two int16 pair vectors, codes (4i, 4i + 2) and (4i + 1, 4i + 3), and x is stored
+// with its pairs in that order, so a token's pair is one broadcast dword. Twice the int8 row's dot products for 256x
+// finer x: the fp32-x row spends 32 FMAs per (row, block, token) where this spends two int16 dot products per 4 values.
+struct BlockX16 {
+  int16_t q[kBlock];  // for i = 0..7: x[4i], x[4i + 2], x[4i + 1], x[4i + 3] (rounded)
+  float d;            // the step
+};
+
+// One token: x [K] -> xq [K / 32]. A block holding NaN or Inf gets d = NaN.
+inline void quantize16(const float* x, int64_t nb, BlockX16* xq) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const localmoe::Block32 blk = localmoe::load_block32(x + b * kBlock);
+    BlockX16& o = xq[b];
+    if (!blk.finite || blk.top == 0.0f) {
+      o.d = blk.finite ? 0.0f : std::nanf("");
+      std::memset(o.q, 0, sizeof(o.q));
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(32767.0f / blk.top);
+    for (int j = 0; j < 4; ++j) {  // values 8j .. 8j + 7: pairs of groups i = 2j, 2j + 1
+      alignas(32) int32_t q[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q), localmoe::round_scaled(blk.v[j], inv));
+      for (int k = 0; k < 2; ++k) {
+        int16_t* out = o.q + 8 * j + 4 * k;
+        out[0] = static_cast<int16_t>(q[4 * k]);
+        out[1] = static_cast<int16_t>(q[4 * k + 2]);
+        out[2] = static_cast<int16_t>(q[4 * k + 1]);
+        out[3] = static_cast<int16_t>(q[4 * k + 3]);
+      }
+    }
+    o.d = blk.top / 32767.0f;
+  }
+}
+
+inline int32_t pair_x16(const BlockX16& x, int j) {  // x's int16 pair j (0..15) as a dword
+  int32_t v;
+  std::memcpy(&v, x.q + 2 * j, 4);
+  return v;
+}
+
+// Eight rows' Q8_0 codes (Block8.codes) as int16 pairs: pairs[2i] lane r = row r's codes (4i, 4i + 2),
+// pairs[2i + 1] = (4i + 1, 4i + 3), each sign-extended.
+__attribute__((always_inline)) inline void q8_0_pairs8(const uint8_t* blk, int64_t stride, __m256i pairs[16]) {
+  __m256i codes[8];
+  q8_0_codes8(blk, stride, codes);
+  for (int i = 0; i < 8; ++i) {
+    pairs[2 * i] = _mm256_srai_epi16(_mm256_slli_epi16(codes[i], 8), 8);
+    pairs[2 * i + 1] = _mm256_srai_epi16(codes[i], 8);
+  }
+}
+
+// Rows r .. r + 7 against TN tokens of int16 x into y[t * ldy + r ..] (+ bias).
+template <int TN>
+inline void group8_x16(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX16* const* x, float* y,
+                       int64_t ldy, const float* bias) {
+  constexpr int kChains = TN == 1 ? 4 : 2;  // integer sums: exact in any order
+  __m256 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
+  const uint8_t* next = row0 + 8 * stride;  // the next group's rows, fetched while this one runs (see group8)
+  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    __m256i pairs[16];
+    q8_0_pairs8(row0 + b * 34, stride, pairs);
+    const __m256 d = halves8(gather8(row0 + b * 34, stride), false);
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const BlockX16& xb = x[t][b];
+      __m256i s[kChains];
+      for (int c = 0; c < kChains; ++c) s[c] = _mm256_setzero_si256();
+      for (int j = 0; j < 16; ++j) s[j % kChains] = madd_add(s[j % kChains], pairs[j], _mm256_set1_epi32(pair_x16(xb, j)));
+      for (int c = 1; c < kChains; ++c) s[0] = _mm256_add_epi32(s[0], s[c]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(d, _mm256_broadcast_ss(&xb.d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm256_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm256_add_ps(acc[t], _mm256_loadu_ps(bias)));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Rows r .. r + 15 against TN tokens, group8_x16's operations for two groups of eight in one 512-bit vector per pair.
+template <int TN>
+inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX16* const* x, float* y,
+                        int64_t ldy, const float* bias) {
+  constexpr int kChains = TN == 1 ? 4 : 2;
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  const uint8_t* next = row0 + 16 * stride;
+  const int64_t per_block = (16 * stride + 64 * nb - 1) / (64 * nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    const uint8_t* blk = row0 + b * 34;
+    __m256i lo[8], hi[8];
+    q8_0_codes8(blk, stride, lo);
+    q8_0_codes8(blk + 8 * stride, stride, hi);
+    __m512i pairs[16];
+    for (int i = 0; i < 8; ++i) {
+      const __m512i codes = join8(lo[i], hi[i]);
+      pairs[2 * i] = _mm512_srai_epi16(_mm512_slli_epi16(codes, 8), 8);
+      pairs[2 * i + 1] = _mm512_srai_epi16(codes, 8);
+    }
+    const __m512 d = join8(halves8(gather8(blk, stride), false), halves8(gather8(blk + 8 * stride, stride), false));
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const BlockX16& xb = x[t][b];
+      __m512i s[kChains];
+      for (int c = 0; c < kChains; ++c) s[c] = _mm512_setzero_si512();
+      for (int j = 0; j < 16; ++j)
+        s[j % kChains] = _mm512_dpwssd_epi32(s[j % kChains], pairs[j], _mm512_set1_epi32(pair_x16(xb, j)));
+      for (int c = 1; c < kChains; ++c) s[0] = _mm512_add_epi32(s[0], s[c]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
+}
+#endif
+
+// One row against one token: the value group8_x16 gives that (row, token), computed alone.
+inline float rows8_x16_single(const uint8_t* row, int64_t nb, const BlockX16* x) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + 34 * b;
+    const BlockX16& xb = x[b];
+    int32_t dot = 0;
+    for (int i = 0; i < 8; ++i) {
+      const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2 + 4 * i);
+      const int16_t* q = xb.q + 4 * i;
+      dot += w[0] * q[0] + w[2] * q[1] + w[1] * q[2] + w[3] * q[3];
+    }
+    acc = std::fma(static_cast<float>(dot), half(blk) * xb.d, acc);
+  }
+  return acc;
+}
+
+// x16 rows as a group kernel for rows_fixed: sixteen rows at a time on AVX-512 VNNI, eight on AVX2; tiles of 8 / 4
+// tokens (the 16 pair vectors and the tokens' accumulators stay in registers).
+struct Rows8X16 {
+  using X = BlockX16;
+  static constexpr int kTile = kVnni ? 8 : 4;
+  template <int TN>
+  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nb, const BlockX16* const* x, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, const float* bias) {
+    int64_t r = r0;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    for (; r + 16 <= r1; r += 16)
+      group16_x16<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+#endif
+    return r;
+  }
+  template <int TN>
+  __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nb,
+                                                   const BlockX16* const* x, float* y, int64_t ldy, const float* bias) {
+    group8_x16<TN>(row0, stride, nb, x, y, ldy, bias);
+  }
+  static float single(const uint8_t* row, int64_t nb, const BlockX16* x) { return rows8_x16_single(row, nb, x); }
+};
+
 // Whether a type has a fp32-x row (exact_x).
 inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
 
@@ -889,7 +1064,16 @@ inline int64_t scratch_bytes(int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, padded = (N + 7) / 8 * 8;
   // + 8 floats: a tile of 4 (AVX2) at the end of the last row still loads 8
   const int64_t per32 = N * nb * static_cast<int64_t>(sizeof(BlockX)) + (nb * padded + 8) * static_cast<int64_t>(sizeof(float));
-  return std::max(per32, N * (K / kSuper) * static_cast<int64_t>(sizeof(BlockXK)));
+  return std::max({per32, N * (K / kSuper) * static_cast<int64_t>(sizeof(BlockXK)),
+                   N * nb * static_cast<int64_t>(sizeof(BlockX16))});
+}
+
+// x [N, K] rounded to int16 per 32 into `scratch` (scratch_bytes(N, K)), as the x16 rows read it.
+inline XQ round_x16(const float* x, int64_t N, int64_t K, void* scratch) {
+  const int64_t nb = K / kBlock;
+  BlockX16* blocks = static_cast<BlockX16*>(scratch);
+  for (int64_t t = 0; t < N; ++t) quantize16(x + t * K, nb, blocks + t * nb);
+  return XQ{nullptr, nullptr, nb, (N + 7) / 8 * 8, nullptr, blocks};
 }
 
 // x [N, K] rounded into `scratch` (scratch_bytes(N, K)) as the int8 rows of a K-quant (per 256, `k_quant`) or
@@ -964,9 +1148,10 @@ inline void rows_int8(const void* ctx, int64_t o0, int64_t o1) {
 inline const BlockX* token_x(const Args& a, int64_t t, const BlockX*) { return a.xq.blocks + t * a.xq.nb; }
 inline const BlockXK* token_x(const Args& a, int64_t t, const BlockXK*) { return a.xq.kblocks + t * (a.xq.nb / 8); }
 inline const float* token_x(const Args& a, int64_t t, const float*) { return a.x + t * a.K; }
+inline const BlockX16* token_x(const Args& a, int64_t t, const BlockX16*) { return a.xq.blocks16 + t * a.xq.nb; }
 
 // Rows o0..o1 of W against all N tokens through group kernel G (rows8<T>: Rows8<T>, Q4_K: Rows8K, Q8_0 on fp32 x:
-// Rows8F32), G::kTile tokens at a time.
+// Rows8F32, on int16 x: Rows8X16), G::kTile tokens at a time.
 template <class G>
 inline void rows_grouped(const void* ctx, int64_t o0, int64_t o1) {
   const Args& a = *static_cast<const Args*>(ctx);
@@ -998,17 +1183,29 @@ inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
-// y [N, O] = x [N, K] W^T (+ bias): x quantised into `scratch` (round_x), then rows on the
-// pool; with exact_x (Q8_0, Q4_K, Q6_K: has_exact_x) x is read as it is and scratch is not used.
+// What x is read as: rounded to int8 per block (per 32, per 256 for the K-quants), fp32 as it is (exact_x: Q8_0, Q4_K,
+// Q6_K, has_exact_x), or rounded to int16 per 32 (Q8_0: x16 above).
+enum XMode : int { kXInt8 = 0, kXF32 = 1, kXInt16 = 2 };
+
+inline bool has_x_mode(int type, int mode) {
+  return mode == kXInt8 || (mode == kXF32 && has_exact_x(type)) || (mode == kXInt16 && type == kQ8_0);
+}
+
+// y [N, O] = x [N, K] W^T (+ bias): x rounded into `scratch` (round_x, round_x16) as `x_mode` says (XMode; has_x_mode
+// of the type), then rows on the pool; fp32 x (kXF32) is read as it is and scratch is not used.
 inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
-                 float* y, void* scratch, int threads, bool exact_x = false) {
+                 float* y, void* scratch, int threads, int x_mode = kXInt8) {
   const int64_t nb = K / kBlock;
-  const XQ xq = exact_x ? XQ{} : round_x(x, N, K, is_k_quant(type), scratch);
+  const bool exact_x = x_mode == kXF32;
+  const XQ xq = exact_x ? XQ{} : x_mode == kXInt16 ? round_x16(x, N, K, scratch)
+                                                   : round_x(x, N, K, is_k_quant(type), scratch);
   const int64_t bytes = row_bytes(type, nb);
   const Args args{xq, x, N, K, w, bytes, O, bias, y};
   void (*fn)(const void*, int64_t, int64_t);
   if (exact_x)
     fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_grouped<Rows8F32>;
+  else if (x_mode == kXInt16)
+    fn = rows_grouped<Rows8X16>;
   else
     fn = type == kQ4_0   ? rows_grouped<Rows8<kQ4_0>>
          : type == kQ4_1 ? rows_grouped<Rows8<kQ4_1>>
@@ -1019,7 +1216,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ6_K ? rows_int8<Q6KInt8>
                          : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
-  if (has_rows8(type)) chunk = (chunk + 7) / 8 * 8;  // whole groups of eight rows (Q8_0 on fp32 x too)
+  if (has_rows8(type)) chunk = (chunk + 15) / 16 * 16;  // whole groups of sixteen rows (Q8_0 on fp32 / int16 x too)
   localmoe::parallel(fn, &args, O, chunk, threads);
 }
 

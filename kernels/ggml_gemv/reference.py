@@ -18,10 +18,21 @@ def x_block(ggml_type) -> int:
     return 256 if ggml_type in K_QUANTS else 32
 
 
+def q16_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) rounded to int16 per 32 values, as the x16 rows read it: q = round(x * 32767 /
+    amax) to nearest even with 32767 / amax in fp32 and the product rounded to fp32 first, then q * (amax / 32767)
+    (fp32 step); an all-zero block stays zero."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).float()
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks.float() * inv)
+    return (q.to(x.dtype) * (amax / 32767.0).to(x.dtype)).reshape(x.shape)
+
+
 def naive_ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
-                    bias: torch.Tensor | None = None, exact_x: bool = False) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, exact_x: bool = False, x16: bool = False) -> torch.Tensor:
     """x [N, K] -> y [N, O] = q8_round(x, x_block(ggml_type)) W^T (+ bias), W the raw blocks [O, row bytes] of
-    `ggml_type`; exact_x: x as it is."""
+    `ggml_type`; exact_x: x as it is; x16: q16_round(x) instead."""
     w = dequantize(raw, ggml_type, shape, torch.float32).to(x.dtype)
-    y = (x if exact_x else q8_round(x, x_block(ggml_type))) @ w.T
+    y = (x if exact_x else q16_round(x) if x16 else q8_round(x, x_block(ggml_type))) @ w.T
     return y if bias is None else y + bias.to(x.dtype)

@@ -122,8 +122,8 @@ def model_options(function):
         click.option("--expert-precision", type=click.Choice(EXPERT_PRECISIONS), default="q8", show_default=True,
                      help="Activations of routed experts (MXFP4 or GGUF blocks) and a MoE GGUF's block lm_head's: "
                           "q8 rounds them to int8 per 32 values, per 256 for K-quants (as llama.cpp; about 2x "
-                          "faster on AVX2); q8-all also every model's GGUF block lm_head (llama.cpp's numerics; "
-                          "the embedded model's 16-row step ~1.3x faster); exact keeps float32."),
+                          "faster on AVX2), and a dense GGUF's Q8_0 lm_head's to int16 per 32; q8-all rounds every "
+                          "model's GGUF block lm_head to int8 (llama.cpp's numerics); exact keeps float32."),
     ]
     return _decorate(paging_options("model")(command), options)
 

@@ -52,15 +52,18 @@ def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
 
 
 def _matrix(linear) -> tuple | None:
-    """(data, type, rows, cols, bias) of a decode_layers Matrix for a Linear or BlockLinear, or None."""
+    """(data, type, rows, cols, bias) of a decode_layers Matrix for a Linear or BlockLinear (x16: its type + X16), or
+    None (exact_x: the Matrix has no fp32-x form)."""
     if type(linear) is Linear and linear.weight.dtype in decode_layers.MATRIX_TYPES and linear.weight.is_contiguous():
         w = linear.weight
         return w, decode_layers.MATRIX_TYPES[w.dtype], w.shape[0], w.shape[1], linear.bias
     ggml = decode_layers.GGML_MATRIX_TYPES
-    if type(linear) is not BlockLinear or not linear.segments or any(int(k) not in ggml for _, k, _ in linear.segments):
+    if (type(linear) is not BlockLinear or not linear.segments or linear.exact_x
+            or any(int(k) not in ggml for _, k, _ in linear.segments)):
         return None
     if linear.raw is not None:
-        return linear.raw, int(linear.ggml_type), linear.out_features, linear.in_features, linear.bias
+        kind = int(linear.ggml_type) + (decode_layers.X16 if linear.x16 else 0)
+        return linear.raw, kind, linear.out_features, linear.in_features, linear.bias
     # parts of different types: a stacked Matrix over one descriptor per segment (its slice of the bias)
     descriptors = torch.zeros(len(linear.segments) + 1, 5, dtype=torch.int64)  # matrix.h Matrix fields; 0 ends
     row = 0

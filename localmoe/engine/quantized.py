@@ -135,10 +135,12 @@ class BlockLinear:
     consecutive parts of one type share a segment, and a decode GEMV runs per segment."""
 
     __slots__ = ("__weakref__", "_dense", "bias", "exact_x", "ggml_type", "in_features", "out_features", "packed",
-                 "parts", "raw", "scales_zeros", "segments")
+                 "parts", "raw", "scales_zeros", "segments", "x16")
 
-    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None, exact_x: bool = False):
-        """exact_x: decode GEMVs keep x in fp32 (ggml_gemv.EXACT_X_TYPES with the CPU library; the lm_head)."""
+    def __init__(self, parts: list[BlockQuantized], bias: torch.Tensor | None, exact_x: bool = False,
+                 x16: bool = False):
+        """exact_x: decode GEMVs keep x in fp32 (ggml_gemv.EXACT_X_TYPES with the CPU library; the lm_head); x16:
+        they round x to int16 per 32 values (ggml_gemv.X16_TYPES: a dense model's Q8_0 lm_head) instead of int8."""
         self.parts = parts  # raw views, for prefill-sized inputs (dequantised per call)
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
@@ -146,10 +148,14 @@ class BlockLinear:
         self.ggml_type = parts[0].ggml_type
         self.raw = self.packed = self.scales_zeros = None
         self.segments: list[tuple[torch.Tensor, GGMLQuantizationType, int]] = []  # (raw rows, type, rows)
-        self.exact_x = exact_x
+        self.exact_x, self.x16 = exact_x, x16
         if exact_x and not (self.ggml_type in ggml_gemv.EXACT_X_TYPES and ggml_gemv.kernel_available()):
             raise ValueError(f"fp32 activations need {', '.join(t.name for t in ggml_gemv.EXACT_X_TYPES)} blocks and "
                              f"the CPU kernel library, not {self.ggml_type.name}")
+        if x16 and (exact_x or self.ggml_type not in ggml_gemv.X16_TYPES or len(parts) != 1
+                    or not ggml_gemv.kernel_available()):
+            raise ValueError(f"int16 activations need one part of {', '.join(t.name for t in ggml_gemv.X16_TYPES)} "
+                             f"blocks and the CPU kernel library, not {self.ggml_type.name}")
         if ggml_gemv.kernel_available():
             # the file's blocks, the rows of consecutive parts of one type stacked (a copy only where
             # several parts join); one segment (`raw`) unless the types differ
@@ -180,13 +186,14 @@ class BlockLinear:
         K = x.shape[-1]
         rows = x.numel() // K
         kernel_rows = _kernel_rows()
-        if (rows > kernel_rows and getattr(_rows, "rounded", False) and not self.exact_x and self.segments
+        if (rows > kernel_rows and getattr(_rows, "rounded", False) and not self.exact_x and not self.x16
+                and self.segments
                 and all(kind in ROUNDED_TYPES for _, kind, _ in self.segments)):
             kernel_rows = rows  # rounded_rows()
         if rows <= kernel_rows and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
-                                       (self.out_features, K), self.bias, self.exact_x).view(*x.shape[:-1],
-                                                                                            self.out_features)
+                                       (self.out_features, K), self.bias, self.exact_x,
+                                       self.x16).view(*x.shape[:-1], self.out_features)
         if rows <= kernel_rows and self.segments:
             flat = x.reshape(rows, K).float().contiguous()
             y = torch.cat([ggml_gemv.ggml_gemv(flat, raw, kind, (n, K)) for raw, kind, n in self.segments], dim=1)

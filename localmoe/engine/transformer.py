@@ -91,21 +91,27 @@ def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple
     return shapes | vision_tensors(spec)
 
 
-def _head(weight, dtype: str, rounded: bool):
-    """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `rounded` (a MoE model at expert
-    precision q8, whose other block GEMVs already round their inputs, or any model at q8-all): its input is
-    rounded to int8 per block as llama.cpp does (per 32 values, per 256 for a Q4_K_M file's Q6_K head; any of
-    ggml_gemv.TYPES; with fp32 inputs the head was 46% of a Qwen3-MoE Q4_K_M decode token, and the embedded
-    SmolLM2's tied Q8_0 head costs 4.5 instead of 13 ms at 16 rows). Otherwise it never reads int8-rounded
-    activations: its logits pick the token, and on the embedded SmolLM2 a Q8_0 head on rounded inputs changes the
-    greedy answer to "What is the capital of France?" (into llama.cpp's, a French list); a Q8_0, Q4_K or Q6_K head
-    then runs on fp32 inputs (exact_x: SmolLM2's tied Q8_0 head reads 30 instead of 56 MB per token as bf16),
-    another block-quantised head is dequantised (Linear: fp32 or bf16 weights). The fused single-sequence step and
-    the batched rows share this head, so a row's logits are the same alone, batched and in `localmoe run`."""
+HEAD_INPUTS = ("int8", "int16", "fp32")  # what a GGUF block lm_head reads (_head)
+
+
+def _head(weight, dtype: str, inputs: str):
+    """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `inputs` (HEAD_INPUTS) "int8" (a MoE
+    model at expert precision q8, whose other block GEMVs already round their inputs, or any model at q8-all): its
+    input is rounded to int8 per block as llama.cpp does (per 32 values, per 256 for a Q4_K_M file's Q6_K head; any
+    of ggml_gemv.TYPES; with fp32 inputs the head was 46% of a Qwen3-MoE Q4_K_M decode token). Otherwise it never
+    reads int8-rounded activations: its logits pick the token, and on the embedded SmolLM2 a Q8_0 head on int8
+    inputs changes the greedy answer to "What is the capital of France?" (into llama.cpp's, a French list).
+    "int16" (a dense model at q8): a Q8_0 head rounds its input to int16 per 32 values (x16: 2^-16 of a block's
+    largest value; the embedded SmolLM2's tied head costs ~6.5 instead of 13 ms at 16 rows, its answers unchanged);
+    "fp32" (expert precision exact), or a Q4_K / Q6_K head at "int16": fp32 inputs (exact_x). Another
+    block-quantised head is dequantised (Linear: fp32 or bf16 weights). The fused single-sequence step and the
+    batched rows share this head, so a row's logits are the same alone, batched and in `localmoe run`."""
     if isinstance(weight, BlockQuantized):
         if dtype == "auto" and ggml_gemv.kernel_available():
-            if rounded and weight.ggml_type in ggml_gemv.TYPES:
+            if inputs == "int8" and weight.ggml_type in ggml_gemv.TYPES:
                 return BlockLinear([weight], None)
+            if inputs != "fp32" and weight.ggml_type in ggml_gemv.X16_TYPES:
+                return BlockLinear([weight], None, x16=True)
             if weight.ggml_type in ggml_gemv.EXACT_X_TYPES:
                 return BlockLinear([weight], None, exact_x=True)
         weight = weight.float()
@@ -137,8 +143,10 @@ class Transformer:
         # a MoE model at expert precision q8: block GEMVs round their inputs (the head's, prefill's: `rounded_rows`);
         # at q8-all every model's GGUF block head does (_head)
         self.rounded = config.expert_kernel_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
+        inputs = ("int8" if self.rounded or config.expert_precision == "q8-all"
+                  else "fp32" if config.expert_precision == "exact" else "int16")
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
-                             config.dtype, self.rounded or config.expert_precision == "q8-all")
+                             config.dtype, inputs)
         head = getattr(self.lm_head, "weight", None)
         if ("lm_head.weight" not in weights and isinstance(head, torch.Tensor) and isinstance(self.embed, torch.Tensor)
                 and head.dtype == self.embed.dtype and head.shape == self.embed.shape):

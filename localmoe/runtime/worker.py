@@ -59,15 +59,18 @@ import torch
 from localmoe.engine.batch import batching_pays, rows_independent
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
+from localmoe.runtime.metrics import paging_stats
 
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS rows, at least PROMPT_ROWS (a
 # whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, CPU
-# time of one thread: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; a prompt row skips
-# the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the decode step it
-# delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps with few decode
-# rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step, session 8").
+# time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; session
+# 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9 and 37.1; a
+# prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the
+# decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps
+# with few decode rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step,
+# session 8").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
 
@@ -124,6 +127,7 @@ class EngineWorker:
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
         self.rows: bool | None = None  # prompt chunks as rows of the batched step (decided once, `_prompt_chunk`)
+        self.paged = False  # the model's experts are paged (decided with `rows`): whole prompt chunks per step
         self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -358,18 +362,23 @@ class EngineWorker:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
         sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
-        a whole prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
-        next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
+        a whole prefill chunk when nothing decodes or the model's experts are paged) goes to the prefilling
+        sequences in arrival order, each up to its next chunk boundary (`Decoder.chunk_size`), so short prompts that
+        arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]
         if not waiting or not waiting[0].wants.prompt_rows:
             return []
         if self.rows is None:
-            self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)
+            model = waiting[0].wants.model
+            self.rows = not self.fused_for(model) and rows_independent(model)
+            self.paged = paging_stats(model) is not None
         if not self.rows:
             return []
-        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode else waiting[0].wants.chunk
+        # a paged model's step reads most of its routed experts from the tiers whatever its rows: a prompt row is
+        # nearly free beside that, and a prompt trickled in over many steps reads the experts again in each
+        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode and not self.paged else waiting[0].wants.chunk
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:

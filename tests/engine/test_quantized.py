@@ -63,23 +63,28 @@ def test_q8_0_blocks_with_fp32_activations_match_the_dequantised_weight():
 @pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
 def test_the_embedded_head_follows_the_expert_precision(smollm2_gguf):
     """The tied Q8_0 lm_head of the embedded (dense) model: at expert precision q8-all its input is rounded to
-    int8 per 32 values (the dequantised weight in float64 on q8_round(h)); at q8 (the default) and exact it reads
-    fp32 (the same weight on h); the two differ."""
+    int8 per 32 values (the dequantised weight in float64 on q8_round(h)); at q8 (the default) to int16 per 32
+    (q16_round(h)), at exact it reads fp32 (the same weight on h); the int16 head is ~2^-8 of the int8 head's
+    distance from the fp32 one."""
+    from localmoe.kernels.ggml_gemv import q16_round
     from localmoe.kernels.mxfp4_moe import q8_round
 
     from localmoe.config import EngineConfig
 
+    precisions = ("q8", "q8-all", "exact")
     heads = {p: load_model(smollm2_gguf, EngineConfig(expert_precision=p, max_context=64),
-                           progress=False).model.lm_head for p in ("q8", "q8-all", "exact")}
-    assert [heads[p].exact_x for p in ("q8", "q8-all", "exact")] == [True, False, True]
+                           progress=False).model.lm_head for p in precisions}
+    assert [(heads[p].exact_x, heads[p].x16) for p in precisions] == [(False, True), (False, False), (True, False)]
     weight = heads["q8"].parts[0].float().double()
     h = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(2))
     h[:, 11] *= 20  # one large channel, as real hidden states have: rounding per 32 is coarse around it
-    rounded, exact = heads["q8-all"](h).double(), heads["q8"](h).double()
+    rounded, int16, exact = (heads[p](h).double() for p in ("q8-all", "q8", "exact"))
     scale = (h.double() @ weight.T).abs().max()
     assert ((rounded - q8_round(h.double()) @ weight.T).abs().max() / scale) < 1e-5
+    assert ((int16 - q16_round(h.double()) @ weight.T).abs().max() / scale) < 1e-5
     assert ((exact - h.double() @ weight.T).abs().max() / scale) < 1e-5
     assert (rounded - exact).abs().max() / scale > 1e-4
+    assert (int16 - exact).abs().max() < (rounded - exact).abs().max() / 50
 
 
 @pytest.mark.skipif(not ggml_gemv.kernel_available(), reason="no CPU kernel library")
@@ -128,8 +133,8 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     assert isinstance(loaded.model.layers[0][3].gate_up, BlockLinear)
     from localmoe.engine.sampler import SamplingParams
 
-    head = loaded.model.lm_head  # the tied Q8_0 embedding, on fp32 activations (engine/transformer.py _head)
-    assert (head.ggml_type, head.exact_x) == (Q.Q8_0, True) if ggml_gemv.kernel_available() else type(head) is Linear
+    head = loaded.model.lm_head  # the tied Q8_0 embedding, on int16-rounded activations (engine/transformer.py _head)
+    assert (head.ggml_type, head.x16) == (Q.Q8_0, True) if ggml_gemv.kernel_available() else type(head) is Linear
     embed = loaded.model.embed  # the same Q8_0 blocks, rows dequantised per lookup: no float copy of the table
     tokens = torch.tensor([[0, 5, 49151], [7, 7, 2]])
     assert isinstance(embed, BlockEmbedding) and torch.equal(embed(tokens), F.embedding(tokens, embed.weight.float()))

@@ -103,10 +103,11 @@ def test_ggml_gemv(isa, ggml_type, N):
     O, K = 43, 512  # 43: Q4_0 / Q4_1 / Q8_0 rows in groups of eight and three alone
     blocks = torch.from_numpy(random_blocks(ggml_type, O, K, np.random.default_rng(int(ggml_type))))
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
-    exact = ggml_type in ggml_gemv.EXACT_X_TYPES
-    for exact_x in (False, True) if exact else (False,):
-        run = functools.partial(ggml_gemv.ggml_gemv, x, blocks, ggml_type, (O, K), exact_x=exact_x)
-        _same_bits(*_under_each(isa, run), f"{ggml_type.name} N={N} exact_x={exact_x}")
+    modes = [{}] + [{"exact_x": True}] * (ggml_type in ggml_gemv.EXACT_X_TYPES) + [{"x16": True}] * (
+        ggml_type in ggml_gemv.X16_TYPES)  # x16: sixteen rows a vector on AVX-512, eight on AVX2
+    for mode in modes:
+        run = functools.partial(ggml_gemv.ggml_gemv, x, blocks, ggml_type, (O, K), **mode)
+        _same_bits(*_under_each(isa, run), f"{ggml_type.name} N={N} {mode}")
 
 
 @ISA

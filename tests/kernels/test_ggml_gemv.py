@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from localmoe.kernels.ggml_gemv import EXACT_X_TYPES, K_QUANTS, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+from localmoe.kernels.ggml_gemv import (EXACT_X_TYPES, K_QUANTS, TYPES, X16_TYPES, ggml_gemv, kernel_available,
+                                        naive_ggml_gemv, q16_round)
 
 from localmoe.testing.ggml_blocks import random_blocks
 
@@ -65,6 +66,35 @@ def test_fp32_x_matches_float64(ggml_type, N, close):
         ggml_gemv(x[:, :576], _weight(Q.Q4_0, 8, 576, seed=12), Q.Q4_0, (8, 576), exact_x=True)
 
 
+def _modes(ggml_type) -> list[dict]:
+    """What x each type's rows read: int8 always, fp32 (exact_x) and int16 (x16) where the type has them."""
+    return [{}] + [{"exact_x": True}] * (ggml_type in EXACT_X_TYPES) + [{"x16": True}] * (ggml_type in X16_TYPES)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", X16_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("N", [1, 5, 19])
+def test_int16_x_matches_float64(ggml_type, N, close):
+    """x16: Q8_0 blocks against x rounded to int16 per 32 values (the dense lm_head's default); 43 rows: groups of
+    sixteen (AVX-512), eight and rows alone. Against fp32 x it is ~2^-16 of a block's largest value off, where the
+    int8 rounding is ~2^-8."""
+    O, K = 43, 576
+    raw = _weight(ggml_type, O, K, seed=14)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(15))
+    x[:, 3] *= 25
+    got = ggml_gemv(x, raw, ggml_type, (O, K), x16=True)
+    close(got, naive_ggml_gemv(x.double(), raw, ggml_type, (O, K), x16=True), 2e-6, f"{ggml_type.name} int16 x")
+    exact = naive_ggml_gemv(x.double(), raw, ggml_type, (O, K), exact_x=True)
+    int8 = naive_ggml_gemv(x.double(), raw, ggml_type, (O, K))
+    err16, err8 = (got.double() - exact).abs().max().item(), (int8 - exact).abs().max().item()
+    assert err16 < err8 / 50, f"int16 x {err16:.3e} against int8 x {err8:.3e} off the fp32-x product"
+    assert torch.equal(q16_round(torch.zeros(2, 64)), torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="x16"):
+        ggml_gemv(x, _weight(Q.Q4_1, 8, K, seed=12), Q.Q4_1, (8, K), x16=True)
+    with pytest.raises(ValueError, match="x16"):
+        ggml_gemv(x, raw, ggml_type, (O, K), exact_x=True, x16=True)
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_row_has_the_same_bits_alone_and_in_a_batch(ggml_type):
@@ -74,30 +104,30 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(ggml_type):
     raw = _weight(ggml_type, O, K, seed=20)
     x = torch.randn(21, K, generator=torch.Generator().manual_seed(21))
     x[5, 7] = 300.0  # one token with a coarse block: must not touch the others
-    for exact_x in (False, True) if ggml_type in EXACT_X_TYPES else (False,):
-        batch = ggml_gemv(x, raw, ggml_type, (O, K), exact_x=exact_x)
+    for mode in _modes(ggml_type):
+        batch = ggml_gemv(x, raw, ggml_type, (O, K), **mode)
         for n in (1, 2, 5, 9):
-            part = ggml_gemv(x[3:3 + n].contiguous(), raw, ggml_type, (O, K), exact_x=exact_x)
-            assert torch.equal(part, batch[3:3 + n]), f"{ggml_type.name} exact_x={exact_x}: {n} rows"
+            part = ggml_gemv(x[3:3 + n].contiguous(), raw, ggml_type, (O, K), **mode)
+            assert torch.equal(part, batch[3:3 + n]), f"{ggml_type.name} {mode}: {n} rows"
         for i in (0, 20):
-            assert torch.equal(ggml_gemv(x[i:i + 1], raw, ggml_type, (O, K), exact_x=exact_x), batch[i:i + 1])
+            assert torch.equal(ggml_gemv(x[i:i + 1], raw, ggml_type, (O, K), **mode), batch[i:i + 1])
 
 
 @needs_cpu_kernel
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_weight_row_has_the_same_bits_in_a_group_and_alone(ggml_type):
-    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows (Q8_0 on fp32 x too) run eight at a time (ggml_rows.h rows_fixed:
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows (Q8_0 on fp32 / int16 x too) run eight at a time (rows_fixed:
     one lane per weight row) and a range's leftover rows alone (G::single): the two must give a (row, token) the same
     bits, wherever the call's row range starts (the MoE kernels compute slices of rows; threads split the rows)."""
     O, K = 21, _k_for(ggml_type, 352)
     raw = _weight(ggml_type, O, K, seed=22)
     x = torch.randn(18, K, generator=torch.Generator().manual_seed(23))
     x[4, 9] = 300.0
-    for exact_x in (False, True) if ggml_type in EXACT_X_TYPES else (False,):  # Q8_0 on fp32 x: rows8 too
-        whole = ggml_gemv(x, raw, ggml_type, (O, K), exact_x=exact_x)
+    for mode in _modes(ggml_type):  # Q8_0 on fp32 / int16 x: rows8 too
+        whole = ggml_gemv(x, raw, ggml_type, (O, K), **mode)
         for first, last in ((0, 1), (3, 21), (5, 18), (13, 21)):
-            part = ggml_gemv(x, raw[first:last].contiguous(), ggml_type, (last - first, K), exact_x=exact_x)
-            assert torch.equal(part, whole[:, first:last]), f"{ggml_type.name} exact_x={exact_x}: rows {first}..{last}"
+            part = ggml_gemv(x, raw[first:last].contiguous(), ggml_type, (last - first, K), **mode)
+            assert torch.equal(part, whole[:, first:last]), f"{ggml_type.name} {mode}: rows {first}..{last}"
 
 
 @needs_cpu_kernel
