@@ -59,7 +59,6 @@ import torch
 from localmoe.engine.batch import batching_pays, rows_independent
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
-from localmoe.runtime.metrics import paging_stats
 
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
@@ -127,7 +126,6 @@ class EngineWorker:
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
         self.rows: bool | None = None  # prompt chunks as rows of the batched step (decided once, `_prompt_chunk`)
-        self.paged = False  # the model's experts are paged (decided with `rows`): whole prompt chunks per step
         self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -362,23 +360,18 @@ class EngineWorker:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
         sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
-        a whole prefill chunk when nothing decodes or the model's experts are paged) goes to the prefilling
-        sequences in arrival order, each up to its next chunk boundary (`Decoder.chunk_size`), so short prompts that
-        arrive together enter together.
+        a whole prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
+        next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]
         if not waiting or not waiting[0].wants.prompt_rows:
             return []
         if self.rows is None:
-            model = waiting[0].wants.model
-            self.rows = not self.fused_for(model) and rows_independent(model)
-            self.paged = paging_stats(model) is not None
+            self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)
         if not self.rows:
             return []
-        # a paged model's step reads most of its routed experts from the tiers whatever its rows: a prompt row is
-        # nearly free beside that, and a prompt trickled in over many steps reads the experts again in each
-        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode and not self.paged else waiting[0].wants.chunk
+        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode else waiting[0].wants.chunk
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:

@@ -445,34 +445,6 @@ def test_prompts_that_arrive_together_enter_together(embedded):
         assert results[i].content == alone(embedded, completion(embedded, text, 6)).content, i
 
 
-def test_a_paged_model_takes_whole_prompt_chunks_beside_decode_rows(embedded, monkeypatch):
-    """Where the model's experts are paged (runtime/metrics.py `paging_stats`, here faked on the embedded model), a
-    step reads most experts whatever its rows, so the prompts waiting beside decode rows take a whole chunk each
-    step instead of the PROMPT_ROWS budget; every answer is still its answer alone."""
-    from localmoe.runtime import worker as worker_module
-
-    monkeypatch.setattr(worker_module, "paging_stats", lambda model: object())
-    tok, model = embedded.tokenizer, embedded.model
-    worker, results = EngineWorker(max_active=16, batching="on"), {}
-    first = PROMPTS[:4]
-    for i, text in enumerate(first):
-        prep = completion(embedded, text, 6)
-        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
-                             results, i))
-    worker.step()
-    assert worker.paged and all(r.wants.decoding for r in worker._active)
-    later = [completion(embedded, text * 3, 6) for text in PROMPTS[:3]]
-    assert sum(len(p.prompt) for p in later) > worker_module.STEP_ROWS  # more than the unpaged budget
-    for i, prep in enumerate(later):
-        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
-                             results, f"later{i}"))
-    worker.step()  # the three prompts whole (the unpaged budget, 12 rows, takes part of them: the test above)
-    assert len(worker._active) == len(first) + len(later) and not any(r.wants.prefilling for r in worker._active)
-    run_all(worker, results, len(first) + len(later))
-    for i, prep in enumerate(later):
-        assert results[f"later{i}"].content == alone(embedded, prep).content, i
-
-
 def test_auto_batches_a_moe_model_with_gqa_attention(gpt_oss):
     """gpt-oss (MoE, plain GQA) has a fused single-sequence step, but a batched step reads each routed
     expert once for all its tokens and runs every sequence's attention in one call: "auto" batches it."""
