@@ -32,8 +32,16 @@ llama.cpp's converter + quantiser, which take too long and too much disk for a `
 for tensor), so both engines run blocks llama.cpp quantised.
 
 K3 (`--models kimi_k3:small`): llama-quantize requantises its MXFP4 experts (Q5_0 / Q4_K), which localmoe runs from
-those blocks. A random K3 is chaotic under rounding, so its logits agree with llama.cpp's far less than the other
-families' do (docs/performance.md says by how much and why).
+those blocks.
+
+Logits like for like: after the timed rounds the file's function is also computed without rounding. A twin of the file
+whose quantised tensors are F32 values by gguf's numpy dequantiser (made once beside it, within --twin-limit GB) runs
+in both engines on fp32 activations (localmoe `--expert-precision exact`; llama.cpp multiplies F32 matrices on fp32 x
+and keeps an F32 KV cache), every prompt position, judged before the first router near-tie (benchmarks/k3_cpu.py
+`agreement`); then each engine's logits on the quantised file are compared with llama.cpp's on the twin. Both engines
+round activations to int8 on the file (per 256 for K-quant rows, llama.cpp's Q8_K; per 32 for the others), a
+discontinuous step that a random K3 amplifies (chaotic under rounding: docs/performance.md), so on the file two correct
+engines agree only as far as each stays from the unrounded function; the twin line is the like-for-like figure.
 """
 
 from __future__ import annotations
@@ -89,6 +97,45 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
     print(f"  logits at the prompt's last position: correlation {np.corrcoef(a, b)[0, 1]:.5f}, max |diff| "
           f"{np.abs(a - b).max() / (b.max() - b.min()):.2e} of the range, same argmax: {int(a.argmax()) == int(b.argmax())}",
           flush=True)
+    like_for_like(gguf, args, work / f"{family}-{size}-{args.quant}", a, b)
+
+
+def agree(a, b) -> str:
+    """Two logit vectors' agreement: Pearson correlation, max |diff| over b's range, same argmax."""
+    import numpy as np
+
+    return (f"correlation {np.corrcoef(a, b)[0, 1]:.5f}, max |diff| {np.abs(a - b).max() / (b.max() - b.min()):.2e} of "
+            f"the range, same argmax: {int(a.argmax()) == int(b.argmax())}")
+
+
+def like_for_like(gguf: Path, args, stem: Path, ours, theirs) -> None:
+    """The logits on the file's function without rounding (module doc): a twin of `gguf` whose quantised tensors are
+    F32 values by gguf's numpy dequantiser, run by both engines on fp32 activations (localmoe `--expert-precision
+    exact`; llama.cpp's F32 matrices take fp32 x, its KV cache is F32), every prompt position (k3_cpu.positions),
+    judged before the first router near-tie; then each engine's logits on the quantised file (`ours`, `theirs`: int8
+    activations, per 256 as llama.cpp's Q8_K) against llama.cpp's on the twin."""
+    import gguf as gguf_py
+    from k3_cpu import agreement, positions
+
+    from localmoe.testing.gguf_split import rewrite_gguf
+
+    twin = gguf.with_name(gguf.stem + "-dequantized.gguf")
+    if not twin.exists():
+        tensors = gguf_py.GGUFReader(gguf).tensors
+        quantised_types = tuple(sorted({t.tensor_type.name for t in tensors if t.tensor_type.name not in ("F32", "F16")}))
+        if sum(int(t.n_elements) * 4 for t in tensors) > args.twin_limit * 1e9:
+            print(f"  logits without rounding: the F32 twin would exceed --twin-limit {args.twin_limit:g} GB: not run")
+            return
+        rewrite_gguf(gguf, twin.with_suffix(".tmp"), dequantize=quantised_types)
+        twin.with_suffix(".tmp").rename(twin)
+    common = ["--threads", str(args.threads), "--prompt", str(args.prompt)]
+    a, b = (positions(name, twin, "exact", common, Path(f"{stem}-twin-{name}.npz")) for name in ("localmoe", "llama"))
+    print(f"  logits on the F32 twin (the file's weights dequantised by gguf's numpy code), fp32 activations in both: "
+          f"{agreement(a['logits'], b['logits'], a['margin'], args.tie_margin)}; last position {agree(a['logits'][-1], b['logits'][-1])}")
+    reference = b["logits"][-1].astype("float64")
+    print(f"  against llama.cpp on the twin, last position: localmoe on the file (int8 activations) {agree(ours, reference)}; "
+          f"llama.cpp on the file {agree(theirs, reference)}; localmoe on the twin {agree(a['logits'][-1], reference)}",
+          flush=True)
 
 
 def quantised(family: str, size: str, args, work: Path, src: Path) -> Path:
@@ -99,13 +146,16 @@ def quantised(family: str, size: str, args, work: Path, src: Path) -> Path:
         return requantised(f32, args.quant)
     from localmoe.testing import write_checkpoint
     from localmoe.testing.moe_gguf import write_moe_gguf
+    from localmoe.testing.planned import PlannedCheckpoint
 
     out = work / f"{family}-{size}-localmoe.{args.quant.upper()}.gguf"
     if not out.exists():
         hf = work / f"{family}-{size}"
+        planned = family != "kimi_k3"  # the tensors computed as the writer reads them, no shards on disk (K3's reads files)
         if not (hf / "config.json").exists():
-            write_checkpoint(family, hf, size, seed=0, progress=False)
-        write_moe_gguf(hf, out, args.quant)
+            write_checkpoint(family, hf, size, seed=0, progress=False, weights=not planned)
+        write_moe_gguf(hf, out, args.quant, ckpt=PlannedCheckpoint(family, size) if planned and not any(
+            hf.glob("*.safetensors")) else None)
     if args.writer == "requantised":  # through Q8_0: llama.cpp copies a tensor already of the target type as it is
         final = work / f"{family}-{size}-requantised.{args.quant.upper()}.gguf"
         if not final.exists():

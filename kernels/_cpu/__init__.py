@@ -49,7 +49,7 @@ HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS
            KERNELS / "_cpu" / "matrix.h", KERNELS / "mxfp4_moe" / "mxfp4_rows.h", KERNELS / "mxfp4_moe" / "mxfp4_q8.h",
            KERNELS / "mxfp4_moe" / "route.h",
            KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "ggml_gemv" / "ggml_rows.h",
-           KERNELS / "ggml_gemv" / "ggml_rows8_k.h",
+           KERNELS / "ggml_gemv" / "ggml_rows8_k.h", KERNELS / "ggml_gemv" / "ggml_rows8_q6k.h",
            KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h",
            KERNELS / "fp8_cache" / "cache_rows.h",
            KERNELS / "paged_io" / "xxhash.h")

@@ -199,7 +199,7 @@ inline __m256i q6_k_codes(const uint8_t* blk, int c) {
 
 // Rows against int8 x, for up to kTile tokens at once: each unit of a row (a block of 32, or a K-quant
 // super-block of 256) is decoded once into registers and applied to every token of the tile. Blocks of
-// 32 (Q6_K: see Q6KInt8, against x per 256), per token and block: an exact integer dot product in 8 int32 lanes, then acc = fma(float(dot),
+// 32 (the K-quants: rows8k / rows8q6k, against x per 256), per token and block: an exact integer dot product in 8 int32 lanes, then acc = fma(float(dot),
 // step_w * d_x, acc) in those lanes, and corr = fma(factor_w, d_x * sum(q_x), corr) (the factor
 // brings in Q4_0's -8, Q4_1's m, the K-quants' mins; corr's lanes are the tile's tokens); finally
 // y = hsum(acc) + corr. A token's operations do not depend on N or on the tokens beside it (a batched
@@ -283,8 +283,8 @@ inline __m256i madd_add(__m256i acc, __m256i p, __m256i s) {
 
 // Q6_K: the unsigned codes q (0..63) against x (vpmaddubsw: |pair| <= 2 * 63 * 127), the two 16-value halves
 // of a 32-value chunk get their int8 scales in one vpmaddwd (madd_add); the -32 comes in as 32 sum_i scale[i] sum(x_i)
-// over x's 16-value sums (llama.cpp's way); per token one int32 sum per super-block, one FMA by d_w d_x.
-// q6_k_unsigned4: the four chunks 4h .. 4h + 3 that share qh[32h ..] and ql[64h ..], with llama.cpp's masks (the high
+// over x's 16-value sums (llama.cpp's way); per token one int32 sum per super-block, one FMA by d_w d_x (the rows:
+// ggml_rows8_q6k.h). q6_k_unsigned4: the four chunks 4h .. 4h + 3 that share qh[32h ..] and ql[64h ..], with llama.cpp's masks (the high
 // bits masked in place, then shifted: 17 operations for four chunks where a shift per chunk took 21). One token keeps
 // two chains of integer sums (a single vpdpwssd chain waited on its latency; the sum is exact in any order): with both,
 // 1.2x from cache and 1.1x from memory (32768 x 1024, Zen 4), same bits.
@@ -299,49 +299,6 @@ inline void q6_k_unsigned4(const uint8_t* blk, int h, __m256i q[4]) {
   q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
                          _mm256_srli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
 }
-
-struct Q6KInt8 {
-  static constexpr int64_t kBytes = 210, kBlocks = 8;
-  template <int TN>
-  __attribute__((always_inline)) static void unit(const uint8_t* blk, const Tile& x, int64_t u, __m256* acc, __m256&) {
-    constexpr int kChains = TN == 1 ? 2 : 1;
-    const float d = half(blk + 208);
-    const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-    // scales 0-7 and 8-15 in both 128-bit lanes; chunk c takes scale 2c in its low lane, 2c + 1 in its high one
-    const __m256i lanes[2] = {_mm256_permute2x128_si256(scales16, scales16, 0x00),
-                              _mm256_permute2x128_si256(scales16, scales16, 0x11)};
-    __m256i sum[TN][kChains];
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {  // -32 sum_i scale[i] sum(x_i), exact in int32
-      const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].sums16));
-      sum[t][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(scales16, sums), 5));
-      for (int c = 1; c < kChains; ++c) sum[t][c] = _mm256_setzero_si256();
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256i q[4];
-      q6_k_unsigned4(blk, h, q);
-#pragma GCC unroll 4
-      for (int s = 0; s < 4; ++s) {
-        const int c = 4 * h + s;
-        const char a = static_cast<char>(4 * c % 16), b = static_cast<char>((4 * c + 2) % 16);  // words 2c, 2c + 1
-        const __m256i scale = _mm256_shuffle_epi8(lanes[h], _mm256_setr_epi8(
-            a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
-            b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1));
-#pragma GCC unroll 8
-        for (int t = 0; t < TN; ++t) {
-          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.k[t][u].q + 32 * c));
-          sum[t][c % kChains] = madd_add(sum[t][c % kChains], _mm256_maddubs_epi16(q[s], xq), scale);
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {
-      for (int c = 1; c < kChains; ++c) sum[t][0] = _mm256_add_epi32(sum[t][0], sum[t][c]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t][0]), _mm256_set1_ps(d * x.k[t][u].d), acc[t]);
-    }
-  }
-};
 
 // One token's Q4_K / Q5_K rows from memory (group8_qk_one): each row's bytes are fetched kAheadRows rows before they are
 // read (into L1; past the matrix's end they fetch bytes no one reads, which cannot fault). The hardware prefetcher alone
@@ -410,7 +367,7 @@ struct NoWide {
 // transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K / Q5_K: rows8k, ggml_rows8_k.h.)
 inline bool has_rows8(int type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K;
+         type == kQ5_K || type == kQ6_K;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -696,6 +653,7 @@ struct Rows8 {
 }  // namespace localmoe_ggml
 
 #include "ggml_rows8_k.h"  // Q4_K and Q5_K eight rows at a time (rows8k)
+#include "ggml_rows8_q6k.h"  // Q6_K eight rows at a time (rows8q6k)
 
 namespace localmoe_ggml {
 
@@ -714,7 +672,7 @@ inline void dot_tokens_int8(const uint8_t* row, int64_t units, const Tile& x, fl
 // Rows r0..r1 of W (rows of row_bytes) against ONE token of int8 x, into y[r0..r1), one row at a time. (Pairing
 // rows to overlap two FMA chains paid while K-quant rows did eight dependent FMAs per super-block; with one FMA
 // per super-block (integer scale products) pairing made Q4_K / Q5_K 2x and Q6_K ~8x slower, measured on Zen 4.)
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: rows8, eight rows at a time; Q4_K / Q5_K: rows8k; Q6_K one row at a time.)
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: rows8, eight rows at a time; Q4_K / Q5_K: rows8k; Q6_K: rows8q6k.)
 template <class U>
 struct Rows8Type {
   static constexpr int kType = -1;
@@ -730,7 +688,7 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   constexpr int T = Rows8Type<U>::kType;
   if constexpr (T >= 0) {
     rows_fixed<Rows8<T>, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
-  } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5>) {  // Q4_K / Q5_K: rows8k
+  } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5> || std::is_same_v<U, Rows8K6>) {  // K-quants
     rows_fixed<U, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
@@ -1213,7 +1171,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ5_1 ? rows_grouped<Rows8<kQ5_1>>
          : type == kQ4_K ? rows_grouped<Rows8K>
          : type == kQ5_K ? rows_grouped<Rows8K5>
-         : type == kQ6_K ? rows_int8<Q6KInt8>
+         : type == kQ6_K ? rows_grouped<Rows8K6>
                          : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
   if (has_rows8(type)) chunk = (chunk + 15) / 16 * 16;  // whole groups of sixteen rows (Q8_0 on fp32 / int16 x too)

@@ -392,8 +392,9 @@ def _hf_tensors(ckpt, arch: Arch, config: dict) -> list[tuple[str, Callable[[], 
     return out
 
 
-def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> Path:
-    """Write the generated checkpoint `src` as llama.cpp's GGUF of its family, in `types` (module doc)."""
+def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0, ckpt=None) -> Path:
+    """Write the generated checkpoint `src` as llama.cpp's GGUF of its family, in `types` (module doc); `ckpt`: its
+    tensors from elsewhere (testing.planned.PlannedCheckpoint: `src` then holds config and tokenizer only; not K3)."""
     import gguf
 
     from localmoe.store.safetensors import SafetensorsCheckpoint
@@ -405,7 +406,7 @@ def write_moe_gguf(src: Path, dst: Path, types: str = "f32", seed: int = 0) -> P
         return write_k3_gguf(src, dst, types, seed)
     arch = ARCHS[config["model_type"]]
     config = config.get("text_config", config)  # glm5_next: the text model's fields
-    ckpt = SafetensorsCheckpoint(src)
+    ckpt = SafetensorsCheckpoint(src) if ckpt is None else ckpt
     rng = np.random.default_rng(seed)
     tmp = dst.with_name(dst.name + ".partial")
     w = gguf.GGUFWriter(tmp, arch.name)

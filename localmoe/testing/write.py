@@ -29,19 +29,20 @@ def plan_checkpoint(family: str, size: str = "tiny", *, shard_bytes: int | None 
 
 
 def write_checkpoint(family: str, path: str | os.PathLike, size: str = "tiny", seed: int = 0, *,
-                     shard_bytes: int | None | str = "default", progress: bool = False) -> Path:
+                     shard_bytes: int | None | str = "default", progress: bool = False, weights: bool = True) -> Path:
     """Write a random checkpoint of `family` in its real Hugging Face layout to `path`.
 
     Deterministic: the same (family, size, seed, shard_bytes) gives byte-identical files.
     Weights stream to disk (one chunk in memory at a time); config.json is written last,
     so a directory that has one is complete. Stale `model*.safetensors` files of an
-    earlier write into the same directory are removed. Returns the directory.
+    earlier write into the same directory are removed. Returns the directory. `weights=False` writes everything but
+    the shards (config, tokenizer: for testing.planned.PlannedCheckpoint, which computes the tensors instead).
     """
     plan = plan_checkpoint(family, size, shard_bytes=shard_bytes)
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").unlink(missing_ok=True)
-    keep = set(plan.shard_names) | ({"model.safetensors.index.json"} if len(plan.shards) > 1 else set())
+    keep = set(plan.shard_names) | ({"model.safetensors.index.json"} if len(plan.shards) > 1 else set()) if weights else set()
     for stale in directory.iterdir():
         if _OURS.match(stale.name) and stale.name not in keep:
             stale.unlink()
@@ -49,11 +50,11 @@ def write_checkpoint(family: str, path: str | os.PathLike, size: str = "tiny", s
     specs = {t.name: t for t in plan.tensors}
     with tqdm(total=plan.total_bytes, unit="B", unit_scale=True, disable=not progress,
               desc=f"{family} {size}") as bar:
-        for name, shard in zip(plan.shard_names, plan.shards):
+        for name, shard in zip(plan.shard_names, plan.shards) if weights else ():
             write_safetensors(directory / name, [t.entry for t in shard],
                               lambda e: tensor_chunks(seed, e.name, e.dtype, e.shape, specs[e.name].init),
                               metadata={"format": "pt"}, on_bytes=bar.update)
-    if len(plan.shards) > 1:
+    if len(plan.shards) > 1 and weights:
         index = {"metadata": {"total_size": plan.total_bytes}, "weight_map": dict(sorted(plan.weight_map().items()))}
         _write_json(directory / "model.safetensors.index.json", index)
 

@@ -250,5 +250,9 @@ def test_k_quant_model_from_its_blocks_matches_transformers(monkeypatch):
     op_by_op = decode()
     span = expected.amax(-1, keepdim=True) - expected.amin(-1, keepdim=True)
     for got in (planned, op_by_op):
-        assert ((got - expected).abs() / span).max() < 1e-5  # measured 2.2e-7; unrounded inputs: 8.4e-2
+        err = ((got - expected).abs() / span).amax(-1).flatten()  # per decoded position
+        # An input value within fp32 noise of an int8 rounding boundary may round the other way than in the float64
+        # reference: one step of one value at that position (since session 9's Q6_K chain, 1.0e-5 and 7.5e-6 at 2 of the
+        # 8 positions, both paths alike; 0.7-2.2e-7 at the others). Unrounded inputs: 8.4e-2.
+        assert err.max() < 5e-5 and int((err < 1e-6).sum()) >= 6, err
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
