@@ -74,6 +74,7 @@ RECENT = 9  # a row count's step time is the median of its last RECENT steps (a 
 # outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
+SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -155,6 +156,7 @@ class Speculator:
         self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
+        self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
     @property
     def acceptance(self) -> float:
@@ -194,6 +196,9 @@ class Speculator:
     def choose_k(self) -> int:
         """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays);
         sets `least` (`least_match()`) for a drafter with match lengths."""
+        if self.stats.steps < self._fast_until:  # nothing changed since the last full pass (`_settle`)
+            self.least = self._fast_least
+            return self._fast_k
         self.least = 1
         if self.residency is not None:
             self._counters = self.residency.counters()
@@ -215,7 +220,18 @@ class Speculator:
             self.least = self._least_due()
         if best == 0 and any(self._due(b) for b in self._classes):
             return 1  # a try is due: one draft (`fit` keeps it if its class is the one due)
+        if self.free and self.matches:
+            self._settle(best)
         return best
+
+    def _settle(self, best: int) -> None:
+        """Let the next steps skip choose_k's pricing while nothing it depends on changes: until the first step at
+        which a class's try falls due (`_due`), SETTLE steps at most (t(1) is checked for REPRICE that often), and
+        not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
+        reads then (choose_k runs on every step of a speculating sequence)."""
+        due = min(self._tried[b] + min(self._spacing * self._backoff[b], PROBE_MAX) for b in range(1, BUCKETS))
+        self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
+        self._fast_k, self._fast_least = best, self.least
 
     def _t1(self) -> float:
         """t(1): the median of the last plain steps (taken when read: `observe` only files a plain step)."""
@@ -358,6 +374,7 @@ class Speculator:
         self._probing = False
         if drafted or rows > 1:
             self._memo = None  # the acceptance or a verify's time changed: price the classes again
+            self._fast_until = 0.0
         if drafted:
             s.drafted_steps += 1
             s.drafted += drafted
