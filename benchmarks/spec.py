@@ -278,8 +278,8 @@ STORES = {
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
-    "gpt_oss_large": ("(b) gpt-oss large (12 layers x 128 MXFP4 experts, top-4; random weights)", ("prompt", "draft"),
-                      False),
+    "gpt_oss_large": ("(b) gpt-oss large (12 layers x 128 MXFP4 experts, top-4; random weights)",
+                      ("prompt", "prompt-blind", "draft"), False),
 }
 
 
