@@ -278,6 +278,8 @@ STORES = {
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
+    "gpt_oss_large": ("(b) gpt-oss large (12 layers x 128 MXFP4 experts, top-4; random weights)",
+                      ("prompt", "prompt-blind", "draft"), False),
 }
 
 
@@ -323,6 +325,12 @@ def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
     from localmoe.testing import write_checkpoint
 
     src, store, draft = work / f"{family}_small", work / f"{family}_small.lmoe", work / f"{family}_tiny"
+    if family == "gpt_oss_large":  # 10.8 GB + its store: written by `python -m localmoe.testing gpt_oss DIR --size
+        # large` and converted beforehand (work/gpt_oss-large{,.lmoe}); its draft model the `small` (same tokenizer)
+        src, store, draft = work / "gpt_oss-large", work / "gpt_oss-large.lmoe", work / "gpt_oss_small"
+        if not (store / "manifest.json").exists() or not (draft / "config.json").exists():
+            raise SystemExit(f"gpt_oss_large needs {store} (converted) and {draft} (the `small`, any seed) under --work")
+        return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
     if family == "smollm_moe":
         src, store = work / family, work / f"{family}.lmoe"
     if family == "smollm_moe" and not (src / "config.json").exists():
@@ -369,7 +377,8 @@ def main() -> None:
     ap.add_argument("--paged", action="store_true", help="also (b), the paged gpt-oss store")
     ap.add_argument("--paged-only", action="store_true", help="(b) only")
     ap.add_argument("--stores", default="gpt_oss", help="the paged stores of --paged / --paged-only, comma-separated: "
-                    "gpt_oss (b), kimi_k3 (c), deepseek_v32 (with an MTP layer: --spec mtp)")
+                    "gpt_oss (b), kimi_k3 (c), deepseek_v32 (with an MTP layer: --spec mtp), smollm_moe (b'), "
+                    "gpt_oss_large (b, generated beforehand)")
     ap.add_argument("--steps", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tasks", default=",".join(TASKS), help="the prompts, comma-separated")
     ap.add_argument("--record", default="", help=argparse.SUPPRESS)

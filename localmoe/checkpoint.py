@@ -56,7 +56,8 @@ class Checkpoint:
         return names if not self.spec.nextn_layers else [n for n in names if self._nextn(n) is None]
 
     def nextn_tensor_names(self, index: int | None = None) -> list[str]:
-        """The stored tensors of MTP layer `index` (None: of every MTP layer); a store keeps them all dense."""
+        """The stored tensors of MTP layer `index` (None: of every MTP layer); a store's dense ones (its routed
+        experts are extents of layer num_layers + index, where `convert` wrote them so)."""
         if not self.spec.nextn_layers:
             return []
         return [n for n in self._stored_names() if (k := self._nextn(n)) is not None and index in (None, k)]

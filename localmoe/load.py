@@ -262,11 +262,15 @@ def _with_layer(spec: ModelSpec, kinds: tuple[str, str]) -> ModelSpec:
 
 def load_nextn(loaded: LoadedModel, index: int = 0):
     """MTP / next-n layer `index` of `loaded`'s checkpoint (engine/nextn.py `NextN`, on the model): read only
-    when asked for (`--spec mtp`), every tensor renamed and shape-checked like the model's."""
+    when asked for (`--spec mtp`), every tensor renamed and shape-checked like the model's. From a packed store
+    that holds the layer's routed experts as extents (layer num_layers + index, as `convert` writes them), they
+    come through the model's own expert provider (the pager: its budget, policy and reads, the layer's requests
+    told to it as any layer's), not into memory."""
     from localmoe.engine import nextn
     from localmoe.models.base import NEXTN_GGUF, NEXTN_TENSORS
 
     spec = loaded.spec
+    paged = False  # the layer's routed experts are extents of the store
     if index >= spec.nextn_layers:
         raise LocalMoEError(f"{loaded.source}: the checkpoint declares {spec.nextn_layers} multi-token-prediction "
                             f"layer(s) (num_nextn_predict_layers), not {index + 1}")
@@ -285,6 +289,7 @@ def load_nextn(loaded: LoadedModel, index: int = 0):
                                                       "checkpoint again)" if ckpt.kind == "store" else ""))
         read = ckpt.reader.tensor if ckpt.kind == "hf" else _ggml_reader(ckpt, False)
         own = NEXTN_GGUF if gguf else NEXTN_TENSORS
+        paged = ckpt.kind == "store" and layer in ckpt.reader.layers()
         weights = Weights()
         for name in names:
             try:
@@ -302,6 +307,8 @@ def load_nextn(loaded: LoadedModel, index: int = 0):
     finally:
         ckpt.close()
     expected = nextn.tensors(spec, index)
+    if paged:
+        expected = {name: shape for name, shape in expected.items() if not ROUTED_EXPERTS.search(name)}
     head = f"layers.{layer}.{nextn.OWN_HEAD}"
     for canonical in weights.keys() - expected.keys() - {head}:
         raise CheckpointError(f"{ckpt.path}: tensor {canonical!r} is not used by an MTP layer of {spec.model_type}")
@@ -311,4 +318,20 @@ def load_nextn(loaded: LoadedModel, index: int = 0):
         if weights.shape(canonical) != shape:
             raise CheckpointError(f"{ckpt.path}: tensor {canonical!r} has shape {weights.shape(canonical)}, "
                                   f"expected {shape} from the model config")
-    return nextn.NextN(loaded.model, weights, index)
+    if not paged:
+        return nextn.NextN(loaded.model, weights, index)
+    provider = loaded.model.moe_blocks()[0].experts  # the store's (loaded from the same store)
+    head = nextn.NextN(loaded.model, weights, index, experts=provider)
+    _page_hints(head, loaded.model, provider, layer)
+    return head
+
+
+def _page_hints(head, model, provider, layer: int) -> None:
+    """Where the model's routers tell its pager their choices (paging.hooks.attach), the MTP layer's does too:
+    its experts' loads start together, and the policy sees the layer as any other (no lookahead guesses: its
+    input depends on the token it is given)."""
+    from localmoe.paging.hooks import PagedRouter
+
+    router = model.moe_blocks()[0].router
+    if isinstance(router, PagedRouter) and router.pager is provider and hasattr(head.mlp, "router"):
+        head.mlp.router = PagedRouter(head.mlp.router, layer, provider)

@@ -1,5 +1,6 @@
 """Routed experts for `localmoe convert`: which checkpoint tensors hold one expert, and the
-parts of its extent.
+parts of its extent. A checkpoint's next-n (MTP) layers (`ModelSpec.nextn_layers`, after the model's) are
+MoE layers here too: their experts become extents like any layer's.
 
 Parts, in extent order, for each projection P of gate, up, down:
 - MXFP4 (`--experts mxfp4`; always for MXFP4 sources): `P.packed` U8 [out, in/2] and
@@ -42,7 +43,7 @@ class ExpertSource:
             raise CheckpointError(f"--experts must be one of {', '.join(EXPERT_MODES)}, not {mode!r}")
         self.source, self.mode = source, mode
         self.decl = source.family.gguf_experts if source.kind == "gguf" else source.family.experts
-        self.layers = source.spec.moe_layers() if self.decl is not None else []
+        self.layers = source.spec.moe_layers() + self._nextn_layers() if self.decl is not None else []
         self.num_experts = source.spec.num_experts
         self.mxfp4_source = self.decl is not None and self.decl.format not in ("bf16", "bf16_fused", "ggml")
         floats = self.decl is None or self.decl.format != "ggml" or any(
@@ -60,6 +61,16 @@ class ExpertSource:
                             raise CheckpointError(f"{source.path}: stacked expert tensor {name!r} has shape "
                                                   f"{list(ref.shape)}; config.json says {self.num_experts} experts")
                         self.names.add(name)
+
+    def _nextn_layers(self) -> list[int]:
+        """The next-n (MTP) layers after the model's whose routed experts the source holds (`--spec mtp` pages
+        them like any layer's; a checkpoint shipped without its MTP tensors has none)."""
+        spec = self.source.spec
+        if not spec.num_experts:
+            return []
+        layers = range(spec.num_layers, spec.num_layers + spec.nextn_layers)
+        first = next(iter(self.decl.patterns))
+        return [layer for layer in layers if all(n in self.source.tensors for n in self.decl.tensor_names(layer, 0, first))]
 
     def _all_names(self) -> list[str]:
         return [n for layer in self.layers for names in self._names(layer, 0).values() for n in names]

@@ -49,9 +49,10 @@ def tensors(spec: ModelSpec, index: int = 0) -> dict[str, tuple[int, ...]]:
 
 class NextN:
     """MTP layer `index` of `target` (a Transformer), from its canonical `weights` (`tensors` names, plus
-    `shared_head.head.weight` where the checkpoint has one)."""
+    `shared_head.head.weight` where the checkpoint has one); its routed experts from `experts` (an
+    ExpertProvider: a packed store's, layer num_layers + index) where given, else from `weights`."""
 
-    def __init__(self, target, weights: dict, index: int = 0):
+    def __init__(self, target, weights: dict, index: int = 0, experts=None):
         spec, config = target.spec, target.config
         device, dtype = target.device, config.dtype
         p = f"layers.{spec.num_layers + index}."
@@ -69,6 +70,8 @@ class NextN:
         self.mlp = MLPS[ffn].build(layer_config(spec, ffn), weights, p, device, dtype)
         if isinstance(self.mlp, moe.MoEBlock):
             self.mlp.precision = config.expert_kernel_precision
+            if experts is not None:  # the routed experts from a provider (a packed store's pager), not `weights`
+                self.mlp.experts = experts
         own = weights.get(p + OWN_HEAD)
         self.own_head = own is not None
         self.head = make_linear([on_device(own, device)], None, dtype) if self.own_head else target.lm_head

@@ -6,7 +6,8 @@
   same vocabulary and ids, else an error naming both); each sequence gets its own draft cache;
 - `mtp`: the checkpoint's next-n prediction layer (DeepSeek-V3 / V3.2, GLM-4.5: `num_nextn_predict_layers`;
   engine/nextn.py, engine/spec/mtp.py), loaded only then; each sequence gets its own small cache of it.
-  HF checkpoints, stores converted from them, and GGUF files (llama.cpp's `blk.{L}.nextn.*`). A checkpoint
+  HF checkpoints, stores converted from them (the layer's routed experts as extents, read through the store's
+  pager like any layer's), and GGUF files (llama.cpp's `blk.{L}.nextn.*`). A checkpoint
   without one (Kimi K3: 0), or one whose layer localmoe does not read (Qwen3-Next's `mtp.*`, a store
   converted from a GGUF), says so and runs without speculation;
 - `off`.

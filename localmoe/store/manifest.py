@@ -131,7 +131,18 @@ class Manifest:
         layers = [_layer_record(r, f"experts[{i}]", layouts, bad) for i, r in enumerate(doc["experts"])]
         if len({r.layer for r in layers}) != len(layers):
             raise bad("a layer appears twice in 'experts'")
+        limit = _layer_limit(doc["model_spec"])
+        if limit is not None and any(r.layer >= limit for r in layers):
+            raise bad(f"'experts' lists layer {max(r.layer for r in layers)}, past the model's layers and its "
+                      f"next-n (MTP) layers ({limit})")
         return cls(doc["model_spec"], files, shards, layouts, layers)
+
+
+def _layer_limit(model_spec: dict) -> int | None:
+    """Expert layers a store may hold: the model's (`num_layers`) and, after them, its next-n (MTP) layers
+    (`nextn_layers`); None where the spec does not say (its own checks are checkpoint.store_spec's)."""
+    layers, nextn = model_spec.get("num_layers"), model_spec.get("nextn_layers", 0)
+    return layers + nextn if type(layers) is int and type(nextn) is int else None
 
 
 def _pretty(obj: object, pad: str = "") -> str:

@@ -271,9 +271,12 @@ class PackedStoreWriter:
         self.finish_layer()
         p = self._progress
         layers = [p.layers[layer] for layer in sorted(p.layers)]
-        beyond = [r.layer for r in layers if r.layer >= self._spec.num_layers]
+        # a checkpoint's next-n (MTP) layers follow the model's (`ModelSpec.nextn_layers`): their experts too
+        limit = self._spec.num_layers + self._spec.nextn_layers
+        beyond = [r.layer for r in layers if r.layer >= limit]
         if beyond:
-            raise ValueError(f"experts of layers {beyond} are past the model's {self._spec.num_layers} layers")
+            raise ValueError(f"experts of layers {beyond} are past the model's {self._spec.num_layers} layers "
+                             f"and {self._spec.nextn_layers} MTP layer(s)")
         used = {r.layout for r in layers}
         manifest = Manifest(self._spec.to_dict(), [p.files[n] for n in sorted(p.files)], p.dense_shards,
                             {n: lay for n, lay in p.layouts.items() if n in used}, layers)

@@ -4,7 +4,8 @@
 - the layer's logits against a float64 re-derivation of DeepSeek-V3's MTP formula, whose decoder layer is
   transformers' own (transformers runs no MTP layer: its DeepSeek and GLM classes skip those tensors);
 - greedy decoding with `--spec mtp` equals greedy decoding without, token for token, resident and from a
-  packed store (whose converter now keeps the MTP layer, dense), and from a GLM-4.5 GGUF (its `nextn` block);
+  packed store (whose converter keeps the MTP layer: its routed experts as extents, paged like any layer's at
+  25% with the layer's logits bit for bit the resident ones), and from a GLM-4.5 GGUF (its `nextn` block);
 - the drafter's cache after many verify steps (rejected drafts rolled back, chained entries trimmed) gives
   the draft distribution a fresh drafter gives after one prefill of the same history.
 """
@@ -123,6 +124,54 @@ def test_mtp_greedy_equals_plain(models, where):
     assert got == want
     assert spec.stats.drafted > 0, "the MTP drafter never drafted: no verify was exercised"
     assert dec.speculator.drafter.cache.offset == len(dec.in_cache) - 1 - len(dec.ahead) or dec.ahead
+
+
+def _paged(store, share: int = 4):
+    """The store loaded with a pager over 1/`share` of its expert bytes (the MTP layer's included)."""
+    from localmoe.config import PagingConfig
+    from localmoe.paging import expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    with PackedStore(store) as packed:
+        slot = max(packed.layout(layer).slot_bytes for layer in packed.layers())
+        budget = max(1, expert_bytes(packed) // share // slot) * slot
+    config = EngineConfig(dtype="float32", threads=1, expert_precision="exact",
+                          paging=PagingConfig(ram_budget=budget, policy="lfru", io="odirect", timeout=10))
+    return load_model(store, config, progress=False)
+
+
+def test_the_store_keeps_the_mtp_experts_as_extents_and_pages_them(models):
+    """`convert` writes the MTP layer's routed experts as extents of layer num_layers (not dense); `--spec mtp`
+    over a store paged at 25% reads them through the model's pager (its routing told to the pager as any
+    layer's), and the layer's logits equal the resident checkpoint's bit for bit; greedy decoding with the
+    paged MTP drafter equals plain greedy decoding, paged and resident."""
+    from localmoe.paging import Pager
+    from localmoe.paging.hooks import PagedRouter
+    from localmoe.store.packed import PackedStore
+
+    resident, stored = models
+    L = resident.spec.num_layers
+    with PackedStore(stored.source) as packed:
+        assert L in packed.layers() and len(packed.experts_in(L)) == resident.spec.num_experts
+        assert not [n for n in packed.dense_names() if f"layers.{L}.mlp.experts." in n]
+        assert not packed.verify()
+    paged = _paged(stored.source)
+    head, reference = load_nextn(paged), load_nextn(resident)
+    pager = head.mlp.experts
+    assert isinstance(pager, Pager) and isinstance(head.mlp.router, PagedRouter)
+    tokens, hidden = random_tokens(12, 4, resident.spec.vocab_size)[0], torch.randn(12, resident.spec.hidden_size)
+    for T in (12, 1):
+        got = head.forward(tokens[:T], hidden[:T], head.new_cache(16))[0]
+        want = reference.forward(tokens[:T], hidden[:T], reference.new_cache(16))[0]
+        assert torch.equal(got, want), f"paged MTP logits differ from resident ones at T={T}"
+    assert any(layer == L for layer, _ in pager.where), "the MTP layer's experts never went through the pager"
+    prompt = prompt_for(paged.model)
+    want, _ = run(resident.model, prompt)
+    assert run(paged.model, prompt)[0] == want
+    spec = Speculator(MTPDrafter(head), k=3, adaptive=False)
+    assert run(paged.model, prompt, speculator=spec)[0] == want
+    assert spec.stats.drafted > 0
+    pager.close()
 
 
 class Recording:

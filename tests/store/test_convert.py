@@ -115,8 +115,8 @@ def test_dense_tensors_files_and_spec_are_copied_unchanged(tiny, family):
     assert bool(mtp) == bool(opened.spec.nextn_layers) and all(".layers.3." in n for n in mtp)
     opened.close()
     with SafetensorsCheckpoint(src) as ckpt, PackedStore(dst) as store:
-        # the MTP layer is kept, its experts as dense tensors (read only for --spec mtp)
-        dense = [n for n in ckpt.keys() if not expert.match(n) or n in mtp]  # noqa: SIM118 - keys() is a method
+        # the MTP layer is kept (read only for --spec mtp), its routed experts as extents like any layer's
+        dense = [n for n in ckpt.keys() if not expert.match(n)]  # noqa: SIM118 - keys() is a method
         assert sorted(store.dense_names()) == sorted(dense)
         for name in dense:
             assert _same(store.dense(name), ckpt.tensor(name)), name
@@ -125,7 +125,7 @@ def test_dense_tensors_files_and_spec_are_copied_unchanged(tiny, family):
                 assert store.file(role).read_bytes() == (src / name).read_bytes(), name
         spec = store_spec(store)
         assert spec == family_for_model_type(_config(src)["model_type"]).spec_from_hf(_config(src))
-        assert store.layers() == spec.moe_layers()
+        assert store.layers() == spec.moe_layers() + [spec.num_layers + k for k in range(spec.nextn_layers)]
         assert all(store.experts_in(layer) == list(range(spec.num_experts)) for layer in store.layers())
         assert store.verify() == []
 

@@ -395,6 +395,35 @@ def test_writer_rejects_experts_that_do_not_fit_the_layer(tmp_path):
     w.abandon()
 
 
+def test_next_n_layers_hold_experts_past_the_models_layers(tmp_path):
+    """A checkpoint's MTP layers follow its num_layers (ModelSpec.nextn_layers): the writer and the manifest take
+    their experts as extents (layer 4 of a 4-layer model with one MTP layer), and refuse layers past them."""
+    import dataclasses
+
+    w = PackedStoreWriter(tmp_path / "mtp.lmoe")
+    w.set_spec(dataclasses.replace(SPEC, nextn_layers=1))
+    for e in range(2):
+        w.add_expert(4, e, expert_tensors(1, e))
+    with PackedStore(w.finish()) as store:
+        assert store.layers() == [4] and store.experts_in(4) == [0, 1]
+        assert not store.verify()
+        x = store.expert_extent(4, 1)
+    _flip(x.path, x.offset + 3)
+    with PackedStore(tmp_path / "mtp.lmoe") as store:
+        assert [(p.layer, p.expert) for p in store.verify()] == [(4, 1)]
+    manifest = tmp_path / "mtp.lmoe" / MANIFEST
+    doc = json.loads(manifest.read_text())
+    doc["model_spec"]["nextn_layers"] = 0
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="lists layer 4, past the model's layers"):
+        PackedStore(tmp_path / "mtp.lmoe")
+    w = PackedStoreWriter(tmp_path / "beyond.lmoe")
+    w.set_spec(dataclasses.replace(SPEC, nextn_layers=1))
+    w.add_expert(5, 0, expert_tensors(1, 0))
+    with pytest.raises(ValueError, match=r"experts of layers \[5\] are past the model's 4 layers and 1 MTP"):
+        w.finish()
+
+
 def test_extra_files_are_copied_and_found_by_role(tmp_path):
     src = tmp_path / "tokenizer.json"
     src.write_bytes(b'{"added_tokens": []}' * 5000)

@@ -86,7 +86,10 @@ class PromptLookup:
     def _update(self, history: Sequence[int]) -> None:
         history = history if isinstance(history, list) else list(history)
         n_seen = len(self._seen)
-        if len(history) < n_seen or history[:n_seen] != self._seen:  # another sequence (or a rewound one): afresh
+        # the same sequence grows at its end (a rewind drops kept drafts there): its last tokens seen tell (an O(n)
+        # comparison of the whole would cost more than the rest of the lookup); any other history: afresh
+        tail = max(0, n_seen - TAIL)
+        if len(history) < n_seen or history[tail:n_seen] != self._seen[tail:]:
             self._index.clear()
             self._keys, self._at, self._seen, n_seen = [], [], [], 0
         for at in range(n_seen, len(history)):
@@ -163,6 +166,7 @@ _SPACE = re.compile(r"\s+")
 ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
 LONGEST = 32  # a match is extended backwards this far at most
 CANDIDATES = 16  # earlier occurrences of the last min_ngram tokens tried, most recent first
+TAIL = 16  # the last tokens of the history indexed that must be unchanged to keep the index
 
 
 def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:

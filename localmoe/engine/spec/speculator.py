@@ -74,6 +74,7 @@ RECENT = 9  # a row count's step time is the median of its last RECENT steps (a 
 # outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
+SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -152,6 +153,10 @@ class Speculator:
         self._classes = range(BUCKETS)  # the classes drafts may come in
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
+        self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
+        self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
+        self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
+        self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
     @property
     def acceptance(self) -> float:
@@ -189,7 +194,12 @@ class Speculator:
             self.residency.watch(cache)
 
     def choose_k(self) -> int:
-        """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays)."""
+        """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays);
+        sets `least` (`least_match()`) for a drafter with match lengths."""
+        if self.stats.steps < self._fast_until:  # nothing changed since the last full pass (`_settle`)
+            self.least = self._fast_least
+            return self._fast_k
+        self.least = 1
         if self.residency is not None:
             self._counters = self.residency.counters()
         if not self.adaptive:
@@ -206,14 +216,35 @@ class Speculator:
                 self.retired = True
                 if self.residency is not None:
                     self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
+        if self.matches:
+            self.least = self._least_due()
         if best == 0 and any(self._due(b) for b in self._classes):
             return 1  # a try is due: one draft (`fit` keeps it if its class is the one due)
+        if self.free and self.matches:
+            self._settle(best)
         return best
+
+    def _settle(self, best: int) -> None:
+        """Let the next steps skip choose_k's pricing while nothing it depends on changes: until the first step at
+        which a class's try falls due (`_due`), SETTLE steps at most (t(1) is checked for REPRICE that often), and
+        not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
+        reads then (choose_k runs on every step of a speculating sequence)."""
+        due = min(self._tried[b] + min(self._spacing * self._backoff[b], PROBE_MAX) for b in range(1, BUCKETS))
+        self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
+        self._fast_k, self._fast_least = best, self.least
+
+    def _t1(self) -> float:
+        """t(1): the median of the last plain steps (taken when read: `observe` only files a plain step)."""
+        if self._dirty:
+            self._dirty = False
+            recent = self._recent[1]
+            self.step_seconds[1] = sorted(recent)[len(recent) // 2]
+        return self.step_seconds[1]
 
     def _priced_classes(self) -> list[tuple[int, float]]:
         """`_best` of each confidence class (bucket()), priced again only once a verify ran (acceptance, row
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
-        one = self.step_seconds[1]
+        one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
             self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
             self._memo_t1 = one
@@ -235,14 +266,25 @@ class Speculator:
         if not self.adaptive or 1 not in self.step_seconds or self.residency is not None:
             return 1
         self._priced_classes()
-        least = next((b for b in range(1, self._least) if self._due(b)), self._least)  # a class due for a try
+        return self._least_due()
+
+    def _least_due(self) -> int:
+        """`least_match` once the classes are priced."""
+        if self.residency is not None:
+            return 1
+        least = self._least
+        since = self.stats.steps
+        for b in range(1, least):  # a class due for a try (`_due`, inlined: this runs every step)
+            if since - self._tried[b] >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6:
+                least = b
+                break
         return 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
 
     def _measuring(self) -> bool:
         """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
         a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
         kept), and it retires where drafting does not pay."""
-        return not getattr(self.drafter, "matches", False) and all(r < 2 for r in self.step_seconds)
+        return not self.matches and all(r < 2 for r in self.step_seconds)
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
@@ -319,6 +361,12 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
+        if not drafted and rows == 1 and self.residency is None and self._samples.get(1, 0) >= 2:
+            self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
+            recent = self._recent[1]
+            recent.append(seconds)
+            self._dirty = True  # its median is taken when read (`_t1`)
+            return
         if drafted:
             self._tried[confidence] = s.steps
             if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
@@ -326,6 +374,7 @@ class Speculator:
         self._probing = False
         if drafted or rows > 1:
             self._memo = None  # the acceptance or a verify's time changed: price the classes again
+            self._fast_until = 0.0
         if drafted:
             s.drafted_steps += 1
             s.drafted += drafted

@@ -72,15 +72,22 @@ def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor
     return torch.cat(out)
 
 
+NO_DRAFT = Draft([])  # (never changed: `Draft.first` of it is itself)
+
+
 def _propose(dec) -> Draft:
+    """The sequence's draft this step (none where its speculator declines). It runs on every step of a speculating
+    sequence, drafting or not: its cost is what declining costs (a few calls; the lookup itself is the drafter's)."""
     spec = dec.speculator
     k = min(spec.choose_k(), dec.room, K_MAX)
     if k <= 0:
-        return Draft([])
+        return NO_DRAFT
     history = dec.in_cache + dec.pending
-    # a drafter with match lengths is told the shortest match worth a draft (it skips building shorter ones')
-    extra = {"least": spec.least_match()} if getattr(spec.drafter, "matches", False) else {}
-    return spec.fit(spec.drafter.propose(history, k, dec.params, dec.generator, **extra).first(k))
+    if spec.matches:  # the drafter is told the shortest match worth a draft (it builds no shorter one's)
+        draft = spec.drafter.propose(history, k, dec.params, dec.generator, least=spec.least)
+    else:
+        draft = spec.drafter.propose(history, k, dec.params, dec.generator)
+    return spec.fit(draft.first(k)) if draft.tokens else draft
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
@@ -112,21 +119,22 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
             d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
             d.speculator.clock = step_clock(model)
     clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
-    for d, s in zip(decoders, spec):
-        began = clock()
+    began = clock()
+    for d, s in zip(decoders, spec):  # each clock reading ends one's drafting and starts the next's
         drafts.append(_propose(d) if s else None)
-        drafting.append(clock() - began)
+        now = clock()
+        drafting.append(now - began)
+        began = now
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
             not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
         # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
-        started = clock()
         results = plain_step(decoders, fused, chunks)
-        seconds = clock() - started
-        for d, s, took in zip(decoders, spec, drafting):
+        seconds = clock() - began
+        for d, s in zip(decoders, spec):
             if s:
-                d.speculator.observe(0, 0, 1, seconds, 0, took)
+                d.speculator.observe(0, 0, 1, seconds)  # (a draft's time is priced only where it drafted)
         return results
-    started = clock()
+    started = began
     # a speculating sequence without a draft, where plain steps are fused: the fused step (module docstring)
     own = [s and fused and not drafts[n].tokens for n, s in enumerate(spec)]
     rows = [[d.pending[0]] + (draft.tokens if draft is not None else []) for d, draft in zip(decoders, drafts)]
