@@ -5,7 +5,9 @@ own `convert_hf_to_gguf.py` from the llama-cpp-python sdist (fetched with `pip d
 names an unpacked one; it needs the `gguf` package, and the test tokenizer's pre-tokenizer hash, unknown to
 the converter, is mapped to `gpt-2`: it only touches tokenizer metadata). localmoe runs the HF checkpoint,
 llama.cpp (llama-cpp-python) the GGUF: f32 dense weights in both (or bf16 with --dtype bf16), the same MXFP4
-experts, the same threads, greedy. The engines alternate in separate processes (benchmarks/alternate.py),
+experts, the same threads, greedy. The generated checkpoints are bf16, so their f32 values are exactly bf16: localmoe
+keeps such weights as bf16 (engine/linear.py `holds_bf16`, checked per tensor; the same bits in every product), and
+the roofline line gives each engine's own bytes per token. The engines alternate in separate processes (benchmarks/alternate.py),
 `--pairs` rounds; printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
 the fraction of the memory bandwidth (weight bytes read per decode token over a read bandwidth measured
 after every round) and how far the two engines' logits differ (max |diff| over the logit range; llama.cpp's
