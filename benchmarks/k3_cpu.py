@@ -5,7 +5,9 @@ own `convert_hf_to_gguf.py` from the llama-cpp-python sdist (fetched with `pip d
 names an unpacked one; it needs the `gguf` package, and the test tokenizer's pre-tokenizer hash, unknown to
 the converter, is mapped to `gpt-2`: it only touches tokenizer metadata). localmoe runs the HF checkpoint,
 llama.cpp (llama-cpp-python) the GGUF: f32 dense weights in both (or bf16 with --dtype bf16), the same MXFP4
-experts, the same threads, greedy. The engines alternate in separate processes (benchmarks/alternate.py),
+experts, the same threads, greedy. The generated checkpoints are bf16, so their f32 values are exactly bf16: localmoe
+keeps such weights as bf16 (engine/linear.py `holds_bf16`, checked per tensor; the same bits in every product), and
+the roofline line gives each engine's own bytes per token. The engines alternate in separate processes (benchmarks/alternate.py),
 `--pairs` rounds; printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
 the fraction of the memory bandwidth (weight bytes read per decode token over a read bandwidth measured
 after every round) and how far the two engines' logits differ (max |diff| over the logit range; llama.cpp's
@@ -106,11 +108,31 @@ def decode_bytes(model) -> int:
     return int(total + per_expert * sum(b.router.rule.top_k for b in blocks))
 
 
-def roofline(bytes_: int, ours: float, theirs: float, bandwidth: float) -> str:
-    """Decode rates (tokens/s) as fractions of the read roofline: `bytes_` per token at `bandwidth` bytes/s."""
-    return (f"{bytes_ / 1e6:.1f} MB of weights per decode token, read bandwidth {bandwidth / 1e9:.1f} GB/s "
+def gguf_decode_bytes(path: Path) -> int:
+    """Weight bytes one llama.cpp decode token reads from the GGUF: every tensor but the token embedding, the
+    stacked experts (`*_exps`) at expert_used_count of expert_count."""
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(path)
+
+    def field(key: str) -> int:
+        f = reader.fields[key]
+        return int(f.parts[f.data[0]][0])
+
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    share = field(f"{arch}.expert_used_count") / field(f"{arch}.expert_count")
+    return int(sum(t.n_bytes * (share if "_exps" in t.name else 1) for t in reader.tensors if t.name != "token_embd.weight"))
+
+
+def roofline(bytes_: int, ours: float, theirs: float, bandwidth: float, theirs_bytes: int | None = None) -> str:
+    """Decode rates (tokens/s) as fractions of the read roofline: each engine's bytes per token at `bandwidth`
+    bytes/s (`theirs_bytes`: llama.cpp's where they differ from localmoe's `bytes_`, e.g. where localmoe keeps
+    exactly-bf16 f32 weights as bf16)."""
+    theirs_bytes = theirs_bytes or bytes_
+    peer = "" if theirs_bytes == bytes_ else f" (llama.cpp {theirs_bytes / 1e6:.1f} MB)"
+    return (f"{bytes_ / 1e6:.1f} MB of weights per decode token{peer}, read bandwidth {bandwidth / 1e9:.1f} GB/s "
             f"(roofline {bandwidth / bytes_:.0f} tok/s): localmoe at {bytes_ * ours / bandwidth:.2f} of it, llama.cpp "
-            f"at {bytes_ * theirs / bandwidth:.2f}")
+            f"at {theirs_bytes * theirs / bandwidth:.2f} of its own")
 
 
 def localmoe_worker(args) -> None:
@@ -272,7 +294,8 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
           f"prefill {med['localmoe']['prefill']:.1f} vs {med['llama.cpp']['prefill']:.1f} tok/s, "
           f"{median_ratio([r['prefill'] for r in ours], [r['prefill'] for r in theirs]):.2f}x; localmoe prefill / "
           f"decode {med['localmoe']['prefill'] / med['localmoe']['decode']:.2f}")
-    print(f"  {roofline(bytes_, med['localmoe']['decode'], med['llama.cpp']['decode'], bw)}; localmoe decode path: "
+    print(f"  {roofline(bytes_, med['localmoe']['decode'], med['llama.cpp']['decode'], bw, gguf_decode_bytes(gguf))}; "
+          f"localmoe decode path: "
           f"{ours[0]['fused'] or 'op by op'}")
     twin = dequantized_twin(gguf, args)
     for label, paths, precision in (("MXFP4 weights, q8 expert activations (for information)", (hf, gguf), "q8"),

@@ -68,7 +68,7 @@ class Gqa(ctypes.Structure):
 
     _fields_ = [("qkv", Matrix), ("gate", Matrix), ("q_norm", _p), ("k_norm", _p), ("sinks", _p), ("kpool", _p),
                 ("vpool", _p), ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("rot", _i), ("head_stride", _i),
-                ("window", _i), ("scale", _f), ("eps", _f)]
+                ("window", _i), ("scale", _f), ("eps", _f), ("keys", CacheRows), ("values", CacheRows)]
 
 
 MIXERS = ("kda", "mla", "gdn", "gqa")  # hybrid_cpu.cpp HybridLayer.mixer
@@ -231,6 +231,16 @@ class HybridDecoder:
         """Layer i's (GQA) K/V pools [1, Hkv, capacity, D] fp32 (written in place)."""
         gqa = self.layers[i].gqa
         gqa.kpool, gqa.vpool, gqa.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
+        gqa.keys, gqa.values = CacheRows(), CacheRows()
+
+    def set_kv_rows(self, i: int, keys: CacheRows, values: CacheRows) -> None:
+        """Layer i's (GQA) K/V caches in their own dtype (kernels/fp8_cache `cache_rows`: Hkv heads of head_dim
+        values; bf16 / fp8, the token's rows written as the engine writes them)."""
+        gqa = self.layers[i].gqa
+        if not keys.heads == values.heads == gqa.kv_heads or not keys.dim == values.dim == gqa.head_dim:
+            raise ValueError(f"layer {i}: K/V caches of {keys.heads} x {keys.dim} values, not the layer's "
+                             f"{gqa.kv_heads} x {gqa.head_dim}")
+        gqa.keys, gqa.values = keys, values
 
     def set_rows(self, i: int, rows: CacheRows) -> None:
         """Layer i's latent cache (kernels/fp8_cache `cache_rows`: one head of r + rope values; the token's row is

@@ -45,7 +45,8 @@ int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, con
 }
 
 // A GQA mixer: qkv rows [q H D | k Hkv D | v Hkv D], per-head q/k RMSNorm (null: none), RoPE over the
-// first `rot` dims, the K/V pools written in place, an optional output gate [H D, hidden].
+// first `rot` dims, the K/V pools written in place (fp32 pools, or, where `keys.pool` is set, bf16 / fp8
+// caches through cache_rows.h), an optional output gate [H D, hidden].
 struct Gqa {
   Matrix qkv, gate;
   const float* q_norm;
@@ -55,6 +56,7 @@ struct Gqa {
   float* vpool;
   int64_t heads, kv_heads, head_dim, rot, head_stride, window;
   float scale, eps;
+  localmoe_cache::CacheRows keys, values;
 };
 
 // One layer, as kernels/decode_layers/hybrid.py `HybridLayer` (ctypes) lays it out.
@@ -259,8 +261,12 @@ void gqa_mixer(const Gqa& g, const float* x, int64_t pos, const float* cos, cons
   const int64_t H = g.heads, Hkv = g.kv_heads, D = g.head_dim;
   const Matrix none{nullptr, localmoe::kF32, 0, H * D, nullptr};  // the attention output stays in scratch
   const int64_t first = g.window ? std::max<int64_t>(0, pos + 1 - g.window) : 0;
-  localmoe_gqa::attention_step(x, g.qkv, none, H, Hkv, D, g.rot, cos, ssin, g.kpool, g.vpool, g.head_stride, pos,
-                               first, g.sinks, g.scale, g.q_norm, g.k_norm, g.eps, out, scratch, xq, threads);
+  if (g.keys.pool != nullptr)
+    localmoe_gqa::attention_step_cached(x, g.qkv, none, H, Hkv, D, g.rot, cos, ssin, g.keys, g.values, pos, first,
+                                        g.sinks, g.scale, g.q_norm, g.k_norm, g.eps, out, scratch, xq, threads);
+  else
+    localmoe_gqa::attention_step(x, g.qkv, none, H, Hkv, D, g.rot, cos, ssin, g.kpool, g.vpool, g.head_stride, pos,
+                                 first, g.sinks, g.scale, g.q_norm, g.k_norm, g.eps, out, scratch, xq, threads);
   const float* attn = scratch + (H + 2 * Hkv) * D;
   std::memcpy(out, attn, H * D * sizeof(float));
   if (g.gate.rows) {

@@ -6,7 +6,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include <vector>
+
 #include "../_cpu/matrix.h"
+#include "../fp8_cache/cache_rows.h"
 #include "gqa_heads.h"
 
 namespace localmoe_gqa {
@@ -55,6 +58,63 @@ inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const 
                   first, pos + 1, nullptr, 0, sinks, scale, attn};
   const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 8);
   localmoe::parallel(heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
+  localmoe::matvec(o_w, attn, out, xq, threads);
+}
+
+// Key and value rows of one KV head read from a bf16 / fp8 cache (fp8_cache/cache_rows.h: the engine's
+// dequantisation and exact ring), widened as `group_pass` asks for them: a block's keys into `kbuf`
+// [kKeys, D] (the pass holds a block's key pointers; kKeys consecutive positions take distinct slots), the
+// value it is adding into `vbuf` [D]. A head's operations and their order are those over fp32 pools.
+struct CachedRows {
+  const localmoe_cache::CacheRows *k, *v;
+  int64_t h, length;
+  float *kbuf, *vbuf;
+  const float* key(int64_t s) const { return localmoe_cache::row(*k, h, s, length, kbuf + (s % kKeys) * k->dim); }
+  const float* value(int64_t s) const { return localmoe_cache::row(*v, h, s, length, vbuf); }
+};
+
+struct CachedArgs {
+  const float* q;  // [H, D]
+  int64_t H, group, D;
+  const localmoe_cache::CacheRows *k, *v;
+  int64_t first, S;
+  const float* sinks;
+  float scale;
+  float* out;  // [H, D]
+};
+
+// Tasks i0 .. i1: KV head i and the `group` query heads that read it, over a bf16 / fp8 cache.
+inline void cached_heads(const void* ctx, int64_t i0, int64_t i1) {
+  const CachedArgs& a = *static_cast<const CachedArgs*>(ctx);
+  thread_local std::vector<float> buf;
+  buf.resize((kKeys + 1) * a.D);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t h = i * a.group;
+    const CachedRows rows{a.k, a.v, i, a.S, buf.data(), buf.data() + kKeys * a.D};
+    group_heads(a.q + h * a.D, a.D, a.group, rows, a.first, a.S, nullptr, a.sinks ? a.sinks + h : nullptr, a.scale,
+                a.D, a.out + h * a.D);
+  }
+}
+
+// attention_step over a cache in its own dtype (k, v: cache_rows.h views of one sequence's K and V buffers,
+// Hkv heads of D values; the token's rows written as the engine writes them): the same projections, norms and
+// RoPE, the heads reading the dequantised rows (`cached_heads`).
+inline void attention_step_cached(const float* x, const localmoe::Matrix& qkv_w, const localmoe::Matrix& o_w,
+                                  int64_t H, int64_t Hkv, int64_t D, int64_t rot, const float* cos, const float* ssin,
+                                  const localmoe_cache::CacheRows& k, const localmoe_cache::CacheRows& v, int64_t pos,
+                                  int64_t first, const float* sinks, float scale, const float* q_norm,
+                                  const float* k_norm, float eps, float* out, float* scratch, void* xq, int threads) {
+  float* qkv = scratch;                        // [(H + 2 Hkv) D]
+  float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
+  localmoe::matvec(qkv_w, x, qkv, xq, threads);
+  if (q_norm != nullptr)
+    for (int64_t h = 0; h < H + Hkv; ++h) head_rms_norm(qkv + h * D, D, h < H ? q_norm : k_norm, eps);
+  for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
+  localmoe_cache::write(k, pos, qkv + H * D);
+  localmoe_cache::write(v, pos, qkv + (H + Hkv) * D);
+  const CachedArgs args{qkv, H, H / Hkv, D, &k, &v, first, pos + 1, sinks, scale, attn};
+  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 4);
+  localmoe::parallel(cached_heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
   localmoe::matvec(o_w, attn, out, xq, threads);
 }
 

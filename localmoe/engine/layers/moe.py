@@ -127,7 +127,7 @@ class Router:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rule: RoutingRule,
                  correction_bias: torch.Tensor | None = None):
-        self.linear = Linear(weight, bias, "float32")
+        self.linear = Linear(weight, bias, "float32", compact=False)  # an fp32 tensor for the routing kernels
         self.rule = rule
         self.correction_bias = None if correction_bias is None else correction_bias.float()
 
@@ -244,7 +244,7 @@ class SigmoidGatedMLP:
     """Qwen3-Next's shared expert: sigmoid(x . w_gate) * mlp(x), the gate one scalar per token."""
 
     def __init__(self, mlp: GatedMLP, gate: torch.Tensor):
-        self.mlp, self.gate = mlp, make_linear([gate], None, "float32")  # gate [1, hidden]
+        self.mlp, self.gate = mlp, make_linear([gate], None, "float32", compact=False)  # gate [1, hidden]
 
     def nbytes(self) -> int:
         return self.mlp.nbytes() + self.gate.nbytes()

@@ -1,0 +1,65 @@
+"""fp32-requested weights whose values are exactly bf16 are stored as bf16 (engine/linear.py `holds_bf16`,
+`Linear(compact=True)`): the check is per tensor, and the model computes the same bits as with the fp32 copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localmoe.config import EngineConfig
+from localmoe.engine import linear as linear_module
+from localmoe.engine.generate import prefill
+from localmoe.engine.linear import Linear, holds_bf16
+from localmoe.kernels import dense_gemv
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+
+needs_kernel = pytest.mark.skipif(not dense_gemv.kernel_available(), reason="needs the dense GEMV kernel")
+
+
+def test_holds_bf16_is_checked_value_by_value():
+    w = torch.randn(300, 200).bfloat16().float()
+    assert holds_bf16(w) and holds_bf16(w.bfloat16())
+    w.view(-1)[-1] = w.view(-1)[-1].item() + 2.0 ** -20  # one value off the bf16 grid (its low bits set)
+    assert not holds_bf16(w)
+    assert not holds_bf16(torch.randn(8, 8).half())
+
+
+@needs_kernel
+def test_only_exact_fp32_weights_are_stored_as_bf16():
+    exact = torch.randn(64, 96).bfloat16().float()
+    assert Linear(exact, None, "float32").weight.dtype == torch.bfloat16
+    assert Linear(exact, None, "float32", compact=False).weight.dtype == torch.float32
+    assert Linear(torch.randn(64, 96), None, "float32").weight.dtype == torch.float32
+    x = torch.randn(3, 96)
+    for rows in (1, 3, 40):  # the GEMV kernel (<= GEMV_MAX_ROWS rows) and torch's GEMM on the widened weight
+        xs = torch.randn(rows, 96)
+        assert torch.equal(Linear(exact, None, "float32")(xs), Linear(exact, None, "float32", compact=False)(xs))
+    assert torch.equal(Linear(exact, None, "float32")(x), Linear(exact, None, "float32", compact=False)(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["kimi_k3", "qwen3_next"])
+def test_a_model_computes_the_same_bits(family, tmp_path, monkeypatch):
+    """A bf16 checkpoint loaded at fp32: prompt logits at every position and 6 fused greedy steps, compact against
+    fp32 copies (holds_bf16 patched to say no), bit for bit; and the compact model reads fewer weight bytes."""
+    path = write_checkpoint(family, tmp_path / family, size="tiny", seed=1)
+    config = EngineConfig(dtype="float32", max_context=128, expert_precision="q8")
+
+    def run():
+        model = load_model(path, config, progress=False).model
+        prompt = list(range(3, 40))
+        everything = model.forward(torch.tensor([prompt]), model.new_cache(1, 128), all_logits=True)[0]
+        cache = model.new_cache(1, 128)
+        logits, steps = prefill(model, prompt, cache), []
+        for _ in range(6):
+            logits = model.forward(logits.argmax(-1).view(1, 1), cache)[:, -1]
+            steps.append(logits)
+        assert model._plan is not None  # the fused step ran
+        return model.weight_bytes(), everything, torch.cat(steps)
+
+    compact = run()
+    monkeypatch.setattr(linear_module, "holds_bf16", lambda weight: False)
+    full = run()
+    assert compact[0] < full[0]
+    assert torch.equal(compact[1], full[1]) and torch.equal(compact[2], full[2])
