@@ -23,8 +23,12 @@ stall + lookup explain (the accounting: goal >= 90%), and the fraction of the di
 round's roofline time per token / wall time per token: goal >= 0.7 at 25%). Greedy tokens of
 every run are checked equal to the resident run's.
 
+With `--base DIR` (a snapshot of another commit: `git worktree add DIR REV`), every budget below 100% also runs
+from DIR's localmoe (and its kernels), in the same rounds, alternating: the A/B of a pager change, printed as
+this tree / the base per round (CPU, compute thread, wall, stall, lookup) and their medians.
+
     python benchmarks/paged_decode.py [--model kimi_k3:small] [--ram 100%,25%] [--pairs 3] [--threads 1]
-                                      [--prompt 64] [--decode 32] [--work DIR]
+                                      [--prompt 64] [--decode 32] [--work DIR] [--base DIR]
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from pathlib import Path
 from alternate import alternate, emit
 
 
-def prompt_ids(n: int) -> list[int]:
-    rng = random.Random(0)
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
     return [rng.randrange(10, 600) for _ in range(n)]
 
 
@@ -104,6 +108,10 @@ def odirect_bandwidth(store_path: Path, threads: int, seconds: float = 1.5) -> f
 
 
 def worker(args) -> None:
+    if args.tree:  # a snapshot tree's localmoe (and kernels) before this one's
+        import sys
+
+        sys.path.insert(0, args.tree)
     import torch
 
     from localmoe.config import EngineConfig, PagingConfig
@@ -123,6 +131,8 @@ def worker(args) -> None:
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
+    if args.rows > 1:
+        return rows_worker(args, model, pager, context)
     cache = model.new_cache(1, context)
     logits = prefill(model, prompt_ids(args.prompt), cache)
     tokens = []
@@ -164,6 +174,49 @@ def worker(args) -> None:
     emit(out)
 
 
+def rows_worker(args, model, pager, context: int) -> None:
+    """`--rows N`: N sequences (prompts of their own) decoded together, one batched step per token of each
+    (engine/batch.py `decode_batch`, what the server's scheduler runs for N clients); per generated token (the
+    step's figures / N) the same fields as the one-sequence worker, and the share of routed (token, expert) pairs
+    the steps read (one request per distinct expert of a layer's step)."""
+    import torch
+
+    from localmoe.engine.batch import decode_batch
+    from localmoe.engine.generate import prefill
+
+    caches = [model.new_cache(1, context) for _ in range(args.rows)]
+    logits = torch.cat([prefill(model, prompt_ids(args.prompt, seed), c) for seed, c in enumerate(caches)])
+    tokens: list[list[int]] = [[] for _ in caches]
+
+    def step() -> torch.Tensor:
+        nxt = logits.argmax(-1).tolist()
+        for row, t in zip(tokens, nxt):
+            row.append(t)
+        return decode_batch(model, nxt, caches)
+
+    for _ in range(args.warmup):
+        logits = step()
+    if pager is not None:
+        pager.stats.reset_counts()
+    cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
+    for _ in range(args.decode):
+        logits = step()
+    n = args.decode * args.rows
+    out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
+           "wall": (time.perf_counter() - wall) / n, "tokens": tokens, "path": f"decode_batch x{args.rows}"}
+    if pager is not None:
+        stats = pager.stats
+        ram, pf = stats.ram, stats.prefetch
+        needed = ram.misses + pf.covered
+        out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
+                "moe": 0.0, "missed": needed * stats.slot_bytes / n, "misses": needed / n,
+                "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
+                "hit_rate": ram.hit_rate, "slots": stats.slots, "readers": type(pager.readers).__name__,
+                "distinct": (ram.hits + ram.misses) / stats.routed if stats.routed else None}
+        pager.close()
+    emit(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="kimi_k3:small", help="family:size")
@@ -180,6 +233,11 @@ def main() -> None:
     parser.add_argument("--no-resident", dest="resident", action="store_false",
                         help="paged runs only (the checkpoint may be deleted once converted: large models)")
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
+    parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
+                        "it, alternating (A/B)")
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, default=1, help="sequences decoded together in batched steps (each "
+                        "with a prompt of its own; figures per generated token; the server's N-client step)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--share", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -198,7 +256,7 @@ def run(args, work: Path) -> None:
     me = str(Path(__file__).resolve())
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
-    common = ["--worker", "--threads", str(args.threads), "--prompt",
+    common = ["--worker", "--rows", str(args.rows), "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
@@ -207,12 +265,16 @@ def run(args, work: Path) -> None:
         for n in ios if f < 1 else ios[:1]:
             name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "")
             workers[name] = [me, *common, "--io-threads", str(n), "--path", str(store), "--share", str(f)]
+            if args.base and f < 1:
+                workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
+    rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if args.rows > 1 else ""
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
           f"{', '.join(shares)} (LFRU, "
-          f"O_DIRECT, prefetch), "
+          f"O_DIRECT, prefetch){f', each reading budget also from {args.base}' if args.base else ''}, "
           f"{args.threads} compute threads, {args.prompt}-token prompt, {args.warmup} warm-up + {args.decode} timed "
-          f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"decode tokens{rows}, "
+          f"{args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
 
     def show(r: int, res: dict) -> None:
         base = res.get("resident")
@@ -245,7 +307,9 @@ def run(args, work: Path) -> None:
               f"{med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, lookup {med('lookup') * 1e3:.2f} ms, "
               f"paged MoE layers {med('moe') * 1e3:.2f} ms, missed {med('missed') / 1e6:.2f} MB "
               f"({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB (lookahead precision "
-              f"{med('precision'):.0%}, {med('wasted'):.1f} wasted); disk roofline {statistics.median(roof):.2f} "
+              f"{med('precision'):.0%}, {med('wasted'):.1f} wasted"
+              + (f"; distinct experts read / routed {med('distinct'):.3f}" if runs[0].get("distinct") else "")
+              + f"); disk roofline {statistics.median(roof):.2f} "
               f"(missed bytes / the round's O_DIRECT bandwidth / wall per token; rounds "
               f"{' '.join(f'{x:.2f}' for x in roof)})")
         if base is None:
@@ -265,6 +329,17 @@ def run(args, work: Path) -> None:
               + (f"{statistics.median(explained):.0%} of it (rounds with extra time: "
                  f"{' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' CPU)"
                  if explained else "- (no round took longer than its baseline)"), flush=True)
+    for name, runs in res.items():  # the A/B: this tree against the snapshot, round by round
+        old = res.get(name + " base")
+        if old is None:
+            continue
+        parts = []
+        for key in ("cpu", "thread", "wall", "stall", "lookup"):
+            ratios = [r[key] / o[key] for r, o in zip(runs, old) if o[key] > 0]
+            parts.append(f"{key} {statistics.median(ratios):.2f}x ({' '.join(f'{x:.2f}' for x in ratios)})"
+                         if ratios else f"{key} -")
+        same = all(r["tokens"] == o["tokens"] for r, o in zip(runs, old))
+        print(f"  {name} this tree / base, per round: {', '.join(parts)}; greedy tokens equal: {same}", flush=True)
 
 
 if __name__ == "__main__":
