@@ -131,7 +131,11 @@ def worker(args) -> None:
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
-    if args.rows > 1:
+    if args.no_lookahead:  # the routing hints stay (each layer's misses read together), the guesses go
+        for block in model.moe_blocks():
+            if hasattr(block.router, "ahead"):
+                block.router.ahead = []
+    if int(args.rows) > 1:
         return rows_worker(args, model, pager, context)
     cache = model.new_cache(1, context)
     logits = prefill(model, prompt_ids(args.prompt), cache)
@@ -184,7 +188,8 @@ def rows_worker(args, model, pager, context: int) -> None:
     from localmoe.engine.batch import decode_batch
     from localmoe.engine.generate import prefill
 
-    caches = [model.new_cache(1, context) for _ in range(args.rows)]
+    rows = int(args.rows)
+    caches = [model.new_cache(1, context) for _ in range(rows)]
     logits = torch.cat([prefill(model, prompt_ids(args.prompt, seed), c) for seed, c in enumerate(caches)])
     tokens: list[list[int]] = [[] for _ in caches]
 
@@ -201,9 +206,9 @@ def rows_worker(args, model, pager, context: int) -> None:
     cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(args.decode):
         logits = step()
-    n = args.decode * args.rows
+    n = args.decode * rows
     out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
-           "wall": (time.perf_counter() - wall) / n, "tokens": tokens, "path": f"decode_batch x{args.rows}"}
+           "wall": (time.perf_counter() - wall) / n, "tokens": tokens, "path": f"decode_batch x{rows}"}
     if pager is not None:
         stats = pager.stats
         ram, pf = stats.ram, stats.prefetch
@@ -236,8 +241,10 @@ def main() -> None:
     parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
                         "it, alternating (A/B)")
     parser.add_argument("--tree", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=int, default=1, help="sequences decoded together in batched steps (each "
-                        "with a prompt of its own; figures per generated token; the server's N-client step)")
+    parser.add_argument("--no-lookahead", action="store_true", help="paged runs guess no later layer's experts")
+    parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
+                        "prompt of its own; figures per generated token; the server's N-client step); several (e.g. "
+                        "1,16): each budget below 100%% runs with each, alternating")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--share", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -249,6 +256,12 @@ def main() -> None:
         run(args, Path(args.work or tmp))
 
 
+def _first(tokens: list) -> list[int]:
+    """A worker's greedy tokens, of its first sequence where it decoded several (row 0 has the one-sequence
+    worker's prompt, and a batched row decodes as it would alone)."""
+    return tokens[0] if tokens and isinstance(tokens[0], list) else tokens
+
+
 def run(args, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     family, _, size = args.model.partition(":")
@@ -256,19 +269,24 @@ def run(args, work: Path) -> None:
     me = str(Path(__file__).resolve())
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
-    common = ["--worker", "--rows", str(args.rows), "--threads", str(args.threads), "--prompt",
+    counts = [int(n) for n in str(args.rows).split(",")]
+    common = ["--worker", *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
-    workers = {"resident": [me, *common, "--io-threads", str(ios[0]), "--path", str(hf)]} if args.resident else {}
-    for s, f in shares.items():  # several reader counts: each budget that reads (below 100%) with each
+    workers = {"resident": [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path", str(hf)]
+               } if args.resident else {}
+    for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
-            name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "")
-            workers[name] = [me, *common, "--io-threads", str(n), "--path", str(store), "--share", str(f)]
-            if args.base and f < 1:
-                workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
+            for rows in counts if f < 1 else counts[:1]:
+                name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
+                    (f" x{rows}" if len(counts) > 1 and f < 1 else "")
+                workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
+                                 "--share", str(f)]
+                if args.base and f < 1:
+                    workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
-    rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if args.rows > 1 else ""
+    rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if counts != [1] else ""
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
           f"{', '.join(shares)} (LFRU, "
           f"O_DIRECT, prefetch){f', each reading budget also from {args.base}' if args.base else ''}, "
@@ -314,7 +332,7 @@ def run(args, work: Path) -> None:
               f"{' '.join(f'{x:.2f}' for x in roof)})")
         if base is None:
             continue
-        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
+        same = all(_first(r["tokens"]) == _first(b["tokens"]) for r, b in zip(runs, base))
         extra = [r["wall"] - b["wall"] for r, b in zip(runs, base)]  # the same round's baseline
         pager_time = [r["stall"] + r["lookup"] for r in runs]
         explained = [t / e for t, e in zip(pager_time, extra) if e > 0]  # rounds with extra time to explain
