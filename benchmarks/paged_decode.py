@@ -240,6 +240,9 @@ def main() -> None:
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
     parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
                         "it, alternating (A/B)")
+    parser.add_argument("--this", help="a snapshot tree the other runs load instead of this one (with --base: "
+                        "both sides load a snapshot the same way; an A/B of this tree against a snapshot measured "
+                        "the snapshot slower with identical code)")
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--no-lookahead", action="store_true", help="paged runs guess no later layer's experts")
     parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
@@ -270,7 +273,7 @@ def run(args, work: Path) -> None:
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
     counts = [int(n) for n in str(args.rows).split(",")]
-    common = ["--worker", *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
+    common = ["--worker", *(["--tree", str(Path(args.this).resolve())] if args.this else []), *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
@@ -283,7 +286,7 @@ def run(args, work: Path) -> None:
                     (f" x{rows}" if len(counts) > 1 and f < 1 else "")
                 workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
                                  "--share", str(f)]
-                if args.base and f < 1:
+                if args.base and f < 1:  # (argparse keeps the last --tree)
                     workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
     rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if counts != [1] else ""
