@@ -124,7 +124,6 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "pio_open": ((_int,), _ptr),
     "pio_file": ((_ptr, _int, ctypes.c_char_p, _i64, _i64, _i64, _i64), _i64),
     "pio_submit": ((_ptr, _i64, _i64, _i64, _i64, _ptr, ctypes.c_uint64, _int, _int), None),
-    "pio_kick": ((_ptr,), None),
     "pio_cancel": ((_ptr, _i64), _int),
     "pio_wait": ((_ptr, _i64, ctypes.c_double), _int),
     "pio_wait_any": ((_ptr, ctypes.c_double), _int),

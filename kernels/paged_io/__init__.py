@@ -1,9 +1,8 @@
 """The pager's native reader pool (reader_cpu.cpp, part of the localmoe CPU library): C++ threads that read
 extents with O_DIRECT preadv into RAM slots and check their xxh3_64 without the interpreter lock.
 
-`ReaderPool(threads)`: `submit` a read (demanded ones before guesses; it only queues the read), `kick` the idle
-readers awake for what is queued, `cancel` one no reader took yet, `wait` for one (idle readers are woken first;
-the interpreter lock is dropped while waiting), `reap` the finished ones as (id, code, detail). The codes
+`ReaderPool(threads)`: `submit` a read (demanded ones before guesses), `cancel` one no reader took yet, `wait`
+for one (the interpreter lock is dropped while waiting), `reap` the finished ones as (id, code, detail). The codes
 are localmoe.paging.disk's (OK, SHORT, CHECKSUM, ERRNO, DELETED, REPLACED, MODIFIED). `available()`: whether the
 library (and so the pool) runs here. xxhash.h is xxHash 0.8.3 by Yann Collet, BSD 2-Clause (XXHASH_LICENSE).
 """
@@ -39,26 +38,19 @@ class ReaderPool:
     def submit(self, read_id: int, file: int, offset: int, nbytes: int, address: int, checksum: int, verify: bool,
                urgent: bool) -> None:
         """Read `nbytes` at `offset` of `file` into memory at `address` (page-aligned), checking the checksum when
-        `verify`; `urgent` reads go before the others, each kind in submission order. Only queued: no asleep reader
-        is woken for it until `kick`, `wait` or `wait_any` (a reader already awake takes it when it is free)."""
+        `verify`; `urgent` reads go before the others, each kind in submission order."""
         self._lib.pio_submit(self._pool, read_id, file, offset, nbytes, address, checksum, int(verify), int(urgent))
-
-    def kick(self) -> None:
-        """Wakes as many asleep readers as there are queued reads."""
-        self._lib.pio_kick(self._pool)
 
     def cancel(self, read_id: int) -> bool:
         """Drops the read if no reader took it yet (then it is never read nor reaped); whether it did."""
         return bool(self._lib.pio_cancel(self._pool, read_id))
 
     def wait(self, read_id: int, timeout: float) -> bool:
-        """Wakes idle readers for the queued reads, then waits up to `timeout` s until the read is finished (or was
-        never submitted); False on timeout."""
+        """Waits up to `timeout` s until the read is finished (or was never submitted); False on timeout."""
         return bool(self._lib.pio_wait(self._pool, read_id, timeout))
 
     def wait_any(self, timeout: float) -> bool:
-        """Wakes idle readers for the queued reads, then waits up to `timeout` s until some read is finished and not
-        yet reaped; False on timeout."""
+        """Waits up to `timeout` s until some read is finished and not yet reaped; False on timeout."""
         return bool(self._lib.pio_wait_any(self._pool, timeout))
 
     def reap(self) -> list[tuple[int, int, int]]:

@@ -57,7 +57,7 @@ struct State {
   std::deque<Read> urgent, later;      // demanded reads first, then guesses (best first)
   std::unordered_map<int64_t, int> pending;  // queued or being read
   std::vector<Done> finished;          // not yet reaped
-  int inflight = 0, paused = 0, idle = 0;  // reads in flight; readers asleep in `take`
+  int inflight = 0, paused = 0;
   bool closed = false;
   double busy = 0.0;                   // seconds with at least one read in flight
   std::chrono::steady_clock::time_point since;
@@ -90,12 +90,7 @@ Done read_one(const File& f, const Read& r) {
 
 // Takes the next read (demanded first) into `out` (lock held); false when closing.
 bool take(State& s, std::unique_lock<std::mutex>& lk, Read& out) {
-  const auto ready = [&] { return s.closed || (!s.paused && (!s.urgent.empty() || !s.later.empty())); };
-  if (!ready()) {
-    ++s.idle;
-    s.work.wait(lk, ready);
-    --s.idle;
-  }
+  s.work.wait(lk, [&] { return s.closed || (!s.paused && (!s.urgent.empty() || !s.later.empty())); });
   if (s.closed) return false;
   std::deque<Read>& q = s.urgent.empty() ? s.later : s.urgent;
   out = q.front();
@@ -145,38 +140,21 @@ int64_t pio_file(void* p, int fd, const char* path, int64_t dev, int64_t ino, in
   return static_cast<int64_t>(s.files.size()) - 1;
 }
 
-// Queues a read; no reader is woken for it (pio_kick, or the next pio_wait / pio_wait_any, does that). Readers
-// start here as reads come, up to the pool's count: a new one takes queued reads without being woken.
 void pio_submit(void* p, int64_t id, int64_t file, int64_t offset, int64_t nbytes, void* dest, uint64_t checksum,
                 int verify, int urgent) {
   auto* pool = static_cast<Pool*>(p);
   State& s = *pool->state;
+  if (pool->started < pool->threads) {
+    std::thread(reader, pool->state).detach();
+    ++pool->started;
+  }
   {
     std::lock_guard<std::mutex> lk(s.mu);
     (urgent ? s.urgent : s.later).push_back({id, file, offset, nbytes, static_cast<uint8_t*>(dest), checksum, verify});
     s.pending[id] = 1;
   }
-  if (pool->started < pool->threads) {
-    std::thread(reader, pool->state).detach();
-    ++pool->started;
-  }
+  s.work.notify_one();
 }
-
-namespace {
-// Wakes as many asleep readers as there are queued reads (each awake reader takes reads until none is queued).
-void kick(State& s) {
-  int n;
-  {
-    std::lock_guard<std::mutex> lk(s.mu);
-    n = std::min<int>(s.idle, static_cast<int>(s.urgent.size() + s.later.size()));
-  }
-  for (int i = 0; i < n; ++i) s.work.notify_one();
-}
-}  // namespace
-
-// Wakes idle readers for the queued reads: the pager calls it when the compute thread goes back to compute with
-// reads queued that it does not wait for (guesses, a layer's other misses).
-void pio_kick(void* p) { kick(*static_cast<Pool*>(p)->state); }
 
 // Drops read `id` if no reader took it yet: returns 1 (it is never read nor reported), else 0.
 int pio_cancel(void* p, int64_t id) {
@@ -197,7 +175,6 @@ int pio_cancel(void* p, int64_t id) {
 // Waits up to `timeout` seconds until read `id` is no longer queued or being read; returns 1 if so, 0 on timeout.
 int pio_wait(void* p, int64_t id, double timeout) {
   State& s = *static_cast<Pool*>(p)->state;
-  kick(s);
   std::unique_lock<std::mutex> lk(s.mu);
   return s.done.wait_for(lk, std::chrono::duration<double>(timeout), [&] { return !s.pending.count(id); }) ? 1 : 0;
 }
@@ -205,7 +182,6 @@ int pio_wait(void* p, int64_t id, double timeout) {
 // Waits up to `timeout` seconds until some read finished that was not reaped; returns 1 if so.
 int pio_wait_any(void* p, double timeout) {
   State& s = *static_cast<Pool*>(p)->state;
-  kick(s);
   std::unique_lock<std::mutex> lk(s.mu);
   return s.done.wait_for(lk, std::chrono::duration<double>(timeout), [&] { return !s.finished.empty(); }) ? 1 : 0;
 }

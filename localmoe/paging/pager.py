@@ -6,11 +6,9 @@ layer's chosen experts valid together (until the next `get` or `hold`), so the M
 them in one call. A miss evicts the victim the policy picks and reads the extent on a reader
 thread (readers.py: C++ ones for the plain O_DIRECT backend; timeout: `ReadTimeoutError`). The
 readers only read and check bytes and never take the pager's lock: the pager takes in the finished
-reads whenever it is entered, and waits on a read only when its expert is needed. A submitted read is
-only queued: the readers are woken when the compute thread waits, or (`_kick`) when it leaves `get`,
-`hold` or `prefetch` for compute with reads queued (lazy wake-up: one wake-up per pause of the compute
-thread, not one per read). The tensors over a slot are built on the compute thread, once per (expert
-layout, slot), and reused, since a slot's memory never moves.
+reads whenever it is entered, and waits on a read only when its expert is needed. The tensors over
+a slot are built on the compute thread, once per (expert layout, slot), and reused, since a
+slot's memory never moves.
 Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
 dispatch (`begin_layer`: their loads start together, in parallel) and the next layer's
 likely ones (`prefetch`: router lookahead); loads run while compute continues.
@@ -100,7 +98,6 @@ class Pager:
         # native: the C++ readers (None: where the backend and the CPU library allow them), else Python threads
         self.readers = make_readers(backend, self.slab, self.io_threads, native)
         self._reads: dict[int, _Read] = {}  # submitted, not yet reaped
-        self._queued = False  # reads submitted since the readers were last woken (a wait or `_kick`)
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
@@ -130,8 +127,7 @@ class Pager:
             slot = self._request((layer, expert))
             self.held = (slot,)
             read = slot.read if slot.state != READY else None
-            queued, self._queued = self._queued, False
-        waited = self._wait(read) if read is not None else self._kick(queued)
+        waited = self._wait(read) if read is not None else 0.0
         weights = self._weights(layer, slot)
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -152,8 +148,7 @@ class Pager:
                 slots.append(self._request((layer, e)))
                 self.held = tuple(slots)
             pending = [s.read for s in slots if s.state != READY]
-            queued, self._queued = self._queued, False
-        waited = sum(self._wait(read) for read in pending) if pending else self._kick(queued)
+        waited = sum(self._wait(read) for read in pending)
         weights = [self._weights(layer, s) for s in slots]
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -296,8 +291,6 @@ class Pager:
             for (key, _), slot in zip(guessed, slots):
                 self.stats.prefetch.issued += 1
                 self._start(slot, key, LOOKAHEAD)
-            queued, self._queued = self._queued, False
-        self._kick(queued)
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
 
@@ -485,7 +478,6 @@ class Pager:
         self._next_id += 1
         slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key)
         self.readers.submit(self._next_id, key, slot.index, urgent=origin != LOOKAHEAD)
-        self._queued = True
 
     def _reap(self) -> None:
         """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
@@ -507,16 +499,8 @@ class Pager:
         self.stats.ram.read_seconds += busy - self._busy_seen
         self._busy_seen = busy
 
-    def _kick(self, queued: bool) -> float:
-        """The compute thread goes back to compute: where reads were `queued` since the readers last woke, wake
-        them (a wait wakes them too; without the pager's lock). Returns 0.0 (no time waited)."""
-        if queued:
-            self.readers.kick()
-        return 0.0
-
     def _wait(self, read: _Read) -> float:
-        """Wait for `read` (without the pager's lock; the readers are woken first); returns the seconds waited (also
-        counted as stall)."""
+        """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""
         started = time.perf_counter()
         self.readers.wait(read.id, self.timeout)
         with self.lock:

@@ -5,18 +5,14 @@ learns what finished only when it asks (`reap`, on the compute thread): the read
 A reader takes one lock per read, to record it and take the next one (urgent reads first, each kind in submission
 order). `cancel` drops a read no reader took yet; `wait` blocks until one read is finished, `wait_any` until some
 read is; `busy` is the seconds with at least one read in flight. A read submitted after `close` fails at once
-(PagingError). `kick` tells the readers the compute thread goes back to compute with reads queued that it does not
-wait for: a submitted read may wait for it (or for the next `wait` / `wait_any`) before a reader that is asleep
-takes it.
+(PagingError).
 
 Two implementations, the same contract:
 - `NativeReaders`: the plain O_DIRECT backend's reads (`DiskBackend.native`) on C++ threads (kernels/paged_io):
   preadv, the file identity check and the xxh3_64 check run without the interpreter lock, so reads do not take
   turns with compute for it; their results are codes `DiskBackend.failure` turns into the backend's own errors.
-  A submit only queues the read: asleep readers are woken when the compute thread waits or kicks (lazy
-  wake-up), so a reader woken for each submit does not preempt the compute thread on a machine with few cores.
 - `PythonReaders`: any backend's `read` on Python threads (mmap, test backends, or where the CPU library does
-  not build); a submit wakes a reader at once (`kick` does nothing).
+  not build).
 """
 
 from __future__ import annotations
@@ -66,9 +62,6 @@ class PythonReaders:
                                                       name=f"localmoe-io-{len(self._workers)}"))
                 self._workers[-1].start()
             self._work.notify()
-
-    def kick(self) -> None:
-        pass  # `submit` woke a reader already
 
     def cancel(self, read_id: int) -> bool:
         with self._work:
@@ -175,9 +168,6 @@ class NativeReaders:
         self._keys[read_id] = key
         self._pool.submit(read_id, file, offset, nbytes, self._base + slot * self.slab.slot_bytes, checksum,
                           self.backend.verify, urgent)
-
-    def kick(self) -> None:
-        self._pool.kick()
 
     def cancel(self, read_id: int) -> bool:
         if self._pool.cancel(read_id):

@@ -1,17 +1,15 @@
 """The native readers (C++ threads, kernels/paged_io): chosen for the plain O_DIRECT backend, the same bytes as the
-store, demanded reads before guesses, an unread wrong guess cancelled (never read), errors (short read, checksum,
-timeout) naming the file and extent and reaching the waiter, and the lazy wake-up (a submit wakes no reader; a wait
-or the pager's kick does)."""
+store, demanded reads before guesses, an unread wrong guess cancelled (never read), and errors (short read,
+checksum, timeout) naming the file and extent and reaching the waiter."""
 
 from __future__ import annotations
 
 import gc
 import shutil
-import time
 
 import pytest
 import torch
-from localmoe.kernels.paged_io import ReaderPool, available
+from localmoe.kernels.paged_io import available
 
 from localmoe.engine.experts import ExpertWeights
 from localmoe.paging import PagingConfig, make_pager
@@ -188,67 +186,3 @@ def test_a_pager_dropped_with_reads_queued_and_in_flight(gpt_oss):
     pager = Pager(store, 4, LRU(), ODirectBackend(store), native=True)
     assert _same(store, 1, 1, pager.get(1, 1))
     pager.close()
-
-
-def _register(pool: ReaderPool, backend: ODirectBackend, key) -> tuple[int, ExpertExtent]:
-    """(the pool's index of `key`'s layer file, opened by `backend` and registered now; its extent)."""
-    ext = backend.store.expert_extent(*key)
-    f = backend.file(ext.path)
-    return pool.file(f.fd, str(f.path), *f.ident), ext
-
-
-def test_a_submit_wakes_no_reader_a_kick_or_a_wait_does(gpt_oss):
-    """The pool's reader, asleep after its first read, leaves a submitted read queued until `kick` (or a `wait`)."""
-    from localmoe.paging.slab import HostSlab
-
-    store = gpt_oss.store()
-    slab = HostSlab(3, max(store.layout(layer).slot_bytes for layer in store.layers()))
-    pool, backend = ReaderPool(1), ODirectBackend(store)
-    try:
-        reads = []
-        for i, key in enumerate([(1, 0), (1, 1), (1, 2)]):
-            file, ext = _register(pool, backend, key)
-            reads.append((i + 1, file, ext.offset, ext.nbytes, slab.array.ctypes.data + i * slab.slot_bytes,
-                          ext.checksum, True, True))
-        pool.submit(*reads[0])
-        assert pool.wait(1, 30.0) and [r[0] for r in pool.reap()] == [1]  # the reader started with it, now asleep
-        time.sleep(0.05)  # (the reader back in its wait)
-        pool.submit(*reads[1])
-        time.sleep(0.3)
-        assert pool.reap() == []  # queued, not taken: nobody woke the reader
-        pool.kick()
-        assert pool.wait_any(30.0) and [(r[0], r[1]) for r in pool.reap()] == [(2, 0)]
-        time.sleep(0.05)
-        pool.submit(*reads[2])
-        assert pool.wait(3, 30.0) and [(r[0], r[1]) for r in pool.reap()] == [(3, 0)]  # a wait wakes it
-    finally:
-        assert pool.close(30.0)
-        backend.close()
-
-
-def test_guesses_are_read_while_nobody_waits(gpt_oss):
-    """Reads the compute thread does not wait for (a lookahead guess after a layer whose experts are all in RAM, a
-    `prefetch`) still start: the pager wakes the readers as it goes back to compute."""
-    store = gpt_oss.store()
-    a, b = store.layers()[:2]
-    pager = Pager(store, 16, LRU(), ODirectBackend(store), io_threads=1, native=True)
-
-    def arrives(key) -> bool:
-        deadline = time.monotonic() + 30
-        while key not in pager.resident():  # reaps without waiting
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-    try:
-        pager.get(a, 0)  # the one reader started, then asleep
-        time.sleep(0.05)
-        pager.begin_layer(a, [0], [(b, [3])])  # a's expert in RAM: the hold below waits for nothing
-        pager.hold(a, [0])
-        assert arrives((b, 3))
-        time.sleep(0.05)
-        assert pager.prefetch(b, [4]) == 1
-        assert arrives((b, 4))
-    finally:
-        pager.close()
