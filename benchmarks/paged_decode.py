@@ -273,7 +273,8 @@ def run(args, work: Path) -> None:
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
     counts = [int(n) for n in str(args.rows).split(",")]
-    common = ["--worker", *(["--tree", str(Path(args.this).resolve())] if args.this else []), *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
+    this = ["--tree", str(Path(args.this).resolve())] if args.this else []
+    common = ["--worker", *this, *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}

@@ -232,8 +232,8 @@ class Pager:
         the other). `ranked`: each of `ahead`'s lists is one token's guess, best first (an expert's position is its
         rank: `guess_width` measures each rank's precision). Not `ranked` (several rows' union of guesses), the
         guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait): the
-        disk is busy without them, a right guess would only start a read earlier, a wrong one adds a read (16 batched rows of
-        gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes read)."""
+        disk is busy without them, a right guess would only start a read earlier, a wrong one adds a read (16
+        batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes)."""
         started = time.perf_counter()
         with self.lock:
             self._reap()
