@@ -23,8 +23,12 @@ stall + lookup explain (the accounting: goal >= 90%), and the fraction of the di
 round's roofline time per token / wall time per token: goal >= 0.7 at 25%). Greedy tokens of
 every run are checked equal to the resident run's.
 
+With `--base DIR` (a snapshot of another commit: `git worktree add DIR REV`), every budget below 100% also runs
+from DIR's localmoe (and its kernels), in the same rounds, alternating: the A/B of a pager change, printed as
+this tree / the base per round (CPU, compute thread, wall, stall, lookup) and their medians.
+
     python benchmarks/paged_decode.py [--model kimi_k3:small] [--ram 100%,25%] [--pairs 3] [--threads 1]
-                                      [--prompt 64] [--decode 32] [--work DIR]
+                                      [--prompt 64] [--decode 32] [--work DIR] [--base DIR]
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ from pathlib import Path
 from alternate import alternate, emit
 
 
-def prompt_ids(n: int) -> list[int]:
-    rng = random.Random(0)
+def prompt_ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
     return [rng.randrange(10, 600) for _ in range(n)]
 
 
@@ -104,6 +108,10 @@ def odirect_bandwidth(store_path: Path, threads: int, seconds: float = 1.5) -> f
 
 
 def worker(args) -> None:
+    if args.tree:  # a snapshot tree's localmoe (and kernels) before this one's
+        import sys
+
+        sys.path.insert(0, args.tree)
     import torch
 
     from localmoe.config import EngineConfig, PagingConfig
@@ -123,6 +131,12 @@ def worker(args) -> None:
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
+    if args.no_lookahead:  # the routing hints stay (each layer's misses read together), the guesses go
+        for block in model.moe_blocks():
+            if hasattr(block.router, "ahead"):
+                block.router.ahead = []
+    if int(args.rows) > 1:
+        return rows_worker(args, model, pager, context)
     cache = model.new_cache(1, context)
     logits = prefill(model, prompt_ids(args.prompt), cache)
     tokens = []
@@ -164,6 +178,50 @@ def worker(args) -> None:
     emit(out)
 
 
+def rows_worker(args, model, pager, context: int) -> None:
+    """`--rows N`: N sequences (prompts of their own) decoded together, one batched step per token of each
+    (engine/batch.py `decode_batch`, what the server's scheduler runs for N clients); per generated token (the
+    step's figures / N) the same fields as the one-sequence worker, and the share of routed (token, expert) pairs
+    the steps read (one request per distinct expert of a layer's step)."""
+    import torch
+
+    from localmoe.engine.batch import decode_batch
+    from localmoe.engine.generate import prefill
+
+    rows = int(args.rows)
+    caches = [model.new_cache(1, context) for _ in range(rows)]
+    logits = torch.cat([prefill(model, prompt_ids(args.prompt, seed), c) for seed, c in enumerate(caches)])
+    tokens: list[list[int]] = [[] for _ in caches]
+
+    def step() -> torch.Tensor:
+        nxt = logits.argmax(-1).tolist()
+        for row, t in zip(tokens, nxt):
+            row.append(t)
+        return decode_batch(model, nxt, caches)
+
+    for _ in range(args.warmup):
+        logits = step()
+    if pager is not None:
+        pager.stats.reset_counts()
+    cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
+    for _ in range(args.decode):
+        logits = step()
+    n = args.decode * rows
+    out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
+           "wall": (time.perf_counter() - wall) / n, "tokens": tokens, "path": f"decode_batch x{rows}"}
+    if pager is not None:
+        stats = pager.stats
+        ram, pf = stats.ram, stats.prefetch
+        needed = ram.misses + pf.covered
+        out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
+                "moe": 0.0, "missed": needed * stats.slot_bytes / n, "misses": needed / n,
+                "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
+                "hit_rate": ram.hit_rate, "slots": stats.slots, "readers": type(pager.readers).__name__,
+                "distinct": (ram.hits + ram.misses) / stats.routed if stats.routed else None}
+        pager.close()
+    emit(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="kimi_k3:small", help="family:size")
@@ -180,6 +238,16 @@ def main() -> None:
     parser.add_argument("--no-resident", dest="resident", action="store_false",
                         help="paged runs only (the checkpoint may be deleted once converted: large models)")
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
+    parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
+                        "it, alternating (A/B)")
+    parser.add_argument("--this", help="a snapshot tree the other runs load instead of this one (with --base: "
+                        "both sides load a snapshot the same way; an A/B of this tree against a snapshot measured "
+                        "the snapshot slower with identical code)")
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--no-lookahead", action="store_true", help="paged runs guess no later layer's experts")
+    parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
+                        "prompt of its own; figures per generated token; the server's N-client step); several (e.g. "
+                        "1,16): each budget below 100%% runs with each, alternating")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--share", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -191,6 +259,12 @@ def main() -> None:
         run(args, Path(args.work or tmp))
 
 
+def _first(tokens: list) -> list[int]:
+    """A worker's greedy tokens, of its first sequence where it decoded several (row 0 has the one-sequence
+    worker's prompt, and a batched row decodes as it would alone)."""
+    return tokens[0] if tokens and isinstance(tokens[0], list) else tokens
+
+
 def run(args, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     family, _, size = args.model.partition(":")
@@ -198,21 +272,31 @@ def run(args, work: Path) -> None:
     me = str(Path(__file__).resolve())
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
-    common = ["--worker", "--threads", str(args.threads), "--prompt",
+    counts = [int(n) for n in str(args.rows).split(",")]
+    this = ["--tree", str(Path(args.this).resolve())] if args.this else []
+    common = ["--worker", *this, *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
               args.expert_precision, "--dtype", args.dtype]
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
-    workers = {"resident": [me, *common, "--io-threads", str(ios[0]), "--path", str(hf)]} if args.resident else {}
-    for s, f in shares.items():  # several reader counts: each budget that reads (below 100%) with each
+    workers = {"resident": [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path", str(hf)]
+               } if args.resident else {}
+    for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
-            name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "")
-            workers[name] = [me, *common, "--io-threads", str(n), "--path", str(store), "--share", str(f)]
+            for rows in counts if f < 1 else counts[:1]:
+                name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
+                    (f" x{rows}" if len(counts) > 1 and f < 1 else "")
+                workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
+                                 "--share", str(f)]
+                if args.base and f < 1:  # (argparse keeps the last --tree)
+                    workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
+    rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if counts != [1] else ""
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
           f"{', '.join(shares)} (LFRU, "
-          f"O_DIRECT, prefetch), "
+          f"O_DIRECT, prefetch){f', each reading budget also from {args.base}' if args.base else ''}, "
           f"{args.threads} compute threads, {args.prompt}-token prompt, {args.warmup} warm-up + {args.decode} timed "
-          f"decode tokens, {args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"decode tokens{rows}, "
+          f"{args.pairs} alternating rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
 
     def show(r: int, res: dict) -> None:
         base = res.get("resident")
@@ -245,12 +329,14 @@ def run(args, work: Path) -> None:
               f"{med('stall') * 1e3:.2f} ms, read {med('read') * 1e3:.2f} ms, lookup {med('lookup') * 1e3:.2f} ms, "
               f"paged MoE layers {med('moe') * 1e3:.2f} ms, missed {med('missed') / 1e6:.2f} MB "
               f"({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB (lookahead precision "
-              f"{med('precision'):.0%}, {med('wasted'):.1f} wasted); disk roofline {statistics.median(roof):.2f} "
+              f"{med('precision'):.0%}, {med('wasted'):.1f} wasted"
+              + (f"; distinct experts read / routed {med('distinct'):.3f}" if runs[0].get("distinct") else "")
+              + f"); disk roofline {statistics.median(roof):.2f} "
               f"(missed bytes / the round's O_DIRECT bandwidth / wall per token; rounds "
               f"{' '.join(f'{x:.2f}' for x in roof)})")
         if base is None:
             continue
-        same = all(r["tokens"] == b["tokens"] for r, b in zip(runs, base))
+        same = all(_first(r["tokens"]) == _first(b["tokens"]) for r, b in zip(runs, base))
         extra = [r["wall"] - b["wall"] for r, b in zip(runs, base)]  # the same round's baseline
         pager_time = [r["stall"] + r["lookup"] for r in runs]
         explained = [t / e for t, e in zip(pager_time, extra) if e > 0]  # rounds with extra time to explain
@@ -265,6 +351,17 @@ def run(args, work: Path) -> None:
               + (f"{statistics.median(explained):.0%} of it (rounds with extra time: "
                  f"{' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' CPU)"
                  if explained else "- (no round took longer than its baseline)"), flush=True)
+    for name, runs in res.items():  # the A/B: this tree against the snapshot, round by round
+        old = res.get(name + " base")
+        if old is None:
+            continue
+        parts = []
+        for key in ("cpu", "thread", "wall", "stall", "lookup"):
+            ratios = [r[key] / o[key] for r, o in zip(runs, old) if o[key] > 0]
+            parts.append(f"{key} {statistics.median(ratios):.2f}x ({' '.join(f'{x:.2f}' for x in ratios)})"
+                         if ratios else f"{key} -")
+        same = all(r["tokens"] == o["tokens"] for r, o in zip(runs, old))
+        print(f"  {name} this tree / base, per round: {', '.join(parts)}; greedy tokens equal: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -137,3 +137,23 @@ def test_guess_width_follows_each_ranks_measured_precision(gpt_oss):
         assert sorted(widths) == [1] * (EXPLORE - 1) + [4]  # rank 0 only, but all ranks once in EXPLORE calls
     finally:
         pager.close()
+
+
+def test_a_union_of_guesses_is_dropped_where_the_layers_misses_outnumber_the_readers(gpt_oss):
+    """Several rows' guesses (not ranked) are read only while the layer's own misses do not outnumber the readers;
+    one token's ranked guesses always are."""
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
+    try:
+        pager.begin_layer(a, [0, 1], [(b, [5, 6])])  # two misses, two readers: the guesses are read
+        assert pager.stats.prefetch.issued == 2
+        pager.hold(a, [0, 1])
+        pager.begin_layer(a, [2, 3, 4], [(b, [7, 8])])  # three misses outnumber the readers: no guess
+        assert pager.stats.prefetch.issued == 2 and (b, 7) not in pager.where
+        pager.hold(a, [2, 3, 4])
+        pager.begin_layer(a, [5, 6, 7], [(b, [1])], ranked=True)  # one token's ranked guess: read
+        assert pager.stats.prefetch.issued == 3 and (b, 1) in pager.where
+        pager.hold(a, [5, 6, 7])
+    finally:
+        pager.close()
