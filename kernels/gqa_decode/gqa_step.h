@@ -36,6 +36,17 @@ inline void head_rms_norm(float* x, int64_t D, const float* w, float eps) {
 // Floats of `scratch` attention_step needs.
 inline int64_t step_scratch(int64_t H, int64_t Hkv, int64_t D) { return (2 * H + 2 * Hkv) * D; }
 
+// The token's q, k and v heads ([(H + 2 Hkv) D] into qkv): the projection, the per-head RMSNorms (q_norm null:
+// none) and RoPE, as both attention steps below compute them.
+inline void project_qkv(const float* x, const localmoe::Matrix& qkv_w, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
+                        const float* cos, const float* ssin, const float* q_norm, const float* k_norm, float eps,
+                        float* qkv, void* xq, int threads) {
+  localmoe::matvec(qkv_w, x, qkv, xq, threads);
+  if (q_norm != nullptr)
+    for (int64_t h = 0; h < H + Hkv; ++h) head_rms_norm(qkv + h * D, D, h < H ? q_norm : k_norm, eps);
+  for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
+}
+
 // out [hidden] = o(attention(rope(norm(qkv x)))) with k, v written at `pos` of the pools (head h's
 // position s at h * head_stride + s * D); q_norm / k_norm [D]: per-head RMSNorm of q and k before
 // RoPE (null: none), eps theirs; xq: matvec scratch for GGUF-block matrices (null for fp32/bf16).
@@ -46,10 +57,7 @@ inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const 
                            float* scratch, void* xq, int threads) {
   float* qkv = scratch;                        // [(H + 2 Hkv) D]
   float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
-  localmoe::matvec(qkv_w, x, qkv, xq, threads);
-  if (q_norm != nullptr)
-    for (int64_t h = 0; h < H + Hkv; ++h) head_rms_norm(qkv + h * D, D, h < H ? q_norm : k_norm, eps);
-  for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
+  project_qkv(x, qkv_w, H, Hkv, D, rot, cos, ssin, q_norm, k_norm, eps, qkv, xq, threads);
   for (int64_t h = 0; h < Hkv; ++h) {
     std::copy_n(qkv + (H + h) * D, D, kpool + h * head_stride + pos * D);
     std::copy_n(qkv + (H + Hkv + h) * D, D, vpool + h * head_stride + pos * D);
@@ -106,10 +114,7 @@ inline void attention_step_cached(const float* x, const localmoe::Matrix& qkv_w,
                                   const float* k_norm, float eps, float* out, float* scratch, void* xq, int threads) {
   float* qkv = scratch;                        // [(H + 2 Hkv) D]
   float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
-  localmoe::matvec(qkv_w, x, qkv, xq, threads);
-  if (q_norm != nullptr)
-    for (int64_t h = 0; h < H + Hkv; ++h) head_rms_norm(qkv + h * D, D, h < H ? q_norm : k_norm, eps);
-  for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
+  project_qkv(x, qkv_w, H, Hkv, D, rot, cos, ssin, q_norm, k_norm, eps, qkv, xq, threads);
   localmoe_cache::write(k, pos, qkv + H * D);
   localmoe_cache::write(v, pos, qkv + (H + Hkv) * D);
   const CachedArgs args{qkv, H, H / Hkv, D, &k, &v, first, pos + 1, sinks, scale, attn};
