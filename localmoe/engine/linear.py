@@ -130,9 +130,12 @@ def _widened(weight: torch.Tensor) -> torch.Tensor:
     n = weight.numel()
     if n > WIDEN_MAX:
         return weight.float()
-    buffer = getattr(_widening, "buffer", None)
+    # one buffer inside inference mode, one outside: a tensor made in it cannot be written outside it
+    name = "inference" if torch.is_inference_mode_enabled() else "normal"
+    buffer = getattr(_widening, name, None)
     if buffer is None or buffer.numel() < n:
-        buffer = _widening.buffer = torch.empty(n)
+        buffer = torch.empty(n)
+        setattr(_widening, name, buffer)
     return buffer[:n].view(weight.shape).copy_(weight)
 
 

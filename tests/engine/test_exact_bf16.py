@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -36,6 +38,17 @@ def test_only_exact_fp32_weights_are_stored_as_bf16():
         xs = torch.randn(rows, 96)
         assert torch.equal(Linear(exact, None, "float32")(xs), Linear(exact, None, "float32", compact=False)(xs))
     assert torch.equal(Linear(exact, None, "float32")(x), Linear(exact, None, "float32", compact=False)(x))
+    big, out = torch.randn(40, 96), []
+
+    def fresh_thread():  # its widening buffer made first inside inference mode, then a GEMM call outside it
+        with torch.inference_mode():
+            out.append(Linear(exact, None, "float32")(big))
+        out.append(Linear(exact, None, "float32")(big))
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert len(out) == 2 and torch.equal(out[0], out[1])
 
 
 @needs_kernel
