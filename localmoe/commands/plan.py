@@ -42,8 +42,12 @@ def command(store, ram, gpu_mem, trace_path):
     experts = total // slot
     slots = min(budget // slot, experts)  # a budget beyond the model holds every expert, no more
     bw = measure(packed)
+    # a next-n (MTP) layer's experts are extents past the model's layers: read only while `--spec mtp` drafts
+    layers = [layer for layer in packed.layers() if layer < spec.num_layers]
+    nextn = len(packed.layers()) - len(layers)
     click.echo(f"{packed.path.name}: {total / 1e9:.2f} GB of experts, {total // slot} x {slot / 2**20:.2f} MiB; "
-               f"{len(packed.layers())} MoE layers, top-{spec.num_experts_per_tok} of {spec.num_experts}")
+               f"{len(layers)} MoE layers" + (f" (+ {nextn} MTP, read only with --spec mtp)" if nextn else "")
+               + f", top-{spec.num_experts_per_tok} of {spec.num_experts}")
     fits = " (every expert fits: only first reads miss)" if slots == experts else ""
     click.echo(f"RAM tier: {slots} slots = {slots * slot / 1e9:.2f} GB ({slots * slot / total:.0%} of the experts)"
                + fits)
@@ -62,14 +66,14 @@ def command(store, ram, gpu_mem, trace_path):
     where = place(slot, 1, bw)
     click.echo(f"host-resident experts at decode: computed on the {where.where.upper()} "
                f"(cpu {where.cpu_seconds * 1e3:.1f} ms vs gpu {where.gpu_seconds * 1e3:.1f} ms per expert)")
-    active = len(packed.layers()) * spec.num_experts_per_tok
+    active = len(layers) * spec.num_experts_per_tok
     traces = []
     if trace_path:
         traces.append(("recorded", RoutingTrace.load(trace_path)))
     else:
-        traces.append(("SYNTHETIC locality", synthetic_trace(packed.layers(), spec.num_experts,
+        traces.append(("SYNTHETIC locality", synthetic_trace(layers, spec.num_experts,
                                                              spec.num_experts_per_tok, 300)))
-        traces.append(("SYNTHETIC uniform", synthetic_trace(packed.layers(), spec.num_experts,
+        traces.append(("SYNTHETIC uniform", synthetic_trace(layers, spec.num_experts,
                                                             spec.num_experts_per_tok, 300, reuse=0.0, zipf=0.0)))
     for label, trace in traces:
         r = compare(trace, max(slots, 1))

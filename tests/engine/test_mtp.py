@@ -291,3 +291,21 @@ def test_the_mtp_layer_of_a_gguf_equals_the_checkpoints(tmp_path, family):
     want, _ = run(gguf.model, prompt)
     spec = Speculator(MTPDrafter(ours), k=3, adaptive=False)
     assert run(gguf.model, prompt, speculator=spec)[0] == want and spec.stats.drafted > 0
+
+
+def test_plan_counts_the_mtp_layer_apart(models):
+    """`localmoe plan` over a store whose MTP layer keeps its experts as extents counts the model's MoE layers
+    (the tokens/s it predicts read those per token) and names the MTP layer apart: read only while `--spec mtp`
+    drafts."""
+    from click.testing import CliRunner
+
+    from localmoe.cli import cli
+    from localmoe.store.packed import PackedStore
+
+    resident, stored = models
+    with PackedStore(stored.source) as packed:
+        moe = sum(1 for layer in packed.layers() if layer < resident.spec.num_layers)
+        assert len(packed.layers()) == moe + 1
+    out = CliRunner().invoke(cli, ["plan", str(stored.source), "--ram", "25%"])
+    assert out.exit_code == 0, out.output
+    assert f"; {moe} MoE layers (+ 1 MTP, read only with --spec mtp)," in out.output
