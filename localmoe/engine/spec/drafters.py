@@ -45,7 +45,9 @@ class Drafter(Protocol):
     name: str
     # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
     # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
-    # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one)
+    # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one), `deterministic`
+    # (with `matches`: its draft depends on the history alone, so a class that does not pay is tried in the shadow,
+    # speculator.py `shadow_seen`, not by a verify)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -63,7 +65,7 @@ class PromptLookup:
     afresh. A step costs O(CANDIDATES * LONGEST) whatever the context."""
 
     name = "prompt"
-    free = matches = True
+    free = matches = deterministic = True
 
     def __init__(self, min_ngram: int = 1, tokenizer=None):
         if min_ngram < 1:
