@@ -72,6 +72,7 @@ class PromptLookup:
             raise ValueError(f"prompt lookup needs min_ngram >= 1, not {min_ngram}")
         self.min_ngram, self.tokenizer = min_ngram, tokenizer
         self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
+        self._stripped: dict[int, str] = {}  # token id -> its text less whitespace (its key)
         self._seen: list[int] = []  # the history indexed so far
         self._keys: list = []  # what is compared: ids, or (with a tokenizer) their text less whitespace
         self._at: list[int] = []  # each key's position in the history (whitespace-only tokens have none)
@@ -80,10 +81,11 @@ class PromptLookup:
     def _key(self, token: int):
         if self.tokenizer is None:
             return token
-        text = self._text.get(token)
-        if text is None:
+        key = self._stripped.get(token)
+        if key is None:
             text = self._text[token] = self.tokenizer.decode([token])
-        return _SPACE.sub("", text)
+            key = self._stripped[token] = _SPACE.sub("", text)
+        return key
 
     def _update(self, history: Sequence[int]) -> None:
         history = history if isinstance(history, list) else list(history)

@@ -93,8 +93,11 @@ RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a dra
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
 # overall acceptance), 1, 2-3, 4-7, 8+ tokens; each class's prior a (weight PRIOR), until its own counts say. A
 # single-token match is mostly a common word, not a quote (7% of such drafts kept on a free answer, the
-# embedded model): its prior drafts only where a verify costs little more than a plain step
-CLASS_PRIOR = (None, 0.15, 0.5, 0.7, 0.9)
+# embedded model): its prior drafts only where a verify costs little more than a plain step. A 2-3 token match is
+# kept 64-81% on quoting answers and 17% on a free one: its prior (0.3) does not pay for a verify even at the
+# dense plan's first estimate (2 rows at FIRST_ROWS_SAME), so a free answer verifies none at its prior (it did, two
+# rejected verifies per answer) and a quoting one learns it from shadow tries (prompt lookup) within a few steps
+CLASS_PRIOR = (None, 0.15, 0.3, 0.7, 0.9)
 BUCKETS = len(CLASS_PRIOR)
 PRIOR = 2.0
 
@@ -248,7 +251,9 @@ class Speculator:
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
         most = SHADOW_MAX if self.deterministic else PROBE_MAX
-        due = min(self._tried[b] + min(self._spacing * self._backoff[b], most) for b in range(1, BUCKETS))
+        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window)
+        due = float("inf") if self._shadow is not None else \
+            min(self._tried[b] + min(self._spacing * self._backoff[b], most) for b in range(1, BUCKETS))
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 

@@ -84,12 +84,19 @@ def _propose(dec) -> Draft:
     k = min(spec.choose_k(), dec.room, K_MAX)
     if k <= 0:
         return NO_DRAFT
-    history = dec.in_cache + dec.pending
-    if spec.matches:  # the drafter is told the shortest match worth a draft (it builds no shorter one's)
-        draft = spec.drafter.propose(history, k, dec.params, dec.generator, least=spec.least)
-    else:
-        draft = spec.drafter.propose(history, k, dec.params, dec.generator)
-    return spec.fit(draft.first(k), len(history)) if draft.tokens else draft
+    # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
+    # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
+    history, pending = dec.in_cache, dec.pending
+    history.extend(pending)
+    try:
+        if spec.matches:  # the drafter is told the shortest match worth a draft (it builds no shorter one's)
+            draft = spec.drafter.propose(history, k, dec.params, dec.generator, least=spec.least)
+        else:
+            draft = spec.drafter.propose(history, k, dec.params, dec.generator)
+        at = len(history)
+    finally:
+        del history[len(history) - len(pending):]
+    return spec.fit(draft.first(k), at) if draft.tokens else draft
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
