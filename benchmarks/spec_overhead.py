@@ -107,6 +107,7 @@ def run_round(loaded, prompt, args, order_seed: int) -> dict[str, dict]:
                     dec.feed([token])
     for name, sp in made.items():
         stats[name]["spec"] = sp.stats if sp is not None else None
+        stats[name]["shadows"] = sp.shadow_tries if sp is not None else 0
     return stats
 
 
@@ -140,9 +141,14 @@ def main() -> None:
         for name in ratios:
             ratios[name].append(per["off"] / per[name])
             sp = stats[name]["spec"]
-            line += f"; {name} {ratios[name][-1]:.3f}x ({sp.drafted} drafted, {sp.accepted} kept)"
+            line += (f"; {name} {ratios[name][-1]:.3f}x ({sp.drafted} drafted, {sp.accepted} kept, "
+                     f"{stats[name]['shadows']} shadow tries)")
         print(line + ("" if same else "  (TEXT DIFFERS)"), flush=True)
     print("median over rounds: " + ", ".join(f"{name} {statistics.median(v):.3f}x" for name, v in ratios.items()))
+    if args.rounds > 2:  # the mean's 95% interval (rounds as independent samples): beyond noise where it excludes a cost
+        print("mean over rounds, 95% interval: " + ", ".join(
+            f"{name} {statistics.mean(v):.4f}x +- {2 * statistics.stdev(v) / len(v) ** 0.5:.4f}"
+            for name, v in ratios.items()))
     print("CPU time per step outside the forward, median over rounds: " +
           ", ".join(f"{name} {1e6 * statistics.median(v):.0f} us" for name, v in outside.items()))
 

@@ -215,8 +215,11 @@ class PagedBuffer:
         return self._exact_recent(data.float(), length) if self.lossy else data
 
     def trim(self, offset: int) -> None:
-        """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten)."""
-        self.recent_pos.masked_fill_(self.recent_pos >= offset, -1)
+        """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten). Nothing but
+        a comparison where no block is past it and the buffer is fp32 (no exact ring: a verify's rejected drafts
+        roll back every layer's K/V each time, and two tensor ops per buffer cost ~0.25 ms over 30 layers)."""
+        if self.lossy:
+            self.recent_pos.masked_fill_(self.recent_pos >= offset, -1)
         keep = -(-offset // self.block)
         if keep >= len(self.table[0]):
             return
@@ -298,6 +301,8 @@ class ModelCache:
         self.layers = layers
         # the layers that can keep a state per position while recording (delta-rule states: engine/spec/verify.py)
         self.recorders = [layer for layer in layers if hasattr(layer, "record")]
+        # trim's order: the paged layers after the ones that may refuse (a delta-rule state), fixed at construction
+        self._trim_order = sorted(layers, key=lambda layer: getattr(layer, "paged", False))
         self.batch = batch
         self.max_len = max_len
         self.device = torch.device(device)
@@ -338,7 +343,7 @@ class ModelCache:
         state cannot be rolled back to an arbitrary position) leaves the offset unchanged.
         """
         target = min(self.offset, offset)
-        for layer in sorted(self.layers, key=lambda layer: getattr(layer, "paged", False)):  # paged ones last
+        for layer in self._trim_order:  # paged ones last
             layer.trim(target)
         self.offset = target
 

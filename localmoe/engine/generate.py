@@ -116,8 +116,10 @@ class Decoder:
 
     @property
     def room(self) -> int:
-        """Positions still free in the cache once pending tokens are in."""
-        return self.cache.max_len - self.cache.offset - len(self.pending)
+        """Positions still free in the cache once pending tokens are in and the kept drafts not handed out yet
+        (`ahead`: in the cache, but decided) are handed out: a speculating turn near its max_tokens must not stop
+        early because drafts it kept fill the positions its last tokens take (it stopped at 127 of 128)."""
+        return self.cache.max_len - self.cache.offset - len(self.pending) + len(self.ahead)
 
     def logits(self) -> torch.Tensor | None:
         """Run pending tokens; logits [1, V] of the last one, or None while prompt chunks remain. With a

@@ -210,3 +210,31 @@ def test_fp32_single_sequence_reads_are_views_of_the_pool(small_blocks):
     assert keys.shape == (1, 2, 41, 8) and keys.data_ptr() == cache.keys.pool.data_ptr()  # no copy
     assert keys.stride(-2) == 8  # one head's positions are contiguous rows (what SDPA reads fastest)
     assert torch.equal(keys[:, :, :40], k.transpose(1, 2))
+
+
+def test_trim_of_an_fp32_cache_runs_no_tensor_op_where_no_block_is_released(small_blocks):
+    """A verify's rejected drafts trim every layer after each such step: for fp32 K/V with nothing to release it
+    must cost no tensor op (it did: a masked fill of the empty exact ring per buffer); fp8 still clears its ring."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops_of_trim(dtype: str, offset: int) -> int:
+        layers = [KVCache(1, 2, 64, 4, dtype) for _ in range(3)]
+        cache = ModelCache(layers, 1, 64)
+        for layer in layers:
+            layer.update(0, torch.randn(1, 12, 2, 4), torch.randn(1, 12, 2, 4))
+        cache.advance(12)
+        Count.ops = 0
+        with Count():
+            cache.trim(offset)
+        assert cache.offset == offset
+        return Count.ops
+
+    assert ops_of_trim("float32", 9) == 0  # the block holding 0..15 stays: nothing to do
+    assert ops_of_trim("fp8", 9) > 0  # the exact ring forgets 9..11

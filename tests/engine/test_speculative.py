@@ -35,6 +35,13 @@ class NoDraft:
         return Draft([])
 
 
+class Verified(PromptLookup):
+    """Prompt lookup's match classes, but tried by verifies, not in the shadow (as a drafter whose drafts are not
+    a function of the history alone is: a sampled one)."""
+
+    deterministic = False
+
+
 def run(model, prompt, steps=STEPS, speculator=None, params=GREEDY) -> tuple[list[int], Decoder]:
     """Generated tokens; without a speculator each decode step is one row of the batched step: decode_together,
     or, for a model with a residual scheme (K3's attention residuals: its plain `logits()` takes its own
@@ -283,7 +290,7 @@ def test_a_drafters_own_time_is_priced_per_draft():
     """Drafts always kept and 5 rows at 1.4x one, but each draft costs a plain step to make (a slow draft
     model): no k pays. The same steps with drafts made for free: the most drafts."""
     for drafting, want in ((1.0, 0), (0.0, 4)):
-        spec = Speculator(PromptLookup(), k=4)
+        spec = Speculator(Verified(), k=4)
         for _ in range(10):
             spec.observe(4, 4, 5, 1.4, 0, 4 * drafting)
             spec.observe(0, 0, 1, 1.0)
@@ -314,7 +321,7 @@ def test_tries_while_no_draft_pays_cost_a_bounded_share():
 
     for cost in (1.1, 1.2, 2.0):  # a 2-row verify at 1.1 / 1.2 / 2 plain steps
         first = max(PROBE, round((cost - 1.0) / PROBE_SHARE))
-        spec = Speculator(PromptLookup(), k=4)
+        spec = Speculator(Verified(), k=4)
         spec.observe(0, 0, 1, 1.0)
         for _ in range(30):
             spec.observe(1, 0, 2, cost, 1)
@@ -333,7 +340,7 @@ def test_tries_while_no_draft_pays_cost_a_bounded_share():
         assert not spec.retired
         assert first - 1 <= gaps[0] <= first and gaps[1] >= 2 * gaps[0] - 1 and max(gaps) <= PROBE_MAX
         assert len(gaps) * (cost - 1.0) <= PROBE_SHARE * total * 1.5
-    spec = Speculator(PromptLookup(), k=4)  # a kept try: the spacing is PROBE again
+    spec = Speculator(Verified(), k=4)  # a kept try: the spacing is PROBE again
     spec.observe(0, 0, 1, 1.0)
     spec.observe(1, 0, 2, 1.2, 1)
     spec._backoff[1] = 8
@@ -348,7 +355,7 @@ def test_a_class_rejected_early_is_tried_again_while_longer_matches_draft():
     all classes was put off by every draft of another class, so one early rejection shut a class for good)."""
     from localmoe.engine.spec.speculator import PROBE_SHARE
 
-    spec = Speculator(PromptLookup(), k=4)
+    spec = Speculator(Verified(), k=4)
     spec.observe(0, 0, 1, 1.0)
     spec.observe(1, 0, 2, 1.3, bucket(Draft([1], match=2)))  # a 2-3 token match's draft rejected
     assert spec.fit(Draft([1], match=2)).tokens == []  # its class no longer pays
@@ -365,6 +372,81 @@ def test_a_class_rejected_early_is_tried_again_while_longer_matches_draft():
             spec.observe(0, 0, 1, 1.0)
     spacing = (1.3 - 1.0) / PROBE_SHARE
     assert tried and tried[0] <= spacing + 2 and len(tried) <= 200 / spacing + 1
+
+
+def shadow_steps(spec, steps: int, draft, answer) -> int:
+    """Steps of a sequence whose lookup drafts `draft(n)` at each position n (a 2-3 token match's) and which yields
+    `answer(n)` there, after a verify measured 5 rows at 1.6 plain steps -> the drafts verified."""
+    history: list[int] = list(range(100, 140))
+    spec.observe(0, 0, 1, 1.0)
+    spec.observe(4, 4, 5, 1.6, bucket(Draft([1], match=12)))
+    verified = 0
+    for _ in range(steps):
+        if spec._shadow is not None:
+            spec.shadow_seen(history[:-1], history[-1:])
+        k = spec.choose_k()
+        at = len(history)
+        tokens = draft(at)[:k] if k else []
+        kept = spec.fit(Draft(tokens, match=2), at).tokens if tokens else []
+        if kept:
+            verified += len(kept)
+            j = 0
+            while j < len(kept) and kept[j] == answer(at + j):
+                j += 1
+            spec.observe(len(kept), j, 1 + len(kept), 1.0 + 0.15 * len(kept), bucket(Draft([1], match=2)))
+            history += [answer(at + i) for i in range(j + 1)]
+        else:
+            spec.observe(0, 0, 1, 1.0)
+            history.append(answer(at))
+    return verified
+
+
+def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
+    """Prompt lookup (deterministic): a 2-3 token match's drafts, priced below paying, are looked at in the
+    shadow (no verify) and compared with the tokens the sequence then yields. Where they are mostly right the
+    class's acceptance rises from those comparisons alone until its drafts are verified; where they are wrong no
+    verify runs at all and the shadow tries back off (each with nothing kept doubles the spacing). A drafter
+    tried by verifies instead verifies its rejected drafts now and then."""
+    from localmoe.engine.spec.speculator import SHADOW_MAX
+
+    right = Speculator(PromptLookup(), k=4)
+    right._bucket_trials[2], right._bucket_kept[2] = 3.0, 0.0  # three early rejections: the class does not pay
+    verified = shadow_steps(right, 60, lambda n: [n, n + 1, n + 2, n + 3], lambda n: n)
+    assert right.shadow_tries >= 1 and right.shadow_kept == right.shadow_tries
+    assert right._priced_classes()[2][0] > 0 and verified > 20  # verified and kept once the shadows said so
+    wrong = Speculator(PromptLookup(), k=4)
+    wrong._bucket_trials[2] = 3.0  # (at its prior alone, a class 2 draft pays over rows this cheap)
+    assert shadow_steps(wrong, 300, lambda n: [-n, 1, 2, 3], lambda n: n) == 0
+    assert wrong.shadow_tries >= 5 and wrong.shadow_kept == 0
+    assert wrong.shadow_tries <= 300 / SHADOW_MAX + 8  # backed off: 2, 4, ... 64 steps apart
+    assert wrong.bucket_acceptance(2) < 0.2  # (its prior, weight PRIOR, against decayed counts of ~5)
+    verifies = Speculator(Verified(), k=4)
+    verifies._bucket_trials[2] = 3.0
+    assert shadow_steps(verifies, 300, lambda n: [-n, 1, 2, 3], lambda n: n) > 0 and verifies.shadow_tries == 0
+
+
+def test_a_shadow_try_settles_at_the_first_difference_or_once_its_positions_are_yielded():
+    spec = Speculator(PromptLookup(), k=4)
+    spec._shadow = (3, [7, 8, 9], 2)
+    spec.shadow_seen([0, 1, 2], [7])  # the first agrees, the rest not yielded yet
+    assert spec._shadow is not None
+    spec.shadow_seen([0, 1, 2, 7], [8])
+    assert spec._shadow is not None
+    spec.shadow_seen([0, 1, 2, 7, 8], [5])  # parts at the third: two kept of three
+    assert spec._shadow is None and spec.shadow_tries == 1 and spec.shadow_kept == 1
+    assert spec._bucket_kept[2] == 2 and spec._bucket_trials[2] == 3 and spec._backoff[2] == 1
+    spec._shadow = (4, [6], 2)
+    spec.shadow_seen([0, 1, 2, 7], [8])  # parts at once: nothing kept, the next try waits twice as long
+    assert spec._shadow is None and spec._backoff[2] == 2 and spec.shadow_kept == 1
+
+
+def test_prompt_lookup_with_shadow_tries_greedy_equals_plain(model):
+    """The adaptive speculator over a real model: shadow tries and verifies mixed, the text unchanged."""
+    prompt = prompt_for(model)
+    want, _ = run(model, prompt)
+    spec = Speculator(PromptLookup(), k=4)
+    got, _ = run(model, prompt, speculator=spec)
+    assert got == want
 
 
 def test_a_retired_speculator_stops_the_states_kept_for_rollback(tmp_path):

@@ -81,6 +81,24 @@ def test_run_with_prompt_lookup_equals_off(embedded):  # noqa: F811
     assert outputs["prompt"].spec.steps > 0
 
 
+def test_a_speculating_turn_yields_max_tokens_when_drafts_are_kept_at_the_end(embedded):  # noqa: F811
+    """Kept drafts fill the cache ahead of the tokens handed out: near max_tokens that must not end the turn
+    early (the turns checked the cache's room, which those drafts took: a code edit stopped at 127 of 128)."""
+    for n in range(10, 30, 3):
+        want = alone(embedded, completion(embedded, QUOTE, n))
+        prep = completion(embedded, QUOTE, n)
+        prep.speculator = Speculator(PromptLookup(), k=7, adaptive=False)
+        got = alone(embedded, prep)
+        assert got.spec.accepted > 0
+        assert (got.completion_tokens, got.content) == (want.completion_tokens, want.content), n
+        service = Service(embedded, ServerConfig(prefix_cache_entries=0, batching="on", spec="prompt", spec_k=7))
+        request = ChatRequest([ChatMessage("user", QUOTE)], n, GREEDY)
+        plain = Service(embedded, ServerConfig(prefix_cache_entries=0, batching="on"))
+        chat = {name: list(s.chat_here(request))[-1][1] for name, s in (("on", service), ("off", plain))}
+        assert (chat["on"].completion_tokens, chat["on"].content) == (chat["off"].completion_tokens,
+                                                                       chat["off"].content), n
+
+
 DOCUMENT = """The packed store keeps each routed expert in one page-aligned extent, so one read fetches the gate,
 up and down matrices of an expert together with their scales. The pager keeps the hot experts in RAM
 slots and reads the others from the drive on demand; its policy decides which slot an expert evicts."""

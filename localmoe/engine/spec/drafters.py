@@ -45,7 +45,9 @@ class Drafter(Protocol):
     name: str
     # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
     # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
-    # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one)
+    # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one), `deterministic`
+    # (with `matches`: its draft depends on the history alone, so a class that does not pay is tried in the shadow,
+    # speculator.py `shadow_seen`, not by a verify)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -63,13 +65,14 @@ class PromptLookup:
     afresh. A step costs O(CANDIDATES * LONGEST) whatever the context."""
 
     name = "prompt"
-    free = matches = True
+    free = matches = deterministic = True
 
     def __init__(self, min_ngram: int = 1, tokenizer=None):
         if min_ngram < 1:
             raise ValueError(f"prompt lookup needs min_ngram >= 1, not {min_ngram}")
         self.min_ngram, self.tokenizer = min_ngram, tokenizer
         self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
+        self._stripped: dict[int, str] = {}  # token id -> its text less whitespace (its key)
         self._seen: list[int] = []  # the history indexed so far
         self._keys: list = []  # what is compared: ids, or (with a tokenizer) their text less whitespace
         self._at: list[int] = []  # each key's position in the history (whitespace-only tokens have none)
@@ -78,10 +81,11 @@ class PromptLookup:
     def _key(self, token: int):
         if self.tokenizer is None:
             return token
-        text = self._text.get(token)
-        if text is None:
+        key = self._stripped.get(token)
+        if key is None:
             text = self._text[token] = self.tokenizer.decode([token])
-        return _SPACE.sub("", text)
+            key = self._stripped[token] = _SPACE.sub("", text)
+        return key
 
     def _update(self, history: Sequence[int]) -> None:
         history = history if isinstance(history, list) else list(history)

@@ -31,6 +31,17 @@ are spaced so that they cost at most PROBE_SHARE of the decode time ((t(2) - t(1
 PROBE_SHARE steps after the class's last verify, at least PROBE), and every try whose draft is rejected doubles
 the class's spacing (up to PROBE_MAX steps) until one is kept.
 
+Shadow tries (a deterministic drafter: prompt lookup, `Drafter.deterministic`). Its draft depends on the history
+alone, so whether a draft would have been kept is seen for free a few steps later, in the tokens the sequence
+yields: a class that does not pay is tried in the shadow instead of by a verify (its draft of k_max tokens is
+remembered, not run; once the sequence has yielded those positions, the tokens kept until the first difference
+count as a verify's would, `shadow_seen`). Greedy: exactly what a verify would have kept; sampling: a one-hot draft
+token equals the sampled one with the probability the acceptance rule keeps it. One shadow at a time, class b's
+spaced SHADOW plain steps after its last (doubled by every shadow with nothing kept, up to SHADOW_MAX): a try
+costs the draft's lookup and a comparison, not a rejected verify, so such a class learns its acceptance from
+many tries (a code edit's 2-3 token matches, 64-81% kept on quoting answers, 17% on a free one) and a free
+answer runs no verify at all.
+
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
 match that pays (`least_match`: it builds no draft after a shorter one), and a step in which no sequence drafts
@@ -75,13 +86,18 @@ RECENT = 9  # a row count's step time is the median of its last RECENT steps (a 
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
+SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
+SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
 # overall acceptance), 1, 2-3, 4-7, 8+ tokens; each class's prior a (weight PRIOR), until its own counts say. A
 # single-token match is mostly a common word, not a quote (7% of such drafts kept on a free answer, the
-# embedded model): its prior drafts only where a verify costs little more than a plain step
-CLASS_PRIOR = (None, 0.15, 0.5, 0.7, 0.9)
+# embedded model): its prior drafts only where a verify costs little more than a plain step. A 2-3 token match is
+# kept 64-81% on quoting answers and 17% on a free one: its prior (0.3) does not pay for a verify even at the
+# dense plan's first estimate (2 rows at FIRST_ROWS_SAME), so a free answer verifies none at its prior (it did, two
+# rejected verifies per answer) and a quoting one learns it from shadow tries (prompt lookup) within a few steps
+CLASS_PRIOR = (None, 0.15, 0.3, 0.7, 0.9)
 BUCKETS = len(CLASS_PRIOR)
 PRIOR = 2.0
 
@@ -156,6 +172,10 @@ class Speculator:
         self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
+        # its drafts depend on the history alone: classes that do not pay are tried in the shadow (`shadow_seen`)
+        self.deterministic = self.matches and getattr(drafter, "deterministic", False)
+        self._shadow: tuple[int, list[int], int] | None = None  # (position of its first token, tokens, class)
+        self.shadow_tries = self.shadow_kept = 0  # shadow tries resolved, and of those, the ones with a token kept
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
     @property
@@ -219,7 +239,8 @@ class Speculator:
         if self.matches:
             self.least = self._least_due()
         if best == 0 and any(self._due(b) for b in self._classes):
-            return 1  # a try is due: one draft (`fit` keeps it if its class is the one due)
+            # a try is due: one draft (`fit` keeps it if its class is the one due); a shadow try looks at k_max
+            return self.k_max if self.deterministic else 1
         if self.free and self.matches:
             self._settle(best)
         return best
@@ -229,7 +250,10 @@ class Speculator:
         which a class's try falls due (`_due`), SETTLE steps at most (t(1) is checked for REPRICE that often), and
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
-        due = min(self._tried[b] + min(self._spacing * self._backoff[b], PROBE_MAX) for b in range(1, BUCKETS))
+        most = SHADOW_MAX if self.deterministic else PROBE_MAX
+        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window)
+        due = float("inf") if self._shadow is not None else \
+            min(self._tried[b] + min(self._spacing * self._backoff[b], most) for b in range(1, BUCKETS))
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 
@@ -248,8 +272,9 @@ class Speculator:
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
             self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
             self._memo_t1 = one
-            # a try costs a 2-row verify over a plain step, and making its draft
-            self._spacing = max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
+            # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
+            self._spacing = SHADOW if self.deterministic else \
+                max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
             seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
             # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
             self._classes = classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
@@ -273,9 +298,11 @@ class Speculator:
         if self.residency is not None:
             return 1
         least = self._least
-        since = self.stats.steps
+        if self._shadow is not None:  # one shadow try at a time
+            return 1 << (least - 1)
+        since, most = self.stats.steps, SHADOW_MAX if self.deterministic else PROBE_MAX
         for b in range(1, least):  # a class due for a try (`_due`, inlined: this runs every step)
-            if since - self._tried[b] >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6:
+            if since - self._tried[b] >= min(self._spacing * self._backoff[b], most) - 1e-6:
                 least = b
                 break
         return 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
@@ -288,6 +315,9 @@ class Speculator:
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
+        if self.deterministic:
+            return self._shadow is None and \
+                self.stats.steps - self._tried[b] >= min(self._spacing * self._backoff[b], SHADOW_MAX) - 1e-6
         since = self.stats.steps - self._tried[b]
         return since >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
 
@@ -315,16 +345,22 @@ class Speculator:
             slope = ROW_SLOPE * t[below]
         return t[below] + slope * (rows - below)
 
-    def fit(self, draft: Draft) -> Draft:
+    def fit(self, draft: Draft, at: int | None = None) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
         (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
-        the pager asked to prefetch them."""
+        the pager asked to prefetch them. `at`: the position of the draft's first token (the history's length),
+        where a deterministic drafter's draft of a class that does not pay may be a shadow try."""
         self._probing = False
         if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
             return self._priced_fit(draft, None)
         b = bucket(draft)
         a = self.bucket_acceptance(b)
         keep = self._priced_classes()[b][0]
+        if keep == 0 and self.deterministic:  # a shadow try where one is due, never a verify
+            if at is not None and self._due(b):
+                self._shadow = (at, list(draft.tokens), b)
+                self._tried[b] = self.stats.steps
+            return draft.first(0)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
             keep = int(self._probing)
@@ -353,6 +389,29 @@ class Speculator:
         if keep:
             r.prefetch(keys[1:keep + 1])
         return draft.first(keep)
+
+    def shadow_seen(self, done: list[int], pending: list[int]) -> None:
+        """Settle the shadow try where the sequence (`done` + `pending` tokens) has yielded its positions, or a
+        token that parts from it: its tokens kept until the first difference count as a verify's (module
+        docstring)."""
+        at, tokens, b = self._shadow
+        n, ran = len(tokens), len(done)
+        known = min(n, ran + len(pending) - at)
+        if known <= 0:
+            return
+        kept = 0
+        while kept < known and tokens[kept] == (done[at + kept] if at + kept < ran else pending[at + kept - ran]):
+            kept += 1
+        if kept == known < n:  # all it could see agrees: wait for more
+            return
+        self._shadow = None
+        self.shadow_tries += 1
+        self.shadow_kept += kept > 0
+        self._backoff[b] = 1 if kept else min(2 * self._backoff[b], SHADOW_MAX)
+        self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
+        self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
+        self._memo = None  # the class's acceptance changed: price the classes again
+        self._fast_until = 0.0
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0,
                 drafting: float = 0.0) -> None:
