@@ -83,7 +83,7 @@ async def _batch(service, paths, questions_file, out, fmt, budget, include, excl
 @click.option("--exclude", multiple=True, help="Skip files and folders matching this glob (repeatable).")
 @click.option("--max-tokens", type=int, default=None, help="Longest answer in tokens (default: by --budget).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@spec_options
+@spec_options(default="prompt")
 def command(paths, question, questions_file, model, engine, budget, fmt, out, include, exclude,
             max_tokens, quiet, spec, spec_k):
     """Answer questions over documents (PDF, DOCX, PPTX, XLSX, CSV, HTML, Markdown, text, code) with

@@ -166,10 +166,15 @@ def batching_option(default: str):
              "without a fused single-sequence step, GGUF-block models, MoE models with plain GQA attention).")
 
 
-def spec_options(function):
-    """--spec and --spec-k (speculative decoding, runtime/speculation.py), handed over as `spec` and `spec_k`."""
+def spec_options(function=None, *, default: str = "off"):
+    """--spec and --spec-k (speculative decoding, runtime/speculation.py), handed over as `spec` and `spec_k`.
+    The default is off where answers are free text (chat, run, serve: prompt lookup's per-step lookup costs
+    ~1% there); `analyze` passes "prompt" (its answers quote the passages: 1.25-2.1x measured resident, parity to
+    1.3x paged, docs/performance.md "Speculative decoding", session 10)."""
+    if function is None:
+        return lambda f: spec_options(f, default=default)
     options = [
-        click.option("--spec", "spec", default="off", show_default=True, metavar="prompt|draft:PATH|mtp|off",
+        click.option("--spec", "spec", default=default, show_default=True, metavar="prompt|draft:PATH|mtp|off",
                      help="Speculative decoding: prompt = draft from n-grams of the prompt and the answer so far "
                           "(pays on answers that quote the prompt: document Q&A, code edits); draft:PATH = a "
                           "smaller model with the same tokenizer; mtp = the checkpoint's MTP / next-n layer "

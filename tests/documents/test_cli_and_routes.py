@@ -38,6 +38,29 @@ def test_analyze_json_report_cites_the_page(small_pdf, tmp_path):
     assert all(c["verified"] for c in report["citations"])
 
 
+def test_analyze_speculates_by_default_and_answers_as_without(small_pdf, tmp_path, monkeypatch):
+    """`analyze` drafts from the passages by default (`--spec prompt`: its answers quote them), losslessly: the
+    report's answer, citations and token count equal those of `--spec off` (greedy, repetition penalty 1.1)."""
+    from localmoe.commands import analyze
+
+    default = next(p for p in command.params if p.name == "spec").default
+    assert default == "prompt"
+    services, start = [], analyze._start_service
+    monkeypatch.setattr(analyze, "_start_service", lambda *a, **k: services.append(start(*a, **k)) or services[-1])
+    reports = {}
+    for spec in ("prompt", "off"):
+        out = tmp_path / f"{spec}.json"
+        args = [str(small_pdf), "-q", QUESTION, "--format", "json", "--out", str(out), "--budget", "low",
+                "--max-tokens", "40", "--threads", "2", "--quiet"] + ([] if spec == default else ["--spec", spec])
+        result = CliRunner().invoke(command, args)
+        assert result.exit_code == 0, result.output
+        reports[spec] = json.loads(out.read_text())
+    on, off = reports["prompt"], reports["off"]
+    assert services[0].speculation.stats.steps > 0 and services[1].speculation.stats.steps == 0
+    assert on["answer"] == off["answer"] and on["citations"] == off["citations"]
+    assert on["stats"]["completion_tokens"] == off["stats"]["completion_tokens"] > 8
+
+
 def test_analyze_usage_errors(small_pdf, tmp_path):
     runner = CliRunner()
     neither = runner.invoke(command, [str(small_pdf)])
