@@ -166,11 +166,12 @@ def prefill_memory_worker(path: str, context: int, real: bool, chunk: int = 512)
     libc.malloc_trim(0)  # the random rows' temporaries are not the prefill's
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # the peak from here on (the filled rows are in the RSS already)
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     for start in range(done, context, chunk):
         model.forward(tokens[:, start:start + chunk], cache)
     print(json.dumps({"context": context, "model": loaded, "peak": _status("VmHWM") - loaded,
-                      "cache": cache.nbytes(), "seconds": time.perf_counter() - began}), flush=True)
+                      "cache": cache.nbytes(), "seconds": time.perf_counter() - began,
+                      "cpu": time.process_time() - cpu}), flush=True)
 
 
 def prefill_memory(contexts: list[int], real: bool) -> None:
@@ -186,7 +187,7 @@ def prefill_memory(contexts: list[int], real: bool) -> None:
         at_1m = describe_model(path, EngineConfig(dtype="float32"))["memory"]["kv_cache"]["float32"]
         print(f"prefill working memory, small kimi_k3 (random weights), fp32 cache, chunks of 512, "
               f"{'real prefill' if real else 'cache filled, last chunk real'}, {torch.get_num_threads()} threads")
-        print(f"{'context':>8} {'peak RSS - model':>17} {'cache':>10} {'ratio':>6} {'chunk s':>8}")
+        print(f"{'context':>8} {'peak RSS - model':>17} {'cache':>10} {'ratio':>6} {'chunk s':>8} {'CPU s':>7}")
         rows = []
         for context in contexts:
             args = [sys.executable, __file__, "--prefill-memory-worker", str(path), str(context),
@@ -198,7 +199,7 @@ def prefill_memory(contexts: list[int], real: bool) -> None:
             row = json.loads(out.stdout.strip().splitlines()[-1])
             rows.append(row)
             print(f"{context:>8} {row['peak'] / 2**20:>13.1f} MiB {row['cache'] / 2**20:>6.1f} MiB "
-                  f"{row['peak'] / row['cache']:>6.2f} {row['seconds']:>8.1f}", flush=True)
+                  f"{row['peak'] / row['cache']:>6.2f} {row['seconds']:>8.1f} {row['cpu']:>7.1f}", flush=True)
         if len(rows) >= 2:
             x = torch.tensor([float(r["context"]) for r in rows])
             y = torch.tensor([float(r["peak"]) for r in rows])

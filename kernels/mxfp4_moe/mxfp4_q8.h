@@ -257,14 +257,17 @@ inline void rows_q8_n(int n, const uint8_t* prow, const uint8_t* srow, int64_t n
   rows_q8<R, NT>(prow, srow, nb, xq, stride, y, O);
 }
 
-// R rows against N tokens: passes of 4 tokens while more than kQ8Tokens are left, then the rest in one
-// pass (each pass decodes the rows again).
+// R rows against N tokens in the fewest passes of at most kQ8Tokens, their sizes as even as can be (each
+// pass decodes the rows again; a token's cost falls with the pass's size: 12 tokens as 6 + 6 took 0.93x
+// the CPU of 4 + 4 + 4, Zen 4). A (row, token)'s operations do not depend on the pass: the same bits.
 template <int R>
 inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, int64_t stride,
                            int64_t N, float* y, int64_t O) {
-  int64_t t = 0;
-  for (; N - t > kQ8Tokens; t += 4) rows_q8<R, 4>(prow, srow, nb, xq + t * stride, stride, y + t * O, O);
-  rows_q8_n<R>(static_cast<int>(N - t), prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+  for (int64_t t = 0, passes = (N + kQ8Tokens - 1) / kQ8Tokens; t < N; --passes) {
+    const int64_t n = (N - t + passes - 1) / passes;
+    rows_q8_n<R>(static_cast<int>(n), prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+    t += n;
+  }
 }
 
 // Rows [o0, o1) of a matrix (packed [O, K/2], scales [O, K/32]) against N tokens' q8 records (stride

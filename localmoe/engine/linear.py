@@ -124,7 +124,7 @@ _widening = threading.local()
 
 
 def _widened(weight: torch.Tensor) -> torch.Tensor:
-    """An exactly-bf16 weight as fp32 for a GEMM call: widened into a buffer each thread reuses (a fresh tensor
+    """A bf16 weight (exactly bf16 or rounded to it) as fp32 for a GEMM call: widened into a buffer each thread reuses (a fresh tensor
     per call cost ~8x the copy itself in page faults: 25 against 3.3 ms for 12.6M values, one thread); one over
     WIDEN_MAX values gets a tensor of its own."""
     n = weight.numel()
@@ -186,8 +186,8 @@ class Linear:
             return F.linear(x, w, self.bias)
         if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
             y = F.linear(x.to(self.weight.dtype), self.weight).float()
-        else:
-            y = F.linear(x, self.weight.float())
+        else:  # the rounded values widened into the reused buffer (as an exact weight's: no fresh tensor per call)
+            y = F.linear(x, _widened(self.weight))
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from localmoe.config import EngineConfig, ModelSpec
+from localmoe.engine import heap
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.decode_plan import DecodePlan
 from localmoe.engine.experts import ExpertProvider
@@ -252,12 +253,18 @@ class Transformer:
         if self.residuals is not None:
             if deep is not None:
                 raise LocalMoEError(f"{self.spec.model_type}: deep-stack image features need plain residuals")
+            long = heap.long_chunk(start, T)  # free heap returned before each sublayer (engine/heap.py)
+
             def attn(i: int, h: torch.Tensor) -> torch.Tensor:
                 norm, mixer, _, _ = self.layers[i]
+                if long:
+                    heap.release()
                 return mixer(F.rms_norm(h, (hidden,), norm, self.eps), step, cache.layers[i])
 
             def mlp(i: int, h: torch.Tensor) -> torch.Tensor:
                 _, _, norm, block = self.layers[i]
+                if long:
+                    heap.release()
                 return block(F.rms_norm(h, (hidden,), norm, self.eps))
 
             x = self.residuals.run(x, attn, mlp)
@@ -267,7 +274,10 @@ class Transformer:
             return self.lm_head(F.rms_norm(x if all_logits else x[:, -1:], (hidden,), self.norm, self.eps))
         # plain residuals: each add is fused with the norm that follows it (kernels/rms_norm)
         h = add_rms_norm(x, None, self.layers[0][0], self.eps)
+        long = heap.long_chunk(start, T)  # free heap returned before each layer (engine/heap.py)
         for i, (_, mixer, mlp_norm, mlp) in enumerate(self.layers):
+            if long:
+                heap.release()
             h = add_rms_norm(x, mixer(h, step, cache.layers[i]), mlp_norm, self.eps)
             following = self.layers[i + 1][0] if i + 1 < len(self.layers) else self.norm
             if deep is not None and i < deep.shape[1]:  # deep-stack features join the image tokens' residuals
