@@ -114,7 +114,6 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "dense_moe_expert": ((_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _int, _f32, _f32, _ptr, _ptr,
                           _int), None),
     "dense_moe_layer_scratch": ((_i64, _i64, _i64), _i64),
-    "glu_chunk": ((_ptr, _i64, _i64, _int, _f32, _f32, _ptr, _int), None),
     "dense_moe_layer": ((_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int, _i64, _int, _f32, _f32, _ptr, _ptr,
                          _int), None),
     "dense_gemv_f32": ((_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _int), None),

@@ -16,7 +16,6 @@ import torch
 from localmoe.kernels._cpu import library
 from localmoe.kernels.dense_moe import cpu
 from localmoe.kernels.dense_moe.reference import naive_dense_expert
-from localmoe.kernels.mxfp4_moe.reference import glu
 
 
 def takes(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -80,21 +79,4 @@ def dense_moe_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, t
     return out
 
 
-def glu_chunk_takes(gate_up: torch.Tensor) -> bool:
-    """Whether `glu_chunk` runs the CPU kernel on these [..., 2I] rows (fp32, contiguous, on the CPU, the library
-    built)."""
-    return (gate_up.device.type == "cpu" and gate_up.dtype == torch.float32 and gate_up.is_contiguous()
-            and library() is not None)
-
-
-def glu_chunk(gate_up: torch.Tensor, kind: str, params: tuple[float, float]) -> torch.Tensor:
-    """gate_up [T, 2I] (each token's gate values, then its up values) -> glu(gate, up) [T, I]: the CPU kernel
-    where `glu_chunk_takes`, else the reference (kernels/mxfp4_moe reference.glu)."""
-    if glu_chunk_takes(gate_up):
-        return cpu.glu_chunk(gate_up, kind, params)
-    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-    return glu(kind, gate, up, *params)
-
-
-__all__ = ["DenseExpertTable", "dense_expert", "dense_moe_layer", "glu_chunk", "glu_chunk_takes", "naive_dense_expert",
-           "takes"]
+__all__ = ["DenseExpertTable", "dense_expert", "dense_moe_layer", "naive_dense_expert", "takes"]

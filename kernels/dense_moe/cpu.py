@@ -54,14 +54,3 @@ def dense_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, addre
                         experts.data_ptr(), experts.numel(), DTYPES[dtype], intermediate, GLU_KINDS.index(kind),
                         *params, out.data_ptr(), scratch.data_ptr(), threads())
     return out
-
-
-def glu_chunk(gate_up: torch.Tensor, kind: str, params: tuple[float, float]) -> torch.Tensor:
-    """gate_up [T, 2I] fp32 contiguous CPU (gate rows then up rows per token) -> glu(gate, up) [T, I] (glu.h, the
-    fused decode's arithmetic; kernels/mxfp4_moe reference.glu's kinds)."""
-    assert gate_up.dim() == 2 and gate_up.dtype == torch.float32 and gate_up.is_contiguous() \
-        and gate_up.device.type == "cpu" and gate_up.shape[1] % 2 == 0, "gate_up: fp32 [T, 2I] contiguous"
-    T, I = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(T, I)
-    library().glu_chunk(gate_up.data_ptr(), T, I, GLU_KINDS.index(kind), *params, out.data_ptr(), threads())
-    return out

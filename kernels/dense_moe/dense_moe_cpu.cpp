@@ -177,24 +177,6 @@ void run_expert(const float* x, int64_t D, const int64_t* rows, const float* wei
   }
 }
 
-struct GluArgs {
-  const float* gu;
-  int64_t I;
-  int kind;
-  float p0, p1;
-  float* out;
-};
-
-// Rows [t0, t1) of a dense MLP's gated activation (glu.h, the fused decode's arithmetic).
-void glu_chunk_rows(const void* ctx, int64_t t0, int64_t t1) {
-  const GluArgs& a = *static_cast<const GluArgs*>(ctx);
-  for (int64_t t = t0; t < t1; ++t) {
-    float* o = a.out + t * a.I;
-    std::memcpy(o, a.gu + t * 2 * a.I, a.I * sizeof(float));
-    localmoe::glu_rows(a.kind, o, a.gu + t * 2 * a.I + a.I, a.I, a.p0, a.p1);
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -236,13 +218,6 @@ void dense_moe_layer(const float* x, int64_t D, const int64_t* ids, const float*
       return true;
     });
   }
-}
-
-// out [T, I] = glu(gu[:, :I], gu[:, I:]) for a chunk's dense MLP rows gu [T, 2I] (gate then up, one row per
-// token): glu.h's kinds, the arithmetic of the fused decode's MLPs, elementwise (a row's bits do not depend on T).
-void glu_chunk(const float* gu, int64_t T, int64_t I, int kind, float p0, float p1, float* out, int threads) {
-  const GluArgs args{gu, I, kind, p0, p1, out};
-  localmoe::parallel(glu_chunk_rows, &args, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(I, 1)), threads);
 }
 
 }  // extern "C"

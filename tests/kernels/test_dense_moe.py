@@ -133,20 +133,3 @@ def test_a_table_refuses_experts_it_cannot_point_at():
     assert dense_moe.DenseExpertTable.of(mats) is not None
     assert dense_moe.DenseExpertTable.of([mats[0], (mats[1][0], mats[1][1].half(), mats[1][2])]) is None
     assert dense_moe.DenseExpertTable.of([mats[0], (mats[1][0], mats[1][1], mats[1][2].T)]) is None
-
-
-@pytest.mark.parametrize("kind, params", ACTS, ids=lambda v: v if isinstance(v, str) else None)
-@pytest.mark.parametrize("T", [1, 5, 63], ids=lambda t: f"T{t}")
-def test_glu_chunk_matches_reference(kind, params, T):
-    """A chunk's gated activation over [gate | up] rows (glu.h) against reference.glu, and each row's bits the
-    same alone as among the chunk's others."""
-    from localmoe.kernels.mxfp4_moe.reference import glu
-
-    g = torch.Generator().manual_seed(T)
-    gate_up = torch.randn(T, 2 * 37, generator=g) * 6  # 37: a partial last vector; * 6: tanh past its polynomial
-    got = dense_moe.glu_chunk(gate_up, kind, params)
-    want = glu(kind, gate_up[:, :37].double(), gate_up[:, 37:].double(), *params)
-    assert got.shape == (T, 37)
-    assert (got.double() - want).abs().max().item() <= 4e-6 * want.abs().max().item()
-    for t in (0, T - 1):
-        assert torch.equal(dense_moe.glu_chunk(gate_up[t:t + 1].contiguous(), kind, params)[0], got[t])

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from localmoe.engine.layers import on_device
 from localmoe.engine.linear import Linear, make_linear
-from localmoe.kernels import dense_moe
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "situ": None}  # situ is a whole GLU, not act(gate) * up: see situ_glu
@@ -64,10 +63,6 @@ class GatedMLP:
     def __init__(self, gate_up: Linear, down: Linear, glu: GLU):
         self.gate_up, self.down, self.glu = gate_up, down, glu
         self.intermediate = gate_up.out_features // 2
-        # SiTU in one kernel call over [gate | up] rows (kernels/dense_moe glu_chunk: glu.h, as the fused decode):
-        # eight torch ops and their temporaries were ~2% of a K3 `small` prefill chunk
-        self.chunk_glu = (("situ", (glu.keywords["beta"], glu.keywords["linear_beta"]))
-                          if isinstance(glu, functools.partial) and glu.func is situ_glu else None)
 
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
@@ -78,11 +73,7 @@ class GatedMLP:
         return min(self.gate_up.independent_rows, self.down.independent_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        if self.chunk_glu is not None and dense_moe.glu_chunk_takes(gate_up):
-            h = dense_moe.glu_chunk(gate_up.view(-1, gate_up.shape[-1]), *self.chunk_glu)
-            return self.down(h.view(*gate_up.shape[:-1], self.intermediate))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
         return self.down(self.glu(gate, up))
 
 
