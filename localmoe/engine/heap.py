@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 
-LONG_CONTEXT = int(os.environ.get("LOCALMOE_TRIM_CONTEXT", 32768))  # cache positions from which chunks trim
+LONG_CONTEXT = 32768  # cache positions from which prefill chunks trim
 FREE_MAX = 8 << 20  # bytes of free heap left in place
 
 
