@@ -103,6 +103,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
     "ggml_gemv": ((_ptr, _i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _ptr, _int, _int), _int),
     "ggml_dequantize_rows": ((_ptr, _i64, _ptr, _i64, _int, _i64, _ptr), _int),
+    "ggml_repack": ((_ptr, _ptr, _i64, _i64, _int, _int, _ptr), _int),
     "ggml_moe_token_scratch": ((_i64, _i64, _i64), _i64),
     "ggml_moe_expert_scratch": ((_i64, _i64, _i64), _i64),
     "ggml_moe_expert": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _int, _f32, _f32, _ptr, _ptr, _int), _int),

@@ -1,4 +1,5 @@
-"""GEMV from GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) for decode: y = x W^T (+ b) with x rounded to
+"""GEMV from GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; Q4_K_R8: Q4_K repacked at load,
+repacked.py) for decode: y = x W^T (+ b) with x rounded to
 int8 per 32 values, per 256 for the K-quants (`x_block`: llama.cpp's Q8_0 / Q8_K trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head); `x16` (X16_TYPES: Q8_0) rounds x to
 int16 per 32 values instead (2^-16 of a block's largest value where int8 keeps 2^-8), read with integer dot
@@ -20,9 +21,11 @@ import torch
 from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.ggml_gemv.reference import K_QUANTS, naive_ggml_gemv, q16_round, x_block
+from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8
 
 Q = GGMLQuantizationType
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # the file's types the kernels read
+KERNEL_TYPES = (*TYPES, Q4_K_R8)  # and the repacked ones (repacked.py: Q4_K repacked at load)
 EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
 X16_TYPES = (Q.Q8_0,)  # with a row against x rounded to int16 per 32
 MAX_ROWS = 64  # decode batches up to here run the kernel, a row independent of the others (see the module doc)
@@ -34,7 +37,7 @@ def kernel_available() -> bool:
 
 def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
               bias: torch.Tensor | None = None, exact_x: bool = False, x16: bool = False) -> torch.Tensor:
-    """x [N, K] fp32, raw blocks [O, K / 32 * block bytes] uint8 of `ggml_type` (one of TYPES) for a
+    """x [N, K] fp32, raw blocks [O, K / 32 * block bytes] uint8 of `ggml_type` (one of KERNEL_TYPES) for a
     weight of `shape` (O, K), bias [O] fp32 or None -> y [N, O] fp32; exact_x, x16 (one at most): see the module
     doc."""
     if exact_x and ggml_type not in EXACT_X_TYPES:
@@ -44,16 +47,17 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
                          f"not {ggml_type.name}{' with exact_x' if exact_x else ''}")
     O, K = shape
     lib = library()
-    if (lib is None or ggml_type not in TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
+    if (lib is None or ggml_type not in KERNEL_TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
             or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K
-            or K % (256 if ggml_type in K_QUANTS else 32)
+            or K % x_block(ggml_type)
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return naive_ggml_gemv(x, raw, ggml_type, shape, bias, exact_x, x16)
     N = x.shape[0]
     y = x.new_empty(N, O)
     scratch = torch.empty(lib.ggml_gemv_scratch(N, K), dtype=torch.uint8)
-    lib.ggml_gemv(x.data_ptr(), N, K, raw.data_ptr(), int(ggml_type), O, None if bias is None else bias.data_ptr(),
-                  y.data_ptr(), scratch.data_ptr(), threads(), 2 if x16 else int(exact_x))
+    if lib.ggml_gemv(x.data_ptr(), N, K, raw.data_ptr(), int(ggml_type), O, None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), scratch.data_ptr(), threads(), 2 if x16 else int(exact_x)):
+        raise ValueError(f"ggml_gemv refused {ggml_type.name} [{O}, {K}]")
     return y
 
 
@@ -75,5 +79,5 @@ def dequantize_rows(table: torch.Tensor, ids: torch.Tensor, ggml_type, K: int) -
     return out
 
 
-__all__ = ["EXACT_X_TYPES", "K_QUANTS", "MAX_ROWS", "ROW_TYPES", "TYPES", "X16_TYPES", "dequantize_rows", "ggml_gemv",
-           "kernel_available", "naive_ggml_gemv", "q16_round", "x_block"]
+__all__ = ["EXACT_X_TYPES", "KERNEL_TYPES", "K_QUANTS", "MAX_ROWS", "Q4_K_R8", "ROW_TYPES", "TYPES", "X16_TYPES",
+           "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "x_block"]

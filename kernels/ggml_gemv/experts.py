@@ -5,8 +5,8 @@ of all of them).
 `BlockExpertTable.of(experts)` takes each expert's (gate, up, down) as block weights (objects with `.raw` U8
 [out, row bytes], `.ggml_type` and `.shape` (out, in): engine/quantized.py BlockQuantized) and gives None unless
 every expert is in the kernel's form: CPU, contiguous, one type per projection for the whole layer (a type of
-TYPES), the first expert's shapes, whole blocks. `addresses` int64 [E, 3] points at the blocks; the table holds
-them, so the addresses stay valid while it lives.
+KERNEL_TYPES: a repacked one too), the first expert's shapes, whole blocks. `addresses` int64 [E, 3] points at the
+blocks; the table holds them, so the addresses stay valid while it lives.
 
 `ggml_moe_token(x, ids, weights, table, glu, params, out)`: out [W] += the weighted experts of one token x [W]
 fp32 (ids / weights in the order to add them); the reference is three `naive_ggml_gemv` per expert, the GLU and
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 from localmoe.kernels._cpu import library, threads
-from localmoe.kernels.ggml_gemv import K_QUANTS, TYPES
-from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv
+from localmoe.kernels.ggml_gemv import KERNEL_TYPES
+from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv, x_block
 
 MAX_TOP_K = 64  # experts per token ggml_moe_token takes
 
 
 def _whole(ggml_type, cols: int) -> bool:
-    return cols % (256 if ggml_type in K_QUANTS else 32) == 0
+    return cols % x_block(ggml_type) == 0
 
 
 class BlockExpertTable:
@@ -52,7 +52,7 @@ class BlockExpertTable:
                  and all(m.raw.dtype == torch.uint8 and m.raw.device.type == "cpu" and m.raw.is_contiguous()
                          for m in mats) for mats in experts)
         whole = _whole(types[0], W) and _whole(types[1], W) and _whole(types[2], I)
-        return cls(experts) if ok and whole and all(t in TYPES for t in types) else None
+        return cls(experts) if ok and whole and all(t in KERNEL_TYPES for t in types) else None
 
 
 def naive_ggml_moe_token(x: torch.Tensor, ids: list[int], weights: list[float], table: BlockExpertTable, glu,

@@ -43,6 +43,7 @@ RowFn row_fn(int type) {
     case kQ5_1: return one_row<Block32Int8<kQ5_1>>;
     case kQ8_0: return one_row<Block32Int8<kQ8_0>>;
     case kQ4_K: return one_row<Rows8K>;
+    case kQ4_K_R8: return one_row<Rows8KR8>;
     case kQ5_K: return one_row<Rows8K5>;
     case kQ6_K: return one_row<Rows8K6>;
     default: return nullptr;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from gguf import GGMLQuantizationType
+from localmoe.kernels.ggml_gemv.repacked import plain_type, unpack
 from localmoe.kernels.mxfp4_moe.reference import q8_round
 
 from localmoe.quant.ggml import dequantize
@@ -14,8 +15,9 @@ K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizati
 
 
 def x_block(ggml_type) -> int:
-    """Values per int8 step of x for rows of `ggml_type`: 256 for the K-quants (Q8_K), else 32 (Q8_0)."""
-    return 256 if ggml_type in K_QUANTS else 32
+    """Values per int8 step of x for rows of `ggml_type`: 256 for the K-quants (Q8_K; repacked ones too), else 32
+    (Q8_0)."""
+    return 256 if plain_type(ggml_type) in K_QUANTS else 32
 
 
 def q16_round(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +34,7 @@ def q16_round(x: torch.Tensor) -> torch.Tensor:
 def naive_ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, int],
                     bias: torch.Tensor | None = None, exact_x: bool = False, x16: bool = False) -> torch.Tensor:
     """x [N, K] -> y [N, O] = q8_round(x, x_block(ggml_type)) W^T (+ bias), W the raw blocks [O, row bytes] of
-    `ggml_type`; exact_x: x as it is; x16: q16_round(x) instead."""
-    w = dequantize(raw, ggml_type, shape, torch.float32).to(x.dtype)
+    `ggml_type` (a repacked type: its GGUF layout, repacked.unpack); exact_x: x as it is; x16: q16_round(x) instead."""
+    w = dequantize(unpack(raw, ggml_type, shape[0]), plain_type(ggml_type), shape, torch.float32).to(x.dtype)
     y = (x if exact_x else q16_round(x) if x16 else q8_round(x, x_block(ggml_type))) @ w.T
     return y if bias is None else y + bias.to(x.dtype)

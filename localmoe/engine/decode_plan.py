@@ -425,19 +425,18 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
         elif mixer.sparse_topk is not None and mixer.sparse_topk < pos + 1:
             return None  # top-k selection drops keys now: op by op
         elif kind == "gqa":  # fp32 pools by address; bf16 / fp8 caches in their own dtype (set again as they change)
-            pools = layer.decode_pools(pos)
-            if pools is not None:
-                decoder.set_pools(i, *pools)
-                bound[i] = None
-            else:
-                keys, values, held = layer.keys, layer.values, bound[i]
-                if (held is None or held[0] is not keys or held[1] != keys.generation or held[2] is not values
-                        or held[3] != values.generation or pos >= keys.capacity or pos >= values.capacity):
+            keys, values, held = layer.keys, layer.values, bound[i]
+            if (held is None or held[0] is not keys or held[1] != keys.generation or held[2] is not values
+                    or held[3] != values.generation or pos >= keys.capacity or pos >= values.capacity):
+                pools = layer.decode_pools(pos)
+                if pools is not None:
+                    decoder.set_pools(i, *pools)
+                else:
                     rows = keys.storage(pos + 1), values.storage(pos + 1)
                     if None in rows:
                         return None
                     decoder.set_kv_rows(i, cache_rows(*rows[0]), cache_rows(*rows[1]))
-                    bound[i] = (keys, keys.generation, values, values.generation)
+                bound[i] = (keys, keys.generation, values, values.generation)
         elif mixer.record_selection:
             return None  # probe-recall keeps the selection: op by op
         elif kind == "mla":  # the latent cache: its view changes only when the buffer grows or is reallocated

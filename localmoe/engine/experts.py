@@ -89,7 +89,7 @@ class Projection:
         if w is None:
             return mxfp4_linear(x, self.packed, self.scales, self.bias)
         if isinstance(w, BlockQuantized):
-            if precision == "q8" and x.shape[0] <= GEMV_MAX_TOKENS and w.ggml_type in ggml_gemv.TYPES:
+            if precision == "q8" and x.shape[0] <= GEMV_MAX_TOKENS and w.ggml_type in ggml_gemv.KERNEL_TYPES:
                 return ggml_gemv.ggml_gemv(x.float().contiguous(), w.raw.contiguous(), w.ggml_type, w.shape, bias)
             return F.linear(x, w.float().to(device=x.device, dtype=x.dtype), bias)
         return F.linear(x, w.to(x.dtype), bias)

@@ -198,7 +198,7 @@ def make_linear(parts: list, bias: torch.Tensor | None, dtype: str, compact: boo
     """One linear layer from weight parts stacked as rows (e.g. [q, k, v]).
 
     Parts may be tensors or `BlockQuantized` weights from a GGUF: with dtype "auto" and every part
-    in a GGML block type with a decode GEMV (`quantized.keeps_blocks`: kernels/ggml_gemv.TYPES; parts
+    in a GGML block type with a decode GEMV (`quantized.keeps_blocks`: kernels/ggml_gemv.KERNEL_TYPES; parts
     of different types need the CPU library), the weight stays in its blocks (`BlockLinear`);
     otherwise the parts are dequantised and concatenated into a `Linear`.
     """

@@ -1,4 +1,5 @@
-"""Weights kept in their GGML block format (kernels/ggml_gemv.TYPES) for decode GEMVs.
+"""Weights kept in their GGML block format (kernels/ggml_gemv.KERNEL_TYPES: a Q4_K matrix repacked at load too,
+`repack_blocks`) for decode GEMVs.
 
 A GGUF Q4_0 / Q4_1 matrix stays 4.5-5 bits per weight instead of becoming a bf16 copy
 (3.6x the bytes), a Q8_0 one 8.5 bits (1.9x less): decode reads every weight once per token,
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from localmoe.kernels import ggml_gemv
+from localmoe.kernels.ggml_gemv.repacked import RepackedType, can_repack, plain_type, repack, unpack
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
 from localmoe.quant.ggml import dequantize
 
@@ -76,7 +78,8 @@ def rounded_rows():
 # The block kernel against the fp32 GEMM on the dequantised weight, one Zen 4 core, 72 / 256 / 512 rows: Q4_K
 # 1024 x 1024 1.23x / 1.12x / 1.09x, 2048 x 1024 1.37x / 1.24x / 1.04x; Q6_K 256 x 1024 1.03x / 0.95x / 0.88x
 # (a Q4_K_M file's few Q6_K attn_v rows ride along with their layer's Q4_K q and k).
-ROUNDED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+ROUNDED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+                 ggml_gemv.Q4_K_R8)
 
 
 def _kernel_rows() -> int:
@@ -94,7 +97,7 @@ def int4_kernel_available() -> bool:
 def keeps_blocks(ggml_type) -> bool:
     """Whether a matrix of this GGML type can stay in its blocks (a decode GEMV exists for it)."""
     if ggml_gemv.kernel_available():
-        return ggml_type in ggml_gemv.TYPES
+        return ggml_type in ggml_gemv.KERNEL_TYPES
     return ggml_type in INT4_TYPES and int4_kernel_available()
 
 
@@ -103,17 +106,21 @@ class BlockQuantized:
 
     The loader hands these to the model instead of dequantised tensors; `float()`
     dequantises (for code that needs a plain tensor), row permutations apply to the
-    raw rows unchanged (`map_rows`).
+    raw rows unchanged (`map_rows`). `ggml_type` may be a repacked type (kernels/ggml_gemv/repacked.py,
+    `repack_blocks`): the kernels read it as it is, `float()` through its GGUF layout.
     """
 
     def __init__(self, raw: torch.Tensor, ggml_type: GGMLQuantizationType, shape: tuple[int, int]):
         self.raw, self.ggml_type, self.shape = raw, ggml_type, tuple(shape)
 
     def float(self) -> torch.Tensor:
-        return dequantize(self.raw, self.ggml_type, self.shape, torch.float32)
+        return dequantize(unpack(self.raw, self.ggml_type, self.shape[0]), plain_type(self.ggml_type), self.shape,
+                          torch.float32)
 
     def map_rows(self, fn) -> BlockQuantized:
         """Apply a row reordering `fn(tensor [N, ...]) -> tensor [N, ...]` to the raw rows."""
+        if isinstance(self.ggml_type, RepackedType):
+            raise ValueError(f"{self.ggml_type.name} rows are repacked eight at a time: reorder them before repacking")
         return BlockQuantized(fn(self.raw), self.ggml_type, self.shape)
 
     def codes_scales_zeros(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,6 +134,25 @@ class BlockQuantized:
         d = halves[..., 0]
         zero = torch.zeros_like(d) if header == 2 else halves[..., 1] + 8 * d
         return q, d, zero
+
+
+# the names whose blocks stay in the GGUF layout: an embedding is read a row at a time (dequantize_rows), a head may
+# read fp32 inputs (exact_x; engine/transformer.py `_head`), and a tied head is the embedding
+UNREPACKED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def repack_blocks(weights: dict) -> dict:
+    """The loader's last step where GGUF blocks are kept resident on the CPU: every 2-D BlockQuantized with a repacked
+    form (kernels/ggml_gemv/repacked.py: Q4_K of a multiple of eight rows) but UNREPACKED's is replaced by its repacked
+    copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the same bits on
+    either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one."""
+    for name in list(weights):
+        t = dict.get(weights, name)
+        if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and not name.endswith(UNREPACKED)
+                and t.raw.device.type == "cpu" and can_repack(t.ggml_type, *t.shape)):
+            raw, kind = repack(t.raw.contiguous(), t.ggml_type, t.shape[0])
+            weights[name] = BlockQuantized(raw, kind, t.shape)
+    return weights
 
 
 class BlockLinear:

@@ -111,6 +111,20 @@ def test_ggml_gemv(isa, ggml_type, N):
 
 
 @ISA
+@pytest.mark.parametrize("N", [1, 3, 9, 19])
+def test_ggml_gemv_q4_k_repacked(isa, N):
+    """Q4_K repacked at load (Q4_K_R8: one-token rows without transposition, tiles on the repacked bytes)."""
+    from localmoe.kernels.ggml_gemv.repacked import repack
+
+    O, K = 48, 512
+    blocks = torch.from_numpy(random_blocks(ggml_gemv.Q.Q4_K, O, K, np.random.default_rng(12)))
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    packed, kind = repack(blocks, ggml_gemv.Q.Q4_K, O)  # the same bytes whichever library repacks
+    run = functools.partial(ggml_gemv.ggml_gemv, x, packed, kind, (O, K))
+    _same_bits(*_under_each(isa, run), f"Q4_K_R8 N={N}")
+
+
+@ISA
 def test_gqa_decode_paged(isa):
     """The batched decode attention over paged caches (shuffled tables, two rows sharing a cache, sinks)."""
     q, k, v, caches, positions = _paged_case(6, 8, 2, 64, 16, [5, 70, 130, 0, 33, 34], [(4, 5)], seed=9)

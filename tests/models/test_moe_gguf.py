@@ -147,6 +147,35 @@ def test_mixed_store_resident_and_paged(pair, tmp_path, family, types):
             assert torch.equal(a, c), f"store, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
+def test_q4_k_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monkeypatch):
+    """At dtype auto and expert precision q8 (what benchmarks/gguf_moe.py runs) the loader repacks the Q4_K matrices
+    and experts it keeps resident (Q4_K_R8, kernels/ggml_gemv/repacked.py); prefill and the fused decode step give the
+    bits of the same file with the GGUF layout kept, and of its converted store paged at a quarter of the experts (the
+    pager reads the store's GGUF layout)."""
+    import localmoe.load as load
+    from localmoe.convert import convert
+    from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    auto = {"dtype": "auto", "expert_precision": "q8", "progress": False}
+    repacked = load_model(gguf, **auto)
+    assert repacked.model.moe_blocks()[0].experts.get(0, 1).gate.weight.ggml_type == Q4_K_R8
+    want = _run(repacked.model)
+    assert repacked.model._plan is not None  # the fused decode step ran
+    convert(gguf, tmp_path / "store", progress=False)
+    paged = load_model(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(PackedStore(tmp_path / "store"))
+                                                               // 4), **auto)
+    assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
+    monkeypatch.setattr(load, "repack_blocks", lambda weights: weights)
+    plain = load_model(gguf, **auto)
+    assert plain.model.moe_blocks()[0].experts.get(0, 1).gate.weight.ggml_type == Q.Q4_K
+    for step, (a, b, c) in enumerate(zip(want, _run(plain.model), _run(paged.model))):
+        assert torch.equal(a, b), f"GGUF layout, step {step}: max diff {(a - b).abs().max().item():.3e}"
+        assert torch.equal(a, c), f"paged, step {step}: max diff {(a - c).abs().max().item():.3e}"
+
+
 def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
     """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts in the type of its tensor
     (`down.q6_k` where llama-quantize gave layer 2 more bits; one IQ type per tensor in the dynamic mix), lossless

@@ -1,0 +1,87 @@
+"""GGUF blocks repacked at load for the row kernels: Q4_K_R8 (`Q4_K | 0x100`, kernels/ggml_gemv/ggml_rows8_k.h).
+
+A Q4_K matrix of a multiple of eight rows is rewritten, eight rows at a time, into what the eight-row kernels made of
+its bytes at run time (the eight rows' d, dmin and scale bytes, then their nibbles, transposed so that one 32-byte load
+holds four bytes of each row): the same bytes per eight rows in the same place (a slice of whole groups of eight rows
+stays a slice), the same values, and the same bits out of every kernel path as the GGUF layout (ggml_rows8_k.h). The
+store, the pager and a converted store keep the GGUF layout; the loader repacks the matrices it keeps resident
+(engine/quantized.py `repack_blocks`).
+
+`REPACKED[t]` is the repacked type of GGML type t, `plain_type(t)` the type a repacked one came from (itself for the
+others); `repack(raw, t, rows)` (in place where `out` is raw) and `unpack(raw, t, rows)` run ggml_cpu.cpp
+`ggml_repack`. A reader of the GGUF layout (a dequantiser, a reference) takes `unpack`'s bytes and `plain_type`.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+
+from localmoe.kernels._cpu import library
+
+Q = GGMLQuantizationType
+REPACK_FLAG = 0x100  # ggml_rows.h kRepacked
+
+
+class RepackedType(int):
+    """A GGML type's repacked form: the int the kernels take (type | REPACK_FLAG), `.plain` the GGML type, `.name`."""
+
+    plain: GGMLQuantizationType
+
+    def __new__(cls, plain: GGMLQuantizationType) -> RepackedType:
+        self = super().__new__(cls, int(plain) | REPACK_FLAG)
+        self.plain = plain
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"{self.plain.name}_R8"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+Q4_K_R8 = RepackedType(Q.Q4_K)
+REPACKED = {Q.Q4_K: Q4_K_R8}
+GROUP_ROWS = 8  # rows repacked together
+
+
+def plain_type(ggml_type):
+    """The GGML type whose blocks a (repacked or plain) type holds."""
+    return ggml_type.plain if isinstance(ggml_type, RepackedType) else ggml_type
+
+
+def can_repack(ggml_type, rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] matrix of `ggml_type` has a repacked form here (the CPU library, whole groups)."""
+    return ggml_type in REPACKED and rows % GROUP_ROWS == 0 and cols % 256 == 0 and library() is not None
+
+
+def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool) -> torch.Tensor:
+    lib = library()
+    if lib is None or not raw.is_contiguous() or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+        raise ValueError("repacking takes contiguous uint8 blocks on the CPU with the kernel library")
+    row_bytes = raw.numel() // rows
+    cols = row_bytes // 144 * 256
+    tmp = torch.empty(GROUP_ROWS * row_bytes, dtype=torch.uint8)
+    if lib.ggml_repack(raw.data_ptr(), out.data_ptr(), rows, cols, int(plain_type(ggml_type)), int(pack),
+                       tmp.data_ptr()):
+        raise ValueError(f"{plain_type(ggml_type).name} [{rows}, {cols}] has no repacked form")
+    return out
+
+
+def repack(raw: torch.Tensor, ggml_type, rows: int,
+           out: torch.Tensor | None = None) -> tuple[torch.Tensor, RepackedType]:
+    """The repacked bytes (into `out`, a new tensor by default; raw itself repacks in place) and their type."""
+    out = torch.empty_like(raw, memory_format=torch.contiguous_format) if out is None else out
+    return _run(raw, ggml_type, rows, out, True), REPACKED[ggml_type]
+
+
+def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
+    """The GGUF layout of repacked bytes (a new tensor); plain bytes as they are."""
+    if not isinstance(ggml_type, RepackedType):
+        return raw
+    return _run(raw.contiguous(), ggml_type, rows, torch.empty_like(raw, memory_format=torch.contiguous_format), False)
+
+
+__all__ = ["GROUP_ROWS", "Q4_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
+           "unpack"]
