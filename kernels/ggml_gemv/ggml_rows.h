@@ -315,6 +315,20 @@ __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* p, int6
   for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + l), _MM_HINT_T0);
 }
 
+// A group of n rows is n * stride contiguous bytes, read as n interleaved streams, which defeated the hardware
+// prefetcher on matrices past L2: the group kernels fetch the next group's bytes (into L1) while this one runs, a share
+// of them per block. Past the matrix's end they fetch bytes no one reads, which cannot fault. No value depends on it.
+struct NextGroup {
+  const uint8_t* next;
+  int64_t per_block;  // lines of the next group per block
+  NextGroup(const uint8_t* row0, int64_t n, int64_t stride, int64_t nb)
+      : next(row0 + n * stride), per_block((n * stride + 64 * nb - 1) / (64 * nb)) {}
+  __attribute__((always_inline)) void fetch(int64_t b) const {
+    for (int64_t l = 0; l < per_block; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+  }
+};
+
 // Rows eight at a time, one dispatch for every group kernel (rows8: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 on int8 x;
 // rows8k: Q4_K / Q5_K, ggml_rows8_k.h; rows8_f32: Q8_0 on fp32 x). A group kernel G supplies
 //   X                        a token's x as the kernel reads it (BlockX, BlockXK, float)
@@ -519,12 +533,9 @@ inline void group8(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX
   constexpr int64_t kBytes = Block32Int8<T>::kBytes;
   __m256 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
-  // the group's rows are 8 * stride contiguous bytes, read as 8 streams: fetch the next group's while this one runs
-  const uint8_t* next = row0 + 8 * stride;
-  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);  // lines of the next group per block
+  const NextGroup ahead(row0, 8, stride, nb);  // the next group's rows, fetched while this one runs
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < per_block; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    ahead.fetch(b);
     Block8 w;
     load_block8<T>(row0 + b * kBytes, stride, w);
 #pragma GCC unroll 16
@@ -559,11 +570,9 @@ inline void group16(const uint8_t* row0, int64_t stride, int64_t nb, const Block
   constexpr int64_t kBytes = Block32Int8<T>::kBytes;
   __m512 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
-  const uint8_t* next = row0 + 16 * stride;  // the next group's rows, fetched while this one runs (see group8)
-  const int64_t per_block = (16 * stride + 64 * nb - 1) / (64 * nb);
+  const NextGroup ahead(row0, 16, stride, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < per_block; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    ahead.fetch(b);
     Block8 lo, hi;
     load_block8<T>(row0 + b * kBytes, stride, lo);
     load_block8<T>(row0 + 8 * stride + b * kBytes, stride, hi);
@@ -781,11 +790,9 @@ inline void group8_f32(const uint8_t* row0, int64_t stride, int64_t nb, const fl
                        const float* bias) {
   __m256 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
-  const uint8_t* next = row0 + 8 * stride;
-  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);
+  const NextGroup ahead(row0, 8, stride, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < per_block; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    ahead.fetch(b);
     Block8 w;
     load_block8<kQ8_0>(row0 + b * 34, stride, w);
     __m256 p[TN][4];
@@ -901,11 +908,9 @@ inline void group8_x16(const uint8_t* row0, int64_t stride, int64_t nb, const Bl
   constexpr int kChains = TN == 1 ? 4 : 2;  // integer sums: exact in any order
   __m256 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
-  const uint8_t* next = row0 + 8 * stride;  // the next group's rows, fetched while this one runs (see group8)
-  const int64_t per_block = (8 * stride + 64 * nb - 1) / (64 * nb);
+  const NextGroup ahead(row0, 8, stride, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < per_block; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    ahead.fetch(b);
     __m256i pairs[16];
     q8_0_pairs8(row0 + b * 34, stride, pairs);
     const __m256 d = halves8(gather8(row0 + b * 34, stride), false);
@@ -931,11 +936,9 @@ inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const B
   constexpr int kChains = TN == 1 ? 4 : 2;
   __m512 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
-  const uint8_t* next = row0 + 16 * stride;
-  const int64_t per_block = (16 * stride + 64 * nb - 1) / (64 * nb);
+  const NextGroup ahead(row0, 16, stride, nb);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t l = 0; l < per_block; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(next + 64 * (b * per_block + l)), _MM_HINT_T0);
+    ahead.fetch(b);
     const uint8_t* blk = row0 + b * 34;
     __m256i lo[8], hi[8];
     q8_0_codes8(blk, stride, lo);

@@ -52,13 +52,16 @@ constexpr int64_t kGroup = 4;  // query heads per pass (their accumulators: kGro
 // out[g * D ..] = attention of query head g < G (q + g * qh, [D] each) over the keys s in [first, S) that
 // `vis` allows (null: all), with an optional sink logit per head (sinks[g]; null: none): online softmax
 // over blocks of kKeys keys. G <= kGroup.
-template <class Rows>
-inline void group_pass(const float* q, int64_t qh, int64_t G, const Rows& rows, int64_t first, int64_t S,
-                       const uint8_t* vis, const float* sinks, float scale, int64_t D, float* out) {
+// kNv, kG: D / 8 and G known at compile time (0: read from D, G), so that the accumulators can live in registers.
+template <int64_t kNv, int64_t kG, class Rows>
+inline void group_pass_fixed(const float* q, int64_t qh, int64_t G_, const Rows& rows, int64_t first, int64_t S,
+                             const uint8_t* vis, const float* sinks, float scale, int64_t D, float* out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t nv = D / 8;
-  __m256 acc[kGroup][kMaxDim / 8];
-  float m[kGroup], l[kGroup], top[kGroup];
+  const int64_t nv = kNv ? kNv : D / 8;
+  const int64_t G = kG ? kG : G_;
+  constexpr int64_t kGs = kG ? kG : kGroup, kNvs = kNv ? kNv : kMaxDim / 8;  // array sizes
+  __m256 acc[kGs][kNvs];
+  float m[kGs], l[kGs], top[kGs];
   alignas(32) float score[kGroup][kKeys];
   const float* kr[kKeys];
   for (int64_t g = 0; g < G; ++g) {
@@ -80,7 +83,7 @@ inline void group_pass(const float* q, int64_t qh, int64_t G, const Rows& rows, 
         for (int64_t g = 0; g < G; ++g) score[g][j] = neg_inf;
         continue;
       }
-      __m256 d[kGroup];
+      __m256 d[kGs];
       const __m256 k0 = _mm256_loadu_ps(kr[j]);
       for (int64_t g = 0; g < G; ++g) d[g] = _mm256_mul_ps(_mm256_loadu_ps(q + g * qh), k0);
       for (int64_t t = 1; t < nv; ++t) {
@@ -126,6 +129,21 @@ inline void group_pass(const float* q, int64_t qh, int64_t G, const Rows& rows, 
     const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
     for (int64_t t = 0; t < nv; ++t) _mm256_storeu_ps(out + g * D + 8 * t, _mm256_mul_ps(acc[g][t], inv));
   }
+}
+
+// group_pass_fixed with D and G fixed where D is 64 (SmolLM2 and other small models): the same operations in the same
+// order, so the same bits.
+template <class Rows>
+inline void group_pass(const float* q, int64_t qh, int64_t G, const Rows& rows, int64_t first, int64_t S,
+                       const uint8_t* vis, const float* sinks, float scale, int64_t D, float* out) {
+  static_assert(kGroup == 4, "the cases below");
+  if (D == 64) {
+    if (G == 1) return group_pass_fixed<8, 1>(q, qh, G, rows, first, S, vis, sinks, scale, D, out);
+    if (G == 2) return group_pass_fixed<8, 2>(q, qh, G, rows, first, S, vis, sinks, scale, D, out);
+    if (G == 3) return group_pass_fixed<8, 3>(q, qh, G, rows, first, S, vis, sinks, scale, D, out);
+    return group_pass_fixed<8, 4>(q, qh, G, rows, first, S, vis, sinks, scale, D, out);
+  }
+  group_pass_fixed<0, 0>(q, qh, G, rows, first, S, vis, sinks, scale, D, out);
 }
 
 // out [G, D] (head g at out + g * D) = attention of the G query heads q + g * qh that read one KV head, in
