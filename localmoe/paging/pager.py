@@ -203,6 +203,10 @@ class Pager:
         self._resident = ResidentExperts(held)
         return True
 
+    def form(self, layer: int) -> ExpertWeights:
+        """An expert of `layer`'s form (engine/experts.py ExpertProvider): the views over the first slot."""
+        return ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(0)))
+
     def kernel_table(self, layer: int):
         """The layer's MXFP4 table for the MoE kernel once `load_all` pinned every expert; else None."""
         return None if self._resident is None else self._resident.kernel_table(layer)
