@@ -56,6 +56,9 @@ GEMV_MAX_TOKENS = 96  # measured: GEMV at 0.6x the time of dequantise + sgemm fo
 # 512-token chunk (57-113 tokens per expert): all 48 experts through the kernel took 0.06 s of CPU,
 # 0.32 s with the 11 experts above 96 tokens through the reference; larger counts are unmeasured.
 EXPERT_GEMV_MAX_TOKENS = 512
+# precision "exact": an expert's group of up to this many tokens runs the integer path per token (moe_cpu.cpp
+# kTokenPathMax), so each has the bits it has alone; at "q8" every group up to EXPERT_GEMV_MAX_TOKENS does
+EXACT_TOKEN_ROWS = 32
 SINGLE_TABLES_MAX = 1024  # one-expert tables kept for reuse (ExpertTable.single), cleared when full
 _SINGLE_TABLES: dict[tuple, ExpertTable] = {}
 
@@ -203,22 +206,25 @@ def mxfp4_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table: 
 
 
 def _routes_on_cpu(router_x: torch.Tensor, router_weight: torch.Tensor, scoring: str, top_k: int,
-                   *tensors: torch.Tensor | None) -> bool:
-    """Whether the CPU kernel routes these tokens: a decode-sized call, a known scoring, at most
-    MAX_EXPERTS experts, every tensor fp32 and contiguous on the CPU, the library built."""
+                   *tensors: torch.Tensor | None, any_rows: bool = False) -> bool:
+    """Whether the CPU kernel routes these tokens: a decode-sized call (any number of rows with `any_rows`), a
+    known scoring, at most MAX_EXPERTS experts, every tensor fp32 and contiguous on the CPU, the library built."""
     E = router_weight.shape[0]
     fp32_cpu = [t for t in (router_x, router_weight, *tensors) if t is not None]
-    return (router_x.shape[0] <= GEMV_MAX_TOKENS and scoring in SCORINGS and 0 < top_k <= E <= cpu.MAX_EXPERTS
+    return ((any_rows or router_x.shape[0] <= GEMV_MAX_TOKENS) and scoring in SCORINGS
+            and 0 < top_k <= E <= cpu.MAX_EXPERTS
             and cpu.library() is not None
             and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in fp32_cpu))
 
 
 def route_experts(router_x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None,
                   correction: torch.Tensor | None, scoring: str, top_k: int, renormalize: bool = False,
-                  scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  scaling: float = 1.0, any_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids) [N, k] of N tokens: logits = router_x [N, R] router_weight^T (+ router_bias), then
-    `naive_route`'s rule; on the CPU kernel the same bits as the routing inside `mxfp4_routed_moe`."""
-    if _routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction):
+    `naive_route`'s rule; on the CPU kernel the same bits as the routing inside `mxfp4_routed_moe`. The kernel
+    takes calls of up to GEMV_MAX_TOKENS rows, or of any number with `any_rows` (a batched step's rows: each token
+    routed with the bits it has alone; the kernel's dense GEMV costs ~3x torch's GEMM at 512 rows of 2880)."""
+    if _routes_on_cpu(router_x, router_weight, scoring, top_k, router_bias, correction, any_rows=any_rows):
         return cpu.route(router_x, router_weight, router_bias, correction, SCORINGS.index(scoring), top_k,
                          renormalize, scaling)
     logits = F.linear(router_x.float(), router_weight.float(), None if router_bias is None else router_bias.float())
@@ -243,6 +249,7 @@ def mxfp4_routed_moe(router_x: torch.Tensor, router_weight: torch.Tensor, router
     return mxfp4_moe(x, ids, weights, table, kind, params, out, precision=precision), weights, ids
 
 
-__all__ = ["GEMV_MAX_TOKENS", "GLU_KINDS", "PRECISIONS", "SCORINGS", "ExpertTable", "glu", "mxfp4_grouped",
+__all__ = ["EXACT_TOKEN_ROWS", "EXPERT_GEMV_MAX_TOKENS", "GEMV_MAX_TOKENS", "GLU_KINDS", "PRECISIONS", "SCORINGS",
+           "ExpertTable", "glu", "mxfp4_grouped",
            "mxfp4_linear", "mxfp4_moe", "mxfp4_routed_moe", "naive_mxfp4_grouped", "naive_mxfp4_linear",
            "naive_mxfp4_moe", "naive_route", "q8_round", "route_experts"]

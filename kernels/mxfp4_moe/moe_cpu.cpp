@@ -63,11 +63,12 @@ struct Phase {
   bool q8;
 };
 
-// Exact precision: an expert's group of up to this many tokens (every group of a decode call of up to
-// GEMV_MAX_ROWS rows) runs the one-token integer path per token, so each token has the bits it has alone
-// (engine/batch.py's row independence; row_f32's summation order depends on the group's size). Larger
-// groups (prefill) share each block's fp32 decode among their tokens (row_tokens).
-constexpr int64_t kTokenPathMax = 8;
+// Exact precision: an expert's group of up to this many tokens (every group of a batched step of up to 32
+// rows: 16 decode rows and a prompt chunk's) runs the one-token integer path per token, so each token has the
+// bits it has alone (engine/batch.py's row independence, kernels/mxfp4_moe EXACT_TOKEN_ROWS; row_f32's summation
+// order depends on the group's size). Larger groups (prefill) share each block's fp32 decode among their tokens
+// (row_tokens).
+constexpr int64_t kTokenPathMax = 32;
 
 // Rows [i0, i1) of the phase, numbered group-major, then projection, then output row: a chunk is walked
 // as runs of consecutive rows of one (group, projection) matrix (one division per chunk, not three

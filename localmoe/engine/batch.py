@@ -71,7 +71,7 @@ def _residual_rows(model, x: torch.Tensor, steps, caches) -> tuple[torch.Tensor,
     def mlp(i: int, h: torch.Tensor) -> torch.Tensor:
         _, _, norm, block = model.layers[i]
         h = F.rms_norm(h, (D,), norm, eps)
-        return block(h) if isinstance(block, MoEBlock) else _rowwise(block, h)
+        return _moe_rows(block, h) if isinstance(block, MoEBlock) else _rowwise(block, h)
 
     h = F.rms_norm(model.residuals.run(x, attn, mlp), (D,), model.norm, eps)
     return _rowwise(model.lm_head, h), h
@@ -87,6 +87,16 @@ def _rowwise(fn, h: torch.Tensor) -> torch.Tensor:
     return torch.cat([fn(part) for part in h.split(limit)])
 
 
+def _moe_rows(block: MoEBlock, h: torch.Tensor) -> torch.Tensor:
+    """A MoE block over a step's rows h [N, 1, D]: one call (each routed expert read once for all rows) where it
+    gives every row its alone-bits (`MoEBlock.independent_rows`), else in slices of that many rows; whole where it
+    has no such limit (0: a latent MoE, group-limited routing; its rows then depend on each other)."""
+    limit = block.independent_rows
+    if not limit or h.shape[0] <= limit:
+        return block(h)
+    return torch.cat([block(part) for part in h.split(limit)])
+
+
 def has_fused_step(model) -> bool:
     """Whether one sequence's decode step runs as one fused kernel call (engine/decode_plan.py)."""
     from localmoe.engine.decode_plan import DecodePlan
@@ -94,24 +104,45 @@ def has_fused_step(model) -> bool:
     return hasattr(model, "layers") and DecodePlan.build(model) is not None
 
 
+MOE_MIN_ROWS = 16  # a MoE block must give this many rows of one call their alone-bits (a 16-row decode step)
+
+
 def rows_independent(model) -> bool:
-    """Whether every matrix of the batched step takes a whole batch in one kernel call that reads and
-    decodes each weight block once for all rows and gives each row the bits it has alone (GGUF blocks:
-    ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs). Then batching pays (`batching_pays`), and a prompt
-    token run as a row has the same bits in any chunking and beside any other rows, so the runtime runs
-    prompt chunks as rows of the batched step (engine/generate.py `decode_together(chunks=...)`). A model whose
-    dense plan runs the rows (`rows_plan`) has them whatever its matrices."""
+    """Whether every row of the batched step has the bits it has alone, so a prompt token run as a row has the
+    same bits in any chunking and beside any other rows, and the runtime runs prompt chunks as rows of the
+    batched step (engine/generate.py `decode_together(chunks=...)`). Dense models: every matrix takes a whole
+    batch in one kernel call that reads and decodes each weight block once for all rows (GGUF blocks:
+    ggml_gemv.MAX_ROWS rows, plain GQA and dense MLPs); then batching pays too (`batching_pays`). A model whose
+    dense plan runs the rows (`rows_plan`) has them whatever its matrices. MoE models with plain GQA: every MoE
+    block gives at least MOE_MIN_ROWS rows of one call their alone-bits (`MoEBlock.independent_rows`: routing and
+    experts per token; `row_limit`), the other matrices in slices of their decode kernels (`_rowwise`): each routed
+    expert is then read once per step for the decode rows and the prompt rows beside them."""
     if not has_rows(model) or model.residuals is not None:
         return False
     if rows_plan(model) is not None:
         return True
-    matrices = [model.lm_head]
+    matrices, moe = [model.lm_head], False
     for _, mixer, _, mlp in model.layers:
-        if not _plain_gqa(mixer, ()) or isinstance(mlp, MoEBlock):
+        if not _plain_gqa(mixer, ()):
             return False
-        matrices += [mixer.qkv, mixer.o_proj, mlp] + ([mixer.gate] if mixer.gate is not None else [])
+        matrices += [mixer.qkv, mixer.o_proj] + ([mixer.gate] if mixer.gate is not None else [])
+        if isinstance(mlp, MoEBlock):
+            moe = True
+            if mlp.independent_rows < MOE_MIN_ROWS:
+                return False
+        else:
+            matrices.append(mlp)
     with decode_rows():
-        return all(getattr(m, "independent_rows", 0) >= ggml_gemv.MAX_ROWS for m in matrices)
+        return all(getattr(m, "independent_rows", 0) >= (1 if moe else ggml_gemv.MAX_ROWS) for m in matrices)
+
+
+def row_limit(model) -> int | None:
+    """The most rows one batched step of `model` runs in one call of every MoE block with each row's alone-bits
+    (the least `MoEBlock.independent_rows`); None for a model without MoE blocks. `forward_rows` cuts a larger
+    step's MoE calls into slices of this many rows (each slice reads its experts again); the worker keeps a step's
+    prompt rows within it."""
+    limits = [mlp.independent_rows for _, _, _, mlp in getattr(model, "layers", ()) if isinstance(mlp, MoEBlock)]
+    return min(limits) if limits else None
 
 
 def batching_pays(model) -> bool:
@@ -298,7 +329,7 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
                 mixed = torch.cat([mixer(h[n:n + 1], steps[n], caches[n].layers[i]) for n in range(N)])
             h = add_rms_norm(x, mixed, mlp_norm, eps)
             following = model.layers[i + 1][0] if i + 1 < len(model.layers) else model.norm
-            out = mlp(h) if isinstance(mlp, MoEBlock) else _rowwise(mlp, h)  # MoE: experts grouped, read once
+            out = _moe_rows(mlp, h) if isinstance(mlp, MoEBlock) else _rowwise(mlp, h)  # MoE: experts read once
             h = add_rms_norm(x, out, following, eps)
         logits = _rowwise(model.lm_head, h if wanted is None else h[list(wanted)])
     for cache in caches:

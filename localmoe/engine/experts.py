@@ -40,7 +40,14 @@ from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.dense_moe import DenseExpertTable
 from localmoe.kernels.ggml_gemv import experts as ggml_experts
 from localmoe.kernels.ggml_gemv.experts import BlockExpertTable
-from localmoe.kernels.mxfp4_moe import GEMV_MAX_TOKENS, GLU_KINDS, ExpertTable, mxfp4_linear
+from localmoe.kernels.mxfp4_moe import (
+    EXACT_TOKEN_ROWS,
+    EXPERT_GEMV_MAX_TOKENS,
+    GEMV_MAX_TOKENS,
+    GLU_KINDS,
+    ExpertTable,
+    mxfp4_linear,
+)
 from localmoe.quant.ggml import FLOAT_TYPES, SUPPORTED_TYPES
 from localmoe.quant.mxfp4 import dequantize
 
@@ -176,6 +183,25 @@ def expert_accumulate(w: ExpertWeights, x: torch.Tensor, rows: torch.Tensor, wei
     out.index_add_(0, rows, y * weights[:, None])
 
 
+def independent_rows(w: ExpertWeights, precision: str) -> int:
+    """The most tokens of one call to which an expert of `w`'s form gives each token the bits it has alone
+    (engine/batch.py: prompt chunks as rows of a batched step): MXFP4 through kernels/mxfp4_moe (at "q8" every
+    group up to EXPERT_GEMV_MAX_TOKENS, at "exact" up to EXACT_TOKEN_ROWS: the integer path per token), dense
+    experts without biases through kernels/dense_moe (DENSE_MAX_TOKENS; torch's GEMM above), GGUF blocks at "q8"
+    through the multi-row block GEMVs (GEMV_MAX_TOKENS); 0 where a call of several tokens takes a GEMM."""
+    parts = (w.gate, w.up, w.down)
+    if all(p.weight is None for p in parts):
+        return EXPERT_GEMV_MAX_TOKENS if precision == "q8" else EXACT_TOKEN_ROWS
+    if any(p.bias is not None for p in parts):
+        return 0
+    if all(isinstance(p.weight, torch.Tensor) and p.weight.is_floating_point() for p in parts):
+        return DENSE_MAX_TOKENS
+    if precision == "q8" and all(isinstance(p.weight, BlockQuantized) and p.weight.ggml_type in ggml_gemv.TYPES
+                                 for p in parts):
+        return GEMV_MAX_TOKENS
+    return 0
+
+
 class ExpertProvider(Protocol):
     """Where routed experts come from. `get` may block (a pager reading from disk) and the
     returned weights are only valid until the next `get` on the same provider."""
@@ -195,6 +221,8 @@ class ExpertProvider(Protocol):
     # in the tier to compute the expert in for `tokens` tokens, "ram" (the CPU) or a GPU tier "gpuN"
     # (a pager with GPU tiers; the weights are then on that GPU).
     # Optional: `waits = True`: `get` may wait for reads from disk (a step's cost is then wall time, not CPU).
+    # Optional: `form(layer) -> ExpertWeights`: an expert of the layer's form (its tensors' kinds, dtypes and
+    # shapes; the values need not be any expert's), read without waiting (`independent_rows`).
 
 
 def _streamed(t):
@@ -245,6 +273,9 @@ class ResidentExperts:
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return self.experts[layer][expert]
+
+    def form(self, layer: int) -> ExpertWeights:
+        return self.experts[layer][0]
 
     def kernel_table(self, layer: int) -> ExpertTable | None:
         """The layer's experts for the MoE kernel, or None where they are not all MXFP4 (built once)."""

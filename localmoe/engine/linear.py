@@ -12,7 +12,10 @@ accumulation) where it is available, for every call of up to GEMV_MAX_ROWS rows:
 with the same bits alone or among others (`independent_rows`, engine/batch.py), which torch's GEMM does
 not (and its bf16 GEMV rounds x to bf16). Past ~16 KiB of x torch's GEMM is faster (2-3x for 8 rows of
 2880-4096 columns, `dense_gemv.kernel_wins`); batched and speculative greedy decoding need the equal
-bits, so those calls pay it. Prefill stays on torch's sgemm.
+bits, so those calls pay it. Inside a batched step (`decode_rows()`) a weight past BIG_WEIGHT bytes takes up to
+DECODE_ROWS rows per kernel call (each weight row read from memory once for all of them, where 8-row slices streamed
+the whole weight once per 8 rows: a paged MoE step's prompt rows); smaller weights, which stay in cache between
+slices, keep 8-row calls (x then fits L1). Each row's bits are the same either way. Prefill stays on torch's sgemm.
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from localmoe.engine.quantized import BlockLinear, BlockQuantized, keeps_blocks
+from localmoe.engine.quantized import BlockLinear, BlockQuantized, in_decode_rows, keeps_blocks
 from localmoe.kernels import dense_gemv, ggml_gemv
 from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.paths import cache_dir
+
+DECODE_ROWS = 64  # a batched step's rows per dense GEMV call on a big weight (x: 64 x 2048 fp32 = 512 KiB, in L2)
+BIG_WEIGHT = 4 << 20  # bytes: past L2 (gpt-oss `large`'s bf16 q/k/v, 12.6 MB, took 19 ms per 8-row call)
 
 COLD_BYTES = 96 << 20  # more than any desktop CPU's last-level cache
 
@@ -149,7 +155,6 @@ class Linear:
     tensor for callers that hand `weight` to kernels as fp32 (routers, gates)."""
 
     __slots__ = ("bias", "gemv", "low_precision", "weight")
-    independent_rows = GEMV_MAX_ROWS  # the most rows one call computes each on its own (engine/batch.py)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str, compact: bool = True):
         target = torch.float32
@@ -168,6 +173,14 @@ class Linear:
         self.gemv = dense_gemv.kernel_for(self.weight, self.bias)
 
     @property
+    def independent_rows(self) -> int:
+        """The most rows one call computes each on its own (engine/batch.py): DECODE_ROWS for a big weight in a
+        batched step, else GEMV_MAX_ROWS."""
+        if self.gemv is not None and self.weight.nbytes > BIG_WEIGHT and in_decode_rows():
+            return DECODE_ROWS
+        return GEMV_MAX_ROWS
+
+    @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
@@ -178,7 +191,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if (rows <= GEMV_MAX_ROWS and self.gemv is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        if (rows <= self.independent_rows and self.gemv is not None and x.dtype == torch.float32
+                and x.device.type == "cpu"
                 and K == self.weight.shape[1]):  # every such call: a row's bits do not depend on the others
             return self.gemv(x.reshape(rows, K).contiguous()).view(*x.shape[:-1], self.out_features)
         if not self.low_precision:  # fp32 values (a bf16-stored exact weight widened: the same product bits)

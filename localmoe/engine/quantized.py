@@ -67,6 +67,11 @@ def decode_rows():
     return _flag("decode")
 
 
+def in_decode_rows() -> bool:
+    """Whether calls now run a batched step's rows (inside `decode_rows()`)."""
+    return getattr(_rows, "decode", False)
+
+
 def rounded_rows():
     """Calls inside are a MoE model's steps at expert precision q8 (Transformer._forward), whose block GEMVs round
     their inputs to int8 anyway: a BlockLinear of ROUNDED_TYPES runs the block kernel on any number of rows (a

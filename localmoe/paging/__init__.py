@@ -53,6 +53,9 @@ class StoreExperts:
     def get(self, layer: int, expert: int) -> ExpertWeights:
         return ExpertWeights.from_parts(self.store.expert(layer, expert))
 
+    def form(self, layer: int) -> ExpertWeights:
+        return self.get(layer, self.store.experts_in(layer)[0])
+
     def nbytes(self) -> int:
         return 0  # nothing held beyond the OS page cache
 

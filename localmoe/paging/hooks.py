@@ -34,15 +34,23 @@ class PagedRouter:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
             self.pager.stats.routed += ids.numel()
-            guesses, one = [], x.shape[0] == 1
-            if self.pager.prefetch_enabled and self.ahead:
-                # one token: the ranks worth reading (their measured precision); several: all (the union is wide)
-                width = self.pager.guess_width(ids.shape[1]) if one else ids.shape[1]
-                for router, layer in self.ahead if width else ():
-                    if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots needs no guess)
-                        _, guess = router(x)  # a later layer's router on this layer's input: a guess
-                        guesses.append((layer, _ranked(guess[:, :width])))
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses, ranked=one)  # its loads first
+            one = x.shape[0] == 1
+
+            def guesses() -> list[tuple[int, list[int]]]:
+                out = []
+                if self.pager.prefetch_enabled and self.ahead:
+                    # one token: the ranks worth reading (their measured precision); several: all (the union is wide)
+                    width = self.pager.guess_width(ids.shape[1]) if one else ids.shape[1]
+                    for router, layer in self.ahead if width else ():
+                        if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots: no guess)
+                            _, guess = router(x)  # a later layer's router on this layer's input: a guess
+                            out.append((layer, _ranked(guess[:, :width])))
+                return out
+
+            # several rows' guesses only where begin_layer keeps them (a prompt chunk's rows: seldom), so their
+            # routing does not hold up this layer's reads
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses() if one else guesses,
+                                   ranked=one)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from localmoe.engine.experts import ExpertWeights
 from localmoe.paging.disk import DiskBackend
@@ -203,6 +203,10 @@ class Pager:
         self._resident = ResidentExperts(held)
         return True
 
+    def form(self, layer: int) -> ExpertWeights:
+        """An expert of `layer`'s form (engine/experts.py ExpertProvider): the views over the first slot."""
+        return ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(0)))
+
     def kernel_table(self, layer: int):
         """The layer's MXFP4 table for the MoE kernel once `load_all` pinned every expert; else None."""
         return None if self._resident is None else self._resident.kernel_table(layer)
@@ -223,7 +227,8 @@ class Pager:
 
     # ---- hints from the wrapped routers (paging/hooks.py) ----
 
-    def begin_layer(self, layer: int, experts: Iterable[int], ahead: Sequence[tuple[int, Sequence[int]]] = (),
+    def begin_layer(self, layer: int, experts: Iterable[int],
+                    ahead: Sequence[tuple[int, Sequence[int]]] | Callable[[], Sequence] = (),
                     ranked: bool = False) -> None:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
         now (read before any guess). The layer's earlier guesses that routing did not choose are settled (wasted;
@@ -233,7 +238,9 @@ class Pager:
         rank: `guess_width` measures each rank's precision). Not `ranked` (several rows' union of guesses), the
         guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait): the
         disk is busy without them, a right guess would only start a read earlier, a wrong one adds a read (16
-        batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes)."""
+        batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes).
+        `ahead` may be a function giving that list, called only where the guesses are kept (several rows' routing
+        of the later layers is then not computed for nothing)."""
         started = time.perf_counter()
         with self.lock:
             self._reap()
@@ -251,7 +258,7 @@ class Pager:
                 guessed = []
                 if not ranked and len(missing) > self.io_threads:  # several rows' union: see the docstring
                     ahead = ()
-                for later, guess in ahead:
+                for later, guess in ahead() if callable(ahead) else ahead:
                     guessed += self._guessed(later, guess, len(guessed), ranked)
                 slots = self._make_room(len(missing) + len(guessed))
                 for key, slot in zip(missing, slots):

@@ -10,9 +10,12 @@ worker collects what its running jobs wait for and runs, in this order:
   cache, so sequences join and leave between steps);
 - prompt chunks of sequences still prefilling, so a long prompt delays the others by one chunk per
   step, never by its whole length. Where the model's rows are each computed on their own
-  (engine/batch.py `rows_independent`: the dense-plan models) they run as more rows of the same
+  (engine/batch.py `rows_independent`: the dense-plan models, and MoE models with plain GQA whose
+  routing and experts run per token, where their experts are paged) they run as more rows of the same
   batched forward: a budget that fills the step to STEP_ROWS rows, at least PROMPT_ROWS (a whole
-  chunk when nothing decodes), shared by the prefilling sequences in arrival order, so a step
+  chunk when nothing decodes, and for a MoE model always: its step reads the routed experts once for all
+  rows from the tiers; within `row_limit` rows), shared by the prefilling sequences in
+  arrival order, so a step
   carrying them costs at most ~1.3x a 16-row decode step (the others' inter-token latency), the
   weights are read once for all, and short
   prompts that arrive together enter together; a prompt token's bits do not depend on its chunk or
@@ -56,9 +59,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from localmoe.engine.batch import batching_pays, rows_independent
+from localmoe.engine.batch import batching_pays, row_limit, rows_independent
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.errors import CancelledError
+from localmoe.runtime.metrics import paging_stats
 
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
@@ -126,6 +130,8 @@ class EngineWorker:
         self.batching = batching
         self.fused: bool | None = None  # decided at the first decode step (see the module docstring)
         self.rows: bool | None = None  # prompt chunks as rows of the batched step (decided once, `_prompt_chunk`)
+        self.whole = False  # a MoE model (decided with `rows`): whole prompt chunks per step beside the decode rows
+        self.row_limit: int | None = None  # rows a step's MoE calls give their alone-bits (engine/batch.py row_limit)
         self.kv_budget = kv_budget
         self._threads = threads
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -360,18 +366,32 @@ class EngineWorker:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
         sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
-        a whole prefill chunk when nothing decodes) goes to the prefilling sequences in arrival order, each up to its
-        next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
+        a whole prefill chunk when nothing decodes or the model has MoE blocks, within the rows its MoE calls give
+        their alone-bits, `row_limit`) goes to the prefilling sequences in arrival order, each up
+        to its next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]
         if not waiting or not waiting[0].wants.prompt_rows:
             return []
         if self.rows is None:
-            self.rows = not self.fused_for(waiting[0].wants.model) and rows_independent(waiting[0].wants.model)
+            model = waiting[0].wants.model
+            self.row_limit = row_limit(model)
+            # a MoE model's prompts as rows where its experts are paged (a step reads most experts from the tiers
+            # whatever its rows, so prompts waiting together share one read of each: gpt-oss `large` at 25%, 16
+            # clients, 530 -> 246 MB read per generated token); resident, a prompt's own forward measured no worse
+            # (gpt-oss `small`, docs/performance.md, session 10)
+            self.rows = not self.fused_for(model) and rows_independent(model) and \
+                (self.row_limit is None or paging_stats(model) is not None)
+            self.whole = self.row_limit is not None
         if not self.rows:
             return []
-        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode else waiting[0].wants.chunk
+        # a MoE model's step reads the routed experts of all its rows once: a prompt trickled in PROMPT_ROWS a step
+        # would read them again in each (gpt-oss `small` resident, 16 clients: 0.85x one client's aggregate with
+        # that budget, 1.29x with each prompt's own forward)
+        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode and not self.whole else waiting[0].wants.chunk
+        if self.row_limit is not None:  # (forward_rows would cut a larger step's MoE calls: experts read twice)
+            budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:

@@ -157,3 +157,27 @@ def test_a_union_of_guesses_is_dropped_where_the_layers_misses_outnumber_the_rea
         pager.hold(a, [5, 6, 7])
     finally:
         pager.close()
+
+
+def test_several_rows_guesses_are_computed_only_where_kept(gpt_oss):
+    """`ahead` given as a function (PagedRouter's several rows: a prompt chunk's later-layer routing) is called
+    only where begin_layer keeps the guesses, so a step whose layer misses more experts than there are readers
+    does not route its rows through the next layer's router for nothing."""
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
+    calls = []
+
+    def ahead():
+        calls.append(1)
+        return [(b, [5, 6])]
+
+    try:
+        pager.begin_layer(a, [0, 1, 2], ahead)  # three misses outnumber the readers: not called
+        assert not calls and pager.stats.prefetch.issued == 0
+        pager.hold(a, [0, 1, 2])
+        pager.begin_layer(a, [3], ahead)  # one miss: called, its guesses read
+        assert calls == [1] and pager.stats.prefetch.issued == 2 and (b, 5) in pager.where
+        pager.hold(a, [3])
+    finally:
+        pager.close()

@@ -30,7 +30,7 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("families")
     out = {}
-    for family in ("gpt_oss", "kimi_k3"):
+    for family in ("gpt_oss", "kimi_k3", "qwen3_moe"):
         out[family] = load_model(write_checkpoint(family, root / family, "tiny", seed=0), EngineConfig(),
                                  progress=False).model
     store = root / "gpt_oss.lmoe"
@@ -99,3 +99,56 @@ def test_paged_step_reads_each_routed_expert_once(models):
             (stats.ram.requests >= (STEPS - 1) * k * layers)
     text = Metrics().render(0, 0, dict(stats.tiers), routed=stats.routed)
     assert f"localmoe_expert_routes_total {stats.routed}" in text
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "gpt_oss paged"])
+def test_moe_prompts_joining_mid_decode_run_as_rows(models, family):
+    """A paged MoE model's prompts run as rows of the batched step (engine/batch.py `rows_independent`: MoE rows
+    bit-independent), also those that arrive while others decode; a resident one's in forwards of their own: every
+    sequence still gets its tokens alone (prompt chunks, decode rows and the step's union of experts do not change
+    a sequence's bits), and the paged store's tokens (prompts as rows) are the resident model's (prompts in their
+    own forwards: within ~1e-7, the same greedy tokens here)."""
+    model = models[family]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, model.spec.vocab_size) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+    worker = EngineWorker(max_active=len(prompts), batching="on")
+    outs: list[list[int]] = [[] for _ in prompts]
+    for prompt, out in zip(prompts[:3], outs[:3]):
+        worker.submit(greedy_job(model, prompt, out))
+    while not all(outs[:3]):  # decoding when the others arrive
+        worker.step()
+    for prompt, out in zip(prompts[3:], outs[3:]):
+        worker.submit(greedy_job(model, prompt, out))
+    for _ in range(1000):
+        if not worker.active:
+            break
+        worker.step()
+    # a paged MoE model's prompts ran as rows of the batched steps; resident, each its own forward
+    assert worker.prompt_rows >= len(prompts) if "paged" in family else worker.prompt_rows == 0
+    resident = models[family.split()[0]]
+    for prompt, got in zip(prompts, outs):
+        alone, _ = run(model, [prompt])
+        assert got == alone[0]
+        if resident is not model:
+            assert got == run(resident, [prompt])[0][0]
+
+
+def test_moe_prompts_take_whole_chunks_beside_decode_rows(models):
+    """A MoE model's step reads the routed experts once for all its rows: prompts waiting beside decode rows take a
+    whole chunk each step (not the dense models' STEP_ROWS budget), so they enter together."""
+    from localmoe.runtime.worker import STEP_ROWS
+
+    model = models["gpt_oss paged"]
+    rng = random.Random(5)
+    worker = EngineWorker(max_active=8, batching="on")
+    outs: list[list[int]] = [[] for _ in range(6)]
+    for out in outs[:3]:
+        worker.submit(greedy_job(model, [rng.randrange(3, model.spec.vocab_size) for _ in range(4)], out))
+    while not all(outs[:3]):
+        worker.step()
+    later = [[rng.randrange(3, model.spec.vocab_size) for _ in range(12)] for _ in range(3)]
+    assert sum(map(len, later)) > STEP_ROWS - 3
+    for prompt, out in zip(later, outs[3:]):
+        worker.submit(greedy_job(model, prompt, out))
+    worker.step()
+    assert all(r.wants.decoding for r in worker._active)  # every later prompt ran whole in that one step

@@ -29,10 +29,12 @@ from localmoe.engine.experts import (
     ExpertProvider,
     ResidentExperts,
     expert_accumulate,
+    independent_rows,
 )
 from localmoe.engine.layers import mlp, on_device
 from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.linear import Linear, make_linear
+from localmoe.engine.quantized import in_decode_rows
 from localmoe.errors import LocalMoEError
 from localmoe.kernels.dense_moe import DenseExpertTable, dense_moe_layer
 from localmoe.kernels.ggml_gemv import experts as ggml_experts
@@ -133,10 +135,11 @@ class Router:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rule.n_group == 1:
-            # the kernels' routing (the same bits as inside the fused routed-experts call; torch off the CPU)
+            # the kernels' routing (the same bits as inside the fused routed-experts call; torch off the CPU), for
+            # any number of a batched step's rows (each token's bits alone)
             rule = self.rule
             return route_experts(x, self.linear.weight, self.linear.bias, self.correction_bias, rule.scoring,
-                                 rule.top_k, rule.renormalize, rule.scaling)
+                                 rule.top_k, rule.renormalize, rule.scaling, any_rows=in_decode_rows())
         return route(self.linear(x), self.rule, self.correction_bias)
 
     def nbytes(self) -> int:
@@ -261,6 +264,7 @@ class MoEBlock:
         self.router, self.experts, self.layer, self.act = router, experts, layer, act
         self.shared, self.latent = shared, latent
         self.precision = "exact"  # MXFP4 experts: EngineConfig.expert_precision, set by the Transformer
+        self._rows: tuple[tuple, int] | None = None  # ((provider, precision, router, rule), independent_rows)
 
     def _routes_in_kernel(self, tokens: int) -> bool:
         """Whether routing can join the experts' kernel call: a plain Router (not wrapped by paging hooks, which
@@ -283,6 +287,30 @@ class MoEBlock:
         if self.precision != "q8" or not self._routes_in_kernel(tokens):
             return None
         return self.experts.block_table(self.layer)
+
+    @property
+    def independent_rows(self) -> int:
+        """The most rows of one call (a batched step's, inside `decode_rows()`) that each get the bits they have
+        alone: routing per token on the CPU kernel (no group-limited top-k), the routed experts' kernels
+        (engine/experts.py `independent_rows` of the provider's `form`), shared experts run in slices of their own
+        `independent_rows`; 0 where some part takes a GEMM over the call (a latent MoE's projections, experts
+        without a form or on another device)."""
+        key = (id(self.experts), self.precision, id(self.router), getattr(self.router, "rule", None))
+        if self._rows is None or self._rows[0] != key:  # (a provider's form is looked up once)
+            self._rows = (key, self._independent_rows())
+        return self._rows[1]
+
+    def _independent_rows(self) -> int:
+        router = self.router
+        while not isinstance(router, Router) and hasattr(router, "router"):  # a pager's hooks around it
+            router = router.router
+        form = getattr(self.experts, "form", None)
+        if (not isinstance(router, Router) or router.rule.n_group != 1 or self.latent is not None or form is None
+                or getattr(self.experts, "gpu", None) is not None
+                or (self.shared is not None and not getattr(self.shared, "independent_rows", 0))):
+            return 0
+        w = form(self.layer)
+        return independent_rows(w, self.precision) if w.device.type == "cpu" else 0
 
     def nbytes(self) -> int:
         """Bytes of the router, shared experts and latent projections (routed experts are the
@@ -307,8 +335,16 @@ class MoEBlock:
         if self.latent is not None:
             y = self.latent.up(F.rms_norm(y, (y.shape[-1],), self.latent.norm, self.latent.eps))
         if self.shared is not None:
-            y = y + self.shared(flat)
+            y = y + self._shared(flat)
         return y.view(shape)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts on x [N, D]; a batched step's rows in slices of the MLP's `independent_rows` (its
+        decode kernels: each row's bits alone), other calls whole."""
+        limit = getattr(self.shared, "independent_rows", 0)
+        if not in_decode_rows() or not limit or x.shape[0] <= limit:
+            return self.shared(x)
+        return torch.cat([self.shared(part) for part in x.split(limit)])
 
 
 @dataclass(frozen=True, slots=True)
