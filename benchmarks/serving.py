@@ -47,7 +47,10 @@ def free_port() -> int:
 
 def start(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions",
+    # -P (Python 3.11+): `-m` would put the working directory ahead of PYTHONPATH, so an A/B run with PYTHONPATH set
+    # to a snapshot tree from inside another tree would serve the other tree's code
+    safe = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions",
            "--max-concurrency", str(max(args.clients)), "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
