@@ -86,6 +86,20 @@ __attribute__((always_inline)) inline void heads8(const uint8_t* blk, int64_t st
 // a matrix of a multiple of eight rows only (the loader keeps others as they are).
 constexpr int64_t kR8Bytes = 8 * 144;
 
+// The eight rows' 6-bit scales (sc) and mins (mn) of a super-block, one byte per sub-block, from the three 32-byte
+// words after d / dmin (head[1..3]: as heads8 / r8_heads give them).
+__attribute__((always_inline)) inline void k4_scales_mins(const __m256i head[4], __m256i sc[2], __m256i mn[2]) {
+  const __m256i w0 = head[1], w1 = head[2], w2 = head[3];
+  const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
+  const __m256i two = _mm256_set1_epi32(0x03030303);
+  sc[0] = _mm256_and_si256(w0, six);
+  sc[1] = _mm256_or_si256(_mm256_and_si256(w2, four),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4));
+  mn[0] = _mm256_and_si256(w1, six);
+  mn[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), four),
+                          _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4));
+}
+
 __attribute__((always_inline)) inline void r8_heads(const uint8_t* blk, __m256i head[4]) {
   for (int k = 0; k < 4; ++k) head[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * k));
 }
@@ -139,15 +153,8 @@ inline void group8_qk(const uint8_t* row0, int64_t stride, int64_t nsb, const Bl
     else heads8(blk, stride, head16);
     if constexpr (kFifth) transpose8x32(blk + 16, stride, dh);
     const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
-    const __m256i w0 = head16[1], w1 = head16[2], w2 = head16[3];
-    const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
-    const __m256i two = _mm256_set1_epi32(0x03030303);
-    const __m256i sc[2] = {_mm256_and_si256(w0, six),
-                           _mm256_or_si256(_mm256_and_si256(w2, four),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4))};
-    const __m256i mn[2] = {_mm256_and_si256(w1, six),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), four),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
+    __m256i sc[2], mn[2];
+    k4_scales_mins(head16, sc, mn);
     __m256i sum[TN];
     __m256 mins[TN];
     for (int t = 0; t < TN; ++t) sum[t] = _mm256_setzero_si256();
@@ -359,8 +366,6 @@ using Rows8K5 = Rows8QK<true>;
 inline void group8_r8_one(const uint8_t* row0, int64_t stride, int64_t nsb, const BlockXK* x, float* y,
                           const float* bias) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
-  const __m256i six = _mm256_set1_epi32(0x3F3F3F3F), four = _mm256_set1_epi32(0x0F0F0F0F);
-  const __m256i two = _mm256_set1_epi32(0x03030303);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t u = 0; u < nsb; ++u) {
     const uint8_t* blk = row0 + u * kR8Bytes;
@@ -368,13 +373,8 @@ inline void group8_r8_one(const uint8_t* row0, int64_t stride, int64_t nsb, cons
     __m256i head16[4];
     r8_heads(blk, head16);
     const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
-    const __m256i w0 = head16[1], w1 = head16[2], w2 = head16[3];
-    const __m256i sc[2] = {_mm256_and_si256(w0, six),
-                           _mm256_or_si256(_mm256_and_si256(w2, four),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4))};
-    const __m256i mn[2] = {_mm256_and_si256(w1, six),
-                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), four),
-                                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
+    __m256i sc[2], mn[2];
+    k4_scales_mins(head16, sc, mn);
     __m256 mins = _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // sum_j m[j] sum(x_j): integers below 2^24, exact
