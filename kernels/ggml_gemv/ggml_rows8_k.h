@@ -316,11 +316,8 @@ inline void group8_qk_one(const uint8_t* row0, int64_t stride, int64_t nsb, cons
       __m256i head16[4];
       heads8(blk, stride, head16);
       const __m256 d = halves8(head16[0], false), dmin = halves8(head16[0], true);
-      const __m256i w1 = head16[2], w2 = head16[3];
-      const __m256i mn[2] = {_mm256_and_si256(w1, _mm256_set1_epi32(0x3F3F3F3F)),
-                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), _mm256_set1_epi32(0x0F0F0F0F)),
-                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6),
-                                                                                _mm256_set1_epi32(0x03030303)), 4))};
+      __m256i sc[2], mn[2];  // (the scales come from the lanes: sc is left unused, dropped by the compiler)
+      k4_scales_mins(head16, sc, mn);
       __m256 mins = _mm256_setzero_ps();
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {

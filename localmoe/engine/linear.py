@@ -191,7 +191,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if (rows <= self.independent_rows and self.gemv is not None and x.dtype == torch.float32
+        if (self.gemv is not None and (rows <= GEMV_MAX_ROWS or rows <= self.independent_rows)
+                and x.dtype == torch.float32
                 and x.device.type == "cpu"
                 and K == self.weight.shape[1]):  # every such call: a row's bits do not depend on the others
             return self.gemv(x.reshape(rows, K).contiguous()).view(*x.shape[:-1], self.out_features)

@@ -7,6 +7,7 @@ GEMM (its bits depend on the call's rows), an exact MXFP4 expert's group of 9+ t
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -78,12 +79,16 @@ def test_group_limited_routing_is_not_admitted(checkpoints):
     model = _load(checkpoints["gpt_oss"], "q8")
     block = model.moe_blocks()[0]
     assert block.independent_rows >= MOE_MIN_ROWS
-    rule = block.router.rule
-    block.router.rule = type(rule)(rule.top_k, rule.scoring, rule.renormalize, rule.scaling, 2, 1)
+    plain = block.router
+    grouped = copy.copy(plain)  # a router is built with its rule: a new one, as a model with such routing has
+    rule = plain.rule
+    grouped.rule = type(rule)(rule.top_k, rule.scoring, rule.renormalize, rule.scaling, 2, 1)
+    block.router = grouped
     try:
         assert block.independent_rows == 0 and not rows_independent(model)
     finally:
-        block.router.rule = rule
+        block.router = plain
+    assert block.independent_rows >= MOE_MIN_ROWS
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -264,7 +264,12 @@ class MoEBlock:
         self.router, self.experts, self.layer, self.act = router, experts, layer, act
         self.shared, self.latent = shared, latent
         self.precision = "exact"  # MXFP4 experts: EngineConfig.expert_precision, set by the Transformer
-        self._rows: tuple[tuple, int] | None = None  # ((provider, precision, router, rule), independent_rows)
+        self._rows: int | None = None  # independent_rows, found again after experts / router / precision change
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("experts", "router", "precision", "shared", "latent"):
+            self.__dict__["_rows"] = None
+        object.__setattr__(self, name, value)
 
     def _routes_in_kernel(self, tokens: int) -> bool:
         """Whether routing can join the experts' kernel call: a plain Router (not wrapped by paging hooks, which
@@ -295,10 +300,9 @@ class MoEBlock:
         (engine/experts.py `independent_rows` of the provider's `form`), shared experts run in slices of their own
         `independent_rows`; 0 where some part takes a GEMM over the call (a latent MoE's projections, experts
         without a form or on another device)."""
-        key = (id(self.experts), self.precision, id(self.router), getattr(self.router, "rule", None))
-        if self._rows is None or self._rows[0] != key:  # (a provider's form is looked up once)
-            self._rows = (key, self._independent_rows())
-        return self._rows[1]
+        if self._rows is None:  # (a provider's form is looked up once per provider, router and precision)
+            self._rows = self._independent_rows()
+        return self._rows
 
     def _independent_rows(self) -> int:
         router = self.router
