@@ -12,7 +12,7 @@ worker collects what its running jobs wait for and runs, in this order:
   step, never by its whole length. Where the model's rows are each computed on their own
   (engine/batch.py `rows_independent`: the dense-plan models, and MoE models with plain GQA whose
   routing and experts run per token, where their experts are paged) they run as more rows of the same
-  batched forward: a budget that fills the step to STEP_ROWS rows, at least PROMPT_ROWS (a whole
+  batched forward: a budget that fills the step to STEP_ROWS + PROMPT_ROWS rows, at least PROMPT_ROWS (a whole
   chunk when nothing decodes, and for a MoE model always: its step reads the routed experts once for all
   rows from the tiers; within `row_limit` rows), shared by the prefilling sequences in
   arrival order, so a step
@@ -66,14 +66,16 @@ from localmoe.runtime.metrics import paging_stats
 
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
-# Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS rows, at least PROMPT_ROWS (a
-# whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its dense plan, CPU
-# time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of q8-all; session
-# 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9 and 37.1; a
-# prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost ~1.95x the
-# decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x, and filling steps
-# with few decode rows lets prompts in sooner (docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step,
-# session 8").
+# Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS + PROMPT_ROWS rows, at least
+# PROMPT_ROWS (a whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its
+# dense plan, CPU time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of
+# q8-all; session 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9
+# and 37.1; a prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost
+# ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x. No step
+# is heavier than that (24 rows) however few decode, and filling steps with few decode rows to it lets prompts that
+# arrive together in sooner (16 clients: the mean batch 9.5 -> ~11, session 11; filling to 16 rows only, a burst
+# of 16 prompts took ~60-80 steps to enter; docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step,
+# session 8" and "The 16-row step, session 11").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
 
@@ -365,9 +367,9 @@ class EngineWorker:
     def _prompt_chunks(self, decode: list[Running], prefill: list[Running]) -> list[tuple[Running, int]]:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
-        sequences' verify rows too): the step's prompt budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS;
-        a whole prefill chunk when nothing decodes or the model has MoE blocks, within the rows its MoE calls give
-        their alone-bits, `row_limit`) goes to the prefilling sequences in arrival order, each up
+        sequences' verify rows too): the step's prompt budget (STEP_ROWS + PROMPT_ROWS less the decode rows, at least
+        PROMPT_ROWS; a whole prefill chunk when nothing decodes or the model has MoE blocks, within the rows its MoE
+        calls give their alone-bits, `row_limit`) goes to the prefilling sequences in arrival order, each up
         to its next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
@@ -389,7 +391,8 @@ class EngineWorker:
         # a MoE model's step reads the routed experts of all its rows once: a prompt trickled in PROMPT_ROWS a step
         # would read them again in each (gpt-oss `small` resident, 16 clients: 0.85x one client's aggregate with
         # that budget, 1.29x with each prompt's own forward)
-        budget = max(PROMPT_ROWS, STEP_ROWS - len(decode)) if decode and not self.whole else waiting[0].wants.chunk
+        budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode)) if decode and not self.whole else \
+            waiting[0].wants.chunk
         if self.row_limit is not None:  # (forward_rows would cut a larger step's MoE calls: experts read twice)
             budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
         chunks = []

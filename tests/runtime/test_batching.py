@@ -417,8 +417,8 @@ def test_prompt_rows_do_not_depend_on_the_chunking(embedded):
 def test_prompts_that_arrive_together_enter_together(embedded):
     """Short prompts submitted together share the first step's prompt budget (a whole chunk when nothing
     decodes): all of them run in it, as rows of one forward, and decode from the second step on; with
-    sequences decoding, the budget (STEP_ROWS less the decode rows, at least PROMPT_ROWS: 12 beside 4) goes to
-    the prefilling sequences in arrival order."""
+    sequences decoding, the budget (STEP_ROWS + PROMPT_ROWS less the decode rows, at least PROMPT_ROWS: 20 beside 4)
+    goes to the prefilling sequences in arrival order."""
     from localmoe.runtime.worker import PROMPT_ROWS, STEP_ROWS
 
     tok, model = embedded.tokenizer, embedded.model
@@ -430,13 +430,13 @@ def test_prompts_that_arrive_together_enter_together(embedded):
                              results, i))
     worker.step()
     assert worker.prompt_rows == len(first) and all(r.wants.decoding for r in worker._active)
-    later = [completion(embedded, text * 3, 6) for text in PROMPTS[:3]]
+    later = [completion(embedded, text * 6, 6) for text in PROMPTS[:3]]
     for i, prep in enumerate(later):
         worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
                              results, f"later{i}"))
-    worker.step()  # 4 decode rows: a budget of 16 - 4 prompt rows, the earliest of the later prompts first
-    budget = max(PROMPT_ROWS, STEP_ROWS - len(first))
-    assert budget == 12 and sum(len(p.prompt) for p in later) > budget
+    worker.step()  # 4 decode rows: a budget of 16 + 8 - 4 prompt rows, the earliest of the later prompts first
+    budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(first))
+    assert budget == 20 and sum(len(p.prompt) for p in later) > budget
     waiting = [r.wants for r in worker._active if r.wants.prefilling]
     taken = [len(d.in_cache) for d in waiting]
     assert sum(taken) == budget and taken[0] == min(budget, len(later[0].prompt))
