@@ -251,9 +251,14 @@ class Speculator:
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
         most = SHADOW_MAX if self.deterministic else PROBE_MAX
-        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window)
+        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window); a class that
+        # pays is never due (its drafts are verified: counting it made every step a full pass on a free answer); one
+        # due already is in `least` until its try starts (`fit` ends the window), so only those due later count
+        now = self.stats.steps
         due = float("inf") if self._shadow is not None else \
-            min(self._tried[b] + min(self._spacing * self._backoff[b], most) for b in range(1, BUCKETS))
+            min((t for b in range(1, BUCKETS) if not self._memo[b][0]
+                 for t in (self._tried[b] + min(self._spacing * self._backoff[b], most),) if t > now + 1e-6),
+                default=float("inf"))
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 
@@ -270,19 +275,24 @@ class Speculator:
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
         one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
-            self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
+            self._memo = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
             self._spacing = SHADOW if self.deterministic else \
                 max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
-            seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
-            # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
-            self._classes = classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
-            self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
-            # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
-            self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
-            self._least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS)  # the least class that pays
+            self._chosen()
         return self._memo
+
+    def _chosen(self) -> None:
+        """What the memo says (the best k over the classes, whether they gain enough, the least class that pays)."""
+        priced, one = self._memo, self._memo_t1
+        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
+        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
+        self._classes = classes = range(1, BUCKETS) if seen or self.matches else [0]
+        self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
+        # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
+        self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
+        self._least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS)  # the least class that pays
 
     def least_match(self) -> int:
         """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
@@ -360,6 +370,7 @@ class Speculator:
             if at is not None and self._due(b):
                 self._shadow = (at, list(draft.tokens), b)
                 self._tried[b] = self.stats.steps
+                self._fast_until = 0.0  # the choice changes (one shadow try at a time)
             return draft.first(0)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
@@ -410,7 +421,9 @@ class Speculator:
         self._backoff[b] = 1 if kept else min(2 * self._backoff[b], SHADOW_MAX)
         self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
         self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
-        self._memo = None  # the class's acceptance changed: price the classes again
+        if self._memo is not None:  # the class's acceptance changed: price it again (only it: a shadow try settles
+            self._memo[b] = self._best(self.bucket_acceptance(b))  # every few steps of a free answer, and pricing
+            self._chosen()  # all five classes cost ~25 us of a step's Python there)
         self._fast_until = 0.0
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0,

@@ -115,14 +115,9 @@ def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
                           lambda i: probabilities(logits[i:i + 1], dec.params, history(i))[0], dec.generator)
 
 
-def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = (),
-                     plain_step=None) -> list[torch.Tensor | None]:
-    """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
-    logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
-    (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
-    sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
-    results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
-    runs a step in which no sequence drafts."""
+def _drafts(decoders: Sequence, fused: bool):
+    """Each decoder's draft: (speculating without a replay, replaying, the drafts, the seconds each took, the clock,
+    its reading after the last draft)."""
     model = decoders[0].model
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
@@ -139,6 +134,33 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         now = clock()
         drafting.append(now - began)
         began = now
+    return spec, replay, drafts, drafting, clock, began
+
+
+def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = (),
+                     plain_step=None) -> list[torch.Tensor | None]:
+    """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
+    logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
+    (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
+    sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
+    results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
+    runs a step in which no sequence drafts."""
+    model = decoders[0].model
+    one = decoders[0].speculator if len(decoders) == 1 else None
+    if one is not None and one.clock is not None and plain_step is not None and not chunks and \
+            not decoders[0].replaying and not one.watches:
+        # one sequence (`run`, `chat`, a lone request), set up: the steps where it declines are most of a free
+        # answer's, and each line of Python here runs with the caches cold from the forward (~0.1-0.5 us a line)
+        began = one.clock()
+        draft = _propose(decoders[0])
+        now = one.clock()
+        if not draft.tokens:
+            results = plain_step(decoders, fused, chunks)
+            one.observe(0, 0, 1, one.clock() - now)
+            return results
+        spec, replay, drafts, drafting, clock, began = [True], [False], [draft], [now - began], one.clock, now
+    else:
+        spec, replay, drafts, drafting, clock, began = _drafts(decoders, fused)
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
             not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
         # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
