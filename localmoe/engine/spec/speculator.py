@@ -85,6 +85,7 @@ RECENT = 9  # a row count's step time is the median of its last RECENT steps (a 
 # outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
+TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
 SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
 SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
@@ -426,7 +427,13 @@ class Speculator:
             self._chosen()  # all five classes cost ~25 us of a step's Python there)
         self._fast_until = 0.0
 
-    def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0,
+    @property
+    def times_plain(self) -> bool:
+        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once t(1) is known (its
+        median over the last RECENT timed steps moves slowly; a clock reading is a system call, ~1 us)."""
+        return self.stats.steps % TIME_EVERY == 0 or self._samples.get(1, 0) < 2 or self.residency is not None
+
+    def observe(self, drafted: int, accepted: int, rows: int, seconds: float | None, confidence: int = 0,
                 drafting: float = 0.0) -> None:
         """Account one step: `drafted` drafts verified (of class `confidence`, bucket()), `accepted` kept, `rows`
         rows run in `seconds` (the forward), the drafts made in `drafting` seconds."""
@@ -435,9 +442,9 @@ class Speculator:
         s.emitted += accepted + 1
         if not drafted and rows == 1 and self.residency is None and self._samples.get(1, 0) >= 2:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
-            recent = self._recent[1]
-            recent.append(seconds)
-            self._dirty = True  # its median is taken when read (`_t1`)
+            if seconds is not None:  # (None: not timed, `times_plain`)
+                self._recent[1].append(seconds)
+                self._dirty = True  # its median is taken when read (`_t1`)
             return
         if drafted:
             self._tried[confidence] = s.steps

@@ -151,14 +151,20 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
             not decoders[0].replaying and not one.watches:
         # one sequence (`run`, `chat`, a lone request), set up: the steps where it declines are most of a free
         # answer's, and each line of Python here runs with the caches cold from the forward (~0.1-0.5 us a line)
-        began = one.clock()
+        clock = one.clock
+        began = 0.0 if one.free else clock()  # a free drafter's lookup is not priced (tens of us against ms)
         draft = _propose(decoders[0])
-        now = one.clock()
         if not draft.tokens:
+            if not one.times_plain:
+                results = plain_step(decoders, fused, chunks)
+                one.observe(0, 0, 1, None)
+                return results
+            now = clock()
             results = plain_step(decoders, fused, chunks)
-            one.observe(0, 0, 1, one.clock() - now)
+            one.observe(0, 0, 1, clock() - now)
             return results
-        spec, replay, drafts, drafting, clock, began = [True], [False], [draft], [now - began], one.clock, now
+        now = clock()
+        spec, replay, drafts, drafting, began = [True], [False], [draft], [0.0 if one.free else now - began], now
     else:
         spec, replay, drafts, drafting, clock, began = _drafts(decoders, fused)
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
