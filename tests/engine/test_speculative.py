@@ -177,6 +177,9 @@ def test_prompt_lookup_finds_the_longest_earlier_match_as_tokens_come():
                 assert draft.tokens == history[end + 1:end + 4] and draft.match == min(best, 32)
             else:
                 assert draft.tokens == []
+            # the next token extends a match by one key at most: no call is needed while none of `least` can be
+            assert lookup.hopeless(n + 1, best + 2) and not lookup.hopeless(n + 1, best + 1)
+            assert not lookup.hopeless(n, best + 2)  # the same length: not a history grown at its end
 
 
 def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):

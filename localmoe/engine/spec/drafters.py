@@ -47,7 +47,8 @@ class Drafter(Protocol):
     # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
     # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one), `deterministic`
     # (with `matches`: its draft depends on the history alone, so a class that does not pay is tried in the shadow,
-    # speculator.py `shadow_seen`, not by a verify)
+    # speculator.py `shadow_seen`, not by a verify), `hopeless(length, least)` (with `matches`: True where a history
+    # of that length can hold no match of `least` tokens; the speculator then skips the call)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -148,15 +149,19 @@ class PromptLookup:
         self._found = (end[s], length[s])  # an earlier place of the longest repeated suffix (end[s] < i)
         end[s] = i
 
+    def hopeless(self, length: int, least: int) -> bool:
+        """Whether a history of `length` tokens, the one indexed grown at its end, can have no match of `least` keys:
+        a match grows by a key a token at most, so until one is possible the new tokens wait, and the index takes them
+        when it is (a few tokens in one call: each call after the model's forward runs with cold caches)."""
+        grown = length - self._n
+        return 0 < grown and self._found[1] + grown < least
+
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
                 generator: torch.Generator | None = None, least: int = 1) -> Draft:
         """Up to k tokens after the longest match; none where it is shorter than `least` tokens."""
         if k <= 0 or len(history) < 2:
             return Draft([])
-        grown = len(history) - self._n
-        if 0 < grown and self._found[1] + grown < least:
-            # a match grows by a key a token at most: none of `least` keys is possible yet, and the index takes the
-            # new tokens when one is (a step costs the tokens' indexing once, not a call per step)
+        if self.hopeless(len(history), least):
             return Draft([])
         self._update(history)
         c, length = self._found

@@ -172,6 +172,8 @@ class Speculator:
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
         self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
+        # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
+        self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
         # its drafts depend on the history alone: classes that do not pay are tried in the shadow (`shadow_seen`)
         self.deterministic = self.matches and getattr(drafter, "deterministic", False)

@@ -82,7 +82,7 @@ def _propose(dec) -> Draft:
     if spec._shadow is not None:  # a shadow try waits for the tokens it drafted
         spec.shadow_seen(dec.in_cache, dec.pending)
     k = min(spec.choose_k(), dec.room, K_MAX)
-    if k <= 0:
+    if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
         return NO_DRAFT
     # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
     # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
