@@ -241,7 +241,7 @@ def test_a_declining_speculator_prices_its_classes_once(monkeypatch):
     spec.observe(0, 0, 1, 1.0)
     priced = []
     best = spec._best
-    monkeypatch.setattr(spec, "_best", lambda a: priced.append(a) or best(a))
+    monkeypatch.setattr(spec, "_best", lambda a, costs=None: priced.append(a) or best(a, costs))
     spec.choose_k()
     assert len(priced) == BUCKETS
     least = spec.least_match()

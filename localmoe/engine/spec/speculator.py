@@ -192,13 +192,19 @@ class Speculator:
             return self.acceptance
         return (self._bucket_kept[b] + PRIOR * CLASS_PRIOR[b]) / (self._bucket_trials[b] + PRIOR)
 
-    def _best(self, a: float) -> tuple[int, float]:
-        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
-        best, best_rate = 0, GAIN / self._estimate(1)
+    def _costs(self) -> list[float]:
+        """t(r) for r = 1 .. k_max + 1 (`_estimate`), taken once for every class a pricing pass prices."""
+        return [self._estimate(r) for r in range(1, self.k_max + 2)]
+
+    def _best(self, a: float, costs: list[float] | None = None) -> tuple[int, float]:
+        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step.
+        `costs`: `_costs()` (taken here where not given)."""
+        costs = costs or self._costs()
+        best, best_rate = 0, GAIN / costs[0]
         a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
-            rate = tokens / (self._estimate(k + 1) + (k + tokens * self._catches_up) * self.draft_seconds)
+            rate = tokens / (costs[k] + (k + tokens * self._catches_up) * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -278,7 +284,8 @@ class Speculator:
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
         one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
-            self._memo = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
+            costs = self._costs()  # (the same for every class: a pass after each verify priced them 5 times)
+            self._memo = [self._best(self.bucket_acceptance(b), costs) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
             self._spacing = SHADOW if self.deterministic else \
