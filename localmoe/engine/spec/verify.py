@@ -152,7 +152,7 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
     if one is not None and one.clock is not None and plain_step is not None and not chunks and \
             not decoders[0].replaying and not one.watches:
         # one sequence (`run`, `chat`, a lone request), set up: the steps where it declines are most of a free
-        # answer's, and each line of Python here runs with the caches cold from the forward (~0.1-0.5 us a line)
+        # answer's, and each line of Python here runs with the caches cold from the forward (~1-2 us a line)
         clock = one.clock
         began = 0.0 if one.free else clock()  # a free drafter's lookup is not priced (tens of us against ms)
         draft = _propose(decoders[0])
