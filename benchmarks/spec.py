@@ -333,19 +333,20 @@ def paged_store(work: Path, family: str = "gpt_oss") -> tuple[str, str, int]:
         return str(store), str(draft), expert_bytes(PackedStore(store)) // 4
     if family == "smollm_moe":
         src, store = work / family, work / f"{family}.lmoe"
-    if family == "smollm_moe" and not (src / "config.json").exists():
+    converted = (store / "manifest.json").exists()  # the source is needed only to convert (1.3 GB for smollm_moe)
+    if not converted and family == "smollm_moe" and not (src / "config.json").exists():
         print("writing the upcycled SmolLM2 MoE checkpoint ...", flush=True)
         from upcycle import write_upcycled
 
         write_upcycled(src)
-    elif not (src / "config.json").exists():
+    elif not converted and not (src / "config.json").exists():
         print(f"writing the small {family} checkpoint ...", flush=True)
         write_checkpoint(family, src, size="small")
         if family == "deepseek_v32":
             from localmoe.testing.mtp import add_mtp_layer
 
             add_mtp_layer(src)
-    if not (store / "manifest.json").exists():
+    if not converted:
         print("converting it to a packed store ...", flush=True)
         convert(src, store)
     if family == "smollm_moe":  # the dense model it was upcycled from, resident (its answers are the MoE's, nearly)

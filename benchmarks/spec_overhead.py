@@ -27,14 +27,18 @@ from spec import TASKS
 
 
 class Never:
-    """A drafter with prompt lookup's traits that never finds a draft."""
+    """A drafter with prompt lookup's traits that never finds a draft (what it costs is the speculative step's own
+    bookkeeping: its call returns a draft made once)."""
 
     name, free, matches = "never", True, True
 
-    def propose(self, history, k, params, generator, least: int = 1):
+    def __init__(self):
         from localmoe.engine.spec.drafters import Draft
 
-        return Draft([])
+        self.none = Draft([])
+
+    def propose(self, history, k, params, generator, least: int = 1):
+        return self.none
 
 
 FORWARD = [0.0]  # CPU seconds in the model's forward during the current step

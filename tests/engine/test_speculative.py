@@ -152,6 +152,36 @@ def test_prompt_lookup_drafts_after_the_longest_match():
     assert PromptLookup(min_ngram=2).propose([1, 2, 3, 9, 3], 2).tokens == []  # one token matched: below min_ngram
 
 
+def test_prompt_lookup_finds_the_longest_earlier_match_as_tokens_come():
+    """The suffix automaton, fed a token at a time (and once with a rewind), knows after each the longest suffix of
+    the sequence that occurred before, and a place where it did: against a brute-force search, random sequences over
+    small alphabets (many repeats, states split)."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(120):
+        seq = [rng.randrange(rng.choice([2, 3, 7])) for _ in range(rng.randrange(2, 120))]
+        lookup = PromptLookup()
+        for n in range(2, len(seq) + 1):
+            history = seq[:n]
+            if trial % 10 == 0 and n == len(seq) // 2:
+                lookup._update(history[:-1] + [99])  # a rewind: the index starts afresh
+            draft = lookup.propose(history, 3)
+            best = max(next(length for length in range(e + 2) if length > e or
+                            history[e - length] != history[n - 1 - length]) for e in range(n - 1))
+            c, length = lookup._found
+            assert length == best
+            if best:
+                end = lookup._at[c]
+                assert end < n - 1 and history[end - best + 1:end + 1] == history[n - best:]
+                assert draft.tokens == history[end + 1:end + 4] and draft.match == min(best, 32)
+            else:
+                assert draft.tokens == []
+            # the next token extends a match by one key at most: no call is needed while none of `least` can be
+            assert lookup.hopeless(n + 1, best + 2) and not lookup.hopeless(n + 1, best + 1)
+            assert not lookup.hopeless(n, best + 2)  # the same length: not a history grown at its end
+
+
 def test_prompt_lookup_follows_a_quote_that_joins_lines(smollm2_gguf):
     """A hard-wrapped document quoted as one line: the match ignores whitespace and the draft is the source's
     text respaced as the quote spaces it, tokenized afresh (what the model would write next)."""
@@ -211,7 +241,7 @@ def test_a_declining_speculator_prices_its_classes_once(monkeypatch):
     spec.observe(0, 0, 1, 1.0)
     priced = []
     best = spec._best
-    monkeypatch.setattr(spec, "_best", lambda a: priced.append(a) or best(a))
+    monkeypatch.setattr(spec, "_best", lambda a, costs=None: priced.append(a) or best(a, costs))
     spec.choose_k()
     assert len(priced) == BUCKETS
     least = spec.least_match()

@@ -47,7 +47,8 @@ class Drafter(Protocol):
     # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
     # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one), `deterministic`
     # (with `matches`: its draft depends on the history alone, so a class that does not pay is tried in the shadow,
-    # speculator.py `shadow_seen`, not by a verify)
+    # speculator.py `shadow_seen`, not by a verify), `hopeless(length, least)` (with `matches`: True where a history
+    # of that length can hold no match of `least` tokens; the speculator then skips the call)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -55,14 +56,15 @@ class Drafter(Protocol):
 
 
 class PromptLookup:
-    """Lookup over the sequence itself (see the module docstring). Every position is indexed once by the
-    `min_ngram` tokens ending there; a step looks at up to `CANDIDATES` earlier occurrences of the last
-    `min_ngram` tokens (most recent first), extends each match backwards (up to `LONGEST` tokens) and drafts
-    what followed the longest one. With the model's `tokenizer` the match ignores whitespace (near-quotes:
-    a model quoting a document joins its hard-wrapped lines, re-indents code): tokens are compared by their
-    text without whitespace, whitespace-only tokens are skipped, and where the quote so far spaced the matched
-    words differently from the source, the source's continuation is respaced the same way and tokenized
-    afresh. A step costs O(CANDIDATES * LONGEST) whatever the context."""
+    """Lookup over the sequence itself (see the module docstring). The keys (a token each) go into a suffix
+    automaton as they come (amortised O(1) a token): after each, the automaton knows the longest suffix of the
+    sequence that occurred before and a recent place where it ended (where a longer match's last occurrence is
+    later than the short suffix's, the short one's place may be an older occurrence). A step whose match is shorter
+    than the speculator's `least` costs a comparison; one that drafts, the draft's tokens. With the model's
+    `tokenizer` the match ignores whitespace (near-quotes: a model quoting a document joins its hard-wrapped
+    lines, re-indents code): tokens are compared by their text without whitespace, whitespace-only tokens are
+    skipped, and where the quote so far spaced the matched words differently from the source, the source's
+    continuation is respaced the same way and tokenized afresh. Memory: ~2 automaton states a key."""
 
     name = "prompt"
     free = matches = deterministic = True
@@ -73,10 +75,18 @@ class PromptLookup:
         self.min_ngram, self.tokenizer = min_ngram, tokenizer
         self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
         self._stripped: dict[int, str] = {}  # token id -> its text less whitespace (its key)
-        self._seen: list[int] = []  # the history indexed so far
+        self._reset()
+
+    def _reset(self) -> None:
+        self._n, self._last_token = 0, None  # the length of the history indexed so far, its last token
         self._keys: list = []  # what is compared: ids, or (with a tokenizer) their text less whitespace
         self._at: list[int] = []  # each key's position in the history (whitespace-only tokens have none)
-        self._index: dict[tuple, list[int]] = {}  # the last min_ngram keys -> where they end (key indices)
+        # the suffix automaton of the keys: per state its transitions (key -> state), suffix link, longest string's
+        # length, and a key index where its strings end (the latest seen where it last was the longest match)
+        self._next: list[dict] = [{}]
+        self._link, self._len, self._end = [-1], [0], [-1]
+        self._last = 0  # the state of the whole sequence
+        self._found = (-1, 0)  # (the key index where the last key's longest earlier match ends, its length)
 
     def _key(self, token: int):
         if self.tokenizer is None:
@@ -89,49 +99,75 @@ class PromptLookup:
 
     def _update(self, history: Sequence[int]) -> None:
         history = history if isinstance(history, list) else list(history)
-        n_seen = len(self._seen)
-        # the same sequence grows at its end (a rewind drops kept drafts there): its last tokens seen tell (an O(n)
-        # comparison of the whole would cost more than the rest of the lookup); any other history: afresh
-        tail = max(0, n_seen - TAIL)
-        if len(history) < n_seen or history[tail:n_seen] != self._seen[tail:]:
-            self._index.clear()
-            self._keys, self._at, self._seen, n_seen = [], [], [], 0
+        n_seen = self._n
+        # the same sequence grows at its end; a rewind (an injected token drops kept drafts) drops only tokens the
+        # index never saw (they came after its last call), so the last token seen tells; any other history: afresh
+        if len(history) < n_seen or n_seen and history[n_seen - 1] != self._last_token:
+            self._reset()
+            n_seen = 0
         for at in range(n_seen, len(history)):
             key = self._key(history[at])
-            if key == "":
-                continue
-            self._keys.append(key)
-            self._at.append(at)
-            end, n = len(self._keys) - 1, self.min_ngram
-            if end >= n:  # only ends with a key after them can be continued; `end` itself is indexed next time
-                self._index.setdefault(tuple(self._keys[end - n:end]), []).append(end - 1)
-        self._seen.extend(history[n_seen:])
+            if key != "":
+                self._extend(key, at)
+        self._n = len(history)
+        self._last_token = history[-1] if history else None
 
-    def _match(self) -> tuple[int, int] | None:
-        """(the key index of the best earlier match of the sequence's last keys, its length in keys)."""
-        keys, n = self._keys, self.min_ngram
-        last = len(keys) - 1
-        if last < n:
-            return None
-        best, best_len = None, 0
-        for c in reversed(self._index.get(tuple(keys[last - n + 1:]), ())[-CANDIDATES:]):
-            length = n
-            while length < LONGEST and c - length >= 0 and keys[c - length] == keys[last - length]:
-                length += 1
-            if length > best_len:
-                best, best_len = c, length
-        return None if best is None else (best, best_len)
+    def _extend(self, key, at: int) -> None:
+        """Append a key to the automaton (the online construction; a clone where a state splits), and note the
+        longest earlier match of the sequence's suffix (the new state's suffix link) and where it ended."""
+        nxt, link, length, end = self._next, self._link, self._len, self._end
+        i = len(self._keys)
+        self._keys.append(key)
+        self._at.append(at)
+        cur = len(length)
+        nxt.append({})
+        link.append(0)
+        length.append(length[self._last] + 1)
+        end.append(i)
+        p = self._last
+        while p != -1 and key not in nxt[p]:
+            nxt[p][key] = cur
+            p = link[p]
+        self._last = cur
+        if p == -1:  # a key never seen before: no match
+            self._found = (-1, 0)
+            return
+        q = nxt[p][key]
+        if length[p] + 1 == length[q]:
+            s = q
+        else:  # q's strings split: the shorter ones (suffixes of the sequence now) go to a clone
+            s = len(length)
+            nxt.append(dict(nxt[q]))
+            link.append(link[q])
+            length.append(length[p] + 1)
+            end.append(end[q])
+            while p != -1 and nxt[p].get(key) == q:
+                nxt[p][key] = s
+                p = link[p]
+            link[q] = s
+        link[cur] = s
+        self._found = (end[s], length[s])  # an earlier place of the longest repeated suffix (end[s] < i)
+        end[s] = i
+
+    def hopeless(self, length: int, least: int) -> bool:
+        """Whether a history of `length` tokens, the one indexed grown at its end, can have no match of `least` keys:
+        a match grows by a key a token at most, so until one is possible the new tokens wait, and the index takes them
+        when it is (a few tokens in one call: each call after the model's forward runs with cold caches)."""
+        grown = length - self._n
+        return 0 < grown and self._found[1] + grown < least
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
                 generator: torch.Generator | None = None, least: int = 1) -> Draft:
         """Up to k tokens after the longest match; none where it is shorter than `least` tokens."""
         if k <= 0 or len(history) < 2:
             return Draft([])
-        self._update(history)
-        found = self._match()
-        if found is None or found[1] < least:
+        if self.hopeless(len(history), least):
             return Draft([])
-        c, length = found
+        self._update(history)
+        c, length = self._found
+        if c < 0 or length < least or length < self.min_ngram:
+            return Draft([])
+        length = min(length, LONGEST)
         source = self._at[c] + 1
         if self.tokenizer is None:
             return Draft(list(history[source:source + k]), source=source, match=length)
@@ -168,9 +204,7 @@ class PromptLookup:
 
 _SPACE = re.compile(r"\s+")
 ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
-LONGEST = 32  # a match is extended backwards this far at most
-CANDIDATES = 16  # earlier occurrences of the last min_ngram tokens tried, most recent first
-TAIL = 16  # the last tokens of the history indexed that must be unchanged to keep the index
+LONGEST = 32  # a match's length is counted this far at most (its class, and the respacing it compares)
 
 
 def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:

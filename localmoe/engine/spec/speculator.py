@@ -85,6 +85,7 @@ RECENT = 9  # a row count's step time is the median of its last RECENT steps (a 
 # outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
+TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
 SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
 SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
@@ -171,6 +172,8 @@ class Speculator:
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
         self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
+        # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
+        self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
         # its drafts depend on the history alone: classes that do not pay are tried in the shadow (`shadow_seen`)
         self.deterministic = self.matches and getattr(drafter, "deterministic", False)
@@ -189,13 +192,19 @@ class Speculator:
             return self.acceptance
         return (self._bucket_kept[b] + PRIOR * CLASS_PRIOR[b]) / (self._bucket_trials[b] + PRIOR)
 
-    def _best(self, a: float) -> tuple[int, float]:
-        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step."""
-        best, best_rate = 0, GAIN / self._estimate(1)
+    def _costs(self) -> list[float]:
+        """t(r) for r = 1 .. k_max + 1 (`_estimate`), taken once for every class a pricing pass prices."""
+        return [self._estimate(r) for r in range(1, self.k_max + 2)]
+
+    def _best(self, a: float, costs: list[float] | None = None) -> tuple[int, float]:
+        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step.
+        `costs`: `_costs()` (taken here where not given)."""
+        costs = costs or self._costs()
+        best, best_rate = 0, GAIN / costs[0]
         a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
             tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
-            rate = tokens / (self._estimate(k + 1) + (k + tokens * self._catches_up) * self.draft_seconds)
+            rate = tokens / (costs[k] + (k + tokens * self._catches_up) * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -251,9 +260,14 @@ class Speculator:
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
         most = SHADOW_MAX if self.deterministic else PROBE_MAX
-        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window)
+        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window); a class that
+        # pays is never due (its drafts are verified: counting it made every step a full pass on a free answer); one
+        # due already is in `least` until its try starts (`fit` ends the window), so only those due later count
+        now = self.stats.steps
         due = float("inf") if self._shadow is not None else \
-            min(self._tried[b] + min(self._spacing * self._backoff[b], most) for b in range(1, BUCKETS))
+            min((t for b in range(1, BUCKETS) if not self._memo[b][0]
+                 for t in (self._tried[b] + min(self._spacing * self._backoff[b], most),) if t > now + 1e-6),
+                default=float("inf"))
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 
@@ -270,19 +284,25 @@ class Speculator:
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
         one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
-            self._memo = priced = [self._best(self.bucket_acceptance(b)) for b in range(BUCKETS)]
+            costs = self._costs()  # (the same for every class: a pass after each verify priced them 5 times)
+            self._memo = [self._best(self.bucket_acceptance(b), costs) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
             self._spacing = SHADOW if self.deterministic else \
                 max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
-            seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
-            # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
-            self._classes = classes = range(1, BUCKETS) if seen or getattr(self.drafter, "matches", False) else [0]
-            self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
-            # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
-            self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
-            self._least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS)  # the least class that pays
+            self._chosen()
         return self._memo
+
+    def _chosen(self) -> None:
+        """What the memo says (the best k over the classes, whether they gain enough, the least class that pays)."""
+        priced, one = self._memo, self._memo_t1
+        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
+        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
+        self._classes = classes = range(1, BUCKETS) if seen or self.matches else [0]
+        self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
+        # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
+        self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
+        self._least = next((b for b in range(1, BUCKETS) if priced[b][0]), BUCKETS)  # the least class that pays
 
     def least_match(self) -> int:
         """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
@@ -360,6 +380,7 @@ class Speculator:
             if at is not None and self._due(b):
                 self._shadow = (at, list(draft.tokens), b)
                 self._tried[b] = self.stats.steps
+                self._fast_until = 0.0  # the choice changes (one shadow try at a time)
             return draft.first(0)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
@@ -410,10 +431,18 @@ class Speculator:
         self._backoff[b] = 1 if kept else min(2 * self._backoff[b], SHADOW_MAX)
         self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
         self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
-        self._memo = None  # the class's acceptance changed: price the classes again
+        if self._memo is not None:  # the class's acceptance changed: price it again (only it: a shadow try settles
+            self._memo[b] = self._best(self.bucket_acceptance(b))  # every few steps of a free answer, and pricing
+            self._chosen()  # all five classes cost ~25 us of a step's Python there)
         self._fast_until = 0.0
 
-    def observe(self, drafted: int, accepted: int, rows: int, seconds: float, confidence: int = 0,
+    @property
+    def times_plain(self) -> bool:
+        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once t(1) is known (its
+        median over the last RECENT timed steps moves slowly; a clock reading is a system call, ~1 us)."""
+        return self.stats.steps % TIME_EVERY == 0 or self._samples.get(1, 0) < 2 or self.residency is not None
+
+    def observe(self, drafted: int, accepted: int, rows: int, seconds: float | None, confidence: int = 0,
                 drafting: float = 0.0) -> None:
         """Account one step: `drafted` drafts verified (of class `confidence`, bucket()), `accepted` kept, `rows`
         rows run in `seconds` (the forward), the drafts made in `drafting` seconds."""
@@ -422,9 +451,9 @@ class Speculator:
         s.emitted += accepted + 1
         if not drafted and rows == 1 and self.residency is None and self._samples.get(1, 0) >= 2:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
-            recent = self._recent[1]
-            recent.append(seconds)
-            self._dirty = True  # its median is taken when read (`_t1`)
+            if seconds is not None:  # (None: not timed, `times_plain`)
+                self._recent[1].append(seconds)
+                self._dirty = True  # its median is taken when read (`_t1`)
             return
         if drafted:
             self._tried[confidence] = s.steps

@@ -82,7 +82,7 @@ def _propose(dec) -> Draft:
     if spec._shadow is not None:  # a shadow try waits for the tokens it drafted
         spec.shadow_seen(dec.in_cache, dec.pending)
     k = min(spec.choose_k(), dec.room, K_MAX)
-    if k <= 0:
+    if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
         return NO_DRAFT
     # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
     # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
@@ -104,8 +104,10 @@ def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
     base = dec.history
     if dec.params.greedy and (base is None or dec.params.repetition_penalty == 1.0):
         # no penalty: `sample` is each row's argmax, so one argmax over the rows gives them all (a call per row cost
-        # ~40 us each, 0.2 ms of a 5-row verify of the embedded model)
-        targets = logits.float().argmax(-1).tolist()
+        # ~40 us each, 0.2 ms of a 5-row verify of the embedded model); on the CPU numpy's (16 us for 5 rows of 49152
+        # logits, torch's 205 us: its CPU argmax is not vectorised), the first of equal maxima as torch's
+        rows = logits.float()
+        targets = (rows.numpy() if rows.device.type == "cpu" else rows).argmax(-1).tolist()
         return accept_greedy(draft.tokens, targets.__getitem__)
     history = (lambda i: None) if base is None else \
         (lambda i: torch.tensor([base + draft.tokens[:i]], dtype=torch.long))
@@ -115,14 +117,9 @@ def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
                           lambda i: probabilities(logits[i:i + 1], dec.params, history(i))[0], dec.generator)
 
 
-def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = (),
-                     plain_step=None) -> list[torch.Tensor | None]:
-    """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
-    logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
-    (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
-    sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
-    results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
-    runs a step in which no sequence drafts."""
+def _drafts(decoders: Sequence, fused: bool):
+    """Each decoder's draft: (speculating without a replay, replaying, the drafts, the seconds each took, the clock,
+    its reading after the last draft)."""
     model = decoders[0].model
     replay = [d.speculating and d.replaying for d in decoders]  # a resumed sequence's tokens: rows, no draft
     spec = [d.speculating and not r for d, r in zip(decoders, replay)]
@@ -139,6 +136,39 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         now = clock()
         drafting.append(now - began)
         began = now
+    return spec, replay, drafts, drafting, clock, began
+
+
+def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence = (),
+                     plain_step=None) -> list[torch.Tensor | None]:
+    """One decode step of `decoders` (each `decoding`; those with a `speculator` draft first) -> each one's
+    logits [1, V] for its next token. A speculating decoder is left with the tokens it accepted `ready`
+    (engine/generate.py Decoder): its next `sample` calls return them without a forward. `chunks`: other
+    sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
+    results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
+    runs a step in which no sequence drafts."""
+    model = decoders[0].model
+    one = decoders[0].speculator if len(decoders) == 1 else None
+    if one is not None and one.clock is not None and plain_step is not None and not chunks and \
+            not decoders[0].replaying and not one.watches:
+        # one sequence (`run`, `chat`, a lone request), set up: the steps where it declines are most of a free
+        # answer's, and each line of Python here runs with the caches cold from the forward (~1-2 us a line)
+        clock = one.clock
+        began = 0.0 if one.free else clock()  # a free drafter's lookup is not priced (tens of us against ms)
+        draft = _propose(decoders[0])
+        if not draft.tokens:
+            if not one.times_plain:
+                results = plain_step(decoders, fused, chunks)
+                one.observe(0, 0, 1, None)
+                return results
+            now = clock()
+            results = plain_step(decoders, fused, chunks)
+            one.observe(0, 0, 1, clock() - now)
+            return results
+        now = clock()
+        spec, replay, drafts, drafting, began = [True], [False], [draft], [0.0 if one.free else now - began], now
+    else:
+        spec, replay, drafts, drafting, clock, began = _drafts(decoders, fused)
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
             not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
         # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
