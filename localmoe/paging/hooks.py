@@ -47,8 +47,8 @@ class PagedRouter:
                             out.append((layer, _ranked(guess[:, :width])))
                 return out
 
-            # several rows' guesses only where begin_layer keeps them (a prompt chunk's rows: seldom), so their
-            # routing does not hold up this layer's reads
+            # several rows' guesses only where begin_layer keeps them (a step carrying prompt rows; not a decode
+            # step's few rows), so their routing does not hold up this layer's reads where they would be dropped
             self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses() if one else guesses,
                                    ranked=one)  # its loads first
         return weights, ids
