@@ -217,6 +217,10 @@ class Pager:
     def block_table(self, layer: int):
         return None if self._resident is None else self._resident.block_table(layer)
 
+    def experts_in(self, layer: int) -> int:
+        """How many experts `layer` has."""
+        return self._experts.get(layer, 0)
+
     def holds_all(self, layer: int) -> bool:
         """Whether every expert of `layer` is in a slot (loaded or loading): a guess at its experts loads nothing."""
         return self._count.get(layer, 0) >= self._experts.get(layer, 1)

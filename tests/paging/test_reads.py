@@ -210,3 +210,13 @@ def test_a_union_of_guesses_is_kept_where_the_rows_chose_most_of_the_layer(gpt_o
         assert pager.stats.prefetch.used == 3 and pager.stats.prefetch.wasted == 0
     finally:
         pager.close()
+
+
+def test_prompt_rows_guess_the_experts_two_rows_guessed_most_guessed_first():
+    """Several rows' union of guesses: the most guessed experts first; where the rows' picks outnumber the layer's
+    experts (prompt rows), one row's pick alone is not read."""
+    from localmoe.paging.hooks import _voted
+
+    ids = torch.tensor([[3, 1], [1, 2], [5, 1], [2, 0]])  # votes: 1 x3, 2 x2, 3 0 5 once
+    assert _voted(ids, experts=16) == [1, 2, 3, 5, 0]  # 8 picks of 16 experts: all, by votes then rank
+    assert _voted(ids, experts=6) == [1, 2]  # 8 picks of 6 experts: the ones two rows guessed
