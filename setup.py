@@ -18,7 +18,7 @@ for target, folder in MAPPED.items():
 
 setup(packages=packages, package_dir=MAPPED,
       package_data={"localmoe": ["py.typed"], "localmoe.testing": ["configs/*.json", "configs/*.md"],
-                    "localmoe.kernels.mxfp4_moe": ["*.cpp", "*.h"], "localmoe.kernels.dense_gemv": ["*.cpp"],
+                    "localmoe.kernels.mxfp4_moe": ["*.cpp", "*.h"], "localmoe.kernels.dense_gemv": ["*.cpp", "*.h"],
                     "localmoe.kernels.dense_moe": ["*.cpp"],
                     "localmoe.kernels.ggml_gemv": ["*.cpp", "*.h"], "localmoe.kernels.decode_layers": ["*.cpp", "*.h"],
                     "localmoe.kernels.gqa_decode": ["*.cpp"], "localmoe.kernels.rms_norm": ["*.cpp"],

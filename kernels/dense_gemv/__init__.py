@@ -1,10 +1,12 @@
 """Dense GEMV dispatcher for decode: y = x W^T (+ b), W fp32 or bf16, x fp32, fp32 accumulation.
 
 - CPU tensors (contiguous, fp32 x and bias, fp32/bf16 W) with the CPU library (kernels/_cpu):
-  `cpu.gemv`, each weight row streamed once for all N tokens.
+  `cpu.gemv`: one or two tokens stream each weight row once (at memory bandwidth); three or more run register
+  tiles of tokens x outputs (dense_tiles.h: about torch's sgemm speed, benchmarks/kernels.py), every token with
+  the bits it has alone.
 - otherwise the reference (reference.py).
-`kernel_wins(N, K)` says where the kernel beats torch's F.linear (benchmarks/kernels.py); the engine's
-`Linear` takes the kernel for every call of up to GEMV_MAX_ROWS rows anyway, for its row-independent bits.
+The engine's `Linear` takes the kernel for every call of up to GEMV_MAX_ROWS rows (DECODE_ROWS inside a batched
+step), for its row-independent bits.
 """
 
 from __future__ import annotations
@@ -22,15 +24,7 @@ def kernel_available() -> bool:
     return library() is not None
 
 
-GEMV_MAX_ROWS = 8  # above this many input rows a call is a GEMM: the engine computes it in fp32
-X_FLOATS_IN_L1 = 4096  # measured (benchmarks/kernels.py): past ~16 KiB of x, torch wins for N >= 4
-
-
-def kernel_wins(N: int, K: int) -> bool:
-    """Whether the CPU kernel beats torch for N tokens of K: one token always (at memory bandwidth,
-    1.5-4x torch); a few while x [N, K] stays in L1 (each row read once for all of them); past that
-    the FMAs' x loads from L2 bound it and torch's blocked GEMM wins."""
-    return N == 1 or N * K <= X_FLOATS_IN_L1
+GEMV_MAX_ROWS = 8  # above this many input rows (outside a batched step) a call is a GEMM: the engine runs torch's
 
 
 def _takes_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -64,4 +58,4 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return naive_dense_gemv(x, weight, bias)
 
 
-__all__ = ["dense_gemv", "kernel_available", "kernel_for", "kernel_wins", "naive_dense_gemv"]
+__all__ = ["dense_gemv", "kernel_available", "kernel_for", "naive_dense_gemv"]

@@ -7,29 +7,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
+#include "dense_tiles.h"
 #include "pool.h"
 #include "vec_math.h"
 
 namespace localmoe_dense {
 
-using localmoe::hsum;
 using localmoe::kChunkBytes;
 using localmoe::parallel;
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exact
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // One weight row w [K] against NT tokens x (row stride K): y[t * O] = dot(w, x_t) + bias (bias may
 // be null). The row is one sequential stream (interleaving rows, or software prefetch, measured
@@ -103,8 +89,14 @@ void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
   }
 }
 
+// y [N, O] = x [N, K] W^T (+ bias): one token streams each weight row once (`row`); more take register tiles of
+// tokens x outputs (dense_tiles.h), each token with the bits `row` gives it alone.
 template <typename T>
 void gemv(const float* x, int64_t N, int64_t K, const T* w, int64_t O, const float* bias, float* y, int threads) {
+  if (N >= kTileMinRows) {
+    gemv_tiles(x, N, K, w, O, bias, y, threads);
+    return;
+  }
   const Args<T> args{x, N, K, w, O, bias, y};
   parallel(gemv_rows<T>, &args, O, kChunkBytes / (K * static_cast<int64_t>(sizeof(T))), threads);
 }

@@ -10,12 +10,10 @@ Decode-sized inputs (few rows) go through the dense GEMV kernel (`localmoe.kerne
 the weight streamed at memory bandwidth, bf16 widened to fp32 in registers, fp32 x and
 accumulation) where it is available, for every call of up to GEMV_MAX_ROWS rows: it computes each row
 with the same bits alone or among others (`independent_rows`, engine/batch.py), which torch's GEMM does
-not (and its bf16 GEMV rounds x to bf16). Past ~16 KiB of x torch's GEMM is faster (2-3x for 8 rows of
-2880-4096 columns, `dense_gemv.kernel_wins`); batched and speculative greedy decoding need the equal
-bits, so those calls pay it. Inside a batched step (`decode_rows()`) a weight past BIG_WEIGHT bytes takes up to
-DECODE_ROWS rows per kernel call (each weight row read from memory once for all of them, where 8-row slices streamed
-the whole weight once per 8 rows: a paged MoE step's prompt rows); smaller weights, which stay in cache between
-slices, keep 8-row calls (x then fits L1). Each row's bits are the same either way. Prefill stays on torch's sgemm.
+not (and its bf16 GEMV rounds x to bf16). Inside a batched step (`decode_rows()`) every such weight takes up to
+DECODE_ROWS rows per kernel call: from 3 rows the kernel runs register tiles of rows x outputs (each weight vector
+loaded once per tile, dense_tiles.h) at about the speed of torch's sgemm, each row with its one-row bits. Prefill
+stays on torch's sgemm.
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.paths import cache_dir
 
-DECODE_ROWS = 64  # a batched step's rows per dense GEMV call on a big weight (x: 64 x 2048 fp32 = 512 KiB, in L2)
-BIG_WEIGHT = 4 << 20  # bytes: past L2 (gpt-oss `large`'s bf16 q/k/v, 12.6 MB, took 19 ms per 8-row call)
+DECODE_ROWS = 64  # a batched step's rows per dense GEMV call (x: 64 x 2048 fp32 = 512 KiB, in L2)
 
 COLD_BYTES = 96 << 20  # more than any desktop CPU's last-level cache
 
@@ -174,9 +171,9 @@ class Linear:
 
     @property
     def independent_rows(self) -> int:
-        """The most rows one call computes each on its own (engine/batch.py): DECODE_ROWS for a big weight in a
-        batched step, else GEMV_MAX_ROWS."""
-        if self.gemv is not None and self.weight.nbytes > BIG_WEIGHT and in_decode_rows():
+        """The most rows one call computes each on its own (engine/batch.py): DECODE_ROWS in a batched step where
+        the kernel takes the weight, else GEMV_MAX_ROWS."""
+        if self.gemv is not None and in_decode_rows():
             return DECODE_ROWS
         return GEMV_MAX_ROWS
 

@@ -20,6 +20,16 @@ def _ranked(ids: torch.Tensor) -> list[int]:
     return list(dict.fromkeys(ids.t().reshape(-1).tolist()))
 
 
+def _voted(ids: torch.Tensor, experts: int) -> list[int]:
+    """Several rows' guess [N, k]: the distinct experts, the most guessed first (ties as `_ranked`). Where the rows
+    guess more picks than the layer has experts (prompt rows), only the experts two or more rows guessed: one
+    row's pick among so many is the weakest guess, and a wrong one costs a whole read."""
+    order = _ranked(ids)
+    votes = torch.bincount(ids.reshape(-1), minlength=max(order) + 1).tolist()
+    least = 2 if ids.numel() > experts else 1
+    return sorted((e for e in order if votes[e] >= least), key=lambda e: -votes[e])
+
+
 class PagedRouter:
     """Stands in for `MoEBlock.router`: same call, same result, plus the paging hints. `ahead`: (router, layer) of
     the later MoE layers to guess from this layer's input, nearest first."""
@@ -44,11 +54,12 @@ class PagedRouter:
                     for router, layer in self.ahead if width else ():
                         if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots: no guess)
                             _, guess = router(x)  # a later layer's router on this layer's input: a guess
-                            out.append((layer, _ranked(guess[:, :width])))
+                            out.append((layer, _ranked(guess[:, :width]) if one else
+                                        _voted(guess, self.pager.experts_in(layer))))
                 return out
 
-            # several rows' guesses only where begin_layer keeps them (a prompt chunk's rows: seldom), so their
-            # routing does not hold up this layer's reads
+            # several rows' guesses only where begin_layer keeps them (a step carrying prompt rows; not a decode
+            # step's few rows), so their routing does not hold up this layer's reads where they would be dropped
             self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses() if one else guesses,
                                    ranked=one)  # its loads first
         return weights, ids

@@ -217,6 +217,10 @@ class Pager:
     def block_table(self, layer: int):
         return None if self._resident is None else self._resident.block_table(layer)
 
+    def experts_in(self, layer: int) -> int:
+        """How many experts `layer` has."""
+        return self._experts.get(layer, 0)
+
     def holds_all(self, layer: int) -> bool:
         """Whether every expert of `layer` is in a slot (loaded or loading): a guess at its experts loads nothing."""
         return self._count.get(layer, 0) >= self._experts.get(layer, 1)
@@ -233,12 +237,15 @@ class Pager:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
         now (read before any guess). The layer's earlier guesses that routing did not choose are settled (wasted;
         not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
-        then `prefetch` those, with the victims for all picked in one policy call (the same as the calls one after
-        the other). `ranked`: each of `ahead`'s lists is one token's guess, best first (an expert's position is its
-        rank: `guess_width` measures each rank's precision). Not `ranked` (several rows' union of guesses), the
-        guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait): the
-        disk is busy without them, a right guess would only start a read earlier, a wrong one adds a read (16
-        batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes).
+        then `prefetch` those (the layer's reads start before the guesses are made). `ranked`: each of `ahead`'s
+        lists is one token's guess, best first (an expert's position is its rank: `guess_width` measures each
+        rank's precision). Not `ranked` (several rows' union of guesses), the
+        guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait) and its
+        routing chose under GUESS_BAR of its experts: the disk is busy without them, a right guess would only start
+        a read earlier, a wrong one adds a read (16 batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per
+        generated token, a quarter of the bytes). Where the rows chose most of the layer's experts (a step carrying
+        prompt rows), the next layer's rows will too: its union of guesses is then mostly right, and its reads run
+        while this layer's experts compute (hundreds of prompt rows' work) instead of after it.
         `ahead` may be a function giving that list, called only where the guesses are kept (several rows' routing
         of the later layers is then not computed for nothing)."""
         started = time.perf_counter()
@@ -255,17 +262,17 @@ class Pager:
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                guessed = []
-                if not ranked and len(missing) > self.io_threads:  # several rows' union: see the docstring
-                    ahead = ()
-                for later, guess in ahead() if callable(ahead) else ahead:
-                    guessed += self._guessed(later, guess, len(guessed), ranked)
-                slots = self._make_room(len(missing) + len(guessed))
-                for key, slot in zip(missing, slots):
+                for key, slot in zip(missing, self._make_room(len(missing))):  # the layer's reads first
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
-                for (key, rank), slot in zip(guessed, slots[len(missing):]):
+                wide = len(keys) >= GUESS_BAR * self._experts.get(layer, len(keys))  # most of the layer chosen
+                if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
+                    ahead = ()
+                guessed = []  # (computed while those reads run)
+                for later, guess in ahead() if callable(ahead) else ahead:
+                    guessed += self._guessed(later, guess, len(guessed), ranked)
+                for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
         self.stats.ram.lookup_seconds += time.perf_counter() - started

@@ -92,22 +92,23 @@ def test_group_limited_routing_is_not_admitted(checkpoints):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_big_linear_takes_a_steps_rows_in_one_kernel_call(dtype):
-    """Inside a batched step a dense `Linear` whose weight is past BIG_WEIGHT runs up to DECODE_ROWS rows in one
-    kernel call (the weight read once for all), every row with the bits it has alone; a small one keeps 8-row calls,
-    and outside a step more than GEMV_MAX_ROWS rows take torch's GEMM."""
-    from localmoe.engine.linear import BIG_WEIGHT, DECODE_ROWS, Linear
+@pytest.mark.parametrize("O,K", [(1536, 2048), (67, 2051), (5, 40)], ids=lambda v: str(v))
+def test_a_linear_takes_a_steps_rows_in_one_kernel_call(dtype, O, K):
+    """Inside a batched step a dense `Linear` runs up to DECODE_ROWS rows in one kernel call (register tiles of
+    rows x outputs, the weight read once for all), every row with the bits it has alone (output and column counts
+    off the tiles' multiples included); outside a step more than GEMV_MAX_ROWS rows take torch's GEMM."""
+    from localmoe.engine.linear import DECODE_ROWS, Linear
     from localmoe.engine.quantized import decode_rows
     from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 
-    g = torch.Generator().manual_seed(0)
-    big = Linear(torch.randn(1536, 2048, generator=g), torch.randn(1536, generator=g), dtype)
-    small = Linear(torch.randn(64, 2048, generator=g), None, dtype)
-    assert big.weight.nbytes > BIG_WEIGHT >= small.weight.nbytes
-    x = torch.randn(DECODE_ROWS, 2048, generator=g)
-    assert big.independent_rows == GEMV_MAX_ROWS
+    g = torch.Generator().manual_seed(O + K)
+    linear = Linear(torch.randn(O, K, generator=g), torch.randn(O, generator=g), dtype)
+    x = torch.randn(DECODE_ROWS, K, generator=g)
+    assert linear.independent_rows == GEMV_MAX_ROWS
     with torch.inference_mode(), decode_rows():
-        assert big.independent_rows == DECODE_ROWS and small.independent_rows == GEMV_MAX_ROWS
-        alone = torch.cat([big(x[n:n + 1]) for n in range(DECODE_ROWS)])
-        for N in (9, 16, 33, DECODE_ROWS):
-            assert torch.equal(big(x[:N]), alone[:N]), N
+        assert linear.independent_rows == DECODE_ROWS
+        alone = torch.cat([linear(x[n:n + 1]) for n in range(DECODE_ROWS)])
+        for N in (2, 3, 7, 9, 16, 33, DECODE_ROWS):
+            assert torch.equal(linear(x[:N]), alone[:N]), N
+    close = torch.allclose(alone, x @ linear.weight.float().T + linear.bias, rtol=1e-4, atol=1e-3)
+    assert close, (alone - x @ linear.weight.float().T - linear.bias).abs().max()

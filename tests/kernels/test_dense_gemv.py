@@ -87,12 +87,6 @@ def test_dispatcher_falls_back_for_other_inputs(case, close):
     close(dense_gemv.dense_gemv(x, w, bias), _want(x.float(), w, bias), 1e-6)
 
 
-def test_kernel_wins_rule():
-    assert dense_gemv.kernel_wins(1, 100_000)
-    assert dense_gemv.kernel_wins(4, 768) and dense_gemv.kernel_wins(2, 2048)
-    assert not dense_gemv.kernel_wins(8, 2048)
-
-
 @needs_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_prepared_kernel_gives_the_checked_calls_bits(dtype):

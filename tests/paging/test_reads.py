@@ -181,3 +181,42 @@ def test_several_rows_guesses_are_computed_only_where_kept(gpt_oss):
         pager.hold(a, [3])
     finally:
         pager.close()
+
+
+def test_a_union_of_guesses_is_kept_where_the_rows_chose_most_of_the_layer(gpt_oss):
+    """A step whose rows chose at least GUESS_BAR of a layer's experts (prompt rows) keeps several rows' guesses
+    even where its misses outnumber the readers: the next layer's rows will choose most of theirs too. The layer's
+    own reads are started before the guesses are computed (their routing does not delay them)."""
+    from localmoe.paging.pager import GUESS_BAR
+
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    experts = len(store.experts_in(a))
+    wide = list(range(max(3, int(GUESS_BAR * experts + 0.999))))
+    assert len(wide) < experts <= 16
+    pager = Pager(store, 40, LRU(), ODirectBackend(store), io_threads=2)
+    calls = []
+
+    def ahead():
+        calls.append(all((a, e) in pager.where for e in wide))  # this layer's loads already started
+        return [(b, [0, 1, 2])]
+
+    try:
+        pager.begin_layer(a, wide, ahead)
+        assert calls == [True] and pager.stats.prefetch.issued == 3 and (b, 2) in pager.where
+        pager.hold(a, wide)
+        pager.begin_layer(b, [0, 1, 2, 3], ())  # the guesses were right: 3 used
+        pager.hold(b, [0, 1, 2, 3])
+        assert pager.stats.prefetch.used == 3 and pager.stats.prefetch.wasted == 0
+    finally:
+        pager.close()
+
+
+def test_prompt_rows_guess_the_experts_two_rows_guessed_most_guessed_first():
+    """Several rows' union of guesses: the most guessed experts first; where the rows' picks outnumber the layer's
+    experts (prompt rows), one row's pick alone is not read."""
+    from localmoe.paging.hooks import _voted
+
+    ids = torch.tensor([[3, 1], [1, 2], [5, 1], [2, 0]])  # votes: 1 x3, 2 x2, 3 0 5 once
+    assert _voted(ids, experts=16) == [1, 2, 3, 5, 0]  # 8 picks of 16 experts: all, by votes then rank
+    assert _voted(ids, experts=6) == [1, 2]  # 8 picks of 6 experts: the ones two rows guessed
