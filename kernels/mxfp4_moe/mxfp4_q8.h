@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 
 #include "mxfp4_rows.h"
 #include "vec_math.h"
@@ -183,12 +184,63 @@ __attribute__((always_inline)) inline __m256 group_fma(const GroupW& w, const Gr
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_int(w, x)), _mm256_mul_ps(w.scale, _mm256_load_ps(x.scale)), acc);
 }
 
+// Two rows' last groups of n <= 4 blocks share one group (K3 `small`'s 384-wide expert rows: 12 blocks, one group
+// and a half). Row a's blocks sit in blocks 0..n-1 of the decoded group, row b's in 4..4+n-1; the token's record of
+// that group with its blocks 0..3 repeated in 4..7 (tail_pair_record) gives each lane the integer sum it has
+// alone: row a's in the lanes of blocks 0..3, row b's in those of 4..7, moved down to blocks 0..3's lanes
+// (lanes 2, 3, 6, 7 -> 0, 1, 4, 5) for b's fp32 step. Each row's fp32 step is group_fma's, with its own scales:
+// the other row's lanes meet a scale of 0 (tail_scales' dead lanes, times the record's 0 past the row) and add
+// +-0 to an accumulator that is never -0 (it starts at +0), as the lanes of blocks past the row did: the same bits
+// as each row alone, at half the group decodes and integer dots of the two tails.
+__attribute__((always_inline)) inline GroupW rows2_last_group(const uint8_t* pa, const uint8_t* pb, int64_t g,
+                                                              int64_t n) {
+  const uint8_t* c[2] = {pa + g * 128, pb + g * 128};
+  __m256i p[4];
+  for (int k = 0; k < 4; ++k) {
+    const int64_t blocks = n - 2 * (k % 2);
+    const uint8_t* at = c[k / 2] + 32 * (k % 2);
+    p[k] = blocks >= 2   ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+           : blocks == 1 ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))
+                         : _mm256_setzero_si256();
+  }
+  return decode_group(p, _mm256_setzero_ps());
+}
+
+// A token's record of a last group of n <= 4 blocks with its blocks 0..3 repeated in 4..7 (lanes 0, 1, 4, 5
+// copied to 2, 3, 6, 7); only its integer parts are read.
+inline GroupQ8 tail_pair_record(const GroupQ8& x) {
+  GroupQ8 d;
+  for (int m = 0; m < 8; ++m)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(d.q[m]),
+                       _mm256_shuffle_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(x.q[m])), 0x44));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(d.neg_bias),
+                     _mm256_shuffle_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(x.neg_bias)), 0x44));
+  _mm256_store_ps(d.scale, _mm256_setzero_ps());
+  return d;
+}
+
+// The scales of a row's last group of n blocks (after g whole groups), as row_last_group takes them.
+__attribute__((always_inline)) inline __m256 last_scales(const uint8_t* srow, int64_t g, int64_t n) {
+  return g > 0 ? tail_scales(srow, g, n) : group_scales_table(srow + 8 * g, n);
+}
+
+// One token's fp32 steps of a shared tail (rows2_last_group: w; its scales sa, sb) into rows a and b.
+__attribute__((always_inline)) inline void pair_fma(const GroupW& w, const GroupQ8& pair, const GroupQ8& x, __m256 sa,
+                                                    __m256 sb, __m256& acc_a, __m256& acc_b) {
+  const __m256 s = _mm256_cvtepi32_ps(group_int(w, pair));
+  const __m256 xs = _mm256_load_ps(x.scale);
+  acc_a = _mm256_fmadd_ps(s, _mm256_mul_ps(sa, xs), acc_a);
+  acc_b = _mm256_fmadd_ps(_mm256_shuffle_ps(s, s, 0xEE), _mm256_mul_ps(sb, xs), acc_b);
+}
+
 // R consecutive weight rows (codes nb * 16 bytes apart, scales nb apart) against NT tokens' records
 // (stride: records per token): each group decoded once per row, each token's record loaded once for
 // the R rows, then per (row, token) the same operations as alone. Writes y[r + t * O].
+// pairs: the tokens' tail_pair_record of the last group (one per token) where R is even and that group has
+// 1..4 blocks (its rows then share their tails), else nullptr.
 template <int R, int NT>
-inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, int64_t stride, float* y,
-                    int64_t O) {
+inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, int64_t stride,
+                    const GroupQ8* pairs, float* y, int64_t O) {
   const int64_t pitch = nb * (kBlock / 2);
   __m256 acc[R][NT];
   for (int r = 0; r < R; ++r)
@@ -200,7 +252,19 @@ inline void rows_q8(const uint8_t* prow, const uint8_t* srow, int64_t nb, const 
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < R; ++r) acc[r][t] = group_fma(w[r], xq[t * stride + g], acc[r][t]);
   }
-  if (8 * g < nb) {
+  bool shared = false;
+  if constexpr (R % 2 == 0) {
+    if (pairs != nullptr) {
+      const int64_t n = nb - 8 * g;
+      for (int r = 0; r < R; r += 2) {
+        const GroupW w = rows2_last_group(prow + r * pitch, prow + (r + 1) * pitch, g, n);
+        const __m256 sa = last_scales(srow + r * nb, g, n), sb = last_scales(srow + (r + 1) * nb, g, n);
+        for (int t = 0; t < NT; ++t) pair_fma(w, pairs[t], xq[t * stride + g], sa, sb, acc[r][t], acc[r + 1][t]);
+      }
+      shared = true;
+    }
+  }
+  if (!shared && 8 * g < nb) {
     GroupW w[R];
     for (int r = 0; r < R; ++r) w[r] = row_last_group(prow + r * pitch, srow + r * nb, g, nb - 8 * g);
     for (int t = 0; t < NT; ++t)
@@ -223,8 +287,10 @@ __attribute__((always_inline)) inline void hsum4(__m256 a, __m256 b, __m256 c, _
 }
 
 // Four consecutive rows against one token: each row's sums and fp32 steps as rows_q8<1, 1> (the same bits),
-// the four in flight together and summed up by one hsum4. Writes y[0..3].
-inline void rows4_q8_one(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, float* y) {
+// the four in flight together and summed up by one hsum4; pair: as rows_q8's pairs (rows 0, 1 and 2, 3 share
+// their tails). Writes y[0..3].
+inline void rows4_q8_one(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq,
+                         const GroupQ8* pair, float* y) {
   const int64_t pitch = nb * (kBlock / 2);
   __m256 acc[4];
   for (int r = 0; r < 4; ++r) acc[r] = _mm256_setzero_ps();
@@ -232,10 +298,17 @@ inline void rows4_q8_one(const uint8_t* prow, const uint8_t* srow, int64_t nb, c
   for (; 8 * g + 8 <= nb; ++g)
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) acc[r] = group_fma(row_group(prow + r * pitch, srow + r * nb, g), xq[g], acc[r]);
-  if (8 * g < nb)
+  if (pair != nullptr) {
+    const int64_t n = nb - 8 * g;
+#pragma GCC unroll 2
+    for (int r = 0; r < 4; r += 2)
+      pair_fma(rows2_last_group(prow + r * pitch, prow + (r + 1) * pitch, g, n), *pair, xq[g],
+               last_scales(srow + r * nb, g, n), last_scales(srow + (r + 1) * nb, g, n), acc[r], acc[r + 1]);
+  } else if (8 * g < nb) {
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
       acc[r] = group_fma(row_last_group(prow + r * pitch, srow + r * nb, g, nb - 8 * g), xq[g], acc[r]);
+  }
   hsum4(acc[0], acc[1], acc[2], acc[3], y);
 }
 
@@ -250,11 +323,11 @@ constexpr int kQ8Rows = 1, kQ8Tokens = 4;
 // rows_q8<R, n> for 1 <= n <= kQ8Tokens.
 template <int R, int NT = kQ8Tokens>
 inline void rows_q8_n(int n, const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, int64_t stride,
-                      float* y, int64_t O) {
+                      const GroupQ8* pairs, float* y, int64_t O) {
   if constexpr (NT > 1) {
-    if (n < NT) return rows_q8_n<R, NT - 1>(n, prow, srow, nb, xq, stride, y, O);
+    if (n < NT) return rows_q8_n<R, NT - 1>(n, prow, srow, nb, xq, stride, pairs, y, O);
   }
-  rows_q8<R, NT>(prow, srow, nb, xq, stride, y, O);
+  rows_q8<R, NT>(prow, srow, nb, xq, stride, pairs, y, O);
 }
 
 // R rows against N tokens in the fewest passes of at most kQ8Tokens, their sizes as even as can be (each
@@ -262,10 +335,11 @@ inline void rows_q8_n(int n, const uint8_t* prow, const uint8_t* srow, int64_t n
 // the CPU of 4 + 4 + 4, Zen 4). A (row, token)'s operations do not depend on the pass: the same bits.
 template <int R>
 inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb, const GroupQ8* xq, int64_t stride,
-                           int64_t N, float* y, int64_t O) {
+                           const GroupQ8* pairs, int64_t N, float* y, int64_t O) {
   for (int64_t t = 0, passes = (N + kQ8Tokens - 1) / kQ8Tokens; t < N; --passes) {
     const int64_t n = (N - t + passes - 1) / passes;
-    rows_q8_n<R>(static_cast<int>(n), prow, srow, nb, xq + t * stride, stride, y + t * O, O);
+    rows_q8_n<R>(static_cast<int>(n), prow, srow, nb, xq + t * stride, stride, pairs == nullptr ? nullptr : pairs + t,
+                 y + t * O, O);
     t += n;
   }
 }
@@ -275,16 +349,26 @@ inline void rows_q8_tokens(const uint8_t* prow, const uint8_t* srow, int64_t nb,
 // defeat the prefetchers when the weights come from memory).
 inline void matrix_q8(const uint8_t* packed, const uint8_t* scales, int64_t K, int64_t o0, int64_t o1,
                       const GroupQ8* xq, int64_t N, float* y, int64_t O) {
-  const int64_t nb = K / kBlock, stride = q8_groups(nb);
+  const int64_t nb = K / kBlock, stride = q8_groups(nb), tail = nb % 8;
+  // each token's tail_pair_record where the rows' last group has 1..4 blocks (rows then go in pairs)
+  constexpr int64_t kLocal = 8;
+  GroupQ8 local[kLocal];
+  std::unique_ptr<GroupQ8[]> heap;
+  const GroupQ8* pairs = nullptr;
+  if (tail != 0 && tail <= 4) {
+    GroupQ8* p = N <= kLocal ? local : (heap.reset(new GroupQ8[N]), heap.get());
+    for (int64_t t = 0; t < N; ++t) p[t] = tail_pair_record(xq[t * stride + nb / 8]);
+    pairs = p;
+  }
   int64_t o = o0;
   if (N == 1) {
-    for (; o + 4 <= o1; o += 4) rows4_q8_one(packed + o * (K / 2), scales + o * nb, nb, xq, y + o);
-    for (; o < o1; ++o) rows_q8<1, 1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, y + o, O);
+    for (; o + 4 <= o1; o += 4) rows4_q8_one(packed + o * (K / 2), scales + o * nb, nb, xq, pairs, y + o);
+    for (; o < o1; ++o) rows_q8<1, 1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, nullptr, y + o, O);
     return;
   }
   for (; o + kQ8Rows <= o1; o += kQ8Rows)
-    rows_q8_tokens<kQ8Rows>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
-  for (; o < o1; ++o) rows_q8_tokens<1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, N, y + o, O);
+    rows_q8_tokens<kQ8Rows>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, pairs, N, y + o, O);
+  for (; o < o1; ++o) rows_q8_tokens<1>(packed + o * (K / 2), scales + o * nb, nb, xq, stride, nullptr, N, y + o, O);
 }
 
 }  // namespace localmoe_mxfp4

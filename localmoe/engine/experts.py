@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localmoe.engine.linear import stored_dtype
 from localmoe.engine.quantized import BlockQuantized
 from localmoe.errors import CheckpointError
 from localmoe.kernels import dense_moe, ggml_gemv
@@ -225,10 +226,26 @@ class ExpertProvider(Protocol):
     # shapes; the values need not be any expert's), read without waiting (`independent_rows`).
 
 
-def _streamed(t):
+def _streamed(t, dtype: torch.dtype | None = None):
     """A resident expert's floating weight on huge pages (kernels/_cpu/pages.py: a decode token streams it from
-    RAM); MXFP4 bytes, GGUF blocks and other parts as they are."""
-    return huge_copy(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    RAM), matrices as `dtype` where given; MXFP4 bytes, GGUF blocks and other parts as they are."""
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+        return t
+    return huge_copy(t if dtype is None or t.dim() < 2 else t.to(dtype).contiguous())
+
+
+def _matrix_dtype(weights: Mapping[str, torch.Tensor], names: list[str], dtype: str | None) -> torch.dtype | None:
+    """The dtype a layer's dense expert matrices (`names` in `weights`) are stored in for engine dtype `dtype`: as
+    `Linear` stores its weights (linear.stored_dtype: bf16 for "bfloat16", and for "float32" where every one holds
+    exactly bf16 values), one dtype for the layer (the kernels take one); None (as given) off the CPU, or without
+    `dtype`."""
+    if dtype is None:
+        return None
+    mats = [t for t in (weights[n] for n in names if n.endswith("weight"))
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2]
+    if not mats or any(t.device.type != "cpu" for t in mats):
+        return None
+    return stored_dtype(mats, dtype)
 
 
 class ResidentExperts:
@@ -242,15 +259,20 @@ class ResidentExperts:
 
     @classmethod
     def from_weights(cls, weights: Mapping[str, torch.Tensor], prefix: str, layer: int,
-                     num_experts: int) -> ResidentExperts:
+                     num_experts: int, dtype: str | None = None) -> ResidentExperts:
         """One layer's experts from canonical names under `{prefix}mlp.experts.`, either stacked
         (dim 0 = expert): `gate_up_proj.{packed,scales,weight,bias}` with gate rows first, then
-        up rows, and `down_proj.*`; or per expert: `{e}.{gate,up,down}.{packed,scales,weight,bias}`."""
+        up rows, and `down_proj.*`; or per expert: `{e}.{gate,up,down}.{packed,scales,weight,bias}`.
+        `dtype` (the engine's): dense matrices stored as `Linear` stores its weights (`_matrix_dtype`), so a decode
+        token reads a bf16 checkpoint's bytes, not their fp32 widening; None keeps them as given."""
         p = prefix + "mlp.experts."
         kinds = ("packed", "scales", "weight", "bias")
+        target = _matrix_dtype(weights, [n for n in weights if n.startswith(p)], dtype)
         if any(p + f"gate_up_proj.{k}" in weights for k in kinds):
-            gate_up = {k: _streamed(weights[p + f"gate_up_proj.{k}"]) for k in kinds if p + f"gate_up_proj.{k}" in weights}
-            down = {k: _streamed(weights[p + f"down_proj.{k}"]) for k in kinds if p + f"down_proj.{k}" in weights}
+            gate_up = {k: _streamed(weights[p + f"gate_up_proj.{k}"], target) for k in kinds
+                       if p + f"gate_up_proj.{k}" in weights}
+            down = {k: _streamed(weights[p + f"down_proj.{k}"], target) for k in kinds
+                    if p + f"down_proj.{k}" in weights}
             rows = next(iter(gate_up.values())).shape[1] // 2
             experts = []
             for e in range(num_experts):
@@ -259,8 +281,9 @@ class ResidentExperts:
                 parts |= {f"down.{k}": t[e] for k, t in down.items()}
                 experts.append(ExpertWeights.from_parts(parts))
         else:
-            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: _streamed(weights[name]) for name in weights
-                                                 if name.startswith(f"{p}{e}.")}) for e in range(num_experts)]
+            experts = [ExpertWeights.from_parts({name[len(f"{p}{e}."):]: _streamed(weights[name], target)
+                                                 for name in weights if name.startswith(f"{p}{e}.")})
+                       for e in range(num_experts)]
         return cls({layer: experts})
 
     def merge(self, other: ResidentExperts) -> ResidentExperts:

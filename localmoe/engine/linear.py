@@ -122,6 +122,27 @@ def holds_bf16(weight: torch.Tensor) -> bool:
     return all(not torch.any(bits[i:i + step] & 0xFFFF) for i in range(0, bits.numel(), step))
 
 
+def engine_dtype(dtype: str) -> torch.dtype:
+    """The dtype matrices are rounded to for engine dtype `dtype` (EngineConfig.dtype): "bfloat16" bf16, "auto" the
+    measured GEMV dtype, else fp32."""
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if dtype == "auto":
+        return measured_gemv_dtype()
+    return torch.float32
+
+
+def stored_dtype(weights: list[torch.Tensor], dtype: str, compact: bool = True) -> torch.dtype:
+    """The one dtype matrices `weights` are stored in for engine dtype `dtype`: `engine_dtype(dtype)`, or bf16 where
+    that is fp32 and every value of every one is exactly bf16 (`holds_bf16`) on the CPU with the dense GEMV kernel
+    there (`compact`: the same values at half the bytes, the same bits in every product)."""
+    target = engine_dtype(dtype)
+    if (target == torch.float32 and compact and weights and all(w.device.type == "cpu" for w in weights)
+            and dense_gemv.kernel_available() and all(holds_bf16(w) for w in weights)):
+        return torch.bfloat16
+    return target
+
+
 WIDEN_MAX = 64 << 20  # values: the largest weight widened into the reused buffer (256 MiB of fp32)
 _widening = threading.local()
 
@@ -154,15 +175,8 @@ class Linear:
     __slots__ = ("bias", "gemv", "low_precision", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: str, compact: bool = True):
-        target = torch.float32
-        if dtype == "bfloat16":
-            target = torch.bfloat16
-        elif dtype == "auto":
-            target = measured_gemv_dtype()
-        rounded = target != torch.float32  # values rounded to the stored dtype
-        if (not rounded and compact and weight.device.type == "cpu" and dense_gemv.kernel_available()
-                and holds_bf16(weight)):
-            target = torch.bfloat16  # exact: low_precision stays False
+        rounded = engine_dtype(dtype) != torch.float32  # values rounded to the stored dtype
+        target = stored_dtype([weight], dtype, compact)  # an exact bf16 weight: low_precision stays False
         self.weight = huge_copy(weight.to(target).contiguous())  # streamed once per decode token: 2 MiB pages
         self.low_precision = rounded
         self.bias = None if bias is None else bias.float().contiguous()

@@ -66,11 +66,12 @@ def test_an_isa_the_cpu_lacks_falls_back_to_avx2_with_a_warning(monkeypatch):
 
 
 @ISA
-@pytest.mark.parametrize("O,K", [(67, 224), (96, 64), (9, 32), (130, 512), (40, 2880)], ids=lambda v: str(v))
+@pytest.mark.parametrize("O,K", [(67, 224), (96, 64), (9, 32), (130, 512), (40, 2880), (33, 384)], ids=lambda v: str(v))
 @pytest.mark.parametrize("N", [1, 2, 5, 7, 100])
 @pytest.mark.parametrize("precision", ["exact", "q8"])
 def test_mxfp4_linear(isa, precision, O, K, N):
-    """Odd block counts, row counts that are not a multiple of the row group, extreme and NaN scales."""
+    """Odd block counts, row counts that are not a multiple of the row group, extreme and NaN scales; last groups of
+    1-4 blocks (32, 64, 384, 2880: rows sharing them in pairs)."""
     g = torch.Generator().manual_seed(O * K + N)
     packed, scales = quantize(torch.randn(O, K, generator=g) * torch.logspace(-3, 1, O).unsqueeze(1))
     scales[0, 0], scales[1, -1], scales[2, 0] = 0, 200, 255

@@ -112,6 +112,25 @@ def test_q8_special_scales_in_a_rows_last_group(N, K, close):
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 2, 3, 7, 12], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("K", [32, 128, 384, 416, 480], ids=lambda k: f"K{k}")  # last groups of 1, 4, 4, 5, 7 blocks
+def test_q8_rows_sharing_a_tail_keep_their_bits(N, K):
+    """q8: rows whose last group has 1-4 blocks share it in pairs (mxfp4_q8.h rows2_last_group); each row keeps
+    the bits it has alone (one row, one token: no pair), with a NaN scale and a 2^-127 one in a paired tail and an
+    all-zero block in a token's tail."""
+    O = 11  # four-row runs and a row alone at N = 1; pairs and a row alone for more tokens
+    packed, scales = _weights(O, K, seed=K + N)
+    scales[1, -1], scales[6, -1] = 255, 0
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(K * N))
+    x[N // 2, -32:] = 0
+    got = cpu.gemv(x, packed, scales, q8=True)
+    alone = torch.stack([torch.cat([cpu.gemv(x[t:t + 1], packed[o:o + 1], scales[o:o + 1], q8=True)[0]
+                                    for o in range(O)]) for t in range(N)])
+    assert got[:, 1].isnan().all() and not got[:, [0, *range(2, O)]].isnan().any()
+    assert torch.equal(got[:, [0, *range(2, O)]], alone[:, [0, *range(2, O)]])
+
+
+@needs_cpu_kernel
 def test_cpu_gemv_non_finite_activations():
     """NaN or Inf in a token's x makes its outputs non-finite, as in the reference; other tokens keep theirs."""
     packed, scales = _weights(12, 128, seed=11)

@@ -53,14 +53,20 @@ def depth_mix(values: list[torch.Tensor], query: torch.Tensor, eps: float) -> to
     """values: N tensors [B, T, D] fp32, query [D] -> [B, T, D], softmax over the N entries.
 
     Decode-sized calls (B * T <= GEMV_MAX_ROWS: batched rows, speculative verify) reduce element-wise, so
-    a token's bits do not depend on the other tokens of the call (engine/batch.py); torch's matmul and
-    einsum sum in an order that does. Prefill keeps them (no [N, B, T, D] product temporary)."""
+    a token's bits do not depend on the other tokens of the call (engine/batch.py); torch's matmul sums in an
+    order that does. Prefill keeps the matmul for the scores, then adds the weighted entries one at a time
+    (no [N, B, T, D] product temporary): the bits of torch's einsum "nbt,nbtd->btd" (products rounded, summed
+    in entry order), which took ~4x as long (a batched matmul per token), K3 `small`'s [72, 768]."""
     V = torch.stack(values)  # [N, B, T, D]
     k = V * torch.rsqrt(V.square().mean(-1, keepdim=True) + eps)
     if V.shape[1] * V.shape[2] <= GEMV_MAX_ROWS:
         weights = (k * query).sum(-1).softmax(dim=0)  # [N, B, T]
         return (weights[..., None] * V).sum(0)
-    return torch.einsum("nbt,nbtd->btd", (k @ query).softmax(dim=0), V)
+    weights = (k @ query).softmax(dim=0)[..., None]  # [N, B, T, 1]
+    out = weights[0] * V[0]
+    for n in range(1, V.shape[0]):
+        out.add_(weights[n] * V[n])
+    return out
 
 
 class AttentionResiduals:

@@ -432,7 +432,7 @@ def build(cfg: Config, weights: dict[str, torch.Tensor], prefix: str, device: st
     if has_experts:  # resident experts live on the layer's device
         mine = weights if str(device) == "cpu" else \
             {n: on_device(weights[n], device) for n in weights if n.startswith(p + "experts.")}
-        experts = ResidentExperts.from_weights(mine, prefix, layer, cfg.num_experts)
+        experts = ResidentExperts.from_weights(mine, prefix, layer, cfg.num_experts, dtype)
     shared = None
     if cfg.shared is not None:
         shared = mlp.build(cfg.shared, weights, prefix, device, dtype, "mlp.shared_experts.")
