@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from localmoe.checkpoint import Checkpoint, open_checkpoint
 from localmoe.config import EngineConfig, ModelSpec
 from localmoe.engine.quantized import BlockQuantized, keeps_blocks, repack_blocks
+from localmoe.engine.transformer import head_inputs
 from localmoe.errors import CheckpointError, LocalMoEError, UnsupportedModelError
 from localmoe.models.base import ModelFamily, TensorMap
 from localmoe.weights import Weights, convert
@@ -163,7 +164,8 @@ def _read_weights(ckpt: Checkpoint, config: EngineConfig, progress: bool):
     weights = _canonical_weights(ckpt.tensor_names, read, ckpt.tensor_map, family, spec, str(path), progress,
                                  elsewhere=ROUTED_EXPERTS if store else None, finish=finish)
     if ckpt.kind != "hf" and config.dtype == "auto" and config.device == "cpu":
-        weights = repack_blocks(weights)  # the blocks kept resident, for the row kernels (same bits)
+        # the blocks kept resident, for the row kernels (same bits); the lm_head's where it reads int8 inputs
+        weights = repack_blocks(weights, int8_head=head_inputs(spec, config) == "int8")
     experts = provider_for_store(ckpt.reader, spec, config) if store and spec.moe_layers() else None
     return weights, experts
 

@@ -46,6 +46,7 @@ RowFn row_fn(int type) {
     case kQ4_K_R8: return one_row<Rows8KR8>;
     case kQ5_K: return one_row<Rows8K5>;
     case kQ6_K: return one_row<Rows8K6>;
+    case kQ6_K_R8: return one_row<Rows8K6R8>;
     default: return nullptr;
   }
 }

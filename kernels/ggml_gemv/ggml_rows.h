@@ -21,11 +21,14 @@ constexpr int64_t kBlock = 32;
 // GGMLQuantizationType values
 enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 // A type's blocks repacked at load for the row kernels (type | kRepacked; same bytes per eight rows, same bits):
-// Q4_K_R8, ggml_rows8_k.h.
+// Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h.
 constexpr int kRepacked = 0x100;
 constexpr int kQ4_K_R8 = kQ4_K | kRepacked;
+constexpr int kQ6_K_R8 = kQ6_K | kRepacked;
 
-inline bool is_k_quant(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_K_R8; }
+inline bool is_k_quant(int type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kQ4_K_R8 || type == kQ6_K_R8;
+}
 
 // Bytes of one row of `nb` blocks of 32 values (K-quants: nb a multiple of 8, super-blocks of 256).
 inline int64_t row_bytes(int type, int64_t nb) {
@@ -38,7 +41,8 @@ inline int64_t row_bytes(int type, int64_t nb) {
     case kQ4_K:
     case kQ4_K_R8: return nb / 8 * 144;
     case kQ5_K: return nb / 8 * 176;
-    case kQ6_K: return nb / 8 * 210;
+    case kQ6_K:
+    case kQ6_K_R8: return nb / 8 * 210;
     default: return 0;
   }
 }
@@ -386,7 +390,7 @@ struct NoWide {
 // transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K / Q5_K: rows8k, ggml_rows8_k.h.)
 inline bool has_rows8(int type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kQ4_K_R8;
+         type == kQ5_K || type == kQ6_K || type == kQ4_K_R8 || type == kQ6_K_R8;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -703,7 +707,7 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   if constexpr (T >= 0) {
     rows_fixed<Rows8<T>, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
   } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5> || std::is_same_v<U, Rows8K6> ||
-                       std::is_same_v<U, Rows8KR8>) {  // K-quants
+                       std::is_same_v<U, Rows8KR8> || std::is_same_v<U, Rows8K6R8>) {  // K-quants
     rows_fixed<U, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
@@ -1182,6 +1186,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ4_K_R8 ? rows_grouped<Rows8KR8>
          : type == kQ5_K ? rows_grouped<Rows8K5>
          : type == kQ6_K ? rows_grouped<Rows8K6>
+         : type == kQ6_K_R8 ? rows_grouped<Rows8K6R8>
                          : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
   if (has_rows8(type)) chunk = (chunk + 15) / 16 * 16;  // whole groups of sixteen rows (Q8_0 on fp32 / int16 x too)

@@ -405,10 +405,34 @@ inline void group8_r8_one(const uint8_t* row0, int64_t stride, int64_t nsb, cons
   _mm256_storeu_ps(y, bias == nullptr ? acc : _mm256_add_ps(acc, _mm256_loadu_ps(bias)));
 }
 
-// Q4_K_R8 as a group kernel for rows_fixed: `wide` takes every row of the range, eight at a time; a group the range
-// cuts (a caller's chunk of rows not on a multiple of eight) is computed whole into a buffer and the range's rows
-// copied out (a repacked row cannot be read alone).
-struct Rows8KR8 {
+// A repacked type's rows as a group kernel for rows_fixed (Rows8KR8, Rows8K6R8: G::group<TN> on eight rows): `wide`
+// takes every row of the range, eight at a time; a group the range cuts (a caller's chunk of rows not on a multiple of
+// eight) is computed whole into a buffer and the range's rows copied out (a repacked row cannot be read alone).
+template <class G>
+struct WholeGroups {
+  template <int TN>
+  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, const float* bias) {
+    for (int64_t r = r0; r < r1;) {
+      const int64_t g = r / 8 * 8;
+      if (g == r && r + 8 <= r1) {
+        G::template group<TN>(w + r * stride, stride, nsb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+        r += 8;
+        continue;
+      }
+      float part[8 * TN];
+      G::template group<TN>(w + g * stride, stride, nsb, x, part, 8, nullptr);
+      for (const int64_t end = std::min(r1, g + 8); r < end; ++r)
+        for (int t = 0; t < TN; ++t)
+          y[t * ldy + r] = bias == nullptr ? part[8 * t + r - g] : part[8 * t + r - g] + bias[r];
+    }
+    return r1;
+  }
+  static float single(const uint8_t*, int64_t, const BlockXK*) { return std::nanf(""); }  // never: wide takes all
+};
+
+// Q4_K_R8 as a group kernel for rows_fixed.
+struct Rows8KR8 : WholeGroups<Rows8KR8> {
   using X = BlockXK;
   static constexpr int kTile = kTileK8;
   template <int TN>
@@ -417,25 +441,6 @@ struct Rows8KR8 {
     if constexpr (TN == 1) group8_r8_one(row0, stride, nsb, x[0], y, bias);
     else group8_qk<TN, false, true>(row0, stride, nsb, x, y, ldy, bias);
   }
-  template <int TN>
-  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nsb, const BlockXK* const* x, int64_t r0, int64_t r1,
-                      float* y, int64_t ldy, const float* bias) {
-    for (int64_t r = r0; r < r1;) {
-      const int64_t g = r / 8 * 8;
-      if (g == r && r + 8 <= r1) {
-        group<TN>(w + r * stride, stride, nsb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
-        r += 8;
-        continue;
-      }
-      float part[8 * TN];
-      group<TN>(w + g * stride, stride, nsb, x, part, 8, nullptr);
-      for (const int64_t end = std::min(r1, g + 8); r < end; ++r)
-        for (int t = 0; t < TN; ++t)
-          y[t * ldy + r] = bias == nullptr ? part[8 * t + r - g] : part[8 * t + r - g] + bias[r];
-    }
-    return r1;
-  }
-  static float single(const uint8_t*, int64_t, const BlockXK*) { return std::nanf(""); }  // never: wide takes all
 };
 
 }  // namespace localmoe_ggml

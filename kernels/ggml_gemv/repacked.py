@@ -1,9 +1,12 @@
-"""GGUF blocks repacked at load for the row kernels: Q4_K_R8 (`Q4_K | 0x100`, kernels/ggml_gemv/ggml_rows8_k.h).
+"""GGUF blocks repacked at load for the row kernels: Q4_K_R8 (`Q4_K | 0x100`, kernels/ggml_gemv/ggml_rows8_k.h) and
+Q6_K_R8 (`Q6_K | 0x100`, ggml_rows8_q6k.h).
 
 A Q4_K matrix of a multiple of eight rows is rewritten, eight rows at a time, into what the eight-row kernels made of
 its bytes at run time (the eight rows' d, dmin and scale bytes, then their nibbles, transposed so that one 32-byte load
-holds four bytes of each row): the same bytes per eight rows in the same place (a slice of whole groups of eight rows
-stays a slice), the same values, and the same bits out of every kernel path as the GGUF layout (ggml_rows8_k.h). The
+holds four bytes of each row); a Q6_K one into eight rows' d and int8 scales transposed, then per 16 values three
+32-byte vectors of four bytes per row holding four values' 6-bit codes each and, in their top two bits, the codes of
+four more. Either way the same bytes per eight rows in the same place (a slice of whole groups of eight rows
+stays a slice), the same values, and the same bits out of every kernel path as the GGUF layout. The
 store, the pager and a converted store keep the GGUF layout; the loader repacks the matrices it keeps resident
 (engine/quantized.py `repack_blocks`).
 
@@ -42,8 +45,10 @@ class RepackedType(int):
 
 
 Q4_K_R8 = RepackedType(Q.Q4_K)
-REPACKED = {Q.Q4_K: Q4_K_R8}
+Q6_K_R8 = RepackedType(Q.Q6_K)
+REPACKED = {Q.Q4_K: Q4_K_R8, Q.Q6_K: Q6_K_R8}
 GROUP_ROWS = 8  # rows repacked together
+SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}  # bytes of a super-block of 256 values
 
 
 def plain_type(ggml_type):
@@ -61,7 +66,7 @@ def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool)
     if lib is None or not raw.is_contiguous() or raw.dtype != torch.uint8 or raw.device.type != "cpu":
         raise ValueError("repacking takes contiguous uint8 blocks on the CPU with the kernel library")
     row_bytes = raw.numel() // rows
-    cols = row_bytes // 144 * 256
+    cols = row_bytes // SUPER_BYTES.get(plain_type(ggml_type), row_bytes + 1) * 256
     tmp = torch.empty(GROUP_ROWS * row_bytes, dtype=torch.uint8)
     if lib.ggml_repack(raw.data_ptr(), out.data_ptr(), rows, cols, int(plain_type(ggml_type)), int(pack),
                        tmp.data_ptr()):
@@ -83,5 +88,5 @@ def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
     return _run(raw.contiguous(), ggml_type, rows, torch.empty_like(raw, memory_format=torch.contiguous_format), False)
 
 
-__all__ = ["GROUP_ROWS", "Q4_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
+__all__ = ["GROUP_ROWS", "Q4_K_R8", "Q6_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
            "unpack"]

@@ -197,7 +197,7 @@ def independent_rows(w: ExpertWeights, precision: str) -> int:
         return 0
     if all(isinstance(p.weight, torch.Tensor) and p.weight.is_floating_point() for p in parts):
         return DENSE_MAX_TOKENS
-    if precision == "q8" and all(isinstance(p.weight, BlockQuantized) and p.weight.ggml_type in ggml_gemv.TYPES
+    if precision == "q8" and all(isinstance(p.weight, BlockQuantized) and p.weight.ggml_type in ggml_gemv.KERNEL_TYPES
                                  for p in parts):
         return GEMV_MAX_TOKENS
     return 0

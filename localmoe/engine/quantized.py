@@ -84,7 +84,7 @@ def rounded_rows():
 # 1024 x 1024 1.23x / 1.12x / 1.09x, 2048 x 1024 1.37x / 1.24x / 1.04x; Q6_K 256 x 1024 1.03x / 0.95x / 0.88x
 # (a Q4_K_M file's few Q6_K attn_v rows ride along with their layer's Q4_K q and k).
 ROUNDED_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
-                 ggml_gemv.Q4_K_R8)
+                 ggml_gemv.Q4_K_R8, ggml_gemv.Q6_K_R8)
 
 
 def _kernel_rows() -> int:
@@ -141,19 +141,22 @@ class BlockQuantized:
         return q, d, zero
 
 
-# the names whose blocks stay in the GGUF layout: an embedding is read a row at a time (dequantize_rows), a head may
-# read fp32 inputs (exact_x; engine/transformer.py `_head`), and a tied head is the embedding
+# the names whose blocks stay in the GGUF layout: an embedding is read a row at a time (dequantize_rows), and a tied
+# head is the embedding; the lm_head too unless it reads int8 inputs (`repack_blocks`' int8_head: the rows have no
+# fp32-x or int16-x form repacked, engine/transformer.py `_head`)
 UNREPACKED = ("embed_tokens.weight", "lm_head.weight")
 
 
-def repack_blocks(weights: dict) -> dict:
+def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     """The loader's last step where GGUF blocks are kept resident on the CPU: every 2-D BlockQuantized with a repacked
-    form (kernels/ggml_gemv/repacked.py: Q4_K of a multiple of eight rows) but UNREPACKED's is replaced by its repacked
-    copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the same bits on
-    either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one."""
+    form (kernels/ggml_gemv/repacked.py: Q4_K or Q6_K of a multiple of eight rows) but UNREPACKED's (the lm_head's
+    too where `int8_head`: the model's head reads x rounded to int8, engine/transformer.py `head_inputs`) is replaced
+    by its repacked copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the
+    same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one."""
+    kept = ("embed_tokens.weight",) if int8_head else UNREPACKED
     for name in list(weights):
         t = dict.get(weights, name)
-        if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and not name.endswith(UNREPACKED)
+        if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and not name.endswith(kept)
                 and t.raw.device.type == "cpu" and can_repack(t.ggml_type, *t.shape)):
             raw, kind = repack(t.raw.contiguous(), t.ggml_type, t.shape[0])
             weights[name] = BlockQuantized(raw, kind, t.shape)

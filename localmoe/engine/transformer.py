@@ -95,6 +95,14 @@ def model_tensors(spec: ModelSpec, experts=moe.expert_shapes) -> dict[str, tuple
 HEAD_INPUTS = ("int8", "int16", "fp32")  # what a GGUF block lm_head reads (_head)
 
 
+def head_inputs(spec: ModelSpec, config: EngineConfig) -> str:
+    """What the model's GGUF block lm_head reads (HEAD_INPUTS, `_head`): "int8" for a MoE model at expert precision q8
+    (`Transformer.rounded`) or any model at q8-all, "fp32" at expert precision exact, else "int16"."""
+    rounded = config.expert_kernel_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
+    return ("int8" if rounded or config.expert_precision == "q8-all"
+            else "fp32" if config.expert_precision == "exact" else "int16")
+
+
 def _head(weight, dtype: str, inputs: str):
     """The lm_head. A GGUF block head keeps its blocks (kernels/ggml_gemv). `inputs` (HEAD_INPUTS) "int8" (a MoE
     model at expert precision q8, whose other block GEMVs already round their inputs, or any model at q8-all): its
@@ -109,7 +117,7 @@ def _head(weight, dtype: str, inputs: str):
     batched rows share this head, so a row's logits are the same alone, batched and in `localmoe run`."""
     if isinstance(weight, BlockQuantized):
         if dtype == "auto" and ggml_gemv.kernel_available():
-            if inputs == "int8" and weight.ggml_type in ggml_gemv.TYPES:
+            if inputs == "int8" and weight.ggml_type in ggml_gemv.KERNEL_TYPES:  # (repacked at load: int8 only)
                 return BlockLinear([weight], None)
             if inputs != "fp32" and weight.ggml_type in ggml_gemv.X16_TYPES:
                 return BlockLinear([weight], None, x16=True)
@@ -144,10 +152,8 @@ class Transformer:
         # a MoE model at expert precision q8: block GEMVs round their inputs (the head's, prefill's: `rounded_rows`);
         # at q8-all every model's GGUF block head does (_head)
         self.rounded = config.expert_kernel_precision == "q8" and any(kind != "dense" for kind in spec.mlp_kinds)
-        inputs = ("int8" if self.rounded or config.expert_precision == "q8-all"
-                  else "fp32" if config.expert_precision == "exact" else "int16")
         self.lm_head = _head(on_device(weights.get("lm_head.weight", weights["embed_tokens.weight"]), device),
-                             config.dtype, inputs)
+                             config.dtype, head_inputs(spec, config))
         head = getattr(self.lm_head, "weight", None)
         if ("lm_head.weight" not in weights and isinstance(head, torch.Tensor) and isinstance(self.embed, torch.Tensor)
                 and head.dtype == self.embed.dtype and head.shape == self.embed.shape):

@@ -112,17 +112,19 @@ def test_ggml_gemv(isa, ggml_type, N):
 
 
 @ISA
+@pytest.mark.parametrize("plain", [ggml_gemv.Q.Q4_K, ggml_gemv.Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("N", [1, 3, 9, 19])
-def test_ggml_gemv_q4_k_repacked(isa, N):
-    """Q4_K repacked at load (Q4_K_R8: one-token rows without transposition, tiles on the repacked bytes)."""
+def test_ggml_gemv_repacked(isa, plain, N):
+    """Q4_K / Q6_K repacked at load (Q4_K_R8 / Q6_K_R8: one-token rows without transposition, tiles on the repacked
+    bytes)."""
     from localmoe.kernels.ggml_gemv.repacked import repack
 
     O, K = 48, 512
-    blocks = torch.from_numpy(random_blocks(ggml_gemv.Q.Q4_K, O, K, np.random.default_rng(12)))
+    blocks = torch.from_numpy(random_blocks(plain, O, K, np.random.default_rng(12)))
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
-    packed, kind = repack(blocks, ggml_gemv.Q.Q4_K, O)  # the same bytes whichever library repacks
+    packed, kind = repack(blocks, plain, O)  # the same bytes whichever library repacks
     run = functools.partial(ggml_gemv.ggml_gemv, x, packed, kind, (O, K))
-    _same_bits(*_under_each(isa, run), f"Q4_K_R8 N={N}")
+    _same_bits(*_under_each(isa, run), f"{kind.name} N={N}")
 
 
 @ISA

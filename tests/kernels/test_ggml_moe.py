@@ -183,14 +183,14 @@ def test_fused_matches_op_by_op(gguf):
 
 
 def test_moe_head_rounds_its_input_at_q8(gguf):
-    """A MoE GGUF's block lm_head (Q6_K in a Q4_K_M file) at expert precision q8 reads its input rounded to int8
-    as the other block GEMVs do (per 256 values: the dequantised-weights reference on q8_round(x, 256)); at
-    exact it keeps fp32 activations."""
-    from localmoe.kernels.ggml_gemv import naive_ggml_gemv
+    """A MoE GGUF's block lm_head (Q6_K in a Q4_K_M file, repacked at load: Q6_K_R8) at expert precision q8 reads its
+    input rounded to int8 as the other block GEMVs do (per 256 values: the dequantised-weights reference on
+    q8_round(x, 256)); at exact it keeps fp32 activations (and the file's layout)."""
+    from localmoe.kernels.ggml_gemv import Q6_K_R8, naive_ggml_gemv
     from localmoe.kernels.mxfp4_moe import q8_round
 
     head = _load(gguf).lm_head
-    assert (head.ggml_type, head.exact_x) == (Q.Q6_K, False)
+    assert (head.ggml_type, head.exact_x) == (Q6_K_R8, False)
     h = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(5))
     h[:, 7] *= 30  # one large channel: rounding per 256 is coarse elsewhere
     shape = (head.out_features, head.in_features)
@@ -201,7 +201,7 @@ def test_moe_head_rounds_its_input_at_q8(gguf):
         torch.eye(head.in_features, dtype=torch.float64), head.raw, head.ggml_type, shape, exact_x=True))
     exact = load_model(gguf, EngineConfig(dtype="auto", max_context=64, expert_precision="exact"),
                        progress=False).model.lm_head
-    assert exact.exact_x
+    assert exact.exact_x and exact.ggml_type == Q.Q6_K
     assert not torch.allclose(exact(h), got, rtol=1e-4)
 
 

@@ -147,14 +147,15 @@ def test_mixed_store_resident_and_paged(pair, tmp_path, family, types):
             assert torch.equal(a, c), f"store, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
-def test_q4_k_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monkeypatch):
-    """At dtype auto and expert precision q8 (what benchmarks/gguf_moe.py runs) the loader repacks the Q4_K matrices
-    and experts it keeps resident (Q4_K_R8, kernels/ggml_gemv/repacked.py); prefill and the fused decode step give the
-    bits of the same file with the GGUF layout kept, and of its converted store paged at a quarter of the experts (the
-    pager reads the store's GGUF layout)."""
+def test_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monkeypatch):
+    """At dtype auto and expert precision q8 (what benchmarks/gguf_moe.py runs) the loader repacks the Q4_K and Q6_K
+    matrices and experts it keeps resident and the Q6_K lm_head, which reads int8 inputs there (Q4_K_R8, Q6_K_R8,
+    kernels/ggml_gemv/repacked.py); prefill and the fused decode step give the bits of the same file with the GGUF
+    layout kept, and of its converted store paged at a quarter of the experts (the pager reads the store's GGUF
+    layout)."""
     import localmoe.load as load
     from localmoe.convert import convert
-    from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8
+    from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8, Q6_K_R8
     from localmoe.paging import Pager, expert_bytes
     from localmoe.store.packed import PackedStore
 
@@ -162,15 +163,18 @@ def test_q4_k_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path,
     auto = {"dtype": "auto", "expert_precision": "q8", "progress": False}
     repacked = load_model(gguf, **auto)
     assert repacked.model.moe_blocks()[0].experts.get(0, 1).gate.weight.ggml_type == Q4_K_R8
+    assert repacked.model.lm_head.ggml_type == Q6_K_R8
+    assert Q6_K_R8 in {b.experts.get(i, 1).down.weight.ggml_type for i, b in enumerate(repacked.model.moe_blocks())}
     want = _run(repacked.model)
     assert repacked.model._plan is not None  # the fused decode step ran
     convert(gguf, tmp_path / "store", progress=False)
     paged = load_model(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(PackedStore(tmp_path / "store"))
                                                                // 4), **auto)
     assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
-    monkeypatch.setattr(load, "repack_blocks", lambda weights: weights)
+    monkeypatch.setattr(load, "repack_blocks", lambda weights, int8_head=False: weights)
     plain = load_model(gguf, **auto)
     assert plain.model.moe_blocks()[0].experts.get(0, 1).gate.weight.ggml_type == Q.Q4_K
+    assert plain.model.lm_head.ggml_type == Q.Q6_K
     for step, (a, b, c) in enumerate(zip(want, _run(plain.model), _run(paged.model))):
         assert torch.equal(a, b), f"GGUF layout, step {step}: max diff {(a - b).abs().max().item():.3e}"
         assert torch.equal(a, c), f"paged, step {step}: max diff {(a - c).abs().max().item():.3e}"
