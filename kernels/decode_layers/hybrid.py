@@ -20,7 +20,7 @@ import torch
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.fp8_cache.cpu import CacheRows
 
-from . import Matrix
+from . import MATRIX_TYPES, Matrix
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 NO_MATRIX = (None, 0, 0, 0, None)
@@ -111,6 +111,17 @@ def dense_expert(x: torch.Tensor, parts: tuple, glu: tuple, weight: float, out: 
                            glu[2], weight, out.data_ptr(), scratch.data_ptr(), xq.data_ptr(), threads())
 
 
+def dense_experts_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table, glu: tuple, out: torch.Tensor,
+                        scratch: torch.Tensor, xq: torch.Tensor) -> None:
+    """out [W] += one token x [W]'s routed experts ids (int64 [k], added in that order) with weights (fp32 [k]),
+    from `table`'s dense matrices (addresses int64 [E, 3] of gate, up, down; dtype, intermediate, hidden: a
+    DenseExpertTable or kernels/mxfp4_moe/held.py HeldDenseTable): the loop the step runs over a resident layer's
+    dense experts, one `dense_expert` each. `scratch` >= 2 I + W floats, `xq` the matvec scratch (`xq_bytes`)."""
+    library().dense_experts_token(x.data_ptr(), table.hidden, table.intermediate, ids.data_ptr(), weights.data_ptr(),
+                                  ids.shape[0], table.addresses.data_ptr(), MATRIX_TYPES[table.dtype], glu[0], glu[1],
+                                  glu[2], out.data_ptr(), scratch.data_ptr(), xq.data_ptr(), threads())
+
+
 def xq_bytes(cols: int) -> int:
     """Bytes of matvec scratch for inputs of up to `cols` values."""
     return library().decode_dense_xq_bytes(cols)
@@ -131,7 +142,9 @@ class HybridDecoder:
     or None; with dense_type, its MATRIX_TYPES value), blocks (ggml_gemv BlockExpertTable.addresses or None; with
     block_types, the gate / up / down GGML types; no table: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
-    returns layer `index`'s routed-expert sum [W] for a layer without a table. `head`: the lm_head as a Matrix
+    returns layer `index`'s routed-expert sum [W] for a layer without a table; where that layer has shared experts,
+    `experts.route(index, h)` (if the callable has it) is called first, and the shared experts are computed before
+    `experts` (a pager's reads for the routing run meanwhile). `head`: the lm_head as a Matrix
     tuple, computed in the same call (the call then gives logits), or None. The caller sets each layer's cache
     pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
 
@@ -257,7 +270,7 @@ class HybridDecoder:
                              f"the indexer's key{' and gate logits' if dsa.gate.rows else ''} ({dsa.head_dim} each)")
         dsa.keys, dsa.pooled, dsa.pooled_done = keys, _ptr(pooled), _ptr(done)
 
-    def _experts(self, index: int, h: int, x: int, out: int) -> int:
+    def _experts(self, index: int, h: int, x: int, out: int | None) -> int:
         try:
             views = self._views.get((h, x, out, index))
             if views is None:  # the kernel passes its scratch: the same few addresses every token
@@ -265,7 +278,13 @@ class HybridDecoder:
                     self._views.clear()
                 width = self.widths[index]
                 views = self._views[(h, x, out, index)] = (_view(h, self.hidden).view(1, -1),
-                                                            _view(x, width).view(1, -1), _view(out, width))
+                                                            _view(x, width).view(1, -1),
+                                                            _view(out, width) if out else None)
+            if not out:  # the first of a layer's two calls (it has shared experts): routing only
+                route = getattr(self.experts, "route", None)
+                if route is not None:
+                    route(index, views[0])
+                return 0
             y = self.experts(index, views[0], views[1])
             views[2].copy_(y.view(-1))
             return 0
