@@ -47,9 +47,10 @@ class PagedRouter:
                             out.append((layer, _ranked(guess[:, :width])))
                 return out
 
-            # the guesses are routed once this layer's reads started (several rows': only where begin_layer keeps
-            # them, a prompt chunk's rows seldom), so their routing does not hold up this layer's reads
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses, ranked=one)
+            # several rows' guesses only where begin_layer keeps them (a prompt chunk's rows: seldom), so their
+            # routing does not hold up this layer's reads
+            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses() if one else guesses,
+                                   ranked=one)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

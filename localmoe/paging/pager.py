@@ -234,17 +234,15 @@ class Pager:
         """`experts` of `layer` (distinct ids) are about to be requested (routing is known): load the missing ones
         now (read before any guess). The layer's earlier guesses that routing did not choose are settled (wasted;
         not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
-        then `prefetch` those, once this layer's reads have started. `ranked`: each of `ahead`'s lists is one
-        token's guess, best first (an expert's position is its rank: `guess_width` measures each rank's precision).
-        Not `ranked` (several rows' union of guesses), the guesses are dropped where the layer's own misses
-        outnumber the readers (each has a read, more wait): the disk is busy without them, a right guess would only
-        start a read earlier, a wrong one adds a read (16 batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses
-        per generated token, a quarter of the bytes).
+        then `prefetch` those, with the victims for all picked in one policy call (the same as the calls one after
+        the other). `ranked`: each of `ahead`'s lists is one token's guess, best first (an expert's position is its
+        rank: `guess_width` measures each rank's precision). Not `ranked` (several rows' union of guesses), the
+        guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait): the
+        disk is busy without them, a right guess would only start a read earlier, a wrong one adds a read (16
+        batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token, a quarter of the bytes).
         `ahead` may be a function giving that list, called only where the guesses are kept (several rows' routing
-        of the later layers is then not computed for nothing), and after this layer's reads started, without the
-        pager's lock (its routing runs while they read; not counted in `lookup_seconds`)."""
+        of the later layers is then not computed for nothing)."""
         started = time.perf_counter()
-        guessing = 0.0
         with self.lock:
             self._reap()
             self._see_layer(layer, new_step_at_same=True)
@@ -258,24 +256,20 @@ class Pager:
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                for key, slot in zip(missing, self._make_room(len(missing))):  # read first
+                guessed = []
+                if not ranked and len(missing) > self.io_threads:  # several rows' union: see the docstring
+                    ahead = ()
+                for later, guess in ahead() if callable(ahead) else ahead:
+                    guessed += self._guessed(later, guess, len(guessed), ranked)
+                slots = self._make_room(len(missing) + len(guessed))
+                for key, slot in zip(missing, slots):
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
-                if not ranked and len(missing) > self.io_threads:  # several rows' union: see the docstring
-                    ahead = ()
-        if self.prefetch_enabled and ahead:
-            clock = time.perf_counter()
-            ahead = ahead() if callable(ahead) else ahead  # (the later layers' routing: the reads run meanwhile)
-            guessing = time.perf_counter() - clock
-            with self.lock:
-                guessed = []
-                for later, guess in ahead:
-                    guessed += self._guessed(later, guess, len(guessed), ranked)
-                for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
+                for (key, rank), slot in zip(guessed, slots[len(missing):]):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
-        self.stats.ram.lookup_seconds += time.perf_counter() - started - guessing
+        self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def guess_width(self, k: int) -> int:
         """How many of one token's k guessed experts per later layer (best first) are worth reading: the leading
