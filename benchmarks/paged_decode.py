@@ -342,7 +342,10 @@ def run(args, work: Path) -> None:
               + (f"; distinct experts read / routed {med('distinct'):.3f}" if runs[0].get("distinct") else "")
               + f"); disk roofline {statistics.median(roof):.2f} "
               f"(missed bytes / the round's O_DIRECT bandwidth / wall per token; rounds "
-              f"{' '.join(f'{x:.2f}' for x in roof)})")
+              f"{' '.join(f'{x:.2f}' for x in roof)})"
+              + (f"; reads in flight {med('read') / med('wall'):.0%} of the wall, at "
+                 f"{statistics.median(r['bytes_read'] / r['read'] for r in runs if r['read'] > 0) / 1e9:.2f} GB/s "
+                 f"(the disk's rate during the decode)" if any(r["read"] > 0 for r in runs) else ""))
         if base is None:
             continue
         same = all(_first(r["tokens"]) == _first(b["tokens"]) for r, b in zip(runs, base))
