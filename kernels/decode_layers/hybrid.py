@@ -142,9 +142,7 @@ class HybridDecoder:
     or None; with dense_type, its MATRIX_TYPES value), blocks (ggml_gemv BlockExpertTable.addresses or None; with
     block_types, the gate / up / down GGML types; no table: the callback), scoring,
     renormalize, experts, intermediate, top_k, expert_glu (kind, p0, p1), scaling. `experts(index, h, x)`
-    returns layer `index`'s routed-expert sum [W] for a layer without a table; where that layer has shared experts,
-    `experts.route(index, h)` (if the callable has it) is called first, and the shared experts are computed before
-    `experts` (a pager's reads for the routing run meanwhile). `head`: the lm_head as a Matrix
+    returns layer `index`'s routed-expert sum [W] for a layer without a table. `head`: the lm_head as a Matrix
     tuple, computed in the same call (the call then gives logits), or None. The caller sets each layer's cache
     pointers before a call (`set_state`, `set_rows`, `set_pools`)."""
 
@@ -270,7 +268,7 @@ class HybridDecoder:
                              f"the indexer's key{' and gate logits' if dsa.gate.rows else ''} ({dsa.head_dim} each)")
         dsa.keys, dsa.pooled, dsa.pooled_done = keys, _ptr(pooled), _ptr(done)
 
-    def _experts(self, index: int, h: int, x: int, out: int | None) -> int:
+    def _experts(self, index: int, h: int, x: int, out: int) -> int:
         try:
             views = self._views.get((h, x, out, index))
             if views is None:  # the kernel passes its scratch: the same few addresses every token
@@ -278,13 +276,7 @@ class HybridDecoder:
                     self._views.clear()
                 width = self.widths[index]
                 views = self._views[(h, x, out, index)] = (_view(h, self.hidden).view(1, -1),
-                                                            _view(x, width).view(1, -1),
-                                                            _view(out, width) if out else None)
-            if not out:  # the first of a layer's two calls (it has shared experts): routing only
-                route = getattr(self.experts, "route", None)
-                if route is not None:
-                    route(index, views[0])
-                return 0
+                                                            _view(x, width).view(1, -1), _view(out, width))
             y = self.experts(index, views[0], views[1])
             views[2].copy_(y.view(-1))
             return 0

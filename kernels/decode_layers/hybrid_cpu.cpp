@@ -103,9 +103,7 @@ struct HybridLayer {
   float hc_eps;
 };
 
-// (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop. Where the
-// layer has shared experts it is called twice: first with out null (route h: a pager starts the layer's reads),
-// then, once the shared experts are computed (while those reads run), with out (the routed experts' sum).
+// (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop.
 typedef int (*ExpertsFn)(int64_t layer, const float* h, const float* x, float* out);
 
 namespace {
@@ -131,26 +129,10 @@ void depth_mix(const float* blocks, int64_t nb, const float* ps, const float* q,
   for (int64_t n = 0; n <= nb; ++n) localmoe_hybrid::axpy(score[n] / total, n < nb ? blocks + n * D : ps, out, D);
 }
 
-// s = b.mlp + 2 I: the dense MLP, or the shared experts, of hn [D] (I = gate_up.rows / 2).
-float* shared_mlp(const HybridLayer& L, int64_t D, const float* hn, Buffers& b, void* xq, int threads) {
-  const int64_t I = L.gate_up.rows / 2;
-  localmoe::matvec(L.gate_up, hn, b.mlp, xq, threads);
-  localmoe::glu_rows(static_cast<int>(L.glu), b.mlp, b.mlp + I, I, L.glu_p0, L.glu_p1);
-  float* s = b.mlp + 2 * I;
-  localmoe::matvec(L.down, b.mlp, s, xq, threads);
-  if (L.shared_gate) {
-    const float gate = localmoe_hybrid::sigmoid(dot(L.shared_gate, hn, D));
-    for (int64_t i = 0; i < D; ++i) s[i] = gate * s[i];
-  }
-  return s;
-}
-
-// m [D] = the layer's MLP of hn [D]. Routed experts through the callback: the shared experts are computed between
-// its two calls (the routing's reads run meanwhile) and added after the routed sum, as everywhere else.
+// m [D] = the layer's MLP of hn [D].
 int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* m, Buffers& b, ExpertsFn experts,
         int q8, int64_t* ids, float* weights, void* moe_scratch, void* xq, int threads) {
   std::memset(m, 0, D * sizeof(float));
-  float* shared = nullptr;
   if (L.moe) {
     const int64_t W = L.lat_down.rows ? L.lat_down.rows : D;
     const float* ex = hn;
@@ -187,12 +169,8 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
       for (int64_t j = 0; j < L.top_k; ++j) sorted[j] = ids[order[j]], chosen[j] = weights[order[j]];
       dense_experts_token(ex, W, L.intermediate, sorted, chosen, L.top_k, L.dense, L.dense_type,
                           static_cast<int>(L.expert_glu), L.p0, L.p1, y, logits + L.experts, xq, threads);
-    } else {
-      if (L.gate_up.rows) {
-        if (experts(index, hn, ex, nullptr) != 0) return 1;
-        shared = shared_mlp(L, D, hn, b, xq, threads);
-      }
-      if (experts(index, hn, ex, y) != 0) return 1;
+    } else if (experts(index, hn, ex, y) != 0) {
+      return 1;
     }
     if (L.lat_down.rows) {
       rms_norm(y, L.lat_norm, W, L.lat_eps, y);
@@ -200,7 +178,15 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
     }
   }
   if (L.gate_up.rows) {  // the dense MLP, or the shared experts added to the routed sum
-    const float* s = shared ? shared : shared_mlp(L, D, hn, b, xq, threads);
+    const int64_t I = L.gate_up.rows / 2;
+    localmoe::matvec(L.gate_up, hn, b.mlp, xq, threads);
+    localmoe::glu_rows(static_cast<int>(L.glu), b.mlp, b.mlp + I, I, L.glu_p0, L.glu_p1);
+    float* s = b.mlp + 2 * I;
+    localmoe::matvec(L.down, b.mlp, s, xq, threads);
+    if (L.shared_gate) {
+      const float gate = localmoe_hybrid::sigmoid(dot(L.shared_gate, hn, D));
+      for (int64_t i = 0; i < D; ++i) s[i] = gate * s[i];
+    }
     for (int64_t i = 0; i < D; ++i) m[i] += s[i];
   }
   return 0;
@@ -332,7 +318,7 @@ void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Ma
 // out [W] += the weighted routed experts ids[0..k) of one token x [W] (added in that order), each with dense
 // matrices (`type`: fp32, bf16) at table[3 e], table[3 e + 1], table[3 e + 2] (gate [I, W], up [I, W], down [W, I]):
 // one `dense_expert` each. The fused step's resident dense experts run through it, and so do a pager's held
-// ones (engine/decode_plan.py, kernels/dense_moe/held.py): the same bits. scratch 2 I + W floats.
+// ones (engine/decode_plan.py, kernels/mxfp4_moe/held.py): the same bits. scratch 2 I + W floats.
 void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
                          const int64_t* table, int64_t type, int glu, float p0, float p1, float* out, float* scratch,
                          void* xq, int threads) {

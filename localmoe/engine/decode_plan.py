@@ -390,17 +390,9 @@ def _routed(model):
             return True
         return False
 
-    routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def route(index: int, h: torch.Tensor) -> None:
-        """The first call of a layer with shared experts: its routing (a pager starts the misses' reads), kept for
-        `experts`; the step computes the shared experts meanwhile."""
-        routes[index] = model.layers[index][3].router(h)
-
     def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         block = model.layers[index][3]
-        routed = routes.pop(index, None)
-        weights, ids = block.router(h) if routed is None else routed
+        weights, ids = block.router(h)
         provider, act = block.experts, block.act
         if not isinstance(act, ExpertGLU):
             return dispatch(x, weights, ids, provider, block.layer, act, block.precision)
@@ -432,8 +424,6 @@ def _routed(model):
             else:
                 out += weight * expert_forward(w, x, act, block.precision)
         return out
-
-    experts.route = route
     return experts
 
 

@@ -109,7 +109,6 @@ def test_kimi_k3_paged_layer_in_one_kernel_call(kimi_k3, budget, monkeypatch):
     in one MoE kernel call over a table of their slots (HeldTable); with one slot, one expert at a time; with every
     expert in the slab, the layers run whole in the fused step, routing included (`Pager.load_all`). Every way
     paged decode equals resident decode bit for bit."""
-    from localmoe.kernels.decode_layers.hybrid import HybridDecoder
     from localmoe.kernels.mxfp4_moe.held import HeldTable
 
     filled = []
@@ -120,16 +119,10 @@ def test_kimi_k3_paged_layer_in_one_kernel_call(kimi_k3, budget, monkeypatch):
         return filled[-1]
 
     monkeypatch.setattr(HeldTable, "fill", counted)
-    calls = []  # the callback's calls: out null (route first: the layer has shared experts) or not
-    call = HybridDecoder._experts
-    monkeypatch.setattr(HybridDecoder, "_experts", lambda self, i, h, x, out: (calls.append(bool(out)),
-                                                                              call(self, i, h, x, out))[1])
     b = _slot_budgets(kimi_k3.store())[budget]
     tokens, logits, pager = _paged_run(kimi_k3, b, "lfru", "odirect", budget != "1-slot")
     _assert_identical(kimi_k3, tokens, logits)
     moe_layers = len(kimi_k3.model.moe_blocks())
-    if budget != "all":  # K3's shared experts: each layer routed (its reads started) before they are computed
-        assert calls.count(False) == calls.count(True) >= len(tokens) * moe_layers
     if budget == "25%":
         assert len(filled) >= (len(tokens) - 1) * moe_layers and all(filled)
         assert pager.stats.ram.hits + pager.stats.ram.misses > 0
