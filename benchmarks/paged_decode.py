@@ -131,6 +131,8 @@ def worker(args) -> None:
                           expert_precision=args.expert_precision, paging=paging)
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
+    if pager is not None and args.guess_bar is not None:
+        pager.guess_bar = float(args.guess_bar)
     if args.no_lookahead:  # the routing hints stay (each layer's misses read together), the guesses go
         for block in model.moe_blocks():
             if hasattr(block.router, "ahead"):
@@ -172,7 +174,7 @@ def worker(args) -> None:
         out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
                 "moe": moe[0] / n, "missed": needed * pager.stats.slot_bytes / n, "misses": needed / n,
                 "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
-                "hit_rate": ram.hit_rate, "slots": pager.stats.slots,
+                "hit_rate": ram.hit_rate, "slots": pager.stats.slots, "issued": pf.issued / n, "late": pf.late / n,
                 "readers": type(pager.readers).__name__}
         pager.close()
     emit(out)
@@ -245,6 +247,9 @@ def main() -> None:
                         "the snapshot slower with identical code)")
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--no-lookahead", action="store_true", help="paged runs guess no later layer's experts")
+    parser.add_argument("--guess-bar", default=None, help="the measured precision a guessed rank needs to be read "
+                        "(Pager.guess_bar); several (e.g. 0.5,0.3): each budget below 100%% runs with each, "
+                        "alternating")
     parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
                         "prompt of its own; figures per generated token; the server's N-client step); several (e.g. "
                         "1,16): each budget below 100%% runs with each, alternating")
@@ -273,6 +278,7 @@ def run(args, work: Path) -> None:
     ios = [int(n) for n in str(args.io_threads).split(",")]
     args.io_threads = ios[0]
     counts = [int(n) for n in str(args.rows).split(",")]
+    bars = str(args.guess_bar).split(",") if args.guess_bar is not None else [None]
     this = ["--tree", str(Path(args.this).resolve())] if args.this else []
     common = ["--worker", *this, *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
@@ -283,12 +289,14 @@ def run(args, work: Path) -> None:
     for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
             for rows in counts if f < 1 else counts[:1]:
-                name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
-                    (f" x{rows}" if len(counts) > 1 and f < 1 else "")
-                workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
-                                 "--share", str(f)]
-                if args.base and f < 1:  # (argparse keeps the last --tree)
-                    workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
+                for bar in bars if f < 1 else [None]:
+                    name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
+                        (f" x{rows}" if len(counts) > 1 and f < 1 else "") + \
+                        (f" bar{bar}" if len(bars) > 1 and f < 1 else "")
+                    workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
+                                     "--share", str(f), *(["--guess-bar", bar] if bar is not None else [])]
+                    if args.base and f < 1:  # (argparse keeps the last --tree)
+                        workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
     rows = f" for each of {args.rows} sequences in batched steps (figures per generated token)" if counts != [1] else ""
     print(f"{family} {size or 'small'} ({args.dtype} dense weights): {'resident vs ' * args.resident}paged "
@@ -330,10 +338,14 @@ def run(args, work: Path) -> None:
               f"paged MoE layers {med('moe') * 1e3:.2f} ms, missed {med('missed') / 1e6:.2f} MB "
               f"({med('misses'):.1f} experts), read {med('bytes_read') / 1e6:.2f} MB (lookahead precision "
               f"{med('precision'):.0%}, {med('wasted'):.1f} wasted"
+              + (f", {med('issued'):.1f} guesses read, {med('late'):.1f} late" if "issued" in runs[0] else "")
               + (f"; distinct experts read / routed {med('distinct'):.3f}" if runs[0].get("distinct") else "")
               + f"); disk roofline {statistics.median(roof):.2f} "
               f"(missed bytes / the round's O_DIRECT bandwidth / wall per token; rounds "
-              f"{' '.join(f'{x:.2f}' for x in roof)})")
+              f"{' '.join(f'{x:.2f}' for x in roof)})"
+              + (f"; reads in flight {med('read') / med('wall'):.0%} of the wall, at "
+                 f"{statistics.median(r['bytes_read'] / r['read'] for r in runs if r['read'] > 0) / 1e9:.2f} GB/s "
+                 f"(the disk's rate during the decode)" if any(r["read"] > 0 for r in runs) else ""))
         if base is None:
             continue
         same = all(_first(r["tokens"]) == _first(b["tokens"]) for r, b in zip(runs, base))

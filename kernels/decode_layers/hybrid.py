@@ -20,7 +20,7 @@ import torch
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.fp8_cache.cpu import CacheRows
 
-from . import Matrix
+from . import MATRIX_TYPES, Matrix
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 NO_MATRIX = (None, 0, 0, 0, None)
@@ -109,6 +109,17 @@ def dense_expert(x: torch.Tensor, parts: tuple, glu: tuple, weight: float, out: 
     gate, up, down = (_matrix(m) for m in parts)
     library().dense_expert(x.data_ptr(), ctypes.byref(gate), ctypes.byref(up), ctypes.byref(down), glu[0], glu[1],
                            glu[2], weight, out.data_ptr(), scratch.data_ptr(), xq.data_ptr(), threads())
+
+
+def dense_experts_token(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, table, glu: tuple, out: torch.Tensor,
+                        scratch: torch.Tensor, xq: torch.Tensor) -> None:
+    """out [W] += one token x [W]'s routed experts ids (int64 [k], added in that order) with weights (fp32 [k]),
+    from `table`'s dense matrices (addresses int64 [E, 3] of gate, up, down; dtype, intermediate, hidden: a
+    DenseExpertTable or kernels/mxfp4_moe/held.py HeldDenseTable): the loop the step runs over a resident layer's
+    dense experts, one `dense_expert` each. `scratch` >= 2 I + W floats, `xq` the matvec scratch (`xq_bytes`)."""
+    library().dense_experts_token(x.data_ptr(), table.hidden, table.intermediate, ids.data_ptr(), weights.data_ptr(),
+                                  ids.shape[0], table.addresses.data_ptr(), MATRIX_TYPES[table.dtype], glu[0], glu[1],
+                                  glu[2], out.data_ptr(), scratch.data_ptr(), xq.data_ptr(), threads())
 
 
 def xq_bytes(cols: int) -> int:

@@ -39,6 +39,9 @@ void mxfp4_route(const float* rx, int64_t R, const float* router_w, const float*
                  float* weights_out, float* logits, int threads);
 void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Matrix* down, int glu, float p0, float p1,
                   float weight, float* out, float* scratch, void* xq, int threads);
+void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
+                         const int64_t* table, int64_t type, int glu, float p0, float p1, float* out, float* scratch,
+                         void* xq, int threads);
 int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
                    const int64_t* table, const int64_t* types, int glu, float p0, float p1, float* out, void* scratch,
                    int threads);
@@ -159,17 +162,13 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
       float* logits = static_cast<float*>(moe_scratch);
       mxfp4_route(hn, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
                   static_cast<int>(L.renormalize), L.scaling, 1, L.top_k, L.experts, ids, weights, logits, threads);
-      int64_t order[64];
+      int64_t order[64], sorted[64];
+      float chosen[64];
       for (int64_t j = 0; j < L.top_k; ++j) order[j] = j;
       std::sort(order, order + L.top_k, [&](int64_t a, int64_t c) { return ids[a] < ids[c]; });
-      for (int64_t j = 0; j < L.top_k; ++j) {
-        const int64_t* w = L.dense + 3 * ids[order[j]];
-        const Matrix gate{reinterpret_cast<const void*>(w[0]), L.dense_type, L.intermediate, W, nullptr};
-        const Matrix up{reinterpret_cast<const void*>(w[1]), L.dense_type, L.intermediate, W, nullptr};
-        const Matrix down{reinterpret_cast<const void*>(w[2]), L.dense_type, W, L.intermediate, nullptr};
-        dense_expert(ex, &gate, &up, &down, static_cast<int>(L.expert_glu), L.p0, L.p1, weights[order[j]], y,
-                     logits + L.experts, xq, threads);
-      }
+      for (int64_t j = 0; j < L.top_k; ++j) sorted[j] = ids[order[j]], chosen[j] = weights[order[j]];
+      dense_experts_token(ex, W, L.intermediate, sorted, chosen, L.top_k, L.dense, L.dense_type,
+                          static_cast<int>(L.expert_glu), L.p0, L.p1, y, logits + L.experts, xq, threads);
     } else if (experts(index, hn, ex, y) != 0) {
       return 1;
     }
@@ -314,6 +313,22 @@ void dense_expert(const float* x, const Matrix* gate, const Matrix* up, const Ma
   localmoe::glu_rows(glu, g, u, I, p0, p1);
   localmoe::matvec(*down, g, y, xq, threads);
   for (int64_t i = 0; i < W; ++i) out[i] += weight * y[i];
+}
+
+// out [W] += the weighted routed experts ids[0..k) of one token x [W] (added in that order), each with dense
+// matrices (`type`: fp32, bf16) at table[3 e], table[3 e + 1], table[3 e + 2] (gate [I, W], up [I, W], down [W, I]):
+// one `dense_expert` each. The fused step's resident dense experts run through it, and so do a pager's held
+// ones (engine/decode_plan.py, kernels/mxfp4_moe/held.py): the same bits. scratch 2 I + W floats.
+void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
+                         const int64_t* table, int64_t type, int glu, float p0, float p1, float* out, float* scratch,
+                         void* xq, int threads) {
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t* w = table + 3 * ids[j];
+    const Matrix gate{reinterpret_cast<const void*>(w[0]), type, I, W, nullptr};
+    const Matrix up{reinterpret_cast<const void*>(w[1]), type, I, W, nullptr};
+    const Matrix down{reinterpret_cast<const void*>(w[2]), type, W, I, nullptr};
+    dense_expert(x, &gate, &up, &down, glu, p0, p1, weights[j], out, scratch, xq, threads);
+  }
 }
 
 // Floats of `scratch` decode_hybrid needs for these layers (the MoE kernel's scratch and xq are apart).

@@ -43,7 +43,8 @@ from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode import StepKernel
 from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
-from localmoe.kernels.mxfp4_moe.held import HeldTable
+from localmoe.kernels.ggml_gemv.experts import ggml_moe_token
+from localmoe.kernels.mxfp4_moe.held import HeldBlockTable, HeldDenseTable, HeldTable
 
 
 def _fp32_vectors(*tensors: torch.Tensor | None) -> bool:
@@ -349,13 +350,45 @@ def _dense_parts(w, precision: str) -> tuple | None:
 
 def _routed(model):
     """The decoder's experts callback: layer `index`'s routing of h and its experts on x, in increasing id as
-    `moe.dispatch` adds them. Where the provider hands the chosen experts out together (a pager's `hold`) and
-    they are MXFP4, the layer runs in one MoE kernel call over a table of their slots (`HeldTable`: the bits of
-    the resident layer's in-kernel call); else one expert at a time: MXFP4 ones through the MoE kernel one call
-    each (the same bits), dense ones through `hybrid.dense_expert`, others (and experts a pager places on a GPU
-    tier) as the engine runs them. Resident and paged experts take the same path: the same bits."""
+    `moe.dispatch` adds them. Where the provider hands the chosen experts out together (a pager's `hold`), the layer
+    runs in one kernel call over a held table of their slots (kernels/mxfp4_moe/held.py), the call a resident layer
+    makes inside the step: MXFP4 experts through the MoE kernel (`HeldTable`), dense ones through
+    `hybrid.dense_experts_token` (`HeldDenseTable`), GGUF-block ones at q8 through `ggml_moe_token`
+    (`HeldBlockTable`). Else one expert at a time: MXFP4 ones through the MoE kernel one call each (the same bits),
+    dense and block ones through `hybrid.dense_expert`, others (and experts a pager places on a GPU tier) as the
+    engine runs them. Resident and paged experts take the same path: the same bits."""
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    tables: dict[int, HeldTable] = {}
+    tables: dict[int, list] = {}  # index -> the layer's held tables, the one that last took its experts first
+
+    def scratch(index: int, inner: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if buffers.get(index, (torch.empty(0),))[0].numel() < 2 * inner + width:
+            buffers[index] = (torch.empty(2 * inner + width), torch.empty(hybrid.xq_bytes(max(width, inner)),
+                                                                         dtype=torch.uint8))
+        return buffers[index]
+
+    def held_call(index: int, block, chosen: list, held: list, x, ids, weights, act, out) -> bool:
+        """The layer's chosen experts in one call over a held table; False where no table takes them."""
+        order = tables.get(index)
+        if order is None:
+            E = block.router.linear.weight.shape[0]
+            order = tables[index] = [HeldTable(E), HeldDenseTable(E)] + \
+                ([HeldBlockTable(E)] if block.precision == "q8" else [])
+        experts = dict(zip((e for e, _ in chosen), held))
+        for i, table in enumerate(order):
+            if not table.fill(experts):
+                continue
+            order.insert(0, order.pop(i))
+            glu = (GLU_KINDS.index(act.kind), *act.params)
+            if isinstance(table, HeldTable):
+                mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=block.precision)
+            elif isinstance(table, HeldDenseTable):
+                hybrid.dense_experts_token(x[0], torch.tensor([e for e, _ in chosen]),
+                                           torch.tensor([w for _, w in chosen], dtype=torch.float32), table, glu,
+                                           out[0], *scratch(index, table.intermediate, x.shape[-1]))
+            else:
+                ggml_moe_token(x[0], [e for e, _ in chosen], [w for _, w in chosen], table, glu[0], glu[1:], out[0])
+            return True
+        return False
 
     def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         block = model.layers[index][3]
@@ -367,12 +400,9 @@ def _routed(model):
         chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
         hold = getattr(provider, "hold", None)
         held = None if hold is None else hold(block.layer, [e for e, _ in chosen])
-        if held is not None:
-            table = tables.get(index)
-            if table is None:
-                table = tables[index] = HeldTable(block.router.linear.weight.shape[0])
-            if table.fill(dict(zip((e for e, _ in chosen), held))):
-                return mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=block.precision)
+        if held is not None and len(chosen) <= hybrid.MAX_TOP_K and \
+                held_call(index, block, chosen, held, x, ids, weights, act, out):
+            return out
         placed = getattr(provider, "placed", None)
         for i, (expert, weight) in enumerate(chosen):
             if held is not None:
@@ -385,12 +415,8 @@ def _routed(model):
                 continue
             parts = _dense_parts(w, block.precision)
             if parts is not None:
-                inner = parts[0][2]
-                if buffers.get(index, (torch.empty(0),))[0].numel() < 2 * inner + x.shape[-1]:
-                    buffers[index] = (torch.empty(2 * inner + x.shape[-1]),
-                                      torch.empty(hybrid.xq_bytes(max(x.shape[-1], inner)), dtype=torch.uint8))
                 hybrid.dense_expert(x[0], parts, (GLU_KINDS.index(act.kind), *act.params), weight, out[0],
-                                    *buffers[index])
+                                    *scratch(index, parts[0][2], x.shape[-1]))
                 continue
             table = ExpertTable.single(expert, w, chosen[-1][0] + 1)
             if table is not None:

@@ -100,6 +100,7 @@ class Pager:
         self._reads: dict[int, _Read] = {}  # submitted, not yet reaped
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
+        self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
         self.step, self._last_layer = 0, None
@@ -285,7 +286,7 @@ class Pager:
             if self._routed % EXPLORE == 0:
                 return k
             width = 0
-            while width < k and self._precision(width) >= GUESS_BAR:
+            while width < k and self._precision(width) >= self.guess_bar:
                 width += 1
             return width
 

@@ -205,19 +205,39 @@ def test_moe_head_rounds_its_input_at_q8(gguf):
     assert not torch.allclose(exact(h), got, rtol=1e-4)
 
 
-def test_paged_equals_resident(gguf, tmp_path):
-    """Paged experts reach the fused step through its callback (one `dense_expert` per expert), resident ones run
-    inside it: the same rows, GLU and order, so the same bits."""
+def test_paged_equals_resident(gguf, tmp_path, monkeypatch):
+    """Paged experts reach the fused step through its callback, which runs a layer's held experts in one
+    `ggml_moe_token` call over a held table of their slots (HeldBlockTable), the call resident ones make inside the
+    step: the same rows, GLU and order, so the same bits. With one slot (experts one at a time: one `dense_expert`
+    each) too."""
     from localmoe.convert import convert
+    from localmoe.engine import decode_plan
+    from localmoe.kernels.mxfp4_moe.held import HeldBlockTable
     from localmoe.paging import Pager, expert_bytes
     from localmoe.store.packed import PackedStore
 
     convert(gguf, tmp_path / "store", progress=False)
-    paged = _load(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(PackedStore(tmp_path / "store")) // 4))
-    assert isinstance(paged.moe_blocks()[0].experts, Pager)
-    got = _decode(paged, True)
-    assert not any(layer.blocks for layer in paged._plan.decoder.layers)
-    assert torch.equal(got, _decode(_load(gguf), True))
+    store = PackedStore(tmp_path / "store")
+    want = _decode(_load(gguf), True)
+    filled, calls = [], []
+    fill = HeldBlockTable.fill
+    monkeypatch.setattr(HeldBlockTable, "fill",
+                        lambda self, experts: (filled.append(fill(self, experts)), filled[-1])[1])
+    monkeypatch.setattr(decode_plan, "ggml_moe_token", lambda *a, _real=decode_plan.ggml_moe_token: (
+        calls.append(1), _real(*a))[1])
+    slot = max(store.layout(layer).slot_bytes for layer in store.layers())
+    for budget in (expert_bytes(store) // 4, slot):
+        filled.clear()
+        calls.clear()
+        paged = _load(tmp_path / "store", paging=PagingConfig(ram_budget=budget))
+        assert isinstance(paged.moe_blocks()[0].experts, Pager)
+        got = _decode(paged, True)
+        assert not any(layer.blocks for layer in paged._plan.decoder.layers)
+        assert torch.equal(got, want)
+        if budget > slot:
+            assert filled and all(filled) and len(calls) == len(filled)
+        else:
+            assert calls == []
 
 
 def test_prefill_runs_each_moe_layer_in_one_call(gguf, monkeypatch):

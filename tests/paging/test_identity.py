@@ -128,3 +128,28 @@ def test_kimi_k3_paged_layer_in_one_kernel_call(kimi_k3, budget, monkeypatch):
         assert pager.stats.ram.hits + pager.stats.ram.misses > 0
     else:  # one slot: one expert at a time; every expert: the layers run whole (test_pager), no callback
         assert filled == []
+
+
+@pytest.mark.parametrize("budget", ["25%", "1-per-layer"])
+def test_kimi_linear_dense_experts_paged_in_one_call(kimi_linear, budget, monkeypatch):
+    """Dense (bf16) experts held together run in one call over a held table of their slots (HeldDenseTable through
+    `dense_experts_token`, the loop the fused step runs over a resident dense layer), never one `dense_expert`
+    call each from the callback: paged equals resident bit for bit."""
+    from localmoe.kernels.decode_layers import hybrid
+    from localmoe.kernels.mxfp4_moe.held import HeldDenseTable
+
+    assert type(kimi_linear.model._plan.decoder).__name__ == "HybridDecoder"
+    filled, single = [], []
+    fill = HeldDenseTable.fill
+
+    def counted(self, experts):
+        filled.append(fill(self, experts))
+        return filled[-1]
+
+    monkeypatch.setattr(HeldDenseTable, "fill", counted)
+    monkeypatch.setattr(hybrid, "dense_expert", lambda *a, _real=hybrid.dense_expert: (single.append(1), _real(*a)))
+    b = _slot_budgets(kimi_linear.store())[budget]
+    tokens, logits, pager = _paged_run(kimi_linear, b, "lfru", "odirect", True)
+    _assert_identical(kimi_linear, tokens, logits)
+    assert len(filled) >= len(tokens) * len(kimi_linear.model.moe_blocks()) and all(filled)
+    assert single == [] and pager.stats.ram.misses > 0
