@@ -63,29 +63,31 @@ inline void row(const T* w, const float* x, int64_t K, const float* bias, float*
   }
 }
 
-template <typename T>
-struct Args {
-  const float* x;
-  int64_t N, K;
-  const T* w;
-  int64_t O;
-  const float* bias;
-  float* y;
-};
-
 // Rows [o0, o1), each against all N tokens in groups of up to 8 (a group after the first finds the
 // row in L1/L2).
 template <typename T>
 void gemv_rows(const void* ctx, int64_t o0, int64_t o1) {
   const Args<T>& a = *static_cast<const Args<T>*>(ctx);
   const int64_t K = a.K, O = a.O;
-  using RowFn = void (*)(const T*, const float*, int64_t, const float*, float*, int64_t);
-  static constexpr RowFn kRow[9] = {nullptr, row<T, 1>, row<T, 2>, row<T, 3>, row<T, 4>,
-                                    row<T, 5>, row<T, 6>, row<T, 7>, row<T, 8>};
+  // a switch, not a table of function pointers: a function-local static of an inline template is one object per
+  // process (STB_GNU_UNIQUE), so with both ISA builds loaded one library would call the other's rows
   for (int64_t o = o0; o < o1; ++o) {
     const float* b = a.bias == nullptr ? nullptr : a.bias + o;
-    for (int64_t t = 0; t < a.N; t += 8)
-      kRow[std::min<int64_t>(8, a.N - t)](a.w + o * K, a.x + t * K, K, b, a.y + t * O + o, O);
+    for (int64_t t = 0; t < a.N; t += 8) {
+      const T* w = a.w + o * K;
+      const float* x = a.x + t * K;
+      float* y = a.y + t * O + o;
+      switch (std::min<int64_t>(8, a.N - t)) {
+        case 1: row<T, 1>(w, x, K, b, y, O); break;
+        case 2: row<T, 2>(w, x, K, b, y, O); break;
+        case 3: row<T, 3>(w, x, K, b, y, O); break;
+        case 4: row<T, 4>(w, x, K, b, y, O); break;
+        case 5: row<T, 5>(w, x, K, b, y, O); break;
+        case 6: row<T, 6>(w, x, K, b, y, O); break;
+        case 7: row<T, 7>(w, x, K, b, y, O); break;
+        default: row<T, 8>(w, x, K, b, y, O); break;
+      }
+    }
   }
 }
 

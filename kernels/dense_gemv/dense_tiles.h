@@ -127,8 +127,9 @@ inline void tile_rows(int R, const T* w, const float* x, int64_t K, const float*
   }
 }
 
+// One GEMV call's arguments (also dense_rows.h's one-row-at-a-time form).
 template <typename T>
-struct TileArgs {
+struct Args {
   const float* x;
   int64_t N, K;
   const T* w;
@@ -141,7 +142,7 @@ struct TileArgs {
 // the tokens kTileRows at a time (the weight rows stay in L1 while x streams from L2).
 template <typename T>
 void tile_outputs(const void* ctx, int64_t o0, int64_t o1) {
-  const TileArgs<T>& a = *static_cast<const TileArgs<T>*>(ctx);
+  const Args<T>& a = *static_cast<const Args<T>*>(ctx);
   const int64_t K = a.K, O = a.O, N = a.N;
   for (int64_t o = o0; o < o1;) {
     const bool full = o + kTileOuts <= o1;
@@ -161,7 +162,7 @@ void tile_outputs(const void* ctx, int64_t o0, int64_t o1) {
 template <typename T>
 void gemv_tiles(const float* x, int64_t N, int64_t K, const T* w, int64_t O, const float* bias, float* y,
                 int threads) {
-  const TileArgs<T> args{x, N, K, w, O, bias, y};
+  const Args<T> args{x, N, K, w, O, bias, y};
   int64_t chunk = localmoe::kChunkBytes / (K * static_cast<int64_t>(sizeof(T)));
   chunk = std::max<int64_t>(kTileOuts, chunk / kTileOuts * kTileOuts);
   localmoe::parallel(tile_outputs<T>, &args, O, chunk, threads);
