@@ -16,12 +16,11 @@ packages = find_packages(include=["localmoe", "localmoe.*"])
 for target, folder in MAPPED.items():
     packages += mapped_packages(target, folder)
 
+# every kernel folder ships its sources: the CPU kernels are compiled at first use (an installed package without a
+# header its sources include cannot build them)
+KERNEL_SOURCES = {name: ["*.cpp", "*.h"] for name in packages if name.startswith("localmoe.kernels.")}
 setup(packages=packages, package_dir=MAPPED,
       package_data={"localmoe": ["py.typed"], "localmoe.testing": ["configs/*.json", "configs/*.md"],
-                    "localmoe.kernels.mxfp4_moe": ["*.cpp", "*.h"], "localmoe.kernels.dense_gemv": ["*.cpp", "*.h"],
-                    "localmoe.kernels.dense_moe": ["*.cpp"],
-                    "localmoe.kernels.ggml_gemv": ["*.cpp", "*.h"], "localmoe.kernels.decode_layers": ["*.cpp", "*.h"],
-                    "localmoe.kernels.gqa_decode": ["*.cpp"], "localmoe.kernels.rms_norm": ["*.cpp"],
+                    **KERNEL_SOURCES,
                     "localmoe.kernels.paged_io": ["*.cpp", "*.h", "XXHASH_LICENSE"],
-                    "localmoe.kernels._cpu": ["*.h"], "localmoe.ui.web": ["*.js"],
-                    "localmoe.ui.tui": ["*.tcss"]})  # the CPU kernels are compiled at first use
+                    "localmoe.ui.web": ["*.js"], "localmoe.ui.tui": ["*.tcss"]})
