@@ -76,6 +76,7 @@ class PagedBuffer:
         self.capacity = 0  # positions every sequence can hold without allocating
         self._index: torch.Tensor | None = None  # the table as [B, n] long, for gathers
         self._flat: tuple[torch.Tensor, torch.Tensor | None] | None = None  # identity table: [1, H, P*block, *]
+        self._storage: tuple | None = None  # `storage`'s answer while the table is the identity
         self._paged: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32, one sequence: (pool, table [n])
         self.generation = 0  # +1 whenever the pool or the tables change (what a caller's view of them checks)
         self._allocate(1)  # one block per sequence up front (at most BLOCK_TOKENS positions), the rest on demand
@@ -114,8 +115,11 @@ class PagedBuffer:
             H, P = self.heads, self.pool.shape[1]
             self._flat = (self.pool.view(1, H, P * self.block, self.dim),
                           self.scales.view(1, H, P * self.block) if self.fp8 else None)
+            # what `storage` hands out, made once per change (a view costs ~2 us, a decode step asks per layer)
+            self._storage = (self._flat[0][0], None if self._flat[1] is None else self._flat[1][0],
+                             self.recent[0] if self.lossy else None, self.recent_pos if self.lossy else None)
         else:
-            self._flat = None
+            self._flat = self._storage = None
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         """Store rows [B, H, T, D] at positions start .. start+T-1 of every sequence."""
@@ -143,10 +147,11 @@ class PagedBuffer:
         """For kernels that write and read the cache in place: the pool as [1, H, capacity, D] with
         room for positions < `end` (allocated here), where the buffer is fp32 for one sequence and its
         table is the identity; None otherwise (then use write/read)."""
-        if self.lossy:
+        if self.lossy or self.batch != 1:
             return None
-        held = self.storage(end)
-        return None if held is None else held[0][None]
+        if end > self.capacity:
+            self._ensure(end)
+        return None if self._flat is None else self._flat[0]
 
     def storage(self, end: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
                                          torch.Tensor | None] | None:
@@ -157,12 +162,9 @@ class PagedBuffer:
         None otherwise (then use write/read)."""
         if self.batch != 1:
             return None
-        self._ensure(end)
-        if self._flat is None:
-            return None
-        pool, scales = self._flat
-        return (pool[0], None if scales is None else scales[0], self.recent[0] if self.lossy else None,
-                self.recent_pos if self.lossy else None)
+        if end > self.capacity:
+            self._ensure(end)
+        return self._storage
 
     def pages(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For kernels that write and read the cache in place through its block table: the pool
