@@ -17,6 +17,8 @@ prefill chunks above it run an fp32 GEMM on the dequantised weight, engine/quant
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
@@ -79,5 +81,20 @@ def dequantize_rows(table: torch.Tensor, ids: torch.Tensor, ggml_type, K: int) -
     return out
 
 
+def dequantize_row(table: torch.Tensor, index: int, ggml_type, K: int) -> torch.Tensor | None:
+    """Row `index` of `table` dequantised -> fp32 [K], as `dequantize_rows` (one token's lookup with no tensor of ids);
+    None where that would be, or for an index outside the table (the caller's path raises)."""
+    lib = library()
+    if (lib is None or ggml_type not in ROW_TYPES or not 0 <= index < table.shape[0] or not table.is_contiguous()
+            or table.device.type != "cpu"):
+        return None
+    out = torch.empty(K, dtype=torch.float32)
+    ids = ctypes.c_int64(index)
+    if lib.ggml_dequantize_rows(table.data_ptr(), table.shape[1], ctypes.addressof(ids), 1, int(ggml_type), K,
+                                out.data_ptr()):
+        return None
+    return out
+
+
 __all__ = ["EXACT_X_TYPES", "KERNEL_TYPES", "K_QUANTS", "MAX_ROWS", "Q4_K_R8", "Q6_K_R8", "ROW_TYPES", "TYPES", "X16_TYPES",
-           "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "x_block"]
+           "dequantize_row", "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "x_block"]

@@ -189,8 +189,9 @@ def test_k_quants_need_whole_super_blocks(ggml_type, close):
 def test_rows_dequantised_in_c_equal_the_whole_table(ggml_type):
     """dequantize_rows (a BlockEmbedding's lookup) gives the bits of quant/ggml.py's dequantiser of the whole
     table, rows in the order asked, repeats included; types it lacks come back None (the torch path)."""
-    from localmoe.kernels.ggml_gemv import dequantize_rows
+    from localmoe.kernels.ggml_gemv import dequantize_row, dequantize_rows
 
+    from localmoe.engine.quantized import BlockEmbedding, BlockQuantized
     from localmoe.quant.ggml import dequantize
 
     rows, K = 37, 512
@@ -200,3 +201,7 @@ def test_rows_dequantised_in_c_equal_the_whole_table(ggml_type):
     got = dequantize_rows(raw, ids, ggml_type, K)
     assert torch.equal(got.view(torch.int32), whole[ids].view(torch.int32))
     assert dequantize_rows(_weight(Q.Q4_0, 4, 64, seed=9), ids[:1] % 4, Q.Q4_0, 64) is None
+    for i in (0, 17, 36):  # one token's row (a decode step's lookup, BlockEmbedding[token])
+        assert torch.equal(dequantize_row(raw, i, ggml_type, K).view(torch.int32), whole[i].view(torch.int32))
+        assert torch.equal(BlockEmbedding(BlockQuantized(raw, ggml_type, (rows, K)))[torch.tensor(i)], whole[i])
+    assert dequantize_row(raw, rows, ggml_type, K) is None and dequantize_row(raw, -1, ggml_type, K) is None
