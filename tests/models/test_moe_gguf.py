@@ -180,6 +180,47 @@ def test_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monk
         assert torch.equal(a, c), f"paged, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
+@pytest.fixture(scope="module")
+def q4_k_m_store(pair, tmp_path_factory):
+    """(store, routing trace, the GGUF's logits) of qwen3_moe's Q4_K_M file at what benchmarks/gguf_moe.py runs: dtype
+    auto, expert precision q8 (the resident file repacked, the store in the GGUF layout)."""
+    from localmoe.convert import convert
+    from localmoe.paging import attach, detach
+    from localmoe.paging.trace import RoutingTrace
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    root = tmp_path_factory.mktemp("q4_k_m_store")
+    convert(gguf, root / "store", progress=False)
+    resident = load_model(gguf, dtype="auto", expert_precision="q8", progress=False).model
+    want = _run(resident)
+    trace = RoutingTrace()
+    attach(resident, trace=trace)  # the routing the Belady oracle sees
+    _run(resident)
+    detach(resident)
+    trace.save(root / "trace.json")
+    return root / "store", str(root / "trace.json"), want
+
+
+@pytest.mark.parametrize("io", ["odirect", "mmap"])
+@pytest.mark.parametrize(("policy", "prefetch"), [("lru", False), ("lru", True), ("lfu", True), ("lfru", True),
+                                                  ("belady", True)], ids=lambda v: str(v))
+def test_block_store_pages_under_every_policy(q4_k_m_store, policy, prefetch, io):
+    """A store of llama-quantize's K-quant blocks pages under --ram as MXFP4 stores do: every policy, either I/O
+    backend, prefetch on and off, a quarter of the experts in RAM; paged == the GGUF resident, bit for bit."""
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    store, trace, want = q4_k_m_store
+    paging = PagingConfig(ram_budget=expert_bytes(PackedStore(store)) // 4, policy=policy, io=io, prefetch=prefetch,
+                          trace=trace if policy == "belady" else "")
+    paged = load_model(store, dtype="auto", expert_precision="q8", paging=paging, progress=False).model
+    pager = paged.moe_blocks()[0].experts
+    assert isinstance(pager, Pager)
+    for step, (a, b) in enumerate(zip(_run(paged), want)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    assert pager.stats.ram.misses > 0 and (pager.stats.prefetch.issued > 0) == prefetch  # it paged, and prefetched
+
+
 def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
     """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts in the type of its tensor
     (`down.q6_k` where llama-quantize gave layer 2 more bits; one IQ type per tensor in the dynamic mix), lossless
