@@ -156,16 +156,20 @@ def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one.
     The copy lies on 2 MiB pages (kernels/_cpu/pages.py `huge_copy`, as the dense weights do): a decode token streams
     every one of these bytes, and from the file's 4 KiB pages the stream takes a TLB miss and a prefetcher stop every
-    4 KiB (docs/performance.md, session 12)."""
+    4 KiB (docs/performance.md, session 12). The layers' other matrices the row kernels read (ggml_gemv.KERNEL_TYPES:
+    Q5_0 / Q8_0 / Q5_K experts, say) are copied there as they are."""
     kept = ("embed_tokens.weight",) if int8_head else UNREPACKED
     for name in list(weights):
         t = dict.get(weights, name)
-        if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and not name.endswith(kept)
-                and t.raw.device.type == "cpu" and can_repack(t.ggml_type, *t.shape)):
+        if not (isinstance(t, BlockQuantized) and len(t.shape) == 2 and t.raw.device.type == "cpu"):
+            continue
+        if not name.endswith(kept) and can_repack(t.ggml_type, *t.shape):
             raw = t.raw.contiguous()
             held = huge_copy(raw)  # then repacked in place; the tensor itself where it stays (small, no THP)
             raw, kind = repack(raw, t.ggml_type, t.shape[0], out=None if held.data_ptr() == raw.data_ptr() else held)
             weights[name] = BlockQuantized(raw, kind, t.shape)
+        elif not name.endswith(UNREPACKED) and t.ggml_type in ggml_gemv.KERNEL_TYPES:
+            weights[name] = BlockQuantized(huge_copy(t.raw.contiguous()), t.ggml_type, t.shape)
     return weights
 
 

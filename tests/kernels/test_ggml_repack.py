@@ -198,3 +198,9 @@ def test_the_loader_puts_repacked_matrices_on_huge_pages(plain):
     held = repack_blocks({name: BlockQuantized(raw, plain, (512, 1024))})[name]
     assert held.ggml_type == REPACKED[plain] and on_huge_pages(held.raw) and not on_huge_pages(raw)
     assert torch.equal(held.raw, repack(before, plain, 512)[0]) and torch.equal(raw, before)
+    other = _blocks(Q.Q5_0, 512, 1024, seed=14)  # a type without a repacked form, read by the row kernels: copied
+    weights = {name: BlockQuantized(other, Q.Q5_0, (512, 1024)),
+               "embed_tokens.weight": BlockQuantized(raw, plain, (512, 1024))}  # read a row at a time: left
+    held = repack_blocks(weights)
+    assert held[name].ggml_type == Q.Q5_0 and on_huge_pages(held[name].raw) and torch.equal(held[name].raw, other)
+    assert held["embed_tokens.weight"].raw is raw
