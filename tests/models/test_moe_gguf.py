@@ -398,3 +398,23 @@ def test_k3_requantised_experts_run_from_their_blocks(pair, tmp_path):
         assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
         for step, (a, b) in enumerate(zip(_run(paged.model), got)):
             assert torch.equal(a, b), f"{kinds[0].name} paged, step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_models_doc_lists_every_gguf_architecture_and_type():
+    """docs/models.md (issue 24): every GGUF architecture the registry reads is named (the MoE ones in the MoE GGUF
+    table, the dense ones in the family table), and every ggml type the gguf package knows sits in its type table,
+    in the refused row exactly where localmoe has no dequantiser."""
+    import re
+    from pathlib import Path
+
+    from localmoe.models import supported_gguf_architectures
+    from localmoe.quant.ggml import SUPPORTED_TYPES
+
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    for arch in supported_gguf_architectures():
+        assert f"`{arch}`" in doc or re.search(rf"GGUF [\w/]*\b{re.escape(arch)}\b", doc), arch
+    start = doc.index("| ggml type | routed experts")
+    rows = [line.split("|")[1:3] for line in doc[start:doc.index("\n\n", start)].splitlines()[2:]]
+    listed = {name: "refused" in what for types, what in rows for name in re.findall(r"\b[A-Z][A-Z0-9_]*\d[A-Z0-9_]*\b", types)}
+    assert set(listed) == {t.name for t in Q}
+    assert {name for name, refused in listed.items() if refused} == {t.name for t in Q if t not in SUPPORTED_TYPES}
