@@ -180,6 +180,29 @@ def test_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monk
         assert torch.equal(a, c), f"paged, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
+def test_fused_step_reads_a_block_embedding_row_in_one_call(pair):
+    """The fused decode step of a Q4_K_M file looks its Q4_K embedding row up through ggml_gemv.row_reader (one
+    library call into a kept buffer): the row's values are the embedding's, and decode gives the bits of the general
+    lookup (BlockEmbedding[token], then copied)."""
+    import ctypes
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    model = load_model(gguf, dtype="auto", expert_precision="q8", progress=False).model
+    want = _run(model)
+    plan = model.decode_plan()
+    assert plan is not None and plan.embed_rows is not None and model.embed.weight.ggml_type == Q.Q4_K
+    read, rows = plan.embed_rows
+    D = model.spec.hidden_size
+    for token in (0, 17, rows - 1):
+        got = torch.frombuffer(bytearray((ctypes.c_float * D).from_address(read(token))), dtype=torch.float32)
+        assert torch.equal(got, model.embed[token])
+    with pytest.raises(IndexError, match="outside the embedding"):
+        plan.run(torch.tensor([[rows]]), model.new_cache(1, 4))
+    plan.embed_rows = None  # the general lookup
+    for step, (a, b) in enumerate(zip(_run(model), want)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
 @pytest.fixture(scope="module")
 def q4_k_m_store(pair, tmp_path_factory):
     """(store, routing trace, the GGUF's logits) of qwen3_moe's Q4_K_M file at what benchmarks/gguf_moe.py runs: dtype
