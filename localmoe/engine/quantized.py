@@ -156,9 +156,11 @@ def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one.
     The copy lies on 2 MiB pages (kernels/_cpu/pages.py `huge_copy`, as the dense weights do): a decode token streams
     every one of these bytes, and from the file's 4 KiB pages the stream takes a TLB miss and a prefetcher stop every
-    4 KiB (docs/performance.md, session 12). The layers' other matrices the row kernels read (ggml_gemv.KERNEL_TYPES:
-    Q5_0 / Q8_0 / Q5_K experts, say) are copied there as they are."""
+    4 KiB (docs/performance.md, session 12). The other matrices the row kernels read every token (ggml_gemv.KERNEL_TYPES:
+    Q5_0 / Q8_0 / Q5_K experts, a head left in the GGUF layout, the embedding where a tied head reads it) are copied
+    there as they are; an untied embedding (a row a token) stays."""
     kept = ("embed_tokens.weight",) if int8_head else UNREPACKED
+    tied = not any(name.endswith("lm_head.weight") for name in weights)  # the head reads the embedding's blocks
     for name in list(weights):
         t = dict.get(weights, name)
         if not (isinstance(t, BlockQuantized) and len(t.shape) == 2 and t.raw.device.type == "cpu"):
@@ -168,7 +170,7 @@ def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
             held = huge_copy(raw)  # then repacked in place; the tensor itself where it stays (small, no THP)
             raw, kind = repack(raw, t.ggml_type, t.shape[0], out=None if held.data_ptr() == raw.data_ptr() else held)
             weights[name] = BlockQuantized(raw, kind, t.shape)
-        elif not name.endswith(UNREPACKED) and t.ggml_type in ggml_gemv.KERNEL_TYPES:
+        elif t.ggml_type in ggml_gemv.KERNEL_TYPES and (tied or not name.endswith("embed_tokens.weight")):
             weights[name] = BlockQuantized(huge_copy(t.raw.contiguous()), t.ggml_type, t.shape)
     return weights
 

@@ -201,6 +201,8 @@ def test_the_loader_puts_repacked_matrices_on_huge_pages(plain):
     other = _blocks(Q.Q5_0, 512, 1024, seed=14)  # a type without a repacked form, read by the row kernels: copied
     weights = {name: BlockQuantized(other, Q.Q5_0, (512, 1024)),
                "embed_tokens.weight": BlockQuantized(raw, plain, (512, 1024))}  # read a row at a time: left
-    held = repack_blocks(weights)
+    held = repack_blocks(dict(weights, **{"lm_head.weight": BlockQuantized(other, Q.Q5_0, (512, 1024))}))
     assert held[name].ggml_type == Q.Q5_0 and on_huge_pages(held[name].raw) and torch.equal(held[name].raw, other)
-    assert held["embed_tokens.weight"].raw is raw
+    assert held["embed_tokens.weight"].raw is raw and on_huge_pages(held["lm_head.weight"].raw)  # a head left plain
+    tied = repack_blocks(dict(weights))["embed_tokens.weight"]  # no lm_head: the head reads the embedding
+    assert tied.ggml_type == plain and on_huge_pages(tied.raw) and torch.equal(tied.raw, raw)
