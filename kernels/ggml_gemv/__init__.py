@@ -17,6 +17,8 @@ prefill chunks above it run an fp32 GEMM on the dequantised weight, engine/quant
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
@@ -79,5 +81,41 @@ def dequantize_rows(table: torch.Tensor, ids: torch.Tensor, ggml_type, K: int) -
     return out
 
 
+def dequantize_row(table: torch.Tensor, index: int, ggml_type, K: int) -> torch.Tensor | None:
+    """Row `index` of `table` dequantised -> fp32 [K], as `dequantize_rows` (one token's lookup with no tensor of ids);
+    None where that would be, or for an index outside the table (the caller's path raises)."""
+    lib = library()
+    if (lib is None or ggml_type not in ROW_TYPES or not 0 <= index < table.shape[0] or not table.is_contiguous()
+            or table.device.type != "cpu"):
+        return None
+    out = torch.empty(K, dtype=torch.float32)
+    ids = ctypes.c_int64(index)
+    if lib.ggml_dequantize_rows(table.data_ptr(), table.shape[1], ctypes.addressof(ids), 1, int(ggml_type), K,
+                                out.data_ptr()):
+        return None
+    return out
+
+
+def row_reader(table: torch.Tensor, ggml_type, K: int):
+    """A decode step's one-token lookup in `table` (as `dequantize_rows`' arguments): read(index) dequantises row `index`
+    into an fp32 [K] buffer it keeps and returns that buffer's address (overwritten by the next read: copy it before);
+    one library call with its arguments bound once. No bounds check (the caller's). None where `dequantize_rows` would
+    give None."""
+    lib = library()
+    if lib is None or ggml_type not in ROW_TYPES or not table.is_contiguous() or table.device.type != "cpu":
+        return None
+    out, index, fn = torch.empty(K, dtype=torch.float32), ctypes.c_int64(0), lib.ggml_dequantize_rows
+    args = (table.data_ptr(), table.shape[1], ctypes.addressof(index), 1, int(ggml_type), K, out.data_ptr())
+
+    def read(i: int) -> int:
+        index.value = i
+        if fn(*args):
+            raise ValueError(f"ggml_dequantize_rows refused {ggml_type!r} rows")
+        return args[6]
+
+    read.held = (table, out, index)  # alive while the reader is
+    return read
+
+
 __all__ = ["EXACT_X_TYPES", "KERNEL_TYPES", "K_QUANTS", "MAX_ROWS", "Q4_K_R8", "Q6_K_R8", "ROW_TYPES", "TYPES", "X16_TYPES",
-           "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "x_block"]
+           "dequantize_row", "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "row_reader", "x_block"]

@@ -21,6 +21,8 @@ experts) and that the cache can be written in place; where not, the caller runs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from localmoe.engine.experts import expert_forward
@@ -38,7 +40,7 @@ from localmoe.engine.layers.mlp import GatedMLP
 from localmoe.engine.layers.moe import ExpertGLU, MoEBlock, Router, dispatch
 from localmoe.engine.linear import Linear
 from localmoe.engine.quantized import BlockEmbedding, BlockLinear, BlockQuantized
-from localmoe.kernels import decode_layers
+from localmoe.kernels import decode_layers, ggml_gemv
 from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode import StepKernel
@@ -84,12 +86,13 @@ class DecodePlan:
         self.logits = False  # whether `run` gives the logits (the lm_head in the kernel call), not the hidden state
         # the hybrid form's per-token state (set by `_hybrid`, read by `_hybrid_run`): whether a layer rotates, each
         # layer's (index, kind, mixer), the recurrent layers, the cache tensors each layer's pointers were set from,
-        # and (address of row 0, bytes per row, rows) where the kernel copies the token's embedding row itself
+        # and (the address of a token's fp32 row, rows) where the kernel copies the token's embedding row itself (an fp32
+        # table's row, or a GGUF block table's row dequantised into a kept buffer: ggml_gemv.row_reader)
         self.rope = False
         self.slots: list[tuple[int, str, object]] = []
         self.recurrent: list[int] = []
         self.bound: list[tuple | None] = []
-        self.embed_rows: tuple[int, int, int] | None = None
+        self.embed_rows: tuple[Callable[[int], int], int] | None = None
 
     @classmethod
     def build(cls, model) -> DecodePlan | None:
@@ -492,9 +495,9 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
         x = plan.model.embed[tokens.view(-1)[0]].clone()
     else:
         token = int(tokens)
-        if not 0 <= token < embed[2]:
-            raise IndexError(f"token id {token} is outside the embedding's {embed[2]} rows")
-        x = embed[0] + embed[1] * token  # the row's address: the kernel copies it
+        if not 0 <= token < embed[1]:
+            raise IndexError(f"token id {token} is outside the embedding's {embed[1]} rows")
+        x = embed[0](token)  # the row's address: the kernel copies it
     out = decoder(x, pos, *rope)
     for i in plan.recurrent:
         layers[i].offset += 1
@@ -572,7 +575,13 @@ def _hybrid(cls, model) -> DecodePlan | None:
     embed = model.embed
     if type(embed) is torch.Tensor and embed.dtype == torch.float32 and embed.is_contiguous() and \
             embed.device.type == "cpu":
-        plan.embed_rows = (embed.data_ptr(), embed.stride(0) * 4, embed.shape[0])
+        plan.embed_rows = (lambda token, row0=embed.data_ptr(), stride=embed.stride(0) * 4: row0 + stride * token,
+                           embed.shape[0])
         plan.parts.append((model, "embed", embed))
+    elif isinstance(embed, BlockEmbedding):  # one library call a token (the general lookup: ~70 us as a token runs)
+        read = ggml_gemv.row_reader(embed.rows, embed.weight.ggml_type, embed.weight.shape[1])
+        if read is not None:
+            plan.embed_rows = (read, embed.rows.shape[0])
+            plan.parts.append((model, "embed", embed))
     return plan
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from localmoe.kernels import ggml_gemv
+from localmoe.kernels._cpu.pages import huge_copy
 from localmoe.kernels.ggml_gemv.repacked import RepackedType, can_repack, plain_type, repack, unpack
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS  # above it: dequantise to fp32 and run a GEMM
 from localmoe.quant.ggml import dequantize
@@ -152,14 +153,25 @@ def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     form (kernels/ggml_gemv/repacked.py: Q4_K or Q6_K of a multiple of eight rows) but UNREPACKED's (the lm_head's
     too where `int8_head`: the model's head reads x rounded to int8, engine/transformer.py `head_inputs`) is replaced
     by its repacked copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the
-    same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one."""
+    same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one.
+    The copy lies on 2 MiB pages (kernels/_cpu/pages.py `huge_copy`, as the dense weights do): a decode token streams
+    every one of these bytes, and from the file's 4 KiB pages the stream takes a TLB miss and a prefetcher stop every
+    4 KiB (docs/performance.md, session 12). The other matrices the row kernels read every token (ggml_gemv.KERNEL_TYPES:
+    Q5_0 / Q8_0 / Q5_K experts, a head left in the GGUF layout, the embedding where a tied head reads it) are copied
+    there as they are; an untied embedding (a row a token) stays."""
     kept = ("embed_tokens.weight",) if int8_head else UNREPACKED
+    tied = not any(name.endswith("lm_head.weight") for name in weights)  # the head reads the embedding's blocks
     for name in list(weights):
         t = dict.get(weights, name)
-        if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and not name.endswith(kept)
-                and t.raw.device.type == "cpu" and can_repack(t.ggml_type, *t.shape)):
-            raw, kind = repack(t.raw.contiguous(), t.ggml_type, t.shape[0])
+        if not (isinstance(t, BlockQuantized) and len(t.shape) == 2 and t.raw.device.type == "cpu"):
+            continue
+        if not name.endswith(kept) and can_repack(t.ggml_type, *t.shape):
+            raw = t.raw.contiguous()
+            held = huge_copy(raw)  # then repacked in place; the tensor itself where it stays (small, no THP)
+            raw, kind = repack(raw, t.ggml_type, t.shape[0], out=None if held.data_ptr() == raw.data_ptr() else held)
             weights[name] = BlockQuantized(raw, kind, t.shape)
+        elif t.ggml_type in ggml_gemv.KERNEL_TYPES and (tied or not name.endswith("embed_tokens.weight")):
+            weights[name] = BlockQuantized(huge_copy(t.raw.contiguous()), t.ggml_type, t.shape)
     return weights
 
 
@@ -284,8 +296,10 @@ class BlockEmbedding:
         return rows.view(*tokens.shape, -1)
 
     def __getitem__(self, token) -> torch.Tensor:
-        """One token's row, fp32 [D]."""
-        return self(torch.as_tensor(token).reshape(1))[0]
+        """One token's row, fp32 [D] (one library call where it can: 8.5 us hot against the general path's 14; the
+        same values)."""
+        row = ggml_gemv.dequantize_row(self.rows, int(token), self.weight.ggml_type, self.weight.shape[1])
+        return self(torch.as_tensor(token).reshape(1))[0] if row is None else row
 
     @property
     def nbytes(self) -> int:

@@ -189,8 +189,11 @@ def test_k_quants_need_whole_super_blocks(ggml_type, close):
 def test_rows_dequantised_in_c_equal_the_whole_table(ggml_type):
     """dequantize_rows (a BlockEmbedding's lookup) gives the bits of quant/ggml.py's dequantiser of the whole
     table, rows in the order asked, repeats included; types it lacks come back None (the torch path)."""
-    from localmoe.kernels.ggml_gemv import dequantize_rows
+    import ctypes
 
+    from localmoe.kernels.ggml_gemv import dequantize_row, dequantize_rows, row_reader
+
+    from localmoe.engine.quantized import BlockEmbedding, BlockQuantized
     from localmoe.quant.ggml import dequantize
 
     rows, K = 37, 512
@@ -200,3 +203,12 @@ def test_rows_dequantised_in_c_equal_the_whole_table(ggml_type):
     got = dequantize_rows(raw, ids, ggml_type, K)
     assert torch.equal(got.view(torch.int32), whole[ids].view(torch.int32))
     assert dequantize_rows(_weight(Q.Q4_0, 4, 64, seed=9), ids[:1] % 4, Q.Q4_0, 64) is None
+    for i in (0, 17, 36):  # one token's row (a decode step's lookup, BlockEmbedding[token])
+        assert torch.equal(dequantize_row(raw, i, ggml_type, K).view(torch.int32), whole[i].view(torch.int32))
+        assert torch.equal(BlockEmbedding(BlockQuantized(raw, ggml_type, (rows, K)))[torch.tensor(i)], whole[i])
+    assert dequantize_row(raw, rows, ggml_type, K) is None and dequantize_row(raw, -1, ggml_type, K) is None
+    read = row_reader(raw, ggml_type, K)  # a decode step's lookup: the row in a kept buffer, by address
+    for i in (36, 0, 17):
+        row = torch.frombuffer(bytearray((ctypes.c_float * K).from_address(read(i))), dtype=torch.float32)
+        assert torch.equal(row.view(torch.int32), whole[i].view(torch.int32))
+    assert row_reader(_weight(Q.Q4_0, 4, 64, seed=9), Q.Q4_0, 64) is None

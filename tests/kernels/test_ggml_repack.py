@@ -5,11 +5,14 @@ loader's choice of what to repack."""
 
 from __future__ import annotations
 
+import mmap
+
 import gguf
 import numpy as np
 import pytest
 import torch
 from localmoe.kernels.ggml_gemv import KERNEL_TYPES, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+from localmoe.kernels._cpu.pages import on_huge_pages
 from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8, Q6_K_R8, REPACKED, can_repack, plain_type, repack, unpack
 
 from localmoe.engine.quantized import BlockQuantized, repack_blocks
@@ -180,3 +183,26 @@ def test_the_loader_repacks_what_the_row_kernels_read(int8_head):
                      "layers.0.self_attn.q_proj.weight": Q4_K_R8, "layers.0.self_attn.k_proj.weight": Q.Q4_K,
                      "layers.0.self_attn.v_proj.weight": Q.Q5_K, "layers.0.mlp.down_proj.weight": Q6_K_R8,
                      "norm.weight": None}
+
+
+@needs_cpu_kernel
+@by_name
+def test_the_loader_puts_repacked_matrices_on_huge_pages(plain):
+    """A decode token streams every repacked byte: the loader's copy lies on 2 MiB pages (kernels/_cpu/pages.py, where
+    the system can advise them), holds what `repack` gives, and the file's bytes are left as they were."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE on this system")
+    raw = _blocks(plain, 512, 1024, seed=13)  # an expert's gate: over pages.MIN_BYTES
+    before = raw.clone()
+    name = "layers.0.mlp.experts.0.gate_proj.weight"
+    held = repack_blocks({name: BlockQuantized(raw, plain, (512, 1024))})[name]
+    assert held.ggml_type == REPACKED[plain] and on_huge_pages(held.raw) and not on_huge_pages(raw)
+    assert torch.equal(held.raw, repack(before, plain, 512)[0]) and torch.equal(raw, before)
+    other = _blocks(Q.Q5_0, 512, 1024, seed=14)  # a type without a repacked form, read by the row kernels: copied
+    weights = {name: BlockQuantized(other, Q.Q5_0, (512, 1024)),
+               "embed_tokens.weight": BlockQuantized(raw, plain, (512, 1024))}  # read a row at a time: left
+    held = repack_blocks(dict(weights, **{"lm_head.weight": BlockQuantized(other, Q.Q5_0, (512, 1024))}))
+    assert held[name].ggml_type == Q.Q5_0 and on_huge_pages(held[name].raw) and torch.equal(held[name].raw, other)
+    assert held["embed_tokens.weight"].raw is raw and on_huge_pages(held["lm_head.weight"].raw)  # a head left plain
+    tied = repack_blocks(dict(weights))["embed_tokens.weight"]  # no lm_head: the head reads the embedding
+    assert tied.ggml_type == plain and on_huge_pages(tied.raw) and torch.equal(tied.raw, raw)

@@ -180,6 +180,70 @@ def test_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monk
         assert torch.equal(a, c), f"paged, step {step}: max diff {(a - c).abs().max().item():.3e}"
 
 
+def test_fused_step_reads_a_block_embedding_row_in_one_call(pair):
+    """The fused decode step of a Q4_K_M file looks its Q4_K embedding row up through ggml_gemv.row_reader (one
+    library call into a kept buffer): the row's values are the embedding's, and decode gives the bits of the general
+    lookup (BlockEmbedding[token], then copied)."""
+    import ctypes
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    model = load_model(gguf, dtype="auto", expert_precision="q8", progress=False).model
+    want = _run(model)
+    plan = model.decode_plan()
+    assert plan is not None and plan.embed_rows is not None and model.embed.weight.ggml_type == Q.Q4_K
+    read, rows = plan.embed_rows
+    D = model.spec.hidden_size
+    for token in (0, 17, rows - 1):
+        got = torch.frombuffer(bytearray((ctypes.c_float * D).from_address(read(token))), dtype=torch.float32)
+        assert torch.equal(got, model.embed[token])
+    with pytest.raises(IndexError, match="outside the embedding"):
+        plan.run(torch.tensor([[rows]]), model.new_cache(1, 4))
+    plan.embed_rows = None  # the general lookup
+    for step, (a, b) in enumerate(zip(_run(model), want)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_store(pair, tmp_path_factory):
+    """(store, routing trace, the GGUF's logits) of qwen3_moe's Q4_K_M file at what benchmarks/gguf_moe.py runs: dtype
+    auto, expert precision q8 (the resident file repacked, the store in the GGUF layout)."""
+    from localmoe.convert import convert
+    from localmoe.paging import attach, detach
+    from localmoe.paging.trace import RoutingTrace
+
+    gguf, _ = pair("qwen3_moe", "q4_k_m")
+    root = tmp_path_factory.mktemp("q4_k_m_store")
+    convert(gguf, root / "store", progress=False)
+    resident = load_model(gguf, dtype="auto", expert_precision="q8", progress=False).model
+    want = _run(resident)
+    trace = RoutingTrace()
+    attach(resident, trace=trace)  # the routing the Belady oracle sees
+    _run(resident)
+    detach(resident)
+    trace.save(root / "trace.json")
+    return root / "store", str(root / "trace.json"), want
+
+
+@pytest.mark.parametrize("io", ["odirect", "mmap"])
+@pytest.mark.parametrize(("policy", "prefetch"), [("lru", False), ("lru", True), ("lfu", True), ("lfru", True),
+                                                  ("belady", True)], ids=lambda v: str(v))
+def test_block_store_pages_under_every_policy(q4_k_m_store, policy, prefetch, io):
+    """A store of llama-quantize's K-quant blocks pages under --ram as MXFP4 stores do: every policy, either I/O
+    backend, prefetch on and off, a quarter of the experts in RAM; paged == the GGUF resident, bit for bit."""
+    from localmoe.paging import Pager, expert_bytes
+    from localmoe.store.packed import PackedStore
+
+    store, trace, want = q4_k_m_store
+    paging = PagingConfig(ram_budget=expert_bytes(PackedStore(store)) // 4, policy=policy, io=io, prefetch=prefetch,
+                          trace=trace if policy == "belady" else "")
+    paged = load_model(store, dtype="auto", expert_precision="q8", paging=paging, progress=False).model
+    pager = paged.moe_blocks()[0].experts
+    assert isinstance(pager, Pager)
+    for step, (a, b) in enumerate(zip(_run(paged), want)):
+        assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3e}"
+    assert pager.stats.ram.misses > 0 and (pager.stats.prefetch.issued > 0) == prefetch  # it paged, and prefetched
+
+
 def test_converted_store_keeps_the_blocks_per_tensor_type(pair, tmp_path):
     """`localmoe convert x.gguf store` keeps each expert's blocks as extent parts in the type of its tensor
     (`down.q6_k` where llama-quantize gave layer 2 more bits; one IQ type per tensor in the dynamic mix), lossless
@@ -357,3 +421,23 @@ def test_k3_requantised_experts_run_from_their_blocks(pair, tmp_path):
         assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
         for step, (a, b) in enumerate(zip(_run(paged.model), got)):
             assert torch.equal(a, b), f"{kinds[0].name} paged, step {step}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def test_models_doc_lists_every_gguf_architecture_and_type():
+    """docs/models.md (issue 24): every GGUF architecture the registry reads is named (the MoE ones in the MoE GGUF
+    table, the dense ones in the family table), and every ggml type the gguf package knows sits in its type table,
+    in the refused row exactly where localmoe has no dequantiser."""
+    import re
+    from pathlib import Path
+
+    from localmoe.models import supported_gguf_architectures
+    from localmoe.quant.ggml import SUPPORTED_TYPES
+
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    for arch in supported_gguf_architectures():
+        assert f"`{arch}`" in doc or re.search(rf"GGUF [\w/]*\b{re.escape(arch)}\b", doc), arch
+    start = doc.index("| ggml type | routed experts")
+    rows = [line.split("|")[1:3] for line in doc[start:doc.index("\n\n", start)].splitlines()[2:]]
+    listed = {name: "refused" in what for types, what in rows for name in re.findall(r"\b[A-Z][A-Z0-9_]*\d[A-Z0-9_]*\b", types)}
+    assert set(listed) == {t.name for t in Q}
+    assert {name for name, refused in listed.items() if refused} == {t.name for t in Q if t not in SUPPORTED_TYPES}
