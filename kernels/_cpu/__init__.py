@@ -101,6 +101,7 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "decode_hybrid": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _f32, _int, _ptr, _ptr, _ptr, _ptr,
                        _ptr, _ptr, _ptr, _ptr, _ptr, _int), _int),
     "dense_expert": ((_ptr, _ptr, _ptr, _ptr, _int, _f32, _f32, _f32, _ptr, _ptr, _ptr, _int), None),
+    "delta_rule_tokens": ((_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _ptr, _int), None),
     "dense_experts_token": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _f32, _f32, _ptr, _ptr, _ptr, _int),
                             None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),
