@@ -93,8 +93,9 @@ def load_profile(path: str | Path) -> Profile:
                           f"`localmoe calibrate`") from None
 
 
-def make_pager(store, config: PagingConfig) -> Pager:
-    """A Pager over `store` (a PackedStore) within `config.ram_budget` bytes."""
+def make_pager(store, config: PagingConfig, dtype: str | None = None) -> Pager:
+    """A Pager over `store` (a PackedStore) within `config.ram_budget` bytes; `dtype` (the engine's): its dense
+    experts stored as a resident model stores them (Pager)."""
     slot_bytes = max(store.layout(layer).slot_bytes for layer in store.layers())
     slots = slots_for_budget(config.ram_budget, slot_bytes)
     if slots < 1:
@@ -106,7 +107,7 @@ def make_pager(store, config: PagingConfig) -> Pager:
     policy = make_policy(config.policy, trace=trace, **options)
     pinned = profile.hot() if profile is not None else ()
     return Pager(store, slots, policy, make_backend(config.io, store, config.verify), io_threads=config.io_threads,
-                 timeout=config.timeout, pinned=pinned, prefetch=config.prefetch)
+                 timeout=config.timeout, pinned=pinned, prefetch=config.prefetch, dtype=dtype)
 
 
 def gpu_tiers(config, slot_bytes: int) -> list:
@@ -150,4 +151,5 @@ def provider_for_store(store, spec, config):
             raise PagingError(f"--gpu-mem {paging.gpu_budget} bytes: the GPU tier is filled from the RAM tier; give "
                               f"--ram too (bytes, or a share of the experts such as 25%)")
         return StoreExperts(store)
-    return make_pager(store, paging)
+    # (a GPU tier copies a slot's bytes as the store's layout has them: dense experts then keep the store's dtype)
+    return make_pager(store, paging, None if paging.gpu_budget else config.dtype)

@@ -30,7 +30,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
+
 from localmoe.engine.experts import ExpertWeights
+from localmoe.engine.linear import engine_dtype, stored_dtype
 from localmoe.paging.disk import DiskBackend
 from localmoe.paging.errors import PagingError, ReadTimeoutError
 from localmoe.paging.placement import Bandwidths, place
@@ -40,6 +43,16 @@ from localmoe.paging.slab import HostSlab
 from localmoe.paging.stats import PagingStats
 
 EMPTY, LOADING, READY, DEAD = "empty", "loading", "ready", "dead"
+
+
+def _wide(layout) -> tuple[str, ...]:
+    """The parts of an expert layout a resident model would store as bf16 matrices when they are fp32."""
+    return tuple(p.name for p in layout.parts if p.dtype == torch.float32 and len(p.shape) >= 2 and p.nbytes)
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """bf16 of `t`'s shape over the first half of fp32 `t`'s bytes."""
+    return t.reshape(-1).view(torch.bfloat16)[:t.numel()].view(t.shape)
 # One token's guesses are read from the best rank down while a rank's measured precision (settled guesses of that
 # rank its layer's routing chose, decayed, from a prior of 1 in 2) reaches GUESS_BAR: in a disk-bound pass a wrong
 # guess's read costs about what a right one saves. Every EXPLORE-th routed layer guesses every rank (to keep
@@ -75,11 +88,16 @@ class Pager:
 
     def __init__(self, store, num_slots: int, policy: Policy, backend: DiskBackend, *, io_threads: int = 4,
                  timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True,
-                 native: bool | None = None):
+                 native: bool | None = None, dtype: str | None = None):
         self.store, self.policy, self.backend, self.timeout = store, policy, backend, timeout
         self.layouts = {layer: store.layout(layer) for layer in store.layers()}
-        kinds = list(dict.fromkeys(self.layouts.values()))  # layers with the same layout share slot views
-        self._kind = {layer: kinds.index(layout) for layer, layout in self.layouts.items()}
+        # the engine dtype (EngineConfig.dtype; None: the store's): dense expert matrices as a resident model stores
+        # them (linear.stored_dtype): fp32 ones rounded to bf16 in their slot as they are read where the engine's
+        # dtype is bf16; at `load_all` also where it is fp32 and every value of the layer is exactly bf16
+        self.dtype = dtype
+        narrow = dtype is not None and engine_dtype(dtype) == torch.bfloat16
+        self._narrow = {layer: _wide(layout) if narrow else () for layer, layout in self.layouts.items()}
+        self._kinds()
         self._views: dict[tuple[int, int], ExpertWeights] = {}  # (layout kind, slot) -> the tensors over it
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
@@ -175,13 +193,33 @@ class Pager:
         self.policy.access(key, self.step)
         return slot
 
+    def _kinds(self) -> None:
+        """Layers with the same layout and the same matrices rounded to bf16 share slot views."""
+        forms = {layer: (layout, self._narrow[layer]) for layer, layout in self.layouts.items()}
+        kinds = list(dict.fromkeys(forms.values()))
+        self._kind = {layer: kinds.index(form) for layer, form in forms.items()}
+
+    def _parts(self, layer: int, index: int) -> dict:
+        """The tensors over slot `index` in `layer`'s layout, its rounded matrices as bf16 over their first half."""
+        views = self.layouts[layer].views(self.slab.slot(index))
+        for name in self._narrow[layer]:
+            views[name] = _half(views[name])
+        return views
+
     def _weights(self, layer: int, slot: _Slot) -> ExpertWeights:
         """The tensors over `slot` in `layer`'s layout: built once per (layout, slot) and kept (the slab never moves)."""
         kind = (self._kind[layer], slot.index)
         weights = self._views.get(kind)
         if weights is None:
-            weights = self._views[kind] = ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(slot.index)))
+            weights = self._views[kind] = ExpertWeights.from_parts(self._parts(layer, slot.index))
         return weights
+
+    def _round(self, layer: int, index: int, names: Sequence[str]) -> None:
+        """Slot `index`'s fp32 matrices `names` (just read, or pinned) rounded to bf16 in place, over their first
+        half: as `Tensor.to` rounds a resident model's (the same bits), within the slot's bytes (lock held)."""
+        views = self.layouts[layer].views(self.slab.slot(index))
+        for name in names:
+            _half(views[name]).copy_(views[name].to(torch.bfloat16))
 
     def load_all(self) -> bool:
         """Where the slab holds every expert of the model (and no GPU tier or Belady trace is in play): read them
@@ -201,12 +239,28 @@ class Pager:
             for key in list(self._evictable):
                 self._unpool(key)
             self.held = ()
+            if self.dtype is not None:  # fp32 matrices exactly bf16 kept as bf16, as a resident model keeps them
+                for layer in layers:
+                    names = _wide(self.layouts[layer])
+                    if self._narrow[layer] or not names:
+                        continue
+                    slots = [self.where[(layer, e)].index for e in layers[layer]]
+                    mats = [v for i in slots for n, v in self.layouts[layer].views(self.slab.slot(i)).items()
+                            if n in names]
+                    if stored_dtype(mats, self.dtype) == torch.bfloat16:
+                        for i in slots:
+                            self._round(layer, i, names)
+                        self._narrow[layer] = names
+                self._kinds()
+                self._views.clear()
+                held = {layer: [self._weights(layer, self.where[(layer, e)]) for e in experts]
+                        for layer, experts in layers.items()}
         self._resident = ResidentExperts(held)
         return True
 
     def form(self, layer: int) -> ExpertWeights:
         """An expert of `layer`'s form (engine/experts.py ExpertProvider): the views over the first slot."""
-        return ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(0)))
+        return ExpertWeights.from_parts(self._parts(layer, 0))
 
     def kernel_table(self, layer: int):
         """The layer's MXFP4 table for the MoE kernel once `load_all` pinned every expert; else None."""
@@ -503,6 +557,8 @@ class Pager:
             slot = read.slot
             if slot.gen == read.gen and slot.state == LOADING:
                 if error is None:
+                    if self._narrow[read.key[0]]:
+                        self._round(read.key[0], slot.index, self._narrow[read.key[0]])
                     slot.state = READY
                     self._mark_evictable(slot)
                     self.stats.ram.bytes_read += self.layouts[read.key[0]].slot_bytes
