@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,6 +108,45 @@ def odirect_bandwidth(store_path: Path, threads: int, seconds: float = 1.5) -> f
     return total / elapsed
 
 
+def thread_cpu(tids=None) -> dict[int, float]:
+    """CPU seconds (user + system) of this process's threads so far, by thread id (/proc; {} where it is missing)."""
+    out = {}
+    try:
+        names = os.listdir("/proc/self/task") if tids is None else [str(t) for t in tids]
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in names:
+        try:
+            with open(f"/proc/self/task/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def timed_kernels(total: list[float]) -> None:
+    """The routed experts' kernel calls of the fused step's callback (engine/decode_plan.py `_routed`) add their
+    wall time to total[0]: the experts' own compute, apart from the callback's Python and the pager's calls."""
+    from localmoe.engine import decode_plan
+    from localmoe.kernels.decode_layers import hybrid
+
+    def timing(fn):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                total[0] += time.perf_counter() - start
+        return call
+
+    for name in ("mxfp4_moe", "ggml_moe_token"):
+        setattr(decode_plan, name, timing(getattr(decode_plan, name)))
+    for name in ("dense_experts_token", "dense_expert"):
+        setattr(hybrid, name, timing(getattr(hybrid, name)))
+
+
 def worker(args) -> None:
     if args.tree:  # a snapshot tree's localmoe (and kernels) before this one's
         import sys
@@ -139,13 +179,19 @@ def worker(args) -> None:
                 block.router.ahead = []
     if int(args.rows) > 1:
         return rows_worker(args, model, pager, context)
+    readers: set[int] = set()
+    if pager is not None and pager._resident is None and pager.prefetch_enabled:  # a pager that reads: its readers
+        before = set(thread_cpu())  # start with its first reads (one per read, up to io_threads): a few guesses
+        first = min(pager.layouts)
+        pager.prefetch(first, range(min(pager.io_threads, pager.experts_in(first))))
+        readers = set(thread_cpu()) - before - {threading.get_native_id()}
     cache = model.new_cache(1, context)
     logits = prefill(model, prompt_ids(args.prompt), cache)
     tokens = []
     for _ in range(args.warmup):  # decode plan, kernel library, the pager's slab filled
         tokens.append(int(logits.argmax(-1)))
         logits = model.forward(torch.tensor([[tokens[-1]]]), cache)[:, -1]
-    moe = [0.0]
+    moe, kernels = [0.0], [0.0]  # the paged layers' callback, the experts' kernel calls in it
     decoder = model._plan.decoder if model._plan is not None else None
     if pager is not None and decoder is not None and decoder.experts is not None:
         inner = decoder.experts
@@ -158,8 +204,10 @@ def worker(args) -> None:
                 moe[0] += time.perf_counter() - start
 
         decoder.experts = timed
+        timed_kernels(kernels)
     if pager is not None:
         pager.stats.reset_counts()
+    io = thread_cpu(readers)
     cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(args.decode):
         tokens.append(int(logits.argmax(-1)))
@@ -168,10 +216,13 @@ def worker(args) -> None:
     out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
            "wall": (time.perf_counter() - wall) / n, "tokens": tokens,
            "path": type(decoder).__name__ if decoder is not None else "op by op"}
+    io_after = thread_cpu(readers)
+    out["io_cpu"] = sum(io_after.get(t, 0.0) - c for t, c in io.items()) / n if io else None
     if pager is not None:
         ram, pf = pager.stats.ram, pager.stats.prefetch
         needed = ram.misses + pf.covered  # requests that found their expert on disk (or on its way from there)
         out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
+                "hint": pf.hint_seconds / n, "kernels": kernels[0] / n,
                 "moe": moe[0] / n, "missed": needed * pager.stats.slot_bytes / n, "misses": needed / n,
                 "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
                 "hit_rate": ram.hit_rate, "slots": pager.stats.slots, "issued": pf.issued / n, "late": pf.late / n,
@@ -363,6 +414,20 @@ def run(args, work: Path) -> None:
               + (f"{statistics.median(explained):.0%} of it (rounds with extra time: "
                  f"{' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' CPU)"
                  if explained else "- (no round took longer than its baseline)"), flush=True)
+        if runs[0].get("moe"):  # the paged layers ran through the fused step's callback: name the rest too
+            path = [r["moe"] - r["stall"] - r["lookup"] - r.get("kernels", 0.0) for r in runs]
+            named = [(r["stall"] + r["lookup"] + p) / e for r, p, e in zip(runs, path, extra) if e > 0]
+            io = [r["io_cpu"] for r in runs if r.get("io_cpu") is not None]
+            print(f"    where it goes, per token: stall {med('stall') * 1e3:.2f} ms + lookup {med('lookup') * 1e3:.2f} ms"
+                  f" (of it the later layers' routers making the guesses {med('hint') * 1e3:.2f} ms, counted in "
+                  f"lookup since session 12) + the paged layers' own path outside the fused step "
+                  f"{statistics.median(path) * 1e3:.2f} ms (the callback's wall {med('moe') * 1e3:.2f} ms less stall, "
+                  f"lookup and the experts' kernels {med('kernels') * 1e3:.2f} ms: its Python, the layer's router in "
+                  f"torch, the held tables) explain "
+                  + (f"{statistics.median(named):.0%} (rounds {' '.join(f'{x:.0%}' for x in named)})" if named else "-")
+                  + f"; the rest is compute slowed by the readers"
+                  + (f" (their CPU: {statistics.median(io) * 1e3:.2f} ms per token, "
+                     f"{statistics.median(io) / med('bytes_read') * 1e9:.3f} ms per MB read)" if io else ""), flush=True)
     for name, runs in res.items():  # the A/B: this tree against the snapshot, round by round
         old = res.get(name + " base")
         if old is None:

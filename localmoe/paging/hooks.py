@@ -9,6 +9,8 @@ do not change. `detach` restores the plain routers.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 DEPTH = 1  # MoE layers guessed ahead of each routed one
@@ -43,6 +45,7 @@ class PagedRouter:
         if self.trace is not None:
             self.trace.record(self.layer, ids)
         if self.pager is not None:
+            started = time.perf_counter()
             self.pager.stats.routed += ids.numel()
             one = x.shape[0] == 1
 
@@ -60,8 +63,11 @@ class PagedRouter:
 
             # several rows' guesses only where begin_layer keeps them (a step carrying prompt rows; not a decode
             # step's few rows), so their routing does not hold up this layer's reads where they would be dropped
-            self.pager.begin_layer(self.layer, set(ids.reshape(-1).tolist()), guesses() if one else guesses,
-                                   ranked=one)  # its loads first
+            ahead = guesses() if one else guesses
+            chosen = set(ids.reshape(-1).tolist())
+            # the hints' own work before begin_layer (which counts its own): the later layers' routers, for one token
+            self.pager.hinted(time.perf_counter() - started)
+            self.pager.begin_layer(self.layer, chosen, ahead, ranked=one)  # its loads first
         return weights, ids
 
     def __getattr__(self, name):  # rule, linear, correction_bias, ... of the wrapped router

@@ -332,6 +332,13 @@ class Pager:
                     self._start(slot, key, LOOKAHEAD, rank)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
+    def hinted(self, seconds: float) -> None:
+        """A wrapped router spent `seconds` of the compute thread on its hints before `begin_layer` (for one token:
+        the later layers' routers making the guesses): the pager's work, counted as lookup (and apart as
+        `prefetch.hint_seconds`)."""
+        self.stats.ram.lookup_seconds += seconds
+        self.stats.prefetch.hint_seconds += seconds
+
     def guess_width(self, k: int) -> int:
         """How many of one token's k guessed experts per later layer (best first) are worth reading: the leading
         ranks whose measured precision reaches GUESS_BAR (all k every EXPLORE-th call); 0: guess nothing."""
