@@ -173,6 +173,10 @@ def worker(args) -> None:
     pager = pager_of(model)
     if pager is not None and args.guess_bar is not None:
         pager.guess_bar = float(args.guess_bar)
+    if pager is not None and args.depth is not None and pager._resident is None:  # the lookahead's depth
+        from localmoe.paging import attach
+
+        attach(model, pager, depth=int(args.depth))
     if args.no_lookahead:  # the routing hints stay (each layer's misses read together), the guesses go
         for block in model.moe_blocks():
             if hasattr(block.router, "ahead"):
@@ -301,6 +305,9 @@ def main() -> None:
     parser.add_argument("--guess-bar", default=None, help="the measured precision a guessed rank needs to be read "
                         "(Pager.guess_bar); several (e.g. 0.5,0.3): each budget below 100%% runs with each, "
                         "alternating")
+    parser.add_argument("--depth", default=None, help="MoE layers the lookahead guesses ahead of each routed one "
+                        "(paging.hooks DEPTH by default); several (e.g. 1,2): each budget below 100%% runs with each, "
+                        "alternating")
     parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
                         "prompt of its own; figures per generated token; the server's N-client step); several (e.g. "
                         "1,16): each budget below 100%% runs with each, alternating")
@@ -330,6 +337,7 @@ def run(args, work: Path) -> None:
     args.io_threads = ios[0]
     counts = [int(n) for n in str(args.rows).split(",")]
     bars = str(args.guess_bar).split(",") if args.guess_bar is not None else [None]
+    depths = str(args.depth).split(",") if args.depth is not None else [None]
     this = ["--tree", str(Path(args.this).resolve())] if args.this else []
     common = ["--worker", *this, *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
@@ -340,12 +348,14 @@ def run(args, work: Path) -> None:
     for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
             for rows in counts if f < 1 else counts[:1]:
-                for bar in bars if f < 1 else [None]:
+                for bar, depth in [(b, d) for b in bars for d in depths] if f < 1 else [(None, None)]:
                     name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
                         (f" x{rows}" if len(counts) > 1 and f < 1 else "") + \
-                        (f" bar{bar}" if len(bars) > 1 and f < 1 else "")
+                        (f" bar{bar}" if len(bars) > 1 and f < 1 else "") + \
+                        (f" depth{depth}" if len(depths) > 1 and f < 1 else "")
                     workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
-                                     "--share", str(f), *(["--guess-bar", bar] if bar is not None else [])]
+                                     "--share", str(f), *(["--guess-bar", bar] if bar is not None else []),
+                                     *(["--depth", depth] if depth is not None else [])]
                     if args.base and f < 1:  # (argparse keeps the last --tree)
                         workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []

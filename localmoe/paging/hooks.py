@@ -50,15 +50,21 @@ class PagedRouter:
             one = x.shape[0] == 1
 
             def guesses() -> list[tuple[int, list[int]]]:
+                """[(later layer, its guessed experts)], one entry per later layer, nearest first (its distance is
+                its position)."""
                 out = []
-                if self.pager.prefetch_enabled and self.ahead:
-                    # one token: the ranks worth reading (their measured precision); several: all (the union is wide)
-                    width = self.pager.guess_width(ids.shape[1]) if one else ids.shape[1]
-                    for router, layer in self.ahead if width else ():
-                        if not self.pager.holds_all(layer):  # (a layer whose experts all sit in slots: no guess)
-                            _, guess = router(x)  # a later layer's router on this layer's input: a guess
-                            out.append((layer, _ranked(guess[:, :width]) if one else
-                                        _voted(guess, self.pager.experts_in(layer))))
+                if self.pager.prefetch_enabled:
+                    k = ids.shape[1]
+                    for distance, (router, layer) in enumerate(self.ahead, 1):
+                        # one token: the ranks worth reading at this distance (their measured precision); several
+                        # rows: all (the union is wide)
+                        width = self.pager.guess_width(k, distance) if one else k
+                        guess = []
+                        if width and not self.pager.holds_all(layer):  # (all its experts in slots: no guess)
+                            _, ids_ahead = router(x)  # a later layer's router on this layer's input: a guess
+                            guess = _ranked(ids_ahead[:, :width]) if one else \
+                                _voted(ids_ahead, self.pager.experts_in(layer))
+                        out.append((layer, guess))
                 return out
 
             # several rows' guesses only where begin_layer keeps them (a step carrying prompt rows; not a decode

@@ -50,6 +50,12 @@ def _wide(layout) -> tuple[str, ...]:
     return tuple(p.name for p in layout.parts if p.dtype == torch.float32 and len(p.shape) >= 2 and p.nbytes)
 
 
+def _rank(position: int, distance: int = 1):
+    """A guess's rank for its measured precision: its position in one token's guess, with its distance (in MoE
+    layers) from the routed layer that made it where that is beyond the next one."""
+    return position if distance == 1 else (distance, position)
+
+
 def _half(t: torch.Tensor) -> torch.Tensor:
     """bf16 of `t`'s shape over the first half of fp32 `t`'s bytes."""
     return t.reshape(-1).view(torch.bfloat16)[:t.numel()].view(t.shape)
@@ -102,7 +108,7 @@ class Pager:
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
         self._guesses: dict[int, set[Key]] = {layer: set() for layer in self.layouts}  # unsettled lookahead loads
-        self._ranks: dict[int, tuple[float, float]] = {}  # a guess's rank -> (chosen, settled), decayed
+        self._ranks: dict[object, tuple[float, float]] = {}  # a guess's rank (`_rank`) -> (chosen, settled), decayed
         self._routed = 0  # guess_width calls
         self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
         self._resident = None  # ResidentExperts over the slots once `load_all` pinned every expert
@@ -324,9 +330,9 @@ class Pager:
                 wide = len(keys) >= GUESS_BAR * self._experts.get(layer, len(keys))  # most of the layer chosen
                 if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
                     ahead = ()
-                guessed = []  # (computed while those reads run)
-                for later, guess in ahead() if callable(ahead) else ahead:
-                    guessed += self._guessed(later, guess, len(guessed), ranked)
+                guessed = []  # (computed while those reads run), the nearest layer's first
+                for distance, (later, guess) in enumerate(ahead() if callable(ahead) else ahead, 1):
+                    guessed += self._guessed(later, guess, len(guessed), ranked, distance)
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
@@ -339,19 +345,22 @@ class Pager:
         self.stats.ram.lookup_seconds += seconds
         self.stats.prefetch.hint_seconds += seconds
 
-    def guess_width(self, k: int) -> int:
-        """How many of one token's k guessed experts per later layer (best first) are worth reading: the leading
-        ranks whose measured precision reaches GUESS_BAR (all k every EXPLORE-th call); 0: guess nothing."""
+    def guess_width(self, k: int, distance: int = 1) -> int:
+        """How many of one token's k guessed experts of the MoE layer `distance` layers after the routed one (best
+        first) are worth reading: the leading ranks whose measured precision at that distance reaches GUESS_BAR
+        (all k every EXPLORE-th routed layer); 0: guess nothing. Called for distance 1 first, once per routed
+        layer."""
         with self.lock:
-            self._routed += 1
+            self._routed += distance == 1
             if self._routed % EXPLORE == 0:
                 return k
             width = 0
-            while width < k and self._precision(width) >= self.guess_bar:
+            while width < k and self._precision(_rank(width, distance)) >= self.guess_bar:
                 width += 1
             return width
 
-    def _precision(self, rank: int) -> float:
+    def _precision(self, rank) -> float:
+        """The measured precision of a guess's rank (`_rank`: its position, and its distance beyond 1)."""
         chosen, settled = self._ranks.get(rank, (0.0, 0.0))
         return (chosen + 1.0) / (settled + 2.0)
 
@@ -370,18 +379,18 @@ class Pager:
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
 
-    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0, ranked: bool = False
-                 ) -> list[tuple[Key, int | None]]:
-        """(key, rank: its position where `ranked`, else None) of the guessed experts a prefetch would load, in
-        order: not in a slot or on a GPU, while unused lookahead loads (and `more` about to start) stay under a
-        quarter of the slots (lock held)."""
+    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0, ranked: bool = False, distance: int = 1
+                 ) -> list[tuple[Key, object]]:
+        """(key, rank: `_rank` of its position and `distance` where `ranked`, else None) of the guessed experts a
+        prefetch would load, in order: not in a slot or on a GPU, while unused lookahead loads (and `more` about to
+        start) stay under a quarter of the slots (lock held)."""
         if layer not in self.layouts:
             return []
         first = {}
         for rank, e in enumerate(experts):
             key = (layer, int(e))
             if key not in first and key not in self.where and not self._on_gpu(key):
-                first[key] = rank if ranked else None
+                first[key] = _rank(rank, distance) if ranked else None
         return list(first.items())[:max(0, max(1, len(self.slots) // 4) - self.stats.prefetch.pending - more)]
 
     # ---- GPU tiers ----
@@ -542,7 +551,7 @@ class Pager:
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
 
-    def _start(self, slot: _Slot, key: Key, origin: str, rank: int | None = None) -> None:
+    def _start(self, slot: _Slot, key: Key, origin: str, rank=None) -> None:
         slot.gen += 1
         slot.key, slot.state, slot.origin, slot.used, slot.rank = key, LOADING, origin, origin == DEMAND, rank
         self.where[key] = slot

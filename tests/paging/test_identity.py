@@ -30,13 +30,13 @@ def _slot_budgets(store):
     return {"1-slot": slot, "1-per-layer": layers * slot, "25%": max(1, total // 4) * slot, "all": total * slot}
 
 
-def _paged_run(c, budget, policy, io, prefetch):
+def _paged_run(c, budget, policy, io, prefetch, depth=1):
     store = c.store()
     trace = _record_trace(c) if policy == "belady" else ""
     pager = make_pager(store, PagingConfig(ram_budget=budget, policy=policy, io=io, prefetch=prefetch,
                                            trace=trace, timeout=10))
     c.model.use_experts(pager)
-    attach(c.model, pager, lookahead=prefetch)
+    attach(c.model, pager, lookahead=prefetch, depth=depth)
     try:
         tokens, logits = run_greedy(c.model)
     finally:
@@ -75,14 +75,18 @@ def test_kimi_linear_bit_identical(kimi_linear, policy, prefetch):
     _assert_identical(kimi_linear, tokens, logits)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
-def test_kimi_k3_bit_identical(kimi_k3, policy):
+def test_kimi_k3_bit_identical(kimi_k3, policy, depth):
     """Resident decode routes and runs the MXFP4 experts inside the fused hybrid kernel; paged decode runs the
-    same kernel with the experts called back through the pager: the same bits."""
+    same kernel with the experts called back through the pager: the same bits (guessing one or two MoE layers
+    ahead)."""
     assert type(kimi_k3.model._plan.decoder).__name__ == "HybridDecoder"
-    b = _slot_budgets(kimi_k3.store())["1-per-layer"]
-    tokens, logits, _ = _paged_run(kimi_k3, b, policy, "odirect", True)
+    b = _slot_budgets(kimi_k3.store())["1-per-layer" if depth == 1 else "25%"]
+    tokens, logits, pager = _paged_run(kimi_k3, b, policy, "odirect", True, depth)
     _assert_identical(kimi_k3, tokens, logits)
+    assert pager.stats.prefetch.issued > 0
+    assert any(isinstance(rank, tuple) for rank in pager._ranks) == (depth == 2)  # guesses two layers ahead read
 
 
 def test_resident_differs_when_an_expert_differs(gpt_oss):
