@@ -169,6 +169,12 @@ def worker(args) -> None:
         paging = PagingConfig(ram_budget=int(total * args.share), io_threads=int(args.io_threads))
     config = EngineConfig(dtype=args.dtype, threads=args.threads, max_context=context,
                           expert_precision=args.expert_precision, paging=paging)
+    if args.warm:  # the store's experts read once through the page cache, so its maps start warm (as resident)
+        buf = bytearray(16 << 20)
+        for layer_file in sorted((Path(args.path) / "experts").iterdir()):
+            with open(layer_file, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
     if pager is not None and args.guess_bar is not None:
@@ -294,6 +300,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dense weights")
     parser.add_argument("--no-resident", dest="resident", action="store_false",
                         help="paged runs only (the checkpoint may be deleted once converted: large models)")
+    parser.add_argument("--store-resident", action="store_true", help="also run the store without a budget (its "
+                        "experts mapped, the page cache read warm first; each layer whole in the kernels): the resident "
+                        "side of paged 100%% where the HF checkpoint is gone")
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
     parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
                         "it, alternating (A/B)")
@@ -345,6 +355,9 @@ def run(args, work: Path) -> None:
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
     workers = {"resident": [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path", str(hf)]
                } if args.resident else {}
+    if args.store_resident:
+        workers["resident store"] = [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path",
+                                     str(store), "--share", "0", "--warm"]
     for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
             for rows in counts if f < 1 else counts[:1]:
@@ -385,8 +398,19 @@ def run(args, work: Path) -> None:
     print(f"  O_DIRECT x{args.io_threads}: {bw / 1e9:.2f} GB/s (median of the rounds)" + ("" if base is None else
           f"; {base_name}: {statistics.median(r['cpu'] for r in base) * 1e3:.2f} ms CPU, "
           f"{statistics.median(r['wall'] for r in base) * 1e3:.2f} ms wall per token ({base[0]['path']})"))
+    store_runs, full = res.get("resident store"), res.get("paged 100%")
+    if store_runs and full:
+        ratio = {key: [p[key] / r[key] for p, r in zip(full, store_runs)] for key in ("cpu", "thread", "wall")}
+        print(f"  paged 100% / resident store (the store's maps, its experts read through the page cache first: "
+              f"{statistics.median(r['cpu'] for r in store_runs) * 1e3:.2f} ms CPU, "
+              f"{statistics.median(r['wall'] for r in store_runs) * 1e3:.2f} ms wall per token, "
+              f"{store_runs[0]['path']}), per round: "
+              + ", ".join(f"{key} {statistics.median(v):.2f}x ({' '.join(f'{x:.2f}' for x in v)})"
+                          for key, v in ratio.items())
+              + f"; greedy tokens equal: {all(_first(p['tokens']) == _first(r['tokens']) for p, r in zip(full, store_runs))}",
+              flush=True)
     for name, runs in res.items():
-        if name == base_name:
+        if name == base_name or "slots" not in runs[0]:  # (the resident store has no pager)
             continue
 
         def med(key, runs=runs):

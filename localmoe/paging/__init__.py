@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localmoe.config import PagingConfig
-from localmoe.engine.experts import ExpertWeights
+from localmoe.engine.experts import ExpertWeights, ResidentExperts
 from localmoe.paging.disk import make_backend
 from localmoe.paging.errors import PagingError
 from localmoe.paging.hooks import attach, detach
@@ -43,18 +43,44 @@ __all__ = [
 
 
 class StoreExperts:
-    """Every expert read straight from the store's maps (no budget: the page cache decides)."""
+    """Every expert read straight from the store's maps (no budget: the page cache decides). A layer's experts are
+    mapped together when the engine asks for its tables (`kernel_table`, `dense_table`, `block_table`, as
+    `ResidentExperts` gives them), so each layer is handed to the kernels whole, routing inside their call, as a
+    resident model's is: the same bits, the page cache's pages in place of the resident copy."""
 
     waits = True  # a page fault reads from disk (engine/experts.py ExpertProvider)
 
     def __init__(self, store):
         self.store = store
+        self._layers: dict[int, ResidentExperts | None] = {}  # layer -> its experts' maps, once a table is asked
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights.from_parts(self.store.expert(layer, expert))
+        mapped = self._layers.get(layer)
+        return mapped.get(layer, expert) if mapped is not None else \
+            ExpertWeights.from_parts(self.store.expert(layer, expert))
 
     def form(self, layer: int) -> ExpertWeights:
         return self.get(layer, self.store.experts_in(layer)[0])
+
+    def _mapped(self, layer: int) -> ResidentExperts | None:
+        """The layer's experts, every one mapped (None where the ids are not 0..n-1: no whole table)."""
+        if layer not in self._layers:
+            ids = self.store.experts_in(layer)
+            self._layers[layer] = None if ids != list(range(len(ids))) else ResidentExperts(
+                {layer: [ExpertWeights.from_parts(self.store.expert(layer, e)) for e in ids]})
+        return self._layers[layer]
+
+    def kernel_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.kernel_table(layer)
+
+    def dense_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.dense_table(layer)
+
+    def block_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.block_table(layer)
 
     def nbytes(self) -> int:
         return 0  # nothing held beyond the OS page cache

@@ -157,3 +157,30 @@ def test_kimi_linear_dense_experts_paged_in_one_call(kimi_linear, budget, monkey
     _assert_identical(kimi_linear, tokens, logits)
     assert len(filled) >= len(tokens) * len(kimi_linear.model.moe_blocks()) and all(filled)
     assert single == [] and pager.stats.ram.misses > 0
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_store_without_a_budget_runs_its_layers_whole(ckpts, family, monkeypatch):
+    """A store loaded without --ram (StoreExperts: the store's maps, the page cache decides) hands each layer's
+    experts to the kernels whole, routing inside the fused step's call as a resident model does, never through
+    the experts callback one expert at a time: the resident bits."""
+    from localmoe.config import EngineConfig
+    from localmoe.engine.experts import ExpertWeights
+    from localmoe.load import load_model
+    from localmoe.paging import StoreExperts
+
+    c = ckpts[family]
+    model = load_model(c.store_path, EngineConfig(dtype="float32", threads=1), progress=False).model
+    provider = model.moe_blocks()[0].experts
+    assert isinstance(provider, StoreExperts)
+    built = []
+    monkeypatch.setattr(ExpertWeights, "from_parts", classmethod(
+        lambda cls, parts, _real=ExpertWeights.from_parts.__func__: (built.append(1), _real(cls, parts))[1]))
+    tokens, logits = run_greedy(model)
+    _assert_identical(c, tokens, logits)
+    assert all((provider.kernel_table(b.layer) or provider.dense_table(b.layer)) is not None
+               for b in model.moe_blocks())
+    experts = sum(len(c.store().experts_in(b.layer)) for b in model.moe_blocks())
+    assert len(built) == experts  # each expert mapped once, with its layer
+    run_greedy(model)
+    assert len(built) == experts  # and never again
