@@ -459,9 +459,13 @@ def run(args, work: Path) -> None:
                   f"lookup and the experts' kernels {med('kernels') * 1e3:.2f} ms: its Python, the layer's router in "
                   f"torch, the held tables) explain "
                   + (f"{statistics.median(named):.0%} (rounds {' '.join(f'{x:.0%}' for x in named)})" if named else "-")
-                  + f"; the rest is compute slowed by the readers"
+                  + f"; the rest {statistics.median(e - r['stall'] - r['lookup'] - p for r, p, e in zip(runs, path, extra)) * 1e3:.2f} ms"
+                  f" is compute slowed by the readers"
                   + (f" (their CPU: {statistics.median(io) * 1e3:.2f} ms per token, "
-                     f"{statistics.median(io) / med('bytes_read') * 1e9:.3f} ms per MB read)" if io else ""), flush=True)
+                     f"{statistics.median(io) / med('bytes_read') * 1e9:.3f} ms per MB read; the share of it while "
+                     f"compute ran, by the reads' time outside stalls: "
+                     f"{statistics.median(r['io_cpu'] * max(0.0, r['read'] - r['stall']) / r['read'] for r in runs if r.get('io_cpu') is not None and r['read'] > 0) * 1e3:.2f} ms)"
+                     if io else ""), flush=True)
     for name, runs in res.items():  # the A/B: this tree against the snapshot, round by round
         old = res.get(name + " base")
         if old is None:
