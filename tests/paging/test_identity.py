@@ -87,6 +87,8 @@ def test_kimi_k3_bit_identical(kimi_k3, policy, depth):
     _assert_identical(kimi_k3, tokens, logits)
     assert pager.stats.prefetch.issued > 0
     assert any(isinstance(rank, tuple) for rank in pager._ranks) == (depth == 2)  # guesses two layers ahead read
+    # the later layers' routers making one token's guesses are the pager's work on the compute thread: in lookup
+    assert 0 < pager.stats.prefetch.hint_seconds <= pager.stats.ram.lookup_seconds
 
 
 def test_resident_differs_when_an_expert_differs(gpt_oss):
