@@ -331,7 +331,11 @@ class Pager:
                 if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
                     ahead = ()
                 guessed = []  # (computed while those reads run), the nearest layer's first
-                for distance, (later, guess) in enumerate(ahead() if callable(ahead) else ahead, 1):
+                if callable(ahead):  # the later layers' routers: the hints' work, counted apart too
+                    clock = time.perf_counter()
+                    ahead = ahead()
+                    self.stats.prefetch.hint_seconds += time.perf_counter() - clock
+                for distance, (later, guess) in enumerate(ahead, 1):
                     guessed += self._guessed(later, guess, len(guessed), ranked, distance)
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
@@ -339,9 +343,9 @@ class Pager:
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def hinted(self, seconds: float) -> None:
-        """A wrapped router spent `seconds` of the compute thread on its hints before `begin_layer` (for one token:
-        the later layers' routers making the guesses): the pager's work, counted as lookup (and apart as
-        `prefetch.hint_seconds`)."""
+        """A wrapped router spent `seconds` of the compute thread on its hints before `begin_layer` (the guesses'
+        widths, the chosen set): the pager's work, counted as lookup and apart as `prefetch.hint_seconds` (with the
+        later layers' routers `begin_layer` calls)."""
         self.stats.ram.lookup_seconds += seconds
         self.stats.prefetch.hint_seconds += seconds
 

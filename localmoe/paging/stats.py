@@ -64,8 +64,9 @@ class PrefetchStats:
     late: int = 0  # demanded while still loading (the request stalled on it)
     covered: int = 0  # demand requests served by a prefetched load (first use)
     uncovered: int = 0  # demand misses: no prefetch had started
-    # the wrapped routers' hint work before `begin_layer` (one token: the later layers' routers making the guesses),
-    # on the compute thread; also counted in the RAM tier's lookup_seconds
+    # the routing hints' work on the compute thread: the later layers' routers making the guesses (`begin_layer`
+    # calls them once this layer's reads are submitted) and the wrapped routers' bookkeeping before it; also counted
+    # in the RAM tier's lookup_seconds
     hint_seconds: float = 0.0
 
     @property
