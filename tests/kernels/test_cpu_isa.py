@@ -112,11 +112,11 @@ def test_ggml_gemv(isa, ggml_type, N):
 
 
 @ISA
-@pytest.mark.parametrize("plain", [ggml_gemv.Q.Q4_K, ggml_gemv.Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("plain", [ggml_gemv.Q.Q4_1, ggml_gemv.Q.Q4_K, ggml_gemv.Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("N", [1, 3, 9, 19])
 def test_ggml_gemv_repacked(isa, plain, N):
-    """Q4_K / Q6_K repacked at load (Q4_K_R8 / Q6_K_R8: one-token rows without transposition, tiles on the repacked
-    bytes)."""
+    """Q4_1 / Q4_K / Q6_K repacked at load (Q4_1_R8 / Q4_K_R8 / Q6_K_R8: one-token rows without transposition, tiles
+    on the repacked bytes; Q4_1_R8: sixteen rows a vector on AVX-512, eight on AVX2)."""
     from localmoe.kernels.ggml_gemv.repacked import repack
 
     O, K = 48, 512
