@@ -93,17 +93,18 @@ def _paged(block: MoEBlock) -> bool:
 
 def _paged_experts(model):
     """The gpt-oss form's experts callback for a layer without a resident table (a pager's): layer `index`'s
-    routed-expert sum of the rows h [N, D] through its block (the pager's router hooks see the routing), in one
-    MoE kernel call over every (row, expert) pair where the provider hands the rows' experts out together (a
-    pager's `hold`: kernels/mxfp4_moe/held.py `HeldTable`, the call a resident layer makes), else one call per
-    expert as `moe.dispatch` runs them; slices of `independent_rows` rows. Either way each row's experts are added
-    in increasing id by the same kernel: the bits of a resident layer's call."""
+    routed-expert sum of the rows h [N, D] through its block (the pager's router hooks see the routing). Several
+    rows run in one MoE kernel call over every (row, expert) pair where the provider hands the rows' experts out
+    together (a pager's `hold`: kernels/mxfp4_moe/held.py `HeldTable`, the call a resident layer makes), else (and
+    one token: its top-k experts one at a time as they arrive, each layer's requests in the order the pager's
+    simulator replays) one call per expert as `moe.dispatch` runs them; slices of `independent_rows` rows. Either
+    way each row's experts are added in increasing id by the same kernel: the bits of a resident layer's call."""
     tables: dict[int, HeldTable] = {}
 
     def layer_rows(block: MoEBlock, index: int, h: torch.Tensor) -> torch.Tensor:
         weights, ids = block.router(h)
         out = torch.zeros_like(h)
-        hold = getattr(block.experts, "hold", None) if HOLD_ROWS else None
+        hold = getattr(block.experts, "hold", None) if HOLD_ROWS and h.shape[0] > 1 else None
         chosen = ids.unique().tolist()  # ascending
         held = None if hold is None else hold(block.layer, chosen)
         if held is not None:
