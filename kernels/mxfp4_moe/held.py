@@ -3,8 +3,7 @@
 A paging provider hands a layer's chosen experts out together (`hold`: views of its RAM slots, valid until its
 next call); `fill` points the table's rows at them and zeroes the rest, so the layer runs in ONE kernel call as a
 resident layer does, with the same bits: the kernels add experts in increasing id either way.
-- `HeldTable`: MXFP4 experts for `mxfp4_moe` (`ExpertTable`'s interface); biases other than fp32 (gpt-oss stores
-  bf16) point to fp32 copies made at each fill (a slot's contents change under the same weights object).
+- `HeldTable`: MXFP4 experts for `mxfp4_moe` (`ExpertTable`'s interface).
 - `HeldDenseTable`: dense fp32 / bf16 experts for the fused step's `dense_experts_token` (kernels/decode_layers
   hybrid.py), the loop a resident `DenseExpertTable` layer runs inside the step.
 - `HeldBlockTable`: GGUF-block experts for `ggml_moe_token` (kernels/ggml_gemv/experts.py), as a resident
@@ -40,7 +39,6 @@ class _Held:
         self.form = None
         self.experts: dict[int, object] = {}
         self._kept: dict[int, tuple[object, np.ndarray, tuple]] = {}  # id(weights) -> (weights, row, form)
-        self._copies: list[torch.Tensor] = []  # the last fill's converted tensors its rows point to
 
     def _row(self, w) -> tuple[list[int], tuple] | None:
         raise NotImplementedError
@@ -53,7 +51,7 @@ class _Held:
         not in the kernel's form, or their forms differ."""
         for e in self.experts:
             self._rows[e] = 0
-        self.experts, self._copies = {}, []
+        self.experts = {}
         form = None
         for e, w in experts.items():
             kept = self._kept.get(id(w))
@@ -61,13 +59,9 @@ class _Held:
                 row = self._row(w)
                 if row is None:
                     return self._clear()
-                kept = (w, np.array(row[0], dtype=np.int64), row[1])
-                if len(row) > 2 and row[2]:  # converted copies (of a slot's biases): this fill's only
-                    self._copies += row[2]
-                else:
-                    if len(self._kept) >= ROWS_KEPT:
-                        self._kept.clear()
-                    self._kept[id(w)] = kept
+                if len(self._kept) >= ROWS_KEPT:
+                    self._kept.clear()
+                kept = self._kept[id(w)] = (w, np.array(row[0], dtype=np.int64), row[1])
             if form is None:
                 form = kept[2]
             elif kept[2] != form:
@@ -80,24 +74,24 @@ class _Held:
 
     def _clear(self) -> bool:
         self._rows[:] = 0
-        self.experts, self._copies = {}, []
+        self.experts = {}
         return False
 
 
 class HeldTable(_Held):
     """`ExpertTable`'s interface (addresses int64 [E, 9], intermediate, device, experts, grouped) over the MXFP4
-    experts of the last `fill` (CPU, the kernels' form: `ExpertTable.holds`)."""
+    experts of the last `fill` (CPU, the kernels' form, no biases: `ExpertTable.holds`)."""
 
     width = 9
     grouped = None
 
     def _row(self, w):
         g, u, d = w.gate, w.up, w.down
-        if g.packed is None or not ExpertTable.holds(w) or u.packed.shape != g.packed.shape or \
+        if g.packed is None or g.bias is not None or u.bias is not None or d.bias is not None or \
+                not ExpertTable.holds(w) or u.packed.shape != g.packed.shape or \
                 d.packed.shape != (g.packed.shape[1] * 2, g.packed.shape[0] // 2):
             return None
-        row, copies = ExpertTable.row(w)  # biases other than fp32: copies made at each fill (a slot's change)
-        return row, (g.packed.shape[0], d.packed.shape[0]), copies
+        return ExpertTable.row(w)[0], (g.packed.shape[0], d.packed.shape[0])
 
     def _set_form(self, form: tuple) -> None:
         self.form = form

@@ -93,39 +93,22 @@ def _paged(block: MoEBlock) -> bool:
 
 def _paged_experts(model):
     """The gpt-oss form's experts callback for a layer without a resident table (a pager's): layer `index`'s
-    routed-expert sum of the rows h [N, D] through its block (the pager's router hooks see the routing). Several
-    rows run in one MoE kernel call over every (row, expert) pair where the provider hands the rows' experts out
-    together (a pager's `hold`: kernels/mxfp4_moe/held.py `HeldTable`, the call a resident layer makes), else (and
-    one token: its top-k experts one at a time as they arrive, each layer's requests in the order the pager's
-    simulator replays) one call per expert as `moe.dispatch` runs them; slices of `independent_rows` rows. Either
-    way each row's experts are added in increasing id by the same kernel: the bits of a resident layer's call."""
-    tables: dict[int, HeldTable] = {}
-
-    def layer_rows(block: MoEBlock, index: int, h: torch.Tensor) -> torch.Tensor:
-        weights, ids = block.router(h)
-        out = torch.zeros_like(h)
-        hold = getattr(block.experts, "hold", None) if HOLD_ROWS and h.shape[0] > 1 else None
-        chosen = ids.unique().tolist()  # ascending
-        held = None if hold is None else hold(block.layer, chosen)
-        if held is not None:
-            table = tables.get(index)
-            if table is None:
-                table = tables[index] = HeldTable(_plain_router(block.router).linear.weight.shape[0])
-            if table.fill(dict(zip(chosen, held))):
-                return mxfp4_moe(h, ids, weights, table, block.act.kind, block.act.params, out,
-                                 precision=block.precision)
-        return dispatch(h, weights, ids, block.experts, block.layer, block.act, block.precision)
+    routed-expert sum of the rows h [N, D] through its block (the pager's router hooks see the routing; `dispatch`:
+    one MoE kernel call per chosen expert as the pager hands it out, each over every row routed to it), in slices
+    of `independent_rows` rows. Each row's experts are added in increasing id by the same kernel as a resident
+    layer's call: its bits. (Holding the rows' whole union and running it in one call, as the hybrid form's
+    callback does for one token, measured slower on gpt-oss `large` at 25%: docs/performance.md, session 12.)"""
 
     def experts(index: int, h: torch.Tensor) -> torch.Tensor:
         block = model.layers[index][3]
         limit = block.independent_rows
-        if h.shape[0] <= limit:
-            return layer_rows(block, index, h)
-        return torch.cat([layer_rows(block, index, part) for part in h.split(limit)])
+        parts = [h] if h.shape[0] <= limit else h.split(limit)
+        outs = []
+        for part in parts:
+            weights, ids = block.router(part)
+            outs.append(dispatch(part, weights, ids, block.experts, block.layer, block.act, block.precision))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
     return experts
-
-
-HOLD_ROWS = True  # the paged callback holds a layer's experts together (one kernel call); False: one per expert
 
 
 class DecodePlan:
