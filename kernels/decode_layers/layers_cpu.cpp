@@ -109,8 +109,10 @@ void attention_rows(const localmoe::Matrix& qkv_w, const localmoe::Matrix& o_w, 
   for (int64_t r = 0; r < N; ++r) {
     float* row = qkv + r * width;
     if (q_norm != nullptr)
-      for (int64_t j = 0; j < H + Hkv; ++j) localmoe_gqa::head_rms_norm(row + j * Dh, Dh, j < H ? q_norm : k_norm, eps);
-    for (int64_t j = 0; j < H + Hkv; ++j) localmoe_gqa::rope(row + j * Dh, rot, cos + r * rope_stride, ssin + r * rope_stride);
+      for (int64_t j = 0; j < H + Hkv; ++j)
+        localmoe_gqa::head_rms_norm(row + j * Dh, Dh, j < H ? q_norm : k_norm, eps);
+    for (int64_t j = 0; j < H + Hkv; ++j)
+      localmoe_gqa::rope(row + j * Dh, rot, cos + r * rope_stride, ssin + r * rope_stride);
   }
   gqa_decode_paged(qkv, width, Dh, qkv + H * Dh, width, Dh, qkv + (H + Hkv) * Dh, width, Dh, N, H, H / Hkv, Dh, seqs,
                    sinks, scale, attn, threads);
@@ -154,7 +156,8 @@ int64_t decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int6
 // Floats of decode_gqa_moe_rows' `work` per row: the largest layer's q/k/v and attention rows.
 int64_t decode_gqa_moe_rows_work(const Layer* layers, int64_t n) {
   int64_t floats = 0;
-  for (int64_t l = 0; l < n; ++l) floats = std::max(floats, (2 * layers[l].heads + 2 * layers[l].kv_heads) * layers[l].head_dim);
+  for (int64_t l = 0; l < n; ++l)
+    floats = std::max(floats, (2 * layers[l].heads + 2 * layers[l].kv_heads) * layers[l].head_dim);
   return floats;
 }
 
@@ -182,7 +185,8 @@ int64_t decode_gqa_moe_rows(const Layer* layers, int64_t n, int64_t N, float* x,
                    L.scale, eps, h, N, seqs + l * N * kFields, cos, ssin, rope_stride, delta, work, nullptr, nullptr,
                    threads);
     add_rms_norm(x, delta, L.mlp_norm, N, D, eps, h);
-    if (!moe_rows(L, l, h, N, D, moe_rows_max, delta, ids, weights, moe_scratch, experts, threads, q8)) return n * N + l;
+    if (!moe_rows(L, l, h, N, D, moe_rows_max, delta, ids, weights, moe_scratch, experts, threads, q8))
+      return n * N + l;
     add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, N, D, eps, h);
   }
   return -1;
