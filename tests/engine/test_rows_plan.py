@@ -1,22 +1,28 @@
-"""The dense decode plan over many rows (kernels/decode_layers `decode_dense_rows`, engine/batch.py
-`forward_rows` through `rows_plan`): every row of a batched step has the bits the fused single-sequence step
-(`decode_dense`, what `localmoe run` decodes with) gives its sequence alone, for 1, 2, 8 and 16 sequences of
-different lengths, for a sequence on several rows (a verify, a prompt chunk), on the AVX2 and AVX-512 builds;
-and the logits stay within 1e-5 of their range of the op-by-op batched step, which computes the same
-layers with torch's norms, RoPE and SiLU (fp32 / bf16 weights; see that test for the GGUF). On the embedded SmolLM2 (Q4_1 GGUF blocks) and tiny fp32 / bf16
-Llama-family models (Qwen2's q/k/v biases, Qwen3's per-head q/k norms) and a tiny Llama of mixed GGUF K-quant and
-Q5 blocks (stacked q; k; v and gate; up), with 16-token cache blocks so every run crosses blocks."""
+"""The decode plans over many rows (kernels/decode_layers `decode_dense_rows` and `decode_gqa_moe_rows`,
+engine/batch.py `forward_rows` through `rows_plan`): every row of a batched step has the bits the fused
+single-sequence step (`decode_dense` / `decode_gqa_moe`, what `localmoe run` decodes with) gives its sequence alone,
+for 1, 2, 5, 8 and 16 sequences of different lengths, for a sequence on several rows (a speculative verify, a prompt
+chunk), for a prompt chunk past one GEMV slice (matrix.h kMatrowsSlice) and one exact MoE kernel call's row limit
+(EXACT_TOKEN_ROWS), on the AVX2 and AVX-512 builds; a greedy run with a prompt-lookup speculator gives the tokens of
+the run without; and the logits stay within 1e-5 of their range of the op-by-op batched step, which
+computes the same layers with torch's norms, RoPE and SiLU (fp32 / bf16 weights; see that test for the GGUF).
+Dense: the embedded SmolLM2 (Q4_1 GGUF blocks), tiny fp32 / bf16 Llama-family models (Qwen2's q/k/v biases, Qwen3's
+per-head q/k norms) and a tiny Llama of mixed GGUF K-quant and Q5 blocks (stacked q; k; v and gate; up). MoE: the
+tiny gpt-oss (sliding-window layers, sinks, MXFP4 experts with biases) at expert precision exact and q8. 16-token
+cache blocks, so every run crosses blocks. The paged gpt-oss plan (a pager's experts called back per layer) has its
+tests in tests/paging/test_moe_rows_paged.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from localmoe.kernels import _cpu
-from localmoe.kernels.decode_layers import DenseDecoder
+from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
 
 from localmoe.config import EngineConfig
 from localmoe.engine import batch
 from localmoe.engine.generate import prefill
+from localmoe.testing import write_checkpoint
 
 pytestmark = [pytest.mark.skipif(_cpu.library() is None, reason="CPU kernel unavailable (no AVX2 or compiler)"),
               pytest.mark.usefixtures("small_blocks")]
@@ -76,11 +82,18 @@ def _mixed_blocks():
     return model
 
 
-MODELS = ["embedded", "embedded-q8all", "llama-fp32", "qwen2-bf16", "qwen3-fp32", "mixed-blocks"]
+MODELS = ["embedded", "embedded-q8all", "llama-fp32", "qwen2-bf16", "qwen3-fp32", "mixed-blocks", "gpt_oss-exact",
+          "gpt_oss-q8"]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=MODELS)
-def model(request):
+def model(request, tmp_path_factory):
+    if request.param.startswith("gpt_oss"):
+        from localmoe.load import load_model
+
+        src = write_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"), "tiny", seed=0)
+        return load_model(src, EngineConfig(dtype="float32", threads=1, expert_precision=request.param.split("-")[1]),
+                          progress=False).model
     if request.param.startswith("embedded"):
         from localmoe.load import load_model
 
@@ -94,11 +107,12 @@ def model(request):
 
 
 def _caches(model, n: int):
-    """n batch-1 caches prefilled with prompts of 3 + 5 i tokens (different lengths, crossing blocks)."""
+    """n batch-1 caches prefilled with prompts of 3 + 5 i tokens (different lengths, crossing blocks and gpt-oss's
+    sliding window)."""
     vocab = model.spec.vocab_size
     caches = []
     for i in range(n):
-        cache = model.new_cache(1, 160)
+        cache = model.new_cache(1, 200)
         prefill(model, torch.randint(0, vocab, (3 + 5 * i,), generator=torch.Generator().manual_seed(i)).tolist(),
                 cache)
         caches.append(cache)
@@ -113,21 +127,29 @@ def _fused(model, tokens, caches) -> torch.Tensor:
 
 @pytest.fixture
 def planned(monkeypatch):
-    """Counts the rows `DenseDecoder.rows` runs (so a test knows the plan, not the op-by-op step, ran)."""
+    """Counts the rows the plans' `rows` run (so a test knows a plan, not the op-by-op step, ran)."""
     seen = []
-    run = DenseDecoder.rows
+    for plan in (DenseDecoder, GqaMoeDecoder):
+        def rows(self, x, *args, run=plan.rows):
+            seen.append(x.shape[0])
+            return run(self, x, *args)
 
-    def rows(self, x, *args):
-        seen.append(x.shape[0])
-        return run(self, x, *args)
-
-    monkeypatch.setattr(DenseDecoder, "rows", rows)
+        monkeypatch.setattr(plan, "rows", rows)
     return seen
 
 
-@pytest.mark.parametrize("n", [1, 2, 8, 16])
+def test_the_model_decodes_through_its_plan(model):
+    plan = batch.rows_plan(model)
+    assert plan is not None
+    if model.spec.family != "gpt_oss":
+        assert isinstance(plan.decoder, DenseDecoder)
+        return
+    assert isinstance(plan.decoder, GqaMoeDecoder)
+    assert any(mixer.window for _, mixer, _, _ in model.layers) and model.layers[0][1].head_sinks is not None
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 16])
 def test_rows_have_the_fused_step_bits(model, n, planned):
-    assert batch.rows_plan(model) is not None
     fused, rows = _caches(model, n), _caches(model, n)
     tokens = [(7 + 11 * i) % model.spec.vocab_size for i in range(n)]
     for step in range(3):
@@ -153,15 +175,43 @@ def test_a_sequence_on_several_rows_has_the_bits_of_its_steps_alone(model, plann
     assert torch.equal(batch.forward_rows(model, tokens, rows), _fused(model, tokens, fused))
 
 
-def test_a_prompt_chunk_past_one_gemv_slice_has_the_bits_of_its_steps_alone(model, planned):
+def test_a_prompt_chunk_past_one_call_has_the_bits_of_its_steps_alone(model, planned):
     """70 rows of one sequence (a prompt chunk: more rows than one GEMV call of the plan takes, matrix.h
-    kMatrowsSlice) beside a decoding one."""
+    kMatrowsSlice, and than one exact MoE kernel call gives their alone-bits: an expert's group of over 32 tokens
+    takes the shared-decode path, so the MoE plan cuts its experts into slices) beside a decoding one."""
     fused, rows = _caches(model, 2), _caches(model, 2)
     tokens = [(13 * i + 1) % model.spec.vocab_size for i in range(71)]
     on = [0] + [1] * 70
     want = _fused(model, tokens, [fused[i] for i in on])
     assert torch.equal(batch.forward_rows(model, tokens, [rows[i] for i in on]), want)
     assert planned == [71]
+
+
+def test_greedy_with_prompt_lookup_equals_greedy_without(model, planned):
+    """Speculation's verify runs the drafts as rows of the plan: the same tokens as plain decoding (the fused
+    single-sequence step), token for token."""
+    from localmoe.engine.generate import Decoder
+    from localmoe.engine.sampler import SamplingParams
+    from localmoe.engine.spec.drafters import PromptLookup
+    from localmoe.engine.spec.speculator import Speculator
+
+    prompt = [5, 17, 3, 99, 42, 7, 25, 11, 8, 5, 17, 3, 99, 42, 7, 25, 12, 5, 17, 3]
+    prompt = [t % model.spec.vocab_size for t in prompt]
+
+    def greedy(speculator) -> list[int]:
+        dec = Decoder(model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
+        out: list[int] = []
+        while len(out) < 24:
+            logits = dec.logits()
+            if logits is None:
+                continue
+            out.append(dec.sample(logits))
+            dec.feed([out[-1]])
+        return out
+
+    plain = greedy(None)
+    assert greedy(Speculator(PromptLookup(), k=4, adaptive=False)) == plain
+    assert any(n > 1 for n in planned)  # a verify of several rows ran through the plan
 
 
 def test_rows_stay_close_to_the_op_by_op_step(model, monkeypatch):
