@@ -34,8 +34,11 @@ from .conftest import greedy_logits
 
 pytestmark = pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
 
+IQ4 = [(Q.IQ4_XS, Q.IQ4_XS, Q.IQ4_NL), (Q.IQ4_NL, Q.Q4_K, Q.IQ4_XS)]  # ggml_rows_iq4.h, alone and mixed
 TYPES = [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q5_K, Q.Q5_K, Q.Q8_0), (Q.Q4_0, Q.Q4_1, Q.Q5_0), (Q.Q5_1, Q.Q8_0, Q.Q4_K),
-         (Q.Q6_K, Q.Q8_0, Q.Q5_K)]
+         (Q.Q6_K, Q.Q8_0, Q.Q5_K), *IQ4]
+CHUNK_TYPES = TYPES[:2] + IQ4[:1]
+LAYER_TYPES = TYPES[:3] + IQ4[:1]
 
 
 def _table(types, experts=6, hidden=512, inner=256, seed=0) -> BlockExpertTable:
@@ -67,7 +70,7 @@ def test_token_matches_the_dequantised_reference(types, kind):
     assert not torch.allclose(got, other)  # an expert left out is seen
 
 
-@pytest.mark.parametrize("types", TYPES[:2], ids=["-".join(t.name for t in ts) for ts in TYPES[:2]])
+@pytest.mark.parametrize("types", CHUNK_TYPES, ids=["-".join(t.name for t in ts) for ts in CHUNK_TYPES])
 def test_chunk_expert_matches_the_reference_and_its_rows_alone(types):
     """`block_expert` (a prefill chunk's rows of one expert in one call) against the dequantised reference, and
     each row equal to the same row computed alone (the multi-row GEMV's rows are independent)."""
@@ -87,7 +90,7 @@ def test_chunk_expert_matches_the_reference_and_its_rows_alone(types):
     assert torch.equal(alone[7], got[7])
 
 
-@pytest.mark.parametrize("types", TYPES[:3], ids=["-".join(t.name for t in ts) for ts in TYPES[:3]])
+@pytest.mark.parametrize("types", LAYER_TYPES, ids=["-".join(t.name for t in ts) for ts in LAYER_TYPES])
 def test_chunk_layer_equals_one_expert_at_a_time(types):
     """`block_layer` (a prefill chunk's experts of a layer in one call) gives the bits of one `block_expert` per
     expert in the same order (the per-expert path a pager's experts take), only for the experts it is given."""
