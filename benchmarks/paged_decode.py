@@ -38,6 +38,7 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -107,6 +108,45 @@ def odirect_bandwidth(store_path: Path, threads: int, seconds: float = 1.5) -> f
     return total / elapsed
 
 
+def thread_cpu(tids=None) -> dict[int, float]:
+    """CPU seconds (user + system) of this process's threads so far, by thread id (/proc; {} where it is missing)."""
+    out = {}
+    try:
+        names = os.listdir("/proc/self/task") if tids is None else [str(t) for t in tids]
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for name in names:
+        try:
+            with open(f"/proc/self/task/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def timed_kernels(total: list[float]) -> None:
+    """The routed experts' kernel calls of the fused step's callback (engine/decode_plan.py `_routed`) add their
+    wall time to total[0]: the experts' own compute, apart from the callback's Python and the pager's calls."""
+    from localmoe.engine import decode_plan
+    from localmoe.kernels.decode_layers import hybrid
+
+    def timing(fn):
+        def call(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                total[0] += time.perf_counter() - start
+        return call
+
+    for name in ("mxfp4_moe", "ggml_moe_token"):
+        setattr(decode_plan, name, timing(getattr(decode_plan, name)))
+    for name in ("dense_experts_token", "dense_expert"):
+        setattr(hybrid, name, timing(getattr(hybrid, name)))
+
+
 def worker(args) -> None:
     if args.tree:  # a snapshot tree's localmoe (and kernels) before this one's
         import sys
@@ -129,23 +169,39 @@ def worker(args) -> None:
         paging = PagingConfig(ram_budget=int(total * args.share), io_threads=int(args.io_threads))
     config = EngineConfig(dtype=args.dtype, threads=args.threads, max_context=context,
                           expert_precision=args.expert_precision, paging=paging)
+    if args.warm:  # the store's experts read once through the page cache, so its maps start warm (as resident)
+        buf = bytearray(16 << 20)
+        for layer_file in sorted((Path(args.path) / "experts").iterdir()):
+            with open(layer_file, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
     model = load_model(args.path, config, progress=False).model
     pager = pager_of(model)
     if pager is not None and args.guess_bar is not None:
         pager.guess_bar = float(args.guess_bar)
+    if pager is not None and args.depth is not None and pager._resident is None:  # the lookahead's depth
+        from localmoe.paging import attach
+
+        attach(model, pager, depth=int(args.depth))
     if args.no_lookahead:  # the routing hints stay (each layer's misses read together), the guesses go
         for block in model.moe_blocks():
             if hasattr(block.router, "ahead"):
                 block.router.ahead = []
     if int(args.rows) > 1:
         return rows_worker(args, model, pager, context)
+    readers: set[int] = set()
+    if pager is not None and pager._resident is None and pager.prefetch_enabled:  # a pager that reads: its readers
+        before = set(thread_cpu())  # start with its first reads (one per read, up to io_threads): a few guesses
+        first = min(pager.layouts)
+        pager.prefetch(first, range(min(pager.io_threads, pager.experts_in(first))))
+        readers = set(thread_cpu()) - before - {threading.get_native_id()}
     cache = model.new_cache(1, context)
     logits = prefill(model, prompt_ids(args.prompt), cache)
     tokens = []
     for _ in range(args.warmup):  # decode plan, kernel library, the pager's slab filled
         tokens.append(int(logits.argmax(-1)))
         logits = model.forward(torch.tensor([[tokens[-1]]]), cache)[:, -1]
-    moe = [0.0]
+    moe, kernels = [0.0], [0.0]  # the paged layers' callback, the experts' kernel calls in it
     decoder = model._plan.decoder if model._plan is not None else None
     if pager is not None and decoder is not None and decoder.experts is not None:
         inner = decoder.experts
@@ -158,8 +214,10 @@ def worker(args) -> None:
                 moe[0] += time.perf_counter() - start
 
         decoder.experts = timed
+        timed_kernels(kernels)
     if pager is not None:
         pager.stats.reset_counts()
+    io = thread_cpu(readers)
     cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
     for _ in range(args.decode):
         tokens.append(int(logits.argmax(-1)))
@@ -168,10 +226,13 @@ def worker(args) -> None:
     out = {"cpu": (time.process_time() - cpu) / n, "thread": (time.thread_time() - thread) / n,
            "wall": (time.perf_counter() - wall) / n, "tokens": tokens,
            "path": type(decoder).__name__ if decoder is not None else "op by op"}
+    io_after = thread_cpu(readers)
+    out["io_cpu"] = sum(io_after.get(t, 0.0) - c for t, c in io.items()) / n if io else None
     if pager is not None:
         ram, pf = pager.stats.ram, pager.stats.prefetch
         needed = ram.misses + pf.covered  # requests that found their expert on disk (or on its way from there)
         out |= {"stall": ram.stall_seconds / n, "read": ram.read_seconds / n, "lookup": ram.lookup_seconds / n,
+                "hint": pf.hint_seconds / n, "kernels": kernels[0] / n,
                 "moe": moe[0] / n, "missed": needed * pager.stats.slot_bytes / n, "misses": needed / n,
                 "bytes_read": ram.bytes_read / n, "wasted": pf.wasted / n, "precision": pf.precision,
                 "hit_rate": ram.hit_rate, "slots": pager.stats.slots, "issued": pf.issued / n, "late": pf.late / n,
@@ -239,6 +300,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="dense weights")
     parser.add_argument("--no-resident", dest="resident", action="store_false",
                         help="paged runs only (the checkpoint may be deleted once converted: large models)")
+    parser.add_argument("--store-resident", action="store_true", help="also run the store without a budget (its "
+                        "experts mapped, the page cache read warm first; each layer whole in the kernels): the resident "
+                        "side of paged 100%% where the HF checkpoint is gone")
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", help="folder for the checkpoint and its store (kept; default: a temporary one)")
     parser.add_argument("--base", help="a snapshot tree of another commit: each budget below 100%% also runs from "
                         "it, alternating (A/B)")
@@ -249,6 +314,9 @@ def main() -> None:
     parser.add_argument("--no-lookahead", action="store_true", help="paged runs guess no later layer's experts")
     parser.add_argument("--guess-bar", default=None, help="the measured precision a guessed rank needs to be read "
                         "(Pager.guess_bar); several (e.g. 0.5,0.3): each budget below 100%% runs with each, "
+                        "alternating")
+    parser.add_argument("--depth", default=None, help="MoE layers the lookahead guesses ahead of each routed one "
+                        "(paging.hooks DEPTH by default); several (e.g. 1,2): each budget below 100%% runs with each, "
                         "alternating")
     parser.add_argument("--rows", default="1", help="sequences decoded together in batched steps (each with a "
                         "prompt of its own; figures per generated token; the server's N-client step); several (e.g. "
@@ -279,6 +347,7 @@ def run(args, work: Path) -> None:
     args.io_threads = ios[0]
     counts = [int(n) for n in str(args.rows).split(",")]
     bars = str(args.guess_bar).split(",") if args.guess_bar is not None else [None]
+    depths = str(args.depth).split(",") if args.depth is not None else [None]
     this = ["--tree", str(Path(args.this).resolve())] if args.this else []
     common = ["--worker", *this, *["--no-lookahead"] * args.no_lookahead, "--threads", str(args.threads), "--prompt",
               str(args.prompt), "--warmup", str(args.warmup), "--decode", str(args.decode), "--expert-precision",
@@ -286,15 +355,20 @@ def run(args, work: Path) -> None:
     shares = {f"{s.strip()}": float(s.strip().rstrip("%")) / 100 for s in args.ram.split(",") if s.strip()}
     workers = {"resident": [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path", str(hf)]
                } if args.resident else {}
+    if args.store_resident:
+        workers["resident store"] = [me, *common, "--rows", str(counts[0]), "--io-threads", str(ios[0]), "--path",
+                                     str(store), "--share", "0", "--warm"]
     for s, f in shares.items():  # several reader / row counts: each budget that reads (below 100%) with each
         for n in ios if f < 1 else ios[:1]:
             for rows in counts if f < 1 else counts[:1]:
-                for bar in bars if f < 1 else [None]:
+                for bar, depth in [(b, d) for b in bars for d in depths] if f < 1 else [(None, None)]:
                     name = f"paged {s}" + (f" io{n}" if len(ios) > 1 and f < 1 else "") + \
                         (f" x{rows}" if len(counts) > 1 and f < 1 else "") + \
-                        (f" bar{bar}" if len(bars) > 1 and f < 1 else "")
+                        (f" bar{bar}" if len(bars) > 1 and f < 1 else "") + \
+                        (f" depth{depth}" if len(depths) > 1 and f < 1 else "")
                     workers[name] = [me, *common, "--rows", str(rows), "--io-threads", str(n), "--path", str(store),
-                                     "--share", str(f), *(["--guess-bar", bar] if bar is not None else [])]
+                                     "--share", str(f), *(["--guess-bar", bar] if bar is not None else []),
+                                     *(["--depth", depth] if depth is not None else [])]
                     if args.base and f < 1:  # (argparse keeps the last --tree)
                         workers[name + " base"] = [*workers[name], "--tree", str(Path(args.base).resolve())]
     bandwidth: list[float] = []
@@ -324,8 +398,19 @@ def run(args, work: Path) -> None:
     print(f"  O_DIRECT x{args.io_threads}: {bw / 1e9:.2f} GB/s (median of the rounds)" + ("" if base is None else
           f"; {base_name}: {statistics.median(r['cpu'] for r in base) * 1e3:.2f} ms CPU, "
           f"{statistics.median(r['wall'] for r in base) * 1e3:.2f} ms wall per token ({base[0]['path']})"))
+    store_runs, full = res.get("resident store"), res.get("paged 100%")
+    if store_runs and full:
+        ratio = {key: [p[key] / r[key] for p, r in zip(full, store_runs)] for key in ("cpu", "thread", "wall")}
+        print(f"  paged 100% / resident store (the store's maps, its experts read through the page cache first: "
+              f"{statistics.median(r['cpu'] for r in store_runs) * 1e3:.2f} ms CPU, "
+              f"{statistics.median(r['wall'] for r in store_runs) * 1e3:.2f} ms wall per token, "
+              f"{store_runs[0]['path']}), per round: "
+              + ", ".join(f"{key} {statistics.median(v):.2f}x ({' '.join(f'{x:.2f}' for x in v)})"
+                          for key, v in ratio.items())
+              + f"; greedy tokens equal: {all(_first(p['tokens']) == _first(r['tokens']) for p, r in zip(full, store_runs))}",
+              flush=True)
     for name, runs in res.items():
-        if name == base_name:
+        if name == base_name or "slots" not in runs[0]:  # (the resident store has no pager)
             continue
 
         def med(key, runs=runs):
@@ -363,6 +448,24 @@ def run(args, work: Path) -> None:
               + (f"{statistics.median(explained):.0%} of it (rounds with extra time: "
                  f"{' '.join(f'{x:.0%}' for x in explained)}; the rest: compute slowed by the I/O threads' CPU)"
                  if explained else "- (no round took longer than its baseline)"), flush=True)
+        if runs[0].get("moe"):  # the paged layers ran through the fused step's callback: name the rest too
+            path = [r["moe"] - r["stall"] - r["lookup"] - r.get("kernels", 0.0) for r in runs]
+            named = [(r["stall"] + r["lookup"] + p) / e for r, p, e in zip(runs, path, extra) if e > 0]
+            io = [r["io_cpu"] for r in runs if r.get("io_cpu") is not None]
+            print(f"    where it goes, per token: stall {med('stall') * 1e3:.2f} ms + lookup {med('lookup') * 1e3:.2f} ms"
+                  f" (of it the later layers' routers making the guesses {med('hint') * 1e3:.2f} ms, counted in "
+                  f"lookup since session 12) + the paged layers' own path outside the fused step "
+                  f"{statistics.median(path) * 1e3:.2f} ms (the callback's wall {med('moe') * 1e3:.2f} ms less stall, "
+                  f"lookup and the experts' kernels {med('kernels') * 1e3:.2f} ms: its Python, the layer's router in "
+                  f"torch, the held tables) explain "
+                  + (f"{statistics.median(named):.0%} (rounds {' '.join(f'{x:.0%}' for x in named)})" if named else "-")
+                  + f"; the rest {statistics.median(e - r['stall'] - r['lookup'] - p for r, p, e in zip(runs, path, extra)) * 1e3:.2f} ms"
+                  f" is compute slowed by the readers"
+                  + (f" (their CPU: {statistics.median(io) * 1e3:.2f} ms per token, "
+                     f"{statistics.median(io) / med('bytes_read') * 1e9:.3f} ms per MB read; the share of it while "
+                     f"compute ran, by the reads' time outside stalls: "
+                     f"{statistics.median(r['io_cpu'] * max(0.0, r['read'] - r['stall']) / r['read'] for r in runs if r.get('io_cpu') is not None and r['read'] > 0) * 1e3:.2f} ms)"
+                     if io else ""), flush=True)
     for name, runs in res.items():  # the A/B: this tree against the snapshot, round by round
         old = res.get(name + " base")
         if old is None:

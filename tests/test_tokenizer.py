@@ -204,6 +204,22 @@ def test_stream_decoder_property(ours, text):
     assert not any("\ufffd" in p for p in pieces) or "\ufffd" in text
 
 
+def test_stream_decoder_sends_each_character_once_complete(ours):
+    """After every token the stream holds back only an incomplete character's bytes: a token that completes one
+    character and starts the next sends the first at once (it was held for the next token)."""
+    carried = 0
+    for text in STREAM_CASES[:3]:
+        ids = ours.encode(text)
+        decoder, sent = ours.stream_decoder(), ""
+        for n, token_id in enumerate(ids):
+            piece = decoder.feed(token_id)
+            sent += piece
+            assert sent == ours.decode(ids[:n + 1]).rstrip("\ufffd") and "\ufffd" not in piece
+            carried += ours.decode(ids[:n]).endswith("\ufffd") and ours.decode(ids[:n + 1]).endswith("\ufffd")
+        assert sent + decoder.flush() == text
+    assert carried  # some token ended one partial character and began another
+
+
 def test_stream_decoder_flushes_incomplete_character(ours):
     ids = ours.encode("😀")  # 4 bytes over 3 tokens
     decoder = ours.stream_decoder()

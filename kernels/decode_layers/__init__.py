@@ -8,8 +8,9 @@ the layers op by op. The MoE decoder calls the same entry points as the op-by-op
 give the same bits (tests/models/test_gpt_oss.py); the dense one is checked against the op-by-op
 step and against transformers (tests/models/test_llama_tiny.py, test_smollm2_gguf.py). Each holds
 its layers as a ctypes array built once; the caller updates each layer's cache pools when they move
-(`set_pools`) and calls it per token. `DenseDecoder.rows` runs the dense stack for N sequences at once over
-their paged caches (the batched decode step, engine/batch.py), each row with the bits of its call alone.
+(`set_pools`) and calls it per token. `rows` runs the stack for N sequences at once over their paged caches (the
+batched decode step and a speculative verify, engine/batch.py), each row with the bits of its call alone. A MoE
+layer whose experts a pager holds calls back into the engine (`experts`) for its experts, in both forms.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class Matrix(ctypes.Structure):
 
 
 MATRIX_TYPES = {torch.float32: 0, torch.bfloat16: 1}
-# GGMLQuantizationType Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K, and 268 / 270: Q4_K_R8 / Q6_K_R8 (Q4_K / Q6_K
-# repacked at load, kernels/ggml_gemv/repacked.py); 20 / 23: IQ4_NL / IQ4_XS (ggml_rows_iq4.h)
-GGML_MATRIX_TYPES = (2, 3, 6, 7, 8, 12, 13, 14, 268, 270, 20, 23)
+# GGMLQuantizationType Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K, and 259 / 268 / 270: Q4_1_R8 / Q4_K_R8 / Q6_K_R8
+# (Q4_1 / Q4_K / Q6_K repacked at load, kernels/ggml_gemv/repacked.py); 20 / 23: IQ4_NL / IQ4_XS (ggml_rows_iq4.h)
+GGML_MATRIX_TYPES = (2, 3, 6, 7, 8, 12, 13, 14, 259, 268, 270, 20, 23)
 X16 = 0x1000  # added to Q8_0's type: the matrix reads x rounded to int16 per 32 (matrix.h kX16, a BlockLinear.x16)
 STACKED = 255
 
@@ -80,19 +81,30 @@ class _Pools:
             layer.kpool, layer.vpool, layer.head_stride = now
 
 
+MoeExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _i, _p, _p)  # layers_cpu.cpp MoeExperts
+
+
 class GqaMoeDecoder(_Pools):
     """`decode_gqa_moe` bound to a model's layers. Each entry of `layers` is a dict with the attention's
     tensors (attn_norm, wqkv, bqkv, wo, bo, sinks: fp32 or bf16 matrices, fp32 vectors, contiguous),
     its shape (heads, kv_heads, head_dim, rot, window, scale), the MoE's (mlp_norm, router_w fp32
-    [E, D], router_b, correction, table: ExpertTable.addresses, scoring index, renormalize, scaling,
-    intermediate, top_k, glu index, p0, p1). The tensors are held here, so the pointers stay valid."""
+    [E, D], router_b, correction, table: ExpertTable.addresses, or None for a layer whose experts a pager
+    holds, scoring index, renormalize, scaling, intermediate, top_k, glu index, p0, p1). `experts(layer, h)`:
+    layer `layer`'s routed-expert sum [N, D] of the rows h [N, D] for a layer without a table (the engine routes
+    and dispatches them: the same kernels and order). `moe_rows`: the most rows of one resident MoE kernel call
+    that keep each row's bits alone (kernels/mxfp4_moe EXACT_TOKEN_ROWS at exact precision). The tensors are held
+    here, so the pointers stay valid."""
 
-    def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool):
+    def __init__(self, layers: list[dict], hidden: int, final_norm: torch.Tensor, eps: float, q8: bool,
+                 experts=None, moe_rows: int = 32):
         self.held = [layers, final_norm]
         self.hidden, self.final_norm, self.eps, self.q8 = hidden, final_norm, eps, q8
         self.layers = (Layer * len(layers))()
+        self.moe_rows, self.experts, self.error = moe_rows, experts, None
+        self.callback = MoeExpertsFn(self._experts)
         lib = library()
-        attn_floats = moe_bytes = top_k = 0
+        attn_floats = top_k = 0
+        self.moe_shapes = []  # (k, intermediate, experts) of each layer with a resident table
         for c, d in zip(self.layers, layers):
             for name in ("attn_norm", "wqkv", "bqkv", "wo", "bo", "sinks", "mlp_norm", "router_w", "router_b",
                          "correction", "table"):
@@ -104,24 +116,89 @@ class GqaMoeDecoder(_Pools):
             c.experts = d["router_w"].shape[0]
             c.scale, c.scaling, c.p0, c.p1 = d["scale"], d["scaling"], d["p0"], d["p1"]
             attn_floats = max(attn_floats, lib.gqa_step_scratch(c.heads, c.kv_heads, c.head_dim))
-            moe_bytes = max(moe_bytes, lib.mxfp4_moe_routed_scratch(1, c.top_k, hidden, c.intermediate, c.experts))
+            if d["table"] is not None:
+                self.moe_shapes.append((c.top_k, c.intermediate, c.experts))
             top_k = max(top_k, c.top_k)
         self.attn_scratch = torch.empty(attn_floats)
-        self.moe_scratch = torch.empty(moe_bytes, dtype=torch.uint8)
+        self.moe_scratch = torch.empty(self._moe_bytes(1), dtype=torch.uint8)
         self.delta, self.weights = torch.empty(hidden), torch.empty(top_k)
         self.ids = torch.empty(top_k, dtype=torch.int64)
         self.pools: list[tuple[int, int, int] | None] = [None] * len(layers)
+        self.row_floats = lib.decode_gqa_moe_rows_work(ctypes.addressof(self.layers), len(self.layers))
+        self.row_buffers: tuple | None = None  # rows, work, delta, ids, weights, moe scratch
+
+    def _moe_bytes(self, rows: int) -> int:
+        return max([library().mxfp4_moe_routed_scratch(rows, k, self.hidden, inner, E)
+                    for k, inner, E in self.moe_shapes] + [64])
+
+    def _experts(self, layer: int, n: int, h: int, out: int) -> int:
+        try:
+            y = self.experts(layer, _floats(h, n * self.hidden).view(n, self.hidden))
+            _floats(out, n * self.hidden).view(n, self.hidden).copy_(y.view(n, self.hidden))
+            return 0
+        except BaseException as e:  # noqa: BLE001 (raised again by the caller, outside the kernel)
+            self.error = e
+            return 1
+
+    def _raise(self, layer: int) -> None:
+        error, self.error = self.error, None
+        raise error or RuntimeError(f"decode_gqa_moe: layer {layer}'s experts failed")
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """x [hidden] fp32 contiguous (the token's embedding; the residual stream, updated in place),
         cache position `pos`, RoPE tables [rot] at it -> the final-normed hidden state [hidden]."""
         h = torch.empty(self.hidden)
-        library().decode_gqa_moe(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden, pos,
-                                 cos.data_ptr(), signed_sin.data_ptr(), self.final_norm.data_ptr(), self.eps,
-                                 int(self.q8), h.data_ptr(), self.delta.data_ptr(), self.ids.data_ptr(),
-                                 self.weights.data_ptr(), self.attn_scratch.data_ptr(), self.moe_scratch.data_ptr(),
-                                 threads())
+        failed = library().decode_gqa_moe(ctypes.addressof(self.layers), len(self.layers), x.data_ptr(), self.hidden,
+                                          pos, cos.data_ptr(), signed_sin.data_ptr(), self.final_norm.data_ptr(),
+                                          self.eps, int(self.q8), h.data_ptr(), self.delta.data_ptr(),
+                                          self.ids.data_ptr(), self.weights.data_ptr(), self.attn_scratch.data_ptr(),
+                                          self.moe_scratch.data_ptr(), self.callback, threads())
+        if failed >= 0:
+            self._raise(failed)
         return h
+
+    def rows(self, x: torch.Tensor, seqs: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`decode_gqa_moe_rows`: N rows at once over their paged caches (as `DenseDecoder.rows`), each row with the
+        bits `__call__` gives its token alone: x [N, hidden] (updated), seqs [L, N, 10], cos / signed_sin [N, rot]
+        -> the final-normed hidden states [N, hidden]."""
+        N, L = x.shape[0], len(self.layers)
+        _check_rows(x, seqs, cos, signed_sin, self.hidden, L)
+        if self.row_buffers is None or self.row_buffers[0] < N:  # grown to the largest batch seen
+            slice_rows = min(N, self.moe_rows)
+            top_k = self.ids.shape[0]
+            self.row_buffers = (N, torch.empty(N * self.row_floats), torch.empty(N, self.hidden),
+                                torch.empty(slice_rows * top_k, dtype=torch.int64), torch.empty(slice_rows * top_k),
+                                torch.empty(self._moe_bytes(slice_rows), dtype=torch.uint8))
+        _, work, delta, ids, weights, scratch = self.row_buffers
+        h = torch.empty(N, self.hidden)
+        bad = library().decode_gqa_moe_rows(
+            ctypes.addressof(self.layers), L, N, x.data_ptr(), self.hidden, seqs.data_ptr(), cos.data_ptr(),
+            signed_sin.data_ptr(), cos.stride(0), self.final_norm.data_ptr(), self.eps, int(self.q8), self.moe_rows,
+            h.data_ptr(), delta.data_ptr(), work.data_ptr(), ids.data_ptr(), weights.data_ptr(), scratch.data_ptr(),
+            self.callback, threads())
+        if bad >= L * N:
+            self._raise(bad - L * N)
+        _check_position(bad, seqs, N)
+        return h
+
+
+def _floats(address: int, n: int) -> torch.Tensor:
+    return torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+
+
+def _check_rows(x: torch.Tensor, seqs: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, hidden: int,
+                L: int) -> None:
+    N = x.shape[0]
+    assert x.shape == (N, hidden) and x.dtype == torch.float32 and x.is_contiguous(), f"x {tuple(x.shape)}"
+    assert seqs.shape == (L, N, 10) and seqs.dtype == torch.long and seqs.is_contiguous(), \
+        f"seqs {tuple(seqs.shape)} against [{L}, {N}, 10]"
+    assert cos.shape == signed_sin.shape and cos.shape[0] == N and cos.stride(-1) == signed_sin.stride(-1) == 1 \
+        and cos.stride(0) == signed_sin.stride(0), f"RoPE tables {tuple(cos.shape)}, {tuple(signed_sin.shape)}"
+
+
+def _check_position(bad: int, seqs: torch.Tensor, N: int) -> None:
+    assert bad < 0, (f"layer {bad // N} row {bad % N}: position {int(seqs.view(-1, 10)[bad, 8])} lies past the "
+                     f"cache's {int(seqs.view(-1, 10)[bad, 7])} positions")
 
 
 class DenseDecoder(_Pools):
@@ -164,11 +241,7 @@ class DenseDecoder(_Pools):
         cos / signed_sin [N, rot] (each row's RoPE tables, rows contiguous) -> the final-normed hidden states
         [N, hidden]."""
         N, L = x.shape[0], len(self.layers)
-        assert x.shape == (N, self.hidden) and x.dtype == torch.float32 and x.is_contiguous(), f"x {tuple(x.shape)}"
-        assert seqs.shape == (L, N, 10) and seqs.dtype == torch.long and seqs.is_contiguous(), \
-            f"seqs {tuple(seqs.shape)} against [{L}, {N}, 10]"
-        assert cos.shape == signed_sin.shape and cos.shape[0] == N and cos.stride(-1) == signed_sin.stride(-1) == 1 \
-            and cos.stride(0) == signed_sin.stride(0), f"RoPE tables {tuple(cos.shape)}, {tuple(signed_sin.shape)}"
+        _check_rows(x, seqs, cos, signed_sin, self.hidden, L)
         lib = library()
         if self.row_buffers is None or self.row_buffers[0] < N:  # grown to the largest batch seen
             self.row_buffers = (N, torch.empty(N * self.row_floats),
@@ -179,8 +252,7 @@ class DenseDecoder(_Pools):
         bad = lib.decode_dense_rows(ctypes.addressof(self.layers), L, N, x.data_ptr(), self.hidden, seqs.data_ptr(),
                                     cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), self.final_norm.data_ptr(),
                                     self.eps, h.data_ptr(), delta.data_ptr(), work.data_ptr(), xq.data_ptr(), threads())
-        assert bad < 0, (f"layer {bad // N} row {bad % N}: position {int(seqs.view(-1, 10)[bad, 8])} lies past the "
-                         f"cache's {int(seqs.view(-1, 10)[bad, 7])} positions")
+        _check_position(bad, seqs, N)
         return h
 
     def __call__(self, x: torch.Tensor, pos: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

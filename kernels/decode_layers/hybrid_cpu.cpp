@@ -297,6 +297,29 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
   localmoe::matvec(L.o_proj, b.mixer, a, xq, threads);
 }
 
+// A prompt chunk's delta rule: each (batch row, head) runs its T tokens in order through the fused decode step's
+// one-token update (hybrid_mixers.h `delta_heads`), its state [K, V] staying in L1 / L2 over the tokens.
+struct DeltaTokens {
+  const float *q, *k, *v, *g, *beta;
+  float *o, *state;
+  int64_t T, H, K, V, scalar_decay;
+};
+
+void delta_tokens(const void* ctx, int64_t i0, int64_t i1) {
+  const DeltaTokens& c = *static_cast<const DeltaTokens*>(ctx);
+  const int64_t H = c.H, K = c.K, V = c.V, G = c.scalar_decay ? 1 : K;
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / H, h = i % H;
+    for (int64_t t = 0; t < c.T; ++t) {
+      const int64_t bt = b * c.T + t;
+      const localmoe_hybrid::DeltaHeads one{c.q + bt * H * K, c.k + bt * H * K, c.v + bt * H * V, c.g + bt * H * G,
+                                            c.beta + bt * H, c.o + bt * H * V, c.state + b * H * K * V, K, V, 1,
+                                            c.scalar_decay};
+      localmoe_hybrid::delta_heads(&one, h, h + 1);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -329,6 +352,16 @@ void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* id
     const Matrix down{reinterpret_cast<const void*>(w[2]), type, W, I, nullptr};
     dense_expert(x, &gate, &up, &down, glu, p0, p1, weights[j], out, scratch, xq, threads);
   }
+}
+
+// The delta rule over T tokens, token by token as the fused decode step runs it (the same bits per token): KDA
+// (g [B, T, H, K], a log-decay per channel) or Gated DeltaNet (scalar_decay: g [B, T, H]); q, k [B, T, H, K] (q
+// normalised and scaled, k normalised), v, o [B, T, H, V], beta [B, T, H], state [B, H, K, V] updated in place; all
+// fp32, contiguous; K, V <= 512. One task per (batch row, head): the bits do not depend on the thread count.
+void delta_rule_tokens(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
+                       int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, int scalar_decay, float* o, int threads) {
+  const DeltaTokens c{q, k, v, g, beta, o, state, T, H, K, V, scalar_decay};
+  localmoe::parallel(delta_tokens, &c, B * H, 1, threads);
 }
 
 // Floats of `scratch` decode_hybrid needs for these layers (the MoE kernel's scratch and xq are apart).

@@ -1,7 +1,8 @@
 // Every layer of a model for one decode token, in one call: `decode_gqa_moe` for GQA + routed-MXFP4-MoE
 // models (gpt-oss), `decode_dense` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2,
-// Qwen3 with its per-head q/k norms), and `decode_dense_rows`: decode_dense for N sequences at once over
-// their paged caches (the batched decode step), each row with the bits decode_dense gives it alone.
+// Qwen3 with its per-head q/k norms), and their rows forms `decode_gqa_moe_rows` / `decode_dense_rows`: N
+// sequences at once over their paged caches (the batched decode step, a speculative verify's consecutive
+// positions), each row with the bits the one-token call gives it alone.
 //
 // Per layer, with x the residual stream [D] and h its normed copy:
 //   h = add_rms_norm(x, -, attn_norm)                       (first layer only; later ones get h below)
@@ -35,6 +36,11 @@ void mxfp4_moe_routed(const float* rx, int64_t R, const float* router_w, const f
                       int64_t* ids_out, float* weights_out, void* scratch, int threads, int q8);
 }
 
+// A paged MoE layer's routed experts (a layer whose `table` is null): out [N, D] (zeroed) += the experts of the N
+// rows h [N, D], routed and run by the engine (kernels/decode_layers GqaMoeDecoder: the pager's router hooks, its
+// slots; the same kernels and order as a resident table's). Returns 0, or nonzero where the engine failed.
+typedef int (*MoeExperts)(int64_t layer, int64_t N, const float* h, float* out);
+
 // One layer's weights and cache, as kernels/decode_layers/__init__.py `Layer` (ctypes) lays it out.
 struct Layer {
   const float* attn_norm;
@@ -56,14 +62,83 @@ struct Layer {
   float scaling, p0, p1;
 };
 
+namespace {
+
+// A gpt-oss layer's MoE over rows h [N, D] into delta [N, D] (zeroed here): with a resident table, routing and
+// experts in one mxfp4_moe_routed call per slice of at most `slice` rows (every expert's group then takes each
+// token's own path: a row's bits are its bits alone); without one (paged), `experts` (one call for all N rows).
+// Returns false where `experts` failed.
+bool moe_rows(const Layer& L, int64_t l, float* h, int64_t N, int64_t D, int64_t slice, float* delta,
+              int64_t* ids, float* weights, void* scratch, MoeExperts experts, int threads, int q8) {
+  std::memset(delta, 0, N * D * sizeof(float));
+  if (L.table == nullptr) return experts(l, N, h, delta) == 0;
+  for (int64_t r = 0; r < N; r += slice) {
+    const int64_t n = std::min(slice, N - r);
+    mxfp4_moe_routed(h + r * D, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                     static_cast<int>(L.renormalize), L.scaling, h + r * D, n, D, L.intermediate, L.top_k, L.table,
+                     L.experts, static_cast<int>(L.glu), L.p0, L.p1, delta + r * D, ids, weights, scratch, threads,
+                     q8);
+  }
+  return true;
+}
+
+constexpr int64_t kFields = 10, kCapacity = 7, kPos = 8;  // paged_cpu.cpp's row fields
+
+// -1, or the first (layer * N + row) of seqs [n, N, kFields] whose position lies outside its cache's capacity.
+int64_t outside(const int64_t* seqs, int64_t n, int64_t N) {
+  for (int64_t i = 0; i < n * N; ++i) {
+    const int64_t* seq = seqs + i * kFields;
+    if (seq[kPos] < 0 || seq[kPos] >= seq[kCapacity]) return i;
+  }
+  return -1;
+}
+
+// One GQA layer's attention for N rows h [N, D] -> delta [N, D] (decode_dense_rows and decode_gqa_moe_rows): the
+// q/k/v matrix read once for all rows (`matrows`), per row the q/k norms and RoPE as attention_step, every row's
+// k/v written and each (row, KV head) attended by kernels/gqa_decode paged_cpu.cpp with the instructions of
+// attention_step's contiguous pass, then the output matrix once for all rows: each row's bits are attention_step's.
+// seqs [N, kFields]: this layer's rows; work: [N, (2 H + 2 Hkv) Dh] floats; parts: a stacked matrix's parts.
+void attention_rows(const localmoe::Matrix& qkv_w, const localmoe::Matrix& o_w, int64_t H, int64_t Hkv, int64_t Dh,
+                    int64_t rot, const float* q_norm, const float* k_norm, const float* sinks, float scale, float eps,
+                    const float* h, int64_t N, const int64_t* seqs, const float* cos, const float* ssin,
+                    int64_t rope_stride, float* delta, float* work, float* parts, void* xq, int threads) {
+  const int64_t width = (H + 2 * Hkv) * Dh;
+  float* qkv = work;              // [N, width]
+  float* attn = work + N * width;  // [N, H Dh]
+  localmoe::matrows(qkv_w, h, N, qkv, xq, threads, parts);
+  for (int64_t r = 0; r < N; ++r) {
+    float* row = qkv + r * width;
+    if (q_norm != nullptr)
+      for (int64_t j = 0; j < H + Hkv; ++j)
+        localmoe_gqa::head_rms_norm(row + j * Dh, Dh, j < H ? q_norm : k_norm, eps);
+    for (int64_t j = 0; j < H + Hkv; ++j)
+      localmoe_gqa::rope(row + j * Dh, rot, cos + r * rope_stride, ssin + r * rope_stride);
+  }
+  gqa_decode_paged(qkv, width, Dh, qkv + H * Dh, width, Dh, qkv + (H + Hkv) * Dh, width, Dh, N, H, H / Hkv, Dh, seqs,
+                   sinks, scale, attn, threads);
+  localmoe::matrows(o_w, attn, N, delta, xq, threads);
+}
+
+localmoe::Matrix qkv_matrix(const Layer& L, int64_t D) {
+  return {L.wqkv, L.qkv_bf16 ? localmoe::kBF16 : localmoe::kF32, (L.heads + 2 * L.kv_heads) * L.head_dim, D, L.bqkv};
+}
+
+localmoe::Matrix o_matrix(const Layer& L, int64_t D) {
+  return {L.wo, L.o_bf16 ? localmoe::kBF16 : localmoe::kF32, D, L.heads * L.head_dim, L.bo};
+}
+
+}  // namespace
+
 extern "C" {
 
 // x [D] (the embedded token; the residual stream, updated) -> h [D], the final-normed hidden state.
 // cos/ssin [rot]: the RoPE tables at `pos`; delta [D], ids/weights [max k], attn_scratch (floats) and
-// moe_scratch (bytes) sized by the caller for the largest layer.
-void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
-                    const float* ssin, const float* final_norm, float eps, int q8, float* h, float* delta,
-                    int64_t* ids, float* weights, float* attn_scratch, void* moe_scratch, int threads) {
+// moe_scratch (bytes) sized by the caller for the largest layer; experts: the paged layers' (table null).
+// Returns -1, or the layer whose `experts` failed.
+int64_t decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
+                       const float* ssin, const float* final_norm, float eps, int q8, float* h, float* delta,
+                       int64_t* ids, float* weights, float* attn_scratch, void* moe_scratch, MoeExperts experts,
+                       int threads) {
   add_rms_norm(x, nullptr, layers[0].attn_norm, 1, D, eps, h);
   for (int64_t l = 0; l < n; ++l) {
     const Layer& L = layers[l];
@@ -72,12 +147,49 @@ void decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int64_t
              L.kpool, L.vpool, L.head_stride, pos, first, L.sinks, L.scale, nullptr, nullptr, 0.0f, L.wo,
              static_cast<int>(L.o_bf16), L.bo, delta, attn_scratch, threads);
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
-    std::memset(delta, 0, D * sizeof(float));
-    mxfp4_moe_routed(h, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
-                     static_cast<int>(L.renormalize), L.scaling, h, 1, D, L.intermediate, L.top_k, L.table, L.experts,
-                     static_cast<int>(L.glu), L.p0, L.p1, delta, ids, weights, moe_scratch, threads, q8);
+    if (!moe_rows(L, l, h, 1, D, 1, delta, ids, weights, moe_scratch, experts, threads, q8)) return l;
     add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, 1, D, eps, h);
   }
+  return -1;
+}
+
+// Floats of decode_gqa_moe_rows' `work` per row: the largest layer's q/k/v and attention rows.
+int64_t decode_gqa_moe_rows_work(const Layer* layers, int64_t n) {
+  int64_t floats = 0;
+  for (int64_t l = 0; l < n; ++l)
+    floats = std::max(floats, (2 * layers[l].heads + 2 * layers[l].kv_heads) * layers[l].head_dim);
+  return floats;
+}
+
+// decode_gqa_moe for N rows (N sequences' tokens, or consecutive tokens of one sequence: a speculative verify, a
+// prompt chunk), as decode_dense_rows lays them out: x [N, D] (updated) -> h [N, D]. Each row's arithmetic is
+// decode_gqa_moe's for its token: the attention by `attention_rows` (attention_step's bits per row), the norms per
+// row, the MoE by `moe_rows` (mxfp4_moe_routed over slices of at most moe_rows rows: at exact precision a slice's
+// expert groups must stay on the one-token path, EXACT_TOKEN_ROWS; paged layers through `experts`, which runs the
+// same kernels in the same order). So a row has the bits `decode_gqa_moe` gives its sequence alone, whatever the
+// other rows and threads. seqs [n, N, 10] (paged_cpu.cpp's row fields per layer), cos/ssin [N, rope_stride]; delta
+// [N, D]; work: decode_gqa_moe_rows_work floats per row; ids/weights [moe_rows, max k]; moe_scratch:
+// mxfp4_moe_routed_scratch bytes for moe_rows rows of the largest layer. Returns -1; the first (layer * N + row)
+// whose position lies outside its cache's capacity (nothing computed or written); or n * N + the layer whose
+// `experts` failed.
+int64_t decode_gqa_moe_rows(const Layer* layers, int64_t n, int64_t N, float* x, int64_t D, const int64_t* seqs,
+                            const float* cos, const float* ssin, int64_t rope_stride, const float* final_norm,
+                            float eps, int q8, int64_t moe_rows_max, float* h, float* delta, float* work,
+                            int64_t* ids, float* weights, void* moe_scratch, MoeExperts experts, int threads) {
+  const int64_t bad = outside(seqs, n, N);
+  if (bad >= 0) return bad;
+  add_rms_norm(x, nullptr, layers[0].attn_norm, N, D, eps, h);
+  for (int64_t l = 0; l < n; ++l) {
+    const Layer& L = layers[l];
+    attention_rows(qkv_matrix(L, D), o_matrix(L, D), L.heads, L.kv_heads, L.head_dim, L.rot, nullptr, nullptr, L.sinks,
+                   L.scale, eps, h, N, seqs + l * N * kFields, cos, ssin, rope_stride, delta, work, nullptr, nullptr,
+                   threads);
+    add_rms_norm(x, delta, L.mlp_norm, N, D, eps, h);
+    if (!moe_rows(L, l, h, N, D, moe_rows_max, delta, ids, weights, moe_scratch, experts, threads, q8))
+      return n * N + l;
+    add_rms_norm(x, delta, l + 1 < n ? layers[l + 1].attn_norm : final_norm, N, D, eps, h);
+  }
+  return -1;
 }
 
 // A dense layer (decode_dense): the attention as in Layer, with its matrices as descriptors of any type
@@ -147,31 +259,15 @@ int64_t decode_dense_rows_work(const DenseLayer* layers, int64_t n) {
 int64_t decode_dense_rows(const DenseLayer* layers, int64_t n, int64_t N, float* x, int64_t D, const int64_t* seqs,
                           const float* cos, const float* ssin, int64_t rope_stride, const float* final_norm, float eps,
                           float* h, float* delta, float* work, void* xq, int threads) {
-  constexpr int64_t kFields = 10, kCapacity = 7, kPos = 8;  // paged_cpu.cpp's row fields
-  for (int64_t i = 0; i < n * N; ++i) {
-    const int64_t* seq = seqs + i * kFields;
-    if (seq[kPos] < 0 || seq[kPos] >= seq[kCapacity]) return i;
-  }
+  const int64_t bad = outside(seqs, n, N);
+  if (bad >= 0) return bad;
   const int64_t work_floats = decode_dense_rows_work(layers, n);
   add_rms_norm(x, nullptr, layers[0].attn_norm, N, D, eps, h);
   for (int64_t l = 0; l < n; ++l) {
     const DenseLayer& L = layers[l];
-    const int64_t H = L.heads, Hkv = L.kv_heads, Dh = L.head_dim, width = (H + 2 * Hkv) * Dh;
-    float* qkv = work;              // [N, width]
-    float* attn = work + N * width;  // [N, H Dh]
     float* parts = work + N * (work_floats / 2);  // a stacked matrix's parts
-    localmoe::matrows(L.qkv, h, N, qkv, xq, threads, parts);
-    for (int64_t r = 0; r < N; ++r) {
-      float* row = qkv + r * width;
-      if (L.q_norm != nullptr)
-        for (int64_t j = 0; j < H + Hkv; ++j)
-          localmoe_gqa::head_rms_norm(row + j * Dh, Dh, j < H ? L.q_norm : L.k_norm, eps);
-      for (int64_t j = 0; j < H + Hkv; ++j)
-        localmoe_gqa::rope(row + j * Dh, L.rot, cos + r * rope_stride, ssin + r * rope_stride);
-    }
-    gqa_decode_paged(qkv, width, Dh, qkv + H * Dh, width, Dh, qkv + (H + Hkv) * Dh, width, Dh, N, H, H / Hkv, Dh,
-                     seqs + l * N * kFields, L.sinks, L.scale, attn, threads);
-    localmoe::matrows(L.o, attn, N, delta, xq, threads);
+    attention_rows(L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, L.q_norm, L.k_norm, L.sinks, L.scale, eps, h, N,
+                   seqs + l * N * kFields, cos, ssin, rope_stride, delta, work, parts, xq, threads);
     add_rms_norm(x, delta, L.mlp_norm, N, D, eps, h);
     const int64_t I = L.gate_up.rows / 2;
     float* mlp = work;  // [N, 2 I], then silu(gate) * up packed as [N, I]

@@ -2,11 +2,11 @@
 
 - CPU tensors (contiguous, fp32 x and bias, fp32/bf16 W) with the CPU library (kernels/_cpu):
   `cpu.gemv`: one or two tokens stream each weight row once (at memory bandwidth); three or more run register
-  tiles of tokens x outputs (dense_tiles.h: about torch's sgemm speed, benchmarks/kernels.py), every token with
-  the bits it has alone.
+  tiles of tokens x outputs (dense_tiles.h: at or above torch's sgemm speed, prompt chunks in token blocks that
+  stay in L2), every token with the bits it has alone.
 - otherwise the reference (reference.py).
-The engine's `Linear` takes the kernel for every call of up to GEMV_MAX_ROWS rows (DECODE_ROWS inside a batched
-step), for its row-independent bits.
+The engine's `Linear` takes the kernel for every fp32 CPU input, decode and prefill, for its row-independent bits
+(and, on bf16 weights, no widened copy).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def kernel_available() -> bool:
     return library() is not None
 
 
-GEMV_MAX_ROWS = 8  # above this many input rows (outside a batched step) a call is a GEMM: the engine runs torch's
+GEMV_MAX_ROWS = 8  # rows every matrix of the engine computes each on its own (engine/batch.py), kernel or not
 
 
 def _takes_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -138,24 +138,33 @@ struct Args {
   float* y;
 };
 
-// Outputs [o0, o1) against all N tokens: kTileOuts weight rows at a time (the last few one by one), each against
-// the tokens kTileRows at a time (the weight rows stay in L1 while x streams from L2).
+constexpr int64_t kTileTokenBytes = 256 << 10;  // x bytes per block of tokens: stays in L2 with the chunk's weight rows
+
+// Outputs [o0, o1) against all N tokens: the tokens in blocks of kTileTokenBytes of x (a prompt chunk of 512
+// tokens is 1.5 MiB of x at K = 768: it would stream from L3 for every weight tile); per block, kTileOuts weight
+// rows at a time (the last few one by one), each against the block's tokens kTileRows at a time (the weight rows
+// stay in L1 while x streams from L2; the chunk's rows come back from L2 for the next block). Which tile and block
+// a token falls in does not change its bits.
 template <typename T>
 void tile_outputs(const void* ctx, int64_t o0, int64_t o1) {
   const Args<T>& a = *static_cast<const Args<T>*>(ctx);
   const int64_t K = a.K, O = a.O, N = a.N;
-  for (int64_t o = o0; o < o1;) {
-    const bool full = o + kTileOuts <= o1;
-    const T* w = a.w + o * K;
-    const float* b = a.bias == nullptr ? nullptr : a.bias + o;
-    for (int64_t t = 0; t < N; t += kTileRows) {
-      const int R = static_cast<int>(std::min<int64_t>(kTileRows, N - t));
-      if (full)
-        tile_rows<T, kTileOuts>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
-      else
-        tile_rows<T, 1>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
+  const int64_t block = std::max<int64_t>(kTileRows, kTileTokenBytes / (4 * K) / kTileRows * kTileRows);
+  for (int64_t t0 = 0; t0 < N; t0 += block) {
+    const int64_t t1 = std::min(N, t0 + block);
+    for (int64_t o = o0; o < o1;) {
+      const bool full = o + kTileOuts <= o1;
+      const T* w = a.w + o * K;
+      const float* b = a.bias == nullptr ? nullptr : a.bias + o;
+      for (int64_t t = t0; t < t1; t += kTileRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kTileRows, t1 - t));
+        if (full)
+          tile_rows<T, kTileOuts>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
+        else
+          tile_rows<T, 1>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
+      }
+      o += full ? kTileOuts : 1;
     }
-    o += full ? kTileOuts : 1;
   }
 }
 

@@ -33,7 +33,7 @@ extern "C" {
 int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return scratch_bytes(N, K); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
-// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K; 268 Q4_K_R8, 270 Q6_K_R8: repacked, O a multiple of 8); K a
+// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K; 259 Q4_1_R8, 268 Q4_K_R8, 270 Q6_K_R8: repacked, O a multiple of 8); K a
 // multiple of 32 (256 for K-quants);
 // everything contiguous.
 // x_mode (ggml_rows.h XMode): 0 x rounded to int8 per block, 1 fp32 x as it is (exact_x: Q8_0, Q4_K, Q6_K; scratch
@@ -48,9 +48,14 @@ int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, 
   return 0;
 }
 
-// Q4_K / Q6_K rows [O, row_bytes(type, K / 32)] (O a multiple of 8) into Q4_K_R8 / Q6_K_R8 (`pack` 1; ggml_rows8_k.h,
-// ggml_rows8_q6k.h) or back (0), src may be dst; tmp: 8 row_bytes. Returns 0, or -1 for another type or shape.
+// Q4_1 / Q4_K / Q6_K rows [O, row_bytes(type, K / 32)] (O a multiple of 8) into Q4_1_R8 / Q4_K_R8 / Q6_K_R8 (`pack`
+// 1; ggml_rows.h, ggml_rows8_k.h, ggml_rows8_q6k.h) or back (0), src may be dst; tmp: 8 row_bytes. Returns 0, or -1
+// for another type or shape.
 int ggml_repack(const uint8_t* src, uint8_t* dst, int64_t O, int64_t K, int type, int pack, uint8_t* tmp) {
+  if (type == kQ4_1 && O % 8 == 0 && K % kBlock == 0) {
+    repack_q41(src, dst, O, K / kBlock, pack != 0, tmp);
+    return 0;
+  }
   if ((type != kQ4_K && type != kQ6_K) || O % 8 || K % 256) return -1;
   (type == kQ4_K ? repack_q4k : repack_q6k)(src, dst, O, K / 256, pack != 0, tmp);
   return 0;

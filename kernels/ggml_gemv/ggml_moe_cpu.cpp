@@ -39,6 +39,7 @@ RowFn row_fn(int type) {
   switch (type) {
     case kQ4_0: return one_row<Block32Int8<kQ4_0>>;
     case kQ4_1: return one_row<Block32Int8<kQ4_1>>;
+    case kQ4_1_R8: return one_row<Rows8R8<kQ4_1>>;
     case kQ5_0: return one_row<Block32Int8<kQ5_0>>;
     case kQ5_1: return one_row<Block32Int8<kQ5_1>>;
     case kQ8_0: return one_row<Block32Int8<kQ8_0>>;

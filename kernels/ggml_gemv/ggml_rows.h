@@ -22,8 +22,9 @@ constexpr int64_t kBlock = 32;
 enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
                  kIQ4_NL = 20, kIQ4_XS = 23 };  // IQ4_NL / IQ4_XS: ggml_rows_iq4.h
 // A type's blocks repacked at load for the row kernels (type | kRepacked; same bytes per eight rows, same bits):
-// Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h.
+// Q4_1_R8, below (Rows8R8); Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h.
 constexpr int kRepacked = 0x100;
+constexpr int kQ4_1_R8 = kQ4_1 | kRepacked;
 constexpr int kQ4_K_R8 = kQ4_K | kRepacked;
 constexpr int kQ6_K_R8 = kQ6_K | kRepacked;
 
@@ -35,7 +36,8 @@ inline bool is_k_quant(int type) {
 inline int64_t row_bytes(int type, int64_t nb) {
   switch (type) {
     case kQ4_0: return nb * 18;
-    case kQ4_1: return nb * 20;
+    case kQ4_1:
+    case kQ4_1_R8: return nb * 20;
     case kQ5_0: return nb * 22;
     case kQ5_1: return nb * 24;
     case kQ8_0: return nb * 34;
@@ -393,7 +395,8 @@ struct NoWide {
 // transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K / Q5_K: rows8k, ggml_rows8_k.h.)
 inline bool has_rows8(int type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kIQ4_NL || type == kIQ4_XS;
+         type == kQ5_K || type == kQ6_K || type == kQ4_1_R8 || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kIQ4_NL ||
+         type == kIQ4_XS;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -456,9 +459,20 @@ __attribute__((always_inline)) inline void q8_0_codes8(const uint8_t* blk, int64
   transpose4(hi, codes + 4);
 }
 
-template <int T>
+// Q4_1_R8 (Q4_1 repacked at load, repack_q41 below): eight rows' block of 32 as 160 bytes, the rows' (d, m) dwords
+// (what gather8 reads), then the four vectors transpose4 makes of their nibbles (lane r: row r's code bytes 4k..4k+3),
+// so a group of eight rows is read with five loads and no transposition; the same values as the GGUF layout, hence
+// the same bits on every path. Block b of the group starting at row0 lies at row0 + b * kQ41R8Block.
+constexpr int64_t kQ41R8Block = 8 * 20;
+__attribute__((always_inline)) inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// R8: blk is a Q4_1_R8 block (stride unused).
+template <int T, bool R8 = false>
 __attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64_t stride, Block8& o) {
-  const __m256i head = gather8(blk, stride);  // fp16 d, then Q4_1's fp16 m (Q4_0 / Q8_0: the first codes)
+  static_assert(!R8 || T == kQ4_1, "Q4_1_R8 only");
+  const __m256i head = R8 ? load32(blk) : gather8(blk, stride);  // fp16 d, then Q4_1's fp16 m (Q4_0 / Q8_0: codes)
   o.d = halves8(head, false);
   if (T == kQ8_0) {
     q8_0_codes8(blk, stride, o.codes);
@@ -473,10 +487,14 @@ __attribute__((always_inline)) inline void load_block8(const uint8_t* blk, int64
   o.f = T == kQ4_0 ? _mm256_mul_ps(_mm256_set1_ps(-8.0f), o.d)
         : T == kQ5_0 ? _mm256_mul_ps(_mm256_set1_ps(-16.0f), o.d) : halves8(head, true);
   __m256i rows[4], dw[4];
-  for (int r = 0; r < 4; ++r)
-    rows[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride + kCodes),
-                                  reinterpret_cast<const __m128i*>(blk + r * stride + kCodes));
-  transpose4(rows, dw);
+  if constexpr (R8) {
+    for (int k = 0; k < 4; ++k) dw[k] = load32(blk + 32 + 32 * k);
+  } else {
+    for (int r = 0; r < 4; ++r)
+      rows[r] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + (r + 4) * stride + kCodes),
+                                    reinterpret_cast<const __m128i*>(blk + r * stride + kCodes));
+    transpose4(rows, dw);
+  }
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) {
     o.codes[k] = _mm256_and_si256(dw[k], low4);                              // values 4k..4k+3
@@ -533,18 +551,19 @@ __attribute__((always_inline)) inline __m256i dot8(const Block8& w, const int8_t
   return s[0];
 }
 
-// Rows r .. r + 7 against TN tokens (x[t]: token t's blocks): y[t * ldy + r ..] = the eight values (+ bias).
-template <int T, int TN>
+// Rows r .. r + 7 against TN tokens (x[t]: token t's blocks): y[t * ldy + r ..] = the eight values (+ bias). R8:
+// row0 starts a Q4_1_R8 group.
+template <int T, int TN, bool R8 = false>
 inline void group8(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX* const* x, float* y, int64_t ldy,
                    const float* bias) {
-  constexpr int64_t kBytes = Block32Int8<T>::kBytes;
+  constexpr int64_t kBytes = R8 ? kQ41R8Block : Block32Int8<T>::kBytes;
   __m256 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
   const NextGroup ahead(row0, 8, stride, nb);  // the next group's rows, fetched while this one runs
   for (int64_t b = 0; b < nb; ++b) {
     ahead.fetch(b);
     Block8 w;
-    load_block8<T>(row0 + b * kBytes, stride, w);
+    load_block8<T, R8>(row0 + b * kBytes, stride, w);
 #pragma GCC unroll 16
     for (int t = 0; t < TN; ++t) {
       const BlockX& xb = x[t][b];
@@ -571,37 +590,63 @@ inline int32_t load_u32(const int8_t* p) {
   return v;
 }
 
-template <int T, int TN>
+// Q4_1_R8's sixteen rows r .. r + 15 (two groups of eight, lo at row0, hi 8 rows on) as group16's vectors: five
+// 512-bit loads, two fp16 conversions, no transposition (the values load_block8 gives each half).
+__attribute__((always_inline)) inline void load_r8_16(const uint8_t* lo, const uint8_t* hi, __m512i codes[8], __m512& d,
+                                                     __m512& m) {
+  const auto join = [](const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+  };
+  const __m512i head = join(lo, hi);  // lane r: row r's fp16 d (low half), fp16 m (high half)
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+  m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16)));
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i dw = join(lo + 32 + 32 * k, hi + 32 + 32 * k);
+    codes[k] = _mm512_and_si512(dw, low4);
+    codes[k + 4] = _mm512_and_si512(_mm512_srli_epi16(dw, 4), low4);
+  }
+}
+
+// R8: row0 starts a Q4_1_R8 group (the next group of eight, 8 rows on, is the high half).
+template <int T, int TN, bool R8 = false>
 inline void group16(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX* const* x, float* y, int64_t ldy,
                     const float* bias) {
-  constexpr int64_t kBytes = Block32Int8<T>::kBytes;
+  constexpr int64_t kBytes = R8 ? kQ41R8Block : Block32Int8<T>::kBytes;
+  constexpr int kChains = 2;  // integer partial sums per token: exact in any order (one chain measured ~4% slower)
   __m512 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   const NextGroup ahead(row0, 16, stride, nb);
   for (int64_t b = 0; b < nb; ++b) {
     ahead.fetch(b);
-    Block8 lo, hi;
-    load_block8<T>(row0 + b * kBytes, stride, lo);
-    load_block8<T>(row0 + 8 * stride + b * kBytes, stride, hi);
     __m512i codes[8];
-    for (int i = 0; i < 8; ++i) codes[i] = join8(lo.codes[i], hi.codes[i]);
-    const __m512 d = join8(lo.d, hi.d);
-    const __m512 f = T == kQ8_0 ? d : join8(lo.f, hi.f);
-    const __m512i bias8 = T == kQ8_0 ? join8(lo.bias8, hi.bias8) : _mm512_setzero_si512();
+    __m512 d, f;
+    __m512i bias8 = _mm512_setzero_si512();
+    if constexpr (R8) {
+      load_r8_16(row0 + b * kBytes, row0 + 8 * stride + b * kBytes, codes, d, f);
+    } else {
+      Block8 lo, hi;
+      load_block8<T>(row0 + b * kBytes, stride, lo);
+      load_block8<T>(row0 + 8 * stride + b * kBytes, stride, hi);
+      for (int i = 0; i < 8; ++i) codes[i] = join8(lo.codes[i], hi.codes[i]);
+      d = join8(lo.d, hi.d);
+      f = T == kQ8_0 ? d : join8(lo.f, hi.f);
+      if (T == kQ8_0) bias8 = join8(lo.bias8, hi.bias8);
+    }
 #pragma GCC unroll 16
     for (int t = 0; t < TN; ++t) {
       const BlockX& xb = x[t][b];
-      __m512i s[2] = {bias8, _mm512_setzero_si512()};  // two chains (integer sums: exact in any order)
+      __m512i s[2] = {bias8, _mm512_setzero_si512()};
       if (T == kQ8_0) {
         const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
         for (int i = 0; i < 8; ++i)
-          s[i % 2] = _mm512_dpbusd_epi32(s[i % 2], _mm512_xor_si512(_mm512_set1_epi32(load_u32(xb.q + 4 * i)), flip),
-                                         codes[i]);
+          s[i % kChains] = _mm512_dpbusd_epi32(
+              s[i % kChains], _mm512_xor_si512(_mm512_set1_epi32(load_u32(xb.q + 4 * i)), flip), codes[i]);
       } else {
         for (int i = 0; i < 8; ++i)
-          s[i % 2] = _mm512_dpbusd_epi32(s[i % 2], codes[i], _mm512_set1_epi32(load_u32(xb.q + 4 * i)));
+          s[i % kChains] = _mm512_dpbusd_epi32(s[i % kChains], codes[i], _mm512_set1_epi32(load_u32(xb.q + 4 * i)));
       }
-      s[0] = _mm512_add_epi32(s[0], s[1]);
+      if (kChains == 2) s[0] = _mm512_add_epi32(s[0], s[1]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
       if (T != kQ8_0) acc[t] = _mm512_fmadd_ps(f, _mm512_set1_ps(xb.s), acc[t]);
     }
@@ -671,6 +716,68 @@ struct Rows8 {
   static float single(const uint8_t* row, int64_t nb, const BlockX* x) { return rows8_single<T>(row, nb, x); }
 };
 
+// Q4_1_R8 as a group kernel for rows_fixed: `wide` takes every row of the range, sixteen at a time where a tile of 2 or
+// more tokens runs on AVX-512 VNNI (as Rows8), else eight; a group the range cuts is computed whole into a buffer and
+// the range's rows copied out (a repacked row cannot be read alone; ggml_rows8_k.h WholeGroups for the K-quants).
+template <int T>
+struct Rows8R8 {
+  using X = BlockX;
+  static constexpr int kTile = kTile8;
+  template <int TN>
+  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nb, const BlockX* const* x, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, const float* bias) {
+    for (int64_t r = r0; r < r1;) {
+      const int64_t g = r / 8 * 8;
+      const float* b = bias == nullptr ? nullptr : bias + r;
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      if constexpr (TN > 1)
+        if (g == r && r + 16 <= r1) {
+          group16<T, TN, true>(w + r * stride, stride, nb, x, y + r, ldy, b);
+          r += 16;
+          continue;
+        }
+#endif
+      if (g == r && r + 8 <= r1) {
+        group8<T, TN, true>(w + r * stride, stride, nb, x, y + r, ldy, b);
+        r += 8;
+        continue;
+      }
+      float part[8 * TN];
+      group8<T, TN, true>(w + g * stride, stride, nb, x, part, 8, nullptr);
+      for (const int64_t end = std::min(r1, g + 8); r < end; ++r)
+        for (int t = 0; t < TN; ++t)
+          y[t * ldy + r] = bias == nullptr ? part[8 * t + r - g] : part[8 * t + r - g] + bias[r];
+    }
+    return r1;
+  }
+  template <int TN>
+  __attribute__((always_inline)) static void group(const uint8_t* row0, int64_t stride, int64_t nb,
+                                                   const BlockX* const* x, float* y, int64_t ldy, const float* bias) {
+    group8<T, TN, true>(row0, stride, nb, x, y, ldy, bias);
+  }
+  static float single(const uint8_t*, int64_t, const BlockX*) { return std::nanf(""); }  // never: wide takes all
+};
+
+// Q4_1 rows [O, nb * 20] (O a multiple of 8) into Q4_1_R8 (`pack`) or back; src may be dst (one group at a time through
+// `tmp`, 8 * nb * 20 bytes).
+inline void repack_q41(const uint8_t* src, uint8_t* dst, int64_t O, int64_t nb, bool pack, uint8_t* tmp) {
+  const int64_t group = 8 * nb * 20;
+  for (int64_t g = 0; g < O / 8; ++g) {
+    std::memcpy(tmp, src + g * group, group);
+    uint8_t* out = dst + g * group;
+    for (int r = 0; r < 8; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* plain = (pack ? tmp : out) + r * nb * 20 + b * 20;
+        uint8_t* packed = (pack ? out : tmp) + b * kQ41R8Block;
+        for (int k = 0; k < 5; ++k) {  // dword 0: d, m; dwords 1-4: the code bytes 4(k - 1) ..
+          uint8_t* at = packed + (k == 0 ? 0 : 32 * k) + 4 * r;
+          if (pack) std::memcpy(at, plain + 4 * k, 4);
+          else std::memcpy(plain + 4 * k, at, 4);
+        }
+      }
+  }
+}
+
 }  // namespace localmoe_ggml
 
 #include "ggml_rows8_k.h"  // Q4_K and Q5_K eight rows at a time (rows8k)
@@ -710,6 +817,8 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   constexpr int T = Rows8Type<U>::kType;
   if constexpr (T >= 0) {
     rows_fixed<Rows8<T>, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
+  } else if constexpr (std::is_same_v<U, Rows8R8<kQ4_1>>) {
+    rows_fixed<U, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
   } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5> || std::is_same_v<U, Rows8K6> ||
                        std::is_same_v<U, Rows8KR8> || std::is_same_v<U, Rows8K6R8>) {  // K-quants
     rows_fixed<U, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
@@ -1186,6 +1295,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   else
     fn = type == kQ4_0   ? rows_grouped<Rows8<kQ4_0>>
          : type == kQ4_1 ? rows_grouped<Rows8<kQ4_1>>
+         : type == kQ4_1_R8 ? rows_grouped<Rows8R8<kQ4_1>>
          : type == kQ5_0 ? rows_grouped<Rows8<kQ5_0>>
          : type == kQ5_1 ? rows_grouped<Rows8<kQ5_1>>
          : type == kQ4_K ? rows_grouped<Rows8K>

@@ -1,5 +1,9 @@
-"""GGUF blocks repacked at load for the row kernels: Q4_K_R8 (`Q4_K | 0x100`, kernels/ggml_gemv/ggml_rows8_k.h) and
-Q6_K_R8 (`Q6_K | 0x100`, ggml_rows8_q6k.h).
+"""GGUF blocks repacked at load for the row kernels: Q4_1_R8 (`Q4_1 | 0x100`, kernels/ggml_gemv/ggml_rows.h Rows8R8),
+Q4_K_R8 (`Q4_K | 0x100`, ggml_rows8_k.h) and Q6_K_R8 (`Q6_K | 0x100`, ggml_rows8_q6k.h).
+
+A Q4_1 matrix of a multiple of eight rows is rewritten, eight rows at a time, per block of 32 values: the eight rows'
+(d, m) halves, then their nibbles transposed so that one 32-byte load holds four bytes of each row (what the eight-
+and sixteen-row kernels made of the GGUF bytes with a gather and a transposition per block and call).
 
 A Q4_K matrix of a multiple of eight rows is rewritten, eight rows at a time, into what the eight-row kernels made of
 its bytes at run time (the eight rows' d, dmin and scale bytes, then their nibbles, transposed so that one 32-byte load
@@ -44,11 +48,12 @@ class RepackedType(int):
         return self.name
 
 
+Q4_1_R8 = RepackedType(Q.Q4_1)
 Q4_K_R8 = RepackedType(Q.Q4_K)
 Q6_K_R8 = RepackedType(Q.Q6_K)
-REPACKED = {Q.Q4_K: Q4_K_R8, Q.Q6_K: Q6_K_R8}
+REPACKED = {Q.Q4_1: Q4_1_R8, Q.Q4_K: Q4_K_R8, Q.Q6_K: Q6_K_R8}
 GROUP_ROWS = 8  # rows repacked together
-SUPER_BYTES = {Q.Q4_K: 144, Q.Q6_K: 210}  # bytes of a super-block of 256 values
+UNITS = {Q.Q4_1: (20, 32), Q.Q4_K: (144, 256), Q.Q6_K: (210, 256)}  # (bytes, values) of a block / super-block
 
 
 def plain_type(ggml_type):
@@ -58,7 +63,8 @@ def plain_type(ggml_type):
 
 def can_repack(ggml_type, rows: int, cols: int) -> bool:
     """Whether a [rows, cols] matrix of `ggml_type` has a repacked form here (the CPU library, whole groups)."""
-    return ggml_type in REPACKED and rows % GROUP_ROWS == 0 and cols % 256 == 0 and library() is not None
+    return (ggml_type in REPACKED and rows % GROUP_ROWS == 0 and cols % UNITS[ggml_type][1] == 0
+            and library() is not None)
 
 
 def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool) -> torch.Tensor:
@@ -66,7 +72,8 @@ def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool)
     if lib is None or not raw.is_contiguous() or raw.dtype != torch.uint8 or raw.device.type != "cpu":
         raise ValueError("repacking takes contiguous uint8 blocks on the CPU with the kernel library")
     row_bytes = raw.numel() // rows
-    cols = row_bytes // SUPER_BYTES.get(plain_type(ggml_type), row_bytes + 1) * 256
+    unit_bytes, unit_values = UNITS.get(plain_type(ggml_type), (row_bytes + 1, 0))
+    cols = row_bytes // unit_bytes * unit_values
     tmp = torch.empty(GROUP_ROWS * row_bytes, dtype=torch.uint8)
     if lib.ggml_repack(raw.data_ptr(), out.data_ptr(), rows, cols, int(plain_type(ggml_type)), int(pack),
                        tmp.data_ptr()):
@@ -88,5 +95,5 @@ def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
     return _run(raw.contiguous(), ggml_type, rows, torch.empty_like(raw, memory_format=torch.contiguous_format), False)
 
 
-__all__ = ["GROUP_ROWS", "Q4_K_R8", "Q6_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
+__all__ = ["GROUP_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
            "unpack"]

@@ -1,11 +1,12 @@
 """KDA dispatcher. CUDA: flash-linear-attention's kernels where fla-core imports (fla_ops.py), else our
-Triton; elsewhere the vectorised PyTorch forms of cpu.py. The recurrent form for a few tokens (decode),
-the chunked one for prefill."""
+Triton, the recurrent form for a few tokens (decode), the chunked one for prefill. On the CPU: the C++ token loop
+(native.py, the fused decode step's update) at every length where the CPU library is built, else the vectorised
+PyTorch forms of cpu.py."""
 
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
-from localmoe.kernels.kda import cpu, fla_ops
+from localmoe.kernels.kda import cpu, fla_ops, native
 from localmoe.kernels.kda.reference import naive_recurrent_kda
 
 RECURRENT_MAX_T = 8  # calls of at most this many tokens use the recurrent kernel
@@ -35,7 +36,10 @@ def chunk_kda(q, k, v, g, beta, state, lower_bound: float | None = None):
 
 
 def kda(q, k, v, g, beta, state, lower_bound: float | None = None):
-    """Recurrent for T <= RECURRENT_MAX_T, chunked above."""
+    """On the CPU the C++ token loop (native.py) where it runs; else recurrent for T <= RECURRENT_MAX_T, chunked
+    above."""
+    if not usable(q) and native.available(q, v):
+        return native.delta_rule(q, k, v, g, beta, state, scalar_decay=False)
     if q.shape[1] <= RECURRENT_MAX_T:
         return recurrent_kda(q, k, v, g, beta, state)
     return chunk_kda(q, k, v, g, beta, state, lower_bound)

@@ -10,7 +10,7 @@ Reading is by text: Hermes-style calls `<tool_call>{"name": ..., "arguments": {.
 (Qwen, SmolLM3, ...) become tool calls, and when the template uses `<think>` (`thinks`),
 `<think>...</think>` is reasoning; when the generation prompt already opened `<think>`,
 the reply starts in reasoning. Reasoning and content are stripped of surrounding
-whitespace. The text of a `<tool_call>` block that is not a JSON object with a name, or is
+whitespace (a stream sends whitespace after text as it comes: its deltas may end in whitespace the reply drops). The text of a `<tool_call>` block that is not a JSON object with a name, or is
 never closed, stays content without its tags: no tool markup ever reaches content.
 A `<tool_response>` block is never the model's to write (small models echo the tool result
 they were shown): a closed one is dropped, and so is a stray closing tag; the text of one
@@ -149,23 +149,28 @@ class _Stream:
 
 
 class _Stripped:
-    """One channel's text, stripped at both ends while streaming: leading whitespace is dropped,
-    trailing whitespace held until more text follows it."""
+    """One channel's text, stripped at both ends: leading whitespace is dropped; whitespace after text is streamed
+    as it comes (held until more text followed it, a newline token reached the client a step late, with the next
+    token: a stutter, and the stream's longest gaps) but joins `text` (the reply) only once more text follows it.
+    So the streamed deltas add up to `text` plus the channel's trailing whitespace, if any."""
 
     def __init__(self, channel: str):
         self.channel = channel
         self.text = ""
-        self._pending = ""
+        self._pending = ""  # whitespace streamed after `text`, not in it (yet)
 
     def add(self, text: str) -> list[Delta]:
         if not self.text:
-            text = (self._pending + text).lstrip()
-            self._pending = ""
-        text = self._pending + text
+            text = text.lstrip()
+        if not text:
+            return []
         body = text.rstrip()
-        self._pending = text[len(body):]
-        self.text += body
-        return [Delta(self.channel, body)] if body else []
+        if body:
+            self.text += self._pending + body
+            self._pending = text[len(body):]
+        else:
+            self._pending += text
+        return [Delta(self.channel, text)]
 
 
 def tool_call_from_json(body: str) -> ToolCall | None:

@@ -12,10 +12,12 @@ Plain GQA layers (`_gqa`) also project q/k/v and the output for all rows at once
 write and the attention itself run per sequence. Other mixers (MLA, DSA, delta rule, top-k
 selecting attention) run each sequence alone on its row.
 
-Dense models (GQA + SiLU MLP: Llama, SmolLM2, Qwen2, Qwen3) whose fused single-sequence plan exists
-(engine/decode_plan.py) run the whole step but the lm_head in one kernel call over all rows
-(`rows_plan`, kernels/decode_layers `DenseDecoder.rows`): every matrix read once for all rows, and every row
-with the bits of the fused single-sequence step, so batched == alone == `localmoe run` by construction.
+Dense models (GQA + SiLU MLP: Llama, SmolLM2, Qwen2, Qwen3) and gpt-oss (GQA with sliding windows and sinks +
+routed MXFP4 experts, resident or paged) whose fused single-sequence plan exists (engine/decode_plan.py) run the
+whole step but the lm_head in one kernel call over all rows (`rows_plan`, kernels/decode_layers `DenseDecoder.rows`,
+`GqaMoeDecoder.rows`; a paged layer's experts called back once per layer for all rows): every matrix and routed
+expert read once for all rows, and every row with the bits of the fused single-sequence step, so batched == alone
+== `localmoe run` (and a speculative verify == `--spec off`) by construction.
 
 Elsewhere a row's result does not depend on the others either: every matrix of N <= GEMV_MAX_ROWS rows (GGUF
 block weights: ggml_gemv.MAX_ROWS, one kernel call decoding each block once for all rows) runs the decode
@@ -44,7 +46,7 @@ from localmoe.engine.rope import apply_rope
 from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
-from localmoe.kernels.decode_layers import DenseDecoder
+from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
 from localmoe.kernels.rms_norm import add_rms_norm
@@ -339,12 +341,13 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
 
 
 def rows_plan(model):
-    """The model's fused decode plan (engine/decode_plan.py) where its dense form runs the batched step's rows
-    (`DenseDecoder.rows`: every layer for every row in one kernel call, each row with the bits of the fused
-    single-sequence step), else None: other plans, a layer that is not plain GQA now (a probe records its
-    selection), a model without one."""
+    """The model's fused decode plan (engine/decode_plan.py) where its dense or gpt-oss form runs the batched step's
+    rows (`DenseDecoder.rows`, `GqaMoeDecoder.rows`: every layer for every row in one kernel call, each row with the
+    bits of the fused single-sequence step; a paged MoE layer's experts called back once per layer for all rows),
+    else None: other plans, a layer that is not plain GQA now (a probe records its selection), a model without
+    one."""
     plan = model.decode_plan() if hasattr(model, "decode_plan") else None
-    if plan is None or not isinstance(plan.decoder, DenseDecoder):
+    if plan is None or not isinstance(plan.decoder, (DenseDecoder, GqaMoeDecoder)):
         return None
     return plan if all(_plain_gqa(mixer, ()) for _, mixer, _, _ in model.layers) else None
 

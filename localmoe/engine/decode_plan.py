@@ -77,6 +77,42 @@ def _matrix(linear) -> tuple | None:
     return descriptors, decode_layers.STACKED, linear.out_features, linear.in_features, None
 
 
+def _plain_router(router):
+    """The Router inside a pager's hooks (paging/hooks.py wraps it: `.router`)."""
+    while not isinstance(router, Router) and hasattr(router, "router"):
+        router = router.router
+    return router
+
+
+def _paged(block: MoEBlock) -> bool:
+    """Whether the gpt-oss form runs `block`'s experts through its callback (`_paged_experts`): a provider without a
+    resident kernel table (a pager) of MXFP4 experts, a plain routing rule underneath any hooks, and every row of a
+    call with its alone-bits (`independent_rows`)."""
+    router = _plain_router(block.router)
+    return (isinstance(router, Router) and router.rule.n_group == 1 and isinstance(block.act, ExpertGLU)
+            and block.experts is not None and block.independent_rows > 0)
+
+
+def _paged_experts(model):
+    """The gpt-oss form's experts callback for a layer without a resident table (a pager's): layer `index`'s
+    routed-expert sum of the rows h [N, D] through its block (the pager's router hooks see the routing; `dispatch`:
+    one MoE kernel call per chosen expert as the pager hands it out, each over every row routed to it), in slices
+    of `independent_rows` rows. Each row's experts are added in increasing id by the same kernel as a resident
+    layer's call: its bits. (Holding the rows' whole union and running it in one call, as the hybrid form's
+    callback does for one token, measured slower on gpt-oss `large` at 25%: docs/performance.md, session 12.)"""
+
+    def experts(index: int, h: torch.Tensor) -> torch.Tensor:
+        block = model.layers[index][3]
+        limit = block.independent_rows
+        parts = [h] if h.shape[0] <= limit else h.split(limit)
+        outs = []
+        for part in parts:
+            weights, ids = block.router(part)
+            outs.append(dispatch(part, weights, ids, block.experts, block.layer, block.act, block.precision))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return experts
+
+
 class DecodePlan:
     def __init__(self, model, decoder, parts: list[tuple], run=None, plain_routers: bool = True):
         self.model, self.decoder = model, decoder
@@ -119,22 +155,25 @@ class DecodePlan:
                     and _fp32_vectors(attn_norm, mlp_norm)):
                 return None
             table = block.routed_table(1)
-            if table is None or block.latent is not None or block.shared is not None:
+            if block.latent is not None or block.shared is not None or (table is None and not _paged(block)):
                 return None
-            step, router = mixer.fused_step, block.router
+            step, router = mixer.fused_step, _plain_router(block.router)
+            rule = router.rule
             layers.append({
                 "attn_norm": attn_norm, "wqkv": step.wqkv, "bqkv": step.bqkv, "wo": step.wo, "bo": step.bo,
                 "sinks": step.sinks, "heads": step.heads, "kv_heads": step.kv_heads, "head_dim": step.head_dim,
                 "rot": step.rot, "window": mixer.window, "scale": step.scale, "mlp_norm": mlp_norm,
                 "router_w": router.linear.weight, "router_b": router.linear.bias, "correction": router.correction_bias,
-                "table": table.addresses, "scoring": SCORINGS.index(router.rule.scoring),
-                "renormalize": router.rule.renormalize, "scaling": router.rule.scaling,
-                "intermediate": table.intermediate, "top_k": router.rule.top_k, "glu": GLU_KINDS.index(block.act.kind),
-                "p0": block.act.p0, "p1": block.act.p1, "keep": table})
-            parts += [(mixer, "fused_step", step), (block, "router", router), (block, "experts", block.experts)]
+                "table": None if table is None else table.addresses, "scoring": SCORINGS.index(rule.scoring),
+                "renormalize": rule.renormalize, "scaling": rule.scaling,
+                "intermediate": 0 if table is None else table.intermediate, "top_k": rule.top_k,
+                "glu": GLU_KINDS.index(block.act.kind), "p0": block.act.p0, "p1": block.act.p1, "keep": table})
+            parts += [(mixer, "fused_step", step), (block, "router", block.router), (block, "experts", block.experts)]
+        rows = min(block.independent_rows for *_, block in model.layers)
         decoder = decode_layers.GqaMoeDecoder(layers, model.spec.hidden_size, model.norm, model.eps,
-                                              model.config.expert_kernel_precision == "q8")
-        return cls(model, decoder, parts)
+                                              model.config.expert_kernel_precision == "q8", _paged_experts(model),
+                                              rows or 1)
+        return cls(model, decoder, parts, plain_routers=False)
 
     @classmethod
     def _hybrid(cls, model) -> DecodePlan | None:

@@ -6,14 +6,15 @@ or in bf16 when bf16 GEMV measured faster on this machine, in which case prefill
 inputs upcast the weight on the fly (cheap next to a GEMM). Measured on SmolLM2-135M
 (2 Zen 3 cores): 27 tokens/s with bf16 weights against 6 with fp32.
 
-Decode-sized inputs (few rows) go through the dense GEMV kernel (`localmoe.kernels.dense_gemv`:
-the weight streamed at memory bandwidth, bf16 widened to fp32 in registers, fp32 x and
-accumulation) where it is available, for every call of up to GEMV_MAX_ROWS rows: it computes each row
-with the same bits alone or among others (`independent_rows`, engine/batch.py), which torch's GEMM does
-not (and its bf16 GEMV rounds x to bf16). Inside a batched step (`decode_rows()`) every such weight takes up to
-DECODE_ROWS rows per kernel call: from 3 rows the kernel runs register tiles of rows x outputs (each weight vector
-loaded once per tile, dense_tiles.h) at about the speed of torch's sgemm, each row with its one-row bits. Prefill
-stays on torch's sgemm.
+Every fp32 CPU input goes through the dense GEMV kernel (`localmoe.kernels.dense_gemv`: bf16 widened to fp32 in
+registers, fp32 x and accumulation) where it is available: it computes each row with the same bits alone or among
+others (`independent_rows`, engine/batch.py), which torch's GEMM does not (and its bf16 GEMV rounds x to bf16). One
+or two rows stream the weight at memory bandwidth; from 3 rows the kernel runs register tiles of rows x outputs
+(each weight vector loaded once per tile, dense_tiles.h), and a prompt chunk's rows in blocks that stay in L2: a
+bf16 weight is read as bf16 (no widened copy, no GEMM packing), 1.0-1.4x torch's sgemm on the widened weight at
+72-row chunks (session 12, docs/performance.md), each row with its one-row bits, so an exactly-bf16 weight stored as
+bf16 or held as fp32 gives the same bits. Inside a batched step (`decode_rows()`) `independent_rows` is DECODE_ROWS
+where the kernel takes the weight; torch's GEMM (the weight widened for it) serves the other inputs.
 """
 
 from __future__ import annotations
@@ -202,9 +203,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         K = x.shape[-1]
         rows = x.numel() // K
-        if (self.gemv is not None and (rows <= GEMV_MAX_ROWS or rows <= self.independent_rows)
-                and x.dtype == torch.float32
-                and x.device.type == "cpu"
+        if (self.gemv is not None and x.dtype == torch.float32 and x.device.type == "cpu"
                 and K == self.weight.shape[1]):  # every such call: a row's bits do not depend on the others
             return self.gemv(x.reshape(rows, K).contiguous()).view(*x.shape[:-1], self.out_features)
         if not self.low_precision:  # fp32 values (a bf16-stored exact weight widened: the same product bits)

@@ -150,7 +150,7 @@ UNREPACKED = ("embed_tokens.weight", "lm_head.weight")
 
 def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     """The loader's last step where GGUF blocks are kept resident on the CPU: every 2-D BlockQuantized with a repacked
-    form (kernels/ggml_gemv/repacked.py: Q4_K or Q6_K of a multiple of eight rows) but UNREPACKED's (the lm_head's
+    form (kernels/ggml_gemv/repacked.py: Q4_1, Q4_K or Q6_K of a multiple of eight rows) but UNREPACKED's (the lm_head's
     too where `int8_head`: the model's head reads x rounded to int8, engine/transformer.py `head_inputs`) is replaced
     by its repacked copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the
     same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localmoe.config import PagingConfig
-from localmoe.engine.experts import ExpertWeights
+from localmoe.engine.experts import ExpertWeights, ResidentExperts
 from localmoe.paging.disk import make_backend
 from localmoe.paging.errors import PagingError
 from localmoe.paging.hooks import attach, detach
@@ -43,18 +43,44 @@ __all__ = [
 
 
 class StoreExperts:
-    """Every expert read straight from the store's maps (no budget: the page cache decides)."""
+    """Every expert read straight from the store's maps (no budget: the page cache decides). A layer's experts are
+    mapped together when the engine asks for its tables (`kernel_table`, `dense_table`, `block_table`, as
+    `ResidentExperts` gives them), so each layer is handed to the kernels whole, routing inside their call, as a
+    resident model's is: the same bits, the page cache's pages in place of the resident copy."""
 
     waits = True  # a page fault reads from disk (engine/experts.py ExpertProvider)
 
     def __init__(self, store):
         self.store = store
+        self._layers: dict[int, ResidentExperts | None] = {}  # layer -> its experts' maps, once a table is asked
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
-        return ExpertWeights.from_parts(self.store.expert(layer, expert))
+        mapped = self._layers.get(layer)
+        return mapped.get(layer, expert) if mapped is not None else \
+            ExpertWeights.from_parts(self.store.expert(layer, expert))
 
     def form(self, layer: int) -> ExpertWeights:
         return self.get(layer, self.store.experts_in(layer)[0])
+
+    def _mapped(self, layer: int) -> ResidentExperts | None:
+        """The layer's experts, every one mapped (None where the ids are not 0..n-1: no whole table)."""
+        if layer not in self._layers:
+            ids = self.store.experts_in(layer)
+            self._layers[layer] = None if ids != list(range(len(ids))) else ResidentExperts(
+                {layer: [ExpertWeights.from_parts(self.store.expert(layer, e)) for e in ids]})
+        return self._layers[layer]
+
+    def kernel_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.kernel_table(layer)
+
+    def dense_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.dense_table(layer)
+
+    def block_table(self, layer: int):
+        mapped = self._mapped(layer)
+        return None if mapped is None else mapped.block_table(layer)
 
     def nbytes(self) -> int:
         return 0  # nothing held beyond the OS page cache
@@ -93,8 +119,9 @@ def load_profile(path: str | Path) -> Profile:
                           f"`localmoe calibrate`") from None
 
 
-def make_pager(store, config: PagingConfig) -> Pager:
-    """A Pager over `store` (a PackedStore) within `config.ram_budget` bytes."""
+def make_pager(store, config: PagingConfig, dtype: str | None = None) -> Pager:
+    """A Pager over `store` (a PackedStore) within `config.ram_budget` bytes; `dtype` (the engine's): its dense
+    experts stored as a resident model stores them (Pager)."""
     slot_bytes = max(store.layout(layer).slot_bytes for layer in store.layers())
     slots = slots_for_budget(config.ram_budget, slot_bytes)
     if slots < 1:
@@ -106,7 +133,7 @@ def make_pager(store, config: PagingConfig) -> Pager:
     policy = make_policy(config.policy, trace=trace, **options)
     pinned = profile.hot() if profile is not None else ()
     return Pager(store, slots, policy, make_backend(config.io, store, config.verify), io_threads=config.io_threads,
-                 timeout=config.timeout, pinned=pinned, prefetch=config.prefetch)
+                 timeout=config.timeout, pinned=pinned, prefetch=config.prefetch, dtype=dtype)
 
 
 def gpu_tiers(config, slot_bytes: int) -> list:
@@ -150,4 +177,5 @@ def provider_for_store(store, spec, config):
             raise PagingError(f"--gpu-mem {paging.gpu_budget} bytes: the GPU tier is filled from the RAM tier; give "
                               f"--ram too (bytes, or a share of the experts such as 25%)")
         return StoreExperts(store)
-    return make_pager(store, paging)
+    # (a GPU tier copies a slot's bytes as the store's layout has them: dense experts then keep the store's dtype)
+    return make_pager(store, paging, None if paging.gpu_budget else config.dtype)

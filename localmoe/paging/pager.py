@@ -30,7 +30,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+import torch
+
 from localmoe.engine.experts import ExpertWeights
+from localmoe.engine.linear import engine_dtype, stored_dtype
 from localmoe.paging.disk import DiskBackend
 from localmoe.paging.errors import PagingError, ReadTimeoutError
 from localmoe.paging.placement import Bandwidths, place
@@ -40,6 +43,22 @@ from localmoe.paging.slab import HostSlab
 from localmoe.paging.stats import PagingStats
 
 EMPTY, LOADING, READY, DEAD = "empty", "loading", "ready", "dead"
+
+
+def _wide(layout) -> tuple[str, ...]:
+    """The parts of an expert layout a resident model would store as bf16 matrices when they are fp32."""
+    return tuple(p.name for p in layout.parts if p.dtype == torch.float32 and len(p.shape) >= 2 and p.nbytes)
+
+
+def _rank(position: int, distance: int = 1):
+    """A guess's rank for its measured precision: its position in one token's guess, with its distance (in MoE
+    layers) from the routed layer that made it where that is beyond the next one."""
+    return position if distance == 1 else (distance, position)
+
+
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """bf16 of `t`'s shape over the first half of fp32 `t`'s bytes."""
+    return t.reshape(-1).view(torch.bfloat16)[:t.numel()].view(t.shape)
 # One token's guesses are read from the best rank down while a rank's measured precision (settled guesses of that
 # rank its layer's routing chose, decayed, from a prior of 1 in 2) reaches GUESS_BAR: in a disk-bound pass a wrong
 # guess's read costs about what a right one saves. Every EXPLORE-th routed layer guesses every rank (to keep
@@ -75,16 +94,21 @@ class Pager:
 
     def __init__(self, store, num_slots: int, policy: Policy, backend: DiskBackend, *, io_threads: int = 4,
                  timeout: float = 30.0, pinned: Sequence[Key] = (), prefetch: bool = True,
-                 native: bool | None = None):
+                 native: bool | None = None, dtype: str | None = None):
         self.store, self.policy, self.backend, self.timeout = store, policy, backend, timeout
         self.layouts = {layer: store.layout(layer) for layer in store.layers()}
-        kinds = list(dict.fromkeys(self.layouts.values()))  # layers with the same layout share slot views
-        self._kind = {layer: kinds.index(layout) for layer, layout in self.layouts.items()}
+        # the engine dtype (EngineConfig.dtype; None: the store's): dense expert matrices as a resident model stores
+        # them (linear.stored_dtype): fp32 ones rounded to bf16 in their slot as they are read where the engine's
+        # dtype is bf16; at `load_all` also where it is fp32 and every value of the layer is exactly bf16
+        self.dtype = dtype
+        narrow = dtype is not None and engine_dtype(dtype) == torch.bfloat16
+        self._narrow = {layer: _wide(layout) if narrow else () for layer, layout in self.layouts.items()}
+        self._kinds()
         self._views: dict[tuple[int, int], ExpertWeights] = {}  # (layout kind, slot) -> the tensors over it
         self._experts = {layer: len(store.experts_in(layer)) for layer in self.layouts}
         self._count = dict.fromkeys(self.layouts, 0)  # experts of each layer in a slot (loading or ready)
         self._guesses: dict[int, set[Key]] = {layer: set() for layer in self.layouts}  # unsettled lookahead loads
-        self._ranks: dict[int, tuple[float, float]] = {}  # a guess's rank -> (chosen, settled), decayed
+        self._ranks: dict[object, tuple[float, float]] = {}  # a guess's rank (`_rank`) -> (chosen, settled), decayed
         self._routed = 0  # guess_width calls
         self._evictable: dict[Key, _Slot] = {}  # ready, requested since loaded, not pinned: what hints may evict
         self._resident = None  # ResidentExperts over the slots once `load_all` pinned every expert
@@ -175,13 +199,33 @@ class Pager:
         self.policy.access(key, self.step)
         return slot
 
+    def _kinds(self) -> None:
+        """Layers with the same layout and the same matrices rounded to bf16 share slot views."""
+        forms = {layer: (layout, self._narrow[layer]) for layer, layout in self.layouts.items()}
+        kinds = list(dict.fromkeys(forms.values()))
+        self._kind = {layer: kinds.index(form) for layer, form in forms.items()}
+
+    def _parts(self, layer: int, index: int) -> dict:
+        """The tensors over slot `index` in `layer`'s layout, its rounded matrices as bf16 over their first half."""
+        views = self.layouts[layer].views(self.slab.slot(index))
+        for name in self._narrow[layer]:
+            views[name] = _half(views[name])
+        return views
+
     def _weights(self, layer: int, slot: _Slot) -> ExpertWeights:
         """The tensors over `slot` in `layer`'s layout: built once per (layout, slot) and kept (the slab never moves)."""
         kind = (self._kind[layer], slot.index)
         weights = self._views.get(kind)
         if weights is None:
-            weights = self._views[kind] = ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(slot.index)))
+            weights = self._views[kind] = ExpertWeights.from_parts(self._parts(layer, slot.index))
         return weights
+
+    def _round(self, layer: int, index: int, names: Sequence[str]) -> None:
+        """Slot `index`'s fp32 matrices `names` (just read, or pinned) rounded to bf16 in place, over their first
+        half: as `Tensor.to` rounds a resident model's (the same bits), within the slot's bytes (lock held)."""
+        views = self.layouts[layer].views(self.slab.slot(index))
+        for name in names:
+            _half(views[name]).copy_(views[name].to(torch.bfloat16))
 
     def load_all(self) -> bool:
         """Where the slab holds every expert of the model (and no GPU tier or Belady trace is in play): read them
@@ -201,12 +245,28 @@ class Pager:
             for key in list(self._evictable):
                 self._unpool(key)
             self.held = ()
+            if self.dtype is not None:  # fp32 matrices exactly bf16 kept as bf16, as a resident model keeps them
+                for layer in layers:
+                    names = _wide(self.layouts[layer])
+                    if self._narrow[layer] or not names:
+                        continue
+                    slots = [self.where[(layer, e)].index for e in layers[layer]]
+                    mats = [v for i in slots for n, v in self.layouts[layer].views(self.slab.slot(i)).items()
+                            if n in names]
+                    if stored_dtype(mats, self.dtype) == torch.bfloat16:
+                        for i in slots:
+                            self._round(layer, i, names)
+                        self._narrow[layer] = names
+                self._kinds()
+                self._views.clear()
+                held = {layer: [self._weights(layer, self.where[(layer, e)]) for e in experts]
+                        for layer, experts in layers.items()}
         self._resident = ResidentExperts(held)
         return True
 
     def form(self, layer: int) -> ExpertWeights:
         """An expert of `layer`'s form (engine/experts.py ExpertProvider): the views over the first slot."""
-        return ExpertWeights.from_parts(self.layouts[layer].views(self.slab.slot(0)))
+        return ExpertWeights.from_parts(self._parts(layer, 0))
 
     def kernel_table(self, layer: int):
         """The layer's MXFP4 table for the MoE kernel once `load_all` pinned every expert; else None."""
@@ -270,27 +330,41 @@ class Pager:
                 wide = len(keys) >= GUESS_BAR * self._experts.get(layer, len(keys))  # most of the layer chosen
                 if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
                     ahead = ()
-                guessed = []  # (computed while those reads run)
-                for later, guess in ahead() if callable(ahead) else ahead:
-                    guessed += self._guessed(later, guess, len(guessed), ranked)
+                guessed = []  # (computed while those reads run), the nearest layer's first
+                if callable(ahead):  # the later layers' routers: the hints' work, counted apart too
+                    clock = time.perf_counter()
+                    ahead = ahead()
+                    self.stats.prefetch.hint_seconds += time.perf_counter() - clock
+                for distance, (later, guess) in enumerate(ahead, 1):
+                    guessed += self._guessed(later, guess, len(guessed), ranked, distance)
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
-    def guess_width(self, k: int) -> int:
-        """How many of one token's k guessed experts per later layer (best first) are worth reading: the leading
-        ranks whose measured precision reaches GUESS_BAR (all k every EXPLORE-th call); 0: guess nothing."""
+    def hinted(self, seconds: float) -> None:
+        """A wrapped router spent `seconds` of the compute thread on its hints before `begin_layer` (the guesses'
+        widths, the chosen set): the pager's work, counted as lookup and apart as `prefetch.hint_seconds` (with the
+        later layers' routers `begin_layer` calls)."""
+        self.stats.ram.lookup_seconds += seconds
+        self.stats.prefetch.hint_seconds += seconds
+
+    def guess_width(self, k: int, distance: int = 1) -> int:
+        """How many of one token's k guessed experts of the MoE layer `distance` layers after the routed one (best
+        first) are worth reading: the leading ranks whose measured precision at that distance reaches GUESS_BAR
+        (all k every EXPLORE-th routed layer); 0: guess nothing. Called for distance 1 first, once per routed
+        layer."""
         with self.lock:
-            self._routed += 1
+            self._routed += distance == 1
             if self._routed % EXPLORE == 0:
                 return k
             width = 0
-            while width < k and self._precision(width) >= self.guess_bar:
+            while width < k and self._precision(_rank(width, distance)) >= self.guess_bar:
                 width += 1
             return width
 
-    def _precision(self, rank: int) -> float:
+    def _precision(self, rank) -> float:
+        """The measured precision of a guess's rank (`_rank`: its position, and its distance beyond 1)."""
         chosen, settled = self._ranks.get(rank, (0.0, 0.0))
         return (chosen + 1.0) / (settled + 2.0)
 
@@ -309,18 +383,18 @@ class Pager:
         self.stats.ram.lookup_seconds += time.perf_counter() - clock
         return len(slots)
 
-    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0, ranked: bool = False
-                 ) -> list[tuple[Key, int | None]]:
-        """(key, rank: its position where `ranked`, else None) of the guessed experts a prefetch would load, in
-        order: not in a slot or on a GPU, while unused lookahead loads (and `more` about to start) stay under a
-        quarter of the slots (lock held)."""
+    def _guessed(self, layer: int, experts: Iterable[int], more: int = 0, ranked: bool = False, distance: int = 1
+                 ) -> list[tuple[Key, object]]:
+        """(key, rank: `_rank` of its position and `distance` where `ranked`, else None) of the guessed experts a
+        prefetch would load, in order: not in a slot or on a GPU, while unused lookahead loads (and `more` about to
+        start) stay under a quarter of the slots (lock held)."""
         if layer not in self.layouts:
             return []
         first = {}
         for rank, e in enumerate(experts):
             key = (layer, int(e))
             if key not in first and key not in self.where and not self._on_gpu(key):
-                first[key] = rank if ranked else None
+                first[key] = _rank(rank, distance) if ranked else None
         return list(first.items())[:max(0, max(1, len(self.slots) // 4) - self.stats.prefetch.pending - more)]
 
     # ---- GPU tiers ----
@@ -481,7 +555,7 @@ class Pager:
         self.policy.evict(slot.key)
         self._count[slot.key[0]] -= 1
 
-    def _start(self, slot: _Slot, key: Key, origin: str, rank: int | None = None) -> None:
+    def _start(self, slot: _Slot, key: Key, origin: str, rank=None) -> None:
         slot.gen += 1
         slot.key, slot.state, slot.origin, slot.used, slot.rank = key, LOADING, origin, origin == DEMAND, rank
         self.where[key] = slot
@@ -503,6 +577,8 @@ class Pager:
             slot = read.slot
             if slot.gen == read.gen and slot.state == LOADING:
                 if error is None:
+                    if self._narrow[read.key[0]]:
+                        self._round(read.key[0], slot.index, self._narrow[read.key[0]])
                     slot.state = READY
                     self._mark_evictable(slot)
                     self.stats.ram.bytes_read += self.layouts[read.key[0]].slot_bytes

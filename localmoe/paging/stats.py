@@ -8,7 +8,8 @@
 - stall_seconds: time the compute thread waited for the tier's loads.
 - read_seconds: wall time with at least one read in flight (on the I/O threads);
 - lookup_seconds: the pager's own work on the compute thread (finding slots, choosing victims, the
-  policy's bookkeeping, routing hints), stalls excluded;
+  policy's bookkeeping, routing hints: with the later layers' routers that make the lookahead's guesses,
+  `prefetch.hint_seconds`), stalls excluded;
   overlapped_seconds = read time that did not stall compute; overlap = their ratio.
 - prefetch precision = prefetched loads later demanded / prefetched loads issued (a guess is settled, used or
   wasted, when it is first demanded, when its layer's next routing does not choose it, or when it leaves);
@@ -63,6 +64,10 @@ class PrefetchStats:
     late: int = 0  # demanded while still loading (the request stalled on it)
     covered: int = 0  # demand requests served by a prefetched load (first use)
     uncovered: int = 0  # demand misses: no prefetch had started
+    # the routing hints' work on the compute thread: the later layers' routers making the guesses (`begin_layer`
+    # calls them once this layer's reads are submitted) and the wrapped routers' bookkeeping before it; also counted
+    # in the RAM tier's lookup_seconds
+    hint_seconds: float = 0.0
 
     @property
     def precision(self) -> float:

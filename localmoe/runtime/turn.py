@@ -256,9 +256,10 @@ def _run_free(fmt, model, prep: Prepared, emit: Emit, cancelled) -> Iterator[Non
             finish = "stop"
         for call in reply.tool_calls[len(streamed_calls):]:
             add_call(call)
-    result.content = content.text
+    # the parser streams whitespace after text as it comes; the turn's text is stripped at the end as before
+    result.content = content.text if content.hit else content.text.rstrip()
     result.stop_sequence = content.matched
-    result.reasoning = raw["reasoning"] or reply.reasoning
+    result.reasoning = raw["reasoning"].rstrip() or reply.reasoning
     result.tool_calls = streamed_calls
     if streamed_calls and finish == "stop":
         finish = "tool_calls"

@@ -128,7 +128,8 @@ class StreamDecoder:
 
     The concatenation of everything returned equals `decode(all ids)`. A multi-byte character
     split over several tokens is held back until its last byte arrives, so valid text never
-    shows U+FFFD mid-stream. Each step decodes only the tokens since the last emitted text plus
+    shows U+FFFD mid-stream; the text before it (a token that completes one character and starts
+    the next) goes out at once. Each step decodes only the tokens since the last emitted text plus
     one window of earlier ones (the prefix/read offsets of HF TGI and vLLM), so decoders that
     treat the first token specially (SentencePiece's leading-space strip) stay correct.
     """
@@ -139,6 +140,7 @@ class StreamDecoder:
         self._ids: list[int] = []
         self._prefix = 0  # start of the window decoded each step
         self._read = 0    # end of the tokens whose text has been emitted
+        self._sent = 0    # characters emitted past the text of tokens [prefix, read): whole ones before a partial one
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
@@ -147,10 +149,15 @@ class StreamDecoder:
         self._ids.append(token_id)
         done = self._decode(self._prefix, self._read)
         text = self._decode(self._prefix)
-        if len(text) <= len(done) or text.endswith("\ufffd"):
+        start = len(done) + self._sent
+        if text.endswith("\ufffd"):  # a character still incomplete: only the whole ones before it
+            piece = text.rstrip("\ufffd")[start:]
+            self._sent += len(piece)
+            return piece
+        if len(text) <= start:
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
+        self._prefix, self._read, self._sent = self._read, len(self._ids), 0
+        return text[start:]
 
     def __call__(self, token_ids: Iterable[int]) -> Iterator[str]:
         """Feed each id, yielding non-empty pieces, then the flushed rest."""
@@ -164,5 +171,6 @@ class StreamDecoder:
         """The text still held back; an incomplete character at the end comes out as U+FFFD."""
         done = self._decode(self._prefix, self._read)
         text = self._decode(self._prefix)
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(done):]
+        start = len(done) + self._sent
+        self._prefix, self._read, self._sent = self._read, len(self._ids), 0
+        return text[start:]

@@ -29,15 +29,17 @@ def smollm2_tokenizer(smollm2_gguf):
 
 
 def _stream(fmt, ids):
-    """Feed `ids` one at a time, then flush: (deltas, finish()), after checking the deltas add up to the reply."""
+    """Feed `ids` one at a time, then flush: (deltas, finish()), after checking the deltas add up to the reply (each
+    channel's stream may end in whitespace the reply strips: whitespace after text streams as it comes)."""
     parser = fmt.stream_parser()
     deltas = [d for token_id in ids for d in parser.feed(token_id)]
     deltas += parser.flush()
     assert parser.flush() == []
     reply = parser.finish()
     assert isinstance(reply, ParsedReply)
-    assert "".join(d.text for d in deltas if d.channel == "reasoning") == reply.reasoning
-    assert "".join(d.text for d in deltas if d.channel == "content") == reply.content
+    for channel in ("reasoning", "content"):
+        streamed = "".join(d.text for d in deltas if d.channel == channel)
+        assert streamed.rstrip() == getattr(reply, channel) and not streamed[:1].isspace()
     assert [d.tool_call for d in deltas if d.channel == "tool"] == reply.tool_calls
     assert all(d.channel in ("reasoning", "content", "tool") for d in deltas)
     return deltas, reply

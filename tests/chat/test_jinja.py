@@ -195,3 +195,37 @@ def test_stream_equals_parse_on_random_marker_soup(hermes, opened, stream, parts
     fmt = opened if opens else hermes
     ids = fmt.tokenizer.encode("".join(parts), add_special_tokens=False)
     assert stream(fmt, ids)[1] == fmt.parse(ids)
+
+
+
+@pytest.mark.parametrize("text", ["1. Paris\n2. Lyon\n\n3. Nice", "a  b \n c\n \n", " \n lead\tthen  \n\n\n"],
+                         ids=["list", "spaces", "leading"])
+def test_whitespace_streams_when_it_arrives(hermes, stream, text):
+    """A token of whitespace after text goes out at its own step, not with the next token (it was held until more text
+    followed: a two-step gap before the next token, the stream's longest gaps). Leading whitespace is still dropped;
+    the streamed text is the reply's plus its trailing whitespace."""
+    ids = reply_ids(hermes, text)
+    parser = hermes.stream_parser()
+    started = False
+    for i in ids[:-1]:
+        piece, out = hermes.tokenizer.decode([i]), "".join(d.text for d in parser.feed(i))
+        assert out == (piece if started else piece.lstrip())
+        started = started or bool(out)
+    assert sum(hermes.tokenizer.decode([i]).isspace() for i in ids) >= 2  # the case has whitespace tokens
+    deltas, reply = stream(hermes, ids)
+    assert "".join(d.text for d in deltas) == text.lstrip() and reply.content == text.strip()
+
+
+def test_reasoning_streams_whitespace_too(opened, stream):
+    deltas, reply = stream(opened, reply_ids(opened, "a\n\nb \n</think>\n\n c \n"))
+    assert "".join(d.text for d in deltas if d.channel == "reasoning") == "a\n\nb \n"
+    assert "".join(d.text for d in deltas if d.channel == "content") == "c \n"
+    assert reply == ParsedReply(content="c", reasoning="a\n\nb")
+
+
+def test_a_partial_marker_is_still_held(hermes):
+    ids = hermes.tokenizer.encode("ok <", add_special_tokens=False)
+    parser = hermes.stream_parser()
+    out = "".join(d.text for i in ids for d in parser.feed(i))
+    assert out == "ok "  # "<" could start <tool_call>: held until the next token shows it does not
+    assert "".join(d.text for d in parser.feed(hermes.tokenizer.encode("b", add_special_tokens=False)[0])) == "<b"

@@ -35,7 +35,7 @@ def test_only_exact_fp32_weights_are_stored_as_bf16():
     assert Linear(exact, None, "float32", compact=False).weight.dtype == torch.float32
     assert Linear(torch.randn(64, 96), None, "float32").weight.dtype == torch.float32
     x = torch.randn(3, 96)
-    for rows in (1, 3, 40):  # the GEMV kernel (<= GEMV_MAX_ROWS rows) and torch's GEMM on the widened weight
+    for rows in (1, 3, 40, 300):  # the GEMV kernel's row stream, tiles, and a prompt chunk's token blocks
         xs = torch.randn(rows, 96)
         assert torch.equal(Linear(exact, None, "float32")(xs), Linear(exact, None, "float32", compact=False)(xs))
     assert torch.equal(Linear(exact, None, "float32")(x), Linear(exact, None, "float32", compact=False)(x))

@@ -157,9 +157,11 @@ def test_matches_transformers_kimi_linear():
     with torch.no_grad():
         expected = hf(x)
     got = run(mine, x, [70])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    # atol 5e-6: transformers' own fp32 chunk form lies up to 2.7e-6 from the float64 layer (float64_kda) on this
+    # input (outputs up to 2.3); ours, the delta rule token by token in C++, 6.5e-7
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=5e-6)
     got_steps = run(mine, x, [65, 1, 1, 1, 1, 1])
-    torch.testing.assert_close(got_steps, expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got_steps, expected, rtol=1e-4, atol=5e-6)
 
 
 def float64_kda(w: dict[str, torch.Tensor], config: Config, x: torch.Tensor) -> torch.Tensor:

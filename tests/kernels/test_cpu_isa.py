@@ -112,11 +112,11 @@ def test_ggml_gemv(isa, ggml_type, N):
 
 
 @ISA
-@pytest.mark.parametrize("plain", [ggml_gemv.Q.Q4_K, ggml_gemv.Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("plain", [ggml_gemv.Q.Q4_1, ggml_gemv.Q.Q4_K, ggml_gemv.Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("N", [1, 3, 9, 19])
 def test_ggml_gemv_repacked(isa, plain, N):
-    """Q4_K / Q6_K repacked at load (Q4_K_R8 / Q6_K_R8: one-token rows without transposition, tiles on the repacked
-    bytes)."""
+    """Q4_1 / Q4_K / Q6_K repacked at load (Q4_1_R8 / Q4_K_R8 / Q6_K_R8: one-token rows without transposition, tiles
+    on the repacked bytes; Q4_1_R8: sixteen rows a vector on AVX-512, eight on AVX2)."""
     from localmoe.kernels.ggml_gemv.repacked import repack
 
     O, K = 48, 512
@@ -143,12 +143,31 @@ def test_gqa_decode_paged(isa):
 
 @ISA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("N,O,K", [(3, 200, 96), (1, 67, 2051), (7, 67, 2051), (64, 130, 2048)], ids=str)
+@pytest.mark.parametrize("N,O,K", [(3, 200, 96), (1, 67, 2051), (7, 67, 2051), (64, 130, 2048), (70, 37, 2051)],
+                         ids=str)
 def test_dense_gemv(isa, dtype, N, O, K):
     """One token's row stream and the register tiles of several (AVX-512: 6 x 4 zmm lanes, AVX2: 3 x 3 ymm)."""
     g = torch.Generator().manual_seed(3)
     w, x, b = torch.randn(O, K, generator=g).to(dtype), torch.randn(N, K, generator=g), torch.randn(O, generator=g)
     _same_bits(*_under_each(isa, lambda: dense_gemv.dense_gemv(x, w, b)), f"{dtype} N={N} {O}x{K}")
+
+
+@ISA
+@pytest.mark.parametrize("per_head", [False, True], ids=["kda", "gated_delta"])
+def test_delta_rule_tokens(isa, per_head):
+    """The prefill delta rule (kernels/kda/native.py: the decode step's one-token update over a chunk)."""
+    from localmoe.kernels.kda import native
+
+    g_ = torch.Generator().manual_seed(11)
+    B, T, H, K, V = 2, 37, 3, 40, 24
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g_), dim=-1) * K ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g_), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g_)
+    g = -torch.rand(*((B, T, H) if per_head else (B, T, H, K)), generator=g_) * 3.0
+    beta, state = torch.rand(B, T, H, generator=g_), torch.randn(B, H, K, V, generator=g_) * 0.1
+    (o1, s1), (o2, s2) = _under_each(isa, lambda: native.delta_rule(q, k, v, g, beta, state, scalar_decay=per_head))
+    _same_bits(o1, o2, "o")
+    _same_bits(s1, s2, "state")
 
 
 @ISA

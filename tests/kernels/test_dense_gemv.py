@@ -107,3 +107,16 @@ def test_read_sums_are_the_chunk_sums():
     x = torch.randn(cpu.READ_CHUNK * 7, generator=torch.Generator().manual_seed(3))
     want = x.double().view(7, -1).sum(1)
     assert torch.allclose(cpu.read_sums(x).double(), want, rtol=0, atol=1e-3)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_rows_keep_their_alone_bits_across_token_blocks(dtype, close):
+    """A prompt chunk's rows (the engine's Linear sends every call to the kernel): at K = 2051 a token block is
+    30 rows (dense_tiles.h kTileTokenBytes), so 70 rows span three blocks and a short last one; each row has the
+    bits it has alone, and the whole is the reference's."""
+    x, w, bias = _inputs(70, 2051, 37, dtype, seed=70)
+    alone = torch.cat([cpu.gemv(x[n:n + 1], w, bias) for n in range(70)])
+    got = cpu.gemv(x, w, bias)
+    assert torch.equal(got, alone)
+    close(got, _want(x, w, bias), 1e-6)

@@ -33,7 +33,8 @@ def test_reference_is_kda_with_repeated_decay():
 
 @pytest.mark.parametrize("T", [1, 8, 9, 63, 130], ids=lambda t: f"T{t}")
 def test_cpu_path_of_the_dispatcher(T, close):
-    """On CPU tensors the dispatcher runs KDA's recurrent (T <= 8) or chunked form with the decay repeated."""
+    """On CPU tensors the dispatcher runs the C++ token loop (kernels/kda/native.py, one decay per head), or
+    without the library KDA's recurrent (T <= 8) or chunked form with the decay repeated."""
     from localmoe.kernels.gated_delta import gated_delta
 
     args = _inputs(1, T, 2, 16, 24, seed=T + 7)

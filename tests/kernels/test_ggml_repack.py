@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K rows repacked at load (Q4_K_R8, Q6_K_R8, kernels/ggml_gemv/repacked.py): the same bytes back, and the
+"""Q4_1, Q4_K and Q6_K rows repacked at load (Q4_1_R8, Q4_K_R8, Q6_K_R8, kernels/ggml_gemv/repacked.py): the same bytes back, and the
 same bits as the GGUF layout out of every kernel path (one token, tiles of tokens, bias, whole-group slices, the fused
 MoE calls), the reference and the dequantiser reading it through its GGUF layout, and the
 loader's choice of what to repack."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from localmoe.kernels.ggml_gemv import KERNEL_TYPES, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
 from localmoe.kernels._cpu.pages import on_huge_pages
-from localmoe.kernels.ggml_gemv.repacked import Q4_K_R8, Q6_K_R8, REPACKED, can_repack, plain_type, repack, unpack
+from localmoe.kernels.ggml_gemv.repacked import Q4_1_R8, Q4_K_R8, Q6_K_R8, REPACKED, can_repack, plain_type, repack, unpack
 
 from localmoe.engine.quantized import BlockQuantized, repack_blocks
 from localmoe.testing.ggml_blocks import random_blocks
@@ -22,7 +22,7 @@ needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel
 Q = gguf.GGMLQuantizationType
 
 
-PLAIN = sorted(REPACKED, key=int)  # Q4_K, Q6_K
+PLAIN = sorted(REPACKED, key=int)  # Q4_1, Q4_K, Q6_K
 by_name = pytest.mark.parametrize("plain", PLAIN, ids=lambda t: t.name)
 
 
@@ -77,14 +77,25 @@ def test_q6_k_repacked_bytes_hold_the_codes_where_the_kernel_reads_them():
 
 
 @needs_cpu_kernel
+def test_q4_1_repacked_bytes_hold_the_blocks_where_the_kernel_reads_them():
+    """Q4_1_R8's layout spelled out (ggml_rows.h Rows8R8): per block of 32 values, the eight rows' (d, m) dwords, then
+    four vectors whose lane r holds row r's code bytes 4k .. 4k + 3."""
+    O, K = 16, 96
+    raw = _blocks(Q.Q4_1, O, K, seed=4)
+    packed = repack(raw, Q.Q4_1, O)[0].numpy().reshape(O // 8, K // 32, 5, 8, 4)  # [group, block, dword, row, byte]
+    plain = raw.numpy().reshape(O // 8, 8, K // 32, 5, 4)  # [group, row, block, dword, byte]
+    assert np.array_equal(packed, plain.transpose(0, 2, 3, 1, 4))
+
+
+@needs_cpu_kernel
 @by_name
 @pytest.mark.parametrize("N", [1, 2, 3, 8, 9, 17], ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("O,K", [(8, 256), (40, 768), (136, 1024)], ids=["8x256", "40x768", "136x1024"])
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_same_bits_as_the_gguf_layout(plain, N, O, K, bias):
-    """One token (Q4_K: group8_r8_one; Q6_K: group8_q6r8<1>), tiles of 2..8 tokens and their remainders, an O past the
-    thread chunks: bit for bit the GGUF layout's rows (which tests/kernels/test_ggml_gemv.py checks against
-    float64)."""
+    """One token (Q4_1: group8 on the repacked block; Q4_K: group8_r8_one; Q6_K: group8_q6r8<1>), tiles of 2..16 tokens
+    and their remainders (Q4_1: sixteen rows a vector on AVX-512), an O past the thread chunks: bit for bit the GGUF
+    layout's rows (which tests/kernels/test_ggml_gemv.py checks against float64)."""
     raw = _blocks(plain, O, K, seed=O + K)
     packed, kind = repack(raw, plain, O)
     x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
@@ -169,7 +180,7 @@ def test_block_weights_read_through_their_gguf_layout(plain):
 @needs_cpu_kernel
 @pytest.mark.parametrize("int8_head", [False, True], ids=["head-fp32", "head-int8"])
 def test_the_loader_repacks_what_the_row_kernels_read(int8_head):
-    """Q4_K and Q6_K matrices of whole groups of eight rows, not the embedding (read a row at a time), nor the lm_head
+    """Q4_1, Q4_K and Q6_K matrices of whole groups of eight rows, not the embedding (read a row at a time), nor the lm_head
     unless it reads int8 inputs (no fp32-x / int16-x rows repacked), nor other types or shapes."""
     weights = {"embed_tokens.weight": BlockQuantized(_q4k(16, 256, 1), Q.Q4_K, (16, 256)),
                "lm_head.weight": BlockQuantized(_blocks(Q.Q6_K, 16, 256, 2), Q.Q6_K, (16, 256)),
@@ -177,11 +188,14 @@ def test_the_loader_repacks_what_the_row_kernels_read(int8_head):
                "layers.0.self_attn.k_proj.weight": BlockQuantized(_q4k(12, 256, 4), Q.Q4_K, (12, 256)),
                "layers.0.self_attn.v_proj.weight": BlockQuantized(_blocks(Q.Q5_K, 16, 256, 6), Q.Q5_K, (16, 256)),
                "layers.0.mlp.down_proj.weight": BlockQuantized(_blocks(Q.Q6_K, 16, 256, 5), Q.Q6_K, (16, 256)),
+               "layers.1.mlp.up_proj.weight": BlockQuantized(_blocks(Q.Q4_1, 24, 96, 7), Q.Q4_1, (24, 96)),
+               "layers.1.mlp.gate_proj.weight": BlockQuantized(_blocks(Q.Q4_1, 20, 96, 8), Q.Q4_1, (20, 96)),
                "norm.weight": torch.ones(256)}
     kinds = {name: getattr(t, "ggml_type", None) for name, t in repack_blocks(dict(weights), int8_head).items()}
     assert kinds == {"embed_tokens.weight": Q.Q4_K, "lm_head.weight": Q6_K_R8 if int8_head else Q.Q6_K,
                      "layers.0.self_attn.q_proj.weight": Q4_K_R8, "layers.0.self_attn.k_proj.weight": Q.Q4_K,
                      "layers.0.self_attn.v_proj.weight": Q.Q5_K, "layers.0.mlp.down_proj.weight": Q6_K_R8,
+                     "layers.1.mlp.up_proj.weight": Q4_1_R8, "layers.1.mlp.gate_proj.weight": Q.Q4_1,
                      "norm.weight": None}
 
 

@@ -64,3 +64,57 @@ def test_engine_chunked_matches_reference(T, close):
     o, s = engine_chunk(*args)
     close(o, o_ref, 1e-5, "o")
     close(s, s_ref, 1e-5, "state")
+
+
+needs_library = pytest.mark.skipif(__import__("localmoe.kernels._cpu", fromlist=["library"]).library() is None,
+                                   reason="CPU kernel library unavailable (no AVX2 or compiler)")
+NATIVE_CASES = [pytest.param(1, 1, 2, 32, 32, False, id="T1"), pytest.param(2, 63, 3, 24, 40, True, id="T63-steep-B2"),
+                pytest.param(1, 130, 2, 64, 64, False, id="T130"), pytest.param(1, 70, 1, 128, 128, True, id="T70-K128")]
+
+
+def _native_args(B, T, H, K, V, steep, per_head, seed):
+    q, k, v, g, beta, state = _inputs(B, T, H, K, V, seed=seed, steep=steep, per_head=per_head)
+    return q, k, v, (g[..., 0] if per_head else g), beta, state
+
+
+@needs_library
+@pytest.mark.parametrize("per_head", [False, True], ids=["kda", "gated_delta"])
+@pytest.mark.parametrize("B,T,H,K,V,steep", NATIVE_CASES)
+def test_native_token_loop_matches_reference(B, T, H, K, V, steep, per_head, close):
+    """The C++ token loop (kernels/kda/native.py) for KDA's per-channel and Gated DeltaNet's per-head decay."""
+    from localmoe.kernels.kda import native
+
+    q, k, v, g, beta, state = _native_args(B, T, H, K, V, steep, per_head, seed=T * 3 + K)
+    before = state.clone()
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g.unsqueeze(-1) if per_head else g, beta, state)
+    o, s = native.delta_rule(q, k, v, g, beta, state, scalar_decay=per_head)
+    close(o, o_ref, 1e-5, "o")
+    close(s, s_ref, 1e-5, "state")
+    assert torch.equal(state, before), "the input state is left as it was"
+
+
+@needs_library
+@pytest.mark.parametrize("per_head", [False, True], ids=["kda", "gated_delta"])
+def test_native_tokens_get_their_one_token_bits(per_head):
+    """A chunk's T tokens in one call give each token (and the final state) the bits of T calls of one token:
+    the fused decode step's update, so prefill and decode run the same delta rule."""
+    from localmoe.kernels.kda import native
+
+    q, k, v, g, beta, state = _native_args(2, 19, 3, 40, 24, True, per_head, seed=5)
+    o, s = native.delta_rule(q, k, v, g, beta, state, scalar_decay=per_head)
+    S, outs = state, []
+    for t in range(q.shape[1]):
+        one, S = native.delta_rule(*(x[:, t:t + 1] for x in (q, k, v, g, beta)), S, scalar_decay=per_head)
+        outs.append(one)
+    assert torch.equal(o, torch.cat(outs, dim=1)) and torch.equal(s, S)
+
+
+@needs_library
+@pytest.mark.parametrize("T", [1, 9, 72], ids=lambda t: f"T{t}")
+def test_cpu_dispatcher_runs_the_token_loop(T):
+    from localmoe.kernels.kda import kda, native
+
+    args = _inputs(1, T, 2, 32, 16, seed=T)
+    o, s = kda(*args)
+    o_native, s_native = native.delta_rule(*args, scalar_decay=False)
+    assert torch.equal(o, o_native) and torch.equal(s, s_native)

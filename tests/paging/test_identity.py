@@ -30,13 +30,13 @@ def _slot_budgets(store):
     return {"1-slot": slot, "1-per-layer": layers * slot, "25%": max(1, total // 4) * slot, "all": total * slot}
 
 
-def _paged_run(c, budget, policy, io, prefetch):
+def _paged_run(c, budget, policy, io, prefetch, depth=1):
     store = c.store()
     trace = _record_trace(c) if policy == "belady" else ""
     pager = make_pager(store, PagingConfig(ram_budget=budget, policy=policy, io=io, prefetch=prefetch,
                                            trace=trace, timeout=10))
     c.model.use_experts(pager)
-    attach(c.model, pager, lookahead=prefetch)
+    attach(c.model, pager, lookahead=prefetch, depth=depth)
     try:
         tokens, logits = run_greedy(c.model)
     finally:
@@ -75,14 +75,20 @@ def test_kimi_linear_bit_identical(kimi_linear, policy, prefetch):
     _assert_identical(kimi_linear, tokens, logits)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("policy", ["lru", "lfru"])
-def test_kimi_k3_bit_identical(kimi_k3, policy):
+def test_kimi_k3_bit_identical(kimi_k3, policy, depth):
     """Resident decode routes and runs the MXFP4 experts inside the fused hybrid kernel; paged decode runs the
-    same kernel with the experts called back through the pager: the same bits."""
+    same kernel with the experts called back through the pager: the same bits (guessing one or two MoE layers
+    ahead)."""
     assert type(kimi_k3.model._plan.decoder).__name__ == "HybridDecoder"
-    b = _slot_budgets(kimi_k3.store())["1-per-layer"]
-    tokens, logits, _ = _paged_run(kimi_k3, b, policy, "odirect", True)
+    b = _slot_budgets(kimi_k3.store())["1-per-layer" if depth == 1 else "25%"]
+    tokens, logits, pager = _paged_run(kimi_k3, b, policy, "odirect", True, depth)
     _assert_identical(kimi_k3, tokens, logits)
+    assert pager.stats.prefetch.issued > 0
+    assert any(isinstance(rank, tuple) for rank in pager._ranks) == (depth == 2)  # guesses two layers ahead read
+    # the later layers' routers making one token's guesses are the pager's work on the compute thread: in lookup
+    assert 0 < pager.stats.prefetch.hint_seconds <= pager.stats.ram.lookup_seconds
 
 
 def test_resident_differs_when_an_expert_differs(gpt_oss):
@@ -153,3 +159,30 @@ def test_kimi_linear_dense_experts_paged_in_one_call(kimi_linear, budget, monkey
     _assert_identical(kimi_linear, tokens, logits)
     assert len(filled) >= len(tokens) * len(kimi_linear.model.moe_blocks()) and all(filled)
     assert single == [] and pager.stats.ram.misses > 0
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "kimi_linear"])
+def test_store_without_a_budget_runs_its_layers_whole(ckpts, family, monkeypatch):
+    """A store loaded without --ram (StoreExperts: the store's maps, the page cache decides) hands each layer's
+    experts to the kernels whole, routing inside the fused step's call as a resident model does, never through
+    the experts callback one expert at a time: the resident bits."""
+    from localmoe.config import EngineConfig
+    from localmoe.engine.experts import ExpertWeights
+    from localmoe.load import load_model
+    from localmoe.paging import StoreExperts
+
+    c = ckpts[family]
+    model = load_model(c.store_path, EngineConfig(dtype="float32", threads=1), progress=False).model
+    provider = model.moe_blocks()[0].experts
+    assert isinstance(provider, StoreExperts)
+    built = []
+    monkeypatch.setattr(ExpertWeights, "from_parts", classmethod(
+        lambda cls, parts, _real=ExpertWeights.from_parts.__func__: (built.append(1), _real(cls, parts))[1]))
+    tokens, logits = run_greedy(model)
+    _assert_identical(c, tokens, logits)
+    assert all((provider.kernel_table(b.layer) or provider.dense_table(b.layer)) is not None
+               for b in model.moe_blocks())
+    experts = sum(len(c.store().experts_in(b.layer)) for b in model.moe_blocks())
+    assert len(built) == experts  # each expert mapped once, with its layer
+    run_greedy(model)
+    assert len(built) == experts  # and never again

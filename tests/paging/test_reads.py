@@ -139,6 +139,37 @@ def test_guess_width_follows_each_ranks_measured_precision(gpt_oss):
         pager.close()
 
 
+def test_guesses_two_layers_ahead_are_measured_apart(gpt_oss):
+    """A guess of the MoE layer after next has its own rank precision: right guesses one layer ahead do not make
+    wrong ones two layers ahead worth reading (every EXPLORE-th routed layer still guesses every rank of both)."""
+    from localmoe.paging.pager import EXPLORE, GUESS_BAR, _rank
+
+    store = gpt_oss.store()
+    a, b, c = store.layers()[:3]
+    experts = store.experts_in(b)
+    pager = Pager(store, 64, LRU(), ODirectBackend(store), io_threads=2)
+    try:
+        assert pager.guess_width(4, 2) == 4  # nothing measured: the prior reaches the bar
+        for step in range(8):  # one layer ahead: rank 0 right, rank 1 wrong; two layers ahead: rank 0 wrong
+            right, wrong = experts[(2 * step) % len(experts)], experts[(2 * step + 1) % len(experts)]
+            pager.begin_layer(a, [0], [(b, [right, wrong]), (c, [wrong])], ranked=True)
+            assert {key for key in pager.where if key[0] in (b, c)} == {(b, right), (b, wrong), (c, wrong)}
+            pager.hold(a, [0])
+            pager.begin_layer(b, [right])
+            pager.hold(b, [right])
+            pager.begin_layer(c, [right])
+            pager.hold(c, [right])
+            for key in list(pager.where):  # a fresh slab for the next step's guesses
+                if key[0] in (b, c):
+                    pager._evict(pager.where[key])
+        assert pager._precision(_rank(0, 1)) > GUESS_BAR > pager._precision(_rank(0, 2))
+        assert pager._precision(_rank(1, 1)) < GUESS_BAR
+        widths = [(pager.guess_width(4, 1), pager.guess_width(4, 2)) for _ in range(EXPLORE)]
+        assert sorted(widths) == [(1, 0)] * (EXPLORE - 1) + [(4, 4)]
+    finally:
+        pager.close()
+
+
 def test_a_union_of_guesses_is_dropped_where_the_layers_misses_outnumber_the_readers(gpt_oss):
     """Several rows' guesses (not ranked) are read only while the layer's own misses do not outnumber the readers;
     one token's ranked guesses always are."""
