@@ -51,6 +51,7 @@ HEADERS = (KERNELS / "_cpu" / "pool.h", KERNELS / "_cpu" / "vec_math.h", KERNELS
            KERNELS / "dense_gemv" / "dense_rows.h", KERNELS / "dense_gemv" / "dense_tiles.h",
            KERNELS / "ggml_gemv" / "ggml_rows.h",
            KERNELS / "ggml_gemv" / "ggml_rows8_k.h", KERNELS / "ggml_gemv" / "ggml_rows8_q6k.h",
+           KERNELS / "ggml_gemv" / "ggml_rows_iq4.h",
            KERNELS / "gqa_decode" / "gqa_heads.h", KERNELS / "gqa_decode" / "gqa_step.h", KERNELS / "decode_layers" / "hybrid_mixers.h",
            KERNELS / "fp8_cache" / "cache_rows.h",
            KERNELS / "paged_io" / "xxhash.h")

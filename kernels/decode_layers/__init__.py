@@ -45,8 +45,8 @@ class Matrix(ctypes.Structure):
 
 MATRIX_TYPES = {torch.float32: 0, torch.bfloat16: 1}
 # GGMLQuantizationType Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K, and 259 / 268 / 270: Q4_1_R8 / Q4_K_R8 / Q6_K_R8
-# (Q4_1 / Q4_K / Q6_K repacked at load, kernels/ggml_gemv/repacked.py)
-GGML_MATRIX_TYPES = (2, 3, 6, 7, 8, 12, 13, 14, 259, 268, 270)
+# (Q4_1 / Q4_K / Q6_K repacked at load, kernels/ggml_gemv/repacked.py); 20 / 23: IQ4_NL / IQ4_XS (ggml_rows_iq4.h)
+GGML_MATRIX_TYPES = (2, 3, 6, 7, 8, 12, 13, 14, 259, 268, 270, 20, 23)
 X16 = 0x1000  # added to Q8_0's type: the matrix reads x rounded to int16 per 32 (matrix.h kX16, a BlockLinear.x16)
 STACKED = 255
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.ggml_gemv import KERNEL_TYPES
-from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv, x_block
+from localmoe.kernels.ggml_gemv.reference import naive_ggml_gemv, row_values
 
 MAX_TOP_K = 64  # experts per token ggml_moe_token takes
 
 
 def _whole(ggml_type, cols: int) -> bool:
-    return cols % x_block(ggml_type) == 0
+    return cols % row_values(ggml_type) == 0
 
 
 class BlockExpertTable:

@@ -48,6 +48,8 @@ RowFn row_fn(int type) {
     case kQ5_K: return one_row<Rows8K5>;
     case kQ6_K: return one_row<Rows8K6>;
     case kQ6_K_R8: return one_row<Rows8K6R8>;
+    case kIQ4_NL: return one_row<RowsIQ4<kIQ4_NL>>;
+    case kIQ4_XS: return one_row<RowsIQ4<kIQ4_XS>>;
     default: return nullptr;
   }
 }

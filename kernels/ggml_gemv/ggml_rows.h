@@ -19,7 +19,8 @@ using localmoe::hsum;
 
 constexpr int64_t kBlock = 32;
 // GGMLQuantizationType values
-enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+                 kIQ4_NL = 20, kIQ4_XS = 23 };  // IQ4_NL / IQ4_XS: ggml_rows_iq4.h
 // A type's blocks repacked at load for the row kernels (type | kRepacked; same bytes per eight rows, same bits):
 // Q4_1_R8, below (Rows8R8); Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h.
 constexpr int kRepacked = 0x100;
@@ -45,6 +46,8 @@ inline int64_t row_bytes(int type, int64_t nb) {
     case kQ5_K: return nb / 8 * 176;
     case kQ6_K:
     case kQ6_K_R8: return nb / 8 * 210;
+    case kIQ4_NL: return nb * 18;
+    case kIQ4_XS: return nb % 8 ? 0 : nb / 8 * 136;  // whole super-blocks only
     default: return 0;
   }
 }
@@ -392,7 +395,8 @@ struct NoWide {
 // transposition) starts the sum; AVX2 moves w's sign onto x. (Q4_K / Q5_K: rows8k, ggml_rows8_k.h.)
 inline bool has_rows8(int type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
-         type == kQ5_K || type == kQ6_K || type == kQ4_1_R8 || type == kQ4_K_R8 || type == kQ6_K_R8;
+         type == kQ5_K || type == kQ6_K || type == kQ4_1_R8 || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kIQ4_NL ||
+         type == kIQ4_XS;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -778,6 +782,7 @@ inline void repack_q41(const uint8_t* src, uint8_t* dst, int64_t O, int64_t nb, 
 
 #include "ggml_rows8_k.h"  // Q4_K and Q5_K eight rows at a time (rows8k)
 #include "ggml_rows8_q6k.h"  // Q6_K eight rows at a time (rows8q6k)
+#include "ggml_rows_iq4.h"  // IQ4_NL and IQ4_XS rows (RowsIQ4)
 
 namespace localmoe_ggml {
 
@@ -817,6 +822,8 @@ inline void rows_one_token(const uint8_t* w, int64_t row_bytes, int64_t units, c
   } else if constexpr (std::is_same_v<U, Rows8K> || std::is_same_v<U, Rows8K5> || std::is_same_v<U, Rows8K6> ||
                        std::is_same_v<U, Rows8KR8> || std::is_same_v<U, Rows8K6R8>) {  // K-quants
     rows_fixed<U, 1>(w, row_bytes, units, x.k, r0, r1, y, 0, nullptr);
+  } else if constexpr (kIq4Rows<U>) {  // IQ4_NL / IQ4_XS
+    rows_fixed<U, 1>(w, row_bytes, units, x.x, r0, r1, y, 0, nullptr);
   } else {
     for (int64_t r = r0; r < r1; ++r) dot_tokens_int8<U, 1>(w + r * row_bytes, units, x, y + r);
   }
@@ -1296,6 +1303,8 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
          : type == kQ5_K ? rows_grouped<Rows8K5>
          : type == kQ6_K ? rows_grouped<Rows8K6>
          : type == kQ6_K_R8 ? rows_grouped<Rows8K6R8>
+         : type == kIQ4_NL ? rows_grouped<RowsIQ4<kIQ4_NL>>
+         : type == kIQ4_XS ? rows_grouped<RowsIQ4<kIQ4_XS>>
                          : rows_grouped<Rows8<kQ8_0>>;
   int64_t chunk = localmoe::kChunkBytes / std::max<int64_t>(1, bytes * N);
   if (has_rows8(type)) chunk = (chunk + 15) / 16 * 16;  // whole groups of sixteen rows (Q8_0 on fp32 / int16 x too)

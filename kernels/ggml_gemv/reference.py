@@ -12,12 +12,19 @@ from localmoe.kernels.mxfp4_moe.reference import q8_round
 from localmoe.quant.ggml import dequantize
 
 K_QUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)  # super-blocks of 256
+SUPER_BLOCK_TYPES = (*K_QUANTS, GGMLQuantizationType.IQ4_XS)  # the kernels' types whose rows are whole 256s
 
 
 def x_block(ggml_type) -> int:
     """Values per int8 step of x for rows of `ggml_type`: 256 for the K-quants (Q8_K; repacked ones too), else 32
     (Q8_0)."""
     return 256 if plain_type(ggml_type) in K_QUANTS else 32
+
+
+def row_values(ggml_type) -> int:
+    """Values per block of a row of `ggml_type` the kernels read: 256 for the K-quants and IQ4_XS (whose x is still
+    rounded per 32: `x_block`), else 32."""
+    return 256 if plain_type(ggml_type) in SUPER_BLOCK_TYPES else 32
 
 
 def q16_round(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""GEMV from GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks for 1..N tokens: the CPU
-kernel against its reference (exact dequantisation, x rounded to int8 per 32 values, per 256 for the
+"""GEMV from GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS blocks for 1..N tokens: the
+CPU kernel against its reference (exact dequantisation, x rounded to int8 per 32 values, per 256 for the
 K-quants) evaluated in float64, and the properties the engine relies on (a row's result independent of the thread count and
 of the other tokens in the call, fallbacks)."""
 
@@ -10,25 +10,26 @@ import numpy as np
 import pytest
 import torch
 from localmoe.kernels.ggml_gemv import (EXACT_X_TYPES, K_QUANTS, TYPES, X16_TYPES, ggml_gemv, kernel_available,
-                                        naive_ggml_gemv, q16_round)
+                                        naive_ggml_gemv, q16_round, row_values)
 
 from localmoe.testing.ggml_blocks import random_blocks
 
 needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2 or compiler)")
 Q = gguf.GGMLQuantizationType
+IQ4 = (Q.IQ4_NL, Q.IQ4_XS)
 
 
 def _weight(ggml_type, O: int, K: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng(seed)
-    if ggml_type in K_QUANTS:  # gguf cannot quantise to these: random codes and scales, sane fp16 steps
+    if ggml_type in K_QUANTS or ggml_type in IQ4:  # gguf cannot quantise to these: random codes and scales, sane steps
         return torch.from_numpy(random_blocks(ggml_type, O, K, rng))
     w = rng.standard_normal((O, K)).astype(np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(w, ggml_type).copy())
 
 
 def _k_for(ggml_type, K: int) -> int:
-    """K rounded up to the type's block: K-quants take whole super-blocks of 256."""
-    unit = 256 if ggml_type in K_QUANTS else 32
+    """K rounded up to the type's block: K-quants and IQ4_XS take whole super-blocks of 256."""
+    unit = row_values(ggml_type)
     return -(-K // unit) * unit
 
 
@@ -173,7 +174,31 @@ def test_reference_is_the_dequantised_weight_on_rounded_inputs():
 
 
 @needs_cpu_kernel
-@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", IQ4, ids=lambda t: t.name)
+def test_iq4_rows_run_in_the_kernel(ggml_type, close):
+    """IQ4_NL / IQ4_XS rows are the library's (ggml_rows_iq4.h), not the reference's dequantise-and-multiply: the
+    library takes the type (one token and 16 rows: the one-token path and AVX-512's sixteen-row groups), its values
+    are the reference's, and a row of IQ4_XS that is not whole super-blocks is refused."""
+    from localmoe.kernels._cpu import library
+
+    lib = library()
+    K = 768
+    raw = _weight(ggml_type, 40, K, seed=30)
+    for N in (1, 16):
+        x = torch.randn(N, K, generator=torch.Generator().manual_seed(31 + N))
+        y = torch.empty(N, 40)
+        scratch = torch.empty(lib.ggml_gemv_scratch(N, K), dtype=torch.uint8)
+        assert lib.ggml_gemv(x.data_ptr(), N, K, raw.data_ptr(), int(ggml_type), 40, None, y.data_ptr(),
+                             scratch.data_ptr(), 1, 0) == 0, ggml_type.name
+        close(y, naive_ggml_gemv(x.double(), raw, ggml_type, (40, K)), 2e-6, f"{ggml_type.name} N={N}")
+        assert torch.equal(y, ggml_gemv(x, raw, ggml_type, (40, K)))
+    if ggml_type == Q.IQ4_XS:
+        assert lib.ggml_gemv(x.data_ptr(), 1, 288, raw.data_ptr(), int(ggml_type), 1, None, y.data_ptr(),
+                             scratch.data_ptr(), 1, 0) == -1
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("ggml_type", (*K_QUANTS, Q.IQ4_XS), ids=lambda t: t.name)
 def test_k_quants_need_whole_super_blocks(ggml_type, close):
     """A K that is not a multiple of 256 is not a K-quant row: the kernel does not read it; the
     reference names the fault."""
