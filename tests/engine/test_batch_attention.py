@@ -4,7 +4,9 @@ prepared once per step) gives the
 same bits as the per-sequence path it replaced (cache.update, then gqa_decode on the read keys), which
 stays the fallback for caches the kernel cannot write in place (bf16/fp8 rows). Tiny gpt-oss (sliding
 windows, sinks) and Qwen3-MoE (q/k norms), caches in 4-token blocks so the rows cross blocks, a sequence
-on two consecutive rows (a speculative verify), sequences of different lengths."""
+on two consecutive rows (a speculative verify), sequences of different lengths. gpt-oss's rows normally run in its
+C++ rows plan (tests/engine/test_rows_plan.py); here the plan is switched off, so its rows take this step, as they
+do wherever the plan does not apply."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from localmoe.kernels.gqa_decode import cpu
 
 from localmoe.config import EngineConfig
+from localmoe.engine import batch
 from localmoe.engine import cache as cache_module
 from localmoe.engine.batch import forward_rows
 from localmoe.engine.cache import KVCache, ModelCache
@@ -46,6 +49,7 @@ def _run(model, prompts, steps: int, dtype: str = "float32"):
 
 def test_one_kernel_call_equals_the_per_sequence_path(model, monkeypatch):
     monkeypatch.setattr(cache_module, "BLOCK_TOKENS", 4)
+    monkeypatch.setattr(batch, "rows_plan", lambda model: None)  # the Python step's attention, not a plan's
     prompts = [[3, 5, 7], [11] * 9, [2, 4, 6, 8, 10, 12, 14], [9]]
     with torch.inference_mode():
         got, caches = _run(model, prompts, 10)
