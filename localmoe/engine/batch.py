@@ -47,6 +47,7 @@ from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
+from localmoe.kernels.decode_layers.hybrid import HybridDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
 from localmoe.kernels.rms_norm import add_rms_norm
@@ -121,7 +122,8 @@ def rows_independent(model) -> bool:
     expert is then read once per step for the decode rows and the prompt rows beside them."""
     if not has_rows(model) or model.residuals is not None:
         return False
-    if rows_plan(model) is not None:
+    plan = rows_plan(model)
+    if plan is not None and not isinstance(plan.decoder, HybridDecoder):  # (the hybrid plan runs mixers per row)
         return True
     matrices, moe = [model.lm_head], False
     for _, mixer, _, mlp in model.layers:
@@ -341,12 +343,15 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
 
 
 def rows_plan(model):
-    """The model's fused decode plan (engine/decode_plan.py) where its dense or gpt-oss form runs the batched step's
-    rows (`DenseDecoder.rows`, `GqaMoeDecoder.rows`: every layer for every row in one kernel call, each row with the
-    bits of the fused single-sequence step; a paged MoE layer's experts called back once per layer for all rows),
-    else None: other plans, a layer that is not plain GQA now (a probe records its selection), a model without
-    one."""
+    """The model's fused decode plan (engine/decode_plan.py), which runs the batched step's rows: its dense or gpt-oss
+    form (`DenseDecoder.rows`, `GqaMoeDecoder.rows`) where every layer is plain GQA now (a probe records its
+    selection), its hybrid form (`HybridDecoder.rows`: Qwen3-MoE, GLM-4.5, Kimi K3, Kimi-Linear, Qwen3-Next,
+    DeepSeek, ...; a step it cannot take now, `hybrid_rows` says so and the layers run op by op): every layer for
+    every row in one kernel call, each row with the bits of the fused single-sequence step, a paged MoE layer's
+    experts called back once per layer for all rows. None for a model without one."""
     plan = model.decode_plan() if hasattr(model, "decode_plan") else None
+    if plan is not None and isinstance(plan.decoder, HybridDecoder):
+        return plan
     if plan is None or not isinstance(plan.decoder, (DenseDecoder, GqaMoeDecoder)):
         return None
     return plan if all(_plain_gqa(mixer, ()) for _, mixer, _, _ in model.layers) else None
@@ -359,11 +364,16 @@ def _planned_rows(model, x: torch.Tensor, starts: Sequence[int], caches: Sequenc
     plan = rows_plan(model)
     if plan is None or any(cache.key_mask is not None for cache in caches):
         return None
+    N = x.shape[0]
+    if isinstance(plan.decoder, HybridDecoder):
+        from localmoe.engine.decode_plan import hybrid_rows
+
+        h = hybrid_rows(plan, x.reshape(N, -1).float().contiguous(), list(starts), list(caches))
+        return None if h is None else h.view(N, 1, -1)
     rows = _step_rows(model, starts, caches)
     if rows is None:
         return None
     at = torch.tensor([start + cache.rope_delta for start, cache in zip(starts, caches)], dtype=torch.long)
-    N = x.shape[0]
     h = plan.decoder.rows(x.reshape(N, -1).float().contiguous(), rows, model.rope.cos[at], model.rope.sin[at])
     return h.view(N, 1, -1)
 
