@@ -588,7 +588,8 @@ def hybrid_rows(plan: DecodePlan, x: torch.Tensor, starts: list[int], caches: li
     every row with the bits `_hybrid_run` gives its token alone; None (nothing done) where a cache cannot take the
     plan now (as `_hybrid_run`). Each cache keeps its own bound copy of the layers (`row_set`). A cache whose
     delta-rule layers record (a verify: engine/state_cache.py `record`) runs each row on states of its own, which
-    start from the row before's (`carry`), and keeps them all; else its states are updated in place."""
+    start from the row before's (`carry`; the first a copy of the cache's, which a snapshot may hold), and keeps them
+    all; else its states are updated in place."""
     decoder, N = plan.decoder, len(starts)
     spans: dict[int, list[int]] = {}  # id(cache) -> its rows, in row order
     for n, cache in enumerate(caches):
@@ -607,7 +608,7 @@ def hybrid_rows(plan: DecodePlan, x: torch.Tensor, starts: list[int], caches: li
         if not _bind(plan, cache, first, last, *kept):
             return None
         layers = cache.layers
-        if len(rows) > 1 and any(layers[i].recording for i in plan.recurrent):
+        if any(layers[i].recording for i in plan.recurrent):  # (one row too: a kept state must not be updated)
             carry = carry or [-1] * N
             states = []
             for j, n in enumerate(rows):
