@@ -15,7 +15,7 @@ experts), Qwen3-Next (Gated DeltaNet + gated GQA, shared-expert gate), Kimi K3 (
 exact and q8), Kimi K2.5 (rotating MLA), DeepSeek-V3.2 (DSA's indexer) and GLM-5-Next (hyper-connections): the
 delta-rule rows of a verify are consecutive tokens of one state, each row's state kept while the cache records. 16-token
 cache blocks, so every run crosses blocks. The paged gpt-oss plan (a pager's experts called back per layer) has its
-tests in tests/paging/test_moe_rows_paged.py."""
+tests in tests/paging/test_rows_paged.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""The gpt-oss decode plan over a pager (kernels/decode_layers GqaMoeDecoder with layers whose experts are called
-back, engine/decode_plan.py `_paged_experts`): the single-sequence step and the batched step's rows both run the
-plan, and a row has the bits of the fused single-sequence step, paged or resident: 16 sequences at 25% of the
-experts and at one slot per layer equal the resident model's fused steps bit for bit."""
+"""The fused decode plans over a pager (kernels/decode_layers: gpt-oss's GqaMoeDecoder and the hybrid plan's
+HybridDecoder, with layers whose experts are called back once per layer for all rows: engine/decode_plan.py
+`_paged_experts`, `_routed`): the single-sequence step and the batched step's rows both run the plan, and a row has
+the bits of the fused single-sequence step, paged or resident. 16 sequences of gpt-oss (MXFP4 experts, sliding
+windows, sinks), Kimi K3 (MXFP4 experts under a latent MoE, attention residuals, MLA + KDA) and Kimi-Linear (bf16
+experts) at 25% of the experts and at one slot per layer equal the resident model's fused steps bit for bit, and so
+does a verify (one sequence on several rows)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 from localmoe.engine import batch
 from localmoe.engine.generate import prefill
 from localmoe.kernels.decode_layers import GqaMoeDecoder
+from localmoe.kernels.decode_layers.hybrid import HybridDecoder
 from localmoe.paging import PagingConfig, attach, expert_bytes, make_pager
 
 N = 16
@@ -38,7 +42,8 @@ def _caches(model, n: int):
 
 
 def _steps(model, rows: bool, steps: int = 3) -> torch.Tensor:
-    """Logits of `steps` greedy steps of N sequences: as rows of the batched step, or each token alone."""
+    """Logits of `steps` greedy steps of N sequences (as rows of the batched step, or each token alone), then a
+    verify of sequence 0's next token and three more (its rows, or its tokens one at a time)."""
     caches = _caches(model, N)
     tokens = [(7 + 11 * i) % model.spec.vocab_size for i in range(N)]
     out = []
@@ -48,18 +53,30 @@ def _steps(model, rows: bool, steps: int = 3) -> torch.Tensor:
                 torch.cat([model.forward(torch.tensor([[t]]), c)[:, -1] for t, c in zip(tokens, caches)])
             out.append(logits)
             tokens = logits.argmax(-1).tolist()
-    return torch.stack(out)
+        verify = [tokens[0], 3, 14, 15]
+        logits = batch.forward_rows(model, verify, [caches[0]] * 4) if rows else \
+            torch.cat([model.forward(torch.tensor([[t]]), caches[0])[:, -1] for t in verify])
+    return torch.cat([torch.cat(out), logits])
 
 
+def _all_called_back(decoder) -> bool:
+    """Whether every MoE layer of the plan calls its experts back (no resident table)."""
+    if isinstance(decoder, GqaMoeDecoder):
+        return all(layer.table is None for layer in decoder.layers)
+    moe = [layer for layer in decoder.layers if layer.moe]
+    return bool(moe) and all(not layer.table and not layer.dense for layer in moe)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "kimi_k3", "kimi_linear"])
 @pytest.mark.parametrize("share", ["1-per-layer", "25%"])
-def test_paged_rows_equal_resident_fused_steps(ckpts, share):
-    c = ckpts["gpt_oss"]
+def test_paged_rows_equal_resident_fused_steps(ckpts, family, share):
+    c = ckpts[family]
     resident = _steps(c.model, rows=False)
     try:
         pager = _paged(c, share)
         plan = batch.rows_plan(c.model)
-        assert plan is not None and isinstance(plan.decoder, GqaMoeDecoder)
-        assert all(layer.table is None for layer in plan.decoder.layers)  # every layer's experts called back
+        assert plan is not None and isinstance(plan.decoder, (GqaMoeDecoder, HybridDecoder))
+        assert _all_called_back(plan.decoder)
         rows = _steps(c.model, rows=True)
         fused = _steps(c.model, rows=False)
         pager.close()
