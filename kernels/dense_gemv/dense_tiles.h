@@ -41,7 +41,10 @@ inline float load1(const uint16_t* p) {
 #if defined(__AVX512F__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-constexpr int kTileRows = 6, kTileOuts = 4;  // 24 accumulators + 4 weight vectors + x: 29 of 32 zmm
+// 4 tokens x 5 outputs: 20 accumulators + 5 weight vectors + x, 26 of 32 zmm. Per 32-column step 9 vector loads
+// feed 20 FMAs (6 x 4: 10 for 24): Zen 4 loads one zmm a cycle and x streams from L2; 4 x 5 ran 1.05-1.12x 6 x 4
+// on Qwen3-Next / Kimi-Linear shapes at 72-512 tokens (session 13, docs/performance.md)
+constexpr int kTileRows = 4, kTileOuts = 5;
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exact
@@ -142,9 +145,10 @@ constexpr int64_t kTileTokenBytes = 256 << 10;  // x bytes per block of tokens: 
 
 // Outputs [o0, o1) against all N tokens: the tokens in blocks of kTileTokenBytes of x (a prompt chunk of 512
 // tokens is 1.5 MiB of x at K = 768: it would stream from L3 for every weight tile); per block, kTileOuts weight
-// rows at a time (the last few one by one), each against the block's tokens kTileRows at a time (the weight rows
-// stay in L1 while x streams from L2; the chunk's rows come back from L2 for the next block). Which tile and block
-// a token falls in does not change its bits.
+// rows at a time (the last few one by one), each against the block's tokens in groups of at most kTileRows, as even
+// as they go (7 tokens: 4 + 3; 9: 3 + 3 + 3, not 4 + 4 + 1), the weight rows staying in L1 while x streams from L2
+// (the chunk's rows come back from L2 for the next block). Which tile and block a token falls in does not change
+// its bits.
 template <typename T>
 void tile_outputs(const void* ctx, int64_t o0, int64_t o1) {
   const Args<T>& a = *static_cast<const Args<T>*>(ctx);
@@ -156,12 +160,14 @@ void tile_outputs(const void* ctx, int64_t o0, int64_t o1) {
       const bool full = o + kTileOuts <= o1;
       const T* w = a.w + o * K;
       const float* b = a.bias == nullptr ? nullptr : a.bias + o;
-      for (int64_t t = t0; t < t1; t += kTileRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kTileRows, t1 - t));
+      const int64_t groups = (t1 - t0 + kTileRows - 1) / kTileRows;
+      for (int64_t t = t0, g = 0; t < t1; ++g) {
+        const int R = static_cast<int>((t1 - t + (groups - g) - 1) / (groups - g));
         if (full)
           tile_rows<T, kTileOuts>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
         else
           tile_rows<T, 1>(R, w, a.x + t * K, K, b, a.y + t * O + o, O);
+        t += R;
       }
       o += full ? kTileOuts : 1;
     }

@@ -156,7 +156,10 @@ def expert_forward(w: ExpertWeights, x: torch.Tensor, act: Activation, precision
     return w.down(act(w.gate(x, precision), w.up(x, precision)), precision)
 
 
-DENSE_MAX_TOKENS = 64  # kernels/dense_moe against torch at 64 tokens: 1.16x (AVX-512 build), 1.00x (AVX2)
+# kernels/dense_moe against torch's sgemm on the widened bf16 expert (one thread, 32 experts of 384 x 768 on 2 MiB
+# pages, AVX-512 build, session 13): 1.48x at 48 tokens, 1.23x at 64, 1.10-1.16x at 96-256; a prefill chunk
+# (engine/generate.py PREFILL_CHUNK) gives an expert at most 512 tokens
+DENSE_MAX_TOKENS = 512
 
 
 def expert_accumulate(w: ExpertWeights, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, act: Activation,

@@ -220,12 +220,17 @@ def test_kernel_dispatch_matches_reference_and_one_expert_at_a_time(act):
     assert torch.equal(whole_q8, q8[1](x)) and not torch.equal(whole_q8, whole)
 
 
-def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_time():
+def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_time(monkeypatch):
     """Resident dense experts with a kernel activation run as `dense_moe_layer` calls (runs of experts with at
-    most DENSE_MAX_TOKENS tokens; expert 0, chosen by every token, in torch between them); a provider that hands
-    out one expert at a time (a pager) runs them one call each: the same bits, and the float64 reference."""
-    from localmoe.engine.experts import DENSE_MAX_TOKENS
+    most DENSE_MAX_TOKENS tokens, here lowered to 64; expert 0, chosen by every token, in torch between them); a
+    provider that hands out one expert at a time (a pager) runs them one call each: the same bits, and the float64
+    reference."""
+    from localmoe.engine import experts as experts_module
+    from localmoe.engine.layers import moe
 
+    DENSE_MAX_TOKENS = 64
+    monkeypatch.setattr(experts_module, "DENSE_MAX_TOKENS", DENSE_MAX_TOKENS)
+    monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", DENSE_MAX_TOKENS)
     experts = _experts(D, False, biases=False, seed=24)
     resident = ResidentExperts({7: experts})
 
@@ -243,7 +248,6 @@ def test_dense_experts_run_as_one_layer_call_with_the_bits_of_one_expert_at_a_ti
     x[..., 0] = 4.0
     router_w[0, 0] = 10.0  # expert 0 wins every token: more than DENSE_MAX_TOKENS of them
     calls = []
-    from localmoe.engine.layers import moe
 
     def counting(*args, **kwargs):
         calls.append(list(args[4]))

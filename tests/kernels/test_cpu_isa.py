@@ -146,7 +146,7 @@ def test_gqa_decode_paged(isa):
 @pytest.mark.parametrize("N,O,K", [(3, 200, 96), (1, 67, 2051), (7, 67, 2051), (64, 130, 2048), (70, 37, 2051)],
                          ids=str)
 def test_dense_gemv(isa, dtype, N, O, K):
-    """One token's row stream and the register tiles of several (AVX-512: 6 x 4 zmm lanes, AVX2: 3 x 3 ymm)."""
+    """One token's row stream and the register tiles of several (AVX-512: 4 x 5 zmm lanes, AVX2: 3 x 3 ymm)."""
     g = torch.Generator().manual_seed(3)
     w, x, b = torch.randn(O, K, generator=g).to(dtype), torch.randn(N, K, generator=g), torch.randn(O, generator=g)
     _same_bits(*_under_each(isa, lambda: dense_gemv.dense_gemv(x, w, b)), f"{dtype} N={N} {O}x{K}")

@@ -113,10 +113,22 @@ def test_read_sums_are_the_chunk_sums():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prompt_rows_keep_their_alone_bits_across_token_blocks(dtype, close):
     """A prompt chunk's rows (the engine's Linear sends every call to the kernel): at K = 2051 a token block is
-    30 rows (dense_tiles.h kTileTokenBytes), so 70 rows span three blocks and a short last one; each row has the
-    bits it has alone, and the whole is the reference's."""
+    28 rows (AVX-512; AVX2: 30; dense_tiles.h kTileTokenBytes), so 70 rows span three blocks and a short last one;
+    each row has the bits it has alone, and the whole is the reference's."""
     x, w, bias = _inputs(70, 2051, 37, dtype, seed=70)
     alone = torch.cat([cpu.gemv(x[n:n + 1], w, bias) for n in range(70)])
     got = cpu.gemv(x, w, bias)
     assert torch.equal(got, alone)
     close(got, _want(x, w, bias), 1e-6)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_split_into_tiles_keeps_alone_bits(dtype):
+    """3-14 rows: every way `tile_outputs` splits tokens into groups of at most kTileRows (as even as they go: 9 rows
+    are 3 + 3 + 3 on AVX-512, 13 are 4 + 3 + 3 + 3), against 37 outputs (whole tiles of 5 (AVX-512) or 3 (AVX2) and
+    one-row tiles at the end): each row has the bits it has alone."""
+    x, w, bias = _inputs(14, 768, 37, dtype, seed=14)
+    alone = torch.cat([cpu.gemv(x[n:n + 1], w, bias) for n in range(14)])
+    for n in range(3, 15):
+        assert torch.equal(cpu.gemv(x[:n].contiguous(), w, bias), alone[:n]), f"{n} rows"
