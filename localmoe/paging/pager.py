@@ -64,6 +64,8 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 # guess's read costs about what a right one saves. Every EXPLORE-th routed layer guesses every rank (to keep
 # measuring them).
 GUESS_BAR, EXPLORE, GUESS_DECAY = 0.5, 16, 0.97
+# Guesses are handed to the readers only once the demanded reads are in (`Pager._flush`): the disk's rate is shared.
+HOLD_BACK = True
 DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
 
 
@@ -76,14 +78,15 @@ class _Slot:
 
 
 class _Read:
-    """One load of `key` into `slot` (its generation `gen`), submitted to the readers as `id`: `done` once reaped
-    (with `error` where it failed). There is no Future per read: the compute thread waits on the readers."""
+    """One load of `key` into `slot` (its generation `gen`), submitted to the readers as `id` (`urgent`: demanded;
+    `submitted` False: a guess held back while demanded reads run, `Pager._flush`): `done` once reaped (with
+    `error` where it failed). There is no Future per read: the compute thread waits on the readers."""
 
-    __slots__ = ("done", "error", "gen", "id", "key", "slot")
+    __slots__ = ("done", "error", "gen", "id", "key", "slot", "submitted", "urgent")
 
-    def __init__(self, read_id: int, slot: _Slot, key: Key):
-        self.id, self.slot, self.key, self.gen = read_id, slot, key, slot.gen
-        self.done = False
+    def __init__(self, read_id: int, slot: _Slot, key: Key, urgent: bool):
+        self.id, self.slot, self.key, self.gen, self.urgent = read_id, slot, key, slot.gen, urgent
+        self.done, self.submitted = False, False
         self.error: BaseException | None = None
 
 
@@ -121,10 +124,13 @@ class Pager:
         self.io_threads = max(1, io_threads)
         # native: the C++ readers (None: where the backend and the CPU library allow them), else Python threads
         self.readers = make_readers(backend, self.slab, self.io_threads, native)
-        self._reads: dict[int, _Read] = {}  # submitted, not yet reaped
+        self._reads: dict[int, _Read] = {}  # started, not yet reaped
+        self._demanded = 0  # demanded reads submitted, not yet reaped
+        self._held_back: list[_Read] = []  # guesses not submitted while demanded reads run (`_flush`), in order
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
+        self.hold_back = HOLD_BACK  # guesses wait for the demanded reads (`_flush`)
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
         self.step, self._last_layer = 0, None
@@ -189,6 +195,9 @@ class Pager:
             slot = self._allocate(demand=True)
             self._start(slot, key, DEMAND)
         elif not slot.used:  # first request of a load started before it
+            if slot.state == LOADING and not slot.read.submitted:  # a guess held back: needed now
+                self._held_back.remove(slot.read)
+                self._submit(slot.read, urgent=True)
             if slot.origin == LOOKAHEAD:
                 ram.hits += 1
                 pf.covered += 1
@@ -317,9 +326,18 @@ class Pager:
             for key in self._guesses.get(layer, set()) - set(keys):  # guesses the routing did not choose
                 slot = self.where[key]
                 self._settle(slot, chosen=False)
-                if slot.state == LOADING and self.readers.cancel(slot.read.id):  # not read yet: not read at all
+                if slot.state == LOADING and not slot.read.submitted:  # held back: never read
+                    self._held_back.remove(slot.read)
                     del self._reads[slot.read.id]
                     self._free_slot(slot)
+                elif slot.state == LOADING and self.readers.cancel(slot.read.id):  # not read yet: not read at all
+                    del self._reads[slot.read.id]
+                    self._free_slot(slot)
+            for key in keys:  # guesses held back that routing chose: demanded now
+                slot = self.where.get(key)
+                if slot is not None and slot.state == LOADING and not slot.read.submitted:
+                    self._held_back.remove(slot.read)
+                    self._submit(slot.read, urgent=True)
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
@@ -481,6 +499,9 @@ class Pager:
                 return victim
             if not demand:
                 return None
+            for read in self._held_back:  # a slot must come free: what is held back reads now
+                self._submit(read, urgent=False)
+            self._held_back = []
             left = deadline - time.monotonic()
             if left <= 0 or not any(s.state == LOADING for s in self.slots):
                 raise PagingError(f"no expert slot can be freed ({len(self.slots)} slots, {len(self.pinned)} "
@@ -565,8 +586,26 @@ class Pager:
             self._guesses[key[0]].add(key)
         self.policy.insert(key, self.step)
         self._next_id += 1
-        slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key)
-        self.readers.submit(self._next_id, key, slot.index, urgent=origin != LOOKAHEAD)
+        slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key, urgent=origin != LOOKAHEAD)
+        if slot.read.urgent or not self._demanded or not self.hold_back:
+            self._submit(slot.read, slot.read.urgent)
+        else:
+            self._held_back.append(slot.read)
+
+    def _submit(self, read: _Read, urgent: bool) -> None:
+        """Hands `read` to the readers (lock held)."""
+        read.submitted, read.urgent = True, urgent
+        self._demanded += urgent
+        self.readers.submit(read.id, read.key, read.slot.index, urgent=urgent)
+
+    def _flush(self) -> None:
+        """Submits the guesses held back once no demanded read is left (lock held): the disk's rate is shared by the
+        reads in flight, so a guess read beside a layer's demanded reads delays the kernel call that waits for them;
+        held back, it reads while that layer computes."""
+        if self._held_back and not self._demanded:
+            held, self._held_back = self._held_back, []
+            for read in held:
+                self._submit(read, urgent=False)
 
     def _reap(self) -> None:
         """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
@@ -574,6 +613,7 @@ class Pager:
         `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held)."""
         for read_id, error in self.readers.reap():
             read = self._reads.pop(read_id)
+            self._demanded -= read.urgent
             slot = read.slot
             if slot.gen == read.gen and slot.state == LOADING:
                 if error is None:
@@ -589,6 +629,7 @@ class Pager:
         busy = self.readers.busy()
         self.stats.ram.read_seconds += busy - self._busy_seen
         self._busy_seen = busy
+        self._flush()
 
     def _wait(self, read: _Read) -> float:
         """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""
