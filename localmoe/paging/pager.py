@@ -346,15 +346,16 @@ class Pager:
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
                 wide = len(keys) >= GUESS_BAR * self._experts.get(layer, len(keys))  # most of the layer chosen
-                if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
-                    ahead = ()
+                few = not ranked and len(missing) > self.io_threads and not wide  # several rows' union: docstring
                 guessed = []  # (computed while those reads run), the nearest layer's first
                 if callable(ahead):  # the later layers' routers: the hints' work, counted apart too
                     clock = time.perf_counter()
                     ahead = ahead()
                     self.stats.prefetch.hint_seconds += time.perf_counter() - clock
-                for distance, (later, guess) in enumerate(ahead, 1):
+                for distance, (later, guess) in enumerate(ahead[:1] if few else ahead, 1):
                     guessed += self._guessed(later, guess, len(guessed), ranked, distance)
+                if few:  # the most voted, one per reader: read once the layer's own reads are in
+                    guessed = guessed[:self.io_threads]
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)

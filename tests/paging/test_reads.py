@@ -173,46 +173,32 @@ def test_guesses_two_layers_ahead_are_measured_apart(gpt_oss):
         pager.close()
 
 
-def test_a_union_of_guesses_is_dropped_where_the_layers_misses_outnumber_the_readers(gpt_oss):
-    """Several rows' guesses (not ranked) are read only while the layer's own misses do not outnumber the readers;
-    one token's ranked guesses always are."""
+def test_a_union_of_guesses_is_cut_to_one_per_reader_where_the_layers_misses_outnumber_the_readers(gpt_oss):
+    """Several rows' guesses (not ranked) are all read while the layer's own misses do not outnumber the readers;
+    where they do (a decode step of several rows), only the most voted, one per reader, of the nearest layer, and
+    only once the layer's own reads are in; one token's ranked guesses always are."""
     store = gpt_oss.store()
-    a, b = store.layers()[:2]
-    pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
-    try:
-        pager.begin_layer(a, [0, 1], [(b, [5, 6])])  # two misses, two readers: the guesses are read
-        assert pager.stats.prefetch.issued == 2
-        pager.hold(a, [0, 1])
-        pager.begin_layer(a, [2, 3, 4], [(b, [7, 8])])  # three misses outnumber the readers: no guess
-        assert pager.stats.prefetch.issued == 2 and (b, 7) not in pager.where
-        pager.hold(a, [2, 3, 4])
-        pager.begin_layer(a, [5, 6, 7], [(b, [1])], ranked=True)  # one token's ranked guess: read
-        assert pager.stats.prefetch.issued == 3 and (b, 1) in pager.where
-        pager.hold(a, [5, 6, 7])
-    finally:
-        pager.close()
-
-
-def test_several_rows_guesses_are_computed_only_where_kept(gpt_oss):
-    """`ahead` given as a function (PagedRouter's several rows: a prompt chunk's later-layer routing) is called
-    only where begin_layer keeps the guesses, so a step whose layer misses more experts than there are readers
-    does not route its rows through the next layer's router for nothing."""
-    store = gpt_oss.store()
-    a, b = store.layers()[:2]
+    a, b, c = store.layers()[:3]
     pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
     calls = []
 
     def ahead():
         calls.append(1)
-        return [(b, [5, 6])]
+        return [(b, [8, 7, 9]), (c, [1])]  # most voted first (hooks._voted)
 
     try:
-        pager.begin_layer(a, [0, 1, 2], ahead)  # three misses outnumber the readers: not called
-        assert not calls and pager.stats.prefetch.issued == 0
-        pager.hold(a, [0, 1, 2])
-        pager.begin_layer(a, [3], ahead)  # one miss: called, its guesses read
-        assert calls == [1] and pager.stats.prefetch.issued == 2 and (b, 5) in pager.where
-        pager.hold(a, [3])
+        pager.begin_layer(a, [0, 1], [(b, [5, 6])])  # two misses, two readers: the guesses are read
+        assert pager.stats.prefetch.issued == 2
+        pager.hold(a, [0, 1])
+        pager.begin_layer(a, [2, 3, 4], ahead)  # three misses outnumber the readers: the two most voted of b
+        assert calls == [1] and pager.stats.prefetch.issued == 4
+        assert (b, 8) in pager.where and (b, 7) in pager.where and (b, 9) not in pager.where
+        assert (c, 1) not in pager.where and len(pager._held_back) == 2
+        pager.hold(a, [2, 3, 4])
+        assert not pager._held_back
+        pager.begin_layer(a, [5, 6, 7], [(b, [1])], ranked=True)  # one token's ranked guess: read
+        assert pager.stats.prefetch.issued == 5 and (b, 1) in pager.where
+        pager.hold(a, [5, 6, 7])
     finally:
         pager.close()
 
