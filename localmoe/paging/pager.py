@@ -11,7 +11,8 @@ a slot are built on the compute thread, once per (expert layout, slot), and reus
 slot's memory never moves.
 Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
 dispatch (`begin_layer`: their loads start together, in parallel) and the next layer's
-likely ones (`prefetch`: router lookahead); loads run while compute continues.
+likely ones (`prefetch`: router lookahead); loads run while compute continues. A guess goes to the readers only
+once no demanded read is left (`_flush`): the disk's rate is shared by the reads in flight.
 
 Never evicted: the experts last returned (the caller is computing them), pinned experts (a
 calibration profile), and loads in flight. Prefetches never evict the current layer's
@@ -309,15 +310,16 @@ class Pager:
         not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
         then `prefetch` those (the layer's reads start before the guesses are made). `ranked`: each of `ahead`'s
         lists is one token's guess, best first (an expert's position is its rank: `guess_width` measures each
-        rank's precision). Not `ranked` (several rows' union of guesses), the
-        guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait) and its
-        routing chose under GUESS_BAR of its experts: the disk is busy without them, a right guess would only start
-        a read earlier, a wrong one adds a read (16 batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per
-        generated token, a quarter of the bytes). Where the rows chose most of the layer's experts (a step carrying
-        prompt rows), the next layer's rows will too: its union of guesses is then mostly right, and its reads run
-        while this layer's experts compute (hundreds of prompt rows' work) instead of after it.
-        `ahead` may be a function giving that list, called only where the guesses are kept (several rows' routing
-        of the later layers is then not computed for nothing)."""
+        rank's precision). Not `ranked` (several rows' union of guesses, most voted first), where the layer's own
+        misses outnumber the readers (each has a read, more wait) and its routing chose under GUESS_BAR of its
+        experts, only the nearest layer's first guesses, one per reader, are kept: they read in the disk's idle time
+        once the layer's reads are in (`_flush`), where the whole union wasted a quarter of the bytes (16 batched
+        rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token). Where the rows chose most of the
+        layer's experts (a step carrying prompt rows), the next layer's rows will too: its union of guesses is then
+        mostly right, and its reads run while this layer's experts compute (hundreds of prompt rows' work) instead
+        of after it.
+        `ahead` may be a function giving that list, called once this layer's reads are submitted. Guesses go to the
+        readers only once no demanded read is left (`_flush`)."""
         started = time.perf_counter()
         with self.lock:
             self._reap()
