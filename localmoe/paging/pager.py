@@ -11,7 +11,8 @@ a slot are built on the compute thread, once per (expert layout, slot), and reus
 slot's memory never moves.
 Routers wrapped by `paging.hooks.attach` tell the pager each layer's chosen experts before
 dispatch (`begin_layer`: their loads start together, in parallel) and the next layer's
-likely ones (`prefetch`: router lookahead); loads run while compute continues.
+likely ones (`prefetch`: router lookahead); loads run while compute continues. A guess goes to the readers only
+once no demanded read is left (`_flush`): the disk's rate is shared by the reads in flight.
 
 Never evicted: the experts last returned (the caller is computing them), pinned experts (a
 calibration profile), and loads in flight. Prefetches never evict the current layer's
@@ -64,6 +65,8 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 # guess's read costs about what a right one saves. Every EXPLORE-th routed layer guesses every rank (to keep
 # measuring them).
 GUESS_BAR, EXPLORE, GUESS_DECAY = 0.5, 16, 0.97
+# Guesses are handed to the readers only once the demanded reads are in (`Pager._flush`): the disk's rate is shared.
+HOLD_BACK = True
 DEMAND, EARLY, LOOKAHEAD = "demand", "early", "lookahead"  # why a load started
 
 
@@ -76,14 +79,15 @@ class _Slot:
 
 
 class _Read:
-    """One load of `key` into `slot` (its generation `gen`), submitted to the readers as `id`: `done` once reaped
-    (with `error` where it failed). There is no Future per read: the compute thread waits on the readers."""
+    """One load of `key` into `slot` (its generation `gen`), submitted to the readers as `id` (`urgent`: demanded;
+    `submitted` False: a guess held back while demanded reads run, `Pager._flush`): `done` once reaped (with
+    `error` where it failed). There is no Future per read: the compute thread waits on the readers."""
 
-    __slots__ = ("done", "error", "gen", "id", "key", "slot")
+    __slots__ = ("done", "error", "gen", "id", "key", "slot", "submitted", "urgent")
 
-    def __init__(self, read_id: int, slot: _Slot, key: Key):
-        self.id, self.slot, self.key, self.gen = read_id, slot, key, slot.gen
-        self.done = False
+    def __init__(self, read_id: int, slot: _Slot, key: Key, urgent: bool):
+        self.id, self.slot, self.key, self.gen, self.urgent = read_id, slot, key, slot.gen, urgent
+        self.done, self.submitted = False, False
         self.error: BaseException | None = None
 
 
@@ -121,10 +125,13 @@ class Pager:
         self.io_threads = max(1, io_threads)
         # native: the C++ readers (None: where the backend and the CPU library allow them), else Python threads
         self.readers = make_readers(backend, self.slab, self.io_threads, native)
-        self._reads: dict[int, _Read] = {}  # submitted, not yet reaped
+        self._reads: dict[int, _Read] = {}  # started, not yet reaped
+        self._demanded = 0  # demanded reads submitted, not yet reaped
+        self._held_back: list[_Read] = []  # guesses not submitted while demanded reads run (`_flush`), in order
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
+        self.hold_back = HOLD_BACK  # guesses wait for the demanded reads (`_flush`)
         self.held: tuple[_Slot, ...] = ()  # the slots last handed out (being computed)
         self.protected: set[Key] = set()  # the current layer's chosen experts not yet requested
         self.step, self._last_layer = 0, None
@@ -189,6 +196,9 @@ class Pager:
             slot = self._allocate(demand=True)
             self._start(slot, key, DEMAND)
         elif not slot.used:  # first request of a load started before it
+            if slot.state == LOADING and not slot.read.submitted:  # a guess held back: needed now
+                self._held_back.remove(slot.read)
+                self._submit(slot.read, urgent=True)
             if slot.origin == LOOKAHEAD:
                 ram.hits += 1
                 pf.covered += 1
@@ -300,15 +310,16 @@ class Pager:
         not read at all where no reader took them yet). `ahead` = [(later layer, guessed experts)], nearest first:
         then `prefetch` those (the layer's reads start before the guesses are made). `ranked`: each of `ahead`'s
         lists is one token's guess, best first (an expert's position is its rank: `guess_width` measures each
-        rank's precision). Not `ranked` (several rows' union of guesses), the
-        guesses are dropped where the layer's own misses outnumber the readers (each has a read, more wait) and its
-        routing chose under GUESS_BAR of its experts: the disk is busy without them, a right guess would only start
-        a read earlier, a wrong one adds a read (16 batched rows of gpt-oss `large` at 25%: 8.9 wasted guesses per
-        generated token, a quarter of the bytes). Where the rows chose most of the layer's experts (a step carrying
-        prompt rows), the next layer's rows will too: its union of guesses is then mostly right, and its reads run
-        while this layer's experts compute (hundreds of prompt rows' work) instead of after it.
-        `ahead` may be a function giving that list, called only where the guesses are kept (several rows' routing
-        of the later layers is then not computed for nothing)."""
+        rank's precision). Not `ranked` (several rows' union of guesses, most voted first), where the layer's own
+        misses outnumber the readers (each has a read, more wait) and its routing chose under GUESS_BAR of its
+        experts, only the nearest layer's first guesses, one per reader, are kept: they read in the disk's idle time
+        once the layer's reads are in (`_flush`), where the whole union wasted a quarter of the bytes (16 batched
+        rows of gpt-oss `large` at 25%: 8.9 wasted guesses per generated token). Where the rows chose most of the
+        layer's experts (a step carrying prompt rows), the next layer's rows will too: its union of guesses is then
+        mostly right, and its reads run while this layer's experts compute (hundreds of prompt rows' work) instead
+        of after it.
+        `ahead` may be a function giving that list, called once this layer's reads are submitted. Guesses go to the
+        readers only once no demanded read is left (`_flush`)."""
         started = time.perf_counter()
         with self.lock:
             self._reap()
@@ -317,9 +328,18 @@ class Pager:
             for key in self._guesses.get(layer, set()) - set(keys):  # guesses the routing did not choose
                 slot = self.where[key]
                 self._settle(slot, chosen=False)
-                if slot.state == LOADING and self.readers.cancel(slot.read.id):  # not read yet: not read at all
+                if slot.state == LOADING and not slot.read.submitted:  # held back: never read
+                    self._held_back.remove(slot.read)
                     del self._reads[slot.read.id]
                     self._free_slot(slot)
+                elif slot.state == LOADING and self.readers.cancel(slot.read.id):  # not read yet: not read at all
+                    del self._reads[slot.read.id]
+                    self._free_slot(slot)
+            for key in keys:  # guesses held back that routing chose: demanded now
+                slot = self.where.get(key)
+                if slot is not None and slot.state == LOADING and not slot.read.submitted:
+                    self._held_back.remove(slot.read)
+                    self._submit(slot.read, urgent=True)
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
@@ -328,15 +348,16 @@ class Pager:
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
                 wide = len(keys) >= GUESS_BAR * self._experts.get(layer, len(keys))  # most of the layer chosen
-                if not ranked and len(missing) > self.io_threads and not wide:  # several rows' union: the docstring
-                    ahead = ()
+                few = not ranked and len(missing) > self.io_threads and not wide  # several rows' union: docstring
                 guessed = []  # (computed while those reads run), the nearest layer's first
                 if callable(ahead):  # the later layers' routers: the hints' work, counted apart too
                     clock = time.perf_counter()
                     ahead = ahead()
                     self.stats.prefetch.hint_seconds += time.perf_counter() - clock
-                for distance, (later, guess) in enumerate(ahead, 1):
+                for distance, (later, guess) in enumerate(ahead[:1] if few else ahead, 1):
                     guessed += self._guessed(later, guess, len(guessed), ranked, distance)
+                if few:  # the most voted, one per reader: read once the layer's own reads are in
+                    guessed = guessed[:self.io_threads]
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
@@ -481,6 +502,9 @@ class Pager:
                 return victim
             if not demand:
                 return None
+            for read in self._held_back:  # a slot must come free: what is held back reads now
+                self._submit(read, urgent=False)
+            self._held_back = []
             left = deadline - time.monotonic()
             if left <= 0 or not any(s.state == LOADING for s in self.slots):
                 raise PagingError(f"no expert slot can be freed ({len(self.slots)} slots, {len(self.pinned)} "
@@ -565,8 +589,26 @@ class Pager:
             self._guesses[key[0]].add(key)
         self.policy.insert(key, self.step)
         self._next_id += 1
-        slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key)
-        self.readers.submit(self._next_id, key, slot.index, urgent=origin != LOOKAHEAD)
+        slot.read = self._reads[self._next_id] = _Read(self._next_id, slot, key, urgent=origin != LOOKAHEAD)
+        if slot.read.urgent or not self._demanded or not self.hold_back:
+            self._submit(slot.read, slot.read.urgent)
+        else:
+            self._held_back.append(slot.read)
+
+    def _submit(self, read: _Read, urgent: bool) -> None:
+        """Hands `read` to the readers (lock held)."""
+        read.submitted, read.urgent = True, urgent
+        self._demanded += urgent
+        self.readers.submit(read.id, read.key, read.slot.index, urgent=urgent)
+
+    def _flush(self) -> None:
+        """Submits the guesses held back once no demanded read is left (lock held): the disk's rate is shared by the
+        reads in flight, so a guess read beside a layer's demanded reads delays the kernel call that waits for them;
+        held back, it reads while that layer computes."""
+        if self._held_back and not self._demanded:
+            held, self._held_back = self._held_back, []
+            for read in held:
+                self._submit(read, urgent=False)
 
     def _reap(self) -> None:
         """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
@@ -574,6 +616,7 @@ class Pager:
         `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held)."""
         for read_id, error in self.readers.reap():
             read = self._reads.pop(read_id)
+            self._demanded -= read.urgent
             slot = read.slot
             if slot.gen == read.gen and slot.state == LOADING:
                 if error is None:
@@ -589,6 +632,7 @@ class Pager:
         busy = self.readers.busy()
         self.stats.ram.read_seconds += busy - self._busy_seen
         self._busy_seen = busy
+        self._flush()
 
     def _wait(self, read: _Read) -> float:
         """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""

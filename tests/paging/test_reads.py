@@ -53,10 +53,13 @@ def test_demanded_reads_first_and_unchosen_guesses_never_read(gpt_oss):
     try:
         pager.begin_layer(a, [0], [(b, [5, 6, 7])])  # a's expert 0 now, then the guesses for b, best first
         assert backend.wait_started(1) == [(a, 0)]
+        assert len(pager._held_back) == 3  # not handed to the readers while a demanded read runs
         pager.begin_layer(c, [1])  # demanded while the guesses wait: read before them
         backend.release()
         assert backend.wait_started(2) == [(a, 0), (c, 1)]
         backend.release()
+        pager.hold(c, [1])  # the demanded reads are in: the guesses go to the readers
+        assert not pager._held_back
         assert backend.wait_started(3)[2] == (b, 5)  # then the best guess
         pf = pager.stats.prefetch
         assert (pf.issued, pf.pending) == (3, 3)
@@ -170,46 +173,32 @@ def test_guesses_two_layers_ahead_are_measured_apart(gpt_oss):
         pager.close()
 
 
-def test_a_union_of_guesses_is_dropped_where_the_layers_misses_outnumber_the_readers(gpt_oss):
-    """Several rows' guesses (not ranked) are read only while the layer's own misses do not outnumber the readers;
-    one token's ranked guesses always are."""
+def test_a_union_of_guesses_is_cut_to_one_per_reader_where_the_layers_misses_outnumber_the_readers(gpt_oss):
+    """Several rows' guesses (not ranked) are all read while the layer's own misses do not outnumber the readers;
+    where they do (a decode step of several rows), only the most voted, one per reader, of the nearest layer, and
+    only once the layer's own reads are in; one token's ranked guesses always are."""
     store = gpt_oss.store()
-    a, b = store.layers()[:2]
-    pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
-    try:
-        pager.begin_layer(a, [0, 1], [(b, [5, 6])])  # two misses, two readers: the guesses are read
-        assert pager.stats.prefetch.issued == 2
-        pager.hold(a, [0, 1])
-        pager.begin_layer(a, [2, 3, 4], [(b, [7, 8])])  # three misses outnumber the readers: no guess
-        assert pager.stats.prefetch.issued == 2 and (b, 7) not in pager.where
-        pager.hold(a, [2, 3, 4])
-        pager.begin_layer(a, [5, 6, 7], [(b, [1])], ranked=True)  # one token's ranked guess: read
-        assert pager.stats.prefetch.issued == 3 and (b, 1) in pager.where
-        pager.hold(a, [5, 6, 7])
-    finally:
-        pager.close()
-
-
-def test_several_rows_guesses_are_computed_only_where_kept(gpt_oss):
-    """`ahead` given as a function (PagedRouter's several rows: a prompt chunk's later-layer routing) is called
-    only where begin_layer keeps the guesses, so a step whose layer misses more experts than there are readers
-    does not route its rows through the next layer's router for nothing."""
-    store = gpt_oss.store()
-    a, b = store.layers()[:2]
+    a, b, c = store.layers()[:3]
     pager = Pager(store, 32, LRU(), ODirectBackend(store), io_threads=2)
     calls = []
 
     def ahead():
         calls.append(1)
-        return [(b, [5, 6])]
+        return [(b, [8, 7, 9]), (c, [1])]  # most voted first (hooks._voted)
 
     try:
-        pager.begin_layer(a, [0, 1, 2], ahead)  # three misses outnumber the readers: not called
-        assert not calls and pager.stats.prefetch.issued == 0
-        pager.hold(a, [0, 1, 2])
-        pager.begin_layer(a, [3], ahead)  # one miss: called, its guesses read
-        assert calls == [1] and pager.stats.prefetch.issued == 2 and (b, 5) in pager.where
-        pager.hold(a, [3])
+        pager.begin_layer(a, [0, 1], [(b, [5, 6])])  # two misses, two readers: the guesses are read
+        assert pager.stats.prefetch.issued == 2
+        pager.hold(a, [0, 1])
+        pager.begin_layer(a, [2, 3, 4], ahead)  # three misses outnumber the readers: the two most voted of b
+        assert calls == [1] and pager.stats.prefetch.issued == 4
+        assert (b, 8) in pager.where and (b, 7) in pager.where and (b, 9) not in pager.where
+        assert (c, 1) not in pager.where and len(pager._held_back) == 2
+        pager.hold(a, [2, 3, 4])
+        assert not pager._held_back
+        pager.begin_layer(a, [5, 6, 7], [(b, [1])], ranked=True)  # one token's ranked guess: read
+        assert pager.stats.prefetch.issued == 5 and (b, 1) in pager.where
+        pager.hold(a, [5, 6, 7])
     finally:
         pager.close()
 
@@ -251,3 +240,32 @@ def test_prompt_rows_guess_the_experts_two_rows_guessed_most_guessed_first():
     ids = torch.tensor([[3, 1], [1, 2], [5, 1], [2, 0]])  # votes: 1 x3, 2 x2, 3 0 5 once
     assert _voted(ids, experts=16) == [1, 2, 3, 5, 0]  # 8 picks of 16 experts: all, by votes then rank
     assert _voted(ids, experts=6) == [1, 2]  # 8 picks of 6 experts: the ones two rows guessed
+
+
+def test_guesses_wait_for_the_demanded_reads(gpt_oss):
+    """A guess is handed to the readers only once no demanded read is left (the disk's rate is shared: beside the
+    layer's demanded reads it would delay them); one requested meanwhile is read at once, as a demanded read, and
+    one its layer's routing did not choose is never read."""
+    store = gpt_oss.store()
+    a, b = store.layers()[:2]
+    backend = _Gated(store)
+    pager = Pager(store, 16, LRU(), backend, io_threads=2)
+    try:
+        pager.begin_layer(a, [0, 1], [(b, [5, 6])])
+        assert sorted(backend.wait_started(2)) == [(a, 0), (a, 1)]
+        assert [r.key for r in pager._held_back] == [(b, 5), (b, 6)]
+        pager.begin_layer(b, [5])  # b routed before a's reads are in: 5 is read now, 6 is dropped unread
+        assert not pager._held_back and (b, 6) not in pager.where
+        backend.release(3)
+        held = pager.hold(b, [5])
+        assert _same(store, b, 5, held[0])
+        assert sorted(backend.started) == [(a, 0), (a, 1), (b, 5)]
+        pf = pager.stats.prefetch
+        assert (pf.issued, pf.used, pf.wasted, pf.pending) == (2, 1, 1, 0)
+        pager.begin_layer(a, [2], [(b, [7])])  # held back, then submitted when a's read is in
+        backend.release(2)
+        pager.hold(a, [2])
+        assert backend.wait_started(5)[4] == (b, 7)
+    finally:
+        backend.release(100)
+        pager.close()
