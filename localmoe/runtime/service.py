@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,54 +78,11 @@ class ChatRequest:
     spec: str | None = None  # this request's speculation: "off", "prompt", "draft", "mtp" (None: the server's)
 
 
-class Mailbox:
-    """Events posted from the engine thread to one event loop's queues: one wakeup of the loop for all the events
-    posted before it takes them (a batched step's sequences each send a token within ~1 ms: one wakeup instead of
-    one per stream), each queue's events in the order posted."""
-
-    _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its Mailbox
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = weakref.ref(loop)  # (a strong reference would keep the loop's entry in `_of` forever)
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, object]] = []
-        self.wakeups = 0  # times the loop was woken (for tests and profiles)
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
-        mailbox = cls._of.get(loop)
-        if mailbox is None:
-            mailbox = cls._of[loop] = cls(loop)
-        return mailbox
-
-    def post(self, queue: asyncio.Queue, item: object) -> None:
-        with self._lock:
-            self._items.append((queue, item))
-            if len(self._items) > 1:
-                return  # a wakeup is on its way and will deliver this too
-            self.wakeups += 1
-        loop = self._loop()
-        try:
-            if loop is None:
-                raise RuntimeError("the loop is gone")
-            loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
-            with self._lock:
-                self._items.clear()
-
-    def _deliver(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-        for queue, item in items:
-            queue.put_nowait(item)
-
-
 class Stream:
     """The events of one job, read from the event loop; cancels the job when abandoned."""
 
     def __init__(self, service: Service, work, on_done=None, on_interrupt=None):
         self.loop = asyncio.get_running_loop()
-        self.mailbox = Mailbox.of(self.loop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.service = service
         self.on_done = on_done
@@ -138,7 +93,10 @@ class Stream:
         self.prompt: list[int] = []
 
     def _put(self, kind: str, payload) -> None:
-        self.mailbox.post(self.queue, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop has closed (shutdown): nobody is listening
+            pass
 
     def start(self) -> Stream:
         self.service.worker.submit(self.job)
