@@ -81,78 +81,37 @@ def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 # Buffers that come and go (a sequence's K/V pools, made per request and grown by doubling): `huge_empty`. One
 # decode step of 16 sequences reads ~48 MB of them (embedded model, context 65), each sequence's per-layer pools
-# 56-200 KiB: on 4 KiB pages the 16-row step's attention paid ~1 ms more (docs/performance.md, "The 16-row step,
-# session 13"). A piece of at most half a huge page comes from a 2 MiB slab holding pieces of its size only (a pool
-# of 192 KiB: ten to a slab, 6% left at the slab's end; pieces are not rounded to 2 MiB each) and goes back to its
-# slab once no tensor uses it; a slab whose pieces are all free is unmapped (one empty slab a size is kept for the
-# next request). A larger piece is a map of its own, rounded up to 2 MiB, unmapped with its last tensor. Touching a
-# piece makes its whole huge page resident: the pools' RSS is what they allocated (what `PagedBuffer.nbytes` and the
-# server's KV budget count), where 4 KiB pages left a block's unwritten positions out.
-
-
-class _Slab:
-    """A 2 MiB map cut into pieces of one size: the free pieces' offsets and how many are in use."""
-
-    __slots__ = ("array", "free", "live", "size")
-
-    def __init__(self, size: int):
-        self.array = _new_chunk(HUGE).numpy()  # (the chunk's tensor is dropped; the array holds the map)
-        self.size = size
-        self.free = list(range(HUGE - HUGE % size - size, -1, -size))  # popped from the end: lowest first
-        self.live = 0
-
-
-_slabs: dict[int, list[_Slab]] = {}  # piece bytes -> its slabs
-_returned: deque = deque()  # (slab, offset) of pieces freed (by the garbage collector, any thread): taken under the lock
-slab_bytes = 0  # bytes of the slabs mapped now
-
-
-def _take_returned() -> None:
-    """Put the freed pieces back in their slabs; unmap slabs left empty beyond one a size (under `_lock`)."""
-    global slab_bytes
-    while _returned:
-        slab, offset = _returned.popleft()
-        slab.free.append(offset)
-        slab.live -= 1
-        slabs = _slabs[slab.size]
-        if slab.live == 0 and sum(s.live == 0 for s in slabs) > 1:
-            slabs.remove(slab)  # its map goes when the last reference to the array does
-            slab_bytes -= HUGE
-
-
-def _give_back(slab: _Slab, offset: int) -> None:
-    """A piece no tensor holds any more (called by the garbage collector, in any thread, maybe inside `huge_empty`
-    holding the lock: then the next call takes it back)."""
-    _returned.append((slab, offset))
-    if _lock.acquire(blocking=False):
-        try:
-            _take_returned()
-        finally:
-            _lock.release()
+# 56-200 KiB: on 4 KiB pages the 16-row step's attention paid ~1.3 ms more (docs/performance.md, "The 16-row step,
+# session 13"). A piece smaller than a huge page comes from a slab of 2 MiB holding pieces of its size only (a
+# pool of 192 KiB: ten to a slab, 6% left at the slab's end; pieces are not rounded to 2 MiB each), and goes back
+# to its size's free list once no tensor uses it, for the next pool of that size: slabs are kept, so the memory
+# held is the most the pools of each size ever held at once. A larger piece is a map of its own, rounded up to
+# 2 MiB and unmapped with its last tensor.
+_free: dict[int, list[tuple[np.ndarray, int]]] = {}  # piece bytes -> (its slab, offset) of the free pieces
+_returned: deque = deque()  # pieces freed (by the garbage collector, any thread): moved to `_free` under the lock
+slab_bytes = 0  # bytes of the slabs made so far (kept for reuse)
 
 
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor on huge pages (transparent huge pages where the system has them),
     for buffers that are made and dropped while the process runs; its memory is reused once no tensor uses it."""
-    global slab_bytes
     nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
     if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     size = -(-nbytes // ALIGN) * ALIGN
-    if size > HUGE // 2:  # one to a slab would waste as much as rounding up: a map of its own
+    if size > HUGE // 2:  # one or two to a slab would waste as much as rounding up: a map of its own
         return _new_chunk(-(-size // HUGE) * HUGE)[:nbytes].view(dtype).view(shape)
     with _lock:
-        _take_returned()
-        slabs = _slabs.setdefault(size, [])
-        open_slabs = [s for s in slabs if s.free]
-        if open_slabs:
-            slab = max(open_slabs, key=lambda s: s.live)  # the fullest: the others may empty and be unmapped
-        else:
-            slab = _Slab(size)
-            slabs.append(slab)
+        while _returned:
+            piece_size, slab, offset = _returned.popleft()
+            _free.setdefault(piece_size, []).append((slab, offset))
+        free = _free.setdefault(size, [])
+        if not free:
+            slab = _new_chunk(HUGE).numpy()  # (the chunk's tensor is dropped; the array holds the map)
+            global slab_bytes
             slab_bytes += HUGE
-        offset = slab.free.pop()
-        slab.live += 1
-    piece = slab.array[offset:offset + size]  # a view of its own: the piece is free again when no tensor holds it
-    weakref.finalize(piece, _give_back, slab, offset)
+            free.extend((slab, offset) for offset in reversed(range(0, HUGE - size + 1, size)))
+        slab, offset = free.pop()
+    piece = slab[offset:offset + size]  # a view of its own: the piece is free again when no tensor holds it
+    weakref.finalize(piece, _returned.append, (size, slab, offset))
     return torch.from_numpy(piece)[:nbytes].view(dtype).view(shape)
