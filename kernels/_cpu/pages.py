@@ -20,7 +20,6 @@ import bisect
 import mmap
 import threading
 import weakref
-from collections import deque
 
 import numpy as np
 import torch
@@ -77,41 +76,3 @@ def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
     out = memory.view(tensor.dtype).view(tensor.shape)
     out.copy_(tensor)
     return out
-
-
-# Buffers that come and go (a sequence's K/V pools, made per request and grown by doubling): `huge_empty`. One
-# decode step of 16 sequences reads ~48 MB of them (embedded model, context 65), each sequence's per-layer pools
-# 56-200 KiB: on 4 KiB pages the 16-row step's attention paid ~1.3 ms more (docs/performance.md, "The 16-row step,
-# session 13"). A piece smaller than a huge page comes from a slab of 2 MiB holding pieces of its size only (a
-# pool of 192 KiB: ten to a slab, 6% left at the slab's end; pieces are not rounded to 2 MiB each), and goes back
-# to its size's free list once no tensor uses it, for the next pool of that size: slabs are kept, so the memory
-# held is the most the pools of each size ever held at once. A larger piece is a map of its own, rounded up to
-# 2 MiB and unmapped with its last tensor.
-_free: dict[int, list[tuple[np.ndarray, int]]] = {}  # piece bytes -> (its slab, offset) of the free pieces
-_returned: deque = deque()  # pieces freed (by the garbage collector, any thread): moved to `_free` under the lock
-slab_bytes = 0  # bytes of the slabs made so far (kept for reuse)
-
-
-def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor on huge pages (transparent huge pages where the system has them),
-    for buffers that are made and dropped while the process runs; its memory is reused once no tensor uses it."""
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    size = -(-nbytes // ALIGN) * ALIGN
-    if size > HUGE // 2:  # one or two to a slab would waste as much as rounding up: a map of its own
-        return _new_chunk(-(-size // HUGE) * HUGE)[:nbytes].view(dtype).view(shape)
-    with _lock:
-        while _returned:
-            piece_size, slab, offset = _returned.popleft()
-            _free.setdefault(piece_size, []).append((slab, offset))
-        free = _free.setdefault(size, [])
-        if not free:
-            slab = _new_chunk(HUGE).numpy()  # (the chunk's tensor is dropped; the array holds the map)
-            global slab_bytes
-            slab_bytes += HUGE
-            free.extend((slab, offset) for offset in reversed(range(0, HUGE - size + 1, size)))
-        slab, offset = free.pop()
-    piece = slab[offset:offset + size]  # a view of its own: the piece is free again when no tensor holds it
-    weakref.finalize(piece, _returned.append, (size, slab, offset))
-    return torch.from_numpy(piece)[:nbytes].view(dtype).view(shape)

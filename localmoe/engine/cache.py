@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 
 from localmoe.config import KV_CACHE_DTYPES
-from localmoe.kernels._cpu.pages import huge_empty
 from localmoe.kernels.fp8_cache import dequantize_fp8, quantize_fp8
 from localmoe.kernels.gqa_decode import PagedKV
 
@@ -102,11 +101,7 @@ class PagedBuffer:
 
     @staticmethod
     def _grow(old: torch.Tensor, blocks: int) -> torch.Tensor:
-        """`old` with room for `blocks` blocks: on the CPU on 2 MiB pages (kernels/_cpu/pages.py `huge_empty`: a
-        16-sequence decode step streams every pool's filled rows; pieces of a slab, reused, not rounded each)."""
-        shape = (old.shape[0], blocks, *old.shape[2:])
-        new = huge_empty(shape, old.dtype) if old.device.type == "cpu" else \
-            torch.empty(shape, dtype=old.dtype, device=old.device)
+        new = torch.empty(old.shape[0], blocks, *old.shape[2:], dtype=old.dtype, device=old.device)
         new[:, :old.shape[1]].copy_(old)
         return new
 

@@ -1,6 +1,5 @@
 """Weights on huge pages (kernels/_cpu/pages.py): the same values, in advised 2 MiB-aligned chunks that
-live as long as a tensor in them; Linear and resident dense experts keep their weights there. Buffers that come
-and go (`huge_empty`: the K/V pools) share slabs by size and are reused once no tensor holds them."""
+live as long as a tensor in them; Linear and resident dense experts keep their weights there."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import pytest
 import torch
 from localmoe.kernels._cpu import pages
 
-from localmoe.engine.cache import PagedBuffer
 from localmoe.engine.experts import ResidentExperts
 from localmoe.engine.linear import Linear
 
@@ -86,47 +84,3 @@ def test_linear_and_dense_experts_keep_their_weights_on_huge_pages():
     e = experts.get(1, 2)
     assert all(pages.on_huge_pages(p.weight) for p in (e.gate, e.up, e.down))
     assert torch.equal(e.gate.weight, gate_up[2, :64]) and torch.equal(e.down.weight, down[2])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_huge_empty_pieces_share_a_slab_and_come_back_when_no_tensor_holds_them(dtype):
-    shape = (3, 1, 256, 64 * 4 // torch.empty(0, dtype=dtype).element_size())  # 192 KiB: a pool of one block
-    made = pages.slab_bytes
-    pools = [pages.huge_empty(shape, dtype) for _ in range(10)]  # a fresh size: ten to a 2 MiB slab
-    assert all(p.shape == shape and p.dtype == dtype and p.is_contiguous() for p in pools)
-    assert all(p.data_ptr() % pages.ALIGN == 0 and pages.on_huge_pages(p) for p in pools)
-    assert len({p.data_ptr() for p in pools}) == 10 and pages.slab_bytes - made <= pages.HUGE
-    for i, p in enumerate(pools):
-        p.view(torch.uint8).fill_(i)
-    assert all(bool((p.view(torch.uint8) == i).all()) for i, p in enumerate(pools))  # no two overlap
-    held, view = pools[3].data_ptr(), pools[3][1:]
-    del pools[3]
-    gc.collect()
-    again = pages.huge_empty(shape, dtype)
-    assert again.data_ptr() != held  # a view still holds the piece
-    del view
-    gc.collect()
-    made = pages.slab_bytes
-    taken = [pages.huge_empty(shape, dtype) for _ in range(4)]  # (other tests' freed pieces may come first)
-    assert held in {p.data_ptr() for p in taken} and pages.slab_bytes == made  # reused, no new slab
-
-
-def test_huge_empty_of_more_than_half_a_slab_is_a_map_of_its_own():
-    made = pages.slab_bytes
-    big = pages.huge_empty((3, 8, 256, 64), torch.float32)  # 1.5 MiB
-    assert big.data_ptr() % pages.HUGE == 0 and pages.on_huge_pages(big) and pages.slab_bytes == made
-
-
-def test_paged_buffer_pools_grow_on_huge_pages_and_keep_their_rows():
-    buffer = PagedBuffer(1, 2048, 3, 64)
-    rows = torch.randn(1, 3, 600, 64)
-    buffer.write(0, rows)  # three blocks: the pool grew 1 -> 2 -> 4 blocks
-    assert pages.on_huge_pages(buffer.pool) and torch.equal(buffer.read(600), rows)
-
-
-@needs_thp
-def test_huge_empty_slabs_are_backed_by_huge_pages():
-    pools = [pages.huge_empty((3, 1, 256, 64), torch.float32) for _ in range(40)]
-    for p in pools:
-        p.fill_(1.0)
-    assert sum(_anon_huge_bytes(p) for p in pools[::10]) >= 2 << 20
