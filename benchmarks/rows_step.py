@@ -2,7 +2,7 @@
 `forward_rows`, the dense plan over N rows), and the lm_head's share, what bounds `benchmarks/serving.py`'s
 N-clients-vs-one ratio from above (issue 23: a 16-row step must cost <= ~2.7 one-row steps for 6x).
 
-    python benchmarks/rows_step.py [--rows 16] [--context 40] [--rounds 4] [--steps 3] [-- --expert-precision q8-all]
+    python benchmarks/rows_step.py [--rows 16] [--context 40] [--rounds 4] [--steps 3] [--max-len 8192] [-- --expert-precision q8-all]
 
 N sequences are prefilled with prompts of `--context` tokens (different tokens, the same length), then each
 round times `--steps` steps of one sequence alone and `--steps` steps of all N (the two alternated, the
@@ -28,6 +28,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--expert-precision", default="q8")
     parser.add_argument("--kv-cache-dtype", default="float32")
+    parser.add_argument("--max-len", type=int, default=0,
+                        help="each cache's max_len (0: context + 8; the server's caches: the model's context, 8192, "
+                             "so 256-token blocks)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from localmoe.config import EngineConfig
@@ -41,7 +44,7 @@ def main() -> None:
     vocab = model.spec.vocab_size
     caches = []
     for i in range(args.rows):
-        cache = model.new_cache(1, args.context + 8)
+        cache = model.new_cache(1, args.max_len or args.context + 8)
         prefill(model, torch.randint(0, vocab, (args.context,), generator=torch.Generator().manual_seed(i)).tolist(),
                 cache)
         caches.append(cache)

@@ -11,8 +11,12 @@ between streamed content chunks), the mean batch the engine ran (batched decode 
 /metrics), expert bytes read per generated token (the pager's bytes from /metrics; 0 where the
 experts are resident or the model is dense) and, for a paged model, the share of routed experts a step
 read (each layer's distinct experts per step / the (token, expert) pairs routed: 1.0 when every step runs
-one token, lower where the batch's tokens share experts); then each count's aggregate against one
-client's, and its p99 inter-token latency against one client's.
+one token, lower where the batch's tokens share experts), the CPU seconds the server process spent (all its
+threads, from /proc) and the benchmark's own clients spent (they share the machine's cores with the server), and
+generated tokens per server CPU-second (a figure the other loads of a shared machine move much less than the wall
+clock's); then each count's aggregate against one client's, its p99 inter-token latency against one client's and
+its tokens per server CPU-second against one client's (how much cheaper a token is when batched: the aggregate
+ratio is that times the server's CPU use against one client's).
 
 The server runs with `localmoe serve`'s defaults but for sessions (off) and the concurrency (the largest client
 count), so the prefix cache is on as users get it (4 finished sequences: a request whose prompt starts like an
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -110,7 +115,18 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+def cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time (user + system, all its threads) from /proc; None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None) -> dict:
+    server0, client0 = (cpu_seconds(server_pid) if server_pid else None), time.process_time()
     bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
                                                          "localmoe_engine_steps_total",
                                                          "localmoe_batched_decode_tokens_total"))
@@ -124,6 +140,9 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client_loop, range(clients)) for r in rs]
     wall = time.perf_counter() - started
+    client_cpu = time.process_time() - client0
+    server1 = cpu_seconds(server_pid) if server0 is not None else None
+    server_cpu = None if server1 is None else server1 - server0
     tokens = sum(r["tokens"] for r in results)
     steps = metric(url, "localmoe_engine_steps_total") - steps0
     batched = metric(url, "localmoe_batched_decode_tokens_total") - batched0
@@ -137,7 +156,9 @@ def run(url: str, clients: int, requests: int, max_tokens: int) -> dict:
             "itl_p50_ms": round(1e3 * pct(gaps, 0.5), 1), "itl_p99_ms": round(1e3 * pct(gaps, 0.99), 1),
             "mean_batch": round(batched / steps, 2) if steps else 0.0,
             "expert_bytes_per_token": round(read / tokens) if tokens else 0,
-            "expert_distinct_share": round(distinct / routed, 3) if routed else None}
+            "expert_distinct_share": round(distinct / routed, 3) if routed else None,
+            "server_cpu_s": None if server_cpu is None else round(server_cpu, 2), "client_cpu_s": round(client_cpu, 2),
+            "tokens_per_server_cpu_s": round(tokens / server_cpu, 1) if server_cpu else None}
 
 
 def main() -> None:
@@ -156,13 +177,15 @@ def main() -> None:
         one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
         rows = []
         for clients in args.clients:
-            row = run(url, clients, args.requests, args.max_tokens)
+            row = run(url, clients, args.requests, args.max_tokens, proc.pid)
             rows.append(row)
             print(json.dumps(row), flush=True)
         base = rows[0]
         for row in rows[1:]:
+            per_cpu = (f", tokens per server CPU-second {row['tokens_per_server_cpu_s'] / base['tokens_per_server_cpu_s']:.2f}x"
+                       if row["tokens_per_server_cpu_s"] and base["tokens_per_server_cpu_s"] else "")
             print(f"{row['clients']} clients vs {base['clients']}: aggregate {row['tokens_per_s'] / base['tokens_per_s']:.2f}x"
-                  f", p99 inter-token latency {row['itl_p99_ms'] / base['itl_p99_ms']:.2f}x", flush=True)
+                  f", p99 inter-token latency {row['itl_p99_ms'] / base['itl_p99_ms']:.2f}x{per_cpu}", flush=True)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -972,10 +972,29 @@ struct Rows8F32 : NoWide {
 // row r's codes 4i..4i+3) widens to two int16 pair vectors, codes (4i, 4i + 2) and (4i + 1, 4i + 3), and x is stored
 // with its pairs in that order, so a token's pair is one broadcast dword. Twice the int8 row's dot products for 256x
 // finer x: the fp32-x row spends 32 FMAs per (row, block, token) where this spends two int16 dot products per 4 values.
+// The same values also split into bytes, q = 256 h + l (l unsigned, h signed), for the sixteen-token tile on AVX-512
+// (group16_x16): sum_j w_j q_j = 256 (sum_j w_j (h_j + 128) - 128 sum_j w_j) + sum_j w_j l_j, the same exact int32,
+// from vpdpbusd on the rows' int8 codes, so the codes stay 8 vectors and sixteen tokens' sums fit in registers.
 struct BlockX16 {
   int16_t q[kBlock];  // for i = 0..7: x[4i], x[4i + 2], x[4i + 1], x[4i + 3] (rounded)
   float d;            // the step
+  uint32_t l[8];      // dword i: the low bytes of x[4i], x[4i + 1], x[4i + 2], x[4i + 3] (rounded)
+  uint32_t h[8];      // dword i: their high bytes + 128
 };
+
+// Fill o.l / o.h from o.q.
+inline void split16(BlockX16& o) {
+  for (int i = 0; i < 8; ++i) {
+    const int16_t v[4] = {o.q[4 * i], o.q[4 * i + 2], o.q[4 * i + 1], o.q[4 * i + 3]};
+    uint32_t l = 0, h = 0;
+    for (int k = 0; k < 4; ++k) {
+      l |= static_cast<uint32_t>(static_cast<uint8_t>(v[k] & 0xFF)) << (8 * k);
+      h |= static_cast<uint32_t>(static_cast<uint8_t>((v[k] >> 8) + 128)) << (8 * k);
+    }
+    o.l[i] = l;
+    o.h[i] = h;
+  }
+}
 
 // One token: x [K] -> xq [K / 32]. A block holding NaN or Inf gets d = NaN.
 inline void quantize16(const float* x, int64_t nb, BlockX16* xq) {
@@ -985,6 +1004,7 @@ inline void quantize16(const float* x, int64_t nb, BlockX16* xq) {
     if (!blk.finite || blk.top == 0.0f) {
       o.d = blk.finite ? 0.0f : std::nanf("");
       std::memset(o.q, 0, sizeof(o.q));
+      split16(o);
       continue;
     }
     const __m256 inv = _mm256_set1_ps(32767.0f / blk.top);
@@ -1000,6 +1020,7 @@ inline void quantize16(const float* x, int64_t nb, BlockX16* xq) {
       }
     }
     o.d = blk.top / 32767.0f;
+    split16(o);
   }
 }
 
@@ -1083,6 +1104,46 @@ inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const B
   for (int t = 0; t < TN; ++t)
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
 }
+
+// Rows r .. r + 15 against 9 to 16 tokens: group16_x16's sums from x's bytes (BlockX16 l / h, vpdpbusd on the int8
+// codes), the same int32 per (row, token, block) and the same fp32 chain after it, so the same bits; the codes are
+// joined once per block for all the tile's tokens (benchmarks/ggml_x16_split.cpp: 0.86x the head's time at 16 tokens).
+template <int TN>
+inline void group16_x16_split(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX16* const* x, float* y,
+                              int64_t ldy, const float* bias) {
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  const NextGroup ahead(row0, 16, stride, nb);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.fetch(b);
+    const uint8_t* blk = row0 + b * 34;
+    __m256i lo[8], hi[8];
+    q8_0_codes8(blk, stride, lo);
+    q8_0_codes8(blk + 8 * stride, stride, hi);
+    __m512i codes[8];
+    __m512i sw = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      codes[i] = join8(lo[i], hi[i]);
+      sw = _mm512_dpbusd_epi32(sw, ones, codes[i]);  // each row's sum of codes
+    }
+    sw = _mm512_slli_epi32(sw, 7);  // 128 sum(w): what h + 128 adds
+    const __m512 d = join8(halves8(gather8(blk, stride), false), halves8(gather8(blk + 8 * stride, stride), false));
+#pragma GCC unroll 16
+    for (int t = 0; t < TN; ++t) {
+      const BlockX16& xb = x[t][b];
+      __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(static_cast<int>(xb.l[i])), codes[i]);
+        sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(static_cast<int>(xb.h[i])), codes[i]);
+      }
+      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(sh, sw), 8), sl);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
+}
 #endif
 
 // One row against one token: the value group8_x16 gives that (row, token), computed alone.
@@ -1102,18 +1163,23 @@ inline float rows8_x16_single(const uint8_t* row, int64_t nb, const BlockX16* x)
   return acc;
 }
 
-// x16 rows as a group kernel for rows_fixed: sixteen rows at a time on AVX-512 VNNI, eight on AVX2; tiles of 8 / 4
-// tokens (the 16 pair vectors and the tokens' accumulators stay in registers).
+// x16 rows as a group kernel for rows_fixed: sixteen rows at a time on AVX-512 VNNI, eight on AVX2; tiles of 16 / 4
+// tokens (AVX-512: up to 8 tokens the 16 pair vectors and the accumulators stay in registers, 9 to 16 the 8 code
+// vectors and the accumulators, group16_x16_split).
 struct Rows8X16 {
   using X = BlockX16;
-  static constexpr int kTile = kVnni ? 8 : 4;
+  static constexpr int kTile = kVnni ? 16 : 4;
   template <int TN>
   static int64_t wide(const uint8_t* w, int64_t stride, int64_t nb, const BlockX16* const* x, int64_t r0, int64_t r1,
                       float* y, int64_t ldy, const float* bias) {
     int64_t r = r0;
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    for (; r + 16 <= r1; r += 16)
-      group16_x16<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+    for (; r + 16 <= r1; r += 16) {
+      if constexpr (TN > 8)
+        group16_x16_split<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+      else
+        group16_x16<TN>(w + r * stride, stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+    }
 #endif
     return r;
   }
