@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,8 +75,9 @@ class PromptLookup:
         if min_ngram < 1:
             raise ValueError(f"prompt lookup needs min_ngram >= 1, not {min_ngram}")
         self.min_ngram, self.tokenizer = min_ngram, tokenizer
-        self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
-        self._stripped: dict[int, str] = {}  # token id -> its text less whitespace (its key)
+        # token id -> its text, and its text less whitespace (its key), with a tokenizer: shared by every sequence of
+        # that tokenizer (a decode call per new token id cost ~10 us in the decode loop, each request anew)
+        self._text, self._stripped = _texts(tokenizer)
         self._reset()
 
     def _reset(self) -> None:
@@ -234,6 +236,16 @@ class PromptLookup:
 
 
 _SPACE = re.compile(r"\s+")
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (id -> text, id -> key)
+
+
+def _texts(tokenizer) -> tuple[dict[int, str], dict[int, str]]:
+    if tokenizer is None:
+        return {}, {}
+    try:
+        return _TEXTS.setdefault(tokenizer, ({}, {}))
+    except TypeError:  # not weakly referenceable: the sequence's own
+        return {}, {}
 ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
 LONGEST = 32  # a match's length is counted this far at most (its class, and the respacing it compares)
 
