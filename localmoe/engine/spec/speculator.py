@@ -170,6 +170,7 @@ class Speculator:
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
         self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
+        self._memo_costs: list[float] = []  # the t(r) it was priced with
         self._memo_t1 = 0.0
         # what the memo says: plain steps between two tries while no draft pays (times _backoff), the best k
         # over the classes, whether the classes seen gain enough (retirement), the shortest match that pays
@@ -238,7 +239,8 @@ class Speculator:
     def choose_k(self) -> int:
         """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays);
         sets `least` (`least_match()`) for a drafter with match lengths."""
-        if self.deterministic and self._memo is not None:
+        reviewed = self.deterministic and self._memo is not None
+        if reviewed:
             self._review()  # (the keys indexed since the last step: a few)
         if self.stats.steps < self._fast_until:  # nothing changed since the last full pass (`_settle`)
             self.least = self._fast_least
@@ -253,7 +255,7 @@ class Speculator:
         if self._measuring():
             return 1
         self._priced_classes()
-        if self.deterministic:
+        if self.deterministic and not reviewed:
             self._review()
         best = self._choice
         if not self.free:
@@ -275,7 +277,12 @@ class Speculator:
         which a class's try falls due (`_due`), SETTLE steps at most (t(1) is checked for REPRICE that often), and
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
-        most = SHADOW_MAX if self.deterministic else PROBE_MAX
+        if self.deterministic:  # tries are found after the fact (`_review`, every call): only t(1) is watched, every
+            # SETTLE calls (a resting sequence calls once in up to REST_MAX steps)
+            self._fast_until = self.stats.steps + SETTLE * self._rest
+            self._fast_k, self._fast_least = best, self.least
+            return
+        most = PROBE_MAX
         # a class that pays is never due (its drafts are verified: counting it made every step a full pass on a
         # free answer); one due already is in `least` until its try starts (`fit` ends the window) or, tried after
         # the fact, waits for a key of its class (`_review`, once a window), so only those due later count
@@ -299,7 +306,8 @@ class Speculator:
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
         one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
-            costs = self._costs()  # (the same for every class: a pass after each verify priced them 5 times)
+            self._memo_costs = costs = self._costs()  # (the same for every class: a pass after each verify priced
+            # them 5 times; a shadow try that settles reprices its class with them)
             self._memo = [self._best(self.bucket_acceptance(b), costs) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
@@ -431,13 +439,20 @@ class Speculator:
         if at < 0 or at > end:  # the first look (from the answer's keys on), or the index started afresh
             self._review_at = end or -1  # (-1: nothing indexed yet, the prompt's keys come with the first lookup)
             return
+        if at == end:
+            return
+        due = [False] + [not memo[b][0] and self._due(b) for b in range(1, BUCKETS)]
+        if not any(due):  # (the keys looked at: a class falling due later tries the ones after them)
+            self._review_at = end
+            return
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
-            if b and not memo[b][0] and self._due(b):
+            if due[b]:
                 fate = drafter.shadow(at, self.k_max)
                 if fate is None:  # decided by keys still to come: looked at again then
                     break
                 self.settle_shadow(b, *fate)
+                due[b] = False  # (one try a look: the next is due SHADOW steps on at the soonest)
             at += 1
         self._review_at = at
 
@@ -450,7 +465,7 @@ class Speculator:
         self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
         self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
         if self._memo is not None:  # the class's acceptance changed: price it again (only it: a shadow try settles
-            self._memo[b] = self._best(self.bucket_acceptance(b))  # every few steps of a free answer, and pricing
+            self._memo[b] = self._best(self.bucket_acceptance(b), self._memo_costs)  # every few steps of a free answer, and pricing
             self._chosen()  # all five classes cost ~25 us of a step's Python there)
         self._fast_until = 0.0
 
