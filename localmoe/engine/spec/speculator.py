@@ -95,7 +95,7 @@ TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
 SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
 SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
-REST_MAX = 8  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
+REST_MAX = 16  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
