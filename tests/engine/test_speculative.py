@@ -456,12 +456,9 @@ def shadow_steps(spec, steps: int) -> int:
 def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
     """Prompt lookup (deterministic): a 2-3 token match's drafts, priced below paying, are looked at in the
     shadow after the fact (no verify, no lookup on the steps between) and compared with the tokens the sequence
-    yielded. Where they are mostly right the class's acceptance rises from those comparisons alone until its
-    drafts are verified; where they are wrong no verify runs at all and the shadow tries back off (each with
-    nothing kept doubles the spacing). A drafter tried by verifies instead verifies its rejected drafts now and
-    then."""
-    from localmoe.engine.spec.speculator import SHADOW_MAX
-
+    yielded: every such key is a try. Where they are mostly right the class's acceptance rises from those
+    comparisons alone until its drafts are verified; where they are wrong no verify runs at all. A drafter tried
+    by verifies instead verifies its rejected drafts now and then."""
     right = Speculator(Scripted(lambda n: [n, n + 1, n + 2, n + 3], lambda n: n), k=4)
     right._bucket_trials[2], right._bucket_kept[2] = 3.0, 0.0  # three early rejections: the class does not pay
     verified = shadow_steps(right, 60)
@@ -470,8 +467,7 @@ def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
     wrong = Speculator(Scripted(lambda n: [-n, 1, 2, 3], lambda n: n), k=4)
     wrong._bucket_trials[2] = 3.0  # (at its prior alone, a class 2 draft pays over rows this cheap)
     assert shadow_steps(wrong, 300) == 0
-    assert wrong.shadow_tries >= 5 and wrong.shadow_kept == 0
-    assert wrong.shadow_tries <= 300 / SHADOW_MAX + 8  # backed off: 2, 4, ... 64 steps apart
+    assert wrong.shadow_tries >= 250 and wrong.shadow_kept == 0  # every key but the last few (undecided yet)
     assert wrong.bucket_acceptance(2) < 0.2  # (its prior, weight PRIOR, against decayed counts of ~5)
     verifies = Speculator(Verified(), k=4)
     verifies.drafter.draft, verifies.drafter.answer = (lambda n: [-n, 1, 2, 3]), (lambda n: n)
@@ -494,9 +490,9 @@ def test_a_shadow_try_settles_at_the_first_difference_or_once_its_keys_are_index
     spec = Speculator(PromptLookup(), k=4)
     spec.settle_shadow(2, 2, 3)
     assert spec.shadow_tries == 1 and spec.shadow_kept == 1
-    assert spec._bucket_kept[2] == 2 and spec._bucket_trials[2] == 3 and spec._backoff[2] == 1
-    spec.settle_shadow(2, 0, 1)  # parts at once: nothing kept, the next try waits twice as long
-    assert spec._backoff[2] == 2 and spec.shadow_kept == 1
+    assert spec._bucket_kept[2] == 2 and spec._bucket_trials[2] == 3
+    spec.settle_shadow(2, 0, 1)  # parts at once: nothing kept
+    assert spec.shadow_tries == 2 and spec.shadow_kept == 1 and spec._bucket_trials[2] == 0.8 * 3 + 1
 
 
 def test_prompt_lookup_with_shadow_tries_greedy_equals_plain(model):

@@ -38,10 +38,11 @@ index knows, for every key it took, the match it had there, so the draft of k_ma
 at a key of that class is compared with the keys that followed it, and the ones kept until the first difference
 count as a verify's would (`settle_shadow`; keys, so whitespace as the respaced draft compares it). Greedy:
 what a verify would have kept; sampling: a one-hot draft token equals the sampled one with the probability the
-acceptance rule keeps it. Class b's tries are spaced SHADOW steps after its last (doubled by every shadow with
-nothing kept, up to SHADOW_MAX): a try costs a comparison, not a rejected verify nor a lookup on the steps it
-waits for, so such a class learns its acceptance from many tries (a code edit's 2-3 token matches, 64-81% kept on
-quoting answers, 17% on a free one) and a free answer runs no verify at all.
+acceptance rule keeps it. Every key of such a class is a try (session 13; before, one try every 2-64 steps, each
+needing a lookup at every step until a draft of its class turned up): a try costs a comparison, not a rejected
+verify nor a lookup, so the class follows the answer (a code edit's 2-3 token matches, 64-81% kept on quoting
+answers, 17% on a free one: kept where the answer quotes, dropped where it does not) and a free answer runs no
+verify at all.
 
 Resting (`rest`, session 13): after a step without a draft, the drafter says how many of the next steps certainly
 find no match worth a draft (a match grows by a token a step at most, `PromptLookup.quiet`); decode_together
@@ -93,8 +94,6 @@ GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by 
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
-SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
-SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
 REST_MAX = 16  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
@@ -311,8 +310,7 @@ class Speculator:
             self._memo = [self._best(self.bucket_acceptance(b), costs) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
-            self._spacing = SHADOW if self.deterministic else \
-                max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
+            self._spacing = max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
             self._chosen()
         return self._memo
 
@@ -343,7 +341,7 @@ class Speculator:
         least = self._least
         if self.deterministic:  # a class due for a try is tried after the fact (`_review`): no lookup for it
             return 1 << (least - 1)
-        since, most = self.stats.steps, SHADOW_MAX if self.deterministic else PROBE_MAX
+        since, most = self.stats.steps, PROBE_MAX
         for b in range(1, least):  # a class due for a try (`_due`, inlined: this runs every step)
             if since - self._tried[b] >= min(self._spacing * self._backoff[b], most) - 1e-6:
                 least = b
@@ -358,8 +356,6 @@ class Speculator:
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
-        if self.deterministic:
-            return self.stats.steps - self._tried[b] >= min(self._spacing * self._backoff[b], SHADOW_MAX) - 1e-6
         since = self.stats.steps - self._tried[b]
         return since >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
 
@@ -430,10 +426,11 @@ class Speculator:
         return draft.first(keep)
 
     def _review(self) -> None:
-        """Shadow tries after the fact (a deterministic drafter, `shadow`): for each class that does not pay and is due
-        (`_due`), the first key indexed since the last look whose match is of that class and whose draft's fate the
-        keys since have decided counts as a verify's would. Runs in choose_k, over the keys the index took since: a
-        due class costs no lookup of its own (the index takes the tokens when the paying classes need it)."""
+        """Shadow tries after the fact (a deterministic drafter, `shadow`): every key indexed since the last look whose
+        match is of a class that does not pay, once the keys after it decide its draft's fate, counts as a verify of
+        that draft would. Runs in choose_k, over the keys the index took since: a class that does not pay costs no
+        lookup of its own (the index takes the tokens when the paying classes need it), and learns from every draft
+        it would have had, so it follows the answer (a quote's short matches are kept, a free answer's are not)."""
         drafter, memo, at = self.drafter, self._memo, self._review_at
         lengths, end = drafter._mlen, len(drafter._mlen)
         if at < 0 or at > end:  # the first look (from the answer's keys on), or the index started afresh
@@ -441,33 +438,40 @@ class Speculator:
             return
         if at == end:
             return
-        due = [False] + [not memo[b][0] and self._due(b) for b in range(1, BUCKETS)]
-        if not any(due):  # (the keys looked at: a class falling due later tries the ones after them)
-            self._review_at = end
-            return
+        kept_, trials, k, tried = self._bucket_kept, self._bucket_trials, self.k_max, 0
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
-            if due[b]:
-                fate = drafter.shadow(at, self.k_max)
+            if b and not memo[b][0]:
+                fate = drafter.shadow(at, k)
                 if fate is None:  # decided by keys still to come: looked at again then
                     break
-                self.settle_shadow(b, *fate)
-                due[b] = False  # (one try a look: the next is due SHADOW steps on at the soonest)
+                kept, n = fate
+                self.shadow_tries += 1
+                self.shadow_kept += kept > 0
+                kept_[b] = (1 - SMOOTH) * kept_[b] + kept
+                trials[b] = (1 - SMOOTH) * trials[b] + kept + (kept < n)
+                tried |= 1 << b
             at += 1
         self._review_at = at
+        if tried:  # the classes tried: priced again (only they, with the memo's t(r)), once a look
+            self._reprice(b for b in range(1, BUCKETS) if tried >> b & 1)
+
+    def _reprice(self, classes) -> None:
+        choice, least = self._choice, self._least
+        for b in classes:
+            self._memo[b] = self._best(self.bucket_acceptance(b), self._memo_costs)
+        self._chosen()
+        if (self._choice, self._least) != (choice, least):
+            self._fast_until = 0.0  # the settled choice changed
 
     def settle_shadow(self, b: int, kept: int, n: int) -> None:
-        """A shadow try of class b: `kept` of its `n` drafts would have been kept (module docstring)."""
-        self._tried[b] = self.stats.steps
+        """One shadow try of class b: `kept` of its `n` drafts would have been kept (module docstring)."""
         self.shadow_tries += 1
         self.shadow_kept += kept > 0
-        self._backoff[b] = 1 if kept else min(2 * self._backoff[b], SHADOW_MAX)
         self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
         self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
-        if self._memo is not None:  # the class's acceptance changed: price it again (only it: a shadow try settles
-            self._memo[b] = self._best(self.bucket_acceptance(b), self._memo_costs)  # every few steps of a free answer, and pricing
-            self._chosen()  # all five classes cost ~25 us of a step's Python there)
-        self._fast_until = 0.0
+        if self._memo is not None:
+            self._reprice([b])
 
     def rest(self, length: int) -> None:
         """After a step that did not draft, the history `length` tokens: grant the next steps that certainly find
