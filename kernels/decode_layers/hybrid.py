@@ -89,7 +89,17 @@ class HybridLayer(ctypes.Structure):
                 ("hc_ffn_scale", _p), ("hc_mult", _i), ("hc_iters", _i), ("hc_eps", _f)]
 
 
-ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _p, _p, _p)
+ExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _i, _p, _p, _p)  # (layer, rows, h, x, out)
+
+
+class HybridCall(ctypes.Structure):
+    """hybrid_cpu.cpp `struct HybridCall`: a call's arguments, built once; x, pos, the RoPE tables, h, logits and
+    threads are set before each call."""
+
+    _fields_ = [("layers", _p), ("n", _i), ("x", _p), ("D", _i), ("pos", _i), ("cos", _p), ("ssin", _p),
+                ("block_size", _i), ("output_query", _p), ("final_norm", _p), ("eps", _f), ("q8", _i), ("h", _p),
+                ("head", _p), ("logits", _p), ("ids", _p), ("weights", _p), ("scratch", _p), ("moe_scratch", _p),
+                ("xq", _p), ("experts", ExpertsFn), ("threads", _i)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -200,14 +210,20 @@ class HybridDecoder:
         self.experts, self.error = experts, None
         self._views: dict[tuple, tuple[torch.Tensor, ...]] = {}  # the callback's (h, x, out) views by address
         self.callback = ExpertsFn(self._experts)
-        # the call's fixed arguments, converted once (a decode token's Python runs on cold caches)
-        self.address, self.count = ctypes.addressof(self.layers), len(self.layers)
-        self.norms = (_ptr(output_query), final_norm.data_ptr(), eps, int(q8))
-        self.buffers = tuple(t.data_ptr() for t in (self.ids, self.weights, self.scratch, self.moe_scratch, self.xq))
-        self.head_ref = None if self.head is None else ctypes.byref(self.head)
         self.h = torch.empty(hidden)  # the final hidden state where the call gives logits
         self.stream = torch.empty(hidden)  # the residual stream of a call given an embedding row's address
         self.x = self.stream.data_ptr()
+        self.widest = widest
+        # the call's arguments, converted once (a decode token's Python runs on cold caches): a token sets five
+        self.call = HybridCall(
+            ctypes.addressof(self.layers), len(self.layers), 0, hidden, 0, None, None, block_size, _ptr(output_query),
+            final_norm.data_ptr(), eps, int(q8), self.h.data_ptr(),
+            None if self.head is None else ctypes.addressof(self.head), None,
+            *(t.data_ptr() for t in (self.ids, self.weights, self.scratch, self.moe_scratch, self.xq)), self.callback,
+            threads())
+        self.call_ref = ctypes.byref(self.call)
+        self.row_call: HybridCall | None = None  # the rows' call (its xq grown to the most rows seen)
+        self.row_xq = torch.empty(0, dtype=torch.uint8)
 
     @staticmethod
     def _matrices(d: dict) -> list[tuple]:
@@ -233,56 +249,68 @@ class HybridDecoder:
             elif value is not None:
                 setattr(c, name, float(value) if kind is _f else int(value))
 
-    def set_state(self, i: int, state: torch.Tensor, tail: torch.Tensor) -> None:
+    def row_set(self, like=None):
+        """A copy of the layers (or of `like`, another such copy) for a sequence's caches in `rows`: the set_* methods
+        bind it when given it as `layers`."""
+        like = self.layers if like is None else like
+        return type(like).from_buffer_copy(like)
+
+    def set_state(self, i: int, state: torch.Tensor, tail: torch.Tensor, layers=None) -> None:
         """Layer i's recurrent state [1, H, K, V] and conv tail [1, W-1, C], fp32 contiguous (updated in place)."""
-        mixer = getattr(self.layers[i], MIXERS[self.layers[i].mixer])
+        layer = (self.layers if layers is None else layers)[i]
+        mixer = getattr(layer, MIXERS[layer.mixer])
         mixer.state, mixer.tail = state.data_ptr(), tail.data_ptr()
 
-    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor, layers=None) -> None:
         """Layer i's (GQA) K/V pools [1, Hkv, capacity, D] fp32 (written in place)."""
-        gqa = self.layers[i].gqa
+        gqa = (self.layers if layers is None else layers)[i].gqa
         gqa.kpool, gqa.vpool, gqa.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
         gqa.keys, gqa.values = CacheRows(), CacheRows()
 
-    def set_kv_rows(self, i: int, keys: CacheRows, values: CacheRows) -> None:
+    def set_kv_rows(self, i: int, keys: CacheRows, values: CacheRows, layers=None) -> None:
         """Layer i's (GQA) K/V caches in their own dtype (kernels/fp8_cache `cache_rows`: Hkv heads of head_dim
         values; bf16 / fp8, the token's rows written as the engine writes them)."""
-        gqa = self.layers[i].gqa
+        gqa = (self.layers if layers is None else layers)[i].gqa
         if not keys.heads == values.heads == gqa.kv_heads or not keys.dim == values.dim == gqa.head_dim:
             raise ValueError(f"layer {i}: K/V caches of {keys.heads} x {keys.dim} values, not the layer's "
                              f"{gqa.kv_heads} x {gqa.head_dim}")
         gqa.keys, gqa.values = keys, values
 
-    def set_rows(self, i: int, rows: CacheRows) -> None:
+    def set_rows(self, i: int, rows: CacheRows, layers=None) -> None:
         """Layer i's latent cache (kernels/fp8_cache `cache_rows`: one head of r + rope values; the token's row is
         written)."""
-        self.layers[i].mla.rows = rows
+        (self.layers if layers is None else layers)[i].mla.rows = rows
 
     def set_index(self, i: int, keys: CacheRows, pooled: torch.Tensor | None = None,
-                  done: torch.Tensor | None = None) -> None:
+                  done: torch.Tensor | None = None, layers=None) -> None:
         """Layer i's (DSA) index-key cache (heads: its blocks; the token's key is written); a k-pool layer's kept
         pool keys [>= the complete pools, Di] fp32 and their count [1] int64 (the kernel adds the new ones)."""
-        dsa = self.layers[i].mla.dsa
+        dsa = (self.layers if layers is None else layers)[i].mla.dsa
         if keys.heads * keys.dim != dsa.head_dim * (2 if dsa.gate.rows else 1):
             raise ValueError(f"layer {i}: the index cache holds {keys.heads} x {keys.dim} values per token, not "
                              f"the indexer's key{' and gate logits' if dsa.gate.rows else ''} ({dsa.head_dim} each)")
         dsa.keys, dsa.pooled, dsa.pooled_done = keys, _ptr(pooled), _ptr(done)
 
-    def _experts(self, index: int, h: int, x: int, out: int) -> int:
+    def _experts(self, index: int, n: int, h: int, x: int, out: int) -> int:
         try:
-            views = self._views.get((h, x, out, index))
+            key = (h, x, out, index, n)
+            views = self._views.get(key)
             if views is None:  # the kernel passes its scratch: the same few addresses every token
                 if len(self._views) > 4096:
                     self._views.clear()
                 width = self.widths[index]
-                views = self._views[(h, x, out, index)] = (_view(h, self.hidden).view(1, -1),
-                                                            _view(x, width).view(1, -1), _view(out, width))
+                views = self._views[key] = (_view(h, n * self.hidden).view(n, -1), _view(x, n * width).view(n, -1),
+                                            _view(out, n * width))
             y = self.experts(index, views[0], views[1])
             views[2].copy_(y.view(-1))
             return 0
         except BaseException as e:  # noqa: BLE001 (raised again by __call__, outside the kernel)
             self.error = e
             return 1
+
+    def _raise(self) -> None:
+        error, self.error = self.error, None
+        raise error or RuntimeError("decode_hybrid: ggml_moe_token refused a layer's block experts")
 
     def __call__(self, x: torch.Tensor | int, pos: int, cos: torch.Tensor | None = None,
                  signed_sin: torch.Tensor | None = None) -> torch.Tensor:
@@ -291,16 +319,49 @@ class HybridDecoder:
         rotating MLA layers -> the logits [vocab] where the decoder has a head, else the final-normed hidden
         state [hidden]."""
         out = torch.empty(self.vocab or self.hidden)
-        h = self.h.data_ptr() if self.vocab else out.data_ptr()
-        if type(x) is int:
-            x = ctypes.memmove(self.x, x, 4 * self.hidden)
+        call = self.call
+        if self.vocab:
+            call.logits = out.data_ptr()
         else:
-            x = x.data_ptr()
-        failed = library().decode_hybrid(
-            self.address, self.count, x, self.hidden, pos, None if cos is None else cos.data_ptr(),
-            None if signed_sin is None else signed_sin.data_ptr(), self.block_size, *self.norms, h, self.head_ref,
-            out.data_ptr(), *self.buffers, self.callback, threads())
-        if failed:
-            error, self.error = self.error, None
-            raise error or RuntimeError("decode_hybrid: ggml_moe_token refused a layer's block experts")
+            call.h = out.data_ptr()
+        call.x = ctypes.memmove(self.x, x, 4 * self.hidden) if type(x) is int else x.data_ptr()
+        call.pos, call.threads = pos, threads()
+        call.cos = None if cos is None else cos.data_ptr()
+        call.ssin = None if signed_sin is None else signed_sin.data_ptr()
+        if library().decode_hybrid(self.call_ref):
+            self._raise()
         return out
+
+    def rows(self, x: torch.Tensor, sets: list, pos: list[int], cos: torch.Tensor | None,
+             signed_sin: torch.Tensor | None, carry: list[int] | None, slice_rows: int) -> torch.Tensor:
+        """`decode_hybrid_rows`: N rows in one call, each with the bits `__call__` gives its token alone (the layers'
+        mixers row by row in row order, every matrix, norm and routed expert over all rows): x [N, hidden] fp32
+        contiguous (updated), sets[n]: row n's layers (this decoder's `layers`, or a `row_set` bound to its caches;
+        the rows of one sequence share one), pos [N] the rows' cache positions, cos / signed_sin [N, rot] their RoPE
+        tables (or None), carry[n]: the row whose delta-rule states row n starts from (its own states: a verify
+        that keeps each row's, engine/state_cache.py `record`), -1 or None for none; slice_rows: the most rows of
+        one resident MXFP4 MoE call (kernels/mxfp4_moe EXACT_TOKEN_ROWS) -> the final-normed hidden states
+        [N, hidden] (no head)."""
+        N = x.shape[0]
+        assert x.shape == (N, self.hidden) and x.dtype == torch.float32 and x.is_contiguous(), f"x {tuple(x.shape)}"
+        lib = library()
+        if self.row_call is None or self.row_xq.numel() < lib.decode_dense_rows_xq_bytes(N, self.widest):
+            self.row_xq = torch.empty(lib.decode_dense_rows_xq_bytes(N, self.widest), dtype=torch.uint8)
+            self.row_call = HybridCall.from_buffer_copy(self.call)
+            self.row_call.xq, self.row_call.head, self.row_call.logits = self.row_xq.data_ptr(), None, None
+        call = self.row_call
+        h = torch.empty(N, self.hidden)
+        call.x, call.h, call.threads = x.data_ptr(), h.data_ptr(), threads()
+        if cos is not None:
+            assert cos.shape == signed_sin.shape and cos.shape[0] == N and cos.stride(-1) == 1 and \
+                cos.stride(0) == signed_sin.stride(0), f"RoPE tables {tuple(cos.shape)}"
+        call.cos = None if cos is None else cos.data_ptr()
+        call.ssin = None if signed_sin is None else signed_sin.data_ptr()
+        addresses = torch.tensor([ctypes.addressof(s) for s in sets], dtype=torch.int64)
+        positions = torch.tensor(pos, dtype=torch.int64)
+        carried = None if carry is None else torch.tensor(carry, dtype=torch.int64)
+        if lib.decode_hybrid_rows(ctypes.byref(call), addresses.data_ptr(), N, positions.data_ptr(),
+                                  0 if cos is None else cos.stride(0),
+                                  None if carried is None else carried.data_ptr(), slice_rows):
+            self._raise()
+        return h

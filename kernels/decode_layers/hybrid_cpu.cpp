@@ -45,6 +45,8 @@ void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* id
 int ggml_moe_token(const float* x, int64_t W, int64_t I, const int64_t* ids, const float* weights, int64_t k,
                    const int64_t* table, const int64_t* types, int glu, float p0, float p1, float* out, void* scratch,
                    int threads);
+int64_t ggml_moe_token_scratch(int64_t k, int64_t W, int64_t I);
+int64_t mxfp4_moe_routed_scratch(int64_t N, int64_t k, int64_t D, int64_t I, int64_t E);
 }
 
 // A GQA mixer: qkv rows [q H D | k Hkv D | v Hkv D], per-head q/k RMSNorm (null: none), RoPE over the
@@ -103,8 +105,35 @@ struct HybridLayer {
   float hc_eps;
 };
 
-// (layer index, h [D] the MoE input, x [W] the experts' input, out [W] zeroed) -> 0, or nonzero to stop.
-typedef int (*ExpertsFn)(int64_t layer, const float* h, const float* x, float* out);
+// (layer index, rows N, h [N, D] the MoE input, x [N, W] the experts' input, out [N, W] zeroed) -> 0, or nonzero to
+// stop. The one-token step calls it with N = 1, the rows step once per layer for all its rows.
+typedef int (*ExpertsFn)(int64_t layer, int64_t N, const float* h, const float* x, float* out);
+
+// A call's arguments, as kernels/decode_layers/hybrid.py `HybridCall` (ctypes) lays them out: built once by the
+// decoder, the few that change per token (x, pos, the RoPE tables, h, logits, threads) set before each call.
+struct HybridCall {
+  const HybridLayer* layers;
+  int64_t n;           // layers
+  float* x;            // [D] (decode_hybrid_rows: [N, D]): the embedded token(s), the residual stream (updated)
+  int64_t D, pos;      // hidden size; the token's cache position (decode_hybrid)
+  const float* cos;    // RoPE tables at the rotary position ([N, rope_stride] for rows), or null
+  const float* ssin;
+  int64_t block_size;  // 0: plain residuals (or hyper-connections), else attention residuals
+  const float* output_query;
+  const float* final_norm;
+  float eps;
+  int64_t q8;
+  float* h;  // the final-normed hidden state [D] ([N, D])
+  const Matrix* head;  // the lm_head in the call (decode_hybrid), or null
+  float* logits;
+  int64_t* ids;
+  float* weights;
+  float* scratch;  // decode_hybrid_scratch floats
+  void* moe_scratch;
+  void* xq;
+  ExpertsFn experts;
+  int64_t threads;
+};
 
 namespace {
 
@@ -169,7 +198,7 @@ int mlp(const HybridLayer& L, int64_t index, int64_t D, const float* hn, float* 
       for (int64_t j = 0; j < L.top_k; ++j) sorted[j] = ids[order[j]], chosen[j] = weights[order[j]];
       dense_experts_token(ex, W, L.intermediate, sorted, chosen, L.top_k, L.dense, L.dense_type,
                           static_cast<int>(L.expert_glu), L.p0, L.p1, y, logits + L.experts, xq, threads);
-    } else if (experts(index, hn, ex, y) != 0) {
+    } else if (experts(index, 1, hn, ex, y) != 0) {
       return 1;
     }
     if (L.lat_down.rows) {
@@ -285,8 +314,9 @@ int64_t mixer_width(const HybridLayer& L) {
   }
 }
 
-void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos, const float* ssin, float* a,
-           Buffers& b, void* xq, int threads) {
+// The mixer of hn [D] -> b.mixer [mixer_width] (before the output projection).
+void mixer_core(const HybridLayer& L, const float* hn, int64_t pos, const float* cos, const float* ssin, Buffers& b,
+                void* xq, int threads) {
   float* scratch = b.mixer + mixer_width(L);
   switch (L.mixer) {
     case 0: localmoe_hybrid::kda_step(L.kda, hn, b.mixer, scratch, xq, threads); break;
@@ -294,6 +324,11 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
     case 2: localmoe_hybrid::gdn_step(L.gdn, hn, b.mixer, scratch, xq, threads); break;
     default: gqa_mixer(L.gqa, hn, pos, cos, ssin, b.mixer, scratch, xq, threads);
   }
+}
+
+void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos, const float* ssin, float* a,
+           Buffers& b, void* xq, int threads) {
+  mixer_core(L, hn, pos, cos, ssin, b, xq, threads);
   localmoe::matvec(L.o_proj, b.mixer, a, xq, threads);
 }
 
@@ -477,21 +512,411 @@ int hybrid_layers(const HybridLayer* layers, int64_t n, float* x, int64_t D, int
 
 extern "C" {
 
-// x [D]: the embedded token (overwritten) -> h [D], the final-normed hidden state, and where `head` is given
-// (the lm_head [V, D]: in this call, so a decode step is one call from the embedding to the logits) logits [V] =
-// head h; cos / ssin: the RoPE tables at the token's rotary position for GQA and rotating MLA layers (null without
-// any). block_size 0: plain residuals (or, where layer 0's hc_mult is set, hyper-connections), else attention
-// residuals with queries per layer and `output_query`. xq: matvec scratch for the widest input (the head's too).
-// Returns 0, or 1 where the experts callback asked to stop (h and logits are then undefined).
-int decode_hybrid(const HybridLayer* layers, int64_t n, float* x, int64_t D, int64_t pos, const float* cos,
-                  const float* ssin, int64_t block_size,
-                  const float* output_query, const float* final_norm, float eps, int q8, float* h,
-                  const Matrix* head, float* logits, int64_t* ids,
-                  float* weights, float* scratch, void* moe_scratch, void* xq, ExpertsFn experts, int threads) {
-  if (hybrid_layers(layers, n, x, D, pos, cos, ssin, block_size, output_query, final_norm, eps, q8, h, ids, weights,
-                    scratch, moe_scratch, xq, experts, threads) != 0)
+// One decode token of one sequence through every layer (c->x [D]: the embedded token, overwritten) -> c->h [D], the
+// final-normed hidden state, and where `head` is given (the lm_head [V, D]: in this call, so a decode step is one
+// call from the embedding to the logits) logits [V] = head h; cos / ssin: the RoPE tables at the token's rotary
+// position for GQA and rotating MLA layers (null without any). block_size 0: plain residuals (or, where layer 0's
+// hc_mult is set, hyper-connections), else attention residuals with queries per layer and `output_query`. xq:
+// matvec scratch for the widest input (the head's too). Returns 0, or 1 where the experts callback asked to stop
+// or ggml_moe_token refused a layer's experts (h and logits are then undefined).
+int decode_hybrid(const HybridCall* c) {
+  const int threads = static_cast<int>(c->threads);
+  if (hybrid_layers(c->layers, c->n, c->x, c->D, c->pos, c->cos, c->ssin, c->block_size, c->output_query,
+                    c->final_norm, c->eps, static_cast<int>(c->q8), c->h, c->ids, c->weights, c->scratch,
+                    c->moe_scratch, c->xq, c->experts, threads) != 0)
     return 1;
-  if (head != nullptr) localmoe::matvec(*head, h, logits, xq, threads);
+  if (c->head != nullptr) localmoe::matvec(*c->head, c->h, c->logits, c->xq, threads);
+  return 0;
+}
+
+}  // extern "C"
+
+// ---- the rows form: N rows in one call, each with the bits decode_hybrid gives its token alone ----
+
+namespace {
+
+// A recurrent layer's state and conv tail and their sizes in floats (0: not a delta-rule layer).
+int64_t recurrent(const HybridLayer& L, float** state, float** tail, int64_t* tail_floats) {
+  if (L.mixer == 0) {
+    const int64_t H = L.kda.heads, K = L.kda.head_dim;
+    *state = L.kda.state, *tail = L.kda.tail, *tail_floats = (L.kda.conv_kernel - 1) * 3 * H * K;
+    return H * K * K;
+  }
+  if (L.mixer == 2) {
+    const localmoe_hybrid::Gdn& g = L.gdn;
+    *state = g.state, *tail = g.tail;
+    *tail_floats = (g.conv_kernel - 1) * (2 * g.key_heads * g.key_dim + g.value_heads * g.value_dim);
+    return g.value_heads * g.key_dim * g.value_dim;
+  }
+  return 0;
+}
+
+// Row `to`'s delta-rule state and conv tail start as copies of row `from`'s (a verify that keeps the state after
+// each of its rows: engine/state_cache.py `record`).
+void carry_state(const HybridLayer& from, const HybridLayer& to) {
+  float *fs, *ft, *ts, *tt;
+  int64_t ftail, ttail;
+  const int64_t floats = recurrent(from, &fs, &ft, &ftail);
+  if (floats == 0 || recurrent(to, &ts, &tt, &ttail) != floats || fs == ts) return;
+  std::memcpy(ts, fs, floats * sizeof(float));
+  std::memcpy(tt, ft, ftail * sizeof(float));
+}
+
+// y [N, W] += the routed dense experts of the rows x [N, W] (ids / weights [N, k], each row's in increasing id),
+// expert by expert in increasing id over the rows routed to it (`matrows`: every row gets the bits `matvec` gives
+// it), each row's experts added in increasing id with dense_expert's expression: a row's bits are those
+// dense_experts_token gives it alone, and each expert is read once for all its rows. gx, gy [N, W], gu [2 N, I].
+void dense_experts_rows(const float* x, int64_t N, int64_t W, int64_t I, const int64_t* ids, const float* weights,
+                        int64_t k, const int64_t* table, int64_t type, int glu, float p0, float p1, float* out,
+                        float* gx, float* gu, float* gy, void* xq, int threads) {
+  thread_local std::vector<int64_t> order;
+  order.resize(N * k);
+  for (int64_t i = 0; i < N * k; ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] != ids[b] ? ids[a] < ids[b] : a < b; });
+  for (int64_t a = 0; a < N * k;) {
+    const int64_t e = ids[order[a]];
+    int64_t b = a;
+    while (b < N * k && ids[order[b]] == e) ++b;
+    const int64_t n = b - a;
+    for (int64_t j = 0; j < n; ++j) std::memcpy(gx + j * W, x + (order[a + j] / k) * W, W * sizeof(float));
+    const int64_t* w = table + 3 * e;
+    const Matrix gate{reinterpret_cast<const void*>(w[0]), type, I, W, nullptr};
+    const Matrix up{reinterpret_cast<const void*>(w[1]), type, I, W, nullptr};
+    const Matrix down{reinterpret_cast<const void*>(w[2]), type, W, I, nullptr};
+    float *g = gu, *u = gu + n * I;
+    localmoe::matrows(gate, gx, n, g, xq, threads);
+    localmoe::matrows(up, gx, n, u, xq, threads);
+    for (int64_t j = 0; j < n; ++j) localmoe::glu_rows(glu, g + j * I, u + j * I, I, p0, p1);
+    localmoe::matrows(down, g, n, gy, xq, threads);
+    for (int64_t j = 0; j < n; ++j) {
+      float* o = out + (order[a + j] / k) * W;
+      const float weight = weights[order[a + j]];
+      const float* y = gy + j * W;
+      for (int64_t i = 0; i < W; ++i) o[i] += weight * y[i];
+    }
+    a = b;
+  }
+}
+
+// GQA mixers of N rows (gqa_mixer's arithmetic per row): the q/k/v and gate matrices once for all rows (`matrows`:
+// each row gets matvec's bits), then row by row in row order the q/k norms and RoPE as project_qkv, the cache write
+// and attention as attention_step (`attend_pools`, `attend_cached`) and the gate -> out [N, H D]. qkv, gate:
+// [N, rows] scratch; g(r): row r's layer (its caches).
+template <class RowGqa>
+void gqa_rows(const Gqa& g0, int64_t, int64_t N, const float* hn, float* qkv, float* gate, RowGqa g, const int64_t* pos,
+              const float* cos, const float* ssin, int64_t rope_stride, float* out, void* xq, int threads) {
+  const int64_t H = g0.heads, Hkv = g0.kv_heads, D = g0.head_dim, width = g0.qkv.rows, HD = H * D;
+  localmoe::matrows(g0.qkv, hn, N, qkv, xq, threads);
+  if (g0.gate.rows) localmoe::matrows(g0.gate, hn, N, gate, xq, threads);
+  for (int64_t r = 0; r < N; ++r) {
+    const Gqa& L = g(r);
+    float* q = qkv + r * width;
+    if (L.q_norm != nullptr)
+      for (int64_t h = 0; h < H + Hkv; ++h) localmoe_gqa::head_rms_norm(q + h * D, D, h < H ? L.q_norm : L.k_norm, L.eps);
+    for (int64_t h = 0; h < H + Hkv; ++h)
+      localmoe_gqa::rope(q + h * D, L.rot, cos + r * rope_stride, ssin + r * rope_stride);
+    const int64_t first = L.window ? std::max<int64_t>(0, pos[r] + 1 - L.window) : 0;
+    float* o = out + r * HD;
+    if (L.keys.pool != nullptr)
+      localmoe_gqa::attend_cached(q, H, Hkv, D, L.keys, L.values, pos[r], first, L.sinks, L.scale, o, threads);
+    else
+      localmoe_gqa::attend_pools(q, H, Hkv, D, L.kpool, L.vpool, L.head_stride, pos[r], first, L.sinks, L.scale, o,
+                                 threads);
+    if (g0.gate.rows)
+      for (int64_t i = 0; i < HD; ++i) o[i] *= localmoe_hybrid::sigmoid(gate[r * HD + i]);
+  }
+}
+
+// decode_hybrid_rows' buffers (floats, rows stacked): the normed inputs, mixer and MLP outputs, each row's mixer
+// scratch, attention-residual blocks and hyper-connection streams, the MLP's row matrices.
+struct Rows {
+  int64_t N, D, mix, width, blocks, streams, qkv, gate;
+  float *hn, *a, *m, *mix_in, *out, *region, *block, *stream, *lat, *y, *mlp, *s, *gx, *gu, *gy, *gq, *gg;
+};
+
+Rows rows_buffers(const HybridLayer* layers, int64_t n, int64_t N, int64_t D, int64_t block_size,
+                  std::vector<float>& work) {
+  Rows w{};
+  w.N = N, w.D = D;
+  int64_t lat = 0, inner = 0, ewidth = D, einner = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const HybridLayer& L = layers[l];
+    const int64_t own = L.mixer == 0   ? localmoe_hybrid::kda_scratch(L.kda)
+                        : L.mixer == 1 ? localmoe_hybrid::mla_scratch(L.mla)
+                        : L.mixer == 2 ? localmoe_hybrid::gdn_scratch(L.gdn)
+                                       : gqa_scratch(L.gqa);
+    w.mix = std::max(w.mix, mixer_width(L) + own);
+    w.width = std::max(w.width, mixer_width(L));
+    lat = std::max(lat, L.lat_down.rows);
+    inner = std::max(inner, L.gate_up.rows);
+    ewidth = std::max(ewidth, L.lat_down.rows);
+    if (L.dense) einner = std::max(einner, L.intermediate);
+    if (L.mixer == 3) w.qkv = std::max(w.qkv, L.gqa.qkv.rows), w.gate = std::max(w.gate, L.gqa.gate.rows);
+  }
+  w.blocks = block_size ? (n / block_size + 2) * D : 0;
+  const int64_t hc = layers[0].hc_mult;
+  w.streams = hc ? 3 * hc * D + (5 + 2 * hc) * hc : 0;
+  const int64_t floats = N * (5 * D + w.width + w.mix + w.blocks + w.streams + 2 * lat + inner + 2 * ewidth +
+                              2 * einner + w.qkv + w.gate) + 64;
+  if (static_cast<int64_t>(work.size()) < floats) work.resize(floats);
+  float* p = work.data();
+  for (float** f : {&w.hn, &w.a, &w.m, &w.mix_in, &w.s}) *f = p, p += N * D;
+  w.out = p, p += N * w.width;
+  w.region = p, p += N * w.mix;
+  w.block = p, p += N * w.blocks;
+  w.stream = p, p += N * w.streams;
+  w.lat = p, p += N * lat;
+  w.y = p, p += N * lat;
+  w.mlp = p, p += N * inner;
+  w.gx = p, p += N * ewidth;
+  w.gy = p, p += N * ewidth;
+  w.gq = p, p += N * w.qkv;
+  w.gg = p, p += N * w.gate;
+  w.gu = p;
+  return w;
+}
+
+// The MLP of the rows hn [N, D] -> m [N, D]: each matrix read once for all rows (`matrows`), routing, norms and the
+// gate per row, the routed experts as mlp() runs them for one row (a resident MXFP4 table in slices of `slice` rows,
+// every expert group on its one-token path; dense experts expert by expert over their rows; GGUF-block experts per
+// row; the callback once for all rows): every row's bits are mlp()'s for it alone.
+int mlp_rows(const HybridLayer& L, int64_t index, int64_t N, int64_t D, const float* hn, float* m, Rows& w,
+             ExpertsFn experts, int q8, int64_t slice, void* xq, int threads) {
+  std::memset(m, 0, N * D * sizeof(float));
+  if (L.moe) {
+    const int64_t W = L.lat_down.rows ? L.lat_down.rows : D, k = L.top_k, E = L.experts;
+    const float* ex = hn;
+    if (L.lat_down.rows) {
+      localmoe::matrows(L.lat_down, hn, N, w.lat, xq, threads);
+      ex = w.lat;
+    }
+    float* y = L.lat_down.rows ? w.y : m;
+    std::memset(y, 0, N * W * sizeof(float));
+    thread_local std::vector<int64_t> ids;
+    thread_local std::vector<float> weights, logits;
+    thread_local std::vector<uint64_t> moe;
+    ids.resize(N * std::max<int64_t>(k, 1));
+    weights.resize(N * std::max<int64_t>(k, 1));
+    if (L.table) {
+      const int64_t rows = std::min(N, slice);
+      const int64_t bytes = mxfp4_moe_routed_scratch(rows, k, W, L.intermediate, E);
+      if (static_cast<int64_t>(moe.size() * 8) < bytes) moe.resize(bytes / 8 + 1);
+      for (int64_t r = 0; r < N; r += slice) {
+        const int64_t n = std::min(slice, N - r);
+        mxfp4_moe_routed(hn + r * D, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                         static_cast<int>(L.renormalize), L.scaling, ex + r * W, n, W, L.intermediate, k, L.table, E,
+                         static_cast<int>(L.expert_glu), L.p0, L.p1, y + r * W, ids.data(), weights.data(),
+                         moe.data(), threads, q8);
+      }
+    } else if (L.blocks || L.dense) {  // routing per row as mlp(), each row's experts in increasing id
+      logits.resize(E);
+      for (int64_t r = 0; r < N; ++r) {
+        int64_t* id = ids.data() + r * k;
+        float* wt = weights.data() + r * k;
+        mxfp4_route(hn + r * D, D, L.router_w, L.router_b, L.correction, static_cast<int>(L.scoring),
+                    static_cast<int>(L.renormalize), L.scaling, 1, k, E, id, wt, logits.data(), threads);
+        int64_t order[64], sorted[64];
+        float chosen[64];
+        for (int64_t j = 0; j < k; ++j) order[j] = j;
+        std::sort(order, order + k, [&](int64_t a, int64_t c) { return id[a] < id[c]; });
+        for (int64_t j = 0; j < k; ++j) sorted[j] = id[order[j]], chosen[j] = wt[order[j]];
+        std::memcpy(id, sorted, k * sizeof(int64_t));
+        std::memcpy(wt, chosen, k * sizeof(float));
+      }
+      if (L.blocks) {
+        const int64_t bytes = ggml_moe_token_scratch(k, W, L.intermediate) + 64;
+        if (static_cast<int64_t>(moe.size() * 8) < bytes) moe.resize(bytes / 8 + 1);
+        for (int64_t r = 0; r < N; ++r)
+          if (ggml_moe_token(ex + r * W, W, L.intermediate, ids.data() + r * k, weights.data() + r * k, k, L.blocks,
+                             L.block_types, static_cast<int>(L.expert_glu), L.p0, L.p1, y + r * W, moe.data(),
+                             threads) != 0)
+            return 1;
+      } else {
+        dense_experts_rows(ex, N, W, L.intermediate, ids.data(), weights.data(), k, L.dense, L.dense_type,
+                           static_cast<int>(L.expert_glu), L.p0, L.p1, y, w.gx, w.gu, w.gy, xq, threads);
+      }
+    } else if (experts(index, N, hn, ex, y) != 0) {
+      return 1;
+    }
+    if (L.lat_down.rows) {
+      for (int64_t r = 0; r < N; ++r) rms_norm(y + r * W, L.lat_norm, W, L.lat_eps, y + r * W);
+      localmoe::matrows(L.lat_up, y, N, m, xq, threads);
+    }
+  }
+  if (L.gate_up.rows) {  // the dense MLP, or the shared experts added to the routed sum
+    const int64_t I = L.gate_up.rows / 2;
+    localmoe::matrows(L.gate_up, hn, N, w.mlp, xq, threads);
+    for (int64_t r = 0; r < N; ++r) {  // glu(gate, up) packed as [N, I] over the rows consumed already
+      localmoe::glu_rows(static_cast<int>(L.glu), w.mlp + r * 2 * I, w.mlp + r * 2 * I + I, I, L.glu_p0, L.glu_p1);
+      if (r > 0) std::memmove(w.mlp + r * I, w.mlp + r * 2 * I, I * sizeof(float));
+    }
+    localmoe::matrows(L.down, w.mlp, N, w.s, xq, threads);
+    for (int64_t r = 0; r < N; ++r) {
+      float* s = w.s + r * D;
+      if (L.shared_gate) {
+        const float gate = localmoe_hybrid::sigmoid(dot(L.shared_gate, hn + r * D, D));
+        for (int64_t i = 0; i < D; ++i) s[i] = gate * s[i];
+      }
+      float* mr = m + r * D;
+      for (int64_t i = 0; i < D; ++i) mr[i] += s[i];
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// decode_hybrid for N rows (N sequences' tokens, or consecutive tokens of one sequence: a speculative verify), as
+// engine/batch.py forward_rows lays them out: c->x [N, D] (updated) -> c->h [N, D]; sets[r]: the address of row r's
+// HybridLayer array (the model's layers bound to that row's caches; the rows of one sequence share one, or, where a
+// verify keeps each row's delta-rule state, carry[r] names the row whose state row r starts from: -1 none); pos [N]
+// the rows' cache positions; c->cos / c->ssin [N, rope_stride] their RoPE tables (or null); slice: the most rows of
+// one resident MXFP4 MoE call that keep each row's one-token path (kernels/mxfp4_moe EXACT_TOKEN_ROWS); c->xq:
+// matrows scratch for N rows of the widest input. Per layer the mixers run row by row in row order (a row sees the
+// cache rows and states the rows before it wrote), the output projection, norms, residual schemes and MLPs over all
+// rows with every row's arithmetic exactly decode_hybrid's: each row has the bits decode_hybrid gives its token
+// alone, whatever the other rows. c->head is not applied. Returns 0, or 1 as decode_hybrid.
+int decode_hybrid_rows(const HybridCall* c, const int64_t* sets, int64_t N, const int64_t* pos, int64_t rope_stride,
+                       const int64_t* carry, int64_t slice) {
+  const int64_t n = c->n, D = c->D;
+  const int threads = static_cast<int>(c->threads), q8 = static_cast<int>(c->q8);
+  const float eps = c->eps;
+  void* xq = c->xq;
+  auto layer = [&](int64_t r, int64_t l) -> const HybridLayer& {
+    return reinterpret_cast<const HybridLayer*>(sets[r])[l];
+  };
+  const HybridLayer* layers = reinterpret_cast<const HybridLayer*>(sets[0]);
+  thread_local std::vector<float> work;
+  Rows w = rows_buffers(layers, n, N, D, c->block_size, work);
+  int64_t picks = 1;  // the widest DSA selection: top_k (+ a k-pool tail)
+  for (int64_t l = 0; l < n; ++l) picks = std::max(picks, layers[l].mla.dsa.top_k + layers[l].mla.dsa.pool);
+  thread_local std::vector<int64_t> selected;
+  selected.resize(N * picks);
+  std::vector<Buffers> b(N);
+  for (int64_t r = 0; r < N; ++r) {
+    b[r].hn = w.hn + r * D, b[r].a = w.a + r * D, b[r].m = w.m + r * D, b[r].mix = w.mix_in + r * D;
+    b[r].mixer = w.region + r * w.mix;
+    b[r].blocks = w.block + r * w.blocks;
+    b[r].sel = {selected.data() + r * picks, 0, 0};
+  }
+  float *x = c->x, *h = c->h;
+  auto rope = [&](const float* t, int64_t r) { return t == nullptr ? nullptr : t + r * rope_stride; };
+  auto mixers = [&](int64_t l) {  // a [N, D] = o_proj(each row's mixer, in row order)
+    const int64_t width = mixer_width(layers[l]);
+    if (layers[l].mixer == 3) {
+      gqa_rows(layers[l].gqa, l, N, w.hn, w.gq, w.gg, [&](int64_t r) -> const Gqa& { return layer(r, l).gqa; }, pos,
+               c->cos, c->ssin, rope_stride, w.out, xq, threads);
+      localmoe::matrows(layers[l].o_proj, w.out, N, w.a, xq, threads);
+      return;
+    }
+    for (int64_t r = 0; r < N; ++r) {
+      const HybridLayer& L = layer(r, l);
+      if (carry != nullptr && carry[r] >= 0) carry_state(layer(carry[r], l), L);
+      mixer_core(L, w.hn + r * D, pos[r], rope(c->cos, r), rope(c->ssin, r), b[r], xq, threads);
+      std::memcpy(w.out + r * width, b[r].mixer, width * sizeof(float));
+    }
+    localmoe::matrows(layers[l].o_proj, w.out, N, w.a, xq, threads);
+  };
+  auto mlps = [&](int64_t l) {
+    return mlp_rows(layers[l], l, N, D, w.hn, w.m, w, c->experts, q8, slice, xq, threads);
+  };
+  if (layers[0].hc_mult) {  // hyper-connections: each row's streams, as hybrid_layers
+    const int64_t S = layers[0].hc_mult, iters = layers[0].hc_iters;
+    const float hc_eps = layers[0].hc_eps;
+    auto streams = [&](int64_t r) { return w.stream + r * w.streams; };
+    for (int64_t r = 0; r < N; ++r)
+      for (int64_t k = 0; k < S; ++k) std::memcpy(streams(r) + k * D, x + r * D, D * sizeof(float));
+    for (int64_t l = 0; l < n; ++l) {
+      const HybridLayer& L = layers[l];
+      for (int64_t r = 0; r < N; ++r) {
+        float *X = streams(r), *old = X + S * D, *z = old + S * D;
+        float *pre = z + S * D, *post = pre + S, *comb = post + S, *out = comb + S * S;
+        hc_weights(L.hc_attn, L.hc_attn_base, L.hc_attn_scale, S, D, eps, hc_eps, iters, X, z, pre, post, comb, out,
+                   xq, threads);
+        hc_collapse(X, pre, S, D, b[r].mix);
+        rms_norm(b[r].mix, L.attn_norm, D, eps, b[r].hn);
+      }
+      mixers(l);
+      for (int64_t r = 0; r < N; ++r) {
+        float *X = streams(r), *old = X + S * D, *z = old + S * D;
+        float *pre = z + S * D, *post = pre + S, *comb = post + S, *out = comb + S * S;
+        hc_spread(X, old, b[r].a, post, comb, S, D);
+        hc_weights(L.hc_ffn, L.hc_ffn_base, L.hc_ffn_scale, S, D, eps, hc_eps, iters, X, z, pre, post, comb, out,
+                   xq, threads);
+        hc_collapse(X, pre, S, D, b[r].mix);
+        rms_norm(b[r].mix, L.mlp_norm, D, eps, b[r].hn);
+      }
+      if (mlps(l)) return 1;
+      for (int64_t r = 0; r < N; ++r) {
+        float *X = streams(r), *old = X + S * D, *z = old + S * D;
+        float *pre = z + S * D, *post = pre + S, *comb = post + S;
+        hc_spread(X, old, b[r].m, post, comb, S, D);
+      }
+    }
+    for (int64_t r = 0; r < N; ++r) {
+      const float* X = streams(r);
+      for (int64_t d = 0; d < D; ++d) {  // the streams' mean
+        float s = 0.0f;
+        for (int64_t k = 0; k < S; ++k) s += X[k * D + d];
+        b[r].mix[d] = s / static_cast<float>(S);
+      }
+      rms_norm(b[r].mix, c->final_norm, D, eps, h + r * D);
+    }
+    return 0;
+  }
+  if (!c->block_size) {
+    for (int64_t r = 0; r < N; ++r) rms_norm(x + r * D, layers[0].attn_norm, D, eps, b[r].hn);
+    for (int64_t l = 0; l < n; ++l) {
+      const HybridLayer& L = layers[l];
+      mixers(l);
+      for (int64_t r = 0; r < N; ++r) {
+        float* xr = x + r * D;
+        for (int64_t i = 0; i < D; ++i) xr[i] += b[r].a[i];
+        rms_norm(xr, L.mlp_norm, D, eps, b[r].hn);
+      }
+      if (mlps(l)) return 1;
+      for (int64_t r = 0; r < N; ++r) {
+        float* xr = x + r * D;
+        for (int64_t i = 0; i < D; ++i) xr[i] += b[r].m[i];
+        rms_norm(xr, l + 1 < n ? layers[l + 1].attn_norm : c->final_norm, D, eps, l + 1 < n ? b[r].hn : h + r * D);
+      }
+    }
+    return 0;
+  }
+  int64_t nb = 0;  // attention residuals: each row's partial sum ps (its x) and stored blocks
+  for (int64_t l = 0; l < n; ++l) {
+    const HybridLayer& L = layers[l];
+    const bool restart = l % c->block_size == 0;
+    for (int64_t r = 0; r < N; ++r) {
+      float* ps = x + r * D;
+      const float* in = ps;
+      if (nb) {
+        depth_mix(b[r].blocks, nb, ps, L.attn_query, D, eps, b[r].mix);
+        in = b[r].mix;
+      }
+      rms_norm(in, L.attn_norm, D, eps, b[r].hn);
+      if (restart) std::memcpy(b[r].blocks + nb * D, ps, D * sizeof(float));
+    }
+    nb += restart;
+    mixers(l);
+    for (int64_t r = 0; r < N; ++r) {
+      float* ps = x + r * D;
+      for (int64_t i = 0; i < D; ++i) ps[i] = restart ? b[r].a[i] : ps[i] + b[r].a[i];
+      depth_mix(b[r].blocks, nb, ps, L.mlp_query, D, eps, b[r].mix);
+      rms_norm(b[r].mix, L.mlp_norm, D, eps, b[r].hn);
+    }
+    if (mlps(l)) return 1;
+    for (int64_t r = 0; r < N; ++r) {
+      float* ps = x + r * D;
+      for (int64_t i = 0; i < D; ++i) ps[i] += b[r].m[i];
+    }
+  }
+  for (int64_t r = 0; r < N; ++r) {
+    depth_mix(b[r].blocks, nb, x + r * D, c->output_query, D, eps, b[r].mix);
+    rms_norm(b[r].mix, c->final_norm, D, eps, h + r * D);
+  }
   return 0;
 }
 

@@ -47,6 +47,21 @@ inline void project_qkv(const float* x, const localmoe::Matrix& qkv_w, int64_t H
   for (int64_t h = 0; h < H + Hkv; ++h) rope(qkv + h * D, rot, cos, ssin);
 }
 
+// attention_step after the projection: the token's k, v (of qkv [(H + 2 Hkv) D]) written at `pos` of the pools, then
+// attn [H D] = each query head's attention over positions first..pos.
+inline void attend_pools(const float* qkv, int64_t H, int64_t Hkv, int64_t D, float* kpool, float* vpool,
+                         int64_t head_stride, int64_t pos, int64_t first, const float* sinks, float scale, float* attn,
+                         int threads) {
+  for (int64_t h = 0; h < Hkv; ++h) {
+    std::copy_n(qkv + (H + h) * D, D, kpool + h * head_stride + pos * D);
+    std::copy_n(qkv + (H + Hkv + h) * D, D, vpool + h * head_stride + pos * D);
+  }
+  const Args args{qkv, 0, D, H, H / Hkv, D, kpool, 0, head_stride, D, vpool, 0, head_stride, D,
+                  first, pos + 1, nullptr, 0, sinks, scale, attn};
+  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 8);
+  localmoe::parallel(heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
+}
+
 // out [hidden] = o(attention(rope(norm(qkv x)))) with k, v written at `pos` of the pools (head h's
 // position s at h * head_stride + s * D); q_norm / k_norm [D]: per-head RMSNorm of q and k before
 // RoPE (null: none), eps theirs; xq: matvec scratch for GGUF-block matrices (null for fp32/bf16).
@@ -58,14 +73,7 @@ inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const 
   float* qkv = scratch;                        // [(H + 2 Hkv) D]
   float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
   project_qkv(x, qkv_w, H, Hkv, D, rot, cos, ssin, q_norm, k_norm, eps, qkv, xq, threads);
-  for (int64_t h = 0; h < Hkv; ++h) {
-    std::copy_n(qkv + (H + h) * D, D, kpool + h * head_stride + pos * D);
-    std::copy_n(qkv + (H + Hkv + h) * D, D, vpool + h * head_stride + pos * D);
-  }
-  const Args args{qkv, 0, D, H, H / Hkv, D, kpool, 0, head_stride, D, vpool, 0, head_stride, D,
-                  first, pos + 1, nullptr, 0, sinks, scale, attn};
-  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 8);
-  localmoe::parallel(heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
+  attend_pools(qkv, H, Hkv, D, kpool, vpool, head_stride, pos, first, sinks, scale, attn, threads);
   localmoe::matvec(o_w, attn, out, xq, threads);
 }
 
@@ -104,6 +112,18 @@ inline void cached_heads(const void* ctx, int64_t i0, int64_t i1) {
   }
 }
 
+// attend_pools over a cache in its own dtype (k, v: cache_rows.h views of one sequence's K and V buffers): the
+// token's rows written as the engine writes them, the heads reading the dequantised rows (`cached_heads`).
+inline void attend_cached(const float* qkv, int64_t H, int64_t Hkv, int64_t D, const localmoe_cache::CacheRows& k,
+                          const localmoe_cache::CacheRows& v, int64_t pos, int64_t first, const float* sinks,
+                          float scale, float* attn, int threads) {
+  localmoe_cache::write(k, pos, qkv + H * D);
+  localmoe_cache::write(v, pos, qkv + (H + Hkv) * D);
+  const CachedArgs args{qkv, H, H / Hkv, D, &k, &v, first, pos + 1, sinks, scale, attn};
+  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 4);
+  localmoe::parallel(cached_heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
+}
+
 // attention_step over a cache in its own dtype (k, v: cache_rows.h views of one sequence's K and V buffers,
 // Hkv heads of D values; the token's rows written as the engine writes them): the same projections, norms and
 // RoPE, the heads reading the dequantised rows (`cached_heads`).
@@ -115,11 +135,7 @@ inline void attention_step_cached(const float* x, const localmoe::Matrix& qkv_w,
   float* qkv = scratch;                        // [(H + 2 Hkv) D]
   float* attn = scratch + (H + 2 * Hkv) * D;  // [H D]
   project_qkv(x, qkv_w, H, Hkv, D, rot, cos, ssin, q_norm, k_norm, eps, qkv, xq, threads);
-  localmoe_cache::write(k, pos, qkv + H * D);
-  localmoe_cache::write(v, pos, qkv + (H + Hkv) * D);
-  const CachedArgs args{qkv, H, H / Hkv, D, &k, &v, first, pos + 1, sinks, scale, attn};
-  const int64_t bytes_per_head = std::max<int64_t>(1, (pos + 1 - first) * D * 4);
-  localmoe::parallel(cached_heads, &args, Hkv, localmoe::kChunkBytes / bytes_per_head, threads);
+  attend_cached(qkv, H, Hkv, D, k, v, pos, first, sinks, scale, attn, threads);
   localmoe::matvec(o_w, attn, out, xq, threads);
 }
 

@@ -12,12 +12,17 @@ Plain GQA layers (`_gqa`) also project q/k/v and the output for all rows at once
 write and the attention itself run per sequence. Other mixers (MLA, DSA, delta rule, top-k
 selecting attention) run each sequence alone on its row.
 
-Dense models (GQA + SiLU MLP: Llama, SmolLM2, Qwen2, Qwen3) and gpt-oss (GQA with sliding windows and sinks +
-routed MXFP4 experts, resident or paged) whose fused single-sequence plan exists (engine/decode_plan.py) run the
+Dense models (GQA + SiLU MLP: Llama, SmolLM2, Qwen2, Qwen3), gpt-oss (GQA with sliding windows and sinks + routed
+MXFP4 experts, resident or paged) and the hybrid form's models (Qwen3-MoE, GLM-4.5, Kimi K3, Kimi-Linear, Qwen3-Next,
+DeepSeek-V3 / V3.2, Kimi K2.5, GLM-5, GLM-5-Next: KDA / Gated DeltaNet / MLA / GQA mixers, dense or MoE MLPs,
+attention residuals, hyper-connections) whose fused single-sequence plan exists (engine/decode_plan.py) run the
 whole step but the lm_head in one kernel call over all rows (`rows_plan`, kernels/decode_layers `DenseDecoder.rows`,
-`GqaMoeDecoder.rows`; a paged layer's experts called back once per layer for all rows): every matrix and routed
-expert read once for all rows, and every row with the bits of the fused single-sequence step, so batched == alone
-== `localmoe run` (and a speculative verify == `--spec off`) by construction.
+`GqaMoeDecoder.rows`, `HybridDecoder.rows`; a paged layer's experts called back once per layer for all rows): every
+matrix and routed expert read once for all rows (a hybrid model's mixers row by row, its delta-rule rows of a verify
+consecutive tokens of one state), and every row with the bits of the fused single-sequence step, so batched == alone
+== `localmoe run` (and a speculative verify == `--spec off`) by construction. The layer loop below runs the models
+without such a plan (no CPU kernel library, weights on a GPU, a layer the plans do not take) and the steps a plan
+cannot take (a padded cache, a top-k attention selection dropping keys, a probe recording its selection).
 
 Elsewhere a row's result does not depend on the others either: every matrix of N <= GEMV_MAX_ROWS rows (GGUF
 block weights: ggml_gemv.MAX_ROWS, one kernel call decoding each block once for all rows) runs the decode
@@ -47,6 +52,7 @@ from localmoe.engine.step import make_step
 from localmoe.kernels import ggml_gemv
 from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
+from localmoe.kernels.decode_layers.hybrid import HybridDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
 from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
 from localmoe.kernels.rms_norm import add_rms_norm
@@ -121,7 +127,8 @@ def rows_independent(model) -> bool:
     expert is then read once per step for the decode rows and the prompt rows beside them."""
     if not has_rows(model) or model.residuals is not None:
         return False
-    if rows_plan(model) is not None:
+    plan = rows_plan(model)
+    if plan is not None and not isinstance(plan.decoder, HybridDecoder):  # (the hybrid plan runs mixers per row)
         return True
     matrices, moe = [model.lm_head], False
     for _, mixer, _, mlp in model.layers:
@@ -148,16 +155,17 @@ def row_limit(model) -> int | None:
 
 
 def batching_pays(model) -> bool:
-    """Whether the worker's "auto" mode batches this model's decode steps. Where the model's dense plan runs
-    the rows (`rows_plan`: Llama, SmolLM2, Qwen2, Qwen3 with fp32, bf16 or GGUF-block matrices), a batch of one
-    costs the fused single-sequence step and each row has its bits: always. Otherwise a fused single-sequence
+    """Whether the worker's "auto" mode batches this model's decode steps. Where the model's fused plan runs
+    the rows (`rows_plan`: dense, gpt-oss and hybrid-form models), a batch of one costs the fused single-sequence
+    step and each row has its bits: always. Otherwise a fused single-sequence
     step (kernels/decode_layers) is compute-bound per token on the CPU, so batching it through this module's
     op-by-op step lost while every row re-decoded the weights (measured in docs/performance.md). Batching
     wins where every matrix runs the multi-row kernels (`rows_independent`: the embedded SmolLM2 Q4_1 GGUF, a
     batch of 16 costs ~5x one sequence's step instead of ~16x), and for MoE models whose mixers are all plain
     GQA (gpt-oss, Qwen3-MoE): a step reads each routed expert once for every token routed to it and runs every
     sequence's attention in one kernel call (gpt-oss `small`, 16 clients: 1.42x one client's aggregate
-    batched, 1.02x with the fused step per sequence). Models without a fused step batch."""
+    batched, 1.02x with the fused step per sequence). Models without a fused step batch. (Every fused plan has a rows
+    form now, so the rest matters only where `rows_plan` declines: a probe recording a dense model's selection.)"""
     if rows_plan(model) is not None or not has_fused_step(model) or rows_independent(model):
         return True
     if model.residuals is not None:  # K3's attention residuals, GLM-5-Next's hyper-connections: mixers per row
@@ -341,12 +349,15 @@ def forward_rows(model, tokens: Sequence[int], caches: Sequence[ModelCache],
 
 
 def rows_plan(model):
-    """The model's fused decode plan (engine/decode_plan.py) where its dense or gpt-oss form runs the batched step's
-    rows (`DenseDecoder.rows`, `GqaMoeDecoder.rows`: every layer for every row in one kernel call, each row with the
-    bits of the fused single-sequence step; a paged MoE layer's experts called back once per layer for all rows),
-    else None: other plans, a layer that is not plain GQA now (a probe records its selection), a model without
-    one."""
+    """The model's fused decode plan (engine/decode_plan.py), which runs the batched step's rows: its dense or gpt-oss
+    form (`DenseDecoder.rows`, `GqaMoeDecoder.rows`) where every layer is plain GQA now (a probe records its
+    selection), its hybrid form (`HybridDecoder.rows`: Qwen3-MoE, GLM-4.5, Kimi K3, Kimi-Linear, Qwen3-Next,
+    DeepSeek, ...; a step it cannot take now, `hybrid_rows` says so and the layers run op by op): every layer for
+    every row in one kernel call, each row with the bits of the fused single-sequence step, a paged MoE layer's
+    experts called back once per layer for all rows. None for a model without one."""
     plan = model.decode_plan() if hasattr(model, "decode_plan") else None
+    if plan is not None and isinstance(plan.decoder, HybridDecoder):
+        return plan
     if plan is None or not isinstance(plan.decoder, (DenseDecoder, GqaMoeDecoder)):
         return None
     return plan if all(_plain_gqa(mixer, ()) for _, mixer, _, _ in model.layers) else None
@@ -359,11 +370,16 @@ def _planned_rows(model, x: torch.Tensor, starts: Sequence[int], caches: Sequenc
     plan = rows_plan(model)
     if plan is None or any(cache.key_mask is not None for cache in caches):
         return None
+    N = x.shape[0]
+    if isinstance(plan.decoder, HybridDecoder):
+        from localmoe.engine.decode_plan import hybrid_rows
+
+        h = hybrid_rows(plan, x.reshape(N, -1).float().contiguous(), list(starts), list(caches))
+        return None if h is None else h.view(N, 1, -1)
     rows = _step_rows(model, starts, caches)
     if rows is None:
         return None
     at = torch.tensor([start + cache.rope_delta for start, cache in zip(starts, caches)], dtype=torch.long)
-    N = x.shape[0]
     h = plan.decoder.rows(x.reshape(N, -1).float().contiguous(), rows, model.rope.cos[at], model.rope.sin[at])
     return h.view(N, 1, -1)
 

@@ -21,6 +21,7 @@ experts) and that the cache can be written in place; where not, the caller runs 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -44,7 +45,7 @@ from localmoe.kernels import decode_layers, ggml_gemv
 from localmoe.kernels.decode_layers import hybrid
 from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode import StepKernel
-from localmoe.kernels.mxfp4_moe import GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
+from localmoe.kernels.mxfp4_moe import EXACT_TOKEN_ROWS, GLU_KINDS, SCORINGS, ExpertTable, mxfp4_moe
 from localmoe.kernels.ggml_gemv.experts import ggml_moe_token
 from localmoe.kernels.mxfp4_moe.held import HeldBlockTable, HeldDenseTable, HeldTable
 
@@ -128,6 +129,7 @@ class DecodePlan:
         self.slots: list[tuple[int, str, object]] = []
         self.recurrent: list[int] = []
         self.bound: list[tuple | None] = []
+        self.row_sets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its layers, bound)
         self.embed_rows: tuple[Callable[[int], int], int] | None = None
 
     @classmethod
@@ -408,47 +410,44 @@ def _routed(model):
                                                                          dtype=torch.uint8))
         return buffers[index]
 
-    def held_call(index: int, block, chosen: list, held: list, x, ids, weights, act, out) -> bool:
-        """The layer's chosen experts in one call over a held table; False where no table takes them."""
+    def held_call(index: int, block, rows: list, held: dict, x, ids, weights, act, out) -> bool:
+        """The layer's chosen experts of every row over a held table; False where no table takes them. MXFP4: one
+        kernel call per slice of EXACT_TOKEN_ROWS rows (every expert's group on the one-token path); dense and
+        GGUF-block experts one call per row."""
         order = tables.get(index)
         if order is None:
             E = block.router.linear.weight.shape[0]
             order = tables[index] = [HeldTable(E), HeldDenseTable(E)] + \
                 ([HeldBlockTable(E)] if block.precision == "q8" else [])
-        experts = dict(zip((e for e, _ in chosen), held))
         for i, table in enumerate(order):
-            if not table.fill(experts):
+            if not table.fill(held):
                 continue
             order.insert(0, order.pop(i))
             glu = (GLU_KINDS.index(act.kind), *act.params)
             if isinstance(table, HeldTable):
-                mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, precision=block.precision)
+                for r in range(0, x.shape[0], EXACT_TOKEN_ROWS):
+                    part = slice(r, r + EXACT_TOKEN_ROWS)
+                    mxfp4_moe(x[part], ids[part], weights[part], table, act.kind, act.params, out[part],
+                              precision=block.precision)
             elif isinstance(table, HeldDenseTable):
-                hybrid.dense_experts_token(x[0], torch.tensor([e for e, _ in chosen]),
-                                           torch.tensor([w for _, w in chosen], dtype=torch.float32), table, glu,
-                                           out[0], *scratch(index, table.intermediate, x.shape[-1]))
+                for r, chosen in enumerate(rows):
+                    hybrid.dense_experts_token(x[r], torch.tensor([e for e, _ in chosen]),
+                                               torch.tensor([w for _, w in chosen], dtype=torch.float32), table, glu,
+                                               out[r], *scratch(index, table.intermediate, x.shape[-1]))
             else:
-                ggml_moe_token(x[0], [e for e, _ in chosen], [w for _, w in chosen], table, glu[0], glu[1:], out[0])
+                for r, chosen in enumerate(rows):
+                    ggml_moe_token(x[r], [e for e, _ in chosen], [w for _, w in chosen], table, glu[0], glu[1:],
+                                   out[r])
             return True
         return False
 
-    def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        block = model.layers[index][3]
-        weights, ids = block.router(h)
+    def token(index: int, block, chosen: list, held: dict | None, x, ids, weights, out) -> None:
+        """One row's experts one at a time (x, ids, weights, out: [1, ...] views of its row)."""
         provider, act = block.experts, block.act
-        if not isinstance(act, ExpertGLU):
-            return dispatch(x, weights, ids, provider, block.layer, act, block.precision)
-        out = torch.zeros_like(x)
-        chosen = sorted(zip(ids[0].tolist(), weights[0].tolist()))
-        hold = getattr(provider, "hold", None)
-        held = None if hold is None else hold(block.layer, [e for e, _ in chosen])
-        if held is not None and len(chosen) <= hybrid.MAX_TOP_K and \
-                held_call(index, block, chosen, held, x, ids, weights, act, out):
-            return out
         placed = getattr(provider, "placed", None)
-        for i, (expert, weight) in enumerate(chosen):
+        for expert, weight in chosen:
             if held is not None:
-                w, tier = held[i], "ram"
+                w, tier = held[expert], "ram"
             else:
                 w, tier = (provider.get(block.layer, expert), "ram") if placed is None else \
                     placed(block.layer, expert, 1)
@@ -465,66 +464,103 @@ def _routed(model):
                 mxfp4_moe(x, ids, weights, table, act.kind, act.params, out, only=expert, precision=block.precision)
             else:
                 out += weight * expert_forward(w, x, act, block.precision)
+
+    def experts(index: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Layer `index`'s routed-expert sum [N, W] of the rows h [N, D] (the router's input), x [N, W] (the
+        experts'): the rows' union held together where the provider can (`hold`), each row's experts in
+        increasing id."""
+        block = model.layers[index][3]
+        if h.shape[0] > 1 and _plain_router(block.router).rule.n_group != 1:
+            # torch's group-limited routing over [N, E] rounds a row's scores by where it lies in the batch (its
+            # vectorised ops' tails): one row at a time, as the one-token step routes it
+            parts = [block.router(h[r:r + 1]) for r in range(h.shape[0])]
+            weights, ids = torch.cat([w for w, _ in parts]), torch.cat([i for _, i in parts])
+        else:
+            weights, ids = block.router(h)
+        provider, act = block.experts, block.act
+        if not isinstance(act, ExpertGLU):
+            return dispatch(x, weights, ids, provider, block.layer, act, block.precision)
+        out = torch.zeros_like(x)
+        rows = [sorted(zip(i, w)) for i, w in zip(ids.tolist(), weights.tolist())]
+        union = sorted({e for chosen in rows for e, _ in chosen})
+        hold = getattr(provider, "hold", None)
+        held = None if hold is None else hold(block.layer, union)
+        held = None if held is None else dict(zip(union, held))
+        if held is not None and ids.shape[1] <= hybrid.MAX_TOP_K and \
+                held_call(index, block, rows, held, x, ids, weights, act, out):
+            return out
+        for r, chosen in enumerate(rows):
+            token(index, block, chosen, held, x[r:r + 1], ids[r:r + 1], weights[r:r + 1], out[r:r + 1])
         return out
     return experts
+
+
+def _bind(plan: DecodePlan, cache, pos: int, last: int, layers=None, bound: list | None = None) -> bool:
+    """Point the layers (the decoder's own, or a `row_set`) at `cache` for tokens at positions pos..last: each layer's
+    pointers set again only where the cache's tensors changed (`bound`: what each was set from). False (nothing to
+    run in the kernel) where a layer must run op by op: a recurrent state not at `pos`, a top-k attention selection,
+    a probe's recording, a cache that cannot be written in place."""
+    decoder, caches = plan.decoder, cache.layers
+    bound = plan.bound if bound is None else bound
+    for i, kind, mixer in plan.slots:
+        layer = caches[i]
+        if kind == "recurrent":  # KDA, Gated DeltaNet: the state and conv tail, updated in place
+            if layer.offset != pos:
+                return False
+            held = bound[i]
+            if held is None or held[0] is not layer.state or held[1] is not layer.conv_tail:
+                if layer.state.shape[0] != 1:
+                    return False
+                layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
+                decoder.set_state(i, layer.state, layer.conv_tail, layers)
+                bound[i] = (layer.state, layer.conv_tail)
+        elif mixer.sparse_topk is not None and mixer.sparse_topk < last + 1:
+            return False  # top-k selection drops keys now: op by op
+        elif kind == "gqa":  # fp32 pools by address; bf16 / fp8 caches in their own dtype (set again as they change)
+            keys, values, held = layer.keys, layer.values, bound[i]
+            if (held is None or held[0] is not keys or held[1] != keys.generation or held[2] is not values
+                    or held[3] != values.generation or last >= keys.capacity or last >= values.capacity):
+                pools = layer.decode_pools(last)
+                if pools is not None:
+                    decoder.set_pools(i, *pools, layers)
+                else:
+                    rows = keys.storage(last + 1), values.storage(last + 1)
+                    if None in rows:
+                        return False
+                    decoder.set_kv_rows(i, cache_rows(*rows[0]), cache_rows(*rows[1]), layers)
+                bound[i] = (keys, keys.generation, values, values.generation)
+        elif mixer.record_selection:
+            return False  # probe-recall keeps the selection: op by op
+        elif kind == "mla":  # the latent cache: its view changes only when the buffer grows or is reallocated
+            buffer, held = layer.rows, bound[i]
+            if held is None or held[0] is not buffer or held[1] != buffer.generation or last >= buffer.capacity:
+                rows = buffer.storage(last + 1)  # one head of r + rope values
+                if rows is None:
+                    return False
+                decoder.set_rows(i, cache_rows(*rows), layers)
+                bound[i] = (buffer, buffer.generation)
+        else:  # DSA: the latent cache, and where the layer has one of its own the index cache and kept pools
+            dsa = isinstance(layer, DSACache)
+            rows = (layer.latent if dsa else layer).rows.storage(last + 1)  # one head of r + rope values
+            keys = layer.index.rows.storage(last + 1) if dsa else None  # heads: the index cache's blocks
+            if rows is None or (dsa and keys is None):
+                return False
+            decoder.set_rows(i, cache_rows(*rows), layers)
+            if dsa:
+                kept = layer.pools  # k-pool: the complete pools' keys, kept
+                decoder.set_index(i, cache_rows(*keys), *(kept.fused_room((last + 1) // kept.pool) if kept else ()),
+                                  layers=layers)
+    return True
 
 
 def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor | None:
     """The hybrid step with as little Python as it can (a decode token's Python runs on cold caches, after the
     kernel's stream of weights: ~50 us of it hot took ~600 us there): each layer's cache pointers are set again
-    only where the cache's tensors changed (`plan.bound`), the token's embedding row goes to the kernel by
-    address, and the kernel computes the lm_head too where it can (`plan.logits`)."""
+    only where the cache's tensors changed (`_bind`), the token's embedding row goes to the kernel by address,
+    and the kernel computes the lm_head too where it can (`plan.logits`)."""
     pos = cache.offset
-    if cache.key_mask is not None or pos + 1 > cache.max_len:
+    if cache.key_mask is not None or pos + 1 > cache.max_len or not _bind(plan, cache, pos, pos):
         return None
-    decoder, layers, bound = plan.decoder, cache.layers, plan.bound
-    for i, kind, mixer in plan.slots:
-        layer = layers[i]
-        if kind == "recurrent":  # KDA, Gated DeltaNet: the state and conv tail, updated in place
-            if layer.offset != pos:
-                return None
-            held = bound[i]
-            if held is None or held[0] is not layer.state or held[1] is not layer.conv_tail:
-                if layer.state.shape[0] != 1:
-                    return None
-                layer.state, layer.conv_tail = layer.state.contiguous(), layer.conv_tail.contiguous()  # fp32 already
-                decoder.set_state(i, layer.state, layer.conv_tail)
-                bound[i] = (layer.state, layer.conv_tail)
-        elif mixer.sparse_topk is not None and mixer.sparse_topk < pos + 1:
-            return None  # top-k selection drops keys now: op by op
-        elif kind == "gqa":  # fp32 pools by address; bf16 / fp8 caches in their own dtype (set again as they change)
-            keys, values, held = layer.keys, layer.values, bound[i]
-            if (held is None or held[0] is not keys or held[1] != keys.generation or held[2] is not values
-                    or held[3] != values.generation or pos >= keys.capacity or pos >= values.capacity):
-                pools = layer.decode_pools(pos)
-                if pools is not None:
-                    decoder.set_pools(i, *pools)
-                else:
-                    rows = keys.storage(pos + 1), values.storage(pos + 1)
-                    if None in rows:
-                        return None
-                    decoder.set_kv_rows(i, cache_rows(*rows[0]), cache_rows(*rows[1]))
-                bound[i] = (keys, keys.generation, values, values.generation)
-        elif mixer.record_selection:
-            return None  # probe-recall keeps the selection: op by op
-        elif kind == "mla":  # the latent cache: its view changes only when the buffer grows or is reallocated
-            buffer, held = layer.rows, bound[i]
-            if held is None or held[0] is not buffer or held[1] != buffer.generation or pos >= buffer.capacity:
-                rows = buffer.storage(pos + 1)  # one head of r + rope values
-                if rows is None:
-                    return None
-                decoder.set_rows(i, cache_rows(*rows))
-                bound[i] = (buffer, buffer.generation)
-        else:  # DSA: the latent cache, and where the layer has one of its own the index cache and kept pools
-            dsa = isinstance(layer, DSACache)
-            rows = (layer.latent if dsa else layer).rows.storage(pos + 1)  # one head of r + rope values
-            keys = layer.index.rows.storage(pos + 1) if dsa else None  # heads: the index cache's blocks
-            if rows is None or (dsa and keys is None):
-                return None
-            decoder.set_rows(i, cache_rows(*rows))
-            if dsa:
-                kept = layer.pools  # k-pool: the complete pools' keys, kept
-                decoder.set_index(i, cache_rows(*keys), *(kept.fused_room((pos + 1) // kept.pool) if kept else ()))
     rope = (None, None)
     if plan.rope:
         at = pos + cache.rope_delta
@@ -537,11 +573,78 @@ def _hybrid_run(plan: DecodePlan, tokens: torch.Tensor, cache) -> torch.Tensor |
         if not 0 <= token < embed[1]:
             raise IndexError(f"token id {token} is outside the embedding's {embed[1]} rows")
         x = embed[0](token)  # the row's address: the kernel copies it
-    out = decoder(x, pos, *rope)
+    out = plan.decoder(x, pos, *rope)
+    layers = cache.layers
     for i in plan.recurrent:
         layers[i].offset += 1
     cache.advance(1)
     return out.view(1, 1, -1)
+
+
+def hybrid_rows(plan: DecodePlan, x: torch.Tensor, starts: list[int], caches: list) -> torch.Tensor | None:
+    """The batched step's layers through the hybrid plan (`HybridDecoder.rows`, one kernel call; a paged layer's
+    experts called back once per layer for all rows): x [N, D] embeddings (updated) of rows at cache positions
+    `starts` (a cache on several rows: consecutive positions, a verify) -> the final-normed hidden states [N, D],
+    every row with the bits `_hybrid_run` gives its token alone; None (nothing done) where a cache cannot take the
+    plan now (as `_hybrid_run`). Each cache keeps its own bound copy of the layers (`row_set`). A cache whose
+    delta-rule layers record (a verify: engine/state_cache.py `record`) runs each row on states of its own, which
+    start from the row before's (`carry`; the first a copy of the cache's, which a snapshot may hold), and keeps them
+    all; else its states are updated in place."""
+    decoder, N = plan.decoder, len(starts)
+    spans: dict[int, list[int]] = {}  # id(cache) -> its rows, in row order
+    for n, cache in enumerate(caches):
+        spans.setdefault(id(cache), []).append(n)
+    sets: list = [None] * N
+    carry = None
+    recorded = []  # (cache, its rows, each row's new (state, tail) per recurrent layer)
+    for rows in spans.values():
+        cache = caches[rows[0]]
+        first, last = starts[rows[0]], starts[rows[-1]]
+        if cache.key_mask is not None or last + 1 > cache.max_len:
+            return None
+        kept = plan.row_sets.get(cache)
+        if kept is None:
+            kept = plan.row_sets[cache] = (decoder.row_set(), [None] * len(plan.bound))
+        if not _bind(plan, cache, first, last, *kept):
+            return None
+        layers = cache.layers
+        if any(layers[i].recording for i in plan.recurrent):  # (one row too: a kept state must not be updated)
+            carry = carry or [-1] * N
+            states = []
+            for j, n in enumerate(rows):
+                own = decoder.row_set(kept[0]) if j else kept[0]
+                row_states = []
+                for i in plan.recurrent:
+                    state, tail = torch.empty_like(layers[i].state), torch.empty_like(layers[i].conv_tail)
+                    if j == 0:
+                        state.copy_(layers[i].state)
+                        tail.copy_(layers[i].conv_tail)
+                    decoder.set_state(i, state, tail, own)
+                    row_states.append((state, tail))
+                sets[n] = own
+                carry[n] = rows[j - 1] if j else -1
+                states.append(row_states)
+            kept[1][:] = [None if i in plan.recurrent else b for i, b in enumerate(kept[1])]
+            recorded.append((cache, states))
+        else:
+            for n in rows:
+                sets[n] = kept[0]
+    cos = sin = None
+    if plan.rope:
+        at = torch.tensor([start + cache.rope_delta for start, cache in zip(starts, caches)], dtype=torch.long)
+        cos, sin = plan.model.rope.cos[at], plan.model.rope.sin[at]
+    h = decoder.rows(x, sets, starts, cos, sin, carry, EXACT_TOKEN_ROWS)
+    done = {id(cache) for cache, _ in recorded}
+    for rows in spans.values():
+        cache = caches[rows[0]]
+        if id(cache) not in done:
+            for i in plan.recurrent:
+                cache.layers[i].offset += len(rows)
+    for cache, states in recorded:
+        for row_states in states:
+            for i, (state, tail) in zip(plan.recurrent, row_states):
+                cache.layers[i].advance(state, tail, 1)
+    return h
 
 
 def _hyper_connections(hc: HyperConnections, model) -> bool:

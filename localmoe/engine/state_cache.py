@@ -83,6 +83,11 @@ class DeltaStateCache:
             self._snapshots = {k: v for k, v in self._snapshots.items() if k in self._recording}
             self._recording = None
 
+    @property
+    def recording(self) -> bool:
+        """Whether `record` is on (every `advance` keeps its state)."""
+        return self._recording is not None
+
     def advance(self, state: torch.Tensor, conv_tail: torch.Tensor, tokens: int) -> None:
         """Take the state [B, H, K, V] and conv tail after `tokens` more tokens (held, not copied)."""
         if state.shape != self.state.shape or conv_tail.shape != self.conv_tail.shape:

@@ -25,8 +25,8 @@ worker collects what its running jobs wait for and runs, in this order:
 
 `batching` chooses the decode step: "on" always batches; "off" runs each sequence's own decode
 step one after another (the fused single-sequence step where the model has one); "auto" (the
-default) batches where it pays (engine/batch.py `batching_pays`): dense and gpt-oss models whose fused plan runs the
-batched rows in one kernel call (engine/batch.py `rows_plan`: a step of one sequence costs the fused step, and
+default) batches where it pays (engine/batch.py `batching_pays`): dense, gpt-oss and hybrid-form models (Qwen3-MoE,
+K3, Kimi-Linear, Qwen3-Next, DeepSeek, ...) whose fused plan runs the batched rows in one kernel call (engine/batch.py `rows_plan`: a step of one sequence costs the fused step, and
 every row has the fused step's bits, so "on", "off" and `localmoe run` agree), models without a fused
 single-sequence step, and those whose matrices all run multi-row kernels; it keeps the fused step where that is
 faster per token than the batched op-by-op step. The choice holds for every step, so a request's output never

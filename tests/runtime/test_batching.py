@@ -124,17 +124,21 @@ def test_auto_batches_a_dense_model_through_its_plan():
     assert worker.fused and results[0].content == outputs[0]
 
 
-def test_auto_keeps_the_fused_step_per_sequence_where_batching_does_not_pay(tmp_path):
-    """Kimi-Linear (KDA mixers: each sequence's mixer runs alone on its row in a batched step) has a fused
-    single-sequence step that the batched op-by-op step does not beat: "auto" keeps it."""
+def test_auto_batches_where_the_fused_plan_runs_the_rows(tmp_path, monkeypatch):
+    """Kimi-Linear (KDA mixers) has a fused single-sequence step whose hybrid plan also runs a batched step's rows
+    (engine/batch.py `rows_plan`: a step of one sequence costs the fused step, each row has its bits): "auto" batches.
+    Without that plan the batched op-by-op step does not beat the fused step: "auto" keeps the fused step."""
     from localmoe.config import EngineConfig
-    from localmoe.engine.batch import batching_pays, has_fused_step
+    from localmoe.engine import batch
     from localmoe.load import load_model
     from localmoe.testing import write_checkpoint
 
     path = write_checkpoint("kimi_linear", tmp_path, "tiny", seed=0)
     model = load_model(path, EngineConfig(threads=1), progress=False).model
-    assert has_fused_step(model) and not batching_pays(model)
+    assert batch.has_fused_step(model) and batch.rows_plan(model) is not None and batch.batching_pays(model)
+    assert not EngineWorker().fused_for(model)
+    monkeypatch.setattr(batch, "rows_plan", lambda model: None)
+    assert not batch.batching_pays(model)
     assert EngineWorker().fused_for(model)
 
 

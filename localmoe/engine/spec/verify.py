@@ -19,9 +19,9 @@ steps are the model's own fused single-token step: the worker where batching doe
 sequence) a step without a draft takes that fused step as a plain sequence would, so speculation costs
 nothing on the steps where the speculator declines to draft, and the step time it compares drafting
 against is the fused step's; the verify rows still round as the row kernels do, so against a fused plain
-run the text can part at a near-tie of two tokens, except where the model's dense plan runs the rows
-(batch.py `rows_plan`: every row has the fused step's bits, and a row costs about what the fused step
-does). (Such a step files no routing for the residency: its sink would keep the model off its fused plan.
+run the text can part at a near-tie of two tokens, except where the model's fused plan runs the rows
+(batch.py `rows_plan`: dense, gpt-oss and hybrid-form models; every row has the fused step's bits, and a row
+costs about what the fused step does). (Such a step files no routing for the residency: its sink would keep the model off its fused plan.
 An MTP drafter keeps its sink: it needs every hidden state.) A
 speculating sequence resumed after a preemption (`Decoder.replaying`) runs each token it had again as
 one such row, without drafting, so its caches come back as they were.
