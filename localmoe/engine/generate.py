@@ -224,6 +224,7 @@ class Decoder:
             from localmoe.engine.spec.verify import record
 
             record(self.cache, False)
+            self.speculator.wake()  # its replayed steps run as rows (engine/spec/verify.py), not resting ones
         replay: list[list[int]] = []
         if self._prompt_done:
             after, i = self.in_cache[len(self.prompt):], 0
@@ -313,11 +314,18 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
     (`prompt_rows`, at most `limit` tokens) runs as more rows of the same forward, so every weight is read
     once for all of them (also beside speculating sequences' verify rows); their results (logits or None,
     `logits()`'s) come after the decoders', in order."""
-    if any(d.speculating for d in decoders):
-        from localmoe.engine.spec.verify import speculative_step
+    if len(decoders) == 1:
+        spec = decoders[0].speculator
+        if spec is None or spec.retired:
+            return plain_step(decoders, fused, chunks)
+        if spec.quiet and not chunks:  # steps it certainly would not draft in (engine/spec/speculator.py `rest`):
+            spec.quiet -= 1  # the plain step, as if it were off
+            return plain_step(decoders, fused)
+    elif not any(d.speculating for d in decoders):
+        return plain_step(decoders, fused, chunks)
+    from localmoe.engine.spec.verify import speculative_step
 
-        return speculative_step(decoders, fused, chunks, plain_step)
-    return plain_step(decoders, fused, chunks)
+    return speculative_step(decoders, fused, chunks, plain_step)
 
 
 def plain_step(decoders: Sequence[Decoder], fused: bool = False,

@@ -404,70 +404,95 @@ def test_a_class_rejected_early_is_tried_again_while_longer_matches_draft():
     assert tried and tried[0] <= spacing + 2 and len(tried) <= 200 / spacing + 1
 
 
-def shadow_steps(spec, steps: int, draft, answer) -> int:
-    """Steps of a sequence whose lookup drafts `draft(n)` at each position n (a 2-3 token match's) and which yields
-    `answer(n)` there, after a verify measured 5 rows at 1.6 plain steps -> the drafts verified."""
-    history: list[int] = list(range(100, 140))
+class Scripted:
+    """A deterministic drafter with match lengths whose draft at position n is `draft(n)` (a 2-3 token match's), over
+    a sequence that yields `answer(n)` there: its index (`_mlen`, `shadow`) as PromptLookup's, a key a token."""
+
+    name, free, matches, deterministic = "scripted", True, True, True
+
+    def __init__(self, draft, answer):
+        self.draft, self.answer, self.history = draft, answer, list(range(100, 140))
+        self._mlen = [2] * len(self.history)
+
+    def shadow(self, i: int, k: int):
+        tokens = self.draft(i + 1)[:k]
+        for j, t in enumerate(tokens):
+            if i + 1 + j >= len(self.history):
+                return None
+            if t != self.history[i + 1 + j]:
+                return j, len(tokens)
+        return len(tokens), len(tokens)
+
+    def grow(self, tokens) -> None:
+        self.history += tokens
+        self._mlen += [2] * len(tokens)
+
+
+def shadow_steps(spec, steps: int) -> int:
+    """Steps of a sequence drafted by `Scripted` (spec.drafter) after a verify measured 5 rows at 1.6 plain steps ->
+    the drafts verified."""
+    d = spec.drafter
     spec.observe(0, 0, 1, 1.0)
     spec.observe(4, 4, 5, 1.6, bucket(Draft([1], match=12)))
     verified = 0
     for _ in range(steps):
-        if spec._shadow is not None:
-            spec.shadow_seen(history[:-1], history[-1:])
         k = spec.choose_k()
-        at = len(history)
-        tokens = draft(at)[:k] if k else []
+        at = len(d.history)
+        tokens = d.draft(at)[:k] if k else []
         kept = spec.fit(Draft(tokens, match=2), at).tokens if tokens else []
         if kept:
             verified += len(kept)
             j = 0
-            while j < len(kept) and kept[j] == answer(at + j):
+            while j < len(kept) and kept[j] == d.answer(at + j):
                 j += 1
             spec.observe(len(kept), j, 1 + len(kept), 1.0 + 0.15 * len(kept), bucket(Draft([1], match=2)))
-            history += [answer(at + i) for i in range(j + 1)]
+            d.grow([d.answer(at + i) for i in range(j + 1)])
         else:
             spec.observe(0, 0, 1, 1.0)
-            history.append(answer(at))
+            d.grow([d.answer(at)])
     return verified
 
 
 def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
     """Prompt lookup (deterministic): a 2-3 token match's drafts, priced below paying, are looked at in the
-    shadow (no verify) and compared with the tokens the sequence then yields. Where they are mostly right the
-    class's acceptance rises from those comparisons alone until its drafts are verified; where they are wrong no
-    verify runs at all and the shadow tries back off (each with nothing kept doubles the spacing). A drafter
-    tried by verifies instead verifies its rejected drafts now and then."""
-    from localmoe.engine.spec.speculator import SHADOW_MAX
-
-    right = Speculator(PromptLookup(), k=4)
+    shadow after the fact (no verify, no lookup on the steps between) and compared with the tokens the sequence
+    yielded: every such key is a try. Where they are mostly right the class's acceptance rises from those
+    comparisons alone until its drafts are verified; where they are wrong no verify runs at all. A drafter tried
+    by verifies instead verifies its rejected drafts now and then."""
+    right = Speculator(Scripted(lambda n: [n, n + 1, n + 2, n + 3], lambda n: n), k=4)
     right._bucket_trials[2], right._bucket_kept[2] = 3.0, 0.0  # three early rejections: the class does not pay
-    verified = shadow_steps(right, 60, lambda n: [n, n + 1, n + 2, n + 3], lambda n: n)
+    verified = shadow_steps(right, 60)
     assert right.shadow_tries >= 1 and right.shadow_kept == right.shadow_tries
     assert right._priced_classes()[2][0] > 0 and verified > 20  # verified and kept once the shadows said so
-    wrong = Speculator(PromptLookup(), k=4)
+    wrong = Speculator(Scripted(lambda n: [-n, 1, 2, 3], lambda n: n), k=4)
     wrong._bucket_trials[2] = 3.0  # (at its prior alone, a class 2 draft pays over rows this cheap)
-    assert shadow_steps(wrong, 300, lambda n: [-n, 1, 2, 3], lambda n: n) == 0
-    assert wrong.shadow_tries >= 5 and wrong.shadow_kept == 0
-    assert wrong.shadow_tries <= 300 / SHADOW_MAX + 8  # backed off: 2, 4, ... 64 steps apart
+    assert shadow_steps(wrong, 300) == 0
+    assert wrong.shadow_tries >= 250 and wrong.shadow_kept == 0  # every key but the last few (undecided yet)
     assert wrong.bucket_acceptance(2) < 0.2  # (its prior, weight PRIOR, against decayed counts of ~5)
     verifies = Speculator(Verified(), k=4)
+    verifies.drafter.draft, verifies.drafter.answer = (lambda n: [-n, 1, 2, 3]), (lambda n: n)
+    verifies.drafter.history = list(range(100, 140))
+    verifies.drafter.grow = verifies.drafter.history.extend
     verifies._bucket_trials[2] = 3.0
-    assert shadow_steps(verifies, 300, lambda n: [-n, 1, 2, 3], lambda n: n) > 0 and verifies.shadow_tries == 0
+    assert shadow_steps(verifies, 300) > 0 and verifies.shadow_tries == 0
 
 
-def test_a_shadow_try_settles_at_the_first_difference_or_once_its_positions_are_yielded():
+def test_a_shadow_try_settles_at_the_first_difference_or_once_its_keys_are_indexed():
+    """After the fact, over the index: the draft a key's match had, against the keys that followed it."""
+    lookup = PromptLookup()
+    lookup.propose([7, 8, 9, 5, 7, 8], 1)  # key 5 (8) matched [7, 8] at key 1: its draft 9, 5, ... (at most 4 keys)
+    assert lookup._mlen[5] == 2 and lookup.shadow(5, 4) is None  # nothing after it yet
+    lookup.propose([7, 8, 9, 5, 7, 8, 9, 5], 1)
+    assert lookup.shadow(5, 4) is None  # two agree, the third and fourth (7, 8) not yielded yet
+    lookup.propose([7, 8, 9, 5, 7, 8, 9, 5, 7, 3], 1)
+    assert lookup.shadow(5, 4) == (3, 4)  # parts at the fourth: three kept of four
+    assert lookup.shadow(5, 2) == (2, 2)
     spec = Speculator(PromptLookup(), k=4)
-    spec._shadow = (3, [7, 8, 9], 2)
-    spec.shadow_seen([0, 1, 2], [7])  # the first agrees, the rest not yielded yet
-    assert spec._shadow is not None
-    spec.shadow_seen([0, 1, 2, 7], [8])
-    assert spec._shadow is not None
-    spec.shadow_seen([0, 1, 2, 7, 8], [5])  # parts at the third: two kept of three
-    assert spec._shadow is None and spec.shadow_tries == 1 and spec.shadow_kept == 1
-    assert spec._bucket_kept[2] == 2 and spec._bucket_trials[2] == 3 and spec._backoff[2] == 1
-    spec._shadow = (4, [6], 2)
-    spec.shadow_seen([0, 1, 2, 7], [8])  # parts at once: nothing kept, the next try waits twice as long
-    assert spec._shadow is None and spec._backoff[2] == 2 and spec.shadow_kept == 1
+    spec.settle_shadow(2, 2, 3)
+    assert spec.shadow_tries == 1 and spec.shadow_kept == 1
+    assert spec._bucket_kept[2] == 2 and spec._bucket_trials[2] == 3
+    spec.settle_shadow(2, 0, 1)  # parts at once: nothing kept
+    assert spec.shadow_tries == 2 and spec.shadow_kept == 1 and spec._bucket_trials[2] == 0.8 * 3 + 1
 
 
 def test_prompt_lookup_with_shadow_tries_greedy_equals_plain(model):
@@ -600,3 +625,36 @@ def test_steps_are_timed_in_cpu_time_unless_a_step_may_wait_for_reads():
     assert step_clock(model([object()])) is time.process_time
     for provider in (Pager, StoreExperts):
         assert step_clock(model([object(), provider.__new__(provider)])) is time.perf_counter
+
+
+class Unique(PromptLookup):
+    """Prompt lookup over a sequence with nothing to copy: every token's key is new (no match ever)."""
+
+    def _key(self, token: int):
+        self._count = getattr(self, "_count", 0) + 1
+        return self._count
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_sequence_with_nothing_to_copy_takes_no_lookup_per_step(tmp_path, monkeypatch, fused):
+    """Where no match can pay, the steps that certainly cannot find one (a match grows by a token a step at most)
+    and the resting ones after them go to decode_together's plain step without the speculator: the lookup and the
+    speculator run on a few of the steps, not on each (counted, not timed), and the text is the plain run's."""
+    from .conftest import build_model
+
+    from localmoe.engine.spec import verify
+
+    model = build_model("llama", tmp_path)
+    prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
+    steps = 48
+    want = _greedy_steps(model, prompt, fused=fused, n=steps)
+    calls = []
+    propose = verify._propose
+    monkeypatch.setattr(verify, "_propose", lambda dec: calls.append(1) or propose(dec))
+    spec = Speculator(Unique(), k=4)
+    got = _greedy_steps(model, prompt, fused=fused, speculator=spec, n=steps)
+    assert got == want and spec.stats.drafted == 0
+    assert spec.least >= 4  # (no verify measured: only long matches' classes pay at the pessimistic first cost)
+    assert len(calls) <= steps / 3 and spec.drafter.indexed <= len(calls)
+    spec.wake()
+    assert spec.stats.steps == steps - 1  # every step counted (the first token came from the prompt's forward)

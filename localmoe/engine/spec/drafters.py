@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -46,8 +47,9 @@ class Drafter(Protocol):
     # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
     # `matches` (its drafts carry their match length, `Draft.match`: the speculator prices them by class, and
     # `propose` takes `least`, the shortest match worth a draft: none is built after a shorter one), `deterministic`
-    # (with `matches`: its draft depends on the history alone, so a class that does not pay is tried in the shadow,
-    # speculator.py `shadow_seen`, not by a verify), `hopeless(length, least)` (with `matches`: True where a history
+    # (with `matches` and `shadow(i, k)`, the fate of the draft it had at key i: a class that does not pay is tried in
+    # the shadow after the fact, speculator.py `_review`, not by a verify), `quiet(length, least)` (the next steps
+    # that certainly find no match of `least`: the speculator rests, `Speculator.rest`), `hopeless(length, least)` (with `matches`: True where a history
     # of that length can hold no match of `least` tokens; the speculator then skips the call)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
@@ -73,8 +75,9 @@ class PromptLookup:
         if min_ngram < 1:
             raise ValueError(f"prompt lookup needs min_ngram >= 1, not {min_ngram}")
         self.min_ngram, self.tokenizer = min_ngram, tokenizer
-        self._text: dict[int, str] = {}  # token id -> its text (with a tokenizer)
-        self._stripped: dict[int, str] = {}  # token id -> its text less whitespace (its key)
+        # token id -> its text, and its text less whitespace (its key), with a tokenizer: shared by every sequence of
+        # that tokenizer (a decode call per new token id cost ~10 us in the decode loop, each request anew)
+        self._text, self._stripped = _texts(tokenizer)
         self._reset()
 
     def _reset(self) -> None:
@@ -87,6 +90,11 @@ class PromptLookup:
         self._link, self._len, self._end = [-1], [0], [-1]
         self._last = 0  # the state of the whole sequence
         self._found = (-1, 0)  # (the key index where the last key's longest earlier match ends, its length)
+        # per key: where its longest earlier match ended (-1: none) and its length (`shadow`: a draft's fate after
+        # the fact)
+        self._src: list[int] = []
+        self._mlen: list[int] = []
+        self.indexed = 0  # calls that fed the index (tests count them: a declining step's lookup work)
 
     def _key(self, token: int):
         if self.tokenizer is None:
@@ -105,6 +113,8 @@ class PromptLookup:
         if len(history) < n_seen or n_seen and history[n_seen - 1] != self._last_token:
             self._reset()
             n_seen = 0
+        if n_seen < len(history):
+            self.indexed += 1
         for at in range(n_seen, len(history)):
             key = self._key(history[at])
             if key != "":
@@ -131,6 +141,8 @@ class PromptLookup:
         self._last = cur
         if p == -1:  # a key never seen before: no match
             self._found = (-1, 0)
+            self._src.append(-1)
+            self._mlen.append(0)
             return
         q = nxt[p][key]
         if length[p] + 1 == length[q]:
@@ -147,6 +159,8 @@ class PromptLookup:
             link[q] = s
         link[cur] = s
         self._found = (end[s], length[s])  # an earlier place of the longest repeated suffix (end[s] < i)
+        self._src.append(end[s])
+        self._mlen.append(length[s])
         end[s] = i
 
     def hopeless(self, length: int, least: int) -> bool:
@@ -155,6 +169,25 @@ class PromptLookup:
         when it is (a few tokens in one call: each call after the model's forward runs with cold caches)."""
         grown = length - self._n
         return 0 < grown and self._found[1] + grown < least
+
+    def quiet(self, length: int, least: int) -> int:
+        """How many of the next steps (a token each) certainly find no match of `least` keys, the history now
+        `length` tokens: a match grows by a key a token at most (`hopeless`), so those steps need no lookup."""
+        return max(0, least - self._found[1] - (length - self._n) - 1)
+
+    def shadow(self, i: int, k: int) -> tuple[int, int] | None:
+        """After the fact: the draft of up to k keys the lookup had at key i (the keys after its match, which
+        ended before i) against the keys that followed i -> (kept until the first difference, the draft's
+        length), or None while the keys that decide it have not come yet. Keys, not tokens: whitespace is
+        compared as the respaced draft would be (`_respaced`)."""
+        c, keys = self._src[i], self._keys
+        n = min(k, i - c)
+        for j in range(n):
+            if i + 1 + j >= len(keys):
+                return None
+            if keys[c + 1 + j] != keys[i + 1 + j]:
+                return j, n
+        return n, n
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
                 generator: torch.Generator | None = None, least: int = 1) -> Draft:
@@ -203,6 +236,16 @@ class PromptLookup:
 
 
 _SPACE = re.compile(r"\s+")
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (id -> text, id -> key)
+
+
+def _texts(tokenizer) -> tuple[dict[int, str], dict[int, str]]:
+    if tokenizer is None:
+        return {}, {}
+    try:
+        return _TEXTS.setdefault(tokenizer, ({}, {}))
+    except TypeError:  # not weakly referenceable: the sequence's own
+        return {}, {}
 ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
 LONGEST = 32  # a match's length is counted this far at most (its class, and the respacing it compares)
 

@@ -33,14 +33,21 @@ the class's spacing (up to PROBE_MAX steps) until one is kept.
 
 Shadow tries (a deterministic drafter: prompt lookup, `Drafter.deterministic`). Its draft depends on the history
 alone, so whether a draft would have been kept is seen for free a few steps later, in the tokens the sequence
-yields: a class that does not pay is tried in the shadow instead of by a verify (its draft of k_max tokens is
-remembered, not run; once the sequence has yielded those positions, the tokens kept until the first difference
-count as a verify's would, `shadow_seen`). Greedy: exactly what a verify would have kept; sampling: a one-hot draft
-token equals the sampled one with the probability the acceptance rule keeps it. One shadow at a time, class b's
-spaced SHADOW plain steps after its last (doubled by every shadow with nothing kept, up to SHADOW_MAX): a try
-costs the draft's lookup and a comparison, not a rejected verify, so such a class learns its acceptance from
-many tries (a code edit's 2-3 token matches, 64-81% kept on quoting answers, 17% on a free one) and a free
-answer runs no verify at all.
+yields: a class that does not pay is tried in the shadow instead of by a verify, after the fact (`_review`): the
+index knows, for every key it took, the match it had there, so the draft of k_max keys a lookup would have made
+at a key of that class is compared with the keys that followed it, and the ones kept until the first difference
+count as a verify's would (`settle_shadow`; keys, so whitespace as the respaced draft compares it). Greedy:
+what a verify would have kept; sampling: a one-hot draft token equals the sampled one with the probability the
+acceptance rule keeps it. Every key of such a class is a try (session 13; before, one try every 2-64 steps, each
+needing a lookup at every step until a draft of its class turned up): a try costs a comparison, not a rejected
+verify nor a lookup, so the class follows the answer (a code edit's 2-3 token matches, 64-81% kept on quoting
+answers, 17% on a free one: kept where the answer quotes, dropped where it does not) and a free answer runs no
+verify at all.
+
+Resting (`rest`, session 13): after a step without a draft, the drafter says how many of the next steps certainly
+find no match worth a draft (a match grows by a token a step at most, `PromptLookup.quiet`); decode_together
+takes those as plain steps without calling the speculator at all (`quiet`), and the next call counts them
+(`wake`) and feeds the index their tokens in one call. A free answer then pays the speculator once in a few steps.
 
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
@@ -87,8 +94,7 @@ GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by 
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
-SHADOW = 2  # a deterministic drafter's class that does not pay: plain steps between two shadow tries of it
-SHADOW_MAX = 64  # the most (doubled by every shadow try with nothing kept)
+REST_MAX = 16  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -163,6 +169,7 @@ class Speculator:
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
         self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
+        self._memo_costs: list[float] = []  # the t(r) it was priced with
         self._memo_t1 = 0.0
         # what the memo says: plain steps between two tries while no draft pays (times _backoff), the best k
         # over the classes, whether the classes seen gain enough (retirement), the shortest match that pays
@@ -175,10 +182,16 @@ class Speculator:
         # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
         self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
-        # its drafts depend on the history alone: classes that do not pay are tried in the shadow (`shadow_seen`)
-        self.deterministic = self.matches and getattr(drafter, "deterministic", False)
-        self._shadow: tuple[int, list[int], int] | None = None  # (position of its first token, tokens, class)
+        # its drafts depend on the history alone: classes that do not pay are tried in the shadow (`_review`)
+        self.deterministic = self.matches and getattr(drafter, "deterministic", False) and hasattr(drafter, "shadow")
+        self._review_at = -1  # the drafter's next key to look at for shadow tries (`_review`; -1: not yet, the
+        # prompt's keys are not the answer's)
         self.shadow_tries = self.shadow_kept = 0  # shadow tries resolved, and of those, the ones with a token kept
+        # steps the sequence takes without the speculator (decode_together's plain step): none of them could draft
+        # (`rest`); `_quiet_set` what was granted, the steps it skipped are counted when it runs again (`wake`)
+        self.quiet = self._quiet_set = 0
+        self._rest = 1  # the steps `rest` grants at least (doubled by every rest, back to 1 by a verify)
+        self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
     @property
@@ -225,6 +238,9 @@ class Speculator:
     def choose_k(self) -> int:
         """The most drafts to ask the drafter for this step (`fit` cuts the draft to what its confidence class pays);
         sets `least` (`least_match()`) for a drafter with match lengths."""
+        reviewed = self.deterministic and self._memo is not None
+        if reviewed:
+            self._review()  # (the keys indexed since the last step: a few)
         if self.stats.steps < self._fast_until:  # nothing changed since the last full pass (`_settle`)
             self.least = self._fast_least
             return self._fast_k
@@ -238,6 +254,8 @@ class Speculator:
         if self._measuring():
             return 1
         self._priced_classes()
+        if self.deterministic and not reviewed:
+            self._review()
         best = self._choice
         if not self.free:
             self._poor = 0 if self._worth else self._poor + 1
@@ -247,9 +265,8 @@ class Speculator:
                     self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
         if self.matches:
             self.least = self._least_due()
-        if best == 0 and any(self._due(b) for b in self._classes):
-            # a try is due: one draft (`fit` keeps it if its class is the one due); a shadow try looks at k_max
-            return self.k_max if self.deterministic else 1
+        if best == 0 and not self.deterministic and any(self._due(b) for b in self._classes):
+            return 1  # a try is due: one draft (`fit` keeps it if its class is the one due)
         if self.free and self.matches:
             self._settle(best)
         return best
@@ -259,13 +276,17 @@ class Speculator:
         which a class's try falls due (`_due`), SETTLE steps at most (t(1) is checked for REPRICE that often), and
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
-        most = SHADOW_MAX if self.deterministic else PROBE_MAX
-        # a shadow try outstanding: none falls due before it settles (`shadow_seen` ends the window); a class that
-        # pays is never due (its drafts are verified: counting it made every step a full pass on a free answer); one
-        # due already is in `least` until its try starts (`fit` ends the window), so only those due later count
+        if self.deterministic:  # tries are found after the fact (`_review`, every call): only t(1) is watched, every
+            # SETTLE calls (a resting sequence calls once in up to REST_MAX steps)
+            self._fast_until = self.stats.steps + SETTLE * self._rest
+            self._fast_k, self._fast_least = best, self.least
+            return
+        most = PROBE_MAX
+        # a class that pays is never due (its drafts are verified: counting it made every step a full pass on a
+        # free answer); one due already is in `least` until its try starts (`fit` ends the window) or, tried after
+        # the fact, waits for a key of its class (`_review`, once a window), so only those due later count
         now = self.stats.steps
-        due = float("inf") if self._shadow is not None else \
-            min((t for b in range(1, BUCKETS) if not self._memo[b][0]
+        due = min((t for b in range(1, BUCKETS) if not self._memo[b][0]
                  for t in (self._tried[b] + min(self._spacing * self._backoff[b], most),) if t > now + 1e-6),
                 default=float("inf"))
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
@@ -284,12 +305,12 @@ class Speculator:
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
         one = self._t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
-            costs = self._costs()  # (the same for every class: a pass after each verify priced them 5 times)
+            self._memo_costs = costs = self._costs()  # (the same for every class: a pass after each verify priced
+            # them 5 times; a shadow try that settles reprices its class with them)
             self._memo = [self._best(self.bucket_acceptance(b), costs) for b in range(BUCKETS)]
             self._memo_t1 = one
             # a try costs a 2-row verify over a plain step, and making its draft (a shadow try: the lookup)
-            self._spacing = SHADOW if self.deterministic else \
-                max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
+            self._spacing = max(PROBE, (self._estimate(2) - one + self.draft_seconds) / one / PROBE_SHARE)
             self._chosen()
         return self._memo
 
@@ -318,9 +339,9 @@ class Speculator:
         if self.residency is not None:
             return 1
         least = self._least
-        if self._shadow is not None:  # one shadow try at a time
+        if self.deterministic:  # a class due for a try is tried after the fact (`_review`): no lookup for it
             return 1 << (least - 1)
-        since, most = self.stats.steps, SHADOW_MAX if self.deterministic else PROBE_MAX
+        since, most = self.stats.steps, PROBE_MAX
         for b in range(1, least):  # a class due for a try (`_due`, inlined: this runs every step)
             if since - self._tried[b] >= min(self._spacing * self._backoff[b], most) - 1e-6:
                 least = b
@@ -335,9 +356,6 @@ class Speculator:
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
-        if self.deterministic:
-            return self._shadow is None and \
-                self.stats.steps - self._tried[b] >= min(self._spacing * self._backoff[b], SHADOW_MAX) - 1e-6
         since = self.stats.steps - self._tried[b]
         return since >= min(self._spacing * self._backoff[b], PROBE_MAX) - 1e-6  # (float spacing)
 
@@ -368,19 +386,15 @@ class Speculator:
     def fit(self, draft: Draft, at: int | None = None) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
         (bucket()), and with a residency, given the reads its predicted experts add (see the module docstring),
-        the pager asked to prefetch them. `at`: the position of the draft's first token (the history's length),
-        where a deterministic drafter's draft of a class that does not pay may be a shadow try."""
+        the pager asked to prefetch them. `at`: the position of the draft's first token (unused since shadow tries
+        are made after the fact, `_review`)."""
         self._probing = False
         if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
             return self._priced_fit(draft, None)
         b = bucket(draft)
         a = self.bucket_acceptance(b)
         keep = self._priced_classes()[b][0]
-        if keep == 0 and self.deterministic:  # a shadow try where one is due, never a verify
-            if at is not None and self._due(b):
-                self._shadow = (at, list(draft.tokens), b)
-                self._tried[b] = self.stats.steps
-                self._fast_until = 0.0  # the choice changes (one shadow try at a time)
+        if keep == 0 and self.deterministic:  # tried in the shadow after the fact (`_review`), never by a verify
             return draft.first(0)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
@@ -411,30 +425,68 @@ class Speculator:
             r.prefetch(keys[1:keep + 1])
         return draft.first(keep)
 
-    def shadow_seen(self, done: list[int], pending: list[int]) -> None:
-        """Settle the shadow try where the sequence (`done` + `pending` tokens) has yielded its positions, or a
-        token that parts from it: its tokens kept until the first difference count as a verify's (module
-        docstring)."""
-        at, tokens, b = self._shadow
-        n, ran = len(tokens), len(done)
-        known = min(n, ran + len(pending) - at)
-        if known <= 0:
+    def _review(self) -> None:
+        """Shadow tries after the fact (a deterministic drafter, `shadow`): every key indexed since the last look whose
+        match is of a class that does not pay, once the keys after it decide its draft's fate, counts as a verify of
+        that draft would. Runs in choose_k, over the keys the index took since: a class that does not pay costs no
+        lookup of its own (the index takes the tokens when the paying classes need it), and learns from every draft
+        it would have had, so it follows the answer (a quote's short matches are kept, a free answer's are not)."""
+        drafter, memo, at = self.drafter, self._memo, self._review_at
+        lengths, end = drafter._mlen, len(drafter._mlen)
+        if at < 0 or at > end:  # the first look (from the answer's keys on), or the index started afresh
+            self._review_at = end or -1  # (-1: nothing indexed yet, the prompt's keys come with the first lookup)
             return
-        kept = 0
-        while kept < known and tokens[kept] == (done[at + kept] if at + kept < ran else pending[at + kept - ran]):
-            kept += 1
-        if kept == known < n:  # all it could see agrees: wait for more
+        if at == end:
             return
-        self._shadow = None
+        kept_, trials, k, tried = self._bucket_kept, self._bucket_trials, self.k_max, 0
+        while at < end:
+            b = min(lengths[at].bit_length(), BUCKETS - 1)
+            if b and not memo[b][0]:
+                fate = drafter.shadow(at, k)
+                if fate is None:  # decided by keys still to come: looked at again then
+                    break
+                kept, n = fate
+                self.shadow_tries += 1
+                self.shadow_kept += kept > 0
+                kept_[b] = (1 - SMOOTH) * kept_[b] + kept
+                trials[b] = (1 - SMOOTH) * trials[b] + kept + (kept < n)
+                tried |= 1 << b
+            at += 1
+        self._review_at = at
+        if tried:  # the classes tried: priced again (only they, with the memo's t(r)), once a look
+            self._reprice(b for b in range(1, BUCKETS) if tried >> b & 1)
+
+    def _reprice(self, classes) -> None:
+        choice, least = self._choice, self._least
+        for b in classes:
+            self._memo[b] = self._best(self.bucket_acceptance(b), self._memo_costs)
+        self._chosen()
+        if (self._choice, self._least) != (choice, least):
+            self._fast_until = 0.0  # the settled choice changed
+
+    def settle_shadow(self, b: int, kept: int, n: int) -> None:
+        """One shadow try of class b: `kept` of its `n` drafts would have been kept (module docstring)."""
         self.shadow_tries += 1
         self.shadow_kept += kept > 0
-        self._backoff[b] = 1 if kept else min(2 * self._backoff[b], SHADOW_MAX)
         self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
         self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
-        if self._memo is not None:  # the class's acceptance changed: price it again (only it: a shadow try settles
-            self._memo[b] = self._best(self.bucket_acceptance(b))  # every few steps of a free answer, and pricing
-            self._chosen()  # all five classes cost ~25 us of a step's Python there)
-        self._fast_until = 0.0
+        if self._memo is not None:
+            self._reprice([b])
+
+    def rest(self, length: int) -> None:
+        """After a step that did not draft, the history `length` tokens: grant the next steps that certainly find
+        no match worth a draft (`least`; the drafter's `quiet`) to decode_together's plain step, without this
+        speculator (a free answer's steps then cost what `--spec off`'s do)."""
+        if self._quiet_of is not None and self.least > 1:
+            self.quiet = self._quiet_set = max(self._quiet_of(length, self.least), self._rest - 1)
+            self._rest = min(2 * self._rest, REST_MAX)
+
+    def wake(self) -> None:
+        """Count the steps taken without it since `rest` (plain steps: a token each)."""
+        skipped = self._quiet_set - self.quiet
+        self.stats.steps += skipped
+        self.stats.emitted += skipped
+        self.quiet = self._quiet_set = 0
 
     @property
     def times_plain(self) -> bool:
@@ -456,6 +508,7 @@ class Speculator:
                 self._dirty = True  # its median is taken when read (`_t1`)
             return
         if drafted:
+            self._rest = 1
             self._tried[confidence] = s.steps
             if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
                 self._backoff[confidence] = 1 if accepted else min(2 * self._backoff[confidence], PROBE_MAX)

@@ -79,8 +79,8 @@ def _propose(dec) -> Draft:
     """The sequence's draft this step (none where its speculator declines). It runs on every step of a speculating
     sequence, drafting or not: its cost is what declining costs (a few calls; the lookup itself is the drafter's)."""
     spec = dec.speculator
-    if spec._shadow is not None:  # a shadow try waits for the tokens it drafted
-        spec.shadow_seen(dec.in_cache, dec.pending)
+    if spec._quiet_set:  # steps decode_together took without it (`Speculator.rest`)
+        spec.wake()
     k = min(spec.choose_k(), dec.room, K_MAX)
     if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
         return NO_DRAFT
@@ -155,15 +155,18 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
         # answer's, and each line of Python here runs with the caches cold from the forward (~1-2 us a line)
         clock = one.clock
         began = 0.0 if one.free else clock()  # a free drafter's lookup is not priced (tens of us against ms)
-        draft = _propose(decoders[0])
+        dec = decoders[0]
+        draft = _propose(dec)
         if not draft.tokens:
+            length = len(dec.in_cache) + 1
             if not one.times_plain:
                 results = plain_step(decoders, fused, chunks)
                 one.observe(0, 0, 1, None)
-                return results
-            now = clock()
-            results = plain_step(decoders, fused, chunks)
-            one.observe(0, 0, 1, clock() - now)
+            else:
+                now = clock()
+                results = plain_step(decoders, fused, chunks)
+                one.observe(0, 0, 1, clock() - now)
+            one.rest(length)  # the next steps that cannot draft skip the speculator (decode_together)
             return results
         now = clock()
         spec, replay, drafts, drafting, began = [True], [False], [draft], [0.0 if one.free else now - began], now
