@@ -1,7 +1,7 @@
 """An error after a stream has started ends the stream with the API's error event (OpenAI: an
 `error` chunk, Anthropic: an `error` event), never a cut connection; a non-streamed request
 that fails inside the engine gets a JSON error. The engine is made to fail on purpose: the
-model's forward raises on its third call."""
+model's forward raises on its third call (the unbatched step, which calls it)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def failing(tiny_model):
         return forward(*args, **kwargs)
 
     loaded.model.forward = flaky
-    service = Service(loaded, ServerConfig(threads=1, prefix_cache_entries=0))
+    # batching off: the worker's step is then the model's forward (a batched step runs the rows plan instead)
+    service = Service(loaded, ServerConfig(threads=1, prefix_cache_entries=0, batching="off"))
     with TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False) as client:
         yield client, calls
 
