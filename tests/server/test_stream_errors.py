@@ -1,7 +1,7 @@
 """An error after a stream has started ends the stream with the API's error event (OpenAI: an
 `error` chunk, Anthropic: an `error` event), never a cut connection; a non-streamed request
 that fails inside the engine gets a JSON error. The engine is made to fail on purpose: the
-model's forward raises on its third call (the unbatched step, which calls it)."""
+model's forward raises on its third call, with the worker's batched step and without."""
 
 from __future__ import annotations
 
@@ -17,27 +17,36 @@ class Boom(RuntimeError):
     pass
 
 
-@pytest.fixture(scope="module")
-def failing(tiny_model):
-    """A TestClient over a Service whose model raises on every third forward pass."""
+@pytest.fixture(scope="module", params=["off", "on"])
+def failing(request, tiny_model):
+    """A TestClient over a Service whose model raises on every third forward pass: its own forward (the prompt, and
+    every decode step with batching off) or the batched step's (batching on: engine/batch.py `forward_rows`, which
+    runs the rows plan)."""
+    from localmoe.engine import batch, prompt_rows  # noqa: F401 (imported before the patch: they hold the original)
+    from localmoe.engine.spec import drafters, verify  # noqa: F401
     from localmoe.load import load_model
     from localmoe.runtime.service import ServerConfig, Service
     from localmoe.server.app import create_app
 
     loaded = load_model(tiny_model)
-    forward, calls = loaded.model.forward, [0]
+    calls = [0]
 
-    def flaky(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] % 3 == 0:
-            raise Boom("the expert store went away")
-        return forward(*args, **kwargs)
+    def flaky(fn):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] % 3 == 0:
+                raise Boom("the expert store went away")
+            return fn(*args, **kwargs)
+        return call
 
-    loaded.model.forward = flaky
-    # batching off: the worker's step is then the model's forward (a batched step runs the rows plan instead)
-    service = Service(loaded, ServerConfig(threads=1, prefix_cache_entries=0, batching="off"))
-    with TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False) as client:
-        yield client, calls
+    forward, forward_rows = loaded.model.forward, batch.forward_rows
+    loaded.model.forward, batch.forward_rows = flaky(forward), flaky(forward_rows)
+    try:
+        service = Service(loaded, ServerConfig(threads=1, prefix_cache_entries=0, batching=request.param))
+        with TestClient(create_app(service), base_url="http://localhost", raise_server_exceptions=False) as client:
+            yield client, calls
+    finally:
+        loaded.model.forward, batch.forward_rows = forward, forward_rows
 
 
 def test_openai_stream_ends_with_an_error_chunk(failing):
