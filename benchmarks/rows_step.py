@@ -6,7 +6,9 @@ N-clients-vs-one ratio from above (issue 23: a 16-row step must cost <= ~2.7 one
 
 N sequences are prefilled with prompts of `--context` tokens (different tokens, the same length), then each
 round times `--steps` steps of one sequence alone and `--steps` steps of all N (the two alternated, the
-caches trimmed back after each step, untimed, so the context stays put), and the lm_head alone on 1 and N rows.
+caches trimmed back after each step, untimed, so the context stays put), the lm_head alone on 1 and N rows, and
+`--steps` of one sequence's own fused decode step (the model's forward: what `localmoe run` and one client take).
+`--kv-cache-dtype bfloat16 / fp8`: the caches in that dtype (read and written in it by the plans).
 Printed: the medians over rounds of CPU ms per step (one thread: `time.process_time`, so the figures hold on
 a loaded machine) and the ceiling N x t(1) / t(N) on the aggregate tokens/s of N clients against one.
 """
@@ -61,6 +63,16 @@ def main() -> None:
                 cache.trim(args.context)
         return spent / args.steps * 1e3
 
+    def fused() -> float:  # one sequence's own decode step (the fused plan: `localmoe run`, a one-client server)
+        spent = 0.0
+        with torch.inference_mode():
+            for _ in range(args.steps):
+                start = time.process_time()
+                model.forward(torch.tensor([[tokens[0]]]), caches[0])
+                spent += time.process_time() - start
+                caches[0].trim(args.context)
+        return spent / args.steps * 1e3
+
     def head(n: int) -> float:
         start = time.process_time()
         with decode_rows():  # as the step calls it: rows through the block kernel
@@ -68,9 +80,10 @@ def main() -> None:
                 model.lm_head(h[:n])
         return (time.process_time() - start) / args.steps * 1e3
 
-    steps(1), steps(args.rows)  # warm-up: plans built, pages touched
-    one, many, head1, head_n = [], [], [], []
+    steps(1), steps(args.rows), fused()  # warm-up: plans built, pages touched
+    one, many, head1, head_n, alone = [], [], [], [], []
     for _ in range(args.rounds):
+        alone.append(fused())
         one.append(steps(1))
         many.append(steps(args.rows))
         head1.append(head(1))
@@ -79,7 +92,8 @@ def main() -> None:
     print(f"expert precision {args.expert_precision}, K/V {args.kv_cache_dtype}, context {args.context}: "
           f"1 row {t1:.2f} ms (head {statistics.median(head1):.2f}), {args.rows} rows {tn:.2f} ms "
           f"(head {statistics.median(head_n):.2f}); {args.rows} rows = {tn / t1:.2f} one-row steps, "
-          f"ceiling {args.rows} x t(1) / t({args.rows}) = {args.rows * t1 / tn:.2f}x")
+          f"ceiling {args.rows} x t(1) / t({args.rows}) = {args.rows * t1 / tn:.2f}x; fused one-token step "
+          f"{statistics.median(alone):.2f} ms")
 
 
 if __name__ == "__main__":

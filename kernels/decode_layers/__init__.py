@@ -1,6 +1,8 @@
 """Every layer of a model for one decode token in one kernel call (layers_cpu.cpp), for the engine's
 single-sequence decode: `GqaMoeDecoder` for GQA + routed-MXFP4-MoE models (gpt-oss),
-`DenseDecoder` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2, Qwen3).
+`DenseDecoder` for GQA + SiLU-gated dense MLP models (Llama, SmolLM2, Qwen2, Qwen3). Their K/V caches are fp32
+pools (`set_pools`) or bf16 / fp8 buffers read and written in their own dtype (`set_storage`, kernels/fp8_cache
+cache_rows.h: the engine's rounding and exact ring, as the hybrid plan's GQA layers).
 
 They string together kernels that have their own references and tests (rms_norm, the fused
 gqa_decode step, mxfp4_routed_moe, the dense and GGUF-block GEMVs) in the order the engine runs
@@ -19,6 +21,7 @@ import ctypes
 
 import torch
 from localmoe.kernels._cpu import library, threads
+from localmoe.kernels.fp8_cache.cpu import CacheRows, cache_rows
 
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -31,7 +34,7 @@ class Layer(ctypes.Structure):
                 ("head_dim", _i), ("rot", _i), ("head_stride", _i), ("window", _i), ("scale", _f),
                 ("mlp_norm", _p), ("router_w", _p), ("router_b", _p), ("correction", _p), ("table", _p),
                 ("scoring", _i), ("renormalize", _i), ("experts", _i), ("intermediate", _i), ("top_k", _i),
-                ("glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f)]
+                ("glu", _i), ("scaling", _f), ("p0", _f), ("p1", _f), ("keys", CacheRows), ("values", CacheRows)]
 
 
 class Matrix(ctypes.Structure):
@@ -57,7 +60,8 @@ class DenseLayer(ctypes.Structure):
     _fields_ = [("attn_norm", _p), ("qkv", Matrix), ("o", Matrix), ("q_norm", _p), ("k_norm", _p), ("sinks", _p),
                 ("kpool", _p), ("vpool", _p),
                 ("heads", _i), ("kv_heads", _i), ("head_dim", _i), ("rot", _i), ("head_stride", _i), ("window", _i),
-                ("scale", _f), ("mlp_norm", _p), ("gate_up", Matrix), ("down", Matrix)]
+                ("scale", _f), ("mlp_norm", _p), ("gate_up", Matrix), ("down", Matrix), ("keys", CacheRows),
+                ("values", CacheRows)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -69,16 +73,29 @@ def available() -> bool:
 
 
 class _Pools:
-    pools: list[tuple[int, int, int] | None]
+    pools: list[tuple | None]  # what each layer's cache fields were set from: fp32 pools' (addresses, stride), or the
+    # bf16 / fp8 buffers' two `PagedBuffer.storage` tuples
     layers: ctypes.Array
 
     def set_pools(self, i: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Layer i's cache pools [1, Hkv, capacity, D] fp32 (they move when the cache grows)."""
+        """Layer i's fp32 cache pools [1, Hkv, capacity, D] (they move when the cache grows)."""
         now = (keys.data_ptr(), values.data_ptr(), keys.stride(1))
-        if self.pools[i] != now:
+        held = self.pools[i]
+        if held is None or len(held) != 3 or held != now:
             self.pools[i] = now
             layer = self.layers[i]
             layer.kpool, layer.vpool, layer.head_stride = now
+            layer.keys.pool = None  # the kernel reads kpool / vpool
+
+    def set_storage(self, i: int, keys: tuple, values: tuple) -> None:
+        """Layer i's bf16 / fp8 K/V caches, read and written in their own dtype (kernels/fp8_cache `cache_rows`):
+        `PagedBuffer.storage` of the keys and of the values, the same tuples until a buffer changes (only then is
+        the layer's view made again)."""
+        held = self.pools[i]
+        if held is None or len(held) != 2 or held[0] is not keys or held[1] is not values:
+            self.pools[i] = (keys, values)
+            layer = self.layers[i]
+            layer.keys, layer.values = cache_rows(*keys), cache_rows(*values)
 
 
 MoeExpertsFn = ctypes.CFUNCTYPE(ctypes.c_int, _i, _i, _p, _p)  # layers_cpu.cpp MoeExperts

@@ -11,7 +11,10 @@
 //   m = mxfp4_moe_routed(h)                                  router GEMV, routing, experts
 //   h = add_rms_norm(x += m, next layer's attn_norm, or the final norm after the last layer)
 // which is what engine/transformer.py runs op by op, through the same kernel entry points (so the bits
-// are the same). Python between those calls (argument checks, views, allocations, ctypes) cost more
+// are the same). A bf16 / fp8 K/V cache (--kv-cache-dtype) is read and written in its own dtype, as the hybrid
+// plan's GQA layers do: the one-token calls through a layer's `keys` / `values` (fp8_cache/cache_rows.h views;
+// gqa_step.h attention_step_cached), the rows calls through paged_cpu.cpp's cached rows (the same reader).
+// Python between those calls (argument checks, views, allocations, ctypes) cost more
 // than 1 ms per token on a small model: a third of the attention and MoE kernels' own time.
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +63,7 @@ struct Layer {
   const int64_t* table;
   int64_t scoring, renormalize, experts, intermediate, top_k, glu;
   float scaling, p0, p1;
+  localmoe_cache::CacheRows keys, values;  // a bf16 / fp8 cache in its own dtype (keys.pool null: fp32 kpool, vpool)
 };
 
 namespace {
@@ -143,7 +147,12 @@ int64_t decode_gqa_moe(const Layer* layers, int64_t n, float* x, int64_t D, int6
   for (int64_t l = 0; l < n; ++l) {
     const Layer& L = layers[l];
     const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
-    gqa_step(h, D, L.wqkv, static_cast<int>(L.qkv_bf16), L.bqkv, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin,
+    if (L.keys.pool != nullptr)  // gqa_step's projections (fp32 / bf16 matrices need no xq) over the cache's dtype
+      localmoe_gqa::attention_step_cached(h, qkv_matrix(L, D), o_matrix(L, D), L.heads, L.kv_heads, L.head_dim,
+                                          L.rot, cos, ssin, L.keys, L.values, pos, first, L.sinks, L.scale, nullptr,
+                                          nullptr, 0.0f, delta, attn_scratch, nullptr, threads);
+    else
+      gqa_step(h, D, L.wqkv, static_cast<int>(L.qkv_bf16), L.bqkv, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin,
              L.kpool, L.vpool, L.head_stride, pos, first, L.sinks, L.scale, nullptr, nullptr, 0.0f, L.wo,
              static_cast<int>(L.o_bf16), L.bo, delta, attn_scratch, threads);
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
@@ -206,6 +215,7 @@ struct DenseLayer {
   float scale;
   const float* mlp_norm;
   localmoe::Matrix gate_up, down;
+  localmoe_cache::CacheRows keys, values;  // a bf16 / fp8 cache in its own dtype (keys.pool null: fp32 kpool, vpool)
 };
 
 // Bytes of the `xq` scratch decode_dense needs for inputs of up to K values.
@@ -220,9 +230,14 @@ void decode_dense(const DenseLayer* layers, int64_t n, float* x, int64_t D, int6
   for (int64_t l = 0; l < n; ++l) {
     const DenseLayer& L = layers[l];
     const int64_t first = L.window ? std::max<int64_t>(0, pos + 1 - L.window) : 0;
-    localmoe_gqa::attention_step(h, L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin, L.kpool, L.vpool,
-                                 L.head_stride, pos, first, L.sinks, L.scale, L.q_norm, L.k_norm, eps, delta,
-                                 attn_scratch, xq, threads);
+    if (L.keys.pool != nullptr)
+      localmoe_gqa::attention_step_cached(h, L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin, L.keys,
+                                          L.values, pos, first, L.sinks, L.scale, L.q_norm, L.k_norm, eps, delta,
+                                          attn_scratch, xq, threads);
+    else
+      localmoe_gqa::attention_step(h, L.qkv, L.o, L.heads, L.kv_heads, L.head_dim, L.rot, cos, ssin, L.kpool,
+                                   L.vpool, L.head_stride, pos, first, L.sinks, L.scale, L.q_norm, L.k_norm, eps,
+                                   delta, attn_scratch, xq, threads);
     add_rms_norm(x, delta, L.mlp_norm, 1, D, eps, h);
     const int64_t I = L.gate_up.rows / 2;
     localmoe::matvec(L.gate_up, h, mlp, xq, threads);

@@ -36,6 +36,13 @@ def kernel_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...] |
     return cpu.paged_fields(c, kv_heads, head_dim) if cpu.address(c) is not None else None
 
 
+def cached_fields(keys, values, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The CPU kernel's first 8 fields of a row over a bf16 / fp8 cache read and written in its own dtype: keys and
+    values are kernels/fp8_cache `CacheRows` views of its buffers (PagedBuffer.storage), held by the caller while the
+    fields are used (cpu.cached_fields)."""
+    return cpu.cached_fields(keys, values, kv_heads, head_dim)
+
+
 def rows_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether gqa_decode_rows takes q [N, H, D] and the new rows k/v [N, Hkv, D] (else use gqa_decode_paged)."""
     return cpu.supported(q, k.unsqueeze(2), v.unsqueeze(2)) and k.stride(-1) == v.stride(-1) == 1
@@ -63,5 +70,5 @@ def step_kernel_for(wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo: torch.Ten
     return cpu.StepKernel(wqkv, bqkv, wo, bo, heads, kv_heads, head_dim, rot, sinks, scale, q_norm, k_norm, eps)
 
 
-__all__ = ["PagedKV", "StepKernel", "gqa_decode", "gqa_decode_paged", "gqa_decode_rows", "kernel_fields",
+__all__ = ["PagedKV", "StepKernel", "cached_fields", "gqa_decode", "gqa_decode_paged", "gqa_decode_rows", "kernel_fields",
            "naive_gqa_decode", "naive_gqa_decode_paged", "naive_gqa_step", "rows_supported", "step_kernel_for"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.gqa_decode.reference import PagedKV
@@ -72,6 +74,15 @@ def paged_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...]:
     fields = c.address
     assert fields[8:] == (kv_heads, head_dim), f"pool {tuple(c.key_pool.shape)} against [{kv_heads}, P, block, {head_dim}]"
     return fields[:8]
+
+
+def cached_fields(keys, values, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The kernel's first 8 fields of a row over a bf16 / fp8 cache read and written in its own dtype (paged_cpu.cpp:
+    the addresses of the keys' and values' kernels/fp8_cache `CacheRows`, tables 0, block 1, capacity): the two
+    views must outlive every call that reads the fields."""
+    assert keys.dtype != 0 and (keys.heads, keys.dim) == (values.heads, values.dim) == (kv_heads, head_dim), \
+        f"cache rows {keys.heads} x {keys.dim} (dtype {keys.dtype}) against {kv_heads} x {head_dim}"
+    return (ctypes.addressof(keys), 0, 0, ctypes.addressof(values), 0, 0, 1, min(keys.capacity, values.capacity))
 
 
 def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions, firsts,

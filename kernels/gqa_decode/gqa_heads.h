@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "../fp8_cache/cache_rows.h"
 #include "pool.h"
 #include "vec_math.h"
 
@@ -42,6 +43,18 @@ struct StridedRows {
   int64_t ks, vs;
   const float* key(int64_t s) const { return k + s * ks; }
   const float* value(int64_t s) const { return v + s * vs; }
+};
+
+// Key and value rows of one KV head read from a bf16 / fp8 cache (fp8_cache/cache_rows.h: the engine's
+// dequantisation and exact ring), widened as `group_pass` asks for them: a block's keys into `kbuf`
+// [kKeys, D] (the pass holds a block's key pointers; kKeys consecutive positions take distinct slots), the
+// value it is adding into `vbuf` [D]. A head's operations and their order are those over fp32 pools.
+struct CachedRows {
+  const localmoe_cache::CacheRows *k, *v;
+  int64_t h, length;
+  float *kbuf, *vbuf;
+  const float* key(int64_t s) const { return localmoe_cache::row(*k, h, s, length, kbuf + (s % kKeys) * k->dim); }
+  const float* value(int64_t s) const { return localmoe_cache::row(*v, h, s, length, vbuf); }
 };
 
 // The query heads that share one KV head, computed together: each key and value row is loaded once for

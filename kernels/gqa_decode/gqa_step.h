@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "../_cpu/matrix.h"
-#include "../fp8_cache/cache_rows.h"
 #include "gqa_heads.h"
 
 namespace localmoe_gqa {
@@ -76,18 +75,6 @@ inline void attention_step(const float* x, const localmoe::Matrix& qkv_w, const 
   attend_pools(qkv, H, Hkv, D, kpool, vpool, head_stride, pos, first, sinks, scale, attn, threads);
   localmoe::matvec(o_w, attn, out, xq, threads);
 }
-
-// Key and value rows of one KV head read from a bf16 / fp8 cache (fp8_cache/cache_rows.h: the engine's
-// dequantisation and exact ring), widened as `group_pass` asks for them: a block's keys into `kbuf`
-// [kKeys, D] (the pass holds a block's key pointers; kKeys consecutive positions take distinct slots), the
-// value it is adding into `vbuf` [D]. A head's operations and their order are those over fp32 pools.
-struct CachedRows {
-  const localmoe_cache::CacheRows *k, *v;
-  int64_t h, length;
-  float *kbuf, *vbuf;
-  const float* key(int64_t s) const { return localmoe_cache::row(*k, h, s, length, kbuf + (s % kKeys) * k->dim); }
-  const float* value(int64_t s) const { return localmoe_cache::row(*v, h, s, length, vbuf); }
-};
 
 struct CachedArgs {
   const float* q;  // [H, D]

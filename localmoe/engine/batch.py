@@ -54,7 +54,9 @@ from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
 from localmoe.kernels.decode_layers.hybrid import HybridDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
-from localmoe.kernels.gqa_decode import gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields, rows_supported
+from localmoe.kernels.fp8_cache.cpu import cache_rows
+from localmoe.kernels.gqa_decode import (cached_fields, gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields,
+                                         rows_supported)
 from localmoe.kernels.rms_norm import add_rms_norm
 
 
@@ -184,8 +186,8 @@ def _gqa(mixer: GQAttention, h: torch.Tensor, steps, layer_caches, cos: torch.Te
     """GQA decode of N sequences: the projections (and q/k norms, RoPE: cos/sin [N, 1, 1, rot], the rows'
     tables) for all rows at once, then every row's cache write and attention in one kernel call over the
     sequences' paged caches (`gqa_decode_rows` with this layer's `rows` [N, 10] from `_PagedRows`, else
-    `gqa_decode_paged`); where a cache cannot be written in place (bf16/fp8 rows), the cache write and
-    attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
+    `gqa_decode_paged`); where a cache cannot be written in place (bf16/fp8 rows without their `_PagedRows`
+    fields), the cache write and attention per sequence. h [N, 1, hidden] -> [N, 1, hidden]."""
     N = h.shape[0]
     H, Hkv, D = mixer.heads, mixer.kv_heads, mixer.head_dim
     qk, v = _rowwise(mixer.qkv, h).split((mixer.split[0] + mixer.split[1], mixer.split[2]), dim=-1)
@@ -237,12 +239,13 @@ class _PagedRows:
     (`PagedBuffer.generation`: growth, trim) and positions stay below `capacity`: a step then prepares
     the fields of every layer and row with a few tensor operations (`_step_rows`) instead of a call per
     layer and sequence. `fields` is None where some layer's cache cannot be read by the kernel (bf16 / fp8
-    rows, a cache without pages): the step then takes `_gqa`'s per-layer path."""
+    rows without an identity block table, a cache without pages): the step then takes `_gqa`'s per-layer path.
+    bf16 / fp8 caches are read and written in their own dtype (`cached_fields`: the views are held here)."""
 
     _kept: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()  # ModelCache -> its _PagedRows
 
     def __init__(self, model, cache: ModelCache, pos: int):
-        fields, self.buffers = [], []
+        fields, self.buffers, self.views = [], [], []
         for i, (_, mixer, _, _) in enumerate(model.layers):
             if not _plain_gqa(mixer, ()):
                 fields.append((0,) * 8)
@@ -250,6 +253,11 @@ class _PagedRows:
             layer = cache.layers[i]
             pages = getattr(layer, "pages", _no_pages)(pos)
             row = None if pages is None else kernel_fields(pages, mixer.kv_heads, mixer.head_dim)
+            if row is None and pages is None and hasattr(layer, "keys"):  # bf16 / fp8: in their own dtype
+                storage = layer.keys.storage(pos + 1), layer.values.storage(pos + 1)
+                if storage[0] is not None and storage[1] is not None:
+                    self.views += [cache_rows(*storage[0]), cache_rows(*storage[1])]
+                    row = cached_fields(*self.views[-2:], mixer.kv_heads, mixer.head_dim)
             if row is None:
                 fields = None
                 break

@@ -221,15 +221,22 @@ class DecodePlan:
         pos = cache.offset
         if cache.key_mask is not None or pos + 1 > cache.max_len:
             return None
-        model = self.model
+        model, decoder = self.model, self.decoder
         for i, (_, mixer, _, _) in enumerate(model.layers):
-            pools = cache.layers[i].decode_pools(pos) if not mixer._selects(pos + 1) else None
-            if pools is None:
+            if mixer._selects(pos + 1):
                 return None
-            self.decoder.set_pools(i, *pools)
+            layer = cache.layers[i]
+            pools = layer.decode_pools(pos)
+            if pools is not None:
+                decoder.set_pools(i, *pools)
+                continue
+            keys, values = layer.keys.storage(pos + 1), layer.values.storage(pos + 1)  # bf16 / fp8: in their dtype
+            if keys is None or values is None:
+                return None
+            decoder.set_storage(i, keys, values)
         x = model.embed[tokens.view(-1)[0]].clone()  # the residual stream, updated in place
         at = pos + cache.rope_delta  # the rotary position (MRoPE after an image: engine/step.py)
-        h = self.decoder(x, pos, model.rope.cos[at], model.rope.sin[at])
+        h = decoder(x, pos, model.rope.cos[at], model.rope.sin[at])
         cache.advance(1)
         return h.view(1, 1, -1)
 
