@@ -36,10 +36,10 @@ def kernel_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...] |
     return cpu.paged_fields(c, kv_heads, head_dim) if cpu.address(c) is not None else None
 
 
-def cached_fields(keys, values, kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """The CPU kernel's first 8 fields of a row over a bf16 / fp8 cache read and written in its own dtype: keys and
-    values are kernels/fp8_cache `CacheRows` views of its buffers (PagedBuffer.storage), held by the caller while the
-    fields are used (cpu.cached_fields)."""
+def cached_fields(keys: tuple, values: tuple, kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], tuple] | None:
+    """The CPU kernel's first 8 fields of a row over a bf16 / fp8 cache read and written in its own dtype, and the
+    kernels/fp8_cache `CacheRows` views they point at (held by the caller while the fields are used); keys, values:
+    `PagedBuffer.storage` of its buffers. None where the kernel cannot read them (cpu.cached_fields)."""
     return cpu.cached_fields(keys, values, kv_heads, head_dim)
 
 

@@ -6,6 +6,7 @@ import ctypes
 
 import torch
 from localmoe.kernels._cpu import library, threads
+from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode.reference import PagedKV
 
 MAX_DIM = 512
@@ -76,13 +77,20 @@ def paged_fields(c: PagedKV, kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return fields[:8]
 
 
-def cached_fields(keys, values, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def cached_fields(keys: tuple, values: tuple, kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], tuple] | None:
     """The kernel's first 8 fields of a row over a bf16 / fp8 cache read and written in its own dtype (paged_cpu.cpp:
-    the addresses of the keys' and values' kernels/fp8_cache `CacheRows`, tables 0, block 1, capacity): the two
-    views must outlive every call that reads the fields."""
-    assert keys.dtype != 0 and (keys.heads, keys.dim) == (values.heads, values.dim) == (kv_heads, head_dim), \
-        f"cache rows {keys.heads} x {keys.dim} (dtype {keys.dtype}) against {kv_heads} x {head_dim}"
-    return (ctypes.addressof(keys), 0, 0, ctypes.addressof(values), 0, 0, 1, min(keys.capacity, values.capacity))
+    the addresses of the keys' and values' kernels/fp8_cache `CacheRows`, tables 0, block 1, capacity) and those two
+    views (the caller holds them while the fields are used); keys, values: `PagedBuffer.storage` of the cache's
+    buffers. None where the kernel cannot read them (not on the CPU, an fp32 pool: use `paged_fields`, D % 8)."""
+    if not (keys[0].device.type == values[0].device.type == "cpu" and keys[0].dtype == values[0].dtype != torch.float32
+            and head_dim % 8 == 0 and head_dim <= MAX_DIM):
+        return None
+    views = cache_rows(*keys), cache_rows(*values)
+    assert all((v.heads, v.dim) == (kv_heads, head_dim) for v in views), \
+        f"cache rows {views[0].heads} x {views[0].dim} against {kv_heads} x {head_dim}"
+    fields = (ctypes.addressof(views[0]), 0, 0, ctypes.addressof(views[1]), 0, 0, 1,
+              min(views[0].capacity, views[1].capacity))
+    return fields, views
 
 
 def gqa_decode_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[PagedKV], positions, firsts,

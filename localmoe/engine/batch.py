@@ -54,7 +54,6 @@ from localmoe.kernels._cpu import small_steps
 from localmoe.kernels.decode_layers import DenseDecoder, GqaMoeDecoder
 from localmoe.kernels.decode_layers.hybrid import HybridDecoder
 from localmoe.kernels.dense_gemv import GEMV_MAX_ROWS
-from localmoe.kernels.fp8_cache.cpu import cache_rows
 from localmoe.kernels.gqa_decode import (cached_fields, gqa_decode, gqa_decode_paged, gqa_decode_rows, kernel_fields,
                                          rows_supported)
 from localmoe.kernels.rms_norm import add_rms_norm
@@ -255,9 +254,10 @@ class _PagedRows:
             row = None if pages is None else kernel_fields(pages, mixer.kv_heads, mixer.head_dim)
             if row is None and pages is None and hasattr(layer, "keys"):  # bf16 / fp8: in their own dtype
                 storage = layer.keys.storage(pos + 1), layer.values.storage(pos + 1)
-                if storage[0] is not None and storage[1] is not None:
-                    self.views += [cache_rows(*storage[0]), cache_rows(*storage[1])]
-                    row = cached_fields(*self.views[-2:], mixer.kv_heads, mixer.head_dim)
+                cached = None if None in storage else cached_fields(*storage, mixer.kv_heads, mixer.head_dim)
+                if cached is not None:
+                    row = cached[0]
+                    self.views.append(cached[1])
             if row is None:
                 fields = None
                 break
