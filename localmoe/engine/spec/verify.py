@@ -39,6 +39,7 @@ from localmoe.engine.batch import decode_batch, forward_rows, has_rows, rows_pla
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.prompt_rows import forward_with_prompts
 from localmoe.engine.sampler import probabilities, sample
+from localmoe.engine.spec import costs
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
 from localmoe.engine.spec.drafters import Draft
 from localmoe.engine.spec.speculator import K_MAX, bucket
@@ -129,6 +130,8 @@ def _drafts(decoders: Sequence, fused: bool):
             # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
             d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
             d.speculator.clock = step_clock(model)
+            # what r rows cost against a plain step is the model's: learned from all its sequences' steps
+            d.speculator.costs = costs.shared(model, fused, d.speculator.rows_plain, d.speculator.clock)
     clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
     began = clock()
     for d, s in zip(decoders, spec):  # each clock reading ends one's drafting and starts the next's
