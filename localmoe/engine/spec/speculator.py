@@ -6,8 +6,8 @@ draft after a long match is mostly kept, one after a single token mostly not, so
 what its class pays), and from what a step of r rows costs on this model: t(r) = t(1) x the model's ratio
 t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the model, a long window's median per
 row count, non-decreasing in r; so k follows acceptance, not the noise of one sequence's few verifies), t(1) the
-median of this sequence's last RECENT plain steps (CPU time where the experts are in memory, wall time where a
-step may wait for reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
+median of this sequence's last RECENT plain steps (CPU time, plus the pager's stall where a step may wait for
+expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
 draft model runs its drafts and the tokens the step yields. A step of k drafts yields E(k) = 1 + a + ... + a^k
 tokens on average for the time t(k + 1); the k with the most tokens per second wins, and k = 0 (no draft: a
 plain decode step) when none beats a plain step by GAIN (5%: a draft that only breaks even is a loss when the
@@ -392,9 +392,14 @@ class Speculator:
             missing = r.missing(keys)
             a = min(a, 0.999)
             keep, best = 0, GAIN / self._estimate(1)
+            measured = max(self.step_misses)
             for j in range(1, len(draft.tokens) + 1):
+                # the reads a draft adds over a typical step of as many rows (whose time includes its reads); where
+                # no step of j + 1 rows or more was measured yet, none: that typical step's misses are not known (an
+                # estimate of 0 added misses priced every predicted one at a stall and cut every draft, long quotes'
+                # included, so no verify ever measured them: 0-10% of the document task's drafts verified)
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
-                added = (missing[j] - missing[0] - typical) * self.miss_seconds
+                added = (missing[j] - missing[0] - typical) * self.miss_seconds if measured >= j + 1 else 0.0
                 tokens = (1 - a ** (j + 1)) / (1 - a)
                 cost = max(self._estimate(j + 1) + added, self._estimate(1)) + j * self.draft_seconds
                 rate = tokens / cost

@@ -57,10 +57,23 @@ def record(cache: ModelCache, on: bool) -> None:
 def step_clock(model):
     """What a step's cost is measured in: the process's CPU time where the model's experts are in memory (the
     compute is the cost; on a loaded host wall time measures the neighbours: at load 10 a plain step and a 5-row
-    verify took about the same wall time, and drafts that were never kept looked free), wall time where a step
-    may wait for expert reads (`waits`: a pager, the store's page cache), which cost time but no CPU."""
+    verify took about the same wall time, and drafts that were never kept looked free). Where a step may wait for
+    expert reads (`waits`), which cost time but no CPU: CPU time plus the seconds the pager counts its compute
+    thread waiting for reads (every tier's `stall_seconds`), so the neighbours' time slices stay out of it too
+    (a paged step at load 9 took 0.4-2.1 s of wall for the same rows); wall time where the waits are not counted
+    (the store's page cache)."""
     blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
-    return time.perf_counter if any(getattr(b.experts, "waits", False) for b in blocks) else time.process_time
+    waiting = {id(b.experts): b.experts for b in blocks if getattr(b.experts, "waits", False)}
+    if not waiting:
+        return time.process_time
+    if not all(hasattr(getattr(p, "stats", None), "tiers") for p in waiting.values()):
+        return time.perf_counter
+    pagers = list(waiting.values())
+
+    def cpu_and_stall() -> float:
+        return time.process_time() + sum(t.stall_seconds for p in pagers for t in p.stats.tiers.values())
+
+    return cpu_and_stall
 
 
 def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor:
