@@ -28,13 +28,14 @@ def test_the_curve_is_each_row_counts_median_non_decreasing_and_the_prior_until_
     table = StepCosts(rows_plain=True)
     assert table.ratio(1) == 1.0 and table.ratio(3) == table.prior(3)  # nothing measured: the prior
     table.verify(5, 1.0)  # no plain step yet: no ratio to take
-    assert table.measured(5) == 0
+    table.plain(-3.0)  # a clock whose counters were reset during the step: no sample
+    assert table.measured(5) == 0 and table.t1() is None
     for _ in range(9):
         table.plain(1.0)
     table.plain(40.0)  # a preempted plain step: one of many
     table.verify(5, 9.0)  # a row count's first step (its kernels' first use): dropped
     assert table.measured(5) == 0 and table.ratio(5) == table.prior(5)
-    for seconds in (1.8, 1.9, 2.0) * 10 + (6.0, 0.2, 7.5):  # three outliers among 33
+    for seconds in (1.8, 1.9, 2.0) * 10 + (6.0, 0.2, 7.5, -5.0):  # three outliers among 33, a reset clock's
         table.verify(5, seconds)
     assert table.ratio(5) == 1.9
     table.verify(3, 9.9)
@@ -52,6 +53,8 @@ def test_a_few_rows_measured_blend_with_the_prior():
     table = StepCosts(rows_plain=True)
     table.plain(1.0)
     table.verify(2, 1.0)
+    table.verify(2, -1.0)  # a clock whose counters were reset during the step: no sample
+    assert table.measured(2) == 0
     table.verify(2, 0.9)  # one sample, cheaper than a plain step (noise): not taken alone
     assert 1.0 < table.ratio(2) < table.prior(2)
     for _ in range(TRUSTED):

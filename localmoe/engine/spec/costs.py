@@ -40,7 +40,9 @@ class StepCosts:
         self._curve: list[float] | None = None  # ratio by rows (index r), None: computed again when read
 
     def plain(self, seconds: float) -> None:
-        """A plain step's time."""
+        """A plain step's time (none <= 0: a pager's counters reset under the clock, `verify.step_clock`)."""
+        if seconds <= 0:
+            return
         self._plain.append(seconds)
         self._t1 = None
 
@@ -55,7 +57,7 @@ class StepCosts:
         """A step of `rows` rows took `seconds` (its forward and its acceptance). The first of each row count is
         dropped (it pays the kernels' first use); without a plain step measured yet it cannot be a ratio."""
         one = self.t1()
-        if rows < 2 or not one:
+        if rows < 2 or not one or seconds <= 0:
             return
         if rows not in self._first:
             self._first.add(rows)
