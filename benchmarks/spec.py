@@ -269,6 +269,10 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
             if ram:
                 line += f"  {statistics.median(r['bytes_per_token'] for r in rs) / 1e6:.1f} MB experts/token"
             print(line, flush=True)
+        if any(name.startswith("prompt") for name in results):
+            print("  (prompt-blind: the default speculator, what `--spec prompt` runs; prompt: with the opt-in residency "
+                  "cost model, `price_experts`, and its prefetch; prompt-nopf: the cost model without the prefetch)",
+                  flush=True)
 
 
 # (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store

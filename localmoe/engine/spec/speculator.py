@@ -3,26 +3,21 @@
 k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
 when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
 draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays) and the time of a step of r rows (CPU time where the experts are in memory, wall time
-where a step may wait for reads: verify.py `step_clock`) (its forward and the acceptance; the median of the
-row count's last RECENT steps, so a step preempted under load does not move it; the drafter's own time is priced
-apart, per token it runs: a draft model runs its drafts and the tokens the step yields; the first time of a row
-count, which pays its kernels' first use, is dropped by the second). A step of k drafts
-yields E(k) = 1 + a + ... + a^k tokens on average for the time t(k + 1); the k with the most tokens per second
-wins, and k = 0 (no draft: a plain decode step) when none beats a plain step by GAIN (5%: measured step times
-scatter, and a draft that only breaks even is a loss when they err).
+what its class pays), and from what a step of r rows costs on this model: t(r) = t(1) x the model's ratio
+t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the model, a long window's median per
+row count, non-decreasing in r; so k follows acceptance, not the noise of one sequence's few verifies), t(1) the
+median of this sequence's last RECENT plain steps (CPU time, plus the pager's stall where a step may wait for
+expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
+draft model runs its drafts and the tokens the step yields. A step of k drafts yields E(k) = 1 + a + ... + a^k
+tokens on average for the time t(k + 1); the k with the most tokens per second wins, and k = 0 (no draft: a
+plain decode step) when none beats a plain step by GAIN (5%: a draft that only breaks even is a loss when the
+estimates err).
 
-Row counts not measured yet are estimated pessimistically, so the first verify is one that pays even so (a
-draft after a long match, mostly kept) and measuring costs little: the first step is plain (t(1), the
-yardstick); before any verify is measured t(r) = t(1) x FIRST_ROWS x (1 + ROW_SLOPE (r - 2)) (a verify's rows
-take the row kernels, which against a model's fused single-token step cost about two of its steps at 2 rows;
-where the plain step is the row kernels' too, or a dense plan runs both, `rows_plain`, FIRST_ROWS_SAME: 2 rows
-cost 1.17-1.3 of one);
-once some are measured, between two of them linearly, below the smallest measured verify linearly from t(1),
-and beyond the largest with the slope of the two largest verifies (ROW_SLOPE of the largest while there is one).
-t(1) is never used for the slope of the verifies: where plain steps are fused, t(1) is another kernel. A
-drafter without match lengths (a draft model, MTP: how likely a draft is kept is unknown until tried) drafts
-one token a step until a verify is measured.
+Row counts not measured yet on the model are estimated pessimistically (costs.py's prior: 2 rows at two plain
+steps against a fused step, 1.3 where the plain step is the row kernels' too, `rows_plain`), so the first verify
+is one that pays even so (a draft after a long match, mostly kept) and measuring costs little; the first step of
+a sequence is plain (t(1), the yardstick). A drafter without match lengths (a draft model, MTP: how likely a
+draft is kept is unknown until tried) drafts one token a step until this sequence measured a verify.
 
 Probing: a draft of a class that does not pay is still tried now and then (a change in acceptance is noticed;
 one early rejection of a class whose prior paid no longer shuts it for the rest of the sequence while longer
@@ -78,18 +73,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from localmoe.engine.spec.costs import StepCosts
 from localmoe.engine.spec.drafters import Draft, Drafter
 
 K_MAX = 7  # drafts per step: with the last token, 8 rows = the decode kernels' GEMV_MAX_ROWS
 PROBE = 16  # the fewest plain steps between two tries while no draft pays
 PROBE_MAX = 512  # the most (the spacing doubles with every try rejected)
 PROBE_SHARE = 0.005  # the tries of a class that does not pay cost at most this share of the decode time
-FIRST_ROWS = 2.0  # before any verify is measured: t(2) / t(1) (pessimistic: the row kernels against a fused step)
-FIRST_ROWS_SAME = 1.3  # the same where the plain step is the row kernels' (`rows_plain`)
-ROW_SLOPE = 0.25  # before two verifies are measured: each row past the largest measured adds this share of it
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
-RECENT = 9  # a row count's step time is the median of its last RECENT steps (a step preempted under load is an
-# outlier, not the cost: a mean let one slow plain step make a 2-row verify look cheaper than a plain step)
+RECENT = 9  # t(1) is the median of the last RECENT plain steps timed (a step preempted under load is an outlier)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
@@ -102,7 +94,7 @@ RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a dra
 # single-token match is mostly a common word, not a quote (7% of such drafts kept on a free answer, the
 # embedded model): its prior drafts only where a verify costs little more than a plain step. A 2-3 token match is
 # kept 64-81% on quoting answers and 17% on a free one: its prior (0.3) does not pay for a verify even at the
-# dense plan's first estimate (2 rows at FIRST_ROWS_SAME), so a free answer verifies none at its prior (it did, two
+# dense plan's first estimate (2 rows at costs.py's FIRST_ROWS_SAME), so a free answer verifies none at its prior (it did, two
 # rejected verifies per answer) and a quoting one learns it from shadow tries (prompt lookup) within a few steps
 CLASS_PRIOR = (None, 0.15, 0.3, 0.7, 0.9)
 BUCKETS = len(CLASS_PRIOR)
@@ -167,6 +159,8 @@ class Speculator:
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
+        # t(r) / t(1) on this model: its own until the caller (verify.py) gives it the model's shared one
+        self.costs = StepCosts()
         self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
         self._memo_costs: list[float] = []  # the t(r) it was priced with
@@ -364,24 +358,9 @@ class Speculator:
         return self.residency is not None and 1 in self.step_misses and self.miss_seconds is not None
 
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): measured,
-        else estimated from the measured ones (see the module docstring; t(1) is measured first)."""
-        t = self.step_seconds
-        if rows in t:
-            return t[rows]
-        verifies = sorted(r for r in t if r >= 2)
-        if not verifies:
-            return t[1] * (FIRST_ROWS_SAME if self.rows_plain else FIRST_ROWS) * (1 + ROW_SLOPE * (rows - 2))
-        below = max((r for r in verifies if r < rows), default=1)
-        above = min((r for r in verifies if r > rows), default=None)
-        if above is not None:  # between two measured (or t(1) and the smallest verify)
-            return t[below] + (t[above] - t[below]) * (rows - below) / (above - below)
-        if len(verifies) > 1:
-            lo, hi = verifies[-2], verifies[-1]
-            slope = max(t[hi] - t[lo], 0.0) / (hi - lo)
-        else:
-            slope = ROW_SLOPE * t[below]
-        return t[below] + slope * (rows - below)
+        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): this
+        sequence's t(1) times the model's t(rows) / t(1) (costs.py; t(1) is measured first)."""
+        return self._t1() * self.costs.ratio(rows)
 
     def fit(self, draft: Draft, at: int | None = None) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
@@ -413,9 +392,14 @@ class Speculator:
             missing = r.missing(keys)
             a = min(a, 0.999)
             keep, best = 0, GAIN / self._estimate(1)
+            measured = max(self.step_misses)
             for j in range(1, len(draft.tokens) + 1):
+                # the reads a draft adds over a typical step of as many rows (whose time includes its reads); where
+                # no step of j + 1 rows or more was measured yet, none: that typical step's misses are not known (an
+                # estimate of 0 added misses priced every predicted one at a stall and cut every draft, long quotes'
+                # included, so no verify ever measured them: 0-10% of the document task's drafts verified)
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
-                added = (missing[j] - missing[0] - typical) * self.miss_seconds
+                added = (missing[j] - missing[0] - typical) * self.miss_seconds if measured >= j + 1 else 0.0
                 tokens = (1 - a ** (j + 1)) / (1 - a)
                 cost = max(self._estimate(j + 1) + added, self._estimate(1)) + j * self.draft_seconds
                 rate = tokens / cost
@@ -506,6 +490,7 @@ class Speculator:
             if seconds is not None:  # (None: not timed, `times_plain`)
                 self._recent[1].append(seconds)
                 self._dirty = True  # its median is taken when read (`_t1`)
+                self.costs.plain(seconds)
             return
         if drafted:
             self._rest = 1
@@ -537,6 +522,10 @@ class Speculator:
             recent.clear()
         recent.append(seconds)
         self.step_seconds[rows] = sorted(recent)[len(recent) // 2]  # the median (the upper one of an even count)
+        if rows == 1:
+            self.costs.plain(seconds)
+        else:  # a sample of the model's t(rows) / t(1)
+            self.costs.verify(rows, seconds)
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
             stall, misses = stall - self._counters[0], misses - self._counters[1]

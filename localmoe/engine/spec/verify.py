@@ -39,6 +39,7 @@ from localmoe.engine.batch import decode_batch, forward_rows, has_rows, rows_pla
 from localmoe.engine.cache import ModelCache
 from localmoe.engine.prompt_rows import forward_with_prompts
 from localmoe.engine.sampler import probabilities, sample
+from localmoe.engine.spec import costs
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
 from localmoe.engine.spec.drafters import Draft
 from localmoe.engine.spec.speculator import K_MAX, bucket
@@ -56,10 +57,23 @@ def record(cache: ModelCache, on: bool) -> None:
 def step_clock(model):
     """What a step's cost is measured in: the process's CPU time where the model's experts are in memory (the
     compute is the cost; on a loaded host wall time measures the neighbours: at load 10 a plain step and a 5-row
-    verify took about the same wall time, and drafts that were never kept looked free), wall time where a step
-    may wait for expert reads (`waits`: a pager, the store's page cache), which cost time but no CPU."""
+    verify took about the same wall time, and drafts that were never kept looked free). Where a step may wait for
+    expert reads (`waits`), which cost time but no CPU: CPU time plus the seconds the pager counts its compute
+    thread waiting for reads (every tier's `stall_seconds`), so the neighbours' time slices stay out of it too
+    (a paged step at load 9 took 0.4-2.1 s of wall for the same rows); wall time where the waits are not counted
+    (the store's page cache)."""
     blocks = model.moe_blocks() if hasattr(model, "moe_blocks") else []
-    return time.perf_counter if any(getattr(b.experts, "waits", False) for b in blocks) else time.process_time
+    waiting = {id(b.experts): b.experts for b in blocks if getattr(b.experts, "waits", False)}
+    if not waiting:
+        return time.process_time
+    if not all(hasattr(getattr(p, "stats", None), "tiers") for p in waiting.values()):
+        return time.perf_counter
+    pagers = list(waiting.values())
+
+    def cpu_and_stall() -> float:
+        return time.process_time() + sum(t.stall_seconds for p in pagers for t in p.stats.tiers.values())
+
+    return cpu_and_stall
 
 
 def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor:
@@ -129,6 +143,8 @@ def _drafts(decoders: Sequence, fused: bool):
             # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
             d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
             d.speculator.clock = step_clock(model)
+            # what r rows cost against a plain step is the model's: learned from all its sequences' steps
+            d.speculator.costs = costs.shared(model, fused, d.speculator.rows_plain, d.speculator.clock)
     clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
     began = clock()
     for d, s in zip(decoders, spec):  # each clock reading ends one's drafting and starts the next's
