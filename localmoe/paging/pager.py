@@ -128,6 +128,7 @@ class Pager:
         self._reads: dict[int, _Read] = {}  # started, not yet reaped
         self._demanded = 0  # demanded reads submitted, not yet reaped
         self._held_back: list[_Read] = []  # guesses not submitted while demanded reads run (`_flush`), in order
+        self._spare: list[Key] = []  # the policy's next victims, kept within one `begin_layer` (`_make_room`)
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
@@ -343,7 +344,8 @@ class Pager:
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                for key, slot in zip(missing, self._make_room(len(missing))):  # the layer's reads first
+                self._spare = []  # the policy's next victims, ranked with the misses' for the guesses (`_make_room`)
+                for key, slot in zip(missing, self._make_room(len(missing), more=len(keys))):  # its reads first
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
@@ -358,9 +360,10 @@ class Pager:
                     guessed += self._guessed(later, guess, len(guessed), ranked, distance)
                 if few:  # the most voted, one per reader: read once the layer's own reads are in
                     guessed = guessed[:self.io_threads]
-                for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
+                for (key, rank), slot in zip(guessed, self._make_room(len(guessed), spare=True)):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
+                self._spare = []
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def hinted(self, seconds: float) -> None:
@@ -516,17 +519,25 @@ class Pager:
                 self.lock.acquire()
             self._reap()
 
-    def _make_room(self, n: int) -> list[_Slot]:
+    def _make_room(self, n: int, more: int = 0, spare: bool = False) -> list[_Slot]:
         """Up to `n` slots for loads nobody waits for yet (routing hints): free ones, then the policy's victims
         among the evictable slots that are neither the current layer's chosen experts nor unused loads, picked in
         one policy call (the same victims, in the same order, as one `_allocate` after another; lock held). Every
         policy orders candidates by their own scores, so its first picks over all evictable slots, less the held
-        and protected ones, are its picks over the others."""
+        and protected ones, are its picks over the others. `more`: also rank that many next victims and keep them
+        (`_spare`); `spare`: take the victims from those where they suffice (no access, no slot joining the pool
+        and the same held and protected keys since: `begin_layer`'s guesses after its own reads), else ask again."""
         out = [self.slots[self.free.pop()] for _ in range(min(n, len(self.free)))]
         if len(out) < n and self._evictable:
-            keep = {s.key for s in self.held} | self.protected
-            picks = self.policy.pool_victims(self.step, n - len(out) + len(keep))  # the policy's copy of the pool
-            for key in [k for k in picks if k not in keep][:n - len(out)]:
+            need = n - len(out)
+            if spare and len(self._spare) >= need:
+                picks, self._spare = self._spare[:need], self._spare[need:]
+            else:
+                keep = {s.key for s in self.held} | self.protected
+                ranked = self.policy.pool_victims(self.step, need + more + len(keep))  # the policy's copy of the pool
+                ranked = [k for k in ranked if k not in keep]
+                picks, self._spare = ranked[:need], ranked[need:need + more]
+            for key in picks:
                 out.append(self._evictable[key])
                 self._evict(out[-1])
         return out
@@ -613,7 +624,10 @@ class Pager:
     def _reap(self) -> None:
         """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
         a failed one is freed (a failed guess costs nothing more, counted wasted; a demanded one raises in its
-        `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held)."""
+        `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held). With no read
+        started and not reaped, nothing can finish and no read time passes: nothing to ask the readers."""
+        if not self._reads:
+            return
         for read_id, error in self.readers.reap():
             read = self._reads.pop(read_id)
             self._demanded -= read.urgent
