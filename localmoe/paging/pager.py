@@ -160,7 +160,7 @@ class Pager:
             slot = self._request((layer, expert))
             self.held = (slot,)
             read = slot.read if slot.state != READY else None
-        waited = self._wait(read) if read is not None else 0.0
+        waited = self._wait([read]) if read is not None else 0.0
         weights = self._weights(layer, slot)
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -181,7 +181,7 @@ class Pager:
                 slots.append(self._request((layer, e)))
                 self.held = tuple(slots)
             pending = [s.read for s in slots if s.state != READY]
-        waited = sum(self._wait(read) for read in pending)
+        waited = self._wait(pending) if pending else 0.0
         weights = [self._weights(layer, s) for s in slots]
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -648,30 +648,38 @@ class Pager:
         self._busy_seen = busy
         self._flush()
 
-    def _wait(self, read: _Read) -> float:
-        """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""
+    def _wait(self, reads: list[_Read]) -> float:
+        """Wait for `reads`, in order, each up to the timeout (without the pager's lock), then take them in with one
+        `_reap`; returns the seconds waited (also counted as stall). The first of them that failed, or is not in
+        (timed out: its slot is retired, its reader may still write into it), raises; the later ones are not waited."""
         started = time.perf_counter()
-        self.readers.wait(read.id, self.timeout)
+        waited_for = []
+        for read in reads:
+            waited_for.append(read)
+            if not self.readers.wait(read.id, self.timeout):
+                break
         with self.lock:
             self._reap()
-            slot = read.slot
-            if not read.done and slot.gen == read.gen and slot.state == LOADING:
-                # the thread may still write into it: retire it
-                slot.gen += 1
-                if self.where.get(read.key) is slot:
-                    self._forget(slot)
-                slot.state, slot.key = DEAD, None
-                self.lost_slots += 1
-                self.held = ()
+            late = next((read for read in waited_for if not read.done), None)
+            if late is not None:
+                slot = late.slot
+                if slot.gen == late.gen and slot.state == LOADING:  # the thread may still write into it: retire it
+                    slot.gen += 1
+                    if self.where.get(late.key) is slot:
+                        self._forget(slot)
+                    slot.state, slot.key = DEAD, None
+                    self.lost_slots += 1
+                    self.held = ()
             waited = time.perf_counter() - started
             self.stats.ram.stall_seconds += waited
-        if not read.done:
-            ext = self.store.expert_extent(*read.key)
-            raise ReadTimeoutError(f"layer {read.key[0]} expert {read.key[1]}: reading {ext.path} at offset "
-                                   f"{ext.offset} did not finish within {self.timeout:g} s; check the disk (dmesg) or "
-                                   f"raise the I/O timeout")
-        if read.error is not None:
-            raise read.error
+        for read in waited_for:
+            if read is late:
+                ext = self.store.expert_extent(*read.key)
+                raise ReadTimeoutError(f"layer {read.key[0]} expert {read.key[1]}: reading {ext.path} at offset "
+                                       f"{ext.offset} did not finish within {self.timeout:g} s; check the disk (dmesg) "
+                                       f"or raise the I/O timeout")
+            if read.error is not None:
+                raise read.error
         return waited
 
     def resident(self) -> set[Key]:
