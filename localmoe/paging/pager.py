@@ -129,6 +129,7 @@ class Pager:
         self._demanded = 0  # demanded reads submitted, not yet reaped
         self._held_back: list[_Read] = []  # guesses not submitted while demanded reads run (`_flush`), in order
         self._spare: list[Key] = []  # the policy's next victims, kept within one `begin_layer` (`_make_room`)
+        self._guessed_last = 0  # guesses the last `begin_layer` made room for
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
@@ -344,8 +345,9 @@ class Pager:
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                self._spare = []  # the policy's next victims, ranked with the misses' for the guesses (`_make_room`)
-                for key, slot in zip(missing, self._make_room(len(missing), more=len(keys))):  # its reads first
+                self._spare = []  # the policy's next victims, ranked with the misses' for the guesses (`_make_room`),
+                # as many as the last layer's guesses took (a cost only: the guesses ask again where they run short)
+                for key, slot in zip(missing, self._make_room(len(missing), more=self._guessed_last)):  # reads first
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
@@ -363,7 +365,7 @@ class Pager:
                 for (key, rank), slot in zip(guessed, self._make_room(len(guessed), spare=True)):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
-                self._spare = []
+                self._spare, self._guessed_last = [], len(guessed)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def hinted(self, seconds: float) -> None:

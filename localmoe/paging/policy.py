@@ -27,7 +27,8 @@ from localmoe.config import PAGING_POLICIES
 from localmoe.paging.errors import PagingError
 
 Key = tuple[int, int]  # (layer, expert)
-SCALAR_ROWS = 32  # LFRU scores this many rows or fewer one by one in Python, more with numpy (its cost per call)
+SCALAR_ROWS = 12  # LFRU scores this many stale pool rows or fewer one by one, more as the whole pool with numpy:
+# in place (between the kernels' calls) `next_use` costs ~6 us a row and a numpy scoring ~150 us a call
 POLICIES = PAGING_POLICIES  # the names, declared with PagingConfig
 
 
@@ -385,16 +386,15 @@ class LFRU(Policy):
         if n <= 0:
             return []
         stale = self._pool_rows.keys() - self._scored
-        if stale:
-            rows = [item for layer in stale for item in self._pool_rows[layer].items()]
-            if len(rows) <= SCALAR_ROWS:  # a few: `next_use` one by one (the same arithmetic, numpy's per-call cost)
-                for i, key in rows:
-                    self._score[i] = self.next_use(key)
-            else:
-                index = np.fromiter((i for i, _ in rows), np.intp, len(rows))
-                self._score[index] = self._scores(index)
-            self._scored |= stale
         rows = np.flatnonzero(self._in_pool)
+        if sum(len(self._pool_rows[layer]) for layer in stale) <= SCALAR_ROWS:
+            for layer in stale:  # a few: `next_use` one by one (the same arithmetic, without numpy's cost per call)
+                for i, key in self._pool_rows[layer].items():
+                    self._score[i] = self.next_use(key)
+        else:  # many: the whole pool at once (numpy's cost is per call)
+            self._score[rows] = self._scores(rows)
+            stale = self._pool_rows.keys()
+        self._scored.update(stale)
         return self._first(rows, n, self._score[rows])
 
     def _first(self, rows: np.ndarray, n: int, score: np.ndarray | None = None) -> list[Key]:
@@ -407,8 +407,8 @@ class LFRU(Policy):
         if n < len(rows):
             keep = score <= np.partition(score, n - 1)[n - 1]
             rows, score = rows[keep], score[keep]
-        order = np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], score))[:n]
-        return [(int(self._layer[i]), int(self._expert[i])) for i in rows[order]]
+        rows = rows[np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], score))[:n]]
+        return list(zip(self._layer[rows].tolist(), self._expert[rows].tolist()))
 
 
 def popularity(counts: Iterable[tuple[int, int, int]], tokens: int) -> dict[Key, float]:
