@@ -16,20 +16,23 @@ import torch
 DEPTH = 1  # MoE layers guessed ahead of each routed one
 
 
-def _ranked(ids: torch.Tensor) -> list[int]:
-    """The distinct experts of a guess [N, k] (each row best first), best first: every row's first pick, then
-    their seconds, ... (the pager reads guesses in this order while no demanded read waits)."""
-    return list(dict.fromkeys(ids.t().reshape(-1).tolist()))
+def _ranked(rows: list[list[int]]) -> list[int]:
+    """The distinct experts of a guess (rows of expert ids, each best first), best first: every row's first pick,
+    then their seconds, ... (the pager reads guesses in this order while no demanded read waits). Plain lists: a
+    guess is a few ids, and torch's per-call cost on a [N, k] tensor is what a paged layer's hints spent most on."""
+    return list(dict.fromkeys(e for picks in zip(*rows) for e in picks))
 
 
-def _voted(ids: torch.Tensor, experts: int) -> list[int]:
-    """Several rows' guess [N, k]: the distinct experts, the most guessed first (ties as `_ranked`). Where the rows
-    guess more picks than the layer has experts (prompt rows), only the experts two or more rows guessed: one
-    row's pick among so many is the weakest guess, and a wrong one costs a whole read."""
-    order = _ranked(ids)
-    votes = torch.bincount(ids.reshape(-1), minlength=max(order) + 1).tolist()
-    least = 2 if ids.numel() > experts else 1
-    return sorted((e for e in order if votes[e] >= least), key=lambda e: -votes[e])
+def _voted(rows: list[list[int]], experts: int) -> list[int]:
+    """Several rows' guess (rows of expert ids): the distinct experts, the most guessed first (ties as `_ranked`).
+    Where the rows guess more picks than the layer has experts (prompt rows), only the experts two or more rows
+    guessed: one row's pick among so many is the weakest guess, and a wrong one costs a whole read."""
+    votes: dict[int, int] = {}
+    for picks in rows:
+        for e in picks:
+            votes[e] = votes.get(e, 0) + 1
+    least = 2 if sum(map(len, rows)) > experts else 1
+    return sorted((e for e in _ranked(rows) if votes[e] >= least), key=lambda e: -votes[e])
 
 
 class PagedRouter:
@@ -61,8 +64,9 @@ class PagedRouter:
                     guess = []
                     if width and not self.pager.holds_all(layer):  # (all its experts in slots: no guess)
                         _, ids_ahead = router(x)  # a later layer's router on this layer's input: a guess
-                        guess = _ranked(ids_ahead[:, :width]) if one else \
-                            _voted(ids_ahead, self.pager.experts_in(layer))
+                        rows = ids_ahead.tolist()
+                        guess = _ranked([picks[:width] for picks in rows]) if one else \
+                            _voted(rows, self.pager.experts_in(layer))
                     out.append((layer, guess))
                 return out
 

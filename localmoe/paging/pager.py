@@ -128,6 +128,8 @@ class Pager:
         self._reads: dict[int, _Read] = {}  # started, not yet reaped
         self._demanded = 0  # demanded reads submitted, not yet reaped
         self._held_back: list[_Read] = []  # guesses not submitted while demanded reads run (`_flush`), in order
+        self._spare: list[Key] = []  # the policy's next victims, kept within one `begin_layer` (`_make_room`)
+        self._guessed_last = 0  # guesses the last `begin_layer` made room for
         self._next_id, self._busy_seen = 0, 0.0
         self.prefetch_enabled = prefetch
         self.guess_bar = GUESS_BAR  # the measured precision a guessed rank needs to be read (`guess_width`)
@@ -159,7 +161,7 @@ class Pager:
             slot = self._request((layer, expert))
             self.held = (slot,)
             read = slot.read if slot.state != READY else None
-        waited = self._wait(read) if read is not None else 0.0
+        waited = self._wait([read]) if read is not None else 0.0
         weights = self._weights(layer, slot)
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -180,7 +182,7 @@ class Pager:
                 slots.append(self._request((layer, e)))
                 self.held = tuple(slots)
             pending = [s.read for s in slots if s.state != READY]
-        waited = sum(self._wait(read) for read in pending)
+        waited = self._wait(pending) if pending else 0.0
         weights = [self._weights(layer, s) for s in slots]
         self.stats.ram.lookup_seconds += time.perf_counter() - started - waited
         return weights
@@ -343,7 +345,9 @@ class Pager:
             if self.prefetch_enabled:
                 self.protected = set(keys)
                 missing = [key for key in keys if key not in self.where and not self._on_gpu(key)]
-                for key, slot in zip(missing, self._make_room(len(missing))):  # the layer's reads first
+                self._spare = []  # the policy's next victims, ranked with the misses' for the guesses (`_make_room`),
+                # as many as the last layer's guesses took (a cost only: the guesses ask again where they run short)
+                for key, slot in zip(missing, self._make_room(len(missing), more=self._guessed_last)):  # reads first
                     self.stats.ram.misses += 1
                     self.stats.prefetch.uncovered += 1
                     self._start(slot, key, EARLY)
@@ -358,9 +362,10 @@ class Pager:
                     guessed += self._guessed(later, guess, len(guessed), ranked, distance)
                 if few:  # the most voted, one per reader: read once the layer's own reads are in
                     guessed = guessed[:self.io_threads]
-                for (key, rank), slot in zip(guessed, self._make_room(len(guessed))):
+                for (key, rank), slot in zip(guessed, self._make_room(len(guessed), spare=True)):
                     self.stats.prefetch.issued += 1
                     self._start(slot, key, LOOKAHEAD, rank)
+                self._spare, self._guessed_last = [], len(guessed)
         self.stats.ram.lookup_seconds += time.perf_counter() - started
 
     def hinted(self, seconds: float) -> None:
@@ -516,17 +521,25 @@ class Pager:
                 self.lock.acquire()
             self._reap()
 
-    def _make_room(self, n: int) -> list[_Slot]:
+    def _make_room(self, n: int, more: int = 0, spare: bool = False) -> list[_Slot]:
         """Up to `n` slots for loads nobody waits for yet (routing hints): free ones, then the policy's victims
         among the evictable slots that are neither the current layer's chosen experts nor unused loads, picked in
         one policy call (the same victims, in the same order, as one `_allocate` after another; lock held). Every
         policy orders candidates by their own scores, so its first picks over all evictable slots, less the held
-        and protected ones, are its picks over the others."""
+        and protected ones, are its picks over the others. `more`: also rank that many next victims and keep them
+        (`_spare`); `spare`: take the victims from those where they suffice (no access, no slot joining the pool
+        and the same held and protected keys since: `begin_layer`'s guesses after its own reads), else ask again."""
         out = [self.slots[self.free.pop()] for _ in range(min(n, len(self.free)))]
         if len(out) < n and self._evictable:
-            keep = {s.key for s in self.held} | self.protected
-            picks = self.policy.pool_victims(self.step, n - len(out) + len(keep))  # the policy's copy of the pool
-            for key in [k for k in picks if k not in keep][:n - len(out)]:
+            need = n - len(out)
+            if spare and len(self._spare) >= need:
+                picks, self._spare = self._spare[:need], self._spare[need:]
+            else:
+                keep = {s.key for s in self.held} | self.protected
+                ranked = self.policy.pool_victims(self.step, need + more + len(keep))  # the policy's copy of the pool
+                ranked = [k for k in ranked if k not in keep]
+                picks, self._spare = ranked[:need], ranked[need:need + more]
+            for key in picks:
                 out.append(self._evictable[key])
                 self._evict(out[-1])
         return out
@@ -613,7 +626,10 @@ class Pager:
     def _reap(self) -> None:
         """Take in the reads the readers finished: a slot read whole and checked is ready (evictable by the hints);
         a failed one is freed (a failed guess costs nothing more, counted wasted; a demanded one raises in its
-        `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held)."""
+        `get`); a read whose slot moved on (retired after a timeout) changes nothing (lock held). With no read
+        started and not reaped, nothing can finish and no read time passes: nothing to ask the readers."""
+        if not self._reads:
+            return
         for read_id, error in self.readers.reap():
             read = self._reads.pop(read_id)
             self._demanded -= read.urgent
@@ -634,30 +650,38 @@ class Pager:
         self._busy_seen = busy
         self._flush()
 
-    def _wait(self, read: _Read) -> float:
-        """Wait for `read` (without the pager's lock); returns the seconds waited (also counted as stall)."""
+    def _wait(self, reads: list[_Read]) -> float:
+        """Wait for `reads`, in order, each up to the timeout (without the pager's lock), then take them in with one
+        `_reap`; returns the seconds waited (also counted as stall). The first of them that failed, or is not in
+        (timed out: its slot is retired, its reader may still write into it), raises; the later ones are not waited."""
         started = time.perf_counter()
-        self.readers.wait(read.id, self.timeout)
+        waited_for = []
+        for read in reads:
+            waited_for.append(read)
+            if not self.readers.wait(read.id, self.timeout):
+                break
         with self.lock:
             self._reap()
-            slot = read.slot
-            if not read.done and slot.gen == read.gen and slot.state == LOADING:
-                # the thread may still write into it: retire it
-                slot.gen += 1
-                if self.where.get(read.key) is slot:
-                    self._forget(slot)
-                slot.state, slot.key = DEAD, None
-                self.lost_slots += 1
-                self.held = ()
+            late = next((read for read in waited_for if not read.done), None)
+            if late is not None:
+                slot = late.slot
+                if slot.gen == late.gen and slot.state == LOADING:  # the thread may still write into it: retire it
+                    slot.gen += 1
+                    if self.where.get(late.key) is slot:
+                        self._forget(slot)
+                    slot.state, slot.key = DEAD, None
+                    self.lost_slots += 1
+                    self.held = ()
             waited = time.perf_counter() - started
             self.stats.ram.stall_seconds += waited
-        if not read.done:
-            ext = self.store.expert_extent(*read.key)
-            raise ReadTimeoutError(f"layer {read.key[0]} expert {read.key[1]}: reading {ext.path} at offset "
-                                   f"{ext.offset} did not finish within {self.timeout:g} s; check the disk (dmesg) or "
-                                   f"raise the I/O timeout")
-        if read.error is not None:
-            raise read.error
+        for read in waited_for:
+            if read is late:
+                ext = self.store.expert_extent(*read.key)
+                raise ReadTimeoutError(f"layer {read.key[0]} expert {read.key[1]}: reading {ext.path} at offset "
+                                       f"{ext.offset} did not finish within {self.timeout:g} s; check the disk (dmesg) "
+                                       f"or raise the I/O timeout")
+            if read.error is not None:
+                raise read.error
         return waited
 
     def resident(self) -> set[Key]:

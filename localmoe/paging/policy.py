@@ -27,6 +27,8 @@ from localmoe.config import PAGING_POLICIES
 from localmoe.paging.errors import PagingError
 
 Key = tuple[int, int]  # (layer, expert)
+SCALAR_ROWS = 12  # LFRU scores this many stale pool rows or fewer one by one, more as the whole pool with numpy:
+# in place (between the kernels' calls) `next_use` costs ~6 us a row and a numpy scoring ~150 us a call
 POLICIES = PAGING_POLICIES  # the names, declared with PagingConfig
 
 
@@ -176,6 +178,13 @@ class LFRU(Policy):
         self._terms = np.zeros((6, 0))
         self._passes_at = np.zeros((2, 0), np.int64)
         self._fresh: set[int] = set()
+        # `pool_victims` keeps each pool row's score (`_score`) between calls: `_scored` are the layers whose pool
+        # rows' scores are up to date (an access makes its layer's stale, and the layer it moves off, whose pass is
+        # then no longer in progress; a row joining the pool its layer's; a rebase all); `_pool_rows`: layer ->
+        # {row: key} of its rows in the pool
+        self._score = np.zeros(0)
+        self._scored: set[int] = set()
+        self._pool_rows: dict[int, dict[int, Key]] = {}
 
     def _row(self, key: Key) -> int:
         i = self.index.get(key)
@@ -183,7 +192,8 @@ class LFRU(Policy):
             i = self.index[key] = len(self.index)
             if i >= len(self._uses):  # grow by doubling
                 n = max(64, 2 * i)
-                self._uses, self._stays, self._pop = (np.resize(a, n) for a in (self._uses, self._stays, self._pop))
+                self._uses, self._stays, self._pop, self._score = (
+                    np.resize(a, n) for a in (self._uses, self._stays, self._pop, self._score))
                 self._last, self._layer, self._expert = (np.resize(a, n) for a in (self._last, self._layer, self._expert))
                 self._in_pool = np.concatenate([self._in_pool, np.zeros(n - len(self._in_pool), bool)])
             self._uses[i] = self._stays[i] = 0.0
@@ -207,11 +217,15 @@ class LFRU(Policy):
         self._stays *= f
         self.base = now
         self._fresh.clear()
+        self._scored.clear()
 
     def access(self, key: Key, now: int) -> None:
         layer = key[0]
+        if layer != self.layer:  # the layer it moves off no longer looks back a pass (`recent`)
+            self._scored.discard(self.layer)
         self.layer = layer
         self._fresh.discard(layer)
+        self._scored.discard(layer)
         w = self._weight(now)
         if self.pass_now.get(layer) != now:  # the layer's next pass begins
             self.pass_before[layer] = self.pass_now.get(layer)
@@ -356,27 +370,45 @@ class LFRU(Policy):
         super().join_pool(key)
         i = self._row(key)  # (may grow the arrays: before `_in_pool` is looked up)
         self._in_pool[i] = True
+        self._pool_rows.setdefault(key[0], {})[i] = key
+        self._scored.discard(key[0])
 
     def leave_pool(self, key: Key) -> None:
         super().leave_pool(key)
         i = self.index.get(key)
         if i is not None:
             self._in_pool[i] = False
+            self._pool_rows.get(key[0], {}).pop(i, None)
 
     def pool_victims(self, now: int, n: int) -> list[Key]:
-        return self._first(np.flatnonzero(self._in_pool), n)
+        """`_first` over the pool, from the kept scores: only the pool rows of layers accessed (or joined) since
+        are scored again (element by element the same arithmetic: the same bits)."""
+        if n <= 0:
+            return []
+        stale = self._pool_rows.keys() - self._scored
+        rows = np.flatnonzero(self._in_pool)
+        if sum(len(self._pool_rows[layer]) for layer in stale) <= SCALAR_ROWS:
+            for layer in stale:  # a few: `next_use` one by one (the same arithmetic, without numpy's cost per call)
+                for i, key in self._pool_rows[layer].items():
+                    self._score[i] = self.next_use(key)
+        else:  # many: the whole pool at once (numpy's cost is per call)
+            self._score[rows] = self._scores(rows)
+            stale = self._pool_rows.keys()
+        self._scored.update(stale)
+        return self._first(rows, n, self._score[rows])
 
-    def _first(self, rows: np.ndarray, n: int) -> list[Key]:
-        """The `n` first of `rows` in `victim`'s order: only the rows scoring at most the n-th lowest score are
-        sorted (the others come after them)."""
+    def _first(self, rows: np.ndarray, n: int, score: np.ndarray | None = None) -> list[Key]:
+        """The `n` first of `rows` (scored `score`, else scored now) in `victim`'s order: only the rows scoring at
+        most the n-th lowest score are sorted (the others come after them)."""
         if n <= 0 or not len(rows):
             return []
-        score = self._scores(rows)
+        if score is None:
+            score = self._scores(rows)
         if n < len(rows):
             keep = score <= np.partition(score, n - 1)[n - 1]
             rows, score = rows[keep], score[keep]
-        order = np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], score))[:n]
-        return [(int(self._layer[i]), int(self._expert[i])) for i in rows[order]]
+        rows = rows[np.lexsort((self._expert[rows], self._layer[rows], self._last[rows], score))[:n]]
+        return list(zip(self._layer[rows].tolist(), self._expert[rows].tolist()))
 
 
 def popularity(counts: Iterable[tuple[int, int, int]], tokens: int) -> dict[Key, float]:

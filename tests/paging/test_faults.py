@@ -101,6 +101,32 @@ def test_hung_read_times_out(store_copy):
     pager.close()
 
 
+class _HangingOne(ODirectBackend):
+    """Reads of expert `expert` wait for `release`; the others go on."""
+
+    def __init__(self, store, expert: int, release: threading.Event):
+        super().__init__(store)
+        self.expert, self.release = expert, release
+
+    def read(self, layer, expert, out):
+        if expert == self.expert:
+            self.release.wait()
+        return super().read(layer, expert, out)
+
+
+def test_a_held_layer_whose_read_hangs_times_out(store_copy):
+    """`hold` waits for its experts' reads together: the hung one is named and its slot retired, the others are in."""
+    store = PackedStore(store_copy)
+    release = threading.Event()
+    pager = Pager(store, 4, LRU(), _HangingOne(store, 1, release), timeout=0.3, native=False)
+    with pytest.raises(ReadTimeoutError, match=r"layer 1 expert 1: reading .* did not finish within 0.3 s"):
+        pager.hold(1, [0, 1, 2])
+    assert pager.lost_slots == 1 and {(1, 0), (1, 2)} <= pager.resident()
+    release.set()
+    assert len(pager.hold(1, [0, 2])) == 2  # the pager goes on
+    pager.close()
+
+
 class _Failing(ODirectBackend):
     def _read(self, f, offset, view):
         raise OSError(errno.EIO, os.strerror(errno.EIO))

@@ -237,7 +237,7 @@ def test_prompt_rows_guess_the_experts_two_rows_guessed_most_guessed_first():
     experts (prompt rows), one row's pick alone is not read."""
     from localmoe.paging.hooks import _voted
 
-    ids = torch.tensor([[3, 1], [1, 2], [5, 1], [2, 0]])  # votes: 1 x3, 2 x2, 3 0 5 once
+    ids = [[3, 1], [1, 2], [5, 1], [2, 0]]  # votes: 1 x3, 2 x2, 3 0 5 once
     assert _voted(ids, experts=16) == [1, 2, 3, 5, 0]  # 8 picks of 16 experts: all, by votes then rank
     assert _voted(ids, experts=6) == [1, 2]  # 8 picks of 6 experts: the ones two rows guessed
 
