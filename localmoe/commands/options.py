@@ -166,16 +166,19 @@ def batching_option(default: str):
              "without a fused single-sequence step, GGUF-block models, MoE models with plain GQA attention).")
 
 
-def spec_options(function=None, *, default: str = "off"):
+def spec_options(function=None, *, default: str = "auto"):
     """--spec and --spec-k (speculative decoding, runtime/speculation.py), handed over as `spec` and `spec_k`.
-    The default is off where answers are free text (chat, run, serve: prompt lookup's per-step lookup costs
-    ~1% there); `analyze` passes "prompt" (its answers quote the passages: 1.25-2.1x measured resident, parity to
-    1.3x paged, docs/performance.md "Speculative decoding", session 10)."""
+    The default, auto, is prompt lookup on a model resident in RAM on the CPU (measured faster on every
+    resident task, never slower on free answers) and off on a paged store or the GPU; `serve` passes "off"
+    (its requests choose their own: a batched step's verify rows compete with the other clients' rows, not
+    measured to pay); `analyze` passes "prompt" (its answers quote the passages: docs/performance.md
+    "Speculative decoding")."""
     if function is None:
         return lambda f: spec_options(f, default=default)
     options = [
-        click.option("--spec", "spec", default=default, show_default=True, metavar="prompt|draft:PATH|mtp|off",
-                     help="Speculative decoding: prompt = draft from n-grams of the prompt and the answer so far "
+        click.option("--spec", "spec", default=default, show_default=True, metavar="auto|prompt|draft:PATH|mtp|off",
+                     help="Speculative decoding: auto = prompt lookup where the model runs from RAM on the CPU, off on a "
+                          "paged store or the GPU; prompt = draft from n-grams of the prompt and the answer so far "
                           "(pays on answers that quote the prompt: document Q&A, code edits); draft:PATH = a "
                           "smaller model with the same tokenizer; mtp = the checkpoint's MTP / next-n layer "
                           "(DeepSeek-V3/V3.2, GLM-4.5: HF checkpoints, their stores, GGUF files; loaded only then; a model "

@@ -61,7 +61,7 @@ def default_sessions_path() -> Path:
 @allowed_hosts_option
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-@spec_options
+@spec_options(default="off")
 def command(model, engine, host, port, api_key, model_id, max_tokens_default, max_tokens_limit,
             max_concurrency, batching, kv_budget, preemption, swap_dir, max_body, thinking_budgets, sessions_path, no_sessions,
             prefix_cache_entries,

@@ -10,7 +10,10 @@
   pager like any layer's), and GGUF files (llama.cpp's `blk.{L}.nextn.*`). A checkpoint
   without one (Kimi K3: 0), or one whose layer localmoe does not read (Qwen3-Next's `mtp.*`, a store
   converted from a GGUF), says so and runs without speculation;
-- `off`.
+- `off`;
+- `auto`: prompt lookup where it measured faster (a model whose weights all sit in RAM and run on the CPU:
+  1.2-2.1x on quoting answers, never slower on free ones, docs/performance.md "Speculative decoding"), off
+  elsewhere (a paged store: parity to 1.4x by task, below 1x on random-weight routing; the GPU: not measured).
 
 With `price_experts` on a paged model a prompt-lookup sequence also gets a `Residency`
 (engine/spec/residency.py): the routers record each forward's choices, so a draft copied from the sequence
@@ -33,7 +36,7 @@ from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
 from localmoe.errors import LocalMoEError
 from localmoe.paging.metrics import pager_of
 
-SPEC_CHOICES = "prompt | draft:PATH | mtp | off"
+SPEC_CHOICES = "auto | prompt | draft:PATH | mtp | off"
 
 
 def mtp_layers(loaded) -> int | None:
@@ -55,6 +58,13 @@ def mtp_layers(loaded) -> int | None:
         if key.endswith(".nextn_predict_layers"):
             return int(value)
     return None
+
+
+def resident_on_cpu(loaded) -> bool:
+    """Whether every weight of `loaded` sits in RAM and runs on the CPU (no pager, no GPU tier): where prompt
+    lookup measured faster than no speculation on every task, `--spec auto`'s test."""
+    config = loaded.config
+    return pager_of(loaded) is None and config.device == "cpu" and not config.paging.gpu_budget
 
 
 class Speculation:
@@ -80,6 +90,8 @@ class Speculation:
             raise LocalMoEError(f"--spec-k must be between 1 and {K_MAX}, not {k}")
         if option in ("off", "prompt"):
             self.mode = option
+        elif option == "auto":
+            self.mode = "prompt" if resident_on_cpu(loaded) else "off"
         elif option == "mtp":
             self.mode = self._mtp(loaded, warn)
         elif option.startswith("draft:") and option[6:]:

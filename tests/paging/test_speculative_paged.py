@@ -101,3 +101,19 @@ def test_speculation_prices_experts_only_when_asked(ckpts):
         pager.close()
     finally:
         c.restore()
+
+
+def test_spec_auto_speculates_resident_and_not_paged(ckpts):
+    """`--spec auto` (run / chat / web's default): prompt lookup on the store's experts held whole, off where a
+    pager serves them (a paged store: not measured to pay on every task) or a GPU tier holds some."""
+    from localmoe.config import EngineConfig
+    from localmoe.load import load_model
+    from localmoe.runtime.speculation import Speculation
+
+    c = ckpts["gpt_oss"]
+    whole = load_model(c.store_path, EngineConfig(threads=1), progress=False)
+    paged_model = load_model(c.store_path, EngineConfig(threads=1, paging=PagingConfig(ram_budget=1 << 30)),
+                             progress=False)
+    assert Speculation(whole, "auto").mode == "prompt"
+    assert Speculation(paged_model, "auto").mode == "off"
+    assert Speculation(paged_model, "prompt").mode == "prompt"  # asked for: still speculates

@@ -128,7 +128,7 @@ def test_a_request_may_turn_speculation_off(embedded):  # noqa: F811
 
 
 def test_spec_choices(embedded, tmp_path):  # noqa: F811
-    with pytest.raises(LocalMoEError, match="expected prompt"):
+    with pytest.raises(LocalMoEError, match="expected auto \| prompt"):
         Speculation(embedded, "lookahead")
     said = []
     assert Speculation(embedded, "mtp", warn=said.append).mode == "off"  # the embedded GGUF declares none
