@@ -78,6 +78,7 @@ PREEMPTION = ("swap", "recompute")
 # session 8" and "The 16-row step, session 11").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
+PAGED_PROMPT_ROWS = 4096  # the most prompt rows of one paged MoE step (activations ~4096 x hidden x a few fp32)
 
 
 class Job:
@@ -391,10 +392,12 @@ class EngineWorker:
         # a MoE model's step reads the routed experts of all its rows once: a prompt trickled in PROMPT_ROWS a step
         # would read them again in each (gpt-oss `small` resident, 16 clients: 0.85x one client's aggregate with
         # that budget, 1.29x with each prompt's own forward)
-        budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode)) if decode and not self.whole else \
-            waiting[0].wants.chunk
-        if self.row_limit is not None:  # (forward_rows would cut a larger step's MoE calls: experts read twice)
-            budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
+        if self.whole:  # every waiting prompt whole (its experts are read once for all, sliced in row_limit calls)
+            budget = min(PAGED_PROMPT_ROWS, sum(len(r.wants.pending) for r in waiting))
+        elif len(decode) > len(waiting):
+            budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode))
+        else:  # a burst: more prompts wait than sequences decode
+            budget = waiting[0].wants.chunk
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:
