@@ -68,14 +68,16 @@ from localmoe.runtime.metrics import paging_stats
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS + PROMPT_ROWS rows, at least
-# PROMPT_ROWS (every waiting prompt where no more sequences decode than prompts wait: INTAKE_ROWS). A batched step costs ~a + b * rows (embedded model through its
+# PROMPT_ROWS (every waiting prompt where no more sequences decode than prompts wait: INTAKE_ROWS). A batched step
+# costs ~a + b * rows (embedded model through its
 # dense plan, CPU time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of
 # q8-all; session 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9
 # and 37.1; a prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost
 # ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x. No step
 # carrying prompts beside more decode rows than prompts wait is heavier than that (24 rows). A burst of prompts
 # enters whole in one step (16 clients: the ramp of ~40 24-row steps that delayed every decoding stream is gone,
-# ~137 -> ~100 steps, mean batch ~11 -> ~14-15, first-token p99 ~3.5 -> ~1.7 s; docs/performance.md, "The int8
+# ~137 -> ~100 steps, mean batch ~11 -> ~14-15, first-token p99 ~3.5 -> ~1.7 s; ~3% more server CPU: a burst of 16
+# requests finds the prefix cache's 4 entries, so 12 prefill the chat header again; docs/performance.md, "The int8
 # lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
