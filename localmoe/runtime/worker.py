@@ -14,12 +14,14 @@ worker collects what its running jobs wait for and runs, in this order:
   routing and experts run per token, where their experts are paged) they run as more rows of the same
   batched forward: a budget that fills the step to STEP_ROWS + PROMPT_ROWS rows, at least PROMPT_ROWS, shared by
   the prefilling sequences in arrival order, so a step carrying them costs at most ~1.3x a 16-row decode step
-  (the others' inter-token latency) and the weights are read once for all; every waiting prompt whole (up to
-  INTAKE_ROWS rows) where no more sequences decode than prompts wait (a burst: the step delays fewer streams than
-  it starts, and the requests then run and end together) and, for a paged MoE model, always (its step reads most
-  routed experts from the tiers whatever its rows: one read of each for all the prompts; its MoE calls are sliced
-  at `row_limit` rows inside each layer). A prompt's rows cross its chunk boundaries where its cache keeps no
-  delta-rule state (`Decoder.chunk_size`); a prompt token's bits do not depend on its chunk or its neighbours.
+  (the others' inter-token latency) and the weights are read once for all; every waiting prompt (each up to its
+  chunk, so a long prompt still delays the others by one chunk a step; up to INTAKE_ROWS rows in all) where no
+  more sequences decode than prompts wait (a burst: the step delays fewer streams than it starts, and the requests
+  then run and end together) and, for a paged MoE model, always (its step reads most routed experts from the tiers
+  whatever its rows: one read of each for all the prompts; its MoE calls are sliced at `row_limit` rows inside each
+  layer; where that is below a chunk, the step stays within it). A prompt's rows cross its chunk boundaries where
+  its cache keeps no delta-rule state (`Decoder.chunk_size`); a prompt token's bits do not depend on its chunk or
+  its neighbours.
   Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
@@ -81,7 +83,7 @@ PREEMPTION = ("swap", "recompute")
 # lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
-INTAKE_ROWS = 4096  # the most prompt rows of a step that takes every waiting prompt (activations: rows x hidden fp32)
+INTAKE_ROWS = 4096  # the most prompt rows of a step that takes every waiting prompt, each at most its chunk (512)
 
 
 class Job:
@@ -399,14 +401,17 @@ class EngineWorker:
         if self.whole or len(decode) <= len(waiting):  # every waiting prompt whole: a paged MoE step (its experts
             # read once for all, its MoE calls sliced at row_limit inside each layer), a burst (no more decode rows
             # than prompts wait: the step delays fewer streams than it starts)
-            budget = min(INTAKE_ROWS, sum(len(r.wants.pending) for r in waiting))
+            budget = min(INTAKE_ROWS, sum(min(len(r.wants.pending), r.wants.chunk) for r in waiting))
         else:
             budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode))
+        if self.row_limit is not None and self.row_limit < waiting[0].wants.chunk:  # MoE calls of a few rows (exact
+            # MXFP4 32, dense 64, GGUF 96): a step within them, as before (measured: 512-row slices re-read nothing)
+            budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:
                 break
-            chunks.append((r, r.wants.chunk_size(budget)))
+            chunks.append((r, r.wants.chunk_size(min(budget, r.wants.chunk))))  # a long prompt: a chunk a step
             budget -= chunks[-1][1]
         return chunks
 
