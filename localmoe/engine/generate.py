@@ -161,7 +161,7 @@ class Decoder:
         the state for the prefix cache; other caches take their rows across those places (a prompt row's bits do not
         depend on its chunk, and the K/V at every position is the same), so a short prompt enters in one step."""
         at = len(self.in_cache)
-        if not any(hasattr(layer, "snapshot") for layer in self.cache.layers):
+        if self.cache is not None and not any(hasattr(layer, "snapshot") for layer in self.cache.layers):
             return max(1, min(limit, len(self.pending)))
         return max(1, min(limit, len(self.pending), next_boundary(at, self.chunk, self.anchor) - at))
 
