@@ -78,7 +78,7 @@ PREEMPTION = ("swap", "recompute")
 # ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x. No step
 # carrying prompts beside more decode rows than prompts wait is heavier than that (24 rows). A burst of prompts
 # enters whole in one step (16 clients: the ramp of ~40 24-row steps that delayed every decoding stream is gone,
-# ~137 -> ~100 steps, mean batch ~11 -> ~14-15, first-token p99 ~3.5 -> ~1.7 s; ~3% more server CPU: a burst of 16
+# ~137 -> ~100 steps, mean batch ~11 -> ~13-15, first-token p99 lower, p50 higher; 1-4% more server CPU: a burst of 16
 # requests finds the prefix cache's 4 entries, so 12 prefill the chat header again; docs/performance.md, "The int8
 # lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14").
 PROMPT_ROWS = 8
