@@ -18,10 +18,20 @@ clock's); then each count's aggregate against one client's, its p99 inter-token 
 its tokens per server CPU-second against one client's (how much cheaper a token is when batched: the aggregate
 ratio is that times the server's CPU use against one client's).
 
+How the ratios are computed: aggregate = (generated tokens / wall seconds of the count's run) over one client's, the
+reported figure; tokens per server CPU-second = (generated tokens / the server process's CPU seconds over the run)
+over one client's, steadier under other loads but blind to the cores the server could not get; the benchmark's own
+clients run on the same cores (~15% of the CPU at 16 clients on two cores: `client_cpu_s`), so both understate
+what the server alone would do. The p99 inter-token latency is taken over every client's gaps: ~94 at one client
+(2 requests of 48 tokens: its p99 is the largest gap, set by jitter) against ~1,500 at 16, so the p99 ratio is
+printed beside the p50 one (the typical step's cost at 16 rows against one).
+
 The server runs with `localmoe serve`'s defaults but for sessions (off) and the concurrency (the largest client
 count), so the prefix cache is on as users get it (4 finished sequences: a request whose prompt starts like an
 earlier one's reuses that cache, e.g. the chat template's system header; the six prompts repeat across clients);
 `-- --prefix-cache 0` measures every prompt prefilled in full. The first printed line states the server's options.
+`--step-log FILE` runs the server through benchmarks/serving_steps.py, which logs every engine step (rows, prompt
+rows, wall, CPU, GC, expert bytes), and prints a summary of each count's steps after the table.
 """
 
 from __future__ import annotations
@@ -55,7 +65,9 @@ def start(args) -> tuple[subprocess.Popen, str]:
     # -P (Python 3.11+): `-m` would put the working directory ahead of PYTHONPATH, so an A/B run with PYTHONPATH set
     # to a snapshot tree from inside another tree would serve the other tree's code
     safe = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *safe, "-m", "localmoe", "serve", "--port", str(port), "--no-sessions",
+    entry = ["-m", "localmoe"] if not args.step_log else \
+        [os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_steps.py"), args.step_log]
+    cmd = [sys.executable, *safe, *entry, "serve", "--port", str(port), "--no-sessions",
            "--max-concurrency", str(max(args.clients)), "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
@@ -90,6 +102,8 @@ def expert_counts(url: str) -> tuple[float, float]:
 
 
 def one(client: httpx.Client, k: int, max_tokens: int) -> dict:
+    """One streamed request: its generated tokens, time to first token, the gaps between its content chunks and
+    their arrival times (time.perf_counter)."""
     body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}]}
@@ -107,7 +121,7 @@ def one(client: httpx.Client, k: int, max_tokens: int) -> dict:
                    for c in event.get("choices", [])):
                 arrivals.append(time.perf_counter())
     ttft = arrivals[0] - started if arrivals else float("nan")
-    return {"tokens": tokens, "ttft": ttft, "gaps": [b - a for a, b in pairwise(arrivals)]}
+    return {"tokens": tokens, "ttft": ttft, "gaps": [b - a for a, b in pairwise(arrivals)], "arrivals": arrivals}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -125,7 +139,8 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None) -> dict:
+def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None,
+        arrivals: dict | None = None) -> dict:
     server0, client0 = (cpu_seconds(server_pid) if server_pid else None), time.process_time()
     bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
                                                          "localmoe_engine_steps_total",
@@ -140,6 +155,8 @@ def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int 
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client_loop, range(clients)) for r in rs]
     wall = time.perf_counter() - started
+    if arrivals is not None:
+        arrivals[clients] = {"start": started, "end": started + wall, "arrivals": [r["arrivals"] for r in results]}
     client_cpu = time.process_time() - client0
     server1 = cpu_seconds(server_pid) if server0 is not None else None
     server_cpu = None if server1 is None else server1 - server0
@@ -167,6 +184,9 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16,32", help="comma-separated client counts")
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--step-log", default=None, help="write the server's engine steps to this file (JSON lines, "
+                        "benchmarks/serving_steps.py) and the clients' arrival times to FILE.arrivals.json; print a "
+                        "summary of each count's steps")
     parser.add_argument("serve_args", nargs="*", help="more `localmoe serve` options (after --)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
@@ -175,9 +195,9 @@ def main() -> None:
                                 f" --max-concurrency {max(args.clients)}", "serve_args": args.serve_args}), flush=True)
     try:
         one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
-        rows = []
+        rows, arrivals = [], ({} if args.step_log else None)
         for clients in args.clients:
-            row = run(url, clients, args.requests, args.max_tokens, proc.pid)
+            row = run(url, clients, args.requests, args.max_tokens, proc.pid, arrivals)
             rows.append(row)
             print(json.dumps(row), flush=True)
         base = rows[0]
@@ -185,10 +205,41 @@ def main() -> None:
             per_cpu = (f", tokens per server CPU-second {row['tokens_per_server_cpu_s'] / base['tokens_per_server_cpu_s']:.2f}x"
                        if row["tokens_per_server_cpu_s"] and base["tokens_per_server_cpu_s"] else "")
             print(f"{row['clients']} clients vs {base['clients']}: aggregate {row['tokens_per_s'] / base['tokens_per_s']:.2f}x"
-                  f", p99 inter-token latency {row['itl_p99_ms'] / base['itl_p99_ms']:.2f}x{per_cpu}", flush=True)
+                  f", p99 inter-token latency {row['itl_p99_ms'] / base['itl_p99_ms']:.2f}x"
+                  f" (p50 {row['itl_p50_ms'] / base['itl_p50_ms']:.2f}x){per_cpu}", flush=True)
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.wait(60)
+    if args.step_log:
+        with open(args.step_log + ".arrivals.json", "w") as f:
+            json.dump(arrivals, f)
+        summarize_steps(args.step_log, arrivals)
+
+
+def summarize_steps(path: str, arrivals: dict) -> None:
+    """Per client count: the engine steps run during it, those carrying prompt rows and those of them beside >= 12
+    decode rows (the steps that set the 16-client gaps' tail), the steps' wall and the engine thread's CPU, GC inside
+    steps, and the expert MB the steps with and without prompt rows read."""
+    with open(path) as f:
+        steps = [json.loads(line) for line in f]
+    for clients, run_ in arrivals.items():
+        ran = [s for s in steps
+               if run_["start"] <= s["start"] <= run_["end"] and (s.get("decode") or s.get("prompt"))]
+        if not ran:
+            continue
+        prompt = [s for s in ran if s.get("prompt")]
+        heavy = [s for s in prompt if s["decode"] >= 12]
+        walls, cpus = [s["wall"] for s in ran], [s["cpu"] for s in ran]
+        ms = lambda values, q: round(1e3 * pct(values, q), 1)  # noqa: E731
+        print(json.dumps({"clients": clients, "steps": len(ran), "prompt_steps": len(prompt),
+                          "prompt_rows": sum(s["prompt"] for s in prompt),
+                          "prompt_steps_beside_12_decoding": len(heavy),
+                          "step_wall_p50_ms": ms(walls, 0.5), "step_wall_p99_ms": ms(walls, 0.99),
+                          "step_cpu_p50_ms": ms(cpus, 0.5), "step_cpu_p99_ms": ms(cpus, 0.99),
+                          "gc_ms": round(1e3 * sum(s["gc"] for s in ran), 1),
+                          "expert_mb_prompt_steps": round(sum(s["mb"] for s in prompt)),
+                          "expert_mb_decode_steps": round(sum(s["mb"] for s in ran if not s.get("prompt")))}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -156,9 +156,13 @@ class Decoder:
         return self.prefilling and self.images is None and (self.speculator is None or not self.speculator.watches)
 
     def chunk_size(self, limit: int) -> int:
-        """How many tokens `take_prompt(limit)` takes: at most `limit` (at least 1), up to where `logits()`'
-        chunks end (the anchor, every `chunk` tokens), so the prefix cache finds the same boundaries."""
+        """How many tokens `take_prompt(limit)` takes: at most `limit` (at least 1). A cache that keeps a delta-rule
+        state stops at the next place `logits()`' chunks end (the anchor, every `chunk` tokens), where `_ran` snapshots
+        the state for the prefix cache; other caches take their rows across those places (a prompt row's bits do not
+        depend on its chunk, and the K/V at every position is the same), so a short prompt enters in one step."""
         at = len(self.in_cache)
+        if self.cache is not None and not any(hasattr(layer, "snapshot") for layer in self.cache.layers):
+            return max(1, min(limit, len(self.pending)))
         return max(1, min(limit, len(self.pending), next_boundary(at, self.chunk, self.anchor) - at))
 
     def take_prompt(self, limit: int) -> list[int]:

@@ -12,14 +12,17 @@ worker collects what its running jobs wait for and runs, in this order:
   step, never by its whole length. Where the model's rows are each computed on their own
   (engine/batch.py `rows_independent`: the dense-plan models, and MoE models with plain GQA whose
   routing and experts run per token, where their experts are paged) they run as more rows of the same
-  batched forward: a budget that fills the step to STEP_ROWS + PROMPT_ROWS rows, at least PROMPT_ROWS (a whole
-  chunk when nothing decodes, and for a MoE model always: its step reads the routed experts once for all
-  rows from the tiers; within `row_limit` rows), shared by the prefilling sequences in
-  arrival order, so a step
-  carrying them costs at most ~1.3x a 16-row decode step (the others' inter-token latency), the
-  weights are read once for all, and short
-  prompts that arrive together enter together; a prompt token's bits do not depend on its chunk or
-  its neighbours. Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
+  batched forward: a budget that fills the step to STEP_ROWS + PROMPT_ROWS rows, at least PROMPT_ROWS, shared by
+  the prefilling sequences in arrival order, so a step carrying them costs at most ~1.3x a 16-row decode step
+  (the others' inter-token latency) and the weights are read once for all; every waiting prompt (each up to its
+  chunk, so a long prompt still delays the others by one chunk a step; up to INTAKE_ROWS rows in all) where no
+  more sequences decode than prompts wait (a burst: the step delays fewer streams than it starts, and the requests
+  then run and end together) and, for a paged MoE model, always (its step reads most routed experts from the tiers
+  whatever its rows: one read of each for all the prompts; its MoE calls are sliced at `row_limit` rows inside each
+  layer; where that is below a chunk, the step stays within it). A prompt's rows cross its chunk boundaries where
+  its cache keeps no delta-rule state (`Decoder.chunk_size`); a prompt token's bits do not depend on its chunk or
+  its neighbours.
+  Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
 
@@ -67,17 +70,20 @@ from localmoe.runtime.metrics import paging_stats
 BATCHING = ("auto", "on", "off")
 PREEMPTION = ("swap", "recompute")
 # Prompt rows a step carries beside its decode rows: enough to fill it to STEP_ROWS + PROMPT_ROWS rows, at least
-# PROMPT_ROWS (a whole chunk when nothing decodes). A batched step costs ~a + b * rows (embedded model through its
+# PROMPT_ROWS (every waiting prompt where no more sequences decode than prompts wait: INTAKE_ROWS). A batched step
+# costs ~a + b * rows (embedded model through its
 # dense plan, CPU time of one thread, session 8: 7.1 ms at 1 row, 34.4 at 16; 6.4 and 26.8 with the int8 head of
 # q8-all; session 9's int16-input default head: 7.9 and 31.2 on a loaded machine, where the fp32-input head gave 7.9
 # and 37.1; a prompt row skips the head), so at 16 clients a step carrying as many prompt rows as it decodes cost
 # ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x. No step
-# is heavier than that (24 rows) however few decode, and filling steps with few decode rows to it lets prompts that
-# arrive together in sooner (16 clients: the mean batch 9.5 -> ~11, session 11; filling to 16 rows only, a burst
-# of 16 prompts took ~60-80 steps to enter; docs/performance.md, "The int8 lm_head (opt-in), prompt rows per step,
-# session 8" and "The 16-row step, session 11").
+# carrying prompts beside more decode rows than prompts wait is heavier than that (24 rows). A burst of prompts
+# enters whole in one step (16 clients: the ramp of ~40 24-row steps that delayed every decoding stream is gone,
+# ~137 -> ~100 steps, mean batch ~11 -> ~13-15, first-token p99 lower, p50 higher; 1-4% more server CPU: a burst of 16
+# requests finds the prefix cache's 4 entries, so 12 prefill the chat header again; docs/performance.md, "The int8
+# lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14").
 PROMPT_ROWS = 8
 STEP_ROWS = 16
+INTAKE_ROWS = 4096  # the most prompt rows of a step that takes every waiting prompt, each at most its chunk (512)
 
 
 class Job:
@@ -368,9 +374,9 @@ class EngineWorker:
         """The prompt chunks that run as rows of this step's batched forward, [(sequence, tokens)], where the
         model's rows are independent (engine/batch.py `rows_independent`, decided once; beside speculating
         sequences' verify rows too): the step's prompt budget (STEP_ROWS + PROMPT_ROWS less the decode rows, at least
-        PROMPT_ROWS; a whole prefill chunk when nothing decodes or the model has MoE blocks, within the rows its MoE
-        calls give their alone-bits, `row_limit`) goes to the prefilling sequences in arrival order, each up
-        to its next chunk boundary (`Decoder.chunk_size`), so short prompts that arrive together enter together.
+        PROMPT_ROWS; every waiting prompt's rows, up to INTAKE_ROWS, where no more sequences decode than prompts
+        wait or the model's experts are paged) goes to the prefilling sequences in arrival order
+        (`Decoder.chunk_size`), so prompts that arrive together enter together.
         Empty where the first prefilling sequence takes its own forward (images, a speculator:
         `Decoder.logits`)."""
         waiting = [r for r in prefill if r.wants.prefilling]
@@ -390,16 +396,22 @@ class EngineWorker:
             return []
         # a MoE model's step reads the routed experts of all its rows once: a prompt trickled in PROMPT_ROWS a step
         # would read them again in each (gpt-oss `small` resident, 16 clients: 0.85x one client's aggregate with
-        # that budget, 1.29x with each prompt's own forward)
-        budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode)) if decode and not self.whole else \
-            waiting[0].wants.chunk
-        if self.row_limit is not None:  # (forward_rows would cut a larger step's MoE calls: experts read twice)
+        # that budget, 1.29x with each prompt's own forward); gpt-oss `large` at 25%, 16 clients: a whole chunk (512
+        # rows) a step took 6-7 prompt steps of ~9.7 GB each for the first 16 prompts, all of them take one
+        if self.whole or len(decode) <= len(waiting):  # every waiting prompt whole: a paged MoE step (its experts
+            # read once for all, its MoE calls sliced at row_limit inside each layer), a burst (no more decode rows
+            # than prompts wait: the step delays fewer streams than it starts)
+            budget = min(INTAKE_ROWS, sum(min(len(r.wants.pending), r.wants.chunk) for r in waiting))
+        else:
+            budget = max(PROMPT_ROWS, STEP_ROWS + PROMPT_ROWS - len(decode))
+        if self.row_limit is not None and self.row_limit < waiting[0].wants.chunk:  # MoE calls of a few rows (exact
+            # MXFP4 32, dense 64, GGUF 96): a step within them, as before (measured: 512-row slices re-read nothing)
             budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
         chunks = []
         for r in waiting:
             if budget <= 0 or not r.wants.prompt_rows:
                 break
-            chunks.append((r, r.wants.chunk_size(budget)))
+            chunks.append((r, r.wants.chunk_size(min(budget, r.wants.chunk))))  # a long prompt: a chunk a step
             budget -= chunks[-1][1]
         return chunks
 

@@ -152,3 +152,67 @@ def test_moe_prompts_take_whole_chunks_beside_decode_rows(models):
         worker.submit(greedy_job(model, prompt, out))
     worker.step()
     assert all(r.wants.decoding for r in worker._active)  # every later prompt ran whole in that one step
+
+
+def test_prompt_rows_cross_the_anchor_unless_the_cache_keeps_a_delta_state(models):
+    """A prompt's rows in a batched step stop at its chunk boundaries (the anchor, `Decoder.chunk_size`) only where
+    its cache snapshots a delta-rule state there for the prefix cache (Kimi K3's KDA layers); a K/V-only cache
+    (gpt-oss) takes them across, so a short prompt enters in one step (the paged gpt-oss, whose prompts run as
+    rows), and its tokens equal its tokens alone."""
+    prompt = [3 + i for i in range(20)]
+    assert Decoder(models["gpt_oss"], prompt, GREEDY, anchor=6).chunk_size(512) == 20
+    assert Decoder(models["kimi_k3"], prompt, GREEDY, anchor=6).chunk_size(512) == 6
+    assert Decoder(models["kimi_k3"], prompt, GREEDY).chunk_size(512) == 20
+    model = models["gpt_oss paged"]
+    alone, _ = run(model, [prompt])
+    worker = EngineWorker(max_active=2, batching="on")
+    outs: list[list[int]] = [[], []]
+    worker.submit(greedy_job(model, prompt[:5], outs[0]))
+    worker.step()
+
+    def work(job, out=outs[1]):
+        dec = Decoder(model, prompt, GREEDY, anchor=6)
+        while len(out) < STEPS:
+            logits = yield dec
+            if logits is not None:
+                out.append(dec.sample(logits))
+                dec.feed(out[-1:])
+
+    worker.submit(Job(work, lambda kind, payload: None))
+    worker.step()  # the anchored prompt runs whole as rows beside the first sequence's decode row
+    assert all(r.wants.decoding for r in worker._active) and len(worker._active) == 2
+    while worker.active:
+        worker.step()
+    assert outs[1] == alone[0]
+
+
+def test_a_long_prompt_still_takes_one_chunk_a_step(models):
+    """A step that takes every waiting prompt gives each at most its chunk (`Decoder.chunk`), so a long prompt
+    delays the sequences decoding beside it by one chunk a step, as chunked prefill promises; its tokens equal alone."""
+    model = models["gpt_oss paged"]
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, model.spec.vocab_size) for _ in range(40)]
+    alone, _ = run(model, [prompt])
+    worker = EngineWorker(max_active=2, batching="on")
+    outs: list[list[int]] = [[], []]
+    worker.submit(greedy_job(model, prompt[:5], outs[0]))
+    worker.step()
+
+    def work(job, out=outs[1]):
+        dec = Decoder(model, prompt, GREEDY, prefill_chunk=16)
+        while len(out) < STEPS:
+            logits = yield dec
+            if logits is not None:
+                out.append(dec.sample(logits))
+                dec.feed(out[-1:])
+
+    worker.submit(Job(work, lambda kind, payload: None))
+    taken = []
+    while not outs[1]:
+        worker.step()
+        second = next((r.wants for r in worker._active if r.wants.prompt == prompt), None)
+        taken.append(len(second.in_cache) if second is not None else None)
+    assert taken[:3] == [16, 32, 40], taken
+    while worker.active:
+        worker.step()
+    assert outs[1] == alone[0]

@@ -449,6 +449,34 @@ def test_prompts_that_arrive_together_enter_together(embedded):
         assert results[i].content == alone(embedded, completion(embedded, text, 6)).content, i
 
 
+def test_a_burst_of_prompts_enters_in_one_step(embedded):
+    """Where at least as many prompts wait as sequences decode, the step gives them a whole chunk of rows (not the
+    STEP_ROWS + PROMPT_ROWS budget): all of them run in it beside the two decoding sequences, and every output
+    equals its output alone."""
+    from localmoe.runtime.worker import PROMPT_ROWS, STEP_ROWS
+
+    tok, model = embedded.tokenizer, embedded.model
+    worker, results = EngineWorker(max_active=16, batching="on"), {}
+    first = PROMPTS[:2]
+    for i, text in enumerate(first):
+        prep = completion(embedded, text, 6)
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, i))
+    worker.step()
+    later = [completion(embedded, text * 6, 6) for text in PROMPTS[2:5]]
+    assert sum(len(p.prompt) for p in later) > STEP_ROWS + PROMPT_ROWS
+    for i, prep in enumerate(later):
+        worker.submit(job_of(lambda job, p=prep: run_completion(tok, model, p, job.emit, lambda: job.cancelled),
+                             results, f"later{i}"))
+    worker.step()
+    assert len(worker._active) == 5 and all(r.wants.decoding for r in worker._active)
+    run_all(worker, results, len(first) + len(later))
+    for i, text in enumerate(first):
+        assert results[i].content == alone(embedded, completion(embedded, text, 6)).content, i
+    for i, prep in enumerate(later):
+        assert results[f"later{i}"].content == alone(embedded, prep).content, i
+
+
 def test_auto_batches_a_moe_model_with_gqa_attention(gpt_oss):
     """gpt-oss (MoE, plain GQA) has a fused single-sequence step, but a batched step reads each routed
     expert once for all its tokens and runs every sequence's attention in one call: "auto" batches it."""

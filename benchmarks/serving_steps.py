@@ -1,0 +1,77 @@
+"""`localmoe serve` with a log of its engine steps, for `serving.py --step-log`: the server's own command line
+(`python benchmarks/serving_steps.py LOG serve --port ...`); each engine step appends one JSON line to LOG when the
+server is terminated: its start (time.perf_counter, the clock the clients' arrival times use), wall and the engine
+thread's CPU seconds, decode rows, prompt rows (and how many prompts they came from, how many waited), GC seconds
+inside the step, running sequences, and the expert bytes the pager read (MB; 0 where the experts are resident).
+The worker is wrapped from outside, so the server's code is the tree's own."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import sys
+import time
+
+
+def install(path: str) -> None:
+    from localmoe.runtime import worker as W
+    from localmoe.runtime.metrics import paging_stats
+
+    log: list[dict] = []
+    now: dict = {}
+    collecting = {"total": 0.0, "since": None}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting["since"] = time.perf_counter()
+        elif collecting["since"] is not None:
+            collecting["total"] += time.perf_counter() - collecting["since"]
+            collecting["since"] = None
+
+    gc.callbacks.append(on_gc)
+    chunks_of, step_of, model = W.EngineWorker._prompt_chunks, W.EngineWorker.step, {}
+
+    def prompt_chunks(self, decode, prefill):
+        out = chunks_of(self, decode, prefill)
+        now.update(decode=len(decode), prompt=sum(n for _, n in out), prompts=len(out),
+                   waiting=sum(1 for r in prefill if r.wants.prefilling))
+        return out
+
+    def read_mb(self) -> float:
+        for r in self._active:
+            if hasattr(r.wants, "model"):
+                model["it"] = r.wants.model
+        stats = paging_stats(model["it"]) if "it" in model else None
+        return 0.0 if stats is None else stats.ram.bytes_read / 1e6
+
+    def step(self):
+        now.clear()
+        mb, collected = read_mb(self), collecting["total"]
+        start, cpu = time.perf_counter(), time.thread_time()
+        step_of(self)
+        now.update(start=start, wall=time.perf_counter() - start, cpu=time.thread_time() - cpu,
+                   gc=collecting["total"] - collected, active=len(self._active), mb=read_mb(self) - mb)
+        log.append(dict(now))
+
+    W.EngineWorker._prompt_chunks, W.EngineWorker.step = prompt_chunks, step
+
+    def dump(*_):
+        with open(path, "w") as f:
+            f.writelines(json.dumps(entry) + "\n" for entry in log)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, dump)
+
+
+def main() -> None:
+    install(sys.argv[1])
+    from localmoe.cli import main as cli
+
+    sys.argv = ["localmoe", *sys.argv[2:]]
+    cli()
+
+
+if __name__ == "__main__":
+    main()
