@@ -8,7 +8,8 @@ llama.cpp (llama-cpp-python) the GGUF: f32 dense weights in both (or bf16 with -
 experts, the same threads, greedy. The generated checkpoints are bf16, so their f32 values are exactly bf16: localmoe
 keeps such weights as bf16 (engine/linear.py `holds_bf16`, checked per tensor; the same bits in every product), and
 the roofline line gives each engine's own bytes per token. The engines alternate in separate processes (benchmarks/alternate.py),
-`--pairs` rounds; printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
+`--pairs` rounds (each engine process times `--prefills` prefills of the prompt from an empty cache, their median its
+prefill figure, then the decode); printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
 the fraction of the memory bandwidth (weight bytes read per decode token over a read bandwidth measured
 after every round) and how far the two engines' logits differ (max |diff| over the logit range; llama.cpp's
 KV cache at f32), at every prompt position (each engine in a process of its own, after the timed rounds).
