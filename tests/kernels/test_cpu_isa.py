@@ -186,8 +186,8 @@ def test_prefill_mixers(isa, mixer):
         C = 2 * Hk * K + Hv * V
         y = torch.randn(B, T, C + Hv * V + 2 * Hv, generator=g_)
         state, tail = torch.randn(B, Hv, K, V, generator=g_) * 0.1, torch.randn(B, W - 1, C, generator=g_)
-        weights = (torch.randn(C, W, generator=g_) * 0.5, torch.rand(Hv, generator=g_) * 4, torch.randn(Hv, generator=g_),
-                   torch.rand(V, generator=g_) + 0.5)
+        weights = (torch.randn(C, W, generator=g_) * 0.5, torch.rand(Hv, generator=g_) * 4,
+                   torch.randn(Hv, generator=g_), torch.rand(V, generator=g_) + 0.5)
         run = lambda: native.gdn_chunk(y.clone(), valid, state, tail, *weights, Hk, 1e-6)  # noqa: E731
     else:
         H, bounded = 3, mixer == "kimi_k3"
