@@ -8,7 +8,8 @@ llama.cpp (llama-cpp-python) the GGUF: f32 dense weights in both (or bf16 with -
 experts, the same threads, greedy. The generated checkpoints are bf16, so their f32 values are exactly bf16: localmoe
 keeps such weights as bf16 (engine/linear.py `holds_bf16`, checked per tensor; the same bits in every product), and
 the roofline line gives each engine's own bytes per token. The engines alternate in separate processes (benchmarks/alternate.py),
-`--pairs` rounds; printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
+`--pairs` rounds (each engine process times `--prefills` prefills of the prompt from an empty cache, their median its
+prefill figure, then the decode); printed per round and as medians: prefill and decode tokens/s, localmoe / llama.cpp,
 the fraction of the memory bandwidth (weight bytes read per decode token over a read bandwidth measured
 after every round) and how far the two engines' logits differ (max |diff| over the logit range; llama.cpp's
 KV cache at f32), at every prompt position (each engine in a process of its own, after the timed rounds).
@@ -135,6 +136,15 @@ def roofline(bytes_: int, ours: float, theirs: float, bandwidth: float, theirs_b
             f"at {theirs_bytes * theirs / bandwidth:.2f} of its own")
 
 
+def timed(run, prompt, args) -> tuple[float, float, object]:
+    """`args.prefills` timed prefills of `prompt` (each from an empty cache), the last one followed by the timed
+    decode: (median prefill seconds, decode seconds, the last prefill's logits). Several prefills per process: one
+    ~0.1 s prefill alone is the noisiest figure on a loaded machine."""
+    prefills = [run(prompt, 0)[0] for _ in range(getattr(args, "prefills", 1) - 1)]
+    prefill_s, decode_s, first = run(prompt, args.decode)
+    return statistics.median([*prefills, prefill_s]), decode_s, first
+
+
 def localmoe_worker(args) -> None:
     import torch
 
@@ -162,7 +172,7 @@ def localmoe_worker(args) -> None:
         return prefill_s, clock() - start, first
 
     run(prompt, 4)  # warm up: kernel library, decode plan, a GGUF's prefill copies of its dense matrices
-    prefill_s, decode_s, first = run(prompt, args.decode)
+    prefill_s, decode_s, first = timed(run, prompt, args)
     if args.logits:
         np.save(args.logits, first[0].float().numpy())
     if args.positions:  # untimed: every prompt position's logits (one forward, as prefill's one chunk) and margins
@@ -234,7 +244,7 @@ def llama_worker(args) -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
 
     def run(prompt, decode):
-        llm.reset()
+        llm.reset()  # n_tokens 0 (eval drops the KV rows from there) and, recurrent / hybrid models, memory cleared
         start = clock()
         llm.eval(prompt)
         prefill_s = clock() - start
@@ -245,7 +255,7 @@ def llama_worker(args) -> None:
         return prefill_s, clock() - start, first
 
     run(prompt, 4)
-    prefill_s, decode_s, first = run(prompt, args.decode)
+    prefill_s, decode_s, first = timed(run, prompt, args)
     if args.logits:
         np.save(args.logits, first)
     if args.positions:  # untimed: every prompt position's logits, from one batch as the timed prefill
@@ -264,7 +274,7 @@ def compare(family: str, size: str, args, work: Path, src: Path) -> None:
 
     hf, gguf = prepare(family, size, args.dtype, work, src)
     common = ["--threads", str(args.threads), "--prompt", str(args.prompt), "--dtype", args.dtype,
-              *(["--cpu-time"] * args.cpu_time)]
+              "--prefills", str(args.prefills), *(["--cpu-time"] * args.cpu_time)]
     me = Path(__file__).resolve()
     workers = {"localmoe": [str(me), "--worker", "localmoe", "--path", str(hf), "--decode", str(args.decode),
                             "--expert-precision", args.expert_precision, *common],
@@ -335,7 +345,7 @@ def positions(worker: str, path: Path, precision: str, common: list[str], out: P
 
     me = str(Path(__file__).resolve())
     run_worker([me, "--worker", worker, "--path", str(path), "--decode", "1", "--positions", str(out),
-                "--expert-precision", precision, *common])
+                "--expert-precision", precision, *common, "--prefills", "1"])
     return np.load(out)
 
 
@@ -383,6 +393,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
     parser.add_argument("--expert-precision", choices=("q8", "exact"), default="q8",
                         help="localmoe's MXFP4 expert activations (q8: int8 per 32 values, as llama.cpp's)")
+    parser.add_argument("--prefills", type=int, default=5,
+                        help="timed prefills per engine process (each from an empty cache / a cleared llama.cpp "
+                             "context), their median taken: the round's prefill figure")
     peer_benchmark(parser, compare, localmoe_worker)
 
 

@@ -60,7 +60,8 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "gqa_decode" / "paged_cpu.cpp", KERNELS / "gqa_decode" / "step_cpu.cpp",
            KERNELS / "rms_norm" / "norm_cpu.cpp",
            KERNELS / "decode_layers" / "layers_cpu.cpp", KERNELS / "ggml_gemv" / "ggml_cpu.cpp",
-           KERNELS / "decode_layers" / "hybrid_cpu.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
+           KERNELS / "decode_layers" / "hybrid_cpu.cpp",
+           KERNELS / "decode_layers" / "hybrid_prefill.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
            KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp", KERNELS / "paged_io" / "reader_cpu.cpp",
            KERNELS / "fp8_cache" / "fp8_cpu.cpp")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
@@ -106,6 +107,10 @@ SIGNATURES = {  # name -> (argtypes, restype)
     "decode_hybrid_rows": ((_ptr, _ptr, _i64, _ptr, _i64, _ptr, _i64), _int),
     "dense_expert": ((_ptr, _ptr, _ptr, _ptr, _int, _f32, _f32, _f32, _ptr, _ptr, _ptr, _int), None),
     "delta_rule_tokens": ((_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _int, _ptr, _int), None),
+    "kda_chunk": ((_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                   _i64, _f32, _f32, _ptr, _int), None),
+    "gdn_chunk": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
+                   _ptr, _int), None),
     "dense_experts_token": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _f32, _f32, _ptr, _ptr, _ptr, _int),
                             None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),

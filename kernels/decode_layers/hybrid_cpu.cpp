@@ -314,6 +314,16 @@ int64_t mixer_width(const HybridLayer& L) {
   }
 }
 
+// Floats of scratch the layer's mixer needs past its output (the decode step's and the rows' workspaces).
+int64_t mixer_scratch(const HybridLayer& L) {
+  switch (L.mixer) {
+    case 0: return localmoe_hybrid::kda_scratch(L.kda);
+    case 1: return localmoe_hybrid::mla_scratch(L.mla);
+    case 2: return localmoe_hybrid::gdn_scratch(L.gdn);
+    default: return gqa_scratch(L.gqa);
+  }
+}
+
 // The mixer of hn [D] -> b.mixer [mixer_width] (before the output projection).
 void mixer_core(const HybridLayer& L, const float* hn, int64_t pos, const float* cos, const float* ssin, Buffers& b,
                 void* xq, int threads) {
@@ -330,29 +340,6 @@ void mixer(const HybridLayer& L, const float* hn, int64_t pos, const float* cos,
            Buffers& b, void* xq, int threads) {
   mixer_core(L, hn, pos, cos, ssin, b, xq, threads);
   localmoe::matvec(L.o_proj, b.mixer, a, xq, threads);
-}
-
-// A prompt chunk's delta rule: each (batch row, head) runs its T tokens in order through the fused decode step's
-// one-token update (hybrid_mixers.h `delta_heads`), its state [K, V] staying in L1 / L2 over the tokens.
-struct DeltaTokens {
-  const float *q, *k, *v, *g, *beta;
-  float *o, *state;
-  int64_t T, H, K, V, scalar_decay;
-};
-
-void delta_tokens(const void* ctx, int64_t i0, int64_t i1) {
-  const DeltaTokens& c = *static_cast<const DeltaTokens*>(ctx);
-  const int64_t H = c.H, K = c.K, V = c.V, G = c.scalar_decay ? 1 : K;
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t b = i / H, h = i % H;
-    for (int64_t t = 0; t < c.T; ++t) {
-      const int64_t bt = b * c.T + t;
-      const localmoe_hybrid::DeltaHeads one{c.q + bt * H * K, c.k + bt * H * K, c.v + bt * H * V, c.g + bt * H * G,
-                                            c.beta + bt * H, c.o + bt * H * V, c.state + b * H * K * V, K, V, 1,
-                                            c.scalar_decay};
-      localmoe_hybrid::delta_heads(&one, h, h + 1);
-    }
-  }
 }
 
 }  // namespace
@@ -389,26 +376,12 @@ void dense_experts_token(const float* x, int64_t W, int64_t I, const int64_t* id
   }
 }
 
-// The delta rule over T tokens, token by token as the fused decode step runs it (the same bits per token): KDA
-// (g [B, T, H, K], a log-decay per channel) or Gated DeltaNet (scalar_decay: g [B, T, H]); q, k [B, T, H, K] (q
-// normalised and scaled, k normalised), v, o [B, T, H, V], beta [B, T, H], state [B, H, K, V] updated in place; all
-// fp32, contiguous; K, V <= 512. One task per (batch row, head): the bits do not depend on the thread count.
-void delta_rule_tokens(const float* q, const float* k, const float* v, const float* g, const float* beta, float* state,
-                       int64_t B, int64_t T, int64_t H, int64_t K, int64_t V, int scalar_decay, float* o, int threads) {
-  const DeltaTokens c{q, k, v, g, beta, o, state, T, H, K, V, scalar_decay};
-  localmoe::parallel(delta_tokens, &c, B * H, 1, threads);
-}
-
 // Floats of `scratch` decode_hybrid needs for these layers (the MoE kernel's scratch and xq are apart).
 int64_t decode_hybrid_scratch(const HybridLayer* layers, int64_t n, int64_t D, int64_t block_size) {
   int64_t widest = 0;
   for (int64_t l = 0; l < n; ++l) {
     const HybridLayer& L = layers[l];
-    const int64_t own = L.mixer == 0   ? localmoe_hybrid::kda_scratch(L.kda)
-                        : L.mixer == 1 ? localmoe_hybrid::mla_scratch(L.mla)
-                        : L.mixer == 2 ? localmoe_hybrid::gdn_scratch(L.gdn)
-                                       : gqa_scratch(L.gqa);
-    const int64_t mix = mixer_width(L) + own;
+    const int64_t mix = mixer_width(L) + mixer_scratch(L);
     widest = std::max(widest, std::max(mix, L.gate_up.rows + D) + 3 * L.lat_down.rows);
   }
   const int64_t blocks = block_size ? n / block_size + 2 : 0;
@@ -641,11 +614,7 @@ Rows rows_buffers(const HybridLayer* layers, int64_t n, int64_t N, int64_t D, in
   int64_t lat = 0, inner = 0, ewidth = D, einner = 0;
   for (int64_t l = 0; l < n; ++l) {
     const HybridLayer& L = layers[l];
-    const int64_t own = L.mixer == 0   ? localmoe_hybrid::kda_scratch(L.kda)
-                        : L.mixer == 1 ? localmoe_hybrid::mla_scratch(L.mla)
-                        : L.mixer == 2 ? localmoe_hybrid::gdn_scratch(L.gdn)
-                                       : gqa_scratch(L.gqa);
-    w.mix = std::max(w.mix, mixer_width(L) + own);
+    w.mix = std::max(w.mix, mixer_width(L) + mixer_scratch(L));
     w.width = std::max(w.width, mixer_width(L));
     lat = std::max(lat, L.lat_down.rows);
     inner = std::max(inner, L.gate_up.rows);

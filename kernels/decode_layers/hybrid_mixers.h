@@ -48,6 +48,53 @@ inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// o[i] <- f(x[i], o[i]) for i < n, 8 lanes at a time (the last n % 8 through a padded copy): with vec_math.h's
+// lane-independent functions a value's bits do not depend on where it sits, so the decode step (one token) and the
+// prefill chunk (hybrid_prefill.cpp) give a token the same bits.
+template <class F>
+inline void map_ps(const float* x, float* o, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, f(_mm256_loadu_ps(x + i), _mm256_loadu_ps(o + i)));
+  if (i < n) {
+    alignas(32) float a[8] = {}, b[8] = {};
+    std::memcpy(a, x + i, (n - i) * sizeof(float));
+    std::memcpy(b, o + i, (n - i) * sizeof(float));
+    _mm256_store_ps(b, f(_mm256_load_ps(a), _mm256_load_ps(b)));
+    std::memcpy(o + i, b, (n - i) * sizeof(float));
+  }
+}
+
+inline __m256 silu_ps(__m256 x) { return _mm256_mul_ps(x, localmoe::sigmoid_ps(x)); }
+
+// ln x for normal x > 0 (Cephes logf, ~1 ulp).
+inline __m256 log_ps(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(126)));
+  __m256 m = _mm256_castsi256_ps(  // x = m 2^e, m in [0.5, 1)
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f000000)));
+  const __m256 low = _mm256_cmp_ps(m, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
+  e = _mm256_sub_ps(e, _mm256_and_ps(one, low));
+  m = _mm256_add_ps(_mm256_sub_ps(m, one), _mm256_and_ps(m, low));  // m - 1, or 2 m - 1 below sqrt(1/2)
+  const __m256 z = _mm256_mul_ps(m, m);
+  __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+  for (const float c : {-1.1514610310e-1f, 1.1676998740e-1f, -1.2420140846e-1f, 1.4249322787e-1f, -1.6668057665e-1f,
+                        2.0000714765e-1f, -2.4999993993e-1f, 3.3333331174e-1f})
+    p = _mm256_fmadd_ps(p, m, _mm256_set1_ps(c));
+  p = _mm256_mul_ps(_mm256_mul_ps(p, m), z);
+  p = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), p);
+  p = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), p);
+  return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(m, p));
+}
+
+// softplus(t) = log(1 + e^t) (t itself above 20, as torch): log1p through log(w) u / (w - 1), w = 1 + u.
+inline __m256 softplus_ps(__m256 t) {
+  const __m256 one = _mm256_set1_ps(1.0f), u = localmoe::exp_ps(t), w = _mm256_add_ps(one, u), d = _mm256_sub_ps(w, one);
+  const __m256 exact = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ);  // u below half an ulp of 1: log1p(u) = u
+  const __m256 l = _mm256_blendv_ps(_mm256_mul_ps(log_ps(w), _mm256_div_ps(u, d)), u, exact);
+  return _mm256_blendv_ps(l, t, _mm256_cmp_ps(t, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+}
+
 // ---- KDA: one token of one layer ----
 
 struct Kda {
@@ -83,8 +130,13 @@ inline void delta_heads(const void* ctx, int64_t begin, int64_t end) {
     const float *q = c.q + (h / c.group) * K, *k = c.k + (h / c.group) * K, *v = c.v + h * V;
     float* S = c.state + h * K * V;
     float* o = c.o + h * V;
+    if (c.scalar_decay) {  // Gated DeltaNet: one decay per head
+      const float decay = std::exp(c.g[h]);
+      for (int64_t i = 0; i < K; ++i) a[i] = decay;
+    } else {
+      map_ps(c.g + h * K, a, K, [](__m256 g, __m256) { return localmoe::exp_ps(g); });
+    }
     for (int64_t i = 0; i < K; ++i) {
-      a[i] = std::exp(c.scalar_decay ? c.g[h] : c.g[h * K + i]);
       ak[i] = k[i] * a[i];
       aq[i] = q[i] * a[i];
     }
@@ -119,8 +171,9 @@ inline void conv_silu(float* y, const float* conv, float* tail, int64_t C, int64
     s = s + y[c] * w[W - 1];
     for (int64_t j = 0; j + 1 < W - 1; ++j) tail[j * C + c] = tail[(j + 1) * C + c];
     tail[(W - 2) * C + c] = y[c];
-    y[c] = s * sigmoid(s);
+    y[c] = s;
   }
+  map_ps(y, y, C, [](__m256 s, __m256) { return silu_ps(s); });
 }
 
 // q, k [heads, K] <- l2norm (eps inside the root); q scaled by K^-0.5.
@@ -136,6 +189,33 @@ inline void qk_l2norm(float* q, float* k, int64_t heads, int64_t K) {
   }
 }
 
+// One token of KDA between its projections, before the delta rule: y [in_proj.rows]'s q, k, v (already through
+// the conv + SiLU: `conv_silu`) -> q, k l2-normed, q scaled; f [H K] (f_b's output) -> the log-decay g; beta [H].
+inline void kda_gates(const Kda& a, float* y, float* f, float* beta) {
+  const int64_t H = a.heads, K = a.head_dim, C = 3 * H * K;
+  qk_l2norm(y, y + H * K, H, K);
+  const __m256 bound = _mm256_set1_ps(a.lower_bound);
+  for (int64_t h = 0; h < H; ++h) {
+    const __m256 d = _mm256_set1_ps(a.decay[h]), neg = _mm256_set1_ps(-a.decay[h]);
+    float* fh = f + h * K;
+    map_ps(a.dt_bias + h * K, fh, K, [&](__m256 b, __m256 x) {
+      const __m256 t = _mm256_add_ps(x, b);
+      return a.bounded ? _mm256_mul_ps(bound, localmoe::sigmoid_ps(_mm256_mul_ps(d, t)))
+                       : _mm256_mul_ps(neg, softplus_ps(t));
+    });
+  }
+  map_ps(y + C + K, beta, H, [](__m256 b, __m256) { return localmoe::sigmoid_ps(b); });
+}
+
+// o [H K] (the delta rule's) <- RMSNorm per head (o_norm) * sigmoid(gate [H K]): the o_proj input.
+inline void kda_out(const Kda& a, float* o, const float* gate) {
+  const int64_t H = a.heads, K = a.head_dim;
+  for (int64_t h = 0; h < H; ++h) {
+    rms_norm(o + h * K, a.o_norm, K, a.eps, o + h * K);
+    map_ps(gate + h * K, o + h * K, K, [](__m256 g, __m256 x) { return _mm256_mul_ps(x, localmoe::sigmoid_ps(g)); });
+  }
+}
+
 // x [D] (normed) -> o [H K] (before o_proj), the state and conv tail advanced by one token.
 inline void kda_step(const Kda& a, const float* x, float* o, float* scratch, void* xq, int threads) {
   const int64_t H = a.heads, K = a.head_dim, C = 3 * H * K, W = a.conv_kernel;
@@ -144,29 +224,18 @@ inline void kda_step(const Kda& a, const float* x, float* o, float* scratch, voi
   float* gate = f + H * K;
   float* beta = gate + H * K;
   localmoe::matvec(a.in_proj, x, y, xq, threads);
-  conv_silu(y, a.conv, a.tail, C, W);
-  float *q = y, *k = y + H * K, *v = y + 2 * H * K;
-  qk_l2norm(q, k, H, K);
-  localmoe::matvec(a.f_b, y + C, f, xq, threads);  // f_b(f_a x) [H K]: the log-decay below
-  for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < K; ++i) {
-      const float t = f[h * K + i] + a.dt_bias[h * K + i];
-      f[h * K + i] = a.bounded ? a.lower_bound * sigmoid(a.decay[h] * t)
-                               : -a.decay[h] * (t > 20.0f ? t : std::log1p(std::exp(t)));
-    }
-  for (int64_t h = 0; h < H; ++h) beta[h] = sigmoid(y[C + K + h]);
+  localmoe::matvec(a.f_b, y + C, f, xq, threads);  // f_b(f_a x) [H K]: the log-decay
   const float* g_in = y + C + K + H;
   if (a.g_b.rows) {
     localmoe::matvec(a.g_b, g_in, gate, xq, threads);
   } else {
     std::memcpy(gate, g_in, H * K * sizeof(float));
   }
-  DeltaHeads ctx{q, k, v, f, beta, o, a.state, K, K, 1, 0};
+  conv_silu(y, a.conv, a.tail, C, W);
+  kda_gates(a, y, f, beta);
+  DeltaHeads ctx{y, y + H * K, y + 2 * H * K, f, beta, o, a.state, K, K, 1, 0};
   localmoe::parallel(delta_heads, &ctx, H, 1, threads);
-  for (int64_t h = 0; h < H; ++h) {
-    rms_norm(o + h * K, a.o_norm, K, a.eps, o + h * K);
-    for (int64_t i = 0; i < K; ++i) o[h * K + i] *= sigmoid(gate[h * K + i]);
-  }
+  kda_out(a, o, gate);
 }
 
 // ---- Gated DeltaNet (Qwen3-Next): one token of one layer ----
@@ -185,28 +254,41 @@ struct Gdn {
 
 inline int64_t gdn_scratch(const Gdn& a) { return a.in_proj.rows + 2 * a.value_heads; }
 
+inline int64_t gdn_channels(const Gdn& a) { return 2 * a.key_heads * a.key_dim + a.value_heads * a.value_dim; }
+
+// One token of Gated DeltaNet between its projections, before the delta rule: y [in_proj.rows]'s q, k, v (already
+// through the conv + SiLU) -> q, k l2-normed, q scaled; g, beta [Hv] from y's a and b.
+inline void gdn_gates(const Gdn& a, float* y, float* g, float* beta) {
+  const int64_t Hk = a.key_heads, Hv = a.value_heads, K = a.key_dim, V = a.value_dim, C = gdn_channels(a);
+  qk_l2norm(y, y + Hk * K, Hk, K);
+  const float *b = y + C + Hv * V, *al = b + Hv;
+  map_ps(al, g, Hv, [](__m256 x, __m256) { return x; });
+  map_ps(a.dt_bias, g, Hv, [](__m256 d, __m256 x) { return softplus_ps(_mm256_add_ps(x, d)); });
+  for (int64_t h = 0; h < Hv; ++h) g[h] = -a.decay[h] * g[h];
+  map_ps(b, beta, Hv, [](__m256 x, __m256) { return localmoe::sigmoid_ps(x); });
+}
+
+// o [Hv V] (the delta rule's) <- the gated RMSNorm norm(o) * silu(z [Hv V]): the out_proj input.
+inline void gdn_out(const Gdn& a, float* o, const float* z) {
+  const int64_t Hv = a.value_heads, V = a.value_dim;
+  for (int64_t h = 0; h < Hv; ++h) {
+    rms_norm(o + h * V, a.norm, V, a.eps, o + h * V);
+    map_ps(z + h * V, o + h * V, V, [](__m256 z, __m256 x) { return _mm256_mul_ps(x, silu_ps(z)); });
+  }
+}
+
 // x [D] (normed) -> o [Hv V] (before out_proj), the state and conv tail advanced by one token.
 inline void gdn_step(const Gdn& a, const float* x, float* o, float* scratch, void* xq, int threads) {
-  const int64_t Hk = a.key_heads, Hv = a.value_heads, K = a.key_dim, V = a.value_dim;
-  const int64_t C = 2 * Hk * K + Hv * V;
+  const int64_t Hk = a.key_heads, Hv = a.value_heads, K = a.key_dim, V = a.value_dim, C = gdn_channels(a);
   float* y = scratch;
   float* g = y + a.in_proj.rows;
   float* beta = g + Hv;
   localmoe::matvec(a.in_proj, x, y, xq, threads);
   conv_silu(y, a.conv, a.tail, C, a.conv_kernel);
-  qk_l2norm(y, y + Hk * K, Hk, K);
-  const float *z = y + C, *b = z + Hv * V, *al = b + Hv;
-  for (int64_t h = 0; h < Hv; ++h) {
-    const float t = al[h] + a.dt_bias[h];
-    g[h] = -a.decay[h] * (t > 20.0f ? t : std::log1p(std::exp(t)));
-    beta[h] = sigmoid(b[h]);
-  }
+  gdn_gates(a, y, g, beta);
   DeltaHeads ctx{y, y + Hk * K, y + 2 * Hk * K, g, beta, o, a.state, K, V, Hv / Hk, 1};
   localmoe::parallel(delta_heads, &ctx, Hv, 1, threads);
-  for (int64_t h = 0; h < Hv; ++h) {  // gated RMSNorm: norm(o) * silu(z)
-    rms_norm(o + h * V, a.norm, V, a.eps, o + h * V);
-    for (int64_t i = 0; i < V; ++i) o[h * V + i] *= z[h * V + i] * sigmoid(z[h * V + i]);
-  }
+  gdn_out(a, o, y + C);
 }
 
 // ---- MLA, absorbed (NoPE: Kimi; RoPE: DeepSeek): one token of one layer ----

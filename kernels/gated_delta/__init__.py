@@ -1,7 +1,8 @@
 """Gated DeltaNet dispatcher. CUDA: flash-linear-attention's kernels where fla-core imports
 (kernels/kda/fla_ops.py), else our Triton; on the CPU the C++ token loop (kernels/kda/native.py, one decay per head)
 where the CPU library is built, else KDA's vectorised CPU forms with the per-head decay repeated over the key
-channels (Gated DeltaNet is KDA with one decay per head)."""
+channels (Gated DeltaNet is KDA with one decay per head). `gdn_chunk` (kernels/kda/native.py): a whole Gated DeltaNet
+mixer between its projections in one C++ call, where `mixer_available` (the engine's CPU path)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,7 @@ def gated_delta(q, k, v, g, beta, state):
     return fn(q, k, v, per_channel, beta, state)
 
 
-__all__ = ["gated_delta", "naive_recurrent_gated_delta"]
+gdn_chunk = native.gdn_chunk  # a Gated DeltaNet layer's prompt chunk between its projections, where `mixer_available`
+mixer_available = native.mixer_available
+
+__all__ = ["gated_delta", "gdn_chunk", "mixer_available", "naive_recurrent_gated_delta"]

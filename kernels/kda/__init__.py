@@ -1,7 +1,8 @@
 """KDA dispatcher. CUDA: flash-linear-attention's kernels where fla-core imports (fla_ops.py), else our
 Triton, the recurrent form for a few tokens (decode), the chunked one for prefill. On the CPU: the C++ token loop
 (native.py, the fused decode step's update) at every length where the CPU library is built, else the vectorised
-PyTorch forms of cpu.py."""
+PyTorch forms of cpu.py. `kda_chunk` (native.py): a whole KDA mixer between its projections in one C++ call, where
+`mixer_available` (the engine's CPU path)."""
 
 from __future__ import annotations
 
@@ -45,4 +46,7 @@ def kda(q, k, v, g, beta, state, lower_bound: float | None = None):
     return chunk_kda(q, k, v, g, beta, state, lower_bound)
 
 
-__all__ = ["chunk_kda", "kda", "naive_recurrent_kda", "recurrent_kda"]
+kda_chunk = native.kda_chunk  # a KDA layer's prompt chunk between its projections, where `mixer_available`
+mixer_available = native.mixer_available
+
+__all__ = ["chunk_kda", "kda", "kda_chunk", "mixer_available", "naive_recurrent_kda", "recurrent_kda"]

@@ -83,3 +83,29 @@ def test_a_cache_at_another_offset_is_refused():
     layer = build(CONFIG, random_weights(), "layers.0.", dtype="float32")
     with pytest.raises(LocalMoEError, match="starts at 3"):
         layer(torch.zeros(1, 1, D), step(3, 1), layer.new_cache(1, 8))
+
+
+def test_native_chunk_matches_op_by_op(monkeypatch):
+    """On the CPU everything between the projections runs as one C++ call (kernels/kda `gdn_chunk`: the fused decode
+    step's arithmetic per token, value heads on their key head without a repeated copy): within 1e-5 of the op-by-op
+    layer's output range, left padding included; a token's bits do not depend on the chunk it comes in."""
+    from localmoe.engine.layers import gated_deltanet as gdn_layer
+    from localmoe.testing.parity import run_mixer as run
+
+    if not gdn_layer.mixer_available(torch.zeros(1), K, V):
+        pytest.skip("the CPU kernel library is not built here")
+    layer = build(CONFIG, random_weights(), "layers.0.", dtype="float32")
+    x = torch.randn(2, 40, D, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :6] = False
+    x[1, :6] = 100.0
+    calls, chunk = [], gdn_layer.gdn_chunk
+    monkeypatch.setattr(gdn_layer, "gdn_chunk", lambda *a: calls.append(a[0].shape) or chunk(*a))
+    fused = [run(layer, x, chunks, mask) for chunks in ([40], [13, 1, 26], [1] * 40)]
+    assert len(calls) == 1 + 3 + 40  # the C++ path ran
+    monkeypatch.setattr(gdn_layer, "mixer_available", lambda *dims: False)
+    op = run(layer, x, [40], mask)
+    for out in fused[1:]:
+        assert torch.equal(out, fused[0])
+    span = float(op.max() - op.min())
+    assert (fused[0] - op).abs().max() <= 1e-5 * span

@@ -125,6 +125,32 @@ def test_left_padding_equals_unpadded_row():
     assert (out[1, pad:] - alone[0]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_native_chunk_matches_op_by_op(variant, monkeypatch):
+    """On the CPU everything between the projections runs as one C++ call (kernels/kda `kda_chunk`, the fused decode
+    step's arithmetic per token): within 1e-5 of the op-by-op layer's output range, left padding included; a token's
+    bits do not depend on the chunk it comes in (one call of 40, or 13 + 1 + 26, or one token at a time)."""
+    from localmoe.engine.layers import kda as kda_layer
+
+    if not kda_layer.mixer_available(torch.zeros(1), K):
+        pytest.skip("the CPU kernel library is not built here")
+    mixer = layer(variant)
+    x = torch.randn(2, 40, D, generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :6] = False
+    x[1, :6] = 100.0
+    calls, chunk = [], kda_layer.kda_chunk
+    monkeypatch.setattr(kda_layer, "kda_chunk", lambda *a: calls.append(a[0].shape) or chunk(*a))
+    fused = [run(mixer, x, chunks, mask) for chunks in ([40], [13, 1, 26], [1] * 40)]
+    assert len(calls) == 1 + 3 + 40  # the C++ path ran
+    monkeypatch.setattr(kda_layer, "mixer_available", lambda *dims: False)
+    op = run(mixer, x, [40], mask)
+    for out in fused[1:]:
+        assert torch.equal(out, fused[0])
+    span = float(op.max() - op.min())
+    assert (fused[0] - op).abs().max() <= 1e-5 * span
+
+
 def hf_layer_and_ours(seed: int = 0):
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import (
@@ -227,6 +253,7 @@ def test_layer_passes_its_gate_bound_to_the_kernels(variant, monkeypatch):
         return kernel(q, k, v, g, beta, state, lower_bound)
 
     monkeypatch.setattr(kda_layer, "kda", spy)
+    monkeypatch.setattr(kda_layer, "mixer_available", lambda *dims: False)  # the op-by-op form (the CPU's C++ below)
     run(layer(variant), torch.randn(1, 13, D), [12, 1])  # a chunked prefill, then a decode step
     assert seen == [-5.0, -5.0] if variant == "kimi_k3" else seen == [None, None]
 

@@ -171,6 +171,42 @@ def test_delta_rule_tokens(isa, per_head):
 
 
 @ISA
+@pytest.mark.parametrize("mixer", ["kimi_linear", "kimi_k3", "gated_deltanet"])
+def test_prefill_mixers(isa, mixer):
+    """The KDA / Gated DeltaNet prefill mixers between their projections (kernels/kda/native.py `kda_chunk`,
+    `gdn_chunk`): output, state and conv tail, a left-padded row included."""
+    from localmoe.kernels.kda import native
+
+    g_ = torch.Generator().manual_seed(12)
+    B, T, K, W = 2, 37, 40, 4
+    valid = torch.ones(B, T)
+    valid[1, :5] = 0.0
+    if mixer == "gated_deltanet":
+        Hk, Hv, V = 2, 6, 24
+        C = 2 * Hk * K + Hv * V
+        y = torch.randn(B, T, C + Hv * V + 2 * Hv, generator=g_)
+        state, tail = torch.randn(B, Hv, K, V, generator=g_) * 0.1, torch.randn(B, W - 1, C, generator=g_)
+        weights = (torch.randn(C, W, generator=g_) * 0.5, torch.rand(Hv, generator=g_) * 4,
+                   torch.randn(Hv, generator=g_), torch.rand(V, generator=g_) + 0.5)
+        run = lambda: native.gdn_chunk(y.clone(), valid, state, tail, *weights, Hk, 1e-6)  # noqa: E731
+    else:
+        H, bounded = 3, mixer == "kimi_k3"
+        C = 3 * H * K
+        y = torch.randn(B, T, C + K + H + (H * K if bounded else K), generator=g_)
+        f, gate = torch.randn(B, T, H * K, generator=g_), torch.randn(B, T, H * K, generator=g_)
+        state, tail = torch.randn(B, H, K, K, generator=g_) * 0.1, torch.randn(B, W - 1, C, generator=g_)
+        weights = (torch.randn(C, W, generator=g_) * 0.5, torch.rand(H, generator=g_) * 4,
+                   torch.randn(H * K, generator=g_), torch.rand(K, generator=g_) + 0.5)
+
+        def run():
+            yy = y.clone()
+            return native.kda_chunk(yy, f.clone(), yy[..., C + K + H:] if bounded else gate, valid, state, tail,
+                                    *weights, bounded, -5.0, 1e-5)
+    for a, b, name in zip(*_under_each(isa, run), ("o", "state", "tail")):
+        _same_bits(a, b, name)
+
+
+@ISA
 @pytest.mark.parametrize("precision", ["exact", "q8"])
 def test_gpt_oss_decode(isa, precision, tmp_path_factory):
     """A tiny gpt-oss (MXFP4 experts) prefilled and decoded greedily through the decode plan: the

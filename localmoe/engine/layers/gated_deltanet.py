@@ -11,7 +11,9 @@ Output: out_proj(RMSNorm_head(o) * silu(z)) (a gated RMSNorm, plain `x * w`).
 Qwen stores the input projections grouped per KEY head (`in_proj_qkvz` rows per key head:
 q [K], k [K], v [G V], z [G V]; `in_proj_ba`: b [G], a [G]); `build` reorders them
 once into one fused projection [q; k; v; z; b; a]. The delta rule runs through the
-`localmoe.kernels.gated_delta` dispatcher.
+`localmoe.kernels.gated_delta` dispatcher; where the CPU kernel library runs, everything between
+the projections is one C++ call per layer instead (`gdn_chunk`: the fused decode step's
+arithmetic per token, value heads reading their key head without a repeated copy).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from localmoe.engine.linear import Linear
 from localmoe.engine.state_cache import DeltaStateCache
 from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.kernels.gated_delta import gated_delta
+from localmoe.kernels.gated_delta import gated_delta, gdn_chunk, mixer_available
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +76,10 @@ class GatedDeltaNet:
         Hv, V = c.num_value_heads, c.value_head_dim
         self.split = (c.conv_channels, Hv * V, Hv, Hv)  # qkv (conv input), z, b, a
         self.in_proj, self.out_proj = in_proj, out_proj
-        self.conv_weight = conv_weight.float()  # [C, W]
-        self.decay_rate = A_log.float().exp()  # exp(A_log) [Hv]
-        self.dt_bias = dt_bias.float()  # [Hv]
-        self.norm = norm.float()  # [V]
+        self.conv_weight = conv_weight.float().contiguous()  # [C, W]
+        self.decay_rate = A_log.float().exp().contiguous()  # exp(A_log) [Hv]
+        self.dt_bias = dt_bias.float().contiguous()  # [Hv]
+        self.norm = norm.float().contiguous()  # [V]
         self.group = Hv // c.num_key_heads
 
     @property
@@ -106,6 +108,11 @@ class GatedDeltaNet:
         valid = step.valid  # [B, T] False at left padding (see kda.py)
         if valid is not None:
             x = x * valid[..., None]
+        if mixer_available(x, K, V):  # on the CPU everything between the projections in one C++ call
+            o, state, tail = gdn_chunk(self.in_proj(x).float().contiguous(), valid, cache.state, cache.conv_tail,
+                                       self.conv_weight, self.decay_rate, self.dt_bias, self.norm, Hk, c.norm_eps)
+            cache.advance(state, tail, T)
+            return self.out_proj(o)
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)
         qkv, tail = causal_conv(qkv, self.conv_weight, cache.conv_tail)
         q, k, v = F.silu(qkv).split((Hk * K, Hk * K, Hv * V), dim=-1)

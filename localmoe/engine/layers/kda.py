@@ -10,7 +10,9 @@ Output: o_proj(RMSNorm_head(o) * sigmoid(gate)), gate = g_b(g_a(x)) (Kimi-Linear
 
 The delta rule itself runs through the `localmoe.kernels.kda` dispatcher: Triton on GPU
 tensors, on CPU the vectorised forms of kernels/kda/cpu.py (`recurrent_kda` for decode,
-`chunk_kda` for prefill; re-exported here).
+`chunk_kda` for prefill; re-exported here). Where the CPU kernel library runs, everything
+between the projections (conv, SiLU, l2norm, gates, delta rule, output norm * gate) is one
+C++ call per layer instead (`kda_chunk`: the fused decode step's arithmetic per token).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from localmoe.engine.linear import Linear, make_linear
 from localmoe.engine.state_cache import DeltaStateCache
 from localmoe.engine.step import Step
 from localmoe.errors import CheckpointError, LocalMoEError
-from localmoe.kernels.kda import kda
+from localmoe.kernels.kda import kda, kda_chunk, mixer_available
 from localmoe.kernels.kda.cpu import chunk_kda, recurrent_kda  # re-exported (__all__)
 
 # What each family's KDA is; the decay/output gate kind is a family fact, not inferred from tensors.
@@ -91,10 +93,10 @@ class KimiDeltaAttention:
         gate_in = H * K if config.full_rank_gate else K
         self.split = (3 * H * K, K, H, gate_in)  # qkv, f_a, b, gate
         self.in_proj, self.f_b_proj, self.g_b_proj, self.o_proj = in_proj, f_b_proj, g_b_proj, o_proj
-        self.conv_weight = conv_weight.float()  # [3 H K, W]
+        self.conv_weight = conv_weight.float().contiguous()  # [3 H K, W]
         self.decay_rate = A_log.float().exp().view(1, 1, H, 1)  # exp(A_log[h])
-        self.dt_bias = dt_bias.float().view(H, K)
-        self.o_norm = o_norm.float()
+        self.dt_bias = dt_bias.float().contiguous().view(H, K)
+        self.o_norm = o_norm.float().contiguous()
 
     @property
     def device(self) -> torch.device:
@@ -130,6 +132,8 @@ class KimiDeltaAttention:
         valid = step.valid
         if valid is not None:  # zeroed padding: the conv tail sees zeros, as at the start of a sequence
             x = x * valid[..., None]
+        if mixer_available(x, K):
+            return self._native(x, valid, cache)
         qkv, f, b, gate = self.in_proj(x).split(self.split, dim=-1)
         qkv, tail = causal_conv(qkv, self.conv_weight, cache.conv_tail)
         q, k, v = F.silu(qkv).view(B, T, 3, H, K).unbind(2)
@@ -146,6 +150,23 @@ class KimiDeltaAttention:
             gate = self.g_b_proj(gate)
         o = F.rms_norm(o, (K,), self.o_norm, self.config.norm_eps) * torch.sigmoid(gate.view(B, T, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _native(self, x: torch.Tensor, valid: torch.Tensor | None, cache: DeltaStateCache) -> torch.Tensor:
+        """`__call__` on the CPU: the projections here, everything between them in one C++ call (kernels/kda
+        `kda_chunk`: each token with the fused decode step's arithmetic)."""
+        c = self.config
+        H, K = c.num_heads, c.head_dim
+        C = 3 * H * K
+        y = self.in_proj(x).float().contiguous()  # [B, T, 3 H K | K | H | gate]
+        f = self.f_b_proj(y[..., C:C + K]).float().contiguous()
+        gate = y[..., C + K + H:]
+        if self.g_b_proj is not None:
+            gate = self.g_b_proj(gate).float().contiguous()
+        o, state, tail = kda_chunk(y, f, gate, valid, cache.state, cache.conv_tail, self.conv_weight,
+                                   self.decay_rate.reshape(H), self.dt_bias, self.o_norm, c.bounded_gate,
+                                   c.gate_lower_bound, c.norm_eps)
+        cache.advance(state, tail, x.shape[1])
+        return self.o_proj(o)
 
 
 def state_bytes(config: Config, batch: int = 1) -> int:
