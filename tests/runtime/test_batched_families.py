@@ -40,10 +40,11 @@ def models(tmp_path_factory):
     return out
 
 
-def greedy_job(model, prompt: list[int], out: list[int]) -> Job:
-    """A job that decodes STEPS greedy tokens of `prompt` into `out`, a step at a time through the worker."""
+def greedy_job(model, prompt: list[int], out: list[int], **decoder) -> Job:
+    """A job that decodes STEPS greedy tokens of `prompt` into `out`, a step at a time through the worker
+    (`decoder`: the Decoder's keyword arguments, such as `anchor` or `prefill_chunk`)."""
     def work(job):
-        dec = Decoder(model, prompt, GREEDY)
+        dec = Decoder(model, prompt, GREEDY, **decoder)
         while len(out) < STEPS:
             logits = yield dec
             if logits is not None:
@@ -169,16 +170,7 @@ def test_prompt_rows_cross_the_anchor_unless_the_cache_keeps_a_delta_state(model
     outs: list[list[int]] = [[], []]
     worker.submit(greedy_job(model, prompt[:5], outs[0]))
     worker.step()
-
-    def work(job, out=outs[1]):
-        dec = Decoder(model, prompt, GREEDY, anchor=6)
-        while len(out) < STEPS:
-            logits = yield dec
-            if logits is not None:
-                out.append(dec.sample(logits))
-                dec.feed(out[-1:])
-
-    worker.submit(Job(work, lambda kind, payload: None))
+    worker.submit(greedy_job(model, prompt, outs[1], anchor=6))
     worker.step()  # the anchored prompt runs whole as rows beside the first sequence's decode row
     assert all(r.wants.decoding for r in worker._active) and len(worker._active) == 2
     while worker.active:
@@ -197,16 +189,7 @@ def test_a_long_prompt_still_takes_one_chunk_a_step(models):
     outs: list[list[int]] = [[], []]
     worker.submit(greedy_job(model, prompt[:5], outs[0]))
     worker.step()
-
-    def work(job, out=outs[1]):
-        dec = Decoder(model, prompt, GREEDY, prefill_chunk=16)
-        while len(out) < STEPS:
-            logits = yield dec
-            if logits is not None:
-                out.append(dec.sample(logits))
-                dec.feed(out[-1:])
-
-    worker.submit(Job(work, lambda kind, payload: None))
+    worker.submit(greedy_job(model, prompt, outs[1], prefill_chunk=16))
     taken = []
     while not outs[1]:
         worker.step()
