@@ -35,6 +35,24 @@ def run_mixer(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | No
     return torch.cat(outs, dim=1)
 
 
+def assert_native_mixer_matches_op(module, entry: str, mixer, x: torch.Tensor, mask: torch.Tensor,
+                                   monkeypatch) -> None:
+    """A delta-rule layer's C++ prefill mixer (`module.<entry>`: kda_chunk, gdn_chunk) against its op-by-op form:
+    x [B, T, D] in one call, in 13 + 1 + the rest, and one token at a time all run it (counted) with the same bits,
+    within 1e-5 of the op-by-op layer's output range (`module.mixer_available` patched off for it)."""
+    T = x.shape[1]
+    calls, native = [], getattr(module, entry)
+    monkeypatch.setattr(module, entry, lambda *a: calls.append(a[0].shape) or native(*a))
+    fused = [run_mixer(mixer, x, chunks, mask) for chunks in ([T], [13, 1, T - 14], [1] * T)]
+    assert len(calls) == 1 + 3 + T  # the C++ path ran
+    monkeypatch.setattr(module, "mixer_available", lambda *dims: False)
+    op = run_mixer(mixer, x, [T], mask)
+    for out in fused[1:]:
+        assert torch.equal(out, fused[0])
+    span = float(op.max() - op.min())
+    assert (fused[0] - op).abs().max() <= 1e-5 * span
+
+
 def tiny_checkpoint(model_type: str, tmp_path_factory) -> Path:
     """The family's tiny generated checkpoint (seed 0) in a fresh temporary directory."""
     return write_checkpoint(model_type, tmp_path_factory.mktemp(model_type), "tiny", seed=0)

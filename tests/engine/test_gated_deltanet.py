@@ -90,7 +90,7 @@ def test_native_chunk_matches_op_by_op(monkeypatch):
     step's arithmetic per token, value heads on their key head without a repeated copy): within 1e-5 of the op-by-op
     layer's output range, left padding included; a token's bits do not depend on the chunk it comes in."""
     from localmoe.engine.layers import gated_deltanet as gdn_layer
-    from localmoe.testing.parity import run_mixer as run
+    from localmoe.testing.parity import assert_native_mixer_matches_op
 
     if not gdn_layer.mixer_available(torch.zeros(1), K, V):
         pytest.skip("the CPU kernel library is not built here")
@@ -99,13 +99,4 @@ def test_native_chunk_matches_op_by_op(monkeypatch):
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[1, :6] = False
     x[1, :6] = 100.0
-    calls, chunk = [], gdn_layer.gdn_chunk
-    monkeypatch.setattr(gdn_layer, "gdn_chunk", lambda *a: calls.append(a[0].shape) or chunk(*a))
-    fused = [run(layer, x, chunks, mask) for chunks in ([40], [13, 1, 26], [1] * 40)]
-    assert len(calls) == 1 + 3 + 40  # the C++ path ran
-    monkeypatch.setattr(gdn_layer, "mixer_available", lambda *dims: False)
-    op = run(layer, x, [40], mask)
-    for out in fused[1:]:
-        assert torch.equal(out, fused[0])
-    span = float(op.max() - op.min())
-    assert (fused[0] - op).abs().max() <= 1e-5 * span
+    assert_native_mixer_matches_op(gdn_layer, "gdn_chunk", layer, x, mask, monkeypatch)

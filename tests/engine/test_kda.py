@@ -21,7 +21,7 @@ from localmoe.engine.layers.kda import (
 from localmoe.engine.state_cache import DeltaStateCache, StateRollbackError
 from localmoe.engine.step import make_step
 from localmoe.testing import plan_checkpoint
-from localmoe.testing.parity import run_mixer as run
+from localmoe.testing.parity import assert_native_mixer_matches_op, run_mixer as run
 
 D, H, K, W = 64, 4, 16, 4
 VARIANTS = {
@@ -139,16 +139,7 @@ def test_native_chunk_matches_op_by_op(variant, monkeypatch):
     mask = torch.ones(2, 40, dtype=torch.bool)
     mask[1, :6] = False
     x[1, :6] = 100.0
-    calls, chunk = [], kda_layer.kda_chunk
-    monkeypatch.setattr(kda_layer, "kda_chunk", lambda *a: calls.append(a[0].shape) or chunk(*a))
-    fused = [run(mixer, x, chunks, mask) for chunks in ([40], [13, 1, 26], [1] * 40)]
-    assert len(calls) == 1 + 3 + 40  # the C++ path ran
-    monkeypatch.setattr(kda_layer, "mixer_available", lambda *dims: False)
-    op = run(mixer, x, [40], mask)
-    for out in fused[1:]:
-        assert torch.equal(out, fused[0])
-    span = float(op.max() - op.min())
-    assert (fused[0] - op).abs().max() <= 1e-5 * span
+    assert_native_mixer_matches_op(kda_layer, "kda_chunk", mixer, x, mask, monkeypatch)
 
 
 def hf_layer_and_ours(seed: int = 0):
