@@ -111,6 +111,8 @@ SIGNATURES = {  # name -> (argtypes, restype)
                    _i64, _f32, _f32, _ptr, _int), None),
     "gdn_chunk": ((_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32,
                    _ptr, _int), None),
+    "mla_chunk": ((_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _int),
+                  None),
     "dense_experts_token": ((_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, _int, _f32, _f32, _ptr, _ptr, _ptr, _int),
                             None),
     "ggml_gemv_scratch": ((_i64, _i64), _i64),

@@ -481,6 +481,56 @@ inline void index_select(const Indexer& ix, const float* x, const float* cq, int
   sel.valid = 1;
 }
 
+// NQ query heads' online softmax over one block of n keys (decode: one; hybrid_prefill.cpp `mla_chunk`: 8 queries of
+// a chunk): p [NQ, 64] their scaled scores, query u seeing the block's first seen[u] keys (0: the block is past it);
+// rows[s] the keys' latent rows (their first r values the values); o [NQ, r] (not yet divided by l), mx, l [NQ]
+// updated. Per query: its new maximum, o and l scaled by exp(old - new) where that is not 1, then per value lane
+// o += e_s row_s over the keys in order (one FMA each: axpy's lanes) and l += e_s. A key past a query's seen count
+// gets e = 0 there (an exact no-op on finite rows), so the 8 queries share each row load.
+template <int NQ>
+inline void softmax_block(const float* p, const int64_t* seen, int64_t n, const float* const* rows, int64_t r,
+                          float* mx, float* l, float* o) {
+  alignas(32) float e[NQ][64];
+  float corr[NQ];
+  for (int u = 0; u < NQ; ++u) {
+    corr[u] = 1.0f;
+    const int64_t k = std::max<int64_t>(0, seen[u]);
+    if (k > 0) {
+      float bm = -INFINITY;
+      for (int64_t s = 0; s < k; ++s) bm = std::max(bm, p[u * 64 + s]);
+      const float nm = std::max(mx[u], bm);
+      corr[u] = std::exp(mx[u] - nm);
+      l[u] *= corr[u];
+      for (int64_t s = 0; s < k; ++s) {
+        e[u][s] = std::exp(p[u * 64 + s] - nm);
+        l[u] += e[u][s];
+      }
+      mx[u] = nm;
+    }
+    for (int64_t s = k; s < n; ++s) e[u][s] = 0.0f;
+  }
+  int64_t j = 0;
+  for (; j + 8 <= r; j += 8) {
+    __m256 acc[NQ];
+    for (int u = 0; u < NQ; ++u) {
+      acc[u] = _mm256_loadu_ps(o + u * r + j);
+      if (corr[u] != 1.0f) acc[u] = _mm256_mul_ps(acc[u], _mm256_set1_ps(corr[u]));
+    }
+    for (int64_t s = 0; s < n; ++s) {
+      const __m256 x = _mm256_loadu_ps(rows[s] + j);
+      for (int u = 0; u < NQ; ++u) acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(e[u][s]), x, acc[u]);
+    }
+    for (int u = 0; u < NQ; ++u) _mm256_storeu_ps(o + u * r + j, acc[u]);
+  }
+  for (int u = 0; u < NQ; ++u)
+    for (int64_t k = j; k < r; ++k) {
+      float y = o[u * r + k];
+      if (corr[u] != 1.0f) y *= corr[u];
+      for (int64_t s = 0; s < n; ++s) y += e[u][s] * rows[s][k];
+      o[u * r + k] = y;
+    }
+}
+
 struct MlaHeads {
   const Mla* m;
   const float* q;  // [H, nope + rope]
@@ -520,23 +570,8 @@ inline void mla_heads(const void* ctx, int64_t begin, int64_t end) {
       rows[s] = localmoe_cache::row(m.rows, 0, c.picks ? c.picks[s0 + s] : s0 + s, c.cached, block.data() + s * R);
     for (int64_t i = 0; i < nh; ++i) {
       const float* a = qa.data() + i * R;
-      float* o = acc.data() + i * r;
-      float bm = -INFINITY;
-      for (int64_t s = 0; s < n; ++s) {
-        p[s] = dot(a, rows[s], R) * m.scale;
-        bm = std::max(bm, p[s]);
-      }
-      const float nm = std::max(mx[i], bm), corr = std::exp(mx[i] - nm);
-      if (corr != 1.0f) {
-        for (int64_t j = 0; j < r; ++j) o[j] *= corr;
-      }
-      l[i] *= corr;
-      for (int64_t s = 0; s < n; ++s) {
-        const float e = std::exp(p[s] - nm);
-        l[i] += e;
-        axpy(e, rows[s], o, r);
-      }
-      mx[i] = nm;
+      for (int64_t s = 0; s < n; ++s) p[s] = dot(a, rows[s], R) * m.scale;
+      softmax_block<1>(p, &n, n, rows, r, &mx[i], &l[i], acc.data() + i * r);
     }
   }
   for (int64_t h = h0; h < h1; ++h) {

@@ -4,7 +4,8 @@
 // rule and the output norm * gate give every token the bits the decode step gives it from the same projections, so a
 // token's bits do not depend on the chunk it comes in or on the thread count. The engine's prefill paths
 // (engine/layers/kda.py, gated_deltanet.py) call them through kernels/kda/native.py; `delta_rule_tokens` is the
-// delta rule alone (the op-by-op form's).
+// delta rule alone (the op-by-op form's). `mla_chunk`: absorbed MLA attention over the latent rows for a chunk (Kimi-Linear,
+// Kimi K3), each query with the decode step's online softmax (`softmax_block`, 64 keys a block from key 0).
 //   conv:   per channel, the T tokens in order over the conv tail (a channel's window held in registers)
 //   gates:  per token (l2norm, log-decay, beta)
 //   delta:  per (row, value head), the T tokens in order, its state [K, V] in L1 / L2 over the chunk
@@ -168,6 +169,122 @@ void gdn_tokens(const void* ctx, int64_t n0, int64_t n1) {
       localmoe_hybrid::gdn_gates(*c.a, c.y + n * c.stride, c.g + n * Hv, c.beta + n * Hv);
 }
 
+// The 8 sums localmoe::hsum gives of acc[0..8), each with its pairing and order (lo + hi halves, then lanes 0 + 2 and
+// 1 + 3, then those two), 8 at a time: out[u].
+inline void hsum8(const __m256* acc, float* out) {
+  __m256 s[4], x[2];
+  for (int k = 0; k < 4; ++k)  // [lo + hi of acc 2k | of acc 2k + 1]
+    s[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
+  for (int k = 0; k < 2; ++k)  // per 128-bit lane: [0 + 2, 1 + 3 of one sum, of the next but one]
+    x[k] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * k], s[2 * k + 1], 0x44), _mm256_shuffle_ps(s[2 * k], s[2 * k + 1], 0xEE));
+  alignas(32) float y[8];  // [sums 0 2 4 6 | 1 3 5 7]
+  _mm256_store_ps(y, _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD)));
+  for (int u = 0; u < 8; ++u) out[u] = y[(u & 1) * 4 + u / 2];
+}
+
+// out[u] = dot(a + u a_step, b + u b_step, n) for u < 8: `dot`'s arithmetic for each (the 8 sums interleaved, so
+// their FMA chains overlap; a step of 0 shares an operand).
+inline void dots8(const float* a, int64_t a_step, const float* b, int64_t b_step, int64_t n, float* out) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u)
+      acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + u * a_step + i), _mm256_loadu_ps(b + u * b_step + i), acc[u]);
+  hsum8(acc, out);
+  for (int u = 0; u < 8; ++u)
+    for (int64_t j = i; j < n; ++j) out[u] += a[u * a_step + j] * b[u * b_step + j];
+}
+
+constexpr int64_t kMlaTile = 8;  // queries sharing each weight / key row load (dots8)
+
+// Absorbed MLA over a chunk: per (row, head) task, the queries 8 at a time. Query t (position S - T + t) of row b
+// reads q at q + ((b T + t) H + h) (nope + rope), the keys rows + b row_stride + s R (s <= its position, R = r + rope),
+// writes out + ((b T + t) H + h) v. Per query the decode step's `mla_heads` arithmetic: a = W_uk[h]^T q_nope (axpy's
+// lanes, n in order) and q_rope, the scores dot(a, row) * scale 64 keys a block from key 0 through `softmax_block`,
+// then o / l and W_uv[h] o by `dot`: a query's bits do not depend on the chunk it comes in or the thread count.
+struct MlaTokens {
+  const float *q, *rows, *w_uk, *w_uv;
+  float* out;
+  int64_t row_stride, T, S, H, r, nope, rope, v;
+  float scale;
+};
+
+void mla_tokens(const void* ctx, int64_t i0, int64_t i1) {
+  const MlaTokens& c = *static_cast<const MlaTokens*>(ctx);
+  const int64_t r = c.r, R = r + c.rope, qd = c.nope + c.rope, H = c.H, first = c.S - c.T;
+  thread_local std::vector<float> qa, qT, acc, scores, none;
+  qa.resize(kMlaTile * R);
+  qT.resize(c.nope * kMlaTile);
+  acc.resize(kMlaTile * r);
+  scores.resize(kMlaTile * 64);
+  none.assign(qd, 0.0f);  // the query of a tile's unused places: zeros
+  // the thread_local buffers' addresses once (each use of a thread_local in a shared library is a call)
+  float *qa_ = qa.data(), *qT_ = qT.data(), *acc_ = acc.data(), *scores_ = scores.data();
+  const float* zero = none.data();
+  float mx[kMlaTile], l[kMlaTile], res[kMlaTile];
+  alignas(32) float p[kMlaTile * 64];
+  const float* keys[64];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / H, h = i % H;
+    const float* w_uk = c.w_uk + h * c.nope * r;
+    const float* w_uv = c.w_uv + h * c.v * r;
+    const float* rows = c.rows + b * c.row_stride;
+    for (int64_t t0 = 0; t0 < c.T; t0 += kMlaTile) {
+      const int64_t nt = std::min(kMlaTile, c.T - t0);
+      const float* q[kMlaTile];
+      for (int64_t u = 0; u < kMlaTile; ++u) q[u] = u < nt ? c.q + ((b * c.T + t0 + u) * H + h) * qd : zero;
+      for (int64_t n = 0; n < c.nope; ++n)
+        for (int64_t u = 0; u < kMlaTile; ++u) qT[n * kMlaTile + u] = q[u][n];
+      int64_t j = 0;
+      for (; j + 8 <= r; j += 8) {  // a = W_uk^T q_nope, 8 lanes of every query at once
+        __m256 a[kMlaTile];
+        for (int64_t u = 0; u < kMlaTile; ++u) a[u] = _mm256_setzero_ps();
+        for (int64_t n = 0; n < c.nope; ++n) {
+          const __m256 w = _mm256_loadu_ps(w_uk + n * r + j);
+          const float* qn = qT_ + n * kMlaTile;
+          for (int64_t u = 0; u < kMlaTile; ++u) a[u] = _mm256_fmadd_ps(_mm256_broadcast_ss(qn + u), w, a[u]);
+        }
+        for (int64_t u = 0; u < kMlaTile; ++u) _mm256_storeu_ps(qa_ + u * R + j, a[u]);
+      }
+      for (int64_t u = 0; u < kMlaTile; ++u) {
+        float* a = qa_ + u * R;
+        for (int64_t k = j; k < r; ++k) a[k] = 0.0f;
+        for (int64_t n = 0; n < c.nope; ++n)
+          for (int64_t k = j; k < r; ++k) a[k] += q[u][n] * w_uk[n * r + k];
+        std::memcpy(a + r, q[u] + c.nope, c.rope * sizeof(float));
+      }
+      std::fill(acc_, acc_ + kMlaTile * r, 0.0f);
+      for (int64_t u = 0; u < kMlaTile; ++u) mx[u] = -INFINITY, l[u] = 0.0f;
+      const int64_t last = first + t0 + nt;  // keys the tile's last query sees
+      for (int64_t s0 = 0; s0 < last; s0 += 64) {
+        const int64_t n = std::min<int64_t>(64, last - s0);
+        for (int64_t s = 0; s < n; ++s) {
+          keys[s] = rows + (s0 + s) * R;
+          dots8(qa_, R, keys[s], 0, R, res);
+          for (int64_t u = 0; u < kMlaTile; ++u) scores[u * 64 + s] = res[u];
+        }
+        int64_t seen[kMlaTile];
+        for (int64_t u = 0; u < kMlaTile; ++u) {  // query t0 + u sees the keys up to its position; none past the tile
+          seen[u] = u < nt ? std::min<int64_t>(n, first + t0 + u + 1 - s0) : 0;
+          for (int64_t s = 0; s < std::max<int64_t>(0, seen[u]); ++s) p[u * 64 + s] = scores[u * 64 + s] * c.scale;
+        }
+        localmoe_hybrid::softmax_block<kMlaTile>(p, seen, n, keys, r, mx, l, acc_);
+      }
+      for (int64_t u = 0; u < nt; ++u) {
+        float* o = acc_ + u * r;
+        const float inv = 1.0f / l[u];
+        for (int64_t k = 0; k < r; ++k) o[k] *= inv;
+      }
+      for (int64_t vv = 0; vv < c.v; ++vv) {  // out = W_uv o
+        dots8(w_uv + vv * r, 0, acc_, r, r, res);
+        for (int64_t u = 0; u < nt; ++u) c.out[((b * c.T + t0 + u) * H + h) * c.v + vv] = res[u];
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -229,6 +346,17 @@ void gdn_chunk(float* y, int64_t stride, const float* valid, int64_t B, int64_t 
   localmoe::parallel(delta_tokens, &d, B * Hv, 1, threads);
   ctx.out = 1;
   localmoe::parallel(gdn_tokens, &ctx, N, 8, threads);
+}
+
+// Absorbed MLA attention for a chunk of T queries of B rows over S >= T cached latent rows (engine/layers/mla.py, no
+// mask: query t at position S - T + t sees keys 0 .. S - T + t). q [B, T, H, nope + rope] (rope part as cached:
+// rotated or NoPE), rows: row b's [S, r + rope] at rows + b row_stride, w_uk [H, nope, r], w_uv [H, v, r] ->
+// out [B, T, H v], all fp32. One task per (row, head); per query the decode step's arithmetic (MlaTokens).
+void mla_chunk(const float* q, const float* rows, int64_t row_stride, int64_t B, int64_t T, int64_t S,
+               const float* w_uk, const float* w_uv, int64_t H, int64_t r, int64_t nope, int64_t rope, int64_t v,
+               float scale, float* out, int threads) {
+  const MlaTokens c{q, rows, w_uk, w_uv, out, row_stride, T, S, H, r, nope, rope, v, scale};
+  localmoe::parallel(mla_tokens, &c, B * H, 1, threads);
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
-"""Absorbed MLA decode dispatcher: Triton on GPU tensors, else the reference."""
+"""Absorbed MLA decode dispatcher: Triton on GPU tensors, else the reference. `mla_chunk` (native.py): a prompt
+chunk's absorbed attention in one C++ call on the CPU, where `chunk_available`."""
 
 from __future__ import annotations
 
 from localmoe.kernels._triton import usable
+from localmoe.kernels.mla_decode import native
 from localmoe.kernels.mla_decode.reference import naive_mla_decode, naive_mla_decode_sparse
 
 
@@ -24,4 +26,8 @@ def mla_decode_sparse(q, rows, indices, latent_dim: int, scale: float):
     return naive_mla_decode_sparse(q, rows, indices, latent_dim, scale)
 
 
-__all__ = ["mla_decode", "mla_decode_sparse", "naive_mla_decode", "naive_mla_decode_sparse"]
+mla_chunk = native.mla_chunk  # a prompt chunk's attention over the latent rows, where `chunk_available`
+chunk_available = native.available
+
+__all__ = ["chunk_available", "mla_chunk", "mla_decode", "mla_decode_sparse", "naive_mla_decode",
+           "naive_mla_decode_sparse"]

@@ -35,17 +35,17 @@ def run_mixer(mixer, x: torch.Tensor, chunks: list[int], mask: torch.Tensor | No
     return torch.cat(outs, dim=1)
 
 
-def assert_native_mixer_matches_op(module, entry: str, mixer, x: torch.Tensor, mask: torch.Tensor,
-                                   monkeypatch) -> None:
-    """A delta-rule layer's C++ prefill mixer (`module.<entry>`: kda_chunk, gdn_chunk) against its op-by-op form:
+def assert_native_mixer_matches_op(module, entry: str, mixer, x: torch.Tensor, mask: torch.Tensor | None,
+                                   monkeypatch, available: str = "mixer_available") -> None:
+    """A layer's C++ prefill mixer (`module.<entry>`: kda_chunk, gdn_chunk, mla_chunk) against its op-by-op form:
     x [B, T, D] in one call, in 13 + 1 + the rest, and one token at a time all run it (counted) with the same bits,
-    within 1e-5 of the op-by-op layer's output range (`module.mixer_available` patched off for it)."""
+    within 1e-5 of the op-by-op layer's output range (`module.<available>` patched off for it)."""
     T = x.shape[1]
     calls, native = [], getattr(module, entry)
-    monkeypatch.setattr(module, entry, lambda *a: calls.append(a[0].shape) or native(*a))
+    monkeypatch.setattr(module, entry, lambda *a, **k: calls.append(a[0].shape) or native(*a, **k))
     fused = [run_mixer(mixer, x, chunks, mask) for chunks in ([T], [13, 1, T - 14], [1] * T)]
     assert len(calls) == 1 + 3 + T  # the C++ path ran
-    monkeypatch.setattr(module, "mixer_available", lambda *dims: False)
+    monkeypatch.setattr(module, available, lambda *dims: False)
     op = run_mixer(mixer, x, [T], mask)
     for out in fused[1:]:
         assert torch.equal(out, fused[0])

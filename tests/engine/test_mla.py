@@ -5,9 +5,11 @@ re-derivation, checkpoint names, and the latent cache's bytes per token."""
 import pytest
 import torch
 
+from localmoe.engine.layers import mla as mla_layer
 from localmoe.engine.layers.mla import Config, MLAttention, build
+from localmoe.kernels import _cpu
 from localmoe.testing import plan_checkpoint
-from localmoe.testing.parity import run_mixer as run
+from localmoe.testing.parity import assert_native_mixer_matches_op, run_mixer as run
 
 D, H, R, NOPE, ROPE, V = 64, 4, 32, 16, 8, 16
 CONFIGS = {
@@ -52,6 +54,16 @@ def test_absorbed_equals_expanded(name):
     expanded = run(layer(name, absorb=False), x, chunks)
     absorbed = run(layer(name, absorb=True), x, chunks)
     assert (absorbed - expanded).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(_cpu.library() is None, reason="needs the CPU kernel library")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunk_kernel_matches_op_by_op(name, monkeypatch):
+    """The CPU prefill's one C++ call (kernels/mla_decode `mla_chunk`) for Kimi-Linear and K3 (q LoRA, output gate):
+    30 tokens in one call == 13 + 1 + 16 == 30 calls of one bit for bit, within 1e-5 of the op-by-op layer."""
+    mixer = layer(name)
+    assert mixer.use_absorbed(30, 30) and not mixer.use_absorbed(40, 40)  # the kernel where absorption is cheaper
+    assert_native_mixer_matches_op(mla_layer, "mla_chunk", mixer, inputs(30), None, monkeypatch, "chunk_available")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

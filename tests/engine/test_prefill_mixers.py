@@ -1,7 +1,8 @@
-"""The CPU prefill of the delta-rule mixers (kernels/decode_layers/hybrid_prefill.cpp through kernels/kda/native.py:
-everything between a KDA / Gated DeltaNet layer's projections in one C++ call, the fused decode step's arithmetic per
-token) against the op-by-op layers, on tiny Kimi-Linear, Qwen3-Next and Kimi K3 (KDA with the bounded gate): every
-prompt position's logits, then greedy decode steps, within 1e-5 of the logit range."""
+"""The CPU prefill of the mixers (kernels/decode_layers/hybrid_prefill.cpp through kernels/kda/native.py and
+kernels/mla_decode/native.py: everything between a KDA / Gated DeltaNet / MLA layer's projections in one C++ call, the
+fused decode step's arithmetic per token) against the op-by-op layers, on tiny Kimi-Linear, Qwen3-Next and Kimi K3
+(KDA with the bounded gate): every prompt position's logits, then greedy decode steps, within 1e-5 of the logit
+range."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from localmoe.config import EngineConfig
-from localmoe.engine.layers import gated_deltanet, kda
+from localmoe.engine.layers import gated_deltanet, kda, mla
 from localmoe.kernels import _cpu
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
@@ -39,13 +40,16 @@ def _logits(model, chunks: list[int]) -> torch.Tensor:
 
 def test_native_mixers_match_op_by_op(model, monkeypatch):
     calls = []
-    for module, name in ((kda, "kda_chunk"), (gated_deltanet, "gdn_chunk")):
+    native = ((kda, "kda_chunk", "mixer_available"), (gated_deltanet, "gdn_chunk", "mixer_available"),
+              (mla, "mla_chunk", "chunk_available"))
+    for module, name, _ in native:
         chunk = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, chunk=chunk: calls.append(1) or chunk(*a))
+        monkeypatch.setattr(module, name, lambda *a, name=name, chunk=chunk, **k: calls.append(name) or chunk(*a, **k))
     got = [_logits(model, chunks) for chunks in ([len(PROMPT)], [40, 1, 26])]
     assert calls, "the C++ prefill mixers did not run"
-    for module in (kda, gated_deltanet):
-        monkeypatch.setattr(module, "mixer_available", lambda *a: False)
+    assert ("mla_chunk" in calls) == (model.spec.mla is not None), "MLA's prefill call did not run"
+    for module, _, available in native:
+        monkeypatch.setattr(module, available, lambda *a: False)
     want = _logits(model, [len(PROMPT)])
     scale = want.amax(-1) - want.amin(-1)
     for g in got:

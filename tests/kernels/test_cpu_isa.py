@@ -171,17 +171,25 @@ def test_delta_rule_tokens(isa, per_head):
 
 
 @ISA
-@pytest.mark.parametrize("mixer", ["kimi_linear", "kimi_k3", "gated_deltanet"])
+@pytest.mark.parametrize("mixer", ["kimi_linear", "kimi_k3", "gated_deltanet", "mla"])
 def test_prefill_mixers(isa, mixer):
     """The KDA / Gated DeltaNet prefill mixers between their projections (kernels/kda/native.py `kda_chunk`,
-    `gdn_chunk`): output, state and conv tail, a left-padded row included."""
+    `gdn_chunk`): output, state and conv tail, a left-padded row included; MLA's (kernels/mla_decode/native.py
+    `mla_chunk`): the output of 37 queries over 150 rows, value widths that leave lanes past the last 8."""
     from localmoe.kernels.kda import native
+    from localmoe.kernels.mla_decode import native as mla_native
 
     g_ = torch.Generator().manual_seed(12)
     B, T, K, W = 2, 37, 40, 4
     valid = torch.ones(B, T)
     valid[1, :5] = 0.0
-    if mixer == "gated_deltanet":
+    if mixer == "mla":
+        H, r, nope, rope, v, S = 3, 20, 12, 4, 10, 150
+        rows = torch.randn(B, S + 7, r + rope, generator=g_)[:, :S]
+        q = torch.randn(B, T, H, nope + rope, generator=g_)
+        w_uk, w_uv = torch.randn(H, nope, r, generator=g_) * 0.3, torch.randn(H, v, r, generator=g_) * 0.3
+        run = lambda: (mla_native.mla_chunk(q, rows, w_uk, w_uv, 0.25),)  # noqa: E731
+    elif mixer == "gated_deltanet":
         Hk, Hv, V = 2, 6, 24
         C = 2 * Hk * K + Hv * V
         y = torch.randn(B, T, C + Hv * V + 2 * Hv, generator=g_)

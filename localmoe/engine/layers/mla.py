@@ -7,6 +7,9 @@ give W_uk[h] [nope, r] and W_uv[h] [v, r]: k_h = [W_uk[h] c, k_r], v_h = W_uv[h]
 - absorbed (decode): q_h . k_h = (W_uk[h]^T q_nope_h) . c + q_rope_h . k_r, and
   sum_s p_s v_h(s) = W_uv[h] (sum_s p_s c_s): attend over the cached rows directly, then
   apply W_uv. Which is cheaper depends on T against the cached length; `absorb` decides.
+  On the CPU an unpadded absorbed call (every prompt chunk up to ~85 tokens for Kimi's shapes) runs in one C++
+  call (kernels/mla_decode `mla_chunk`: each query with the fused decode step's arithmetic, so its bits do not
+  depend on the chunk), between the projections.
 Kimi applies no rotary to the "rope" part (`use_nope`); DeepSeek rotates q_rope and k_rope
 with RoPE over adjacent pairs (interleaved), done here as a de-interleave followed by the
 half-split rotation (the dot products are the same), and stores k_rope rotated. K3 gates the
@@ -33,7 +36,7 @@ from localmoe.engine.sparse_topk import keep_topk_scores, topk_indices
 from localmoe.engine.state_cache import LatentCache
 from localmoe.engine.step import Step
 from localmoe.errors import LocalMoEError
-from localmoe.kernels.mla_decode import mla_decode
+from localmoe.kernels.mla_decode import chunk_available, mla_chunk, mla_decode
 
 SCORES_MAX_BYTES = 32 << 20  # fp32 scores of one key block (engine/blockwise.py): longer contexts take more blocks
 KV_BLOCK_BYTES = 2 << 20  # fp32 per-head keys and values of one key block in the flash path (no scores kept)
@@ -139,8 +142,7 @@ class MLAttention:
         the input DSA's indexer shares."""
         B, T, _ = x.shape
         c = self.config
-        if self.q_a_proj is not None:
-            x = F.rms_norm(self.q_a_proj(x), (c.q_lora_rank,), self.q_a_norm, c.norm_eps)
+        x = self._q_input(x)
         q_nope, q_rope = self.q_proj(x).view(B, T, c.num_heads, -1).split((c.qk_nope_head_dim, c.qk_rope_head_dim),
                                                                           dim=-1)
         if not c.use_nope:
@@ -148,6 +150,12 @@ class MLAttention:
                 raise LocalMoEError("MLA with RoPE needs the step's positions to rotate its queries")
             q_rope = rotate_interleaved(q_rope, step)
         return q_nope.transpose(1, 2), q_rope.transpose(1, 2), x
+
+    def _q_input(self, x: torch.Tensor) -> torch.Tensor:
+        """q_proj's input: RMSNorm(q_a_proj(x)) under q LoRA, else x."""
+        if self.q_a_proj is None:
+            return x
+        return F.rms_norm(self.q_a_proj(x), (self.config.q_lora_rank,), self.q_a_norm, self.config.norm_eps)
 
     def latent_rows(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> cache rows [B, T, r + rope]: RMSNorm(latent) then the rope key part
@@ -249,13 +257,31 @@ class MLAttention:
     def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """attn [B, H, T, v] -> o_proj (after K3's sigmoid gate) [B, T, hidden]."""
         B, _, T, _ = attn.shape
-        out = attn.transpose(1, 2).reshape(B, T, -1)
+        return self._project(x, attn.transpose(1, 2).reshape(B, T, -1))
+
+    def _project(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [B, T, H v] -> o_proj (after K3's sigmoid gate) [B, T, hidden]."""
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
+    def _chunk_kernel_takes(self, x: torch.Tensor, step: Step) -> bool:
+        """Whether this call's attention runs in one C++ call (kernels/mla_decode `mla_chunk`): a CPU call without
+        padding (mask None: causal), NoPE (Kimi, K3), no top-k, the path left to cost and absorption the cheaper."""
+        T, S = x.shape[1], step.start + x.shape[1]
+        return (step.mask is None and self.config.use_nope and self.absorb is None
+                and (self.sparse_topk is None or self.sparse_topk >= S) and self.use_absorbed(T, S)
+                and chunk_available(x))
+
     def __call__(self, x: torch.Tensor, step: Step, cache: LatentCache) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; appends this step's latent rows to `cache`."""
+        if self._chunk_kernel_takes(x, step):
+            B, T, _ = x.shape
+            q = self.q_proj(self._q_input(x)).view(B, T, self.config.num_heads, -1)
+            rows = cache.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
+            if rows.stride(-1) != 1 or rows.stride(1) != rows.shape[2]:
+                rows = rows.contiguous()
+            return self._project(x, mla_chunk(q, rows, self.w_uk, self.w_uv, self.scale))
         q_nope, q_rope = self.queries(x, step)
         rows = cache.update(step.start, self.latent_rows(x, step))  # [B, S, r + rope]
         return self.output(x, self.attend(q_nope, q_rope, rows, step.mask))
