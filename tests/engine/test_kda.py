@@ -142,6 +142,35 @@ def test_native_chunk_matches_op_by_op(variant, monkeypatch):
     assert_native_mixer_matches_op(kda_layer, "kda_chunk", mixer, x, mask, monkeypatch)
 
 
+def test_native_chunk_state_in_place_unless_recording():
+    """A cache that is not recording has its state and conv tail advanced where they are (no copies); a recording
+    cache gets new tensors each call, so the snapshots it keeps stay as they were (trim returns to one)."""
+    from localmoe.engine.layers import kda as kda_layer
+
+    if not kda_layer.mixer_available(torch.zeros(1), K):
+        pytest.skip("the CPU kernel library is not built here")
+    mixer = layer("kimi_linear")
+    x = torch.randn(1, 30, D, generator=torch.Generator().manual_seed(4))
+    cache = ModelCache([mixer.new_cache(1, 30)], 1, 30, mixer.device)
+    states = cache.layers[0]
+
+    def feed(n: int) -> None:
+        start = cache.reserve(n)
+        cache.append_mask(None, n)
+        mixer(x[:, start:start + n], make_step(cache, start, n, None), states)
+        cache.advance(n)
+
+    held = states.state, states.conv_tail
+    feed(10)
+    assert states.state is held[0] and states.conv_tail is held[1]
+    states.record(True)
+    feed(10)
+    kept = states.state.clone(), states.conv_tail.clone()
+    feed(10)
+    states.trim(20)
+    assert torch.equal(states.state, kept[0]) and torch.equal(states.conv_tail, kept[1])
+
+
 def hf_layer_and_ours(seed: int = 0):
     from transformers import KimiLinearConfig
     from transformers.models.kimi_linear.modeling_kimi_linear import (

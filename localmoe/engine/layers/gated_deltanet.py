@@ -110,7 +110,8 @@ class GatedDeltaNet:
             x = x * valid[..., None]
         if mixer_available(x, K, V):  # on the CPU everything between the projections in one C++ call
             o, state, tail = gdn_chunk(self.in_proj(x).float().contiguous(), valid, cache.state, cache.conv_tail,
-                                       self.conv_weight, self.decay_rate, self.dt_bias, self.norm, Hk, c.norm_eps)
+                                       self.conv_weight, self.decay_rate, self.dt_bias, self.norm, Hk, c.norm_eps,
+                                       in_place=not cache.recording)
             cache.advance(state, tail, T)
             return self.out_proj(o)
         qkv, z, b, a = self.in_proj(x).split(self.split, dim=-1)

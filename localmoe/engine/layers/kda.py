@@ -164,7 +164,7 @@ class KimiDeltaAttention:
             gate = self.g_b_proj(gate).float().contiguous()
         o, state, tail = kda_chunk(y, f, gate, valid, cache.state, cache.conv_tail, self.conv_weight,
                                    self.decay_rate.reshape(H), self.dt_bias, self.o_norm, c.bounded_gate,
-                                   c.gate_lower_bound, c.norm_eps)
+                                   c.gate_lower_bound, c.norm_eps, in_place=not cache.recording)
         cache.advance(state, tail, x.shape[1])
         return self.o_proj(o)
 
