@@ -64,7 +64,10 @@ SOURCES = (KERNELS / "mxfp4_moe" / "mxfp4_cpu.cpp", KERNELS / "mxfp4_moe" / "moe
            KERNELS / "decode_layers" / "hybrid_prefill.cpp", KERNELS / "dense_moe" / "dense_moe_cpu.cpp",
            KERNELS / "ggml_gemv" / "ggml_moe_cpu.cpp", KERNELS / "paged_io" / "reader_cpu.cpp",
            KERNELS / "fp8_cache" / "fp8_cpu.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread")
+# Functions and loops on 64-byte boundaries: without it an edit to one kernel moves every kernel linked after it and
+# their loops' alignment with it, ~1% on Kimi-Linear prefill's unchanged code (docs/performance.md, session 15).
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-std=c++17", "-pthread", "-falign-functions=64",
+         "-falign-loops=64")
 # ISA name -> (compiler flags added to FLAGS, /proc/cpuinfo flags the CPU must have), best last
 ISAS = {"avx2": ((), ("avx2", "fma", "f16c")),
         "avx512vnni": (("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
