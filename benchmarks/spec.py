@@ -237,7 +237,8 @@ def step_worker(args) -> None:
           "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
           "bytes_per_token": read / (len(out) - 1), "stall": stall / seconds,
-          "step_seconds": speculator.step_seconds if speculator else None})
+          "step_costs": {"t1": speculator.costs.t1(), "ratios": [speculator.costs.ratio(r) for r in range(2, speculator.k_max + 2)]}
+          if speculator else None})
 
 
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:

@@ -6,8 +6,8 @@ draft after a long match is mostly kept, one after a single token mostly not, so
 what its class pays), and from what a step of r rows costs on this model: t(r) = t(1) x the model's ratio
 t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the model, a long window's median per
 row count, non-decreasing in r; so k follows acceptance, not the noise of one sequence's few verifies), t(1) the
-median of this sequence's last RECENT plain steps (CPU time, plus the pager's stall where a step may wait for
-expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
+median of the model's recent plain steps (the same table: the one place step times are kept; CPU time, plus the
+pager's stall where a step may wait for expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
 draft model runs its drafts and the tokens the step yields. A step of k drafts yields E(k) = 1 + a + ... + a^k
 tokens on average for the time t(k + 1); the k with the most tokens per second wins, and k = 0 (no draft: a
 plain decode step) when none beats a plain step by GAIN (5%: a draft that only breaks even is a loss when the
@@ -15,8 +15,9 @@ estimates err).
 
 Row counts not measured yet on the model are estimated pessimistically (costs.py's prior: 2 rows at two plain
 steps against a fused step, 1.3 where the plain step is the row kernels' too, `rows_plain`), so the first verify
-is one that pays even so (a draft after a long match, mostly kept) and measuring costs little; the first step of
-a sequence is plain (t(1), the yardstick). A drafter without match lengths (a draft model, MTP: how likely a
+is one that pays even so (a draft after a long match, mostly kept) and measuring costs little; a sequence takes
+plain steps until the model's t(1) is known (the yardstick: two plain steps on a fresh model, the first of each row
+count being its kernels' first use, costs.py). A drafter without match lengths (a draft model, MTP: how likely a
 draft is kept is unknown until tried) drafts one token a step until this sequence measured a verify.
 
 Probing: a draft of a class that does not pay is still tried now and then (a change in acceptance is noticed;
@@ -70,7 +71,6 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from localmoe.engine.spec.costs import StepCosts
@@ -81,7 +81,6 @@ PROBE = 16  # the fewest plain steps between two tries while no draft pays
 PROBE_MAX = 512  # the most (the spacing doubles with every try rejected)
 PROBE_SHARE = 0.005  # the tries of a class that does not pay cost at most this share of the decode time
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
-RECENT = 9  # t(1) is the median of the last RECENT plain steps timed (a step preempted under load is an outlier)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
@@ -142,9 +141,7 @@ class Speculator:
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
-        self.step_seconds: dict[int, float] = {}  # rows -> the median time of its recent steps
-        self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is dropped by the second)
-        self._recent: dict[int, deque] = {}  # rows -> the last RECENT step times
+        self._verified = False  # this sequence ran a verify (`_measuring`)
         self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
         self._catches_up = float(hasattr(drafter, "caught_up"))  # a drafter with a cache runs the yielded tokens too
         self._drafts_timed = 0
@@ -159,7 +156,7 @@ class Speculator:
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
-        # t(r) / t(1) on this model: its own until the caller (verify.py) gives it the model's shared one
+        # t(1) and t(r) / t(1) on this model: its own until the caller (verify.py) gives it the model's shared one
         self.costs = StepCosts()
         self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
@@ -171,7 +168,6 @@ class Speculator:
         self._classes = range(BUCKETS)  # the classes drafts may come in
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
-        self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
         # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
         self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
@@ -243,7 +239,7 @@ class Speculator:
             self._counters = self.residency.counters()
         if not self.adaptive:
             return self.k_max
-        if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one first
+        if self.costs.t1() is None:  # a plain step's cost is the yardstick: measure one first
             return 0
         if self._measuring():
             return 1
@@ -286,18 +282,10 @@ class Speculator:
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 
-    def _t1(self) -> float:
-        """t(1): the median of the last plain steps (taken when read: `observe` only files a plain step)."""
-        if self._dirty:
-            self._dirty = False
-            recent = self._recent[1]
-            self.step_seconds[1] = sorted(recent)[len(recent) // 2]
-        return self.step_seconds[1]
-
     def _priced_classes(self) -> list[tuple[int, float]]:
         """`_best` of each confidence class (bucket()), priced again only once a verify ran (acceptance, row
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
-        one = self._t1()
+        one = self.costs.t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
             self._memo_costs = costs = self._costs()  # (the same for every class: a pass after each verify priced
             # them 5 times; a shadow try that settles reprices its class with them)
@@ -323,7 +311,7 @@ class Speculator:
         """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
         not build the drafts of shorter ones. 1 where every draft may be kept (not adaptive, not priced yet, a
         try due, a residency pricing drafts by their reads)."""
-        if not self.adaptive or 1 not in self.step_seconds or self.residency is not None:
+        if not self.adaptive or self.residency is not None or self.costs.t1() is None:
             return 1
         self._priced_classes()
         return self._least_due()
@@ -346,7 +334,7 @@ class Speculator:
         """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
         a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
         kept), and it retires where drafting does not pay."""
-        return not self.matches and all(r < 2 for r in self.step_seconds)
+        return not self.matches and not self._verified
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
@@ -358,9 +346,9 @@ class Speculator:
         return self.residency is not None and 1 in self.step_misses and self.miss_seconds is not None
 
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): this
-        sequence's t(1) times the model's t(rows) / t(1) (costs.py; t(1) is measured first)."""
-        return self._t1() * self.costs.ratio(rows)
+        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): the model's
+        t(1) times its t(rows) / t(1) (costs.py; t(1) is measured first)."""
+        return self.costs.t1() * self.costs.ratio(rows)
 
     def fit(self, draft: Draft, at: int | None = None) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
@@ -368,7 +356,7 @@ class Speculator:
         the pager asked to prefetch them. `at`: the position of the draft's first token (unused since shadow tries
         are made after the fact, `_review`)."""
         self._probing = False
-        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
+        if not draft.tokens or not self.adaptive or self.costs.t1() is None or self._measuring():
             return self._priced_fit(draft, None)
         b = bucket(draft)
         a = self.bucket_acceptance(b)
@@ -474,9 +462,9 @@ class Speculator:
 
     @property
     def times_plain(self) -> bool:
-        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once t(1) is known (its
-        median over the last RECENT timed steps moves slowly; a clock reading is a system call, ~1 us)."""
-        return self.stats.steps % TIME_EVERY == 0 or self._samples.get(1, 0) < 2 or self.residency is not None
+        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once the model's t(1) is known
+        (its median over the last plain steps moves slowly; a clock reading is a system call, ~1 us)."""
+        return self.stats.steps % TIME_EVERY == 0 or self.residency is not None or self.costs.t1() is None
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float | None, confidence: int = 0,
                 drafting: float = 0.0) -> None:
@@ -485,11 +473,9 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
-        if not drafted and rows == 1 and self.residency is None and self._samples.get(1, 0) >= 2:
+        if not drafted and rows == 1 and self.residency is None:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
             if seconds is not None:  # (None: not timed, `times_plain`)
-                self._recent[1].append(seconds)
-                self._dirty = True  # its median is taken when read (`_t1`)
                 self.costs.plain(seconds)
             return
         if drafted:
@@ -515,16 +501,11 @@ class Speculator:
             b = confidence
             self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + accepted
             self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)
-        # the first step of a row count pays its kernels' first use: the second replaces it
-        self._samples[rows] = n = self._samples.get(rows, 0) + 1
-        recent = self._recent.setdefault(rows, deque(maxlen=RECENT))
-        if n == 2:
-            recent.clear()
-        recent.append(seconds)
-        self.step_seconds[rows] = sorted(recent)[len(recent) // 2]  # the median (the upper one of an even count)
-        if rows == 1:
-            self.costs.plain(seconds)
-        else:  # a sample of the model's t(rows) / t(1)
+        if rows == 1:  # (a residency's plain step: its misses below)
+            if seconds is not None:
+                self.costs.plain(seconds)
+        else:  # a sample of the model's t(rows) / t(1) (the table drops each row count's first use)
+            self._verified = True
             self.costs.verify(rows, seconds)
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
