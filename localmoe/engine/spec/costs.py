@@ -1,6 +1,6 @@
 """What a verify of r rows costs against a plain step, for one model: t(r) / t(1), shared by its sequences.
 
-A speculator chooses k by acceptance x cost: E(k) = 1 + a + ... + a^k tokens for t(k + 1). Measured per sequence
+A speculator chooses k by acceptance x cost: E(k) tokens (speculator.py) for t(k + 1). Measured per sequence
 (the median of a row count's last 9 steps, session 8-13), t(r) / t(1) read on a loaded host anywhere from 1.0 to
 1.7 for a 2-row verify within one code-edit turn (the true figure ~1.2) and the choice of k followed that noise: a
 5-row verify priced at 1.24 plain steps drafted after single-token matches at k = 4, one priced at 2.3 cut 93%-kept

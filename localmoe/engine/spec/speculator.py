@@ -1,17 +1,17 @@
 """One sequence's speculation: its drafter, the choice of k per step, its statistics.
 
-k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
-when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
-draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays), and from what a step of r rows costs on this model: t(r) = t(1) x the model's ratio
-t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the model, a long window's median per
-row count, non-decreasing in r; so k follows acceptance, not the noise of one sequence's few verifies), t(1) the
-median of the model's recent plain steps (the same table: the one place step times are kept; CPU time, plus the
-pager's stall where a step may wait for expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
-draft model runs its drafts and the tokens the step yields. A step of k drafts yields E(k) = 1 + a + ... + a^k
-tokens on average for the time t(k + 1); the k with the most tokens per second wins, and k = 0 (no draft: a
-plain decode step) when none beats a plain step by GAIN (5%: a draft that only breaks even is a loss when the
-estimates err).
+k is chosen from what this sequence measured: the acceptance (from recent steps, kept apart per confidence class,
+`bucket()`: a prompt-lookup draft after a long match is mostly kept, one after a single token mostly not, so `fit`
+cuts each draft to what its class pays; per class two numbers, `bucket_acceptance`: p the chance that its first
+draft is kept, c that a further one is once the one before it was), and from what a step of r rows costs on this
+model: t(r) = t(1) x the model's ratio t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the
+model, a long window's median per row count, non-decreasing in r; so k follows acceptance, not the noise of one
+sequence's few verifies), t(1) the median of the model's recent plain steps (the same table: the one place step
+times are kept; CPU time, plus the pager's stall where a step may wait for expert reads: verify.py `step_clock`).
+The drafter's own time is priced apart, per token it runs: a draft model runs its drafts and the tokens the step
+yields. A step of k drafts yields E(k) = 1 + p (1 + c + ... + c^(k-1)) tokens on average for the time t(k + 1); the
+k with the most tokens per second wins, and k = 0 (no draft: a plain decode step) when none beats a plain step by
+GAIN (5%: a draft that only breaks even is a loss when the estimates err).
 
 Row counts not measured yet on the model are estimated pessimistically (costs.py's prior: 2 rows at two plain
 steps against a fused step, 1.3 where the plain step is the row kernels' too, `rows_plain`), so the first verify
@@ -140,7 +140,10 @@ class Speculator:
         self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
-        self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
+        # per bucket(): decayed counts of its drafts' first token kept, tries; of a further token kept once the one
+        # before it was, positions reached (`_tally`)
+        self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
+        self._more_kept, self._more_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
         self._verified = False  # this sequence ran a verify (`_measuring`)
         self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
         self._catches_up = float(hasattr(drafter, "caught_up"))  # a drafter with a cache runs the yielded tokens too
@@ -189,24 +192,38 @@ class Speculator:
         """The estimated chance that the target keeps a draft given it kept the ones before (a)."""
         return self._kept / self._trials
 
-    def bucket_acceptance(self, b: int) -> float:
-        """a for drafts of confidence class `b` (bucket()): its own counts and its prior (class 0: `acceptance`)."""
+    def bucket_acceptance(self, b: int) -> tuple[float, float]:
+        """(p, c) for drafts of confidence class `b` (bucket()): the chance that the first draft is kept, and that a
+        further one is once the one before it was, each from its own counts and the class's prior (class 0: both
+        `acceptance`). Two numbers, not one a: a class's drafts are mostly all right or wrong at once (a single-token
+        match is either a quote's start or a common word: on the code edit the first of such drafts is kept 31%,
+        a further one 53%; one a of 0.39 overrated its first draft and verified it at a loss)."""
         if b == 0:
-            return self.acceptance
-        return (self._bucket_kept[b] + PRIOR * CLASS_PRIOR[b]) / (self._bucket_trials[b] + PRIOR)
+            return self.acceptance, self.acceptance
+        prior = PRIOR * CLASS_PRIOR[b]
+        return ((self._bucket_kept[b] + prior) / (self._bucket_trials[b] + PRIOR),
+                (self._more_kept[b] + prior) / (self._more_trials[b] + PRIOR))
+
+    def _tally(self, b: int, kept: int, n: int) -> None:
+        """Class b's counts after a try of n drafts of which the first `kept` were kept (a verify or in the shadow):
+        its first draft, and the further ones it reached."""
+        self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + (kept > 0)
+        self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + 1
+        if kept and n > 1:
+            self._more_kept[b] = (1 - SMOOTH) * self._more_kept[b] + kept - 1
+            self._more_trials[b] = (1 - SMOOTH) * self._more_trials[b] + kept - 1 + (kept < n)
 
     def _costs(self) -> list[float]:
         """t(r) for r = 1 .. k_max + 1 (`_estimate`), taken once for every class a pricing pass prices."""
         return [self._estimate(r) for r in range(1, self.k_max + 2)]
 
-    def _best(self, a: float, costs: list[float] | None = None) -> tuple[int, float]:
-        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step.
-        `costs`: `_costs()` (taken here where not given)."""
+    def _best(self, a: tuple[float, float], costs: list[float] | None = None) -> tuple[int, float]:
+        """(the k with the most expected tokens per second at acceptance a = (p, c), `bucket_acceptance`, that rate);
+        k = 0: a plain step. `costs`: `_costs()` (taken here where not given)."""
         costs = costs or self._costs()
         best, best_rate = 0, GAIN / costs[0]
-        a = min(a, 0.999)
         for k in range(1, self.k_max + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
+            tokens = _expected(a, k)  # a draft model then also runs the tokens the step yields
             rate = tokens / (costs[k] + (k + tokens * self._catches_up) * self.draft_seconds)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -368,7 +385,7 @@ class Speculator:
             keep = int(self._probing)
         return self._priced_fit(draft.first(keep), a)
 
-    def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
+    def _priced_fit(self, draft: Draft, a: tuple[float, float] | None) -> Draft:
         r = self.residency
         if r is None or draft.source is None or not draft.tokens:
             return draft
@@ -378,7 +395,6 @@ class Speculator:
         keep = len(draft.tokens)
         if a is not None and self._priced():
             missing = r.missing(keys)
-            a = min(a, 0.999)
             keep, best = 0, GAIN / self._estimate(1)
             measured = max(self.step_misses)
             for j in range(1, len(draft.tokens) + 1):
@@ -388,7 +404,7 @@ class Speculator:
                 # included, so no verify ever measured them: 0-10% of the document task's drafts verified)
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
                 added = (missing[j] - missing[0] - typical) * self.miss_seconds if measured >= j + 1 else 0.0
-                tokens = (1 - a ** (j + 1)) / (1 - a)
+                tokens = _expected(a, j)
                 cost = max(self._estimate(j + 1) + added, self._estimate(1)) + j * self.draft_seconds
                 rate = tokens / cost
                 if rate > best:
@@ -410,7 +426,7 @@ class Speculator:
             return
         if at == end:
             return
-        kept_, trials, k, tried = self._bucket_kept, self._bucket_trials, self.k_max, 0
+        k, tried = self.k_max, 0
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
             if b and not memo[b][0]:
@@ -420,8 +436,7 @@ class Speculator:
                 kept, n = fate
                 self.shadow_tries += 1
                 self.shadow_kept += kept > 0
-                kept_[b] = (1 - SMOOTH) * kept_[b] + kept
-                trials[b] = (1 - SMOOTH) * trials[b] + kept + (kept < n)
+                self._tally(b, kept, n)
                 tried |= 1 << b
             at += 1
         self._review_at = at
@@ -440,8 +455,7 @@ class Speculator:
         """One shadow try of class b: `kept` of its `n` drafts would have been kept (module docstring)."""
         self.shadow_tries += 1
         self.shadow_kept += kept > 0
-        self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
-        self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
+        self._tally(b, kept, n)
         if self._memo is not None:
             self._reprice([b])
 
@@ -498,9 +512,7 @@ class Speculator:
             per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
             # sequence's new ones (the prompt, the first time) and the drafts
             self.draft_seconds = per if self._drafts_timed <= 2 else self.draft_seconds + SMOOTH * (per - self.draft_seconds)
-            b = confidence
-            self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + accepted
-            self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)
+            self._tally(confidence, accepted, drafted)
         if rows == 1:  # (a residency's plain step: its misses below)
             if seconds is not None:
                 self.costs.plain(seconds)
@@ -514,6 +526,13 @@ class Speculator:
             if misses:
                 per = stall / misses
                 self.miss_seconds = per if self.miss_seconds is None else self.miss_seconds + SMOOTH * (per - self.miss_seconds)
+
+
+def _expected(a: tuple[float, float], k: int) -> float:
+    """Tokens a step of k drafts yields on average at acceptance a = (p, c) (`bucket_acceptance`): its own token,
+    the first draft with chance p, each further one with chance c once the one before it was kept."""
+    p, c = a[0], min(a[1], 0.999)
+    return 1 + p * (1 - c ** k) / (1 - c)
 
 
 def _average(table: dict[int, float], rows: int, value: float) -> None:
