@@ -44,6 +44,10 @@ Resting (`rest`, session 13): after a step without a draft, the drafter says how
 find no match worth a draft (a match grows by a token a step at most, `PromptLookup.quiet`); decode_together
 takes those as plain steps without calling the speculator at all (`quiet`), and the next call counts them
 (`wake`) and feeds the index their tokens in one call. A free answer then pays the speculator once in a few steps.
+It rests those steps only (sessions 13-14 rested a few more each time a sequence declined, doubling up to 16 until a
+verify: a code edit that reached 16 before its first quote rested through the quotes' starts and its shadow tries
+came 16-32 steps late, 89 steps a turn instead of 76, 1.27x priced instead of 1.40x; whether that happened depended
+on the turn's first steps, session 15).
 
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
@@ -85,7 +89,6 @@ GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by 
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
-REST_MAX = 16  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -183,7 +186,6 @@ class Speculator:
         # steps the sequence takes without the speculator (decode_together's plain step): none of them could draft
         # (`rest`); `_quiet_set` what was granted, the steps it skipped are counted when it runs again (`wake`)
         self.quiet = self._quiet_set = 0
-        self._rest = 1  # the steps `rest` grants at least (doubled by every rest, back to 1 by a verify)
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
@@ -284,8 +286,8 @@ class Speculator:
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
         if self.deterministic:  # tries are found after the fact (`_review`, every call): only t(1) is watched, every
-            # SETTLE calls (a resting sequence calls once in up to REST_MAX steps)
-            self._fast_until = self.stats.steps + SETTLE * self._rest
+            # SETTLE calls
+            self._fast_until = self.stats.steps + SETTLE
             self._fast_k, self._fast_least = best, self.least
             return
         most = PROBE_MAX
@@ -464,8 +466,7 @@ class Speculator:
         no match worth a draft (`least`; the drafter's `quiet`) to decode_together's plain step, without this
         speculator (a free answer's steps then cost what `--spec off`'s do)."""
         if self._quiet_of is not None and self.least > 1:
-            self.quiet = self._quiet_set = max(self._quiet_of(length, self.least), self._rest - 1)
-            self._rest = min(2 * self._rest, REST_MAX)
+            self.quiet = self._quiet_set = self._quiet_of(length, self.least)
 
     def wake(self) -> None:
         """Count the steps taken without it since `rest` (plain steps: a token each)."""
@@ -493,7 +494,6 @@ class Speculator:
                 self.costs.plain(seconds)
             return
         if drafted:
-            self._rest = 1
             self._tried[confidence] = s.steps
             if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
                 self._backoff[confidence] = 1 if accepted else min(2 * self._backoff[confidence], PROBE_MAX)
