@@ -224,9 +224,12 @@ class Speculator:
         k = 0: a plain step. `costs`: `_costs()` (taken here where not given)."""
         costs = costs or self._costs()
         best, best_rate = 0, GAIN / costs[0]
+        tokens, further, c = 1.0, a[0], a[1]  # `_expected` term by term (a free answer reprices at most steps)
+        catch, per = self._catches_up, self.draft_seconds
         for k in range(1, self.k_max + 1):
-            tokens = _expected(a, k)  # a draft model then also runs the tokens the step yields
-            rate = tokens / (costs[k] + (k + tokens * self._catches_up) * self.draft_seconds)
+            tokens += further  # a draft model then also runs the tokens the step yields
+            further *= c
+            rate = tokens / (costs[k] + (k + tokens * catch) * per)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
