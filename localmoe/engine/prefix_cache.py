@@ -23,7 +23,15 @@ chunks before a reused position are the same calls in both prompts.
 
 Paged K/V and MLA rows trim to any position; a delta-rule state cannot be rolled back, so the
 `Decoder` snapshots it at each chunk boundary of the prompt (keeping the latest only).
-Entries are kept most recent last, at most `max_entries` and `max_bytes` of cache in all.
+Entries are kept most recent last (a use counts), at most `max_entries` and `max_bytes` of cache in all.
+
+A header is shared: a prompt that reuses no more of an entry than its anchor (the header every request with it
+sends) takes a copy of those positions (`ModelCache.copy`: the blocks that cover them, the delta-rule state at the
+anchor) and the entry stays for the next one, so a burst of requests with one header prefills it once, not once
+per entry; a prompt that reuses more (a conversation's next turn) takes the entry itself, as one sequence continues
+it. A sequence that prefills a header the cache does not hold leaves a copy of it here as soon as its prompt
+passes the anchor (`keep_header`), so the prompts of a burst that wait one step for it start from it
+(runtime/worker.py); an entry of that sequence (or any with the header) replaces it when it finishes.
 """
 
 from __future__ import annotations
@@ -100,25 +108,45 @@ class PrefixCache:
         """How many leading positions of `prompt` an entry could give it (nothing is taken)."""
         return self._best(prompt, grain, anchor, whole=True)[1]
 
-    def take(self, prompt: Sequence[int], grain: int, anchor: int | None = None) -> tuple[ModelCache | None, int]:
-        """The cache holding the longest reusable prefix of `prompt` (trimmed to it, removed from here,
-        since one sequence uses it) and that prefix's length; (None, 0) when nothing is reusable."""
+    def take(self, prompt: Sequence[int], grain: int, anchor: int | None = None,
+             again: bool = False) -> tuple[ModelCache | None, int]:
+        """A cache holding the longest reusable prefix of `prompt` (trimmed to it) and that prefix's length;
+        (None, 0) when nothing is reusable. Within an entry's header (up to its anchor) it is a copy and the entry
+        stays; past it, the entry's own cache, removed from here (one sequence continues it). `again`: a second
+        look for a prompt whose first look missed (counted once)."""
         best, best_len = self._best(prompt, grain, anchor, whole=False)
         if best is None:
-            self.misses += 1
+            self.misses += not again
             return None, 0
-        cache = self.entries.pop(best).cache
-        cache.trim(best_len)
+        entry = self.entries.pop(best)
+        if entry.anchor is not None and best_len <= entry.anchor:  # a header: every request with it may take it
+            cache = entry.cache.copy(best_len)
+            self.entries.append(entry)  # used: the most recent
+        else:
+            cache = entry.cache
+            cache.trim(best_len)
         self.hits += 1
+        self.misses -= again
         self.reused_tokens += best_len
         return cache, best_len
+
+    def keep_header(self, header: Sequence[int], cache: ModelCache, grain: int) -> None:
+        """Keep a copy of `cache`'s first len(`header`) positions (a prompt's header: `cache` holds it, prefilled
+        in chunks of `grain` ending at its end), unless an entry holds it already (or the cache cannot come back
+        to its end)."""
+        anchor = len(header)
+        if self.max_entries <= 0 or self.holds(header, grain, anchor) >= anchor or \
+                cache.rollback_point(anchor) != anchor:
+            return
+        self.put(header, cache.copy(anchor), anchor, anchor)
 
     def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, anchor: int | None = None) -> None:
         """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks, one
         ending at `anchor`)."""
         if cache.batch != 1 or cache.offset != len(tokens) or cache.key_mask is not None or not tokens:
             return
-        self.entries.append(Entry(list(tokens), cache, prefilled, anchor))
+        new = Entry(list(tokens), cache, prefilled, anchor)
+        self.entries = [e for e in self.entries if not e.covered_by(new)] + [new]
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes() > self.max_bytes):
             self.entries.pop(0)
 
@@ -135,3 +163,10 @@ class Entry:
     cache: ModelCache
     prefilled: int  # leading positions computed as prompt chunks (exact for reuse)
     anchor: int | None = None  # where its prompt's header ended a chunk (None: chunks of the grain from 0)
+
+    def covered_by(self, other: Entry) -> bool:
+        """Whether this is a header alone (`keep_header`, `Service.warm`) that `other` holds too (the same tokens
+        up to the same anchor, prefilled, and its cache can come back there): every prompt it serves, `other` does."""
+        return self.anchor is not None and self.prefilled == self.anchor == len(self.tokens) and \
+            other.anchor == self.anchor and other.prefilled >= self.anchor and \
+            other.tokens[:self.anchor] == self.tokens and other.cache.rollback_point(self.anchor) == self.anchor

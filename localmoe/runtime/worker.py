@@ -407,11 +407,16 @@ class EngineWorker:
         if self.row_limit is not None and self.row_limit < waiting[0].wants.chunk:  # MoE calls of a few rows (exact
             # MXFP4 32, dense 64, GGUF 96): a step within them, as before (measured: 512-row slices re-read nothing)
             budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
-        chunks = []
+        chunks, headers = [], set()  # the headers an earlier prompt prefills (left to the prefix cache as it passes)
         for r in waiting:
-            if budget <= 0 or not r.wants.prompt_rows:
+            dec = r.wants
+            if dec.header is not None and dec.untouched and dec.header in headers:
+                continue  # waits a step for the header an earlier prompt prefills, then starts from its copy
+            if budget <= 0 or not dec.prompt_rows:
                 break
-            chunks.append((r, r.wants.chunk_size(min(budget, r.wants.chunk))))  # a long prompt: a chunk a step
+            if dec.header is not None:
+                headers.add(dec.header)
+            chunks.append((r, dec.chunk_size(min(budget, dec.chunk))))  # a long prompt: a chunk a step
             budget -= chunks[-1][1]
         return chunks
 

@@ -164,6 +164,12 @@ def test_prompt_rows_cross_the_anchor_unless_the_cache_keeps_a_delta_state(model
     assert Decoder(models["gpt_oss"], prompt, GREEDY, anchor=6).chunk_size(512) == 20
     assert Decoder(models["kimi_k3"], prompt, GREEDY, anchor=6).chunk_size(512) == 6
     assert Decoder(models["kimi_k3"], prompt, GREEDY).chunk_size(512) == 20
+    for name, first in (("gpt_oss", 20), ("kimi_k3", 6)):  # the cache's layers are looked at once, not every call
+        dec = Decoder(models[name], prompt, GREEDY, anchor=6)
+        assert dec.chunk_size(512) == first
+        layers, dec.cache.layers = dec.cache.layers, None
+        assert dec.chunk_size(512) == first and dec.chunk_size(3) == 3
+        dec.cache.layers = layers
     model = models["gpt_oss paged"]
     alone, _ = run(model, [prompt])
     worker = EngineWorker(max_active=2, batching="on")
