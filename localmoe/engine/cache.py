@@ -71,6 +71,7 @@ class PagedBuffer:
         ring = min(EXACT_RECENT, max_len) if self.lossy else 0
         self.recent = torch.zeros(batch, heads, ring, dim, device=device)
         self.recent_pos = torch.full((ring,), -1, dtype=torch.long, device=device)
+        self._ring_before: tuple[torch.Tensor, torch.Tensor] | None = None  # while recording (`record`)
         self.table: list[list[int]] = [[] for _ in range(batch)]
         self.free: list[int] = []  # heap of released physical blocks
         self.used = 0  # physical blocks ever handed out (ids 0 .. used-1)
@@ -217,12 +218,25 @@ class PagedBuffer:
             return self._exact_recent(dequantize_fp8(data, scale), length)
         return self._exact_recent(data.float(), length) if self.lossy else data
 
+    def record(self, on: bool) -> None:
+        """bf16 / fp8: while on, keep the exact ring as it stood when recording began, so that `trim` can give the
+        positions a verify's rejected drafts pushed out of it (a draft at p takes the slot of p - ring) their exact
+        rows back, as a run without those drafts reads them. Nothing for fp32 (no ring)."""
+        self._ring_before = (self.recent.clone(), self.recent_pos.clone()) if on and self.lossy else None
+
     def trim(self, offset: int) -> None:
         """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten). Nothing but
         a comparison where no block is past it and the buffer is fp32 (no exact ring: a verify's rejected drafts
         roll back every layer's K/V each time, and two tensor ops per buffer cost ~0.25 ms over 30 layers)."""
         if self.lossy:
-            self.recent_pos.masked_fill_(self.recent_pos >= offset, -1)
+            gone = self.recent_pos >= offset
+            if self._ring_before is not None:  # the slots that held older positions before the recorded writes
+                rows, positions = self._ring_before
+                back = gone & (positions >= 0) & (positions < offset)
+                self.recent[:, :, back] = rows[:, :, back]
+                self.recent_pos[back] = positions[back]
+                gone &= ~back
+            self.recent_pos.masked_fill_(gone, -1)
         keep = -(-offset // self.block)
         if keep >= len(self.table[0]):
             return
@@ -302,6 +316,15 @@ class KVCache:
         """Pickled without `_pages`: the kernel's view of the pools holds their addresses (engine/swap.py)."""
         return {**self.__dict__, "_pages": None}
 
+    @property
+    def records(self) -> bool:
+        """Whether a verify must `record` (a bf16 / fp8 cache's exact ring: PagedBuffer.record)."""
+        return self.keys.lossy
+
+    def record(self, on: bool) -> None:
+        self.keys.record(on)
+        self.values.record(on)
+
     def trim(self, offset: int) -> None:
         self.keys.trim(offset)
         self.values.trim(offset)
@@ -319,8 +342,9 @@ class ModelCache:
 
     def __init__(self, layers: list[LayerCache], batch: int, max_len: int, device: str | torch.device = "cpu"):
         self.layers = layers
-        # the layers that can keep a state per position while recording (delta-rule states: engine/spec/verify.py)
-        self.recorders = [layer for layer in layers if hasattr(layer, "record")]
+        # the layers that keep what a verify's rollback needs while recording (engine/spec/verify.py): delta-rule
+        # states per position, a bf16 / fp8 cache's exact ring as it stood
+        self.recorders = [layer for layer in layers if getattr(layer, "records", False)]
         # trim's order: the paged layers after the ones that may refuse (a delta-rule state), fixed at construction
         self._trim_order = sorted(layers, key=lambda layer: getattr(layer, "paged", False))
         self.batch = batch

@@ -8,12 +8,13 @@ speculating sequence takes (decode_together, batched mode)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
 from localmoe.engine.spec.speculator import BUCKETS, RETIRE_AFTER, Speculator, bucket
-from localmoe.testing.parity import random_tokens
+from localmoe.testing.parity import kv_cache_dtype, random_tokens
 
 GREEDY = SamplingParams(temperature=0.0)
 STEPS = 40
@@ -42,19 +43,21 @@ class Verified(PromptLookup):
     deterministic = False
 
 
-def run(model, prompt, steps=STEPS, speculator=None, params=GREEDY) -> tuple[list[int], Decoder]:
+def run(model, prompt, steps=STEPS, speculator=None, params=GREEDY, logits=None) -> tuple[list[int], Decoder]:
     """Generated tokens; without a speculator each decode step is one row of the batched step: decode_together,
     or, for a model with a residual scheme (K3's attention residuals: its plain `logits()` takes its own
-    decode step), a speculator that never drafts."""
+    decode step), a speculator that never drafts. `logits`: a list that gets each token's logits."""
     if speculator is None and model.residuals is not None:
         speculator = Speculator(NoDraft(), k=1, adaptive=False)
     dec = Decoder(model, prompt, params, speculator=speculator)
     out: list[int] = []
     while len(out) < steps:
-        logits = decode_together([dec])[0] if dec.decoding and speculator is None else dec.logits()
-        if logits is None:
+        row = decode_together([dec])[0] if dec.decoding and speculator is None else dec.logits()
+        if row is None:
             continue
-        token = dec.sample(logits)
+        if logits is not None:
+            logits.append(row.reshape(-1).clone())
+        token = dec.sample(row)
         out.append(token)
         dec.feed([token])
     return out, dec
@@ -82,6 +85,34 @@ def test_draft_model_greedy_equals_plain(model, tmp_path):
     # may differ at near-ties, so not every one)
     assert itself.stats.acceptance > 0.8, itself.stats
     assert itself.stats.tokens_per_step > 2.5, itself.stats
+
+
+class Wrong:
+    """Drafts the last token again k times: mostly rejected, so every verify writes rows that leave the cache."""
+    name = "wrong"
+    deterministic = False
+
+    def propose(self, history, k, params, generator):
+        return Draft([history[-1]] * k)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_greedy_equals_plain_over_a_lossy_cache_after_rejected_drafts(model, dtype):
+    """bf16 / fp8 caches keep their newest positions exact in a ring (slot = position % 32): a verify's drafts take
+    the slots of the positions 32 before them; once they are rejected, those positions must read exact again, as
+    they do in a plain run. The prompt (37 tokens) is past the ring from the first step."""
+    prompt = prompt_for(model)
+    with kv_cache_dtype(model, dtype):
+        want_logits: list = []
+        want, _ = run(model, prompt, logits=want_logits)
+        for drafter in (Wrong(), Verified()):
+            spec = Speculator(drafter, k=4, adaptive=False)
+            got_logits: list = []
+            got, _ = run(model, prompt, speculator=spec, logits=got_logits)
+            assert got == want, drafter.name
+            assert spec.stats.drafted > spec.stats.accepted, "no draft was rejected: nothing rolled back"
+            for step, (a, b) in enumerate(zip(got_logits, want_logits)):  # the same bits, not only the argmax
+                assert torch.equal(a, b), f"{drafter.name}: step {step}, max |diff| {(a - b).abs().max():.3e}"
 
 
 def test_injected_token_drops_kept_drafts(model):
@@ -523,7 +554,7 @@ def test_a_retired_speculator_stops_the_states_kept_for_rollback(tmp_path):
     for stop in ("retire", "decline"):
         spec = Speculator(Repeat(), k=1, adaptive=False)
         dec = Decoder(model, prompt_for(model), GREEDY, speculator=spec)
-        states = [layer for layer in dec.cache.layers if hasattr(layer, "record")]
+        states = dec.cache.recorders  # the delta-rule layers (an fp32 cache: no exact ring to keep)
         assert states
         for step in range(8):
             logits = dec.logits()
