@@ -259,6 +259,7 @@ class PagedBuffer:
             new.scales = self.scales.index_select(1, index)
         new.recent = self.recent.clone()
         new.recent_pos = self.recent_pos.masked_fill(self.recent_pos >= offset, -1)
+        new._ring_before = None  # a verify's record is this buffer's, not the copy's
         new.table, new.free, new.used = [list(range(keep))], [], keep
         new._reindex()
         return new
