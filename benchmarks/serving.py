@@ -29,11 +29,7 @@ printed beside the p50 one (the typical step's cost at 16 rows against one).
 The server runs with `localmoe serve`'s defaults but for sessions (off) and the concurrency (the largest client
 count), so the prefix cache is on as users get it (4 finished sequences: a request whose prompt starts like an
 earlier one's reuses that cache, e.g. the chat template's system header; the six prompts repeat across clients);
-`-- --prefix-cache 0` measures every prompt prefilled in full. The first printed line states the server's options
-and the API the requests use: streamed chat completions, or, where the warm-up's chat reply streamed no text for
-the tokens it generated (a random-weight model such as the paged gpt-oss stores writes no harmony channel header,
-so the chat parser holds every token and the latencies printed NaN), plain completions of the same user text
-(`--api` picks one; a completion's prompt has no chat header, so no header is shared through the prefix cache).
+`-- --prefix-cache 0` measures every prompt prefilled in full. The first printed line states the server's options.
 `--step-log FILE` runs the server through benchmarks/serving_steps.py, which logs every engine step (rows, prompt
 rows, wall, CPU, GC, expert bytes), and prints a summary of each count's steps after the table.
 """
@@ -105,24 +101,15 @@ def expert_counts(url: str) -> tuple[float, float]:
             metric(url, "localmoe_expert_routes_total"))
 
 
-def streamed_text(choice: dict) -> bool:
-    """Whether a streamed choice carries generated text (a chat delta's content or reasoning, a completion's text)."""
-    delta = choice.get("delta", {})
-    return bool(delta.get("content") or delta.get("reasoning_content") or choice.get("text"))
-
-
-def one(client: httpx.Client, k: int, max_tokens: int, api: str = "chat") -> dict:
-    """One streamed request (`api`: "chat" or "completions", the same user text): its generated tokens, time to first
-    token, the gaps between its text chunks and their arrival times (time.perf_counter)."""
+def one(client: httpx.Client, k: int, max_tokens: int) -> dict:
+    """One streamed request: its generated tokens, time to first token, the gaps between its content chunks and
+    their arrival times (time.perf_counter)."""
     body = {"model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    if api == "chat":
-        body["messages"] = [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}]
-    else:
-        body["prompt"] = PROMPTS[k % len(PROMPTS)]
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}]}
     started = time.perf_counter()
     arrivals, tokens = [], 0
-    with client.stream("POST", "/v1/chat/completions" if api == "chat" else "/v1/completions", json=body) as response:
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
@@ -130,7 +117,8 @@ def one(client: httpx.Client, k: int, max_tokens: int, api: str = "chat") -> dic
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if any(streamed_text(c) for c in event.get("choices", [])):
+            if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
+                   for c in event.get("choices", [])):
                 arrivals.append(time.perf_counter())
     ttft = arrivals[0] - started if arrivals else float("nan")
     return {"tokens": tokens, "ttft": ttft, "gaps": [b - a for a, b in pairwise(arrivals)], "arrivals": arrivals}
@@ -151,23 +139,8 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def pick_api(client: httpx.Client, api: str) -> tuple[str, str | None]:
-    """The warm-up request (kernels built, weights touched) and the API the runs use: `api`, or for "auto" the chat
-    API unless its reply streamed no text while generating tokens (a random-weight gpt-oss writes no harmony
-    channel header, so the chat parser holds every token and no latency could be measured: the runs then use
-    /v1/completions with the same user text); (api, why it is not the chat API or None)."""
-    warm = one(client, 0, 4, "chat" if api == "auto" else api)
-    if api != "auto":
-        return api, None
-    if warm["tokens"] and not warm["arrivals"]:
-        one(client, 0, 4, "completions")
-        return "completions", ("the chat reply streamed no text for its tokens (the model writes no chat format: "
-                               "random weights), so its latencies could not be measured")
-    return "chat", None
-
-
 def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None,
-        arrivals: dict | None = None, api: str = "chat") -> dict:
+        arrivals: dict | None = None) -> dict:
     server0, client0 = (cpu_seconds(server_pid) if server_pid else None), time.process_time()
     bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
                                                          "localmoe_engine_steps_total",
@@ -176,7 +149,7 @@ def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int 
 
     def client_loop(c: int) -> list[dict]:
         with httpx.Client(base_url=url, timeout=3600) as client:
-            return [one(client, c * requests + r, max_tokens, api) for r in range(requests)]
+            return [one(client, c * requests + r, max_tokens) for r in range(requests)]
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -214,22 +187,17 @@ def main() -> None:
     parser.add_argument("--step-log", default=None, help="write the server's engine steps to this file (JSON lines, "
                         "benchmarks/serving_steps.py) and the clients' arrival times to FILE.arrivals.json; print a "
                         "summary of each count's steps")
-    parser.add_argument("--api", choices=("auto", "chat", "completions"), default="auto",
-                        help="the requests' API (auto: chat, or completions where the chat reply streams no text)")
     parser.add_argument("serve_args", nargs="*", help="more `localmoe serve` options (after --)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
     proc, url = start(args)
+    print(json.dumps({"server": "localmoe serve defaults (prefix cache on: 4 sequences) with --no-sessions"
+                                f" --max-concurrency {max(args.clients)}", "serve_args": args.serve_args}), flush=True)
     try:
-        with httpx.Client(base_url=url, timeout=600) as client:
-            api, why = pick_api(client, args.api)
-        print(json.dumps({"server": "localmoe serve defaults (prefix cache on: 4 sequences) with --no-sessions"
-                                    f" --max-concurrency {max(args.clients)}", "serve_args": args.serve_args,
-                          "api": f"/v1/{'chat/' if api == 'chat' else ''}completions", **({"why": why} if why else {})}),
-              flush=True)
+        one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
         rows, arrivals = [], ({} if args.step_log else None)
         for clients in args.clients:
-            row = run(url, clients, args.requests, args.max_tokens, proc.pid, arrivals, api)
+            row = run(url, clients, args.requests, args.max_tokens, proc.pid, arrivals)
             rows.append(row)
             print(json.dumps(row), flush=True)
         base = rows[0]
