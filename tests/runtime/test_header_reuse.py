@@ -74,11 +74,15 @@ def test_a_burst_with_one_header_prefills_it_once(embedded, monkeypatch):
 
     def burst(texts: list[str]):
         results, preps = {}, []
+
+        def on_event(i: int):
+            return lambda kind, payload: results.__setitem__(i, payload) if kind == "done" else None
+
         for i, text in enumerate(texts):
             request = ChatRequest([ChatMessage("user", text)], 8, SamplingParams(temperature=0.0), tools=TOOLS)
             preps.append(prep := service.prepare_chat(request)[0])
             service.worker.submit(Job(lambda job, p=prep: run_chat(fmt, tok, model, p, job.emit, lambda: job.cancelled),
-                                      lambda kind, payload, i=i: results.__setitem__(i, payload) if kind == "done" else None))
+                                      on_event(i)))
         rows.clear()
         while len(results) < len(texts) or service.worker.active:
             service.worker.step()
