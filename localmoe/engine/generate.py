@@ -351,7 +351,7 @@ class Decoder:
                 self.cache.hidden_sink = None
         if self.prefix_cache is not None and self.cache is not None:
             keys = self.in_cache if self.images is None else self.images.keyed(self.in_cache)
-            self.prefix_cache.put(keys, self.cache, self.prefilled, self.anchor)
+            self.prefix_cache.put(keys, self.cache, self.prefilled, self.chunk, self.anchor)
             self.prefix_cache = None
 
 

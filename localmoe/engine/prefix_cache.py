@@ -31,7 +31,9 @@ anchor) and the entry stays for the next one, so a burst of requests with one he
 per entry; a prompt that reuses more (a conversation's next turn) takes the entry itself, as one sequence continues
 it. A sequence that prefills a header the cache does not hold leaves a copy of it here as soon as its prompt
 passes the anchor (`keep_header`), so the prompts of a burst that wait one step for it start from it
-(runtime/worker.py); an entry of that sequence (or any with the header) replaces it when it finishes.
+(runtime/worker.py). An entry that a newer one covers (every prefix it can give, the newer gives: a header alone,
+or a short conversation whose reuse stops at its header) goes when the newer comes, so the places hold distinct
+prefixes.
 """
 
 from __future__ import annotations
@@ -138,14 +140,16 @@ class PrefixCache:
         if self.max_entries <= 0 or self.holds(header, grain, anchor) >= anchor or \
                 cache.rollback_point(anchor) != anchor:
             return
-        self.put(header, cache.copy(anchor), anchor, anchor)
+        self.put(header, cache.copy(anchor), anchor, grain, anchor)
 
-    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, anchor: int | None = None) -> None:
-        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks, one
-        ending at `anchor`)."""
+    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, grain: int,
+            anchor: int | None = None) -> None:
+        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks of `grain`,
+        one ending at `anchor`). An entry it covers (`Entry.covered_by`) goes."""
         if cache.batch != 1 or cache.offset != len(tokens) or cache.key_mask is not None or not tokens:
             return
-        new = Entry(list(tokens), cache, prefilled, anchor)
+        reach = next(p for p in shared_boundaries(prefilled, grain, anchor, anchor) if cache.rollback_point(p) == p)
+        new = Entry(list(tokens), cache, prefilled, anchor, grain, reach)
         self.entries = [e for e in self.entries if not e.covered_by(new)] + [new]
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes() > self.max_bytes):
             self.entries.pop(0)
@@ -163,10 +167,14 @@ class Entry:
     cache: ModelCache
     prefilled: int  # leading positions computed as prompt chunks (exact for reuse)
     anchor: int | None = None  # where its prompt's header ended a chunk (None: chunks of the grain from 0)
+    grain: int = 0  # the prompt's chunk
+    reach: int = 0  # the longest prefix it can give (its last chunk end within `prefilled` its cache comes back to)
 
     def covered_by(self, other: Entry) -> bool:
-        """Whether this is a header alone (`keep_header`, `Service.warm`) that `other` holds too (the same tokens
-        up to the same anchor, prefilled, and its cache can come back there): every prompt it serves, `other` does."""
-        return self.anchor is not None and self.prefilled == self.anchor == len(self.tokens) and \
-            other.anchor == self.anchor and other.prefilled >= self.anchor and \
-            other.tokens[:self.anchor] == self.tokens and other.cache.rollback_point(self.anchor) == self.anchor
+        """Whether `other` gives every prompt what this entry gives it: the same chunks (anchor, grain), the same
+        tokens up to this entry's reach, prefilled, and its cache comes back there (a K/V cache to any point below
+        too; a delta-rule one keeps one snapshot, as this one). A header alone (`keep_header`, `Service.warm`), or a
+        short conversation whose reuse stops at its header, gives way to the next sequence with that header."""
+        p = self.reach
+        return other.anchor == self.anchor and other.grain == self.grain and other.prefilled >= p and \
+            other.tokens[:p] == self.tokens[:p] and other.cache.rollback_point(p) == p

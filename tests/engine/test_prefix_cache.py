@@ -129,3 +129,22 @@ def test_a_prompt_that_prefills_a_header_leaves_it_for_the_others(model):
     assert second.reused == 20 and cache.misses == 1 and cache.hits == 1  # its first look missed: counted once
     want_tokens, want, _ = run(model, prompts[1], 4, anchor=20)
     assert torch.equal(got, want) and got_tokens == want_tokens
+
+
+def test_an_entry_that_a_newer_one_covers_goes(model):
+    """Two requests with one header and short tails can each give a later prompt the header only (their own
+    positions past it end no chunk): the second's entry covers the first's, which goes; an entry that gives more
+    (a longer prompt: a chunk end past the header) or other tokens stays, and covers a header-only one where its cache
+    comes back to the header (K/V: anywhere; a KDA state: only to its one snapshot, at 36)."""
+    cache, vocab = PrefixCache(), model.spec.vocab_size
+    header = random_tokens(20, 15, vocab)[0].tolist()
+    for seed in (16, 17):
+        run(model, header + random_tokens(9, seed, vocab)[0].tolist(), 2, cache, anchor=20)
+    (entry,) = cache.entries
+    assert entry.reach == 20 and entry.tokens[20:29] == random_tokens(9, 17, vocab)[0].tolist()
+    run(model, header + random_tokens(30, 18, vocab)[0].tolist(), 2, cache, anchor=20)  # a chunk ends at 36
+    run(model, random_tokens(20, 19, vocab)[0].tolist(), 2, cache, anchor=10)  # another header
+    stateful = any(hasattr(layer, "snapshot") for layer in entry.cache.layers)
+    assert [e.reach for e in cache.entries] == ([20, 36, 10] if stateful else [36, 10])
+    run(model, header + random_tokens(9, 20, vocab)[0].tolist(), 2, cache, anchor=20)
+    assert sorted(e.reach for e in cache.entries) == [10, 20, 36]  # a header-only entry went (K/V: none was left)
