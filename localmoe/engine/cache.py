@@ -17,6 +17,7 @@ nothing else), so rounding them costs the most; a 1M-token context pays 32 rows 
 
 from __future__ import annotations
 
+import copy
 import heapq
 from typing import Protocol
 
@@ -245,6 +246,24 @@ class PagedBuffer:
             del row[keep:]
         self._reindex()
 
+    def copy(self, offset: int) -> PagedBuffer:
+        """A new one-sequence buffer holding this one's positions < `offset` in blocks of its own: the blocks that
+        cover them, gathered in order (an identity table), and the exact ring's entries for them (bf16 / fp8)."""
+        if self.batch != 1:
+            raise ValueError("only a one-sequence buffer is copied")
+        keep = max(1, min(len(self.table[0]), -(-offset // self.block)))
+        new = copy.copy(self)
+        index = self._index[0, :keep]
+        new.pool = self.pool.index_select(1, index)
+        if self.fp8:
+            new.scales = self.scales.index_select(1, index)
+        new.recent = self.recent.clone()
+        new.recent_pos = self.recent_pos.masked_fill(self.recent_pos >= offset, -1)
+        new._ring_before = None  # a verify's record is this buffer's, not the copy's
+        new.table, new.free, new.used = [list(range(keep))], [], keep
+        new._reindex()
+        return new
+
     def bytes_per_token(self) -> int:
         """Bytes one more position costs one sequence: values plus, for fp8, one fp32 scale per head
         (the exact ring of a bf16/fp8 buffer's newest positions is a constant, in `nbytes`)."""
@@ -384,6 +403,23 @@ class ModelCache:
                 return point
             point = lower
 
+    def copy(self, offset: int) -> ModelCache:
+        """A new batch-1 cache holding this one's first `offset` positions (a point `rollback_point` allows),
+        sharing no tensor with it: each paged buffer copies only the blocks that cover them (`PagedBuffer.copy`),
+        every other layer state (delta-rule states and their snapshots, kept pools) is copied whole and trimmed.
+        The prefix cache hands one entry to several prompts this way (engine/prefix_cache.py)."""
+        if self.batch != 1 or self.key_mask is not None:
+            raise ValueError("only an unpadded one-sequence cache is copied")
+        memo = {id(buffer): buffer.copy(offset) for buffer in _paged_buffers(self.layers)}
+        sink, self.hidden_sink = self.hidden_sink, None  # a drafter's callback is not copied (the taker sets its own)
+        try:
+            with torch.inference_mode(False):  # plain tensors, as `new_cache` makes them
+                new = copy.deepcopy(self, memo)
+        finally:
+            self.hidden_sink = sink
+        new.trim(offset)
+        return new
+
     def snapshot(self, keep_earlier: bool = True) -> None:
         """Let `trim` return to the current offset later (delta-rule states copy themselves; K/V need nothing)."""
         for layer in self.layers:
@@ -392,3 +428,22 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _paged_buffers(objects: list) -> list[PagedBuffer]:
+    """The `PagedBuffer`s reachable from `objects` (layer caches and the objects they hold)."""
+    found, seen, stack = [], set(), list(objects)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, torch.Tensor):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, PagedBuffer):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found
