@@ -30,8 +30,12 @@ The server runs with `localmoe serve`'s defaults but for sessions (off) and the 
 count), so the prefix cache is on as users get it (4 finished sequences: a request whose prompt starts like an
 earlier one's reuses that cache, e.g. the chat template's system header; the six prompts repeat across clients);
 `-- --prefix-cache 0` measures every prompt prefilled in full. The first printed line states the server's options.
-`--step-log FILE` runs the server through benchmarks/serving_steps.py, which logs every engine step (rows, prompt
-rows, wall, CPU, GC, expert bytes), and prints a summary of each count's steps after the table.
+The server runs through benchmarks/serving_steps.py, which logs every engine step (rows, prompt rows, wall, CPU,
+GC, expert bytes) and the time each request's turn received each token; `--step-log FILE` keeps that log and prints
+a summary of each count's steps after the table. Where a request generated tokens but its stream carried no text (a
+random-weight store such as the paged gpt-oss ones: its tokens decode to no text, or the harmony parser holds them
+all, so the clients' latencies were NaN), the count's latencies are the server's own (`"latency_from": "server"`):
+time to first token from the request's job submission, the gaps between the tokens its turn received.
 """
 
 from __future__ import annotations
@@ -40,9 +44,12 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
@@ -65,8 +72,7 @@ def start(args) -> tuple[subprocess.Popen, str]:
     # -P (Python 3.11+): `-m` would put the working directory ahead of PYTHONPATH, so an A/B run with PYTHONPATH set
     # to a snapshot tree from inside another tree would serve the other tree's code
     safe = ["-P"] if sys.version_info >= (3, 11) else []
-    entry = ["-m", "localmoe"] if not args.step_log else \
-        [os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_steps.py"), args.step_log]
+    entry = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_steps.py"), args.log]
     cmd = [sys.executable, *safe, *entry, "serve", "--port", str(port), "--no-sessions",
            "--max-concurrency", str(max(args.clients)), "--log-level", "warning"]
     if args.model:
@@ -139,8 +145,31 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int | None = None,
+def server_times(proc, log: str, start: float, end: float) -> tuple[list[float], list[float]]:
+    """(times to first token, gaps between tokens) of the requests the server took between `start` and `end`, from
+    its own token log (benchmarks/serving_steps.py writes LOG.tokens on SIGUSR1; same clock as the clients')."""
+    name = log + ".tokens"
+    if os.path.exists(name):
+        os.remove(name)
+    proc.send_signal(signal.SIGUSR1)
+    deadline = time.time() + 120
+    while not os.path.exists(name):
+        if time.time() > deadline:
+            raise SystemExit("the server did not write its token log")
+        time.sleep(0.1)
+    jobs: dict[int, list[float]] = {}
+    with open(name) as f:
+        for job, t, submitted in map(json.loads, f):
+            if start <= submitted <= end:
+                jobs.setdefault(job, [submitted]).append(t)
+    ttfts = [times[1] - times[0] for times in jobs.values()]
+    gaps = [b - a for times in jobs.values() for a, b in pairwise(times[1:])]
+    return ttfts, gaps
+
+
+def run(url: str, clients: int, requests: int, max_tokens: int, proc=None, log: str | None = None,
         arrivals: dict | None = None) -> dict:
+    server_pid = proc.pid if proc is not None else None
     server0, client0 = (cpu_seconds(server_pid) if server_pid else None), time.process_time()
     bytes0, steps0, batched0 = (metric(url, n) for n in ("localmoe_expert_tier_bytes_read_total",
                                                          "localmoe_engine_steps_total",
@@ -167,6 +196,9 @@ def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int 
     distinct, routed = (b - a for a, b in zip((distinct0, routed0), expert_counts(url)))
     gaps = [g for r in results for g in r["gaps"]]
     ttfts = [r["ttft"] for r in results]
+    textless = proc is not None and any(r["tokens"] and not r["arrivals"] for r in results)
+    if textless:  # tokens the clients could not see: the server's own times
+        ttfts, gaps = server_times(proc, log, started, started + wall)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "seconds": round(wall, 2),
             "tokens_per_s": round(tokens / wall, 2),
             "ttft_p50_s": round(pct(ttfts, 0.5), 3), "ttft_p99_s": round(pct(ttfts, 0.99), 3),
@@ -175,7 +207,8 @@ def run(url: str, clients: int, requests: int, max_tokens: int, server_pid: int 
             "expert_bytes_per_token": round(read / tokens) if tokens else 0,
             "expert_distinct_share": round(distinct / routed, 3) if routed else None,
             "server_cpu_s": None if server_cpu is None else round(server_cpu, 2), "client_cpu_s": round(client_cpu, 2),
-            "tokens_per_server_cpu_s": round(tokens / server_cpu, 1) if server_cpu else None}
+            "tokens_per_server_cpu_s": round(tokens / server_cpu, 1) if server_cpu else None,
+            "latency_from": "server" if textless else "clients"}
 
 
 def main() -> None:
@@ -184,12 +217,14 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16,32", help="comma-separated client counts")
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--step-log", default=None, help="write the server's engine steps to this file (JSON lines, "
-                        "benchmarks/serving_steps.py) and the clients' arrival times to FILE.arrivals.json; print a "
-                        "summary of each count's steps")
+    parser.add_argument("--step-log", default=None, help="keep the server's engine steps in this file (JSON lines, "
+                        "benchmarks/serving_steps.py; its tokens in FILE.tokens) and the clients' arrival times in "
+                        "FILE.arrivals.json; print a summary of each count's steps")
     parser.add_argument("serve_args", nargs="*", help="more `localmoe serve` options (after --)")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
+    scratch = None if args.step_log else tempfile.mkdtemp(prefix="serving-")
+    args.log = args.step_log or os.path.join(scratch, "steps")
     proc, url = start(args)
     print(json.dumps({"server": "localmoe serve defaults (prefix cache on: 4 sequences) with --no-sessions"
                                 f" --max-concurrency {max(args.clients)}", "serve_args": args.serve_args}), flush=True)
@@ -197,7 +232,7 @@ def main() -> None:
         one(httpx.Client(base_url=url, timeout=600), 0, 4)  # warm-up: kernels built, weights touched
         rows, arrivals = [], ({} if args.step_log else None)
         for clients in args.clients:
-            row = run(url, clients, args.requests, args.max_tokens, proc.pid, arrivals)
+            row = run(url, clients, args.requests, args.max_tokens, proc, args.log, arrivals)
             rows.append(row)
             print(json.dumps(row), flush=True)
         base = rows[0]
@@ -210,6 +245,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     if args.step_log:
         with open(args.step_log + ".arrivals.json", "w") as f:
             json.dump(arrivals, f)

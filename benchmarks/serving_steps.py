@@ -1,8 +1,11 @@
-"""`localmoe serve` with a log of its engine steps, for `serving.py --step-log`: the server's own command line
-(`python benchmarks/serving_steps.py LOG serve --port ...`); each engine step appends one JSON line to LOG when the
+"""`localmoe serve` with a log of its engine steps and tokens, as serving.py starts it: the server's own command
+line (`python benchmarks/serving_steps.py LOG serve --port ...`); each engine step appends one JSON line to LOG when the
 server is terminated: its start (time.perf_counter, the clock the clients' arrival times use), wall and the engine
 thread's CPU seconds, decode rows, prompt rows (and how many prompts they came from, how many waited), GC seconds
 inside the step, running sequences, and the expert bytes the pager read (MB; 0 where the experts are resident).
+LOG.tokens gets one JSON line per token a request's turn received (its job's id, the time, the time the job was
+submitted): the server's own times to first token and between tokens, for a model whose tokens stream no text (a
+random-weight store: serving.py reads them where its clients saw none). SIGUSR1 writes both files and goes on.
 The worker is wrapped from outside, so the server's code is the tree's own."""
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ def install(path: str) -> None:
             collecting["since"] = None
 
     gc.callbacks.append(on_gc)
-    chunks_of, step_of, model = W.EngineWorker._prompt_chunks, W.EngineWorker.step, {}
+    chunks_of, step_of, advance_of, model = W.EngineWorker._prompt_chunks, W.EngineWorker.step, \
+        W.EngineWorker._advance, {}
+    tokens: list[tuple[int, float, float]] = []  # (job id, time, job submitted)
 
     def prompt_chunks(self, decode, prefill):
         out = chunks_of(self, decode, prefill)
@@ -55,14 +60,26 @@ def install(path: str) -> None:
                    gc=collecting["total"] - collected, active=len(self._active), mb=read_mb(self) - mb)
         log.append(dict(now))
 
-    W.EngineWorker._prompt_chunks, W.EngineWorker.step = prompt_chunks, step
+    def advance(self, running, logits, first=False):
+        if logits is not None and not first:  # the job's turn receives a token's logits
+            tokens.append((id(running.job), time.perf_counter(), running.job.submitted))
+        return advance_of(self, running, logits, first)
 
-    def dump(*_):
-        with open(path, "w") as f:
-            f.writelines(json.dumps(entry) + "\n" for entry in log)
-        os._exit(0)
+    W.EngineWorker._prompt_chunks, W.EngineWorker.step, W.EngineWorker._advance = prompt_chunks, step, advance
+
+    def write(name: str, lines: list) -> None:
+        with open(name + ".part", "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+        os.replace(name + ".part", name)  # whole files only: the reader polls for them
+
+    def dump(signum, _frame):
+        write(path + ".tokens", list(tokens))
+        write(path, list(log))
+        if signum == signal.SIGTERM:
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, dump)
+    signal.signal(signal.SIGUSR1, dump)
 
 
 def main() -> None:

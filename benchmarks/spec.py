@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from alternate import alternate, emit, median_ratio
 
+from localmoe.config import SPEC_K
+
 DOCUMENT = """The packed store keeps each routed expert in one page-aligned extent, so one read fetches the gate,
 up and down matrices of an expert together with their scales. The pager keeps the hot experts in RAM
 slots and reads the others from the drive on demand; its policy decides which slot an expert evicts.
@@ -237,7 +239,8 @@ def step_worker(args) -> None:
           "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
           "bytes_per_token": read / (len(out) - 1), "stall": stall / seconds,
-          "step_seconds": speculator.step_seconds if speculator else None})
+          "step_costs": {"t1": speculator.costs.t1(), "ratios": [speculator.costs.ratio(r) for r in range(2, speculator.k_max + 2)]}
+          if speculator else None})
 
 
 def command(args, model, spec, task, ram: int = 0, chat: bool = True) -> list[str]:
@@ -370,7 +373,7 @@ def main() -> None:
     ap.add_argument("--task", default="quote", choices=list(TASKS))
     ap.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ram", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--k", type=int, default=4, help="most drafts per step (--spec-k)")
+    ap.add_argument("--k", type=int, default=SPEC_K, help="most drafts per step (--spec-k)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batching", default="off", choices=("off", "auto", "on"),
                     help="the worker's step (off: the model's fused single-sequence step, as `run`, `chat` and the "

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spec import TASKS
 
+from localmoe.config import SPEC_K
+
 
 class Never:
     """A drafter with prompt lookup's traits that never finds a draft (what it costs is the speculative step's own
@@ -119,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=SPEC_K)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--task", default="chat", choices=list(TASKS))
     ap.add_argument("--rows", action="store_true", help="the batched row step (serve's for this model), not the fused one")

@@ -2,7 +2,7 @@
 (and other most drafts per step), turn by turn.
 
     python benchmarks/spec_turns.py --task code --rounds 6
-    python benchmarks/spec_turns.py --task document --rounds 4 --also-k 7
+    python benchmarks/spec_turns.py --task document --rounds 4 --also-k 4
 
 The embedded SmolLM2 answers a task of spec.py through `LocalModel.events` (the service's chat turn: its prompt
 rendering, prompt chunks, streaming and stop handling; `--batching off`, the model's fused step, as `run` takes),
@@ -24,13 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from spec import TASKS
 
+from localmoe.config import SPEC_K
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="code", choices=list(TASKS))
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=SPEC_K)
     ap.add_argument("--also-k", type=int, nargs="*", default=[])
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()

@@ -43,7 +43,7 @@ inline void block(const T* w, const float* x, int64_t K, float* dots, unsigned p
   for (; k + 8 <= K; k += 8) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
-    if (prefetch)
+    if (prefetch && k % (64 / sizeof(T)) == 0)  // once per 64-byte line (was every 8 columns: 2-4x the prefetches)
       for (int r = 0; r < R; ++r)
         if (prefetch >> r & 1u) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T1);
     for (int t = 0; t < NT; ++t) {

@@ -11,6 +11,7 @@ import click
 
 from localmoe.commands.base import Command
 from localmoe.commands.options import budget_option, model_options, spec_options
+from localmoe.config import SPEC_K
 from localmoe.errors import LocalMoEError
 
 
@@ -21,7 +22,7 @@ def _bar(total: int, unit: str, description: str, enabled: bool):
                 dynamic_ncols=True)
 
 
-def _start_service(model, engine, show: bool, spec: str = "off", spec_k: int = 4):
+def _start_service(model, engine, show: bool, spec: str = "off", spec_k: int = SPEC_K):
     from localmoe.load import load_model
     from localmoe.runtime.service import ServerConfig, Service
 

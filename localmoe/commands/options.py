@@ -20,6 +20,7 @@ from localmoe.config import (
     KV_CACHE_DTYPES,
     PAGING_IO,
     PAGING_POLICIES,
+    SPEC_K,
     EngineConfig,
     PagingConfig,
 )
@@ -183,7 +184,7 @@ def spec_options(function=None, *, default: str = "auto"):
                           "smaller model with the same tokenizer; mtp = the checkpoint's MTP / next-n layer "
                           "(DeepSeek-V3/V3.2, GLM-4.5: HF checkpoints, their stores, GGUF files; loaded only then; a model "
                           "without one says so and runs off). Lossless: the output is what the model alone would give."),
-        click.option("--spec-k", "spec_k", type=int, default=4, show_default=True,
+        click.option("--spec-k", "spec_k", type=int, default=SPEC_K, show_default=True,
                      help="Most drafted tokens per step; fewer (or none) where measured acceptance and step "
                           "time say more do not pay."),
     ]

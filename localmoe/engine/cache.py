@@ -17,6 +17,7 @@ nothing else), so rounding them costs the most; a 1M-token context pays 32 rows 
 
 from __future__ import annotations
 
+import copy
 import heapq
 from typing import Protocol
 
@@ -70,6 +71,7 @@ class PagedBuffer:
         ring = min(EXACT_RECENT, max_len) if self.lossy else 0
         self.recent = torch.zeros(batch, heads, ring, dim, device=device)
         self.recent_pos = torch.full((ring,), -1, dtype=torch.long, device=device)
+        self._ring_before: tuple[torch.Tensor, torch.Tensor] | None = None  # while recording (`record`)
         self.table: list[list[int]] = [[] for _ in range(batch)]
         self.free: list[int] = []  # heap of released physical blocks
         self.used = 0  # physical blocks ever handed out (ids 0 .. used-1)
@@ -216,12 +218,25 @@ class PagedBuffer:
             return self._exact_recent(dequantize_fp8(data, scale), length)
         return self._exact_recent(data.float(), length) if self.lossy else data
 
+    def record(self, on: bool) -> None:
+        """bf16 / fp8: while on, keep the exact ring as it stood when recording began, so that `trim` can give the
+        positions a verify's rejected drafts pushed out of it (a draft at p takes the slot of p - ring) their exact
+        rows back, as a run without those drafts reads them. Nothing for fp32 (no ring)."""
+        self._ring_before = (self.recent.clone(), self.recent_pos.clone()) if on and self.lossy else None
+
     def trim(self, offset: int) -> None:
         """Release whole blocks past `offset` (a partly filled block stays; its tail is overwritten). Nothing but
         a comparison where no block is past it and the buffer is fp32 (no exact ring: a verify's rejected drafts
         roll back every layer's K/V each time, and two tensor ops per buffer cost ~0.25 ms over 30 layers)."""
         if self.lossy:
-            self.recent_pos.masked_fill_(self.recent_pos >= offset, -1)
+            gone = self.recent_pos >= offset
+            if self._ring_before is not None:  # the slots that held older positions before the recorded writes
+                rows, positions = self._ring_before
+                back = gone & (positions >= 0) & (positions < offset)
+                self.recent[:, :, back] = rows[:, :, back]
+                self.recent_pos[back] = positions[back]
+                gone &= ~back
+            self.recent_pos.masked_fill_(gone, -1)
         keep = -(-offset // self.block)
         if keep >= len(self.table[0]):
             return
@@ -230,6 +245,24 @@ class PagedBuffer:
                 heapq.heappush(self.free, block)
             del row[keep:]
         self._reindex()
+
+    def copy(self, offset: int) -> PagedBuffer:
+        """A new one-sequence buffer holding this one's positions < `offset` in blocks of its own: the blocks that
+        cover them, gathered in order (an identity table), and the exact ring's entries for them (bf16 / fp8)."""
+        if self.batch != 1:
+            raise ValueError("only a one-sequence buffer is copied")
+        keep = max(1, min(len(self.table[0]), -(-offset // self.block)))
+        new = copy.copy(self)
+        index = self._index[0, :keep]
+        new.pool = self.pool.index_select(1, index)
+        if self.fp8:
+            new.scales = self.scales.index_select(1, index)
+        new.recent = self.recent.clone()
+        new.recent_pos = self.recent_pos.masked_fill(self.recent_pos >= offset, -1)
+        new._ring_before = None  # a verify's record is this buffer's, not the copy's
+        new.table, new.free, new.used = [list(range(keep))], [], keep
+        new._reindex()
+        return new
 
     def bytes_per_token(self) -> int:
         """Bytes one more position costs one sequence: values plus, for fp8, one fp32 scale per head
@@ -284,6 +317,15 @@ class KVCache:
         """Pickled without `_pages`: the kernel's view of the pools holds their addresses (engine/swap.py)."""
         return {**self.__dict__, "_pages": None}
 
+    @property
+    def records(self) -> bool:
+        """Whether a verify must `record` (a bf16 / fp8 cache's exact ring: PagedBuffer.record)."""
+        return self.keys.lossy
+
+    def record(self, on: bool) -> None:
+        self.keys.record(on)
+        self.values.record(on)
+
     def trim(self, offset: int) -> None:
         self.keys.trim(offset)
         self.values.trim(offset)
@@ -301,8 +343,9 @@ class ModelCache:
 
     def __init__(self, layers: list[LayerCache], batch: int, max_len: int, device: str | torch.device = "cpu"):
         self.layers = layers
-        # the layers that can keep a state per position while recording (delta-rule states: engine/spec/verify.py)
-        self.recorders = [layer for layer in layers if hasattr(layer, "record")]
+        # the layers that keep what a verify's rollback needs while recording (engine/spec/verify.py): delta-rule
+        # states per position, a bf16 / fp8 cache's exact ring as it stood
+        self.recorders = [layer for layer in layers if getattr(layer, "records", False)]
         # trim's order: the paged layers after the ones that may refuse (a delta-rule state), fixed at construction
         self._trim_order = sorted(layers, key=lambda layer: getattr(layer, "paged", False))
         self.batch = batch
@@ -360,6 +403,23 @@ class ModelCache:
                 return point
             point = lower
 
+    def copy(self, offset: int) -> ModelCache:
+        """A new batch-1 cache holding this one's first `offset` positions (a point `rollback_point` allows),
+        sharing no tensor with it: each paged buffer copies only the blocks that cover them (`PagedBuffer.copy`),
+        every other layer state (delta-rule states and their snapshots, kept pools) is copied whole and trimmed.
+        The prefix cache hands one entry to several prompts this way (engine/prefix_cache.py)."""
+        if self.batch != 1 or self.key_mask is not None:
+            raise ValueError("only an unpadded one-sequence cache is copied")
+        memo = {id(buffer): buffer.copy(offset) for buffer in _paged_buffers(self.layers)}
+        sink, self.hidden_sink = self.hidden_sink, None  # a drafter's callback is not copied (the taker sets its own)
+        try:
+            with torch.inference_mode(False):  # plain tensors, as `new_cache` makes them
+                new = copy.deepcopy(self, memo)
+        finally:
+            self.hidden_sink = sink
+        new.trim(offset)
+        return new
+
     def snapshot(self, keep_earlier: bool = True) -> None:
         """Let `trim` return to the current offset later (delta-rule states copy themselves; K/V need nothing)."""
         for layer in self.layers:
@@ -368,3 +428,22 @@ class ModelCache:
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def _paged_buffers(objects: list) -> list[PagedBuffer]:
+    """The `PagedBuffer`s reachable from `objects` (layer caches and the objects they hold)."""
+    found, seen, stack = [], set(), list(objects)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, torch.Tensor):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, PagedBuffer):
+            found.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return found

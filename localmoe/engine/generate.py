@@ -65,6 +65,13 @@ class Decoder:
                 cache = model.new_cache(1, model.max_context)
             elif self.images is None:  # a prefix without images: one position per token (MRoPE, engine/step.py)
                 cache.rope_delta = 0
+        # the header this sequence leaves to the prefix cache when its prompt passes the anchor (`_ran`), where it
+        # prefills it (not one with images); a prompt of a burst that waits for it takes it (`_look_again`)
+        self.header: tuple[int, ...] | None = None
+        if self.prefix_cache is not None and self.images is None and self.anchor is not None and \
+                self.reused < self.anchor < len(prompt):
+            self.header = tuple(prompt[:self.anchor])
+        self._look = self.header is not None and self.reused == 0  # looks in the prefix cache again before a chunk
         if cache is None:
             cache = model.new_cache(1, min(max_len or model.max_context, model.max_context))
         if cache.offset + len(prompt) - self.reused >= cache.max_len:
@@ -73,6 +80,7 @@ class Decoder:
         self.model = model
         self.params = params
         self.cache = cache
+        self._stateful: bool | None = None  # `stateful`, derived once
         self.prompt = list(prompt)
         self.pending: list[int] = list(prompt[self.reused:])
         self.in_cache: list[int] = list(prompt[:self.reused])  # the tokens the cache holds, in order
@@ -132,6 +140,7 @@ class Decoder:
         if self.speculating and self.decoding:
             return decode_together([self])[0]
         self.resume()
+        self._look_again()
         size = self.chunk
         if not self._prompt_done and self.anchor is not None and len(self.in_cache) < self.anchor:
             size = min(size, self.anchor - len(self.in_cache))  # a chunk ends at the anchor
@@ -160,10 +169,44 @@ class Decoder:
         state stops at the next place `logits()`' chunks end (the anchor, every `chunk` tokens), where `_ran` snapshots
         the state for the prefix cache; other caches take their rows across those places (a prompt row's bits do not
         depend on its chunk, and the K/V at every position is the same), so a short prompt enters in one step."""
+        self._look_again()
         at = len(self.in_cache)
-        if self.cache is not None and not any(hasattr(layer, "snapshot") for layer in self.cache.layers):
+        if self.cache is not None and not self.stateful:
             return max(1, min(limit, len(self.pending)))
         return max(1, min(limit, len(self.pending), next_boundary(at, self.chunk, self.anchor) - at))
+
+    @property
+    def stateful(self) -> bool:
+        """Whether its cache keeps a delta-rule state (then a prompt's rows stop at its chunk boundaries:
+        `chunk_size`). Derived from the first cache it asks (the layer kinds are the model's: a copy, a swapped or a
+        fresh cache of it agree), not on every call."""
+        if self._stateful is None:
+            self._stateful = any(hasattr(layer, "snapshot") for layer in self.cache.layers)
+        return self._stateful
+
+    @property
+    def untouched(self) -> bool:
+        """Whether none of its prompt has run and nothing came from the prefix cache (it may still look there
+        again before its first chunk: `_look_again`)."""
+        return self._look
+
+    def _look_again(self) -> None:
+        """Before its first chunk, a prompt that found nothing in the prefix cache when it started looks again:
+        a prompt of the same burst may have left its header there meanwhile (`_ran`, `PrefixCache.keep_header`)."""
+        if not self._look:
+            return
+        self._look = False
+        if self.cache is None or self.cache.offset:
+            return
+        cache, reused = self.prefix_cache.take(self.prompt, self.chunk, self.anchor, again=True)
+        if cache is None:
+            return
+        cache.rope_delta = 0
+        self.cache, self.reused, self.prefilled = cache, reused, reused
+        self.pending, self.in_cache = self.prompt[reused:], self.prompt[:reused]
+        if reused >= self.anchor:
+            self.header = None
+        self._watch()
 
     def take_prompt(self, limit: int) -> list[int]:
         """The next prompt chunk (`chunk_size(limit)` tokens), taken from `pending` for a batched step to
@@ -188,6 +231,9 @@ class Decoder:
             self.prefilled = self.cache.offset
             if self.prefix_cache is not None and is_boundary(len(self.in_cache), self.chunk, self.anchor):
                 self.cache.snapshot(keep_earlier=False)  # a delta-rule state can come back to this boundary
+            if self.header is not None and len(self.in_cache) >= self.anchor:  # its header is in: left to the others
+                self.prefix_cache.keep_header(self.header, self.cache, self.chunk)
+                self.header = None
             if self.pending:
                 return None
             self._prompt_done = True
@@ -305,7 +351,7 @@ class Decoder:
                 self.cache.hidden_sink = None
         if self.prefix_cache is not None and self.cache is not None:
             keys = self.in_cache if self.images is None else self.images.keyed(self.in_cache)
-            self.prefix_cache.put(keys, self.cache, self.prefilled, self.anchor)
+            self.prefix_cache.put(keys, self.cache, self.prefilled, self.chunk, self.anchor)
             self.prefix_cache = None
 
 

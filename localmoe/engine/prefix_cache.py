@@ -23,7 +23,17 @@ chunks before a reused position are the same calls in both prompts.
 
 Paged K/V and MLA rows trim to any position; a delta-rule state cannot be rolled back, so the
 `Decoder` snapshots it at each chunk boundary of the prompt (keeping the latest only).
-Entries are kept most recent last, at most `max_entries` and `max_bytes` of cache in all.
+Entries are kept most recent last (a use counts), at most `max_entries` and `max_bytes` of cache in all.
+
+A header is shared: a prompt that reuses no more of an entry than its anchor (the header every request with it
+sends) takes a copy of those positions (`ModelCache.copy`: the blocks that cover them, the delta-rule state at the
+anchor) and the entry stays for the next one, so a burst of requests with one header prefills it once, not once
+per entry; a prompt that reuses more (a conversation's next turn) takes the entry itself, as one sequence continues
+it. A sequence that prefills a header the cache does not hold leaves a copy of it here as soon as its prompt
+passes the anchor (`keep_header`), so the prompts of a burst that wait one step for it start from it
+(runtime/worker.py). An entry that a newer one covers (every prefix it can give, the newer gives: a header alone,
+or a short conversation whose reuse stops at its header) goes when the newer comes, so the places hold distinct
+prefixes.
 """
 
 from __future__ import annotations
@@ -100,25 +110,47 @@ class PrefixCache:
         """How many leading positions of `prompt` an entry could give it (nothing is taken)."""
         return self._best(prompt, grain, anchor, whole=True)[1]
 
-    def take(self, prompt: Sequence[int], grain: int, anchor: int | None = None) -> tuple[ModelCache | None, int]:
-        """The cache holding the longest reusable prefix of `prompt` (trimmed to it, removed from here,
-        since one sequence uses it) and that prefix's length; (None, 0) when nothing is reusable."""
+    def take(self, prompt: Sequence[int], grain: int, anchor: int | None = None,
+             again: bool = False) -> tuple[ModelCache | None, int]:
+        """A cache holding the longest reusable prefix of `prompt` (trimmed to it) and that prefix's length;
+        (None, 0) when nothing is reusable. Within an entry's header (up to its anchor) it is a copy and the entry
+        stays; past it, the entry's own cache, removed from here (one sequence continues it). `again`: a second
+        look for a prompt whose first look missed (counted once)."""
         best, best_len = self._best(prompt, grain, anchor, whole=False)
         if best is None:
-            self.misses += 1
+            self.misses += not again
             return None, 0
-        cache = self.entries.pop(best).cache
-        cache.trim(best_len)
+        entry = self.entries.pop(best)
+        if entry.anchor is not None and best_len <= entry.anchor:  # a header: every request with it may take it
+            cache = entry.cache.copy(best_len)
+            self.entries.append(entry)  # used: the most recent
+        else:
+            cache = entry.cache
+            cache.trim(best_len)
         self.hits += 1
+        self.misses -= again
         self.reused_tokens += best_len
         return cache, best_len
 
-    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, anchor: int | None = None) -> None:
-        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks, one
-        ending at `anchor`)."""
+    def keep_header(self, header: Sequence[int], cache: ModelCache, grain: int) -> None:
+        """Keep a copy of `cache`'s first len(`header`) positions (a prompt's header: `cache` holds it, prefilled
+        in chunks of `grain` ending at its end), unless an entry holds it already (or the cache cannot come back
+        to its end)."""
+        anchor = len(header)
+        if self.max_entries <= 0 or self.holds(header, grain, anchor) >= anchor or \
+                cache.rollback_point(anchor) != anchor:
+            return
+        self.put(header, cache.copy(anchor), anchor, grain, anchor)
+
+    def put(self, tokens: Sequence[int], cache: ModelCache, prefilled: int, grain: int,
+            anchor: int | None = None) -> None:
+        """Keep `cache` (holding exactly `tokens`, of which the first `prefilled` ran as prompt chunks of `grain`,
+        one ending at `anchor`). An entry it covers (`Entry.covered_by`) goes."""
         if cache.batch != 1 or cache.offset != len(tokens) or cache.key_mask is not None or not tokens:
             return
-        self.entries.append(Entry(list(tokens), cache, prefilled, anchor))
+        reach = next(p for p in shared_boundaries(prefilled, grain, anchor, anchor) if cache.rollback_point(p) == p)
+        new = Entry(list(tokens), cache, prefilled, anchor, grain, reach)
+        self.entries = [e for e in self.entries if not e.covered_by(new)] + [new]
         while self.entries and (len(self.entries) > self.max_entries or self.nbytes() > self.max_bytes):
             self.entries.pop(0)
 
@@ -135,3 +167,14 @@ class Entry:
     cache: ModelCache
     prefilled: int  # leading positions computed as prompt chunks (exact for reuse)
     anchor: int | None = None  # where its prompt's header ended a chunk (None: chunks of the grain from 0)
+    grain: int = 0  # the prompt's chunk
+    reach: int = 0  # the longest prefix it can give (its last chunk end within `prefilled` its cache comes back to)
+
+    def covered_by(self, other: Entry) -> bool:
+        """Whether `other` gives every prompt what this entry gives it: the same chunks (anchor, grain), the same
+        tokens up to this entry's reach, prefilled, and its cache comes back there (a K/V cache to any point below
+        too; a delta-rule one keeps one snapshot, as this one). A header alone (`keep_header`, `Service.warm`), or a
+        short conversation whose reuse stops at its header, gives way to the next sequence with that header."""
+        p = self.reach
+        return other.anchor == self.anchor and other.grain == self.grain and other.prefilled >= p and \
+            other.tokens[:p] == self.tokens[:p] and other.cache.rollback_point(p) == p

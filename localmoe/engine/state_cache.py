@@ -55,6 +55,14 @@ class LatentCache:
         """Bytes one token costs in one sequence of this layer (fp8: values + the fp32 scale)."""
         return self.rows.bytes_per_token()
 
+    @property
+    def records(self) -> bool:
+        """Whether a verify must `record` (a bf16 / fp8 cache's exact ring: PagedBuffer.record)."""
+        return self.rows.lossy
+
+    def record(self, on: bool) -> None:
+        self.rows.record(on)
+
     def trim(self, offset: int) -> None:
         self.rows.trim(offset)
 
@@ -64,6 +72,8 @@ class LatentCache:
 
 class DeltaStateCache:
     """Recurrent state [B, H, K, V] (fp32) + conv tails [B, kernel-1, C] of one delta-rule layer."""
+
+    records = True  # a verify records the states it passes (engine/spec/verify.py)
 
     def __init__(self, batch: int, heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_kernel: int,
                  device: str | torch.device = "cpu"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from localmoe.chat.budget import Budget, ThinkingBudgets
 from localmoe.chat.format import ChatMessage, ToolCall
+from localmoe.config import SPEC_K
 from localmoe.engine.generate import PREFILL_CHUNK
 from localmoe.engine.prefix_cache import DEFAULT_BYTES, DEFAULT_ENTRIES, PrefixCache, common_prefix
 from localmoe.engine.sampler import SamplingParams
@@ -42,7 +43,7 @@ class ServerConfig:
     preemption: str = "swap"  # a preempted sequence's cache: swap | recompute (runtime/worker.py)
     swap_dir: str | None = None  # where swapped-out caches go (None: a private temporary directory)
     spec: str = "off"  # speculative decoding: prompt | draft:PATH | mtp | off (runtime/speculation.py)
-    spec_k: int = 4  # the most drafts per step (the speculator chooses fewer where more do not pay)
+    spec_k: int = SPEC_K  # the most drafts per step (the speculator chooses fewer where more do not pay)
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
     sessions_path: Path | None = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 import threading
 
+from localmoe.config import SPEC_K
 from localmoe.engine.spec.drafters import DraftModel, PromptLookup, check_vocab
 from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.residency import Residency, RouteBook
@@ -71,7 +72,7 @@ class Speculation:
     """`mode` is one of "prompt", "draft", "mtp", "off" once built (`mtp` without a layer to load resolves to
     "off" with a message)."""
 
-    def __init__(self, loaded, option: str = "off", k: int = 4, adaptive: bool = True, warn=None,
+    def __init__(self, loaded, option: str = "off", k: int = SPEC_K, adaptive: bool = True, warn=None,
                  price_experts: bool = False):
         self.k, self.adaptive = k, adaptive
         self.draft = None  # the draft model's LoadedModel

@@ -21,7 +21,10 @@ worker collects what its running jobs wait for and runs, in this order:
   whatever its rows: one read of each for all the prompts; its MoE calls are sliced at `row_limit` rows inside each
   layer; where that is below a chunk, the step stays within it). A prompt's rows cross its chunk boundaries where
   its cache keeps no delta-rule state (`Decoder.chunk_size`); a prompt token's bits do not depend on its chunk or
-  its neighbours.
+  its neighbours. A prompt whose chat header an earlier prompt of the step prefills (the same header, which the
+  prefix cache does not hold) waits that step: the earlier one leaves a copy of the header in the prefix cache as
+  its prompt passes it, and the waiting one starts from that copy (engine/prefix_cache.py), so a burst's header
+  runs once.
   Elsewhere one chunk of the oldest prefilling sequence runs in a forward of its own;
 - injected tokens (a closed thinking budget's end-of-thinking marker, a forced call's opening),
   each sequence alone.
@@ -78,9 +81,10 @@ PREEMPTION = ("swap", "recompute")
 # ~1.95x the decode step it delayed and such steps set the p99 inter-token latency; 8 beside 16 cost ~1.3x. No step
 # carrying prompts beside more decode rows than prompts wait is heavier than that (24 rows). A burst of prompts
 # enters whole in one step (16 clients: the ramp of ~40 24-row steps that delayed every decoding stream is gone,
-# ~137 -> ~100 steps, mean batch ~11 -> ~13-15, first-token p99 lower, p50 higher; 1-4% more server CPU: a burst of 16
-# requests finds the prefix cache's 4 entries, so 12 prefill the chat header again; docs/performance.md, "The int8
-# lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14").
+# ~137 -> ~100 steps, mean batch ~11 -> ~13-15, first-token p99 lower, p50 higher; docs/performance.md, "The int8
+# lm_head (opt-in), prompt rows per step, session 8", "The 16-row step, session 11" and "Serving, session 14"). Its
+# prompts share their chat header: the prefix cache copies a kept header to each, and a prompt whose header an
+# earlier prompt of the step prefills waits a step for its copy (session 15: ~1,083 -> 459 prompt rows a 16-client run).
 PROMPT_ROWS = 8
 STEP_ROWS = 16
 INTAKE_ROWS = 4096  # the most prompt rows of a step that takes every waiting prompt, each at most its chunk (512)
@@ -407,11 +411,16 @@ class EngineWorker:
         if self.row_limit is not None and self.row_limit < waiting[0].wants.chunk:  # MoE calls of a few rows (exact
             # MXFP4 32, dense 64, GGUF 96): a step within them, as before (measured: 512-row slices re-read nothing)
             budget = min(budget, max(PROMPT_ROWS, self.row_limit - len(decode)))
-        chunks = []
+        chunks, headers = [], set()  # the headers an earlier prompt prefills (left to the prefix cache as it passes)
         for r in waiting:
-            if budget <= 0 or not r.wants.prompt_rows:
+            dec = r.wants
+            if dec.header is not None and dec.untouched and dec.header in headers:
+                continue  # waits a step for the header an earlier prompt prefills, then starts from its copy
+            if budget <= 0 or not dec.prompt_rows:
                 break
-            chunks.append((r, r.wants.chunk_size(min(budget, r.wants.chunk))))  # a long prompt: a chunk a step
+            if dec.header is not None:
+                headers.add(dec.header)
+            chunks.append((r, dec.chunk_size(min(budget, dec.chunk))))  # a long prompt: a chunk a step
             budget -= chunks[-1][1]
         return chunks
 

@@ -51,6 +51,8 @@ def test_the_curve_is_each_row_counts_median_non_decreasing_and_the_prior_until_
 
 def test_a_few_rows_measured_blend_with_the_prior():
     table = StepCosts(rows_plain=True)
+    table.plain(9.0)  # the model's first plain step (its kernels' first use): dropped, as each row count's first
+    assert table.t1() is None
     table.plain(1.0)
     table.verify(2, 1.0)
     table.verify(2, -1.0)  # a clock whose counters were reset during the step: no sample

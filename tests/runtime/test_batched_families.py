@@ -164,6 +164,12 @@ def test_prompt_rows_cross_the_anchor_unless_the_cache_keeps_a_delta_state(model
     assert Decoder(models["gpt_oss"], prompt, GREEDY, anchor=6).chunk_size(512) == 20
     assert Decoder(models["kimi_k3"], prompt, GREEDY, anchor=6).chunk_size(512) == 6
     assert Decoder(models["kimi_k3"], prompt, GREEDY).chunk_size(512) == 20
+    for name, first in (("gpt_oss", 20), ("kimi_k3", 6)):  # the cache's layers are looked at once, not every call
+        dec = Decoder(models[name], prompt, GREEDY, anchor=6)
+        assert dec.chunk_size(512) == first
+        layers, dec.cache.layers = dec.cache.layers, None
+        assert dec.chunk_size(512) == first and dec.chunk_size(3) == 3
+        dec.cache.layers = layers
     model = models["gpt_oss paged"]
     alone, _ = run(model, [prompt])
     worker = EngineWorker(max_active=2, batching="on")
@@ -199,3 +205,44 @@ def test_a_long_prompt_still_takes_one_chunk_a_step(models):
     while worker.active:
         worker.step()
     assert outs[1] == alone[0]
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "gpt_oss paged"])
+def test_a_burst_with_one_header_starts_from_one_prefill_of_it(models, family):
+    """Prompts with the same header (anchor) submitted together beside a prefix cache: the first prefills the header
+    and leaves a copy (K3: its KDA states at the anchor, its MLA rows; the paged gpt-oss: K/V blocks, its prompts as
+    rows of a step that takes them whole), the others wait for it and start from a copy each; every sequence's
+    tokens equal its tokens alone (the same anchor, no prefix cache)."""
+    from localmoe.engine.prefix_cache import PrefixCache
+
+    model, cache = models[family], PrefixCache()
+    rng = random.Random(5)
+    header = [rng.randrange(3, model.spec.vocab_size) for _ in range(6)]
+    prompts = [header + [rng.randrange(3, model.spec.vocab_size) for _ in range(5)] for _ in range(3)]
+    worker, decoders = EngineWorker(max_active=3, batching="on"), []
+    outs: list[list[int]] = [[] for _ in prompts]
+
+    def job(prompt, out):
+        def work(job):
+            dec = Decoder(model, prompt, GREEDY, anchor=6, prefix_cache=cache)
+            decoders.append(dec)
+            while len(out) < STEPS:
+                logits = yield dec
+                if logits is not None:
+                    out.append(dec.sample(logits))
+                    dec.feed(out[-1:])
+
+        return Job(work, lambda kind, payload: None)
+
+    for prompt, out in zip(prompts, outs):
+        worker.submit(job(prompt, out))
+    while len(decoders) < 3 or worker.active:
+        worker.step()
+    assert [d.reused for d in decoders] == [0, 6, 6] and cache.hits == 2 and cache.misses == 1
+    for prompt, got in zip(prompts, outs):
+        alone: list[int] = []
+        single = EngineWorker(max_active=1, batching="on")
+        single.submit(greedy_job(model, prompt, alone, anchor=6))
+        while len(alone) < STEPS or single.active:
+            single.step()
+        assert got == alone

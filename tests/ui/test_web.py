@@ -917,7 +917,7 @@ def test_speculation_statistics_are_shown(browser, spec_web):
     status = tab.inner_text("#turn-status")
     found = re.search(r"speculation: (\d+)% of drafts kept, (\d+\.\d\d) tokens per step", status)
     assert found, status
-    assert 1.0 <= float(found.group(2)) <= 5.0  # --spec-k 4: at most 4 drafts and the target's token a step
+    assert 1.0 <= float(found.group(2)) <= 8.0  # --spec-k 7: at most 7 drafts and the target's token a step
     tab.wait_for_function("() => /spec \\d+% x\\d+\\.\\d/.test(document.querySelector('#live-status').innerText)",
                           timeout=30_000)
     tab.close()

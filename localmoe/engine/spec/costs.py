@@ -1,6 +1,6 @@
 """What a verify of r rows costs against a plain step, for one model: t(r) / t(1), shared by its sequences.
 
-A speculator chooses k by acceptance x cost: E(k) = 1 + a + ... + a^k tokens for t(k + 1). Measured per sequence
+A speculator chooses k by acceptance x cost: E(k) tokens (speculator.py) for t(k + 1). Measured per sequence
 (the median of a row count's last 9 steps, session 8-13), t(r) / t(1) read on a loaded host anywhere from 1.0 to
 1.7 for a 2-row verify within one code-edit turn (the true figure ~1.2) and the choice of k followed that noise: a
 5-row verify priced at 1.24 plain steps drafted after single-token matches at k = 4, one priced at 2.3 cut 93%-kept
@@ -9,8 +9,11 @@ model (and per kind of plain step and clock: `shared`) from every sequence's ste
 plain steps' median at the time (a ratio: the load moves both) is a sample of its row count, and the curve is the
 median of each row count's last WINDOW samples (a verify preempted under load is one sample in WINDOW), blended with
 the prior while a row count has fewer than TRUSTED, non-decreasing in r and at least 1 (a verify computes more than a plain
-step). A sequence's k then follows its acceptance; the absolute scale (a draft model's own time per token is priced
-against it) is the sequence's t(1).
+step). A sequence's k then follows its acceptance. The absolute scale (a draft model's own time per token and a
+missed expert's stall are priced against it) is t(1) here too, the median of the model's last PLAIN plain steps: this
+table is the one place step times are kept, and its first-use rule the only one (the first step of each row count on
+the model, plain steps included, pays its kernels' first use and is not a sample; sessions 13-14 also kept each
+sequence's medians of every row count and dropped their first steps per sequence, of which pricing read only t(1)).
 """
 
 from __future__ import annotations
@@ -36,15 +39,23 @@ class StepCosts:
         self._plain: deque = deque(maxlen=PLAIN)
         self._t1: float | None = None  # the median of _plain (None: taken again when read)
         self._samples: dict[int, deque] = {}  # rows -> the last WINDOW ratios
-        self._first: set[int] = set()  # row counts whose first step (its kernels' first use) was dropped
+        self._first: set[int] = set()  # row counts whose first step (its kernels' first use) was dropped (1: plain)
         self._curve: list[float] | None = None  # ratio by rows (index r), None: computed again when read
 
     def plain(self, seconds: float) -> None:
-        """A plain step's time (none <= 0: a pager's counters reset under the clock, `verify.step_clock`)."""
-        if seconds <= 0:
+        """A plain step's time (none <= 0: a pager's counters reset under the clock, `verify.step_clock`); the first
+        on the model is dropped (`_first_use`)."""
+        if seconds <= 0 or self._first_use(1):
             return
         self._plain.append(seconds)
         self._t1 = None
+
+    def _first_use(self, rows: int) -> bool:
+        """Whether this is the model's first step of `rows` rows (its kernels' first use: not a sample)."""
+        if rows in self._first:
+            return False
+        self._first.add(rows)
+        return True
 
     def t1(self) -> float | None:
         """The median of the recent plain steps (None before any)."""
@@ -55,12 +66,9 @@ class StepCosts:
 
     def verify(self, rows: int, seconds: float) -> None:
         """A step of `rows` rows took `seconds` (its forward and its acceptance). The first of each row count is
-        dropped (it pays the kernels' first use); without a plain step measured yet it cannot be a ratio."""
+        dropped (`_first_use`); without a plain step measured yet it cannot be a ratio."""
         one = self.t1()
-        if rows < 2 or not one or seconds <= 0:
-            return
-        if rows not in self._first:
-            self._first.add(rows)
+        if rows < 2 or not one or seconds <= 0 or self._first_use(rows):
             return
         self._samples.setdefault(rows, deque(maxlen=WINDOW)).append(seconds / one)
         self._curve = None

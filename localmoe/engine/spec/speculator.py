@@ -1,22 +1,23 @@
 """One sequence's speculation: its drafter, the choice of k per step, its statistics.
 
-k is chosen from what this sequence measured: the acceptance rate a (the chance that a draft is kept
-when the ones before it were, from recent steps; kept apart per confidence class, `bucket()`: a prompt-lookup
-draft after a long match is mostly kept, one after a single token mostly not, so `fit` cuts each draft to
-what its class pays), and from what a step of r rows costs on this model: t(r) = t(1) x the model's ratio
-t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the model, a long window's median per
-row count, non-decreasing in r; so k follows acceptance, not the noise of one sequence's few verifies), t(1) the
-median of this sequence's last RECENT plain steps (CPU time, plus the pager's stall where a step may wait for
-expert reads: verify.py `step_clock`). The drafter's own time is priced apart, per token it runs: a
-draft model runs its drafts and the tokens the step yields. A step of k drafts yields E(k) = 1 + a + ... + a^k
-tokens on average for the time t(k + 1); the k with the most tokens per second wins, and k = 0 (no draft: a
-plain decode step) when none beats a plain step by GAIN (5%: a draft that only breaks even is a loss when the
-estimates err).
+k is chosen from what this sequence measured: the acceptance (from recent steps, kept apart per confidence class,
+`bucket()`: a prompt-lookup draft after a long match is mostly kept, one after a single token mostly not, so `fit`
+cuts each draft to what its class pays; per class two numbers, `bucket_acceptance`: p the chance that its first
+draft is kept, c that a further one is once the one before it was), and from what a step of r rows costs on this
+model: t(r) = t(1) x the model's ratio t(r) / t(1) (costs.py `StepCosts`: learned from every sequence's steps on the
+model, a long window's median per row count, non-decreasing in r; so k follows acceptance, not the noise of one
+sequence's few verifies), t(1) the median of the model's recent plain steps (the same table: the one place step
+times are kept; CPU time, plus the pager's stall where a step may wait for expert reads: verify.py `step_clock`).
+The drafter's own time is priced apart, per token it runs: a draft model runs its drafts and the tokens the step
+yields. A step of k drafts yields E(k) = 1 + p (1 + c + ... + c^(k-1)) tokens on average for the time t(k + 1); the
+k with the most tokens per second wins, and k = 0 (no draft: a plain decode step) when none beats a plain step by
+GAIN (5%: a draft that only breaks even is a loss when the estimates err).
 
 Row counts not measured yet on the model are estimated pessimistically (costs.py's prior: 2 rows at two plain
 steps against a fused step, 1.3 where the plain step is the row kernels' too, `rows_plain`), so the first verify
-is one that pays even so (a draft after a long match, mostly kept) and measuring costs little; the first step of
-a sequence is plain (t(1), the yardstick). A drafter without match lengths (a draft model, MTP: how likely a
+is one that pays even so (a draft after a long match, mostly kept) and measuring costs little; a sequence takes
+plain steps until the model's t(1) is known (the yardstick: two plain steps on a fresh model, the first of each row
+count being its kernels' first use, costs.py). A drafter without match lengths (a draft model, MTP: how likely a
 draft is kept is unknown until tried) drafts one token a step until this sequence measured a verify.
 
 Probing: a draft of a class that does not pay is still tried now and then (a change in acceptance is noticed;
@@ -43,6 +44,10 @@ Resting (`rest`, session 13): after a step without a draft, the drafter says how
 find no match worth a draft (a match grows by a token a step at most, `PromptLookup.quiet`); decode_together
 takes those as plain steps without calling the speculator at all (`quiet`), and the next call counts them
 (`wake`) and feeds the index their tokens in one call. A free answer then pays the speculator once in a few steps.
+It rests those steps only (sessions 13-14 rested a few more each time a sequence declined, doubling up to 16 until a
+verify: a code edit that reached 16 before its first quote rested through the quotes' starts and its shadow tries
+came 16-32 steps late, 89 steps a turn instead of 76, 1.27x priced instead of 1.40x; whether that happened depended
+on the turn's first steps, session 15).
 
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
@@ -70,7 +75,6 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from localmoe.engine.spec.costs import StepCosts
@@ -81,12 +85,10 @@ PROBE = 16  # the fewest plain steps between two tries while no draft pays
 PROBE_MAX = 512  # the most (the spacing doubles with every try rejected)
 PROBE_SHARE = 0.005  # the tries of a class that does not pay cost at most this share of the decode time
 SMOOTH = 0.2  # weight of the newest measurement in the running averages
-RECENT = 9  # t(1) is the median of the last RECENT plain steps timed (a step preempted under load is an outlier)
 GAIN = 1.05  # a draft is verified where it is expected to beat a plain step by this much (step times are noisy)
 REPRICE = 0.1  # the classes' best k are priced again once t(1) moved by more than this share (or a verify ran)
 TIME_EVERY = 4  # a declining sequence times one plain step in this many (`times_plain`)
 SETTLE = 8  # a declining sequence's choice of k is taken again at least this often (choose_k, `_settle`)
-REST_MAX = 16  # a resting sequence skips at most this many steps past the ones that certainly cannot draft (`rest`)
 RETIRE_AFTER = 24  # steps without a worthwhile expected gain before a drafter with a cost at k = 0 stops
 RETIRE_GAIN = 1.15  # expected tokens/s over a plain step below which such a drafter's cost is not worth it
 # drafts by the length of the match they were copied from: 0 = none known (a draft model, MTP: the sequence's
@@ -141,10 +143,11 @@ class Speculator:
         self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
-        self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS  # the same per bucket()
-        self.step_seconds: dict[int, float] = {}  # rows -> the median time of its recent steps
-        self._samples: dict[int, int] = {}  # rows -> steps measured (the first of each is dropped by the second)
-        self._recent: dict[int, deque] = {}  # rows -> the last RECENT step times
+        # per bucket(): decayed counts of its drafts' first token kept, tries; of a further token kept once the one
+        # before it was, positions reached (`_tally`)
+        self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
+        self._more_kept, self._more_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
+        self._verified = False  # this sequence ran a verify (`_measuring`)
         self.draft_seconds = 0.0  # the drafter's time per token it runs (a draft model's forwards; first replaced)
         self._catches_up = float(hasattr(drafter, "caught_up"))  # a drafter with a cache runs the yielded tokens too
         self._drafts_timed = 0
@@ -159,7 +162,7 @@ class Speculator:
         # declining costs nothing but the drafter's lookup: never retire (a residency reads every forward)
         self.free = getattr(drafter, "free", False) and residency is None
         self.rows_plain: bool | None = None  # the plain steps are the row kernels' too (the caller sets it once)
-        # t(r) / t(1) on this model: its own until the caller (verify.py) gives it the model's shared one
+        # t(1) and t(r) / t(1) on this model: its own until the caller (verify.py) gives it the model's shared one
         self.costs = StepCosts()
         self.clock = None  # what steps are timed with (the caller sets it once: verify.py step_clock)
         self._memo: list[tuple[int, float]] | None = None  # each class's _best, priced at t(1) = _memo_t1
@@ -171,7 +174,6 @@ class Speculator:
         self._classes = range(BUCKETS)  # the classes drafts may come in
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
-        self._dirty = False  # plain steps filed since t(1) was last taken (`_t1`)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
         # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
         self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
@@ -184,7 +186,6 @@ class Speculator:
         # steps the sequence takes without the speculator (decode_together's plain step): none of them could draft
         # (`rest`); `_quiet_set` what was granted, the steps it skipped are counted when it runs again (`wake`)
         self.quiet = self._quiet_set = 0
-        self._rest = 1  # the steps `rest` grants at least (doubled by every rest, back to 1 by a verify)
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
 
@@ -193,25 +194,42 @@ class Speculator:
         """The estimated chance that the target keeps a draft given it kept the ones before (a)."""
         return self._kept / self._trials
 
-    def bucket_acceptance(self, b: int) -> float:
-        """a for drafts of confidence class `b` (bucket()): its own counts and its prior (class 0: `acceptance`)."""
+    def bucket_acceptance(self, b: int) -> tuple[float, float]:
+        """(p, c) for drafts of confidence class `b` (bucket()): the chance that the first draft is kept, and that a
+        further one is once the one before it was, each from its own counts and the class's prior (class 0: both
+        `acceptance`). Two numbers, not one a: a class's drafts are mostly all right or wrong at once (a single-token
+        match is either a quote's start or a common word: on the code edit the first of such drafts is kept 31%,
+        a further one 53%; one a of 0.39 overrated its first draft and verified it at a loss)."""
         if b == 0:
-            return self.acceptance
-        return (self._bucket_kept[b] + PRIOR * CLASS_PRIOR[b]) / (self._bucket_trials[b] + PRIOR)
+            return self.acceptance, self.acceptance
+        prior = PRIOR * CLASS_PRIOR[b]
+        return ((self._bucket_kept[b] + prior) / (self._bucket_trials[b] + PRIOR),
+                (self._more_kept[b] + prior) / (self._more_trials[b] + PRIOR))
+
+    def _tally(self, b: int, kept: int, n: int) -> None:
+        """Class b's counts after a try of n drafts of which the first `kept` were kept (a verify or in the shadow):
+        its first draft, and the further ones it reached."""
+        self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + (kept > 0)
+        self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + 1
+        if kept and n > 1:
+            self._more_kept[b] = (1 - SMOOTH) * self._more_kept[b] + kept - 1
+            self._more_trials[b] = (1 - SMOOTH) * self._more_trials[b] + kept - 1 + (kept < n)
 
     def _costs(self) -> list[float]:
         """t(r) for r = 1 .. k_max + 1 (`_estimate`), taken once for every class a pricing pass prices."""
         return [self._estimate(r) for r in range(1, self.k_max + 2)]
 
-    def _best(self, a: float, costs: list[float] | None = None) -> tuple[int, float]:
-        """(the k with the most expected tokens per second at acceptance a, that rate); k = 0: a plain step.
-        `costs`: `_costs()` (taken here where not given)."""
+    def _best(self, a: tuple[float, float], costs: list[float] | None = None) -> tuple[int, float]:
+        """(the k with the most expected tokens per second at acceptance a = (p, c), `bucket_acceptance`, that rate);
+        k = 0: a plain step. `costs`: `_costs()` (taken here where not given)."""
         costs = costs or self._costs()
         best, best_rate = 0, GAIN / costs[0]
-        a = min(a, 0.999)
+        tokens, further, c = 1.0, a[0], a[1]  # `_expected` term by term (a free answer reprices at most steps)
+        catch, per = self._catches_up, self.draft_seconds
         for k in range(1, self.k_max + 1):
-            tokens = (1 - a ** (k + 1)) / (1 - a)  # a draft model then also runs the tokens the step yields
-            rate = tokens / (costs[k] + (k + tokens * self._catches_up) * self.draft_seconds)
+            tokens += further  # a draft model then also runs the tokens the step yields
+            further *= c
+            rate = tokens / (costs[k] + (k + tokens * catch) * per)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, best_rate
@@ -243,7 +261,7 @@ class Speculator:
             self._counters = self.residency.counters()
         if not self.adaptive:
             return self.k_max
-        if 1 not in self.step_seconds:  # a plain step's cost is the yardstick: measure one first
+        if self.costs.t1() is None:  # a plain step's cost is the yardstick: measure one first
             return 0
         if self._measuring():
             return 1
@@ -271,8 +289,8 @@ class Speculator:
         not past a verify or a verify's row count measured (`observe` ends it). Declining costs a few attribute
         reads then (choose_k runs on every step of a speculating sequence)."""
         if self.deterministic:  # tries are found after the fact (`_review`, every call): only t(1) is watched, every
-            # SETTLE calls (a resting sequence calls once in up to REST_MAX steps)
-            self._fast_until = self.stats.steps + SETTLE * self._rest
+            # SETTLE calls
+            self._fast_until = self.stats.steps + SETTLE
             self._fast_k, self._fast_least = best, self.least
             return
         most = PROBE_MAX
@@ -286,18 +304,10 @@ class Speculator:
         self._fast_until = min(due - 1e-6, self.stats.steps + SETTLE)
         self._fast_k, self._fast_least = best, self.least
 
-    def _t1(self) -> float:
-        """t(1): the median of the last plain steps (taken when read: `observe` only files a plain step)."""
-        if self._dirty:
-            self._dirty = False
-            recent = self._recent[1]
-            self.step_seconds[1] = sorted(recent)[len(recent) // 2]
-        return self.step_seconds[1]
-
     def _priced_classes(self) -> list[tuple[int, float]]:
         """`_best` of each confidence class (bucket()), priced again only once a verify ran (acceptance, row
         times) or t(1) moved by more than REPRICE: a sequence that declines step after step prices nothing."""
-        one = self._t1()
+        one = self.costs.t1()
         if self._memo is None or abs(one - self._memo_t1) > REPRICE * self._memo_t1:
             self._memo_costs = costs = self._costs()  # (the same for every class: a pass after each verify priced
             # them 5 times; a shadow try that settles reprices its class with them)
@@ -323,7 +333,7 @@ class Speculator:
         """The shortest match whose draft `fit` may keep: a drafter with match lengths (`Drafter.matches`) need
         not build the drafts of shorter ones. 1 where every draft may be kept (not adaptive, not priced yet, a
         try due, a residency pricing drafts by their reads)."""
-        if not self.adaptive or 1 not in self.step_seconds or self.residency is not None:
+        if not self.adaptive or self.residency is not None or self.costs.t1() is None:
             return 1
         self._priced_classes()
         return self._least_due()
@@ -346,7 +356,7 @@ class Speculator:
         """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
         a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
         kept), and it retires where drafting does not pay."""
-        return not self.matches and all(r < 2 for r in self.step_seconds)
+        return not self.matches and not self._verified
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
@@ -358,9 +368,9 @@ class Speculator:
         return self.residency is not None and 1 in self.step_misses and self.miss_seconds is not None
 
     def _estimate(self, rows: int) -> float:
-        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): this
-        sequence's t(1) times the model's t(rows) / t(1) (costs.py; t(1) is measured first)."""
-        return self._t1() * self.costs.ratio(rows)
+        """Seconds of a step of `rows` rows (with its typical expert reads; `fit` prices a draft's own): the model's
+        t(1) times its t(rows) / t(1) (costs.py; t(1) is measured first)."""
+        return self.costs.t1() * self.costs.ratio(rows)
 
     def fit(self, draft: Draft, at: int | None = None) -> Draft:
         """The prefix of `draft` worth verifying: as many drafts as pay at the acceptance of its confidence class
@@ -368,7 +378,7 @@ class Speculator:
         the pager asked to prefetch them. `at`: the position of the draft's first token (unused since shadow tries
         are made after the fact, `_review`)."""
         self._probing = False
-        if not draft.tokens or not self.adaptive or 1 not in self.step_seconds or self._measuring():
+        if not draft.tokens or not self.adaptive or self.costs.t1() is None or self._measuring():
             return self._priced_fit(draft, None)
         b = bucket(draft)
         a = self.bucket_acceptance(b)
@@ -380,7 +390,7 @@ class Speculator:
             keep = int(self._probing)
         return self._priced_fit(draft.first(keep), a)
 
-    def _priced_fit(self, draft: Draft, a: float | None) -> Draft:
+    def _priced_fit(self, draft: Draft, a: tuple[float, float] | None) -> Draft:
         r = self.residency
         if r is None or draft.source is None or not draft.tokens:
             return draft
@@ -390,7 +400,6 @@ class Speculator:
         keep = len(draft.tokens)
         if a is not None and self._priced():
             missing = r.missing(keys)
-            a = min(a, 0.999)
             keep, best = 0, GAIN / self._estimate(1)
             measured = max(self.step_misses)
             for j in range(1, len(draft.tokens) + 1):
@@ -400,7 +409,7 @@ class Speculator:
                 # included, so no verify ever measured them: 0-10% of the document task's drafts verified)
                 typical = _interpolate(self.step_misses, j + 1) - self.step_misses[1]
                 added = (missing[j] - missing[0] - typical) * self.miss_seconds if measured >= j + 1 else 0.0
-                tokens = (1 - a ** (j + 1)) / (1 - a)
+                tokens = _expected(a, j)
                 cost = max(self._estimate(j + 1) + added, self._estimate(1)) + j * self.draft_seconds
                 rate = tokens / cost
                 if rate > best:
@@ -422,7 +431,7 @@ class Speculator:
             return
         if at == end:
             return
-        kept_, trials, k, tried = self._bucket_kept, self._bucket_trials, self.k_max, 0
+        k, tried = self.k_max, 0
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
             if b and not memo[b][0]:
@@ -432,8 +441,7 @@ class Speculator:
                 kept, n = fate
                 self.shadow_tries += 1
                 self.shadow_kept += kept > 0
-                kept_[b] = (1 - SMOOTH) * kept_[b] + kept
-                trials[b] = (1 - SMOOTH) * trials[b] + kept + (kept < n)
+                self._tally(b, kept, n)
                 tried |= 1 << b
             at += 1
         self._review_at = at
@@ -452,8 +460,7 @@ class Speculator:
         """One shadow try of class b: `kept` of its `n` drafts would have been kept (module docstring)."""
         self.shadow_tries += 1
         self.shadow_kept += kept > 0
-        self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + kept
-        self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + kept + (kept < n)
+        self._tally(b, kept, n)
         if self._memo is not None:
             self._reprice([b])
 
@@ -462,8 +469,7 @@ class Speculator:
         no match worth a draft (`least`; the drafter's `quiet`) to decode_together's plain step, without this
         speculator (a free answer's steps then cost what `--spec off`'s do)."""
         if self._quiet_of is not None and self.least > 1:
-            self.quiet = self._quiet_set = max(self._quiet_of(length, self.least), self._rest - 1)
-            self._rest = min(2 * self._rest, REST_MAX)
+            self.quiet = self._quiet_set = self._quiet_of(length, self.least)
 
     def wake(self) -> None:
         """Count the steps taken without it since `rest` (plain steps: a token each)."""
@@ -474,9 +480,9 @@ class Speculator:
 
     @property
     def times_plain(self) -> bool:
-        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once t(1) is known (its
-        median over the last RECENT timed steps moves slowly; a clock reading is a system call, ~1 us)."""
-        return self.stats.steps % TIME_EVERY == 0 or self._samples.get(1, 0) < 2 or self.residency is not None
+        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once the model's t(1) is known
+        (its median over the last plain steps moves slowly; a clock reading is a system call, ~1 us)."""
+        return self.stats.steps % TIME_EVERY == 0 or self.residency is not None or self.costs.t1() is None
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float | None, confidence: int = 0,
                 drafting: float = 0.0) -> None:
@@ -485,15 +491,12 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
-        if not drafted and rows == 1 and self.residency is None and self._samples.get(1, 0) >= 2:
+        if not drafted and rows == 1 and self.residency is None:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
             if seconds is not None:  # (None: not timed, `times_plain`)
-                self._recent[1].append(seconds)
-                self._dirty = True  # its median is taken when read (`_t1`)
                 self.costs.plain(seconds)
             return
         if drafted:
-            self._rest = 1
             self._tried[confidence] = s.steps
             if self._probing:  # a try of a class that did not pay: rejected, the next waits twice as long
                 self._backoff[confidence] = 1 if accepted else min(2 * self._backoff[confidence], PROBE_MAX)
@@ -512,19 +515,12 @@ class Speculator:
             per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
             # sequence's new ones (the prompt, the first time) and the drafts
             self.draft_seconds = per if self._drafts_timed <= 2 else self.draft_seconds + SMOOTH * (per - self.draft_seconds)
-            b = confidence
-            self._bucket_kept[b] = (1 - SMOOTH) * self._bucket_kept[b] + accepted
-            self._bucket_trials[b] = (1 - SMOOTH) * self._bucket_trials[b] + accepted + (accepted < drafted)
-        # the first step of a row count pays its kernels' first use: the second replaces it
-        self._samples[rows] = n = self._samples.get(rows, 0) + 1
-        recent = self._recent.setdefault(rows, deque(maxlen=RECENT))
-        if n == 2:
-            recent.clear()
-        recent.append(seconds)
-        self.step_seconds[rows] = sorted(recent)[len(recent) // 2]  # the median (the upper one of an even count)
-        if rows == 1:
-            self.costs.plain(seconds)
-        else:  # a sample of the model's t(rows) / t(1)
+            self._tally(confidence, accepted, drafted)
+        if rows == 1:  # (a residency's plain step: its misses below)
+            if seconds is not None:
+                self.costs.plain(seconds)
+        else:  # a sample of the model's t(rows) / t(1) (the table drops each row count's first use)
+            self._verified = True
             self.costs.verify(rows, seconds)
         if self.residency is not None and self._counters is not None:
             stall, misses = self.residency.counters()
@@ -533,6 +529,13 @@ class Speculator:
             if misses:
                 per = stall / misses
                 self.miss_seconds = per if self.miss_seconds is None else self.miss_seconds + SMOOTH * (per - self.miss_seconds)
+
+
+def _expected(a: tuple[float, float], k: int) -> float:
+    """Tokens a step of k drafts yields on average at acceptance a = (p, c) (`bucket_acceptance`): its own token,
+    the first draft with chance p, each further one with chance c once the one before it was kept."""
+    p, c = a[0], min(a[1], 0.999)
+    return 1 + p * (1 - c ** k) / (1 - c)
 
 
 def _average(table: dict[int, float], rows: int, value: float) -> None:

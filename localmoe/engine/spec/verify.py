@@ -2,9 +2,10 @@
 as rows of ONE forward (engine/batch.py `forward_rows`), then each speculating sequence keeps what the
 acceptance rule accepts and its caches roll back to its last accepted token.
 
-Rolling back: paged K/V and MLA rows trim to any position. A delta-rule state (KDA, Gated DeltaNet)
-cannot be un-added, so during the verify its cache records the state after each row (`record`: the
-rows run one at a time through the recurrent kernel, which hands over a new state tensor per token,
+Rolling back: paged K/V and MLA rows trim to any position (a bf16 / fp8 cache keeps its exact ring as it stood
+while recording, below, so the positions rejected drafts pushed out of it read exact again). A delta-rule state
+(KDA, Gated DeltaNet) cannot be un-added, so during the verify its cache records the state after each row
+(`record`: the rows run one at a time through the recurrent kernel, which hands over a new state tensor per token,
 so keeping them costs no copy) and `trim` restores the one at the last accepted token. (The
 alternative, a snapshot before the verify and a second forward of the accepted tokens, costs a
 forward per step; the recorded states cost nothing.) Kimi K3's attention residuals and GLM-5-Next's
@@ -46,10 +47,12 @@ from localmoe.engine.spec.speculator import K_MAX, bucket
 
 
 def record(cache: ModelCache, on: bool) -> None:
-    """Delta-rule layers keep (on) or drop (off) the states of the positions they reach from now on.
+    """Delta-rule layers keep (on) or drop (off) the states of the positions they reach from now on; a bf16 / fp8
+    cache's layers keep (on) or drop (off) their exact ring as it stands now.
     A speculating sequence records from the start of a verify until its next step (or its end), so an
     injected token can still drop kept drafts not fed back yet (Decoder.feed). The layers that record are
-    the cache's `recorders`, found once when it was made (a model without delta-rule layers has none)."""
+    the cache's `recorders`, found once when it was made (none in a model without delta-rule layers over an
+    fp32 cache)."""
     for layer in cache.recorders:
         layer.record(on)
 
