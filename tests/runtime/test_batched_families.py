@@ -40,11 +40,14 @@ def models(tmp_path_factory):
     return out
 
 
-def greedy_job(model, prompt: list[int], out: list[int], **decoder) -> Job:
+def greedy_job(model, prompt: list[int], out: list[int], made: list | None = None, **decoder) -> Job:
     """A job that decodes STEPS greedy tokens of `prompt` into `out`, a step at a time through the worker
-    (`decoder`: the Decoder's keyword arguments, such as `anchor` or `prefill_chunk`)."""
+    (`decoder`: the Decoder's keyword arguments, such as `anchor` or `prefill_chunk`; `made`: a list that gets
+    the job's Decoder once the worker starts it)."""
     def work(job):
         dec = Decoder(model, prompt, GREEDY, **decoder)
+        if made is not None:
+            made.append(dec)
         while len(out) < STEPS:
             logits = yield dec
             if logits is not None:
@@ -222,20 +225,8 @@ def test_a_burst_with_one_header_starts_from_one_prefill_of_it(models, family):
     worker, decoders = EngineWorker(max_active=3, batching="on"), []
     outs: list[list[int]] = [[] for _ in prompts]
 
-    def job(prompt, out):
-        def work(job):
-            dec = Decoder(model, prompt, GREEDY, anchor=6, prefix_cache=cache)
-            decoders.append(dec)
-            while len(out) < STEPS:
-                logits = yield dec
-                if logits is not None:
-                    out.append(dec.sample(logits))
-                    dec.feed(out[-1:])
-
-        return Job(work, lambda kind, payload: None)
-
     for prompt, out in zip(prompts, outs):
-        worker.submit(job(prompt, out))
+        worker.submit(greedy_job(model, prompt, out, decoders, anchor=6, prefix_cache=cache))
     while len(decoders) < 3 or worker.active:
         worker.step()
     assert [d.reused for d in decoders] == [0, 6, 6] and cache.hits == 2 and cache.misses == 1
