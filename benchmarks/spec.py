@@ -21,7 +21,9 @@ read per generated token.
     so its acceptance shows the cost of drafting with it, not what a released checkpoint's head achieves.
 
 (b') `--stores smollm_moe`: the embedded SmolLM2 upcycled to a MoE (upcycle.py: it answers as SmolLM2 does),
-    paged at 25%; its draft model is the dense SmolLM2 it came from (the embedded GGUF, resident).
+    paged at 25%; its draft model is the dense SmolLM2 it came from (the embedded GGUF, resident): `draft`
+    drafts the next step in a thread while the target verifies (as `--spec draft:` on a paged store),
+    `draft-inline` on the step's path (before session 16).
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU
@@ -209,11 +211,12 @@ def step_worker(args) -> None:
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
             residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
-    elif kind.startswith("draft:"):
-        from localmoe.engine.spec.drafters import DraftModel
+    elif kind.startswith(("draft:", "draft-inline:")):  # inline: its drafts on the step's path (before session 16)
+        from localmoe.engine.spec.draft_model import DraftModel
 
-        draft = load_model(kind[6:], EngineConfig(threads=args.threads), progress=False).model
-        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size), args.k)
+        name, _, path = kind.partition(":")
+        draft = load_model(path, EngineConfig(threads=args.threads), progress=False).model
+        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size, ahead=name == "draft"), args.k)
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
     while len(out) < args.paged_tokens:
@@ -281,7 +284,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 # (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
-                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind", "draft"), True),
+                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
@@ -299,7 +302,7 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
         record = args.work / f"plain-{family}-{task}.json"
         base = command(args, store, "rows", task, ram, chat=chat) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
-        names = ["fused", "rows", f"oracle:{record}", *(f"draft:{draft}" if d == "draft" else d for d in drafters),
+        names = ["fused", "rows", f"oracle:{record}", *(f"{d}:{draft}" if d.startswith("draft") else d for d in drafters),
                  "noise"]
         if args.only:
             names = [n for n in names if n.split(":")[0] in args.only.split(",")]

@@ -3,7 +3,8 @@
 
 - `prompt`: prompt lookup (n-grams of the prompt and the generated text), no model;
 - `draft:PATH`: a smaller model localmoe loads, which must share the target's tokenizer (checked: the
-  same vocabulary and ids, else an error naming both); each sequence gets its own draft cache;
+  same vocabulary and ids, else an error naming both); each sequence gets its own draft cache; on a paged
+  target it drafts the next step in a thread while the target's verify waits on reads (draft_model.py);
 - `mtp`: the checkpoint's next-n prediction layer (DeepSeek-V3 / V3.2, GLM-4.5: `num_nextn_predict_layers`;
   engine/nextn.py, engine/spec/mtp.py), loaded only then; each sequence gets its own small cache of it.
   HF checkpoints, stores converted from them (the layer's routed experts as extents, read through the store's
@@ -30,7 +31,8 @@ import sys
 import threading
 
 from localmoe.config import SPEC_K
-from localmoe.engine.spec.drafters import DraftModel, PromptLookup, check_vocab
+from localmoe.engine.spec.draft_model import DraftModel, check_vocab
+from localmoe.engine.spec.drafters import PromptLookup
 from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.residency import Residency, RouteBook
 from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
@@ -82,6 +84,7 @@ class Speculation:
         # price_experts on a paged model: prompt lookup prices its drafts' expert reads (off by default: no gain
         # measured over pricing by step time, docs/paging.md "A paged store that quotes")
         self.pager = pager_of(loaded) if price_experts else None
+        self.paged = pager_of(loaded) is not None
         self.book: RouteBook | None = None
         self.stats = SpecStats()  # every finished sequence's, added up
         self._lock = threading.Lock()
@@ -145,7 +148,9 @@ class Speculation:
         if mode == "mtp":
             drafter = MTPDrafter(self.head)
         else:
-            drafter = PromptLookup(tokenizer=self.tokenizer) if mode == "prompt" else DraftModel(self.draft.model, self.vocab)
+            # a paged target's verify waits on reads: the draft model drafts the next step beside it (draft_model.py)
+            drafter = PromptLookup(tokenizer=self.tokenizer) if mode == "prompt" else \
+                DraftModel(self.draft.model, self.vocab, ahead=self.paged)
         residency = Residency(self.pager, self._routes()) if mode == "prompt" and self.pager is not None else None
         return Speculator(drafter, self.k, self.adaptive, residency)
 

@@ -12,7 +12,8 @@ import torch
 
 from localmoe.engine.generate import Decoder, decode_together
 from localmoe.engine.sampler import SamplingParams
-from localmoe.engine.spec.drafters import Draft, DraftModel, PromptLookup
+from localmoe.engine.spec.draft_model import DraftModel
+from localmoe.engine.spec.drafters import Draft, PromptLookup
 from localmoe.engine.spec.speculator import BUCKETS, RETIRE_AFTER, Speculator, bucket
 from localmoe.testing.parity import kv_cache_dtype, random_tokens
 

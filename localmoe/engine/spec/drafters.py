@@ -8,9 +8,8 @@
   matches rejected, nearly all kept after 6+), so the speculator prices them apart. With the tokenizer, matching ignores whitespace (a model
   quoting a hard-wrapped document joins its lines). Agents' work (code edits, document Q&A, tool results
   quoted back) repeats long spans of the prompt, which this drafts for free. Deterministic: q is one-hot.
-- `DraftModel`: a smaller model sharing the target's tokenizer (checked by `check_vocab`), run token
-  by token over its own cache; it samples its drafts with the request's settings (greedy under
-  greedy), so q is its distribution.
+- `DraftModel` (draft_model.py): a smaller model sharing the target's tokenizer, run token by token over its
+  own cache.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ from typing import Protocol
 
 import torch
 
-from localmoe.engine.batch import forward_rows, has_rows
-from localmoe.engine.sampler import SamplingParams, probabilities
-from localmoe.errors import LocalMoEError
+from localmoe.engine.sampler import SamplingParams
 
 
 @dataclass(slots=True)
@@ -246,87 +243,4 @@ def _texts(tokenizer) -> tuple[dict[int, str], dict[int, str]]:
         return _TEXTS.setdefault(tokenizer, ({}, {}))
     except TypeError:  # not weakly referenceable: the sequence's own
         return {}, {}
-ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
 LONGEST = 32  # a match's length is counted this far at most (its class, and the respacing it compares)
-
-
-def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
-    """A draft model must share the target's tokenizer: the same vocabulary, ids and special tokens."""
-    t, d = target_tokenizer, draft_tokenizer
-    if t.vocab_size != d.vocab_size:
-        raise LocalMoEError(f"draft model {draft_name}: its tokenizer has {d.vocab_size} tokens, the target "
-                            f"{target_name}'s has {t.vocab_size}; use a draft model with the target's tokenizer "
-                            "(the same family), or --spec prompt")
-    t_vocab, d_vocab = t.backend.get_vocab(with_added_tokens=True), d.backend.get_vocab(with_added_tokens=True)
-    if t_vocab != d_vocab:
-        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:3]
-        raise LocalMoEError(f"draft model {draft_name}: its vocabulary differs from the target {target_name}'s "
-                            f"(e.g. {differ}); use a draft model with the target's tokenizer, or --spec prompt")
-
-
-class DraftModel:
-    """A small model proposing drafts token by token over its own cache (batch 1). Its cache follows the
-    sequence: tokens it holds that the sequence no longer has are trimmed (to a snapshot of its delta-rule
-    states, taken where the accepted history ended), the missing ones are run as one chunk."""
-
-    name = "draft"
-
-    def __init__(self, model, vocab_size: int):
-        self.model = model
-        self.vocab_size = vocab_size  # the target's: a draft's logits are cut or padded (-inf) to it
-        self.cache = model.new_cache(1, model.max_context)
-        self.tokens: list[int] = []  # what the cache holds
-        self.caught_up = 0  # tokens of the sequence the last propose ran before drafting (the speculator's pricing)
-
-    def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
-        """Make the cache hold `history`; the logits [1, V] after its last token (None: it cannot)."""
-        keep = 0
-        while keep < min(len(self.tokens), len(history) - 1) and self.tokens[keep] == history[keep]:
-            keep += 1
-        keep = self.cache.rollback_point(keep)
-        self.cache.trim(keep)
-        del self.tokens[keep:]
-        todo = list(history[keep:])
-        self.caught_up = len(todo)
-        if self.cache.offset + len(todo) >= self.cache.max_len or max(todo) >= self.model.spec.vocab_size:
-            return None  # no room, or an id past the draft's embedding (a target's padded vocabulary)
-        logits = None
-        with torch.inference_mode():
-            for begin in range(0, len(todo), 512):
-                chunk = todo[begin:begin + 512]
-                if 1 < len(chunk) <= ROWS and has_rows(self.model):  # a step's few tokens: as decode rows (the
-                    # embedded model catching up on 3 / 5 tokens: 62 / 81 ms, as a prompt chunk 96 / 122 ms at load 10)
-                    logits = forward_rows(self.model, chunk, [self.cache] * len(chunk), [len(chunk) - 1])
-                else:
-                    logits = self.model.forward(torch.tensor([chunk]), self.cache)[:, -1]
-        self.tokens.extend(todo)
-        self.cache.snapshot(keep_earlier=False)  # the next round trims back to here at most
-        return self._fit(logits)
-
-    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [1, V_draft] -> [1, V_target]: the models pad their vocabularies differently (the
-        tokenizer is the same, checked), so ids past the draft's get probability 0."""
-        V = self.vocab_size
-        if logits.shape[-1] >= V:
-            return logits[:, :V]
-        return torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
-
-    def propose(self, history: Sequence[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Draft:
-        k = min(k, self.cache.max_len - len(history) - 1)
-        if k <= 0:
-            return Draft([])
-        logits = self._sync(history)
-        if logits is None:
-            return Draft([])
-        tokens, qs = [], []
-        for i in range(k):
-            q = probabilities(logits, params)[0]
-            token = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
-            tokens.append(token)
-            qs.append(q)
-            if i + 1 < k:
-                with torch.inference_mode():
-                    logits = self._fit(self.model.forward(torch.tensor([[token]]), self.cache)[:, -1])
-                self.tokens.append(token)
-        return Draft(tokens, torch.stack(qs))

@@ -75,6 +75,7 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from localmoe.engine.spec.costs import StepCosts
@@ -188,6 +189,10 @@ class Speculator:
         self.quiet = self._quiet_set = 0
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
+        # a drafter working beside the steps (a draft model's thread): it follows the sequence on steps without a
+        # draft (`follow`), and its CPU seconds leave the steps' times where those are process CPU time
+        self.follows = hasattr(drafter, "follow") and getattr(drafter, "ahead", False)
+        self._hidden = getattr(drafter, "hidden_seconds", None)
 
     @property
     def acceptance(self) -> float:
@@ -491,6 +496,10 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
+        if self._hidden is not None:  # its thread ran beside the step: a CPU clock counted it
+            hidden = self._hidden()
+            if seconds is not None and self.clock is not time.perf_counter:
+                seconds = max(0.0, seconds - hidden)
         if not drafted and rows == 1 and self.residency is None:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
             if seconds is not None:  # (None: not timed, `times_plain`)

@@ -1,0 +1,195 @@
+"""`DraftModel`: a smaller model sharing the target's tokenizer (checked by `check_vocab`) that proposes drafts token
+by token over its own cache (batch 1); it samples its drafts with the request's settings (greedy under greedy), so
+q is its distribution.
+
+Drafting off the step's path (session 16). A verify on a paged store waits on the drive most of its time (the
+SmolLM2 MoE at 25%: a 5-row verify ~2.6 fused steps, the CPU idle while the pager reads), and a draft model's
+forwards (~6-13 ms a token) used to come on top of it. Now, greedy, each `propose` leaves a thread carrying the
+draft model's own continuation on while the target verifies: the token the target yields where it keeps every
+draft (the draft model's guess of it) and the next step's drafts after that (the all-kept branch). Where the
+verify kept every draft and yielded the draft model's guess, the next step's drafts are there already, no forward
+on the step's path; otherwise the thread stops at its next token and the cache is trimmed back to the accepted
+point (the catch-up and the drafts then run as before). The steps where the speculator declines (`follow`) hand the
+thread the tokens the draft has not seen (the prompt, at the start), so the catch-up runs beside the target's
+plain steps too. The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
+target's thread computes or waits for reads. One thread at a time, joined before anything else touches the
+draft's cache; its CPU time is handed to the speculator (`hidden_seconds`), which takes it out of a step's time
+where steps are timed in process CPU time (it ran beside the step, not in it). A sampled draft is drawn afresh
+each step (no thread): which of its branches the target takes is a draw.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from localmoe.engine.batch import forward_rows, has_rows
+from localmoe.engine.sampler import SamplingParams, probabilities
+from localmoe.engine.spec.drafters import Draft
+from localmoe.errors import LocalMoEError
+
+ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
+
+
+def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary, ids and special tokens."""
+    t, d = target_tokenizer, draft_tokenizer
+    if t.vocab_size != d.vocab_size:
+        raise LocalMoEError(f"draft model {draft_name}: its tokenizer has {d.vocab_size} tokens, the target "
+                            f"{target_name}'s has {t.vocab_size}; use a draft model with the target's tokenizer "
+                            "(the same family), or --spec prompt")
+    t_vocab, d_vocab = t.backend.get_vocab(with_added_tokens=True), d.backend.get_vocab(with_added_tokens=True)
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise LocalMoEError(f"draft model {draft_name}: its vocabulary differs from the target {target_name}'s "
+                            f"(e.g. {differ}); use a draft model with the target's tokenizer, or --spec prompt")
+
+
+class DraftModel:
+    """A small model proposing drafts token by token over its own cache (batch 1). Its cache follows the
+    sequence: tokens it holds that the sequence no longer has are trimmed (to a snapshot of its delta-rule
+    states, taken where the accepted history ended), the missing ones are run as one chunk. `ahead`: greedy
+    drafts carried on in a thread while the target verifies (module docstring; for a target that waits on reads:
+    beside a resident target's verify the thread would take a core its kernels use)."""
+
+    name = "draft"
+
+    def __init__(self, model, vocab_size: int, ahead: bool = False):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's: a draft's logits are cut or padded (-inf) to it
+        self.cache = model.new_cache(1, model.max_context)
+        self.tokens: list[int] = []  # what the cache holds
+        self.caught_up = 0  # tokens of the sequence the last propose ran before drafting (the speculator's pricing)
+        self.ahead = ahead
+        # the model's own continuation: tokens[own:] are its drafts (each the choice after the ones before it), `next`
+        # its choice after the last cached token (None: none made), qs[i] the q of position own + i (`next`'s last)
+        self.own, self.next, self.qs = 0, None, []
+        self.hidden = 0.0  # CPU seconds the thread ran, not yet handed over (`hidden_seconds`)
+        self.carried = 0  # proposes whose drafts the thread had made (tests count them)
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
+        """Make the cache hold `history`; the logits [1, V] after its last token (None: it cannot)."""
+        keep = 0
+        while keep < min(len(self.tokens), len(history) - 1) and self.tokens[keep] == history[keep]:
+            keep += 1
+        keep = self.cache.rollback_point(keep)
+        self.cache.trim(keep)
+        del self.tokens[keep:]
+        self.own, self.next, self.qs = len(self.tokens), None, []
+        todo = list(history[keep:])
+        self.caught_up = len(todo)
+        if self.cache.offset + len(todo) >= self.cache.max_len or max(todo) >= self.model.spec.vocab_size:
+            return None  # no room, or an id past the draft's embedding (a target's padded vocabulary)
+        logits = None
+        with torch.inference_mode():
+            for begin in range(0, len(todo), 512):
+                chunk = todo[begin:begin + 512]
+                if 1 < len(chunk) <= ROWS and has_rows(self.model):  # a step's few tokens: as decode rows (the
+                    # embedded model catching up on 3 / 5 tokens: 62 / 81 ms, as a prompt chunk 96 / 122 ms at load 10)
+                    logits = forward_rows(self.model, chunk, [self.cache] * len(chunk), [len(chunk) - 1])
+                else:
+                    logits = self.model.forward(torch.tensor([chunk]), self.cache)[:, -1]
+        self.tokens.extend(todo)
+        self.own = len(self.tokens)
+        self.cache.snapshot(keep_earlier=False)  # the next round trims back to here at most
+        return self._fit(logits)
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [1, V_draft] -> [1, V_target]: the models pad their vocabularies differently (the
+        tokenizer is the same, checked), so ids past the draft's get probability 0."""
+        V = self.vocab_size
+        if logits.shape[-1] >= V:
+            return logits[:, :V]
+        return torch.nn.functional.pad(logits, (0, V - logits.shape[-1]), value=float("-inf"))
+
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, generator) -> None:
+        """The model's next token after its cache (`next`) from its logits, and its q."""
+        q = probabilities(logits, params)[0]
+        self.next = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
+        self.qs.append(q)
+
+    def _extend(self, params: SamplingParams, generator=None) -> None:
+        """Run `next` (the continuation one token longer) and choose the one after it."""
+        with torch.inference_mode():
+            logits = self._fit(self.model.forward(torch.tensor([[self.next]]), self.cache)[:, -1])
+        self.tokens.append(self.next)
+        self._choose(logits, params, generator)
+
+    def _continues(self, history: Sequence[int]) -> bool:
+        """Whether the cache and the continuation hold `history` with the model's own choices from its end on."""
+        n, m = len(history), len(self.tokens)
+        if self.next is None or not self.own <= n <= m + 1:
+            return False
+        if n == m + 1:
+            return history[m] == self.next and self.tokens == list(history[:m])
+        return self.tokens[:n] == list(history)
+
+    def _join(self, history: Sequence[int] | None) -> None:
+        """Wait for the thread (stopped at its next token unless `history` takes its branch: its work is then the
+        next drafts)."""
+        thread = self._thread
+        if thread is None:
+            return
+        if history is None or self.next is None or \
+                list(history[self.own:len(self.tokens)]) != self.tokens[self.own:len(history)]:
+            self._stop = True
+        thread.join()
+        self._thread, self._stop = None, False
+
+    def _run(self, work, *args) -> None:
+        self._stop = False
+        self._thread = threading.Thread(target=self._background, args=(work, *args), daemon=True)
+        self._thread.start()
+
+    def _background(self, work, *args) -> None:
+        began = time.thread_time()
+        try:
+            with torch.inference_mode():
+                work(*args)
+        finally:
+            self.hidden += time.thread_time() - began
+
+    def _carry(self, until: int, params: SamplingParams) -> None:
+        while not self._stop and len(self.tokens) < until:
+            self._extend(params)
+
+    def hidden_seconds(self) -> float:
+        """The thread's CPU seconds since the last call (it ran beside the target's steps)."""
+        seconds, self.hidden = self.hidden, 0.0
+        return seconds
+
+    def follow(self, history: Sequence[int]) -> None:
+        """A step without a draft: where the cache is behind `history` by more than a step's tokens (the prompt, at
+        the start), the thread catches up on it beside the target's step."""
+        if self.ahead and self._thread is None and len(self.tokens) + ROWS < len(history) and \
+                self.cache.offset + len(history) < self.cache.max_len:
+            self._run(self._sync, list(history))
+
+    def propose(self, history: Sequence[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Draft:
+        k = min(k, self.cache.max_len - len(history) - 1)
+        self._join(history if params.greedy else None)
+        if k <= 0:
+            return Draft([])
+        n = len(history)
+        if params.greedy and self._continues(history):  # the branch the thread took: its drafts are made
+            self.caught_up = 0
+            self.carried += 1
+            del self.qs[:n - self.own]
+            self.own = n
+        else:
+            logits = self._sync(history)
+            if logits is None:
+                return Draft([])
+            self._choose(logits, params, generator)
+        while len(self.tokens) + 1 - n < k:  # positions n .. n + k - 1 known: tokens[n:] + [next]
+            self._extend(params, generator)
+        tokens = (self.tokens[n:] + [self.next])[:k]
+        if params.greedy and self.ahead:  # the all-kept branch: the target's token after them, then k more drafts
+            self._run(self._carry, n + 2 * k, params)
+        return Draft(tokens, torch.stack(self.qs[:k]))

@@ -1,0 +1,95 @@
+"""A draft model drafting ahead (engine/spec/draft_model.py `ahead`): a thread carries its continuation on while the
+target verifies. Greedy output equals the plain run token for token with a draft that is mostly kept (the target
+itself: the thread's drafts are taken) and one that is mostly rejected (another model: the thread is stopped and the
+cache trimmed back), over a delta-rule target and a sliding-window one; the thread's drafts are the ones drafting
+inline makes; the prompt's catch-up runs in the thread on steps without a draft (`follow`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from localmoe.config import EngineConfig
+from localmoe.engine.generate import Decoder
+from localmoe.engine.sampler import SamplingParams
+from localmoe.engine.spec.draft_model import ROWS, DraftModel
+from localmoe.engine.spec.speculator import Speculator
+from localmoe.load import load_model
+from localmoe.testing import write_checkpoint
+from localmoe.testing.parity import random_tokens
+
+GREEDY = SamplingParams(temperature=0.0)
+STEPS = 40
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "gpt_oss"])
+def models(request, tmp_path_factory):
+    """(target, another model of its family: the same vocabulary, other weights)."""
+    config = EngineConfig(dtype="float32", threads=1, expert_precision="exact")
+    root = tmp_path_factory.mktemp(request.param)
+    return tuple(load_model(write_checkpoint(request.param, root / str(seed), "tiny", seed=seed), config,
+                            progress=False).model for seed in (0, 1))
+
+
+def prompt_for(model) -> list[int]:
+    part = random_tokens(12, 3, model.spec.vocab_size)[0].tolist()
+    return part + [1, 2] + part + [5] + part[:10]
+
+
+def run(model, prompt, speculator=None) -> list[int]:
+    dec = Decoder(model, prompt, GREEDY, speculator=speculator)
+    out: list[int] = []
+    while len(out) < STEPS:
+        logits = dec.logits()
+        if logits is None:
+            continue
+        out.append(dec.sample(logits))
+        dec.feed([out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_drafting_ahead_greedy_equals_plain(models, draft):
+    target, other = models
+    prompt = prompt_for(target)
+    want = run(target, prompt)
+    drafter = DraftModel(target if draft == "itself" else other, target.spec.vocab_size, ahead=True)
+    spec = Speculator(drafter, k=3, adaptive=False)
+    assert run(target, prompt, spec) == want
+    drafter._join(None)
+    if draft == "itself":  # every draft kept: the next step's drafts were the thread's, and right
+        assert drafter.carried > 0.5 * spec.stats.drafted_steps, (drafter.carried, spec.stats)
+        assert spec.stats.acceptance > 0.8, spec.stats
+    else:  # mostly rejected: the thread's branch dropped, the cache back at the accepted point
+        assert spec.stats.drafted > spec.stats.accepted
+        assert drafter.cache.offset == len(drafter.tokens)
+
+
+def test_the_threads_drafts_are_the_ones_drafting_inline_makes(models):
+    target, other = models
+    prompt = prompt_for(target)
+    history = prompt + run(target, prompt)[:6]
+    ahead, inline = (DraftModel(other, target.spec.vocab_size, ahead=a) for a in (True, False))
+    first = ahead.propose(history[:-4], 2, GREEDY, None)  # the thread carries on past these two drafts
+    assert first.tokens == inline.propose(history[:-4], 2, GREEDY, None).tokens
+    # the target kept both and yielded the draft's own guess: the next drafts are the thread's
+    ahead._thread.join()
+    at = len(history) - 4 + 2
+    taken = history[:-4] + first.tokens + [(ahead.tokens + [ahead.next])[at]]
+    got = ahead.propose(taken, 2, GREEDY, None)
+    assert ahead.carried == 1 and ahead.caught_up == 0
+    assert got.tokens == inline.propose(taken, 2, GREEDY, None).tokens
+    # a history off the thread's branch: trimmed back, caught up, the same drafts as inline
+    off = history[:-1]
+    assert ahead.propose(off, 3, GREEDY, None).tokens == inline.propose(off, 3, GREEDY, None).tokens
+    assert ahead.carried == 1 and ahead.hidden_seconds() > 0
+
+
+def test_the_prompts_catch_up_runs_beside_a_step_without_a_draft(models):
+    target, other = models
+    prompt = prompt_for(target)
+    drafter = DraftModel(other, target.spec.vocab_size, ahead=True)
+    drafter.follow(prompt)  # a step that does not draft: the thread catches up on the prompt
+    assert drafter._thread is not None
+    draft = drafter.propose(prompt + [3], 2, GREEDY, None)
+    assert drafter.caught_up <= ROWS  # the step's own tokens only
+    assert draft.tokens == DraftModel(other, target.spec.vocab_size).propose(prompt + [3], 2, GREEDY, None).tokens
