@@ -120,7 +120,7 @@ class Decoder:
         """A speculator may watch the cache: an MTP drafter reads the target's hidden states
         (engine/spec/mtp.py), a residency the routing by position (engine/spec/residency.py)."""
         if self.speculator is not None:
-            self.speculator.watch(self.cache)
+            self.speculator.watch(self.cache, self.prompt)
 
     @property
     def room(self) -> int:

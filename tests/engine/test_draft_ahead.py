@@ -81,7 +81,7 @@ def test_the_threads_drafts_are_the_ones_drafting_inline_makes(models):
     # a history off the thread's branch: trimmed back, caught up, the same drafts as inline
     off = history[:-1]
     assert ahead.propose(off, 3, GREEDY, None).tokens == inline.propose(off, 3, GREEDY, None).tokens
-    assert ahead.carried == 1 and ahead.hidden_seconds() > 0
+    assert ahead.carried == 1 and ahead.thread_seconds() > 0
 
 
 def test_the_prompts_catch_up_runs_beside_a_step_without_a_draft(models):

@@ -9,13 +9,15 @@ draft model's own continuation on while the target verifies: the token the targe
 draft (the draft model's guess of it) and the next step's drafts after that (the all-kept branch). Where the
 verify kept every draft and yielded the draft model's guess, the next step's drafts are there already, no forward
 on the step's path; otherwise the thread stops at its next token and the cache is trimmed back to the accepted
-point (the catch-up and the drafts then run as before). The steps where the speculator declines (`follow`) hand the
-thread the tokens the draft has not seen (the prompt, at the start), so the catch-up runs beside the target's
-plain steps too. The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
+point (the catch-up and the drafts then run as before). The prompt (`Speculator.watch`, beside the target's
+prefill) and the steps where the speculator declines (`follow`) go to the thread too: it catches up and runs on
+through its guess of the step's token, so a verify after a plain step finds its drafts made where the guess was
+right. The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
 target's thread computes or waits for reads. One thread at a time, joined before anything else touches the
-draft's cache; its CPU time is handed to the speculator (`hidden_seconds`), which takes it out of a step's time
-where steps are timed in process CPU time (it ran beside the step, not in it). A sampled draft is drawn afresh
-each step (no thread): which of its branches the target takes is a draw.
+draft's cache. Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
+them (it ran beside the step, not in it) and the wall seconds a step waited for the thread are counted instead
+(`thread_seconds`, `waited`). A sampled draft is drawn afresh each step (no thread): which of its branches the
+target takes is a draw.
 """
 
 from __future__ import annotations
@@ -67,10 +69,13 @@ class DraftModel:
         # the model's own continuation: tokens[own:] are its drafts (each the choice after the ones before it), `next`
         # its choice after the last cached token (None: none made), qs[i] the q of position own + i (`next`'s last)
         self.own, self.next, self.qs = 0, None, []
-        self.hidden = 0.0  # CPU seconds the thread ran, not yet handed over (`hidden_seconds`)
         self.carried = 0  # proposes whose drafts the thread had made (tests count them)
+        self.waited = 0.0  # wall seconds the sequence's steps waited for the thread (`_join`)
         self._thread: threading.Thread | None = None
-        self._stop = False
+        self._stop = self._prompt = False  # the thread is to stop at its next token; it catches up on a prompt
+        # (CPU seconds of the threads that ended, (the live one's CPU clock, its reading at its start) or None): one
+        # tuple, so a reader never sees a thread's end half done (`thread_seconds`)
+        self._cpu: tuple[float, tuple[int, float] | None] = (0.0, None)
 
     def _sync(self, history: Sequence[int]) -> torch.Tensor | None:
         """Make the cache hold `history`; the logits [1, V] after its last token (None: it cannot)."""
@@ -129,51 +134,78 @@ class DraftModel:
             return history[m] == self.next and self.tokens == list(history[:m])
         return self.tokens[:n] == list(history)
 
-    def _join(self, history: Sequence[int] | None) -> None:
-        """Wait for the thread (stopped at its next token unless `history` takes its branch: its work is then the
-        next drafts)."""
+    def _join(self, history: Sequence[int] | None, k: int = 0) -> None:
+        """Wait for the thread: stopped at its next token unless `history` takes its branch and its next k drafts
+        are not all made yet (its work is then those drafts)."""
         thread = self._thread
         if thread is None:
             return
-        if history is None or self.next is None or \
+        if history is None or self.next is None or len(self.tokens) >= len(history) + k - 1 or \
                 list(history[self.own:len(self.tokens)]) != self.tokens[self.own:len(history)]:
             self._stop = True
+        began = time.perf_counter()
         thread.join()
+        if not self._prompt:  # (the prompt's catch-up is the sequence's start, as the target's prefill: not a draft's)
+            self.waited += time.perf_counter() - began
         self._thread, self._stop = None, False
 
     def _run(self, work, *args) -> None:
-        self._stop = False
+        self._stop, self._prompt = False, work == self._follow and args[1] is None
         self._thread = threading.Thread(target=self._background, args=(work, *args), daemon=True)
         self._thread.start()
 
     def _background(self, work, *args) -> None:
-        began = time.thread_time()
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+        began = time.clock_gettime(clock)
+        self._cpu = (self._cpu[0], (clock, began))
         try:
             with torch.inference_mode():
                 work(*args)
         finally:
-            self.hidden += time.thread_time() - began
+            self._cpu = (self._cpu[0] + time.clock_gettime(clock) - began, None)
 
     def _carry(self, until: int, params: SamplingParams) -> None:
         while not self._stop and len(self.tokens) < until:
             self._extend(params)
 
-    def hidden_seconds(self) -> float:
-        """The thread's CPU seconds since the last call (it ran beside the target's steps)."""
-        seconds, self.hidden = self.hidden, 0.0
-        return seconds
+    def thread_seconds(self) -> float:
+        """CPU seconds its threads have run so far (beside the target's steps: verify.py leaves them out of a CPU
+        clock's step times and counts `waited` instead)."""
+        spent, live = self._cpu
+        if live is None:
+            return spent
+        try:
+            return spent + time.clock_gettime(live[0]) - live[1]
+        except OSError:  # it ended between the two reads: its total is in `_cpu` now
+            return self._cpu[0]
 
-    def follow(self, history: Sequence[int]) -> None:
-        """A step without a draft: where the cache is behind `history` by more than a step's tokens (the prompt, at
-        the start), the thread catches up on it beside the target's step."""
-        if self.ahead and self._thread is None and len(self.tokens) + ROWS < len(history) and \
-                self.cache.offset + len(history) < self.cache.max_len:
-            self._run(self._sync, list(history))
+    def follow(self, history: Sequence[int], params: SamplingParams | None = None, k: int = 0) -> None:
+        """A step without a draft (or the prompt, before the target's prefill): the thread catches up on `history`
+        beside the target's step and, greedy with `k`, runs on through its own guess of the step's token and k
+        drafts after it (the next step's drafts, where the guess is right). Without `params`, only a catch-up of
+        more than a step's tokens (the prompt)."""
+        if not self.ahead or self._thread is not None or \
+                self.cache.offset + len(history) + 2 * k + 2 >= self.cache.max_len:
+            return
+        greedy = params is not None and params.greedy and k > 0
+        if not greedy and len(self.tokens) + ROWS >= len(history):
+            return
+        if greedy and self._continues(history) and len(self.tokens) >= len(history) + k:
+            return  # ahead already
+        self._run(self._follow, list(history), params if greedy else None, k)
+
+    def _follow(self, history: list[int], params: SamplingParams | None, k: int) -> None:
+        if params is None or not self._continues(history):
+            logits = self._sync(history)
+            if logits is None or params is None:
+                return
+            self._choose(logits, params, None)
+        self._carry(len(history) + k, params)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
         k = min(k, self.cache.max_len - len(history) - 1)
-        self._join(history if params.greedy else None)
+        self._join(history if params.greedy else None, k)
         if k <= 0:
             return Draft([])
         n = len(history)

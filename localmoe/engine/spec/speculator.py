@@ -75,7 +75,6 @@ pager prefetch the experts the kept drafts predict.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from localmoe.engine.spec.costs import StepCosts
@@ -189,10 +188,9 @@ class Speculator:
         self.quiet = self._quiet_set = 0
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
-        # a drafter working beside the steps (a draft model's thread): it follows the sequence on steps without a
-        # draft (`follow`), and its CPU seconds leave the steps' times where those are process CPU time
+        # a drafter working beside the steps (a draft model's thread, draft_model.py): it follows the sequence from
+        # its prompt on and on steps without a draft (`follow`); verify.py's clock leaves its thread's CPU out
         self.follows = hasattr(drafter, "follow") and getattr(drafter, "ahead", False)
-        self._hidden = getattr(drafter, "hidden_seconds", None)
 
     @property
     def acceptance(self) -> float:
@@ -244,9 +242,12 @@ class Speculator:
         """Whether it reads the target's forwards through the cache's `hidden_sink` (`watch`)."""
         return hasattr(self.drafter, "watch") or self.residency is not None
 
-    def watch(self, cache) -> None:
+    def watch(self, cache, prompt=()) -> None:
         """The sequence's cache (a new one after a preemption): a drafter that reads the target's hidden
-        states (MTP) watches it, else the residency files the routing of the positions it runs."""
+        states (MTP) watches it, else the residency files the routing of the positions it runs. A drafter that
+        follows the sequence in a thread starts on its `prompt` beside the target's prefill."""
+        if self.follows and prompt:
+            self.drafter.follow(prompt)
         if hasattr(self.drafter, "watch"):
             self.drafter.watch(cache)
         elif self.residency is not None:
@@ -496,10 +497,6 @@ class Speculator:
         s = self.stats
         s.steps += 1
         s.emitted += accepted + 1
-        if self._hidden is not None:  # its thread ran beside the step: a CPU clock counted it
-            hidden = self._hidden()
-            if seconds is not None and self.clock is not time.perf_counter:
-                seconds = max(0.0, seconds - hidden)
         if not drafted and rows == 1 and self.residency is None:
             self._probing = False  # a plain step (the common one where no draft pays): t(1) only, nothing else
             if seconds is not None:  # (None: not timed, `times_plain`)

@@ -79,6 +79,19 @@ def step_clock(model):
     return cpu_and_stall
 
 
+def _beside(clock, drafter):
+    """A drafter working in a thread beside the steps (a draft model drafting ahead, draft_model.py): a CPU clock
+    leaves its thread's CPU out (it ran beside the step, not in it) and counts the wall seconds a step waited for
+    the thread (on the step's path); a wall clock counts both as they are."""
+    if clock is time.perf_counter:
+        return clock
+
+    def cpu_beside_drafts() -> float:
+        return clock() - drafter.thread_seconds() + drafter.waited
+
+    return cpu_beside_drafts
+
+
 def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor:
     """A non-batchable model's rows, one decode step each, the delta-rule states copied after each."""
     out = []
@@ -100,8 +113,8 @@ def _propose(dec) -> Draft:
         spec.wake()
     k = min(spec.choose_k(), dec.room, K_MAX)
     if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
-        if spec.follows:  # a draft model catches up beside the step (draft_model.py `follow`)
-            spec.drafter.follow(dec.in_cache + dec.pending)
+        if spec.follows:  # a draft model catches up and drafts beside the step (draft_model.py `follow`)
+            spec.drafter.follow(dec.in_cache + dec.pending, dec.params, spec.k_max)
         return NO_DRAFT
     # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
     # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
@@ -148,6 +161,8 @@ def _drafts(decoders: Sequence, fused: bool):
             # a plain step costs what a row of the verify costs: it is one (batched), or the dense plan runs both
             d.speculator.rows_plain = (not fused and has_rows(model)) or rows_plan(model) is not None
             d.speculator.clock = step_clock(model)
+            if d.speculator.follows:
+                d.speculator.clock = _beside(d.speculator.clock, d.speculator.drafter)
             # what r rows cost against a plain step is the model's: learned from all its sequences' steps
             d.speculator.costs = costs.shared(model, fused, d.speculator.rows_plain, d.speculator.clock)
     clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
