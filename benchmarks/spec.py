@@ -22,8 +22,9 @@ read per generated token.
 
 (b') `--stores smollm_moe`: the embedded SmolLM2 upcycled to a MoE (upcycle.py: it answers as SmolLM2 does),
     paged at 25%; its draft model is the dense SmolLM2 it came from (the embedded GGUF, resident): `draft`
-    drafts the next step in a thread while the target verifies (as `--spec draft:` on a paged store),
-    `draft-inline` on the step's path (before session 16).
+    drafts the next step in a thread while the target verifies and ends a draft before its first unsure token
+    (as `--spec draft:` on a paged store), `draft-inline` drafts on the step's path up to the speculator's k
+    (before session 16).
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU
@@ -212,11 +213,12 @@ def step_worker(args) -> None:
             residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
     elif kind.startswith(("draft:", "draft-inline:")):  # inline: its drafts on the step's path (before session 16)
-        from localmoe.engine.spec.draft_model import DraftModel
+        from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel
 
         name, _, path = kind.partition(":")
         draft = load_model(path, EngineConfig(threads=args.threads), progress=False).model
-        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size, ahead=name == "draft"), args.k)
+        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size, ahead=name == "draft",
+                                           confident=CONFIDENT if name == "draft" else 0.0), args.k)
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
     while len(out) < args.paged_tokens:

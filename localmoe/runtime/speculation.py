@@ -4,7 +4,8 @@
 - `prompt`: prompt lookup (n-grams of the prompt and the generated text), no model;
 - `draft:PATH`: a smaller model localmoe loads, which must share the target's tokenizer (checked: the
   same vocabulary and ids, else an error naming both); each sequence gets its own draft cache; on a paged
-  target it drafts the next step in a thread while the target's verify waits on reads (draft_model.py);
+  target it drafts the next step in a thread while the target's verify waits on reads, and ends a draft
+  before its first unsure token (draft_model.py);
 - `mtp`: the checkpoint's next-n prediction layer (DeepSeek-V3 / V3.2, GLM-4.5: `num_nextn_predict_layers`;
   engine/nextn.py, engine/spec/mtp.py), loaded only then; each sequence gets its own small cache of it.
   HF checkpoints, stores converted from them (the layer's routed experts as extents, read through the store's
@@ -31,7 +32,7 @@ import sys
 import threading
 
 from localmoe.config import SPEC_K
-from localmoe.engine.spec.draft_model import DraftModel, check_vocab
+from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel, check_vocab
 from localmoe.engine.spec.drafters import PromptLookup
 from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.residency import Residency, RouteBook
@@ -150,7 +151,7 @@ class Speculation:
         else:
             # a paged target's verify waits on reads: the draft model drafts the next step beside it (draft_model.py)
             drafter = PromptLookup(tokenizer=self.tokenizer) if mode == "prompt" else \
-                DraftModel(self.draft.model, self.vocab, ahead=self.paged)
+                DraftModel(self.draft.model, self.vocab, ahead=self.paged, confident=CONFIDENT if self.paged else 0.0)
         residency = Residency(self.pager, self._routes()) if mode == "prompt" and self.pager is not None else None
         return Speculator(drafter, self.k, self.adaptive, residency)
 

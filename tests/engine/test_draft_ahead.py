@@ -93,3 +93,26 @@ def test_the_prompts_catch_up_runs_beside_a_step_without_a_draft(models):
     draft = drafter.propose(prompt + [3], 2, GREEDY, None)
     assert drafter.caught_up <= ROWS  # the step's own tokens only
     assert draft.tokens == DraftModel(other, target.spec.vocab_size).propose(prompt + [3], 2, GREEDY, None).tokens
+
+
+def test_a_draft_ends_before_its_first_unsure_token(models):
+    """`confident`: the draft stops before the first token the draft model gives less probability; every token
+    drafted is one it gives at least that much."""
+    import torch
+
+    target, other = models
+    history = prompt_for(target)
+    full = DraftModel(other, target.spec.vocab_size).propose(history, 5, GREEDY, None).tokens
+    sure = DraftModel(other, target.spec.vocab_size, confident=1e-9).propose(history, 5, GREEDY, None).tokens
+    assert sure == full
+    assert DraftModel(other, target.spec.vocab_size, confident=1.5).propose(history, 5, GREEDY, None).tokens == []
+    # a threshold between the drafts' own probabilities cuts at the first token under it
+    probe = DraftModel(other, target.spec.vocab_size)
+    probs = []
+    for i, token in enumerate(full):
+        logits = probe._fit(probe.model.forward(torch.tensor([history + full[:i]]), probe.model.new_cache(1, 128))[:, -1])
+        probs.append(float(torch.softmax(logits[0], -1)[token]))
+    cut = sorted(probs)[len(probs) // 2]
+    want = next((i for i, p in enumerate(probs) if p < cut), len(probs))
+    got = DraftModel(other, target.spec.vocab_size, confident=cut).propose(history, 5, GREEDY, None).tokens
+    assert got == full[:want]

@@ -13,8 +13,8 @@ point (the catch-up and the drafts then run as before). The prompt (`Speculator.
 prefill) and the steps where the speculator declines (`follow`) go to the thread too: it catches up and runs on
 through its guess of the step's token, so a verify after a plain step finds its drafts made where the guess was
 right. The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
-target's thread computes or waits for reads. One thread at a time, joined before anything else touches the
-draft's cache. Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
+target's thread computes or waits for reads. One thread a sequence, joined before anything else touches the
+draft's cache; one forward of a draft model at a time (sequences share the model and its decode plan's workspace). Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
 them (it ran beside the step, not in it) and the wall seconds a step waited for the thread are counted instead
 (`thread_seconds`, `waited`). A sampled draft is drawn afresh each step (no thread): which of its branches the
 target takes is a draw.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,11 @@ from localmoe.engine.spec.drafters import Draft
 from localmoe.errors import LocalMoEError
 
 ROWS = 8  # a draft model catches up on at most this many tokens as decode rows, more as a prompt chunk
+# `confident`'s value on a paged target: a draft ends before its first token the draft model gives less than this
+# probability (the dense SmolLM2 drafting for its upcycled MoE, the document question's answer: of its guesses at
+# 46 positions, those at >= 0.5 were the target's token 96% of the time, 100% at >= 0.6, the others 58%)
+CONFIDENT = 0.5
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a draft model -> the lock of its forwards
 
 
 def check_vocab(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:
@@ -55,20 +61,25 @@ class DraftModel:
     sequence: tokens it holds that the sequence no longer has are trimmed (to a snapshot of its delta-rule
     states, taken where the accepted history ended), the missing ones are run as one chunk. `ahead`: greedy
     drafts carried on in a thread while the target verifies (module docstring; for a target that waits on reads:
-    beside a resident target's verify the thread would take a core its kernels use)."""
+    beside a resident target's verify the thread would take a core its kernels use). `confident`: a draft ends
+    before its first token the model gives less probability (CONFIDENT on a paged target, where each verify row
+    reads the experts its token routes to; 0: the speculator's k alone)."""
 
     name = "draft"
 
-    def __init__(self, model, vocab_size: int, ahead: bool = False):
+    def __init__(self, model, vocab_size: int, ahead: bool = False, confident: float = 0.0):
         self.model = model
         self.vocab_size = vocab_size  # the target's: a draft's logits are cut or padded (-inf) to it
         self.cache = model.new_cache(1, model.max_context)
         self.tokens: list[int] = []  # what the cache holds
         self.caught_up = 0  # tokens of the sequence the last propose ran before drafting (the speculator's pricing)
-        self.ahead = ahead
+        self.ahead, self.confident = ahead, confident
+        # one forward of the model at a time: sequences share it (a server's), and its decode plan its workspace
+        self._lock = _LOCKS.setdefault(model, threading.Lock())
         # the model's own continuation: tokens[own:] are its drafts (each the choice after the ones before it), `next`
-        # its choice after the last cached token (None: none made), qs[i] the q of position own + i (`next`'s last)
-        self.own, self.next, self.qs = 0, None, []
+        # its choice after the last cached token (None: none made), qs[i] the q of position own + i (`next`'s last),
+        # sure[i] whether the model gave that choice at least `confident` probability
+        self.own, self.next, self.qs, self.sure = 0, None, [], []
         self.carried = 0  # proposes whose drafts the thread had made (tests count them)
         self.waited = 0.0  # wall seconds the sequence's steps waited for the thread (`_join`)
         self._thread: threading.Thread | None = None
@@ -85,13 +96,13 @@ class DraftModel:
         keep = self.cache.rollback_point(keep)
         self.cache.trim(keep)
         del self.tokens[keep:]
-        self.own, self.next, self.qs = len(self.tokens), None, []
+        self.own, self.next, self.qs, self.sure = len(self.tokens), None, [], []
         todo = list(history[keep:])
         self.caught_up = len(todo)
         if self.cache.offset + len(todo) >= self.cache.max_len or max(todo) >= self.model.spec.vocab_size:
             return None  # no room, or an id past the draft's embedding (a target's padded vocabulary)
         logits = None
-        with torch.inference_mode():
+        with torch.inference_mode(), self._lock:
             for begin in range(0, len(todo), 512):
                 chunk = todo[begin:begin + 512]
                 if 1 < len(chunk) <= ROWS and has_rows(self.model):  # a step's few tokens: as decode rows (the
@@ -117,10 +128,12 @@ class DraftModel:
         q = probabilities(logits, params)[0]
         self.next = int(q.argmax()) if params.greedy else int(torch.multinomial(q, 1, generator=generator))
         self.qs.append(q)
+        if self.confident:
+            self.sure.append(float(torch.softmax(logits[0].float(), -1)[self.next]) >= self.confident)
 
     def _extend(self, params: SamplingParams, generator=None) -> None:
         """Run `next` (the continuation one token longer) and choose the one after it."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._lock:
             logits = self._fit(self.model.forward(torch.tensor([[self.next]]), self.cache)[:, -1])
         self.tokens.append(self.next)
         self._choose(logits, params, generator)
@@ -212,7 +225,7 @@ class DraftModel:
         if params.greedy and self._continues(history):  # the branch the thread took: its drafts are made
             self.caught_up = 0
             self.carried += 1
-            del self.qs[:n - self.own]
+            del self.qs[:n - self.own], self.sure[:n - self.own]
             self.own = n
         else:
             logits = self._sync(history)
@@ -222,6 +235,9 @@ class DraftModel:
         while len(self.tokens) + 1 - n < k:  # positions n .. n + k - 1 known: tokens[n:] + [next]
             self._extend(params, generator)
         tokens = (self.tokens[n:] + [self.next])[:k]
+        if self.confident:  # up to its first unsure token (a verify's row reads its experts on a paged target)
+            k = next((i for i, sure in enumerate(self.sure[:k]) if not sure), k)
+            tokens = tokens[:k]
         if params.greedy and self.ahead:  # the all-kept branch: the target's token after them, then k more drafts
-            self._run(self._carry, n + 2 * k, params)
-        return Draft(tokens, torch.stack(self.qs[:k]))
+            self._run(self._carry, n + 2 * max(k, 1), params)
+        return Draft(tokens, torch.stack(self.qs[:k]) if k else None)
