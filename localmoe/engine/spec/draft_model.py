@@ -177,8 +177,12 @@ class DraftModel:
         finally:
             self._cpu = (self._cpu[0] + time.clock_gettime(clock) - began, None)
 
-    def _carry(self, until: int, params: SamplingParams) -> None:
+    def _carry(self, until: int, params: SamplingParams, first: int) -> None:
+        """Run on until the choice at position `until` is made; with `confident`, not past an unsure choice at or after
+        `first` (the next step's first draft: its draft ends there anyway)."""
         while not self._stop and len(self.tokens) < until:
+            if self.confident and len(self.tokens) >= first and not self.sure[-1]:
+                return
             self._extend(params)
 
     def thread_seconds(self) -> float:
@@ -213,7 +217,7 @@ class DraftModel:
             if logits is None or params is None:
                 return
             self._choose(logits, params, None)
-        self._carry(len(history) + k, params)
+        self._carry(len(history) + k, params, len(history) + 1)
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:
@@ -233,11 +237,14 @@ class DraftModel:
                 return Draft([])
             self._choose(logits, params, generator)
         while len(self.tokens) + 1 - n < k:  # positions n .. n + k - 1 known: tokens[n:] + [next]
+            if self.confident and not self.sure[-1]:  # the draft ends at `next` (below)
+                break
             self._extend(params, generator)
         tokens = (self.tokens[n:] + [self.next])[:k]
+        k = len(tokens)
         if self.confident:  # up to its first unsure token (a verify's row reads its experts on a paged target)
             k = next((i for i, sure in enumerate(self.sure[:k]) if not sure), k)
             tokens = tokens[:k]
         if params.greedy and self.ahead:  # the all-kept branch: the target's token after them, then k more drafts
-            self._run(self._carry, n + 2 * max(k, 1), params)
+            self._run(self._carry, n + 2 * max(k, 1), params, n + max(k, 1) + 1)
         return Draft(tokens, torch.stack(self.qs[:k]) if k else None)
