@@ -117,3 +117,30 @@ def test_spec_auto_speculates_resident_and_not_paged(ckpts):
     assert Speculation(whole, "auto").mode == "prompt"
     assert Speculation(paged_model, "auto").mode == "off"
     assert Speculation(paged_model, "prompt").mode == "prompt"  # asked for: still speculates
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "kimi_k3"])
+def test_paged_greedy_with_a_draft_model_drafting_ahead_equals_plain(ckpts, family):
+    """A draft model (the target's checkpoint, resident: its drafts are mostly kept) drafting in a thread while the
+    paged target verifies (engine/spec/draft_model.py `ahead`): the same tokens, and the thread's drafts used."""
+    from localmoe.engine.spec.draft_model import DraftModel
+    from localmoe.load import load_model
+
+    c = ckpts[family]
+    store = c.store()
+    slot = max(store.layout(layer).slot_bytes for layer in store.layers())
+    budget = max(1, expert_bytes(store) // 4 // slot) * slot
+    draft = load_model(c.src, dtype="float32", progress=False).model
+    try:
+        pager = paged(c, budget)
+        want = greedy(c.model)
+        pager.close()
+        pager = paged(c, budget)
+        drafter = DraftModel(draft, c.model.spec.vocab_size, ahead=True)
+        spec = Speculator(drafter, k=3, adaptive=False)
+        got = greedy(c.model, spec)
+        pager.close()
+    finally:
+        c.restore()
+    assert got == want
+    assert spec.stats.drafted > 0 and drafter.carried > 0
