@@ -116,3 +116,18 @@ def test_a_draft_ends_before_its_first_unsure_token(models):
     want = next((i for i, p in enumerate(probs) if p < cut), len(probs))
     got = DraftModel(other, target.spec.vocab_size, confident=cut).propose(history, 5, GREEDY, None).tokens
     assert got == full[:want]
+
+
+@pytest.mark.parametrize("confident", [0.0, 1e-9])
+def test_a_history_that_ends_with_the_models_own_last_choice(models, confident):
+    """The target kept every draft and yielded the draft model's own next choice, which it had not run yet: that
+    token is run first, and the drafts after it are the ones a fresh draft model makes."""
+    target, other = models
+    history = prompt_for(target)
+    drafter = DraftModel(other, target.spec.vocab_size, confident=confident)
+    first = drafter.propose(history, 2, GREEDY, None).tokens
+    taken = history + first  # the second draft is `next`: chosen, not run
+    assert len(drafter.tokens) == len(taken) - 1 and drafter.next == taken[-1]
+    got = drafter.propose(taken, 3, GREEDY, None).tokens
+    assert drafter.carried == 1 and len(got) == 3
+    assert got == DraftModel(other, target.spec.vocab_size).propose(taken, 3, GREEDY, None).tokens

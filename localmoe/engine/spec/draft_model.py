@@ -236,8 +236,9 @@ class DraftModel:
             if logits is None:
                 return Draft([])
             self._choose(logits, params, generator)
-        while len(self.tokens) + 1 - n < k:  # positions n .. n + k - 1 known: tokens[n:] + [next]
-            if self.confident and not self.sure[-1]:  # the draft ends at `next` (below)
+        # positions n .. n + k - 1 known: tokens[n:] + [next] (`next` may still be the history's last token: run it)
+        while len(self.tokens) < n or len(self.tokens) + 1 - n < k:
+            if self.confident and len(self.tokens) >= n and not self.sure[-1]:  # the draft ends at `next` (below)
                 break
             self._extend(params, generator)
         tokens = (self.tokens[n:] + [self.next])[:k]
