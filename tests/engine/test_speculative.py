@@ -171,6 +171,51 @@ def _greedy_steps(model, prompt, fused: bool, speculator=None, n: int = 8) -> li
     return out
 
 
+class EveryOther(Wrong):
+    """Drafts (mostly wrongly) at every other step and declines between: a verify, then a plain step."""
+
+    def propose(self, history, k, params, generator):
+        return super().propose(history, k, params, generator) if len(history) % 2 else Draft([])
+
+
+def test_fused_plain_steps_between_verifies_equal_plain(model):
+    """A speculating sequence's plain step (the speculator declines) may be the model's fused one-token step, which
+    updates a hybrid model's delta-rule states in place (decode_plan.py `_hybrid_run`) while the verify before it
+    still records. Safe because the only state it changes is the one a recording `advance` held (not copied) at
+    the current offset, which the step's `_ran` then drops with the rest of the recording (generate.py); snapshots
+    taken outside a recording are copies. Verifies and fused plain steps interleaved give the plain fused run's
+    tokens, the fused step does run right after verifies, and each such step ends the recording."""
+    plan = model.decode_plan()
+    if plan is None or plan._run is None:
+        pytest.skip("no fused hybrid step for this family")
+    prompt = prompt_for(model)
+    want = _greedy_steps(model, prompt, fused=True, n=24)
+    spec = Speculator(EveryOther(), k=3, adaptive=False)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    delta = [layer for layer in dec.cache.layers if hasattr(layer, "recording")]
+    run_fused, after_verify = plan._run, []
+
+    def counted(plan_, tokens, cache):
+        after_verify.append(any(layer.recording for layer in delta))
+        return run_fused(plan_, tokens, cache)
+
+    plan._run = counted
+    try:
+        got = []
+        while len(got) < 24:
+            calls = len(after_verify)
+            logits = decode_together([dec], fused=True)[0] if dec.decoding and not dec.ready else dec.logits()
+            if len(after_verify) > calls and after_verify[-1]:  # a fused step on a recorded state: it ended it
+                assert not any(layer.recording for layer in delta)
+            if logits is not None:
+                got.append(dec.sample(logits))
+                dec.feed([got[-1]])
+    finally:
+        plan._run = run_fused
+    assert got == want
+    assert delta and spec.stats.drafted > 0 and any(after_verify), (spec.stats, after_verify)
+
+
 def test_prompt_lookup_drafts_the_continuation():
     lookup = PromptLookup()
     history = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
