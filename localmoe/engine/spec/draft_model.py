@@ -9,10 +9,9 @@ draft model's own continuation on while the target verifies: the token the targe
 draft (the draft model's guess of it) and the next step's drafts after that (the all-kept branch). Where the
 verify kept every draft and yielded the draft model's guess, the next step's drafts are there already, no forward
 on the step's path; otherwise the thread stops at its next token and the cache is trimmed back to the accepted
-point (the catch-up and the drafts then run as before). The prompt (`Speculator.watch`, beside the target's
-prefill) and the steps where the speculator declines (`follow`) go to the thread too: it catches up and runs on
-through its guess of the step's token, so a verify after a plain step finds its drafts made where the guess was
-right. The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
+point (the catch-up and the drafts then run as before). The prompt's catch-up goes to the thread too
+(`Speculator.watch`, beside the target's prefill), and a catch-up of more than a few tokens on a step without a
+draft (`follow`). The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
 target's thread computes or waits for reads. One thread a sequence, joined before anything else touches the
 draft's cache; one forward of a draft model at a time (sequences share the model and its decode plan's workspace). Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
 them (it ran beside the step, not in it) and the wall seconds a step waited for the thread are counted instead
@@ -83,7 +82,7 @@ class DraftModel:
         self.carried = 0  # proposes whose drafts the thread had made (tests count them)
         self.waited = 0.0  # wall seconds the sequence's steps waited for the thread (`_join`)
         self._thread: threading.Thread | None = None
-        self._stop = self._prompt = False  # the thread is to stop at its next token; it catches up on a prompt
+        self._stop = self._prompt = False  # the thread is to stop at its next token; it catches up (`follow`)
         # (CPU seconds of the threads that ended, (the live one's CPU clock, its reading at its start) or None): one
         # tuple, so a reader never sees a thread's end half done (`thread_seconds`)
         self._cpu: tuple[float, tuple[int, float] | None] = (0.0, None)
@@ -158,12 +157,12 @@ class DraftModel:
             self._stop = True
         began = time.perf_counter()
         thread.join()
-        if not self._prompt:  # (the prompt's catch-up is the sequence's start, as the target's prefill: not a draft's)
+        if not self._prompt:  # (a catch-up, the prompt's at the start, is the sequence's, as the target's prefill)
             self.waited += time.perf_counter() - began
         self._thread, self._stop = None, False
 
     def _run(self, work, *args) -> None:
-        self._stop, self._prompt = False, work == self._follow and args[1] is None
+        self._stop, self._prompt = False, work == self._sync
         self._thread = threading.Thread(target=self._background, args=(work, *args), daemon=True)
         self._thread.start()
 
@@ -196,28 +195,15 @@ class DraftModel:
         except OSError:  # it ended between the two reads: its total is in `_cpu` now
             return self._cpu[0]
 
-    def follow(self, history: Sequence[int], params: SamplingParams | None = None, k: int = 0) -> None:
-        """A step without a draft (or the prompt, before the target's prefill): the thread catches up on `history`
-        beside the target's step and, greedy with `k`, runs on through its own guess of the step's token and k
-        drafts after it (the next step's drafts, where the guess is right). Without `params`, only a catch-up of
-        more than a step's tokens (the prompt)."""
-        if not self.ahead or self._thread is not None or \
-                self.cache.offset + len(history) + 2 * k + 2 >= self.cache.max_len:
-            return
-        greedy = params is not None and params.greedy and k > 0
-        if not greedy and len(self.tokens) + ROWS >= len(history):
-            return
-        if greedy and self._continues(history) and len(self.tokens) >= len(history) + k:
-            return  # ahead already
-        self._run(self._follow, list(history), params if greedy else None, k)
-
-    def _follow(self, history: list[int], params: SamplingParams | None, k: int) -> None:
-        if params is None or not self._continues(history):
-            logits = self._sync(history)
-            if logits is None or params is None:
-                return
-            self._choose(logits, params, None)
-        self._carry(len(history) + k, params, len(history) + 1)
+    def follow(self, history: Sequence[int]) -> None:
+        """A step without a draft (or the prompt, before the target's prefill): where the cache is behind `history` by
+        more than a step's tokens, the thread catches up on it beside the target's step. (Running on through its guess
+        of the step's token and the drafts after it as well measured slower: a step without a draft is one where the
+        model was unsure, so its guess was often wrong, and at load 5 the thread's forwards slowed those plain steps
+        by 20-40%: 12.2 / 13.8 against 13.6 / 16.4 tokens/s.)"""
+        if self.ahead and self._thread is None and len(self.tokens) + ROWS < len(history) and \
+                self.cache.offset + len(history) < self.cache.max_len:
+            self._run(self._sync, list(history))
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,
                 generator: torch.Generator) -> Draft:

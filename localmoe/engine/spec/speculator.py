@@ -188,8 +188,8 @@ class Speculator:
         self.quiet = self._quiet_set = 0
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
-        # a drafter working beside the steps (a draft model's thread, draft_model.py): it follows the sequence from
-        # its prompt on and on steps without a draft (`follow`); verify.py's clock leaves its thread's CPU out
+        # a drafter working beside the steps (a draft model's thread, draft_model.py): it catches up on the prompt and,
+        # far behind, on steps without a draft (`follow`); verify.py's clock leaves its thread's CPU out
         self.follows = hasattr(drafter, "follow") and getattr(drafter, "ahead", False)
 
     @property

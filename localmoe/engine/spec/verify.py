@@ -113,8 +113,8 @@ def _propose(dec) -> Draft:
         spec.wake()
     k = min(spec.choose_k(), dec.room, K_MAX)
     if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
-        if spec.follows:  # a draft model catches up and drafts beside the step (draft_model.py `follow`)
-            spec.drafter.follow(dec.in_cache + dec.pending, dec.params, spec.k_max)
+        if spec.follows:  # a draft model far behind catches up beside the step (draft_model.py `follow`)
+            spec.drafter.follow(dec.in_cache + dec.pending)
         return NO_DRAFT
     # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
     # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
