@@ -286,7 +286,8 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 # (label, drafters beside fused / rows / oracle / noise, chat prompts) of each paged store
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
-                    "real weights, so it quotes)"), ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline"), True),
+                    "real weights, so it quotes)"),
+                   ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
@@ -304,8 +305,8 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
         record = args.work / f"plain-{family}-{task}.json"
         base = command(args, store, "rows", task, ram, chat=chat) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
-        names = ["fused", "rows", f"oracle:{record}", *(f"{d}:{draft}" if d.startswith("draft") else d for d in drafters),
-                 "noise"]
+        names = ["fused", "rows", f"oracle:{record}",
+                 *(f"{d}:{draft}" if d.startswith("draft") else d for d in drafters), "noise"]
         if args.only:
             names = [n for n in names if n.split(":")[0] in args.only.split(",")]
         workers = {name: command(args, store, name, task, ram, chat=chat) + ["--steps"] for name in names}

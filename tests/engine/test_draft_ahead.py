@@ -110,7 +110,8 @@ def test_a_draft_ends_before_its_first_unsure_token(models):
     probe = DraftModel(other, target.spec.vocab_size)
     probs = []
     for i, token in enumerate(full):
-        logits = probe._fit(probe.model.forward(torch.tensor([history + full[:i]]), probe.model.new_cache(1, 128))[:, -1])
+        cache = probe.model.new_cache(1, 128)
+        logits = probe._fit(probe.model.forward(torch.tensor([history + full[:i]]), cache)[:, -1])
         probs.append(float(torch.softmax(logits[0], -1)[token]))
     cut = sorted(probs)[len(probs) // 2]
     want = next((i for i, p in enumerate(probs) if p < cut), len(probs))

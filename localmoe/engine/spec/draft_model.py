@@ -13,10 +13,11 @@ point (the catch-up and the drafts then run as before). The prompt's catch-up go
 (`Speculator.watch`, beside the target's prefill), and a catch-up of more than a few tokens on a step without a
 draft (`follow`). The forwards are C++ calls through ctypes, which release the GIL: the thread computes while the
 target's thread computes or waits for reads. One thread a sequence, joined before anything else touches the
-draft's cache; one forward of a draft model at a time (sequences share the model and its decode plan's workspace). Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
+draft's cache; one forward of a draft model at a time (sequences share the model and its decode plan's
+workspace). Where steps are timed in process CPU time (verify.py `step_clock`), the thread's CPU is left out of
 them (it ran beside the step, not in it) and the wall seconds a step waited for the thread are counted instead
 (`thread_seconds`, `waited`). A sampled draft is drawn afresh each step (no thread): which of its branches the
-target takes is a draw.
+target takes is a draw. On a paged target a draft also ends before its first unsure token (`confident`).
 """
 
 from __future__ import annotations
