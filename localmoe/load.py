@@ -164,8 +164,9 @@ def _read_weights(ckpt: Checkpoint, config: EngineConfig, progress: bool):
     weights = _canonical_weights(ckpt.tensor_names, read, ckpt.tensor_map, family, spec, str(path), progress,
                                  elsewhere=ROUTED_EXPERTS if store else None, finish=finish)
     if ckpt.kind != "hf" and config.dtype == "auto" and config.device == "cpu":
-        # the blocks kept resident, for the row kernels (same bits); the lm_head's where it reads int8 inputs
-        weights = repack_blocks(weights, int8_head=head_inputs(spec, config) == "int8")
+        # the blocks kept resident, for the row kernels (same bits); the lm_head's where it reads int8 or int16 inputs
+        inputs = head_inputs(spec, config)
+        weights = repack_blocks(weights, int8_head=inputs == "int8", x16_head=inputs == "int16")
     experts = provider_for_store(ckpt.reader, spec, config) if store and spec.moe_layers() else None
     return weights, experts
 

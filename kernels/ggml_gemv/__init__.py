@@ -1,5 +1,5 @@
 """GEMV from GGUF block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS; Q4_1_R8 / Q4_K_R8 /
-Q6_K_R8: Q4_1 / Q4_K / Q6_K repacked at load, repacked.py) for decode: y = x W^T (+ b) with x rounded to
+Q6_K_R8: Q4_1 / Q4_K / Q6_K repacked at load, repacked.py; Q8_0_R16: a Q8_0 x16 head repacked at load) for decode: y = x W^T (+ b) with x rounded to
 int8 per 32 values (IQ4_XS too), per 256 for the K-quants (`x_block`: llama.cpp's Q8_0 / Q8_K trade), W read in the file's own blocks. `exact_x` (EXACT_X_TYPES)
 keeps x in fp32, for a matrix whose output must not see that rounding (the lm_head); `x16` (X16_TYPES: Q8_0) rounds x to
 int16 per 32 values instead (2^-16 of a block's largest value where int8 keeps 2^-8), read with integer dot
@@ -23,14 +23,14 @@ import torch
 from gguf import GGMLQuantizationType
 from localmoe.kernels._cpu import library, threads
 from localmoe.kernels.ggml_gemv.reference import K_QUANTS, naive_ggml_gemv, q16_round, row_values, x_block
-from localmoe.kernels.ggml_gemv.repacked import Q4_1_R8, Q4_K_R8, Q6_K_R8
+from localmoe.kernels.ggml_gemv.repacked import Q4_1_R8, Q4_K_R8, Q6_K_R8, Q8_0_R16
 
 Q = GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K,  # the file's types the kernels read
          Q.IQ4_NL, Q.IQ4_XS)  # (IQ4: ggml_rows_iq4.h)
 KERNEL_TYPES = (*TYPES, Q4_1_R8, Q4_K_R8, Q6_K_R8)  # and the repacked ones (repacked.py: repacked at load)
 EXACT_X_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q6_K)  # with a row against fp32 x (the lm_head's types in GGUF files)
-X16_TYPES = (Q.Q8_0,)  # with a row against x rounded to int16 per 32
+X16_TYPES = (Q.Q8_0, Q8_0_R16)  # with a row against x rounded to int16 per 32 (Q8_0_R16: repacked.py, x16 only)
 MAX_ROWS = 64  # decode batches up to here run the kernel, a row independent of the others (see the module doc)
 
 
@@ -50,7 +50,8 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
                          f"not {ggml_type.name}{' with exact_x' if exact_x else ''}")
     O, K = shape
     lib = library()
-    if (lib is None or ggml_type not in KERNEL_TYPES or x.dtype != torch.float32 or x.device.type != "cpu"
+    if (lib is None or (ggml_type not in KERNEL_TYPES and not (x16 and ggml_type in X16_TYPES))
+            or x.dtype != torch.float32 or x.device.type != "cpu"
             or not x.is_contiguous() or not raw.is_contiguous() or x.dim() != 2 or x.shape[1] != K
             or K % row_values(ggml_type)
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
@@ -64,7 +65,8 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, ggml_type, shape: tuple[int, i
     return y
 
 
-ROW_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # dequantise_rows in C (an embedding's lookup)
+ROW_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q8_0_R16)  # dequantise_rows in C (an embedding's lookup; Q8_0_R16: a tied
+# x16 head's table)
 
 
 def dequantize_rows(table: torch.Tensor, ids: torch.Tensor, ggml_type, K: int) -> torch.Tensor | None:
@@ -118,5 +120,5 @@ def row_reader(table: torch.Tensor, ggml_type, K: int):
     return read
 
 
-__all__ = ["EXACT_X_TYPES", "KERNEL_TYPES", "K_QUANTS", "MAX_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "ROW_TYPES", "TYPES", "X16_TYPES",
+__all__ = ["EXACT_X_TYPES", "KERNEL_TYPES", "K_QUANTS", "MAX_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "Q8_0_R16", "ROW_TYPES", "TYPES", "X16_TYPES",
            "dequantize_row", "dequantize_rows", "ggml_gemv", "kernel_available", "naive_ggml_gemv", "q16_round", "row_reader", "row_values", "x_block"]

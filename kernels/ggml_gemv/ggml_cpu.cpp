@@ -33,7 +33,8 @@ extern "C" {
 int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return scratch_bytes(N, K); }
 
 // y [N, O] = x [N, K] W^T (+ bias [O] unless null); W raw blocks [O, row_bytes] of `type` (2 Q4_0,
-// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K; 259 Q4_1_R8, 268 Q4_K_R8, 270 Q6_K_R8: repacked, O a multiple of 8); K a
+// 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K; 259 Q4_1_R8, 268 Q4_K_R8, 270 Q6_K_R8: repacked, O a
+// multiple of 8; 264 Q8_0_R16: x_mode 2 only, O a multiple of 16); K a
 // multiple of 32 (256 for K-quants);
 // everything contiguous.
 // x_mode (ggml_rows.h XMode): 0 x rounded to int8 per block, 1 fp32 x as it is (exact_x: Q8_0, Q4_K, Q6_K; scratch
@@ -42,16 +43,20 @@ int64_t ggml_gemv_scratch(int64_t N, int64_t K) { return scratch_bytes(N, K); }
 int ggml_gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int type, int64_t O, const float* bias,
               float* y, void* scratch, int threads, int x_mode) {
   if (row_bytes(type, K / kBlock) == 0 || K % (is_k_quant(type) ? 256 : kBlock) || !has_x_mode(type, x_mode) ||
-      ((type & kRepacked) && O % 8))
+      ((type & kRepacked) && O % (type == kQ8_0_R16 ? kQ80R16Rows : 8)))
     return -1;
   gemv(x, N, K, w, type, O, bias, y, scratch, threads, x_mode);
   return 0;
 }
 
 // Q4_1 / Q4_K / Q6_K rows [O, row_bytes(type, K / 32)] (O a multiple of 8) into Q4_1_R8 / Q4_K_R8 / Q6_K_R8 (`pack`
-// 1; ggml_rows.h, ggml_rows8_k.h, ggml_rows8_q6k.h) or back (0), src may be dst; tmp: 8 row_bytes. Returns 0, or -1
-// for another type or shape.
+// 1; ggml_rows.h, ggml_rows8_k.h, ggml_rows8_q6k.h), Q8_0 ones (O a multiple of 16) into Q8_0_R16, or back (0), src
+// may be dst; tmp: 8 row_bytes (Q8_0: 16). Returns 0, or -1 for another type or shape.
 int ggml_repack(const uint8_t* src, uint8_t* dst, int64_t O, int64_t K, int type, int pack, uint8_t* tmp) {
+  if (type == kQ8_0 && O % kQ80R16Rows == 0 && K % kBlock == 0) {  // into Q8_0_R16 (16 rows a group)
+    repack_q80(src, dst, O, K / kBlock, pack != 0, tmp);
+    return 0;
+  }
   if (type == kQ4_1 && O % 8 == 0 && K % kBlock == 0) {
     repack_q41(src, dst, O, K / kBlock, pack != 0, tmp);
     return 0;
@@ -64,13 +69,24 @@ int ggml_repack(const uint8_t* src, uint8_t* dst, int64_t O, int64_t K, int type
 // Rows ids[0..n) of a table of GGUF blocks (rows of row_bytes, K values each) dequantised into out [n, K] fp32 with
 // the values and operations of quant/ggml.py (gguf's numpy reference: (d * sc) * q - dmin * m for Q4_K / Q5_K,
 // (d * scale) * (q - 32) for Q6_K, d * q for Q8_0; no fused multiply-add: ISO C++ leaves contraction off), so
-// the bits of a whole-table dequantisation: a BlockEmbedding's lookup. Returns 0, or -1 for another type.
+// the bits of a whole-table dequantisation: a BlockEmbedding's lookup (Q8_0_R16 too: a tied x16 head's table).
+// Returns 0, or -1 for another type.
 int ggml_dequantize_rows(const uint8_t* table, int64_t row_bytes, const int64_t* ids, int64_t n, int type, int64_t K,
                          float* out) {
-  if (type != kQ8_0 && type != kQ4_K && type != kQ5_K && type != kQ6_K) return -1;
+  if (type != kQ8_0 && type != kQ4_K && type != kQ5_K && type != kQ6_K && type != kQ8_0_R16) return -1;
   for (int64_t r = 0; r < n; ++r) {
     const uint8_t* row = table + ids[r] * row_bytes;
     float* y = out + r * K;
+    if (type == kQ8_0_R16) {  // row ids[r] % 16 of its group (ggml_rows.h repack_q80): the same values as Q8_0's
+      const int64_t nb = K / kBlock, lane = ids[r] % kQ80R16Rows;
+      const uint8_t* group = table + (ids[r] - lane) * row_bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        const float d = half(group + 512 * nb + 32 * b + 2 * lane);
+        for (int i = 0; i < 32; ++i)
+          y[32 * b + i] = d * static_cast<float>(static_cast<int8_t>(group[512 * b + 64 * (i / 4) + 4 * lane + i % 4]));
+      }
+      continue;
+    }
     if (type == kQ8_0) {
       for (int64_t b = 0; b < K / kBlock; ++b) {
         const uint8_t* blk = row + 34 * b;

@@ -22,9 +22,11 @@ constexpr int64_t kBlock = 32;
 enum Type : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
                  kIQ4_NL = 20, kIQ4_XS = 23 };  // IQ4_NL / IQ4_XS: ggml_rows_iq4.h
 // A type's blocks repacked at load for the row kernels (type | kRepacked; same bytes per eight rows, same bits):
-// Q4_1_R8, below (Rows8R8); Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h.
+// Q4_1_R8, below (Rows8R8); Q4_K_R8, ggml_rows8_k.h; Q6_K_R8, ggml_rows8_q6k.h; Q8_0_R16 (sixteen rows a group, read
+// only by the x16 rows: Rows16X16).
 constexpr int kRepacked = 0x100;
 constexpr int kQ4_1_R8 = kQ4_1 | kRepacked;
+constexpr int kQ8_0_R16 = kQ8_0 | kRepacked;
 constexpr int kQ4_K_R8 = kQ4_K | kRepacked;
 constexpr int kQ6_K_R8 = kQ6_K | kRepacked;
 
@@ -40,7 +42,8 @@ inline int64_t row_bytes(int type, int64_t nb) {
     case kQ4_1_R8: return nb * 20;
     case kQ5_0: return nb * 22;
     case kQ5_1: return nb * 24;
-    case kQ8_0: return nb * 34;
+    case kQ8_0:
+    case kQ8_0_R16: return nb * 34;
     case kQ4_K:
     case kQ4_K_R8: return nb / 8 * 144;
     case kQ5_K: return nb / 8 * 176;
@@ -396,7 +399,7 @@ struct NoWide {
 inline bool has_rows8(int type) {
   return type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1 || type == kQ8_0 || type == kQ4_K ||
          type == kQ5_K || type == kQ6_K || type == kQ4_1_R8 || type == kQ4_K_R8 || type == kQ6_K_R8 || type == kIQ4_NL ||
-         type == kIQ4_XS;
+         type == kIQ4_XS || type == kQ8_0_R16;
 }
 
 // Tokens per tile of rows8: their accumulators (one vector each) stay in registers beside the eight code vectors.
@@ -1191,6 +1194,192 @@ struct Rows8X16 {
   static float single(const uint8_t* row, int64_t nb, const BlockX16* x) { return rows8_x16_single(row, nb, x); }
 };
 
+// Q8_0_R16 (kQ8_0_R16, repacked at load: repack_q80; a dense model's x16 lm_head, engine/quantized.py
+// `repack_blocks`): per group of sixteen rows (the same 544 nb bytes), the blocks' codes first, block b at 512 b as
+// eight 64-byte vectors (vector i, lane r: row r's codes 4i..4i+3, i.e. what q8_0_codes8 and join8 made of the GGUF
+// bytes per block and call: row r's dword i at 512 b + 64 i + 4 r), then the fp16 steps, block b's sixteen at
+// 512 nb + 32 b. A group's block is read with nine loads and no transposition (AVX2 and one token: each half of
+// eight rows, the 32 bytes at + 32 h); the same values as the GGUF layout, the same operations after the load,
+// hence the same bits on every path.
+constexpr int64_t kQ80R16Rows = 16;
+inline void repack_q80(const uint8_t* src, uint8_t* dst, int64_t O, int64_t nb, bool pack, uint8_t* tmp) {
+  const int64_t group = kQ80R16Rows * nb * 34;
+  for (int64_t g = 0; g < O / kQ80R16Rows; ++g) {
+    std::memcpy(tmp, src + g * group, group);
+    uint8_t* plain_base = pack ? tmp : dst + g * group;
+    uint8_t* packed = pack ? dst + g * group : tmp;
+    for (int r = 0; r < kQ80R16Rows; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* plain = plain_base + (r * nb + b) * 34;
+        uint8_t* step = packed + 512 * nb + 32 * b + 2 * r;
+        if (pack) std::memcpy(step, plain, 2);
+        else std::memcpy(plain, step, 2);
+        for (int i = 0; i < 8; ++i) {
+          uint8_t* at = packed + 512 * b + 64 * i + 4 * r;
+          if (pack) std::memcpy(at, plain + 2 + 4 * i, 4);
+          else std::memcpy(plain + 2 + 4 * i, at, 4);
+        }
+      }
+  }
+}
+
+// The Q8_0_R16 group at g0 against TN tokens, eight rows a vector (AVX2): group8_x16's operations on the repacked
+// bytes for each half of eight rows in turn, block by block (one pass over the group's bytes).
+template <int TN>
+inline void group8_x16r(const uint8_t* g0, int64_t nb, const BlockX16* const* x, float* y, int64_t ldy,
+                        const float* bias) {
+  constexpr int kChains = TN == 1 ? 4 : 2;  // integer sums: exact in any order
+  __m256 acc[2][TN];
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TN; ++t) acc[h][t] = _mm256_setzero_ps();
+  const NextGroup ahead(g0, kQ80R16Rows, 34 * nb, nb);
+  const uint8_t* steps = g0 + 512 * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.fetch(b);
+    for (int h = 0; h < 2; ++h) {
+      __m256i pairs[16];
+      for (int i = 0; i < 8; ++i) {
+        const __m256i codes = load32(g0 + 512 * b + 64 * i + 32 * h);
+        pairs[2 * i] = _mm256_srai_epi16(_mm256_slli_epi16(codes, 8), 8);
+        pairs[2 * i + 1] = _mm256_srai_epi16(codes, 8);
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(steps + 32 * b + 16 * h)));
+#pragma GCC unroll 8
+      for (int t = 0; t < TN; ++t) {
+        const BlockX16& xb = x[t][b];
+        __m256i s[kChains];
+        for (int c = 0; c < kChains; ++c) s[c] = _mm256_setzero_si256();
+        for (int j = 0; j < 16; ++j)
+          s[j % kChains] = madd_add(s[j % kChains], pairs[j], _mm256_set1_epi32(pair_x16(xb, j)));
+        for (int c = 1; c < kChains; ++c) s[0] = _mm256_add_epi32(s[0], s[c]);
+        acc[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_mul_ps(d, _mm256_broadcast_ss(&xb.d)), acc[h][t]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < TN; ++t)
+      _mm256_storeu_ps(y + t * ldy + 8 * h,
+                       bias == nullptr ? acc[h][t] : _mm256_add_ps(acc[h][t], _mm256_loadu_ps(bias + 8 * h)));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The sixteen rows of the Q8_0_R16 group at g0 against 2 to 16 tokens: group16_x16_split's operations on the
+// repacked bytes (x's bytes l / h against the int8 codes, vpdpbusd): the same int32 per (row, token, block) as the
+// int16 pairs, the same fp32 chain after it, so the same bits.
+template <int TN>
+inline void group16_x16r(const uint8_t* g0, int64_t nb, const BlockX16* const* x, float* y, int64_t ldy,
+                         const float* bias) {
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  const NextGroup ahead(g0, kQ80R16Rows, 34 * nb, nb);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const uint8_t* steps = g0 + 512 * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.fetch(b);
+    __m512i codes[8];
+    __m512i sw = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      codes[i] = _mm512_loadu_si512(g0 + 512 * b + 64 * i);
+      sw = _mm512_dpbusd_epi32(sw, ones, codes[i]);  // each row's sum of codes
+    }
+    sw = _mm512_slli_epi32(sw, 7);  // 128 sum(w): what h + 128 adds
+    const __m512 d = _mm512_cvtph_ps(load32(steps + 32 * b));
+#pragma GCC unroll 16
+    for (int t = 0; t < TN; ++t) {
+      const BlockX16& xb = x[t][b];
+      __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(static_cast<int>(xb.l[i])), codes[i]);
+        sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(static_cast<int>(xb.h[i])), codes[i]);
+      }
+      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(sh, sw), 8), sl);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// The sixteen rows of the Q8_0_R16 group at g0 against TN tokens: group16_x16's operations (int16 pairs, vpdpwssd)
+// on the repacked bytes.
+template <int TN>
+inline void group16_x16r_pairs(const uint8_t* g0, int64_t nb, const BlockX16* const* x, float* y, int64_t ldy,
+                               const float* bias) {
+  constexpr int kChains = TN == 1 ? 4 : 2;
+  __m512 acc[TN];
+  for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
+  const NextGroup ahead(g0, kQ80R16Rows, 34 * nb, nb);
+  const uint8_t* steps = g0 + 512 * nb;
+  for (int64_t b = 0; b < nb; ++b) {
+    ahead.fetch(b);
+    __m512i pairs[16];
+    for (int i = 0; i < 8; ++i) {
+      const __m512i codes = _mm512_loadu_si512(g0 + 512 * b + 64 * i);
+      pairs[2 * i] = _mm512_srai_epi16(_mm512_slli_epi16(codes, 8), 8);
+      pairs[2 * i + 1] = _mm512_srai_epi16(codes, 8);
+    }
+    const __m512 d = _mm512_cvtph_ps(load32(steps + 32 * b));
+#pragma GCC unroll 8
+    for (int t = 0; t < TN; ++t) {
+      const BlockX16& xb = x[t][b];
+      __m512i s[kChains];
+      for (int c = 0; c < kChains; ++c) s[c] = _mm512_setzero_si512();
+      for (int j = 0; j < 16; ++j)
+        s[j % kChains] = _mm512_dpwssd_epi32(s[j % kChains], pairs[j], _mm512_set1_epi32(pair_x16(xb, j)));
+      for (int c = 1; c < kChains; ++c) s[0] = _mm512_add_epi32(s[0], s[c]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
+}
+#endif
+
+// The Q8_0_R16 group at g0 (all sixteen rows) against TN tokens into y[t * ldy + 0..16) (+ bias): on AVX-512 VNNI one
+// token through the int16 pairs (group16_x16r_pairs), 2 to 16 through x's bytes (group16_x16r: the split form's
+// per-block work is 8 vpdpbusd where the pairs' is 24 shifts; C harness, 49152 x 576, 3 to 5 tokens 1.57-1.66 against
+// 1.75-1.86 cycles per (row, block, token)); AVX2 group8_x16r.
+template <int TN>
+inline void group_x16r(const uint8_t* g0, int64_t nb, const BlockX16* const* x, float* y, int64_t ldy,
+                       const float* bias) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  if constexpr (TN > 1) return group16_x16r<TN>(g0, nb, x, y, ldy, bias);
+  else return group16_x16r_pairs<TN>(g0, nb, x, y, ldy, bias);
+#else
+  group8_x16r<TN>(g0, nb, x, y, ldy, bias);
+#endif
+}
+
+// Q8_0_R16 as a group kernel for rows_fixed: `wide` takes every row of the range, a group of sixteen at a time; a
+// group the range cuts is computed whole into a buffer and the range's rows copied out (as Rows8R8).
+struct Rows16X16 {
+  using X = BlockX16;
+  static constexpr int kTile = kVnni ? 16 : 4;
+  template <int TN>
+  static int64_t wide(const uint8_t* w, int64_t stride, int64_t nb, const BlockX16* const* x, int64_t r0, int64_t r1,
+                      float* y, int64_t ldy, const float* bias) {
+    for (int64_t r = r0; r < r1;) {
+      const int64_t g = r / kQ80R16Rows * kQ80R16Rows;
+      if (g == r && r + kQ80R16Rows <= r1) {
+        group_x16r<TN>(w + r * stride, nb, x, y + r, ldy, bias == nullptr ? nullptr : bias + r);
+        r += kQ80R16Rows;
+        continue;
+      }
+      float part[kQ80R16Rows * TN];
+      group_x16r<TN>(w + g * stride, nb, x, part, kQ80R16Rows, nullptr);
+      for (const int64_t end = std::min(r1, g + kQ80R16Rows); r < end; ++r)
+        for (int t = 0; t < TN; ++t)
+          y[t * ldy + r] = bias == nullptr ? part[kQ80R16Rows * t + r - g] : part[kQ80R16Rows * t + r - g] + bias[r];
+    }
+    return r1;
+  }
+  template <int TN>
+  static void group(const uint8_t*, int64_t, int64_t, const BlockX16* const*, float*, int64_t, const float*) {}  // never: wide takes all
+  static float single(const uint8_t*, int64_t, const BlockX16*) { return std::nanf(""); }  // never: wide takes all
+};
+
 // Whether a type has a fp32-x row (exact_x).
 inline bool has_exact_x(int type) { return type == kQ8_0 || type == kQ4_K || type == kQ6_K; }
 
@@ -1340,6 +1529,7 @@ inline void rows_f32(const void* ctx, int64_t o0, int64_t o1) {
 enum XMode : int { kXInt8 = 0, kXF32 = 1, kXInt16 = 2 };
 
 inline bool has_x_mode(int type, int mode) {
+  if (type == kQ8_0_R16) return mode == kXInt16;  // read by the x16 rows only
   return mode == kXInt8 || (mode == kXF32 && has_exact_x(type)) || (mode == kXInt16 && type == kQ8_0);
 }
 
@@ -1357,7 +1547,7 @@ inline void gemv(const float* x, int64_t N, int64_t K, const uint8_t* w, int typ
   if (exact_x)
     fn = type == kQ4_K ? rows_f32<Q4KF32> : type == kQ6_K ? rows_f32<Q6KF32> : rows_grouped<Rows8F32>;
   else if (x_mode == kXInt16)
-    fn = rows_grouped<Rows8X16>;
+    fn = type == kQ8_0_R16 ? rows_grouped<Rows16X16> : rows_grouped<Rows8X16>;
   else
     fn = type == kQ4_0   ? rows_grouped<Rows8<kQ4_0>>
          : type == kQ4_1 ? rows_grouped<Rows8<kQ4_1>>

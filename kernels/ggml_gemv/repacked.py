@@ -14,6 +14,11 @@ stays a slice), the same values, and the same bits out of every kernel path as t
 store, the pager and a converted store keep the GGUF layout; the loader repacks the matrices it keeps resident
 (engine/quantized.py `repack_blocks`).
 
+A Q8_0 matrix read by the x16 rows (a dense model's lm_head on int16-rounded inputs) of a multiple of sixteen rows
+is rewritten sixteen rows at a time into Q8_0_R16 (`Q8_0 | 0x100`, ggml_rows.h Rows16X16): per group its blocks' codes
+as 64-byte vectors of four bytes per row, then their fp16 steps; only those rows read it (`X16_REPACKED`), the int8
+and fp32-x rows keep the GGUF layout.
+
 `REPACKED[t]` is the repacked type of GGML type t, `plain_type(t)` the type a repacked one came from (itself for the
 others); `repack(raw, t, rows)` (in place where `out` is raw) and `unpack(raw, t, rows)` run ggml_cpu.cpp
 `ggml_repack`. A reader of the GGUF layout (a dequantiser, a reference) takes `unpack`'s bytes and `plain_type`.
@@ -31,18 +36,20 @@ REPACK_FLAG = 0x100  # ggml_rows.h kRepacked
 
 
 class RepackedType(int):
-    """A GGML type's repacked form: the int the kernels take (type | REPACK_FLAG), `.plain` the GGML type, `.name`."""
+    """A GGML type's repacked form: the int the kernels take (type | REPACK_FLAG), `.plain` the GGML type, `.rows` the
+    rows repacked together, `.name`."""
 
     plain: GGMLQuantizationType
+    rows: int
 
-    def __new__(cls, plain: GGMLQuantizationType) -> RepackedType:
+    def __new__(cls, plain: GGMLQuantizationType, rows: int = 8) -> RepackedType:
         self = super().__new__(cls, int(plain) | REPACK_FLAG)
-        self.plain = plain
+        self.plain, self.rows = plain, rows
         return self
 
     @property
     def name(self) -> str:
-        return f"{self.plain.name}_R8"
+        return f"{self.plain.name}_R{self.rows}"
 
     def __repr__(self) -> str:
         return self.name
@@ -51,9 +58,11 @@ class RepackedType(int):
 Q4_1_R8 = RepackedType(Q.Q4_1)
 Q4_K_R8 = RepackedType(Q.Q4_K)
 Q6_K_R8 = RepackedType(Q.Q6_K)
+Q8_0_R16 = RepackedType(Q.Q8_0, 16)
 REPACKED = {Q.Q4_1: Q4_1_R8, Q.Q4_K: Q4_K_R8, Q.Q6_K: Q6_K_R8}
-GROUP_ROWS = 8  # rows repacked together
-UNITS = {Q.Q4_1: (20, 32), Q.Q4_K: (144, 256), Q.Q6_K: (210, 256)}  # (bytes, values) of a block / super-block
+X16_REPACKED = {Q.Q8_0: Q8_0_R16}  # for the x16 rows only
+GROUP_ROWS = 8  # rows repacked together (Q8_0_R16: 16)
+UNITS = {Q.Q4_1: (20, 32), Q.Q4_K: (144, 256), Q.Q6_K: (210, 256), Q.Q8_0: (34, 32)}  # (bytes, values) of a block / super-block
 
 
 def plain_type(ggml_type):
@@ -61,9 +70,11 @@ def plain_type(ggml_type):
     return ggml_type.plain if isinstance(ggml_type, RepackedType) else ggml_type
 
 
-def can_repack(ggml_type, rows: int, cols: int) -> bool:
-    """Whether a [rows, cols] matrix of `ggml_type` has a repacked form here (the CPU library, whole groups)."""
-    return (ggml_type in REPACKED and rows % GROUP_ROWS == 0 and cols % UNITS[ggml_type][1] == 0
+def can_repack(ggml_type, rows: int, cols: int, x16: bool = False) -> bool:
+    """Whether a [rows, cols] matrix of `ggml_type` has a repacked form here (the CPU library, whole groups); x16: the
+    form the x16 rows read (X16_REPACKED)."""
+    kind = (X16_REPACKED if x16 else REPACKED).get(ggml_type)
+    return (kind is not None and rows % kind.rows == 0 and cols % UNITS[ggml_type][1] == 0
             and library() is not None)
 
 
@@ -74,18 +85,19 @@ def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool)
     row_bytes = raw.numel() // rows
     unit_bytes, unit_values = UNITS.get(plain_type(ggml_type), (row_bytes + 1, 0))
     cols = row_bytes // unit_bytes * unit_values
-    tmp = torch.empty(GROUP_ROWS * row_bytes, dtype=torch.uint8)
+    tmp = torch.empty((16 if plain_type(ggml_type) == Q.Q8_0 else GROUP_ROWS) * row_bytes, dtype=torch.uint8)
     if lib.ggml_repack(raw.data_ptr(), out.data_ptr(), rows, cols, int(plain_type(ggml_type)), int(pack),
                        tmp.data_ptr()):
         raise ValueError(f"{plain_type(ggml_type).name} [{rows}, {cols}] has no repacked form")
     return out
 
 
-def repack(raw: torch.Tensor, ggml_type, rows: int,
-           out: torch.Tensor | None = None) -> tuple[torch.Tensor, RepackedType]:
-    """The repacked bytes (into `out`, a new tensor by default; raw itself repacks in place) and their type."""
+def repack(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor | None = None,
+           x16: bool = False) -> tuple[torch.Tensor, RepackedType]:
+    """The repacked bytes (into `out`, a new tensor by default; raw itself repacks in place) and their type; x16: the
+    x16 rows' form (X16_REPACKED)."""
     out = torch.empty_like(raw, memory_format=torch.contiguous_format) if out is None else out
-    return _run(raw, ggml_type, rows, out, True), REPACKED[ggml_type]
+    return _run(raw, ggml_type, rows, out, True), (X16_REPACKED if x16 else REPACKED)[ggml_type]
 
 
 def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
@@ -95,5 +107,5 @@ def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
     return _run(raw.contiguous(), ggml_type, rows, torch.empty_like(raw, memory_format=torch.contiguous_format), False)
 
 
-__all__ = ["GROUP_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "REPACKED", "REPACK_FLAG", "RepackedType", "can_repack", "plain_type", "repack",
-           "unpack"]
+__all__ = ["GROUP_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "Q8_0_R16", "REPACKED", "REPACK_FLAG", "RepackedType",
+           "X16_REPACKED", "can_repack", "plain_type", "repack", "unpack"]

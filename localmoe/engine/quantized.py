@@ -144,15 +144,32 @@ class BlockQuantized:
 
 # the names whose blocks stay in the GGUF layout: an embedding is read a row at a time (dequantize_rows), and a tied
 # head is the embedding; the lm_head too unless it reads int8 inputs (`repack_blocks`' int8_head: the rows have no
-# fp32-x or int16-x form repacked, engine/transformer.py `_head`)
+# fp32-x or int16-x form repacked, engine/transformer.py `_head`) or int16 ones from Q8_0 blocks (x16_head)
 UNREPACKED = ("embed_tokens.weight", "lm_head.weight")
 
 
-def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
+def _repack_x16_head(weights: dict) -> None:
+    """A Q8_0 lm_head that reads int16-rounded inputs (a dense model's at expert precision q8) replaced by its Q8_0_R16
+    copy on 2 MiB pages (repacked.py: sixteen rows a group, read only by the x16 rows; the same bits). A tied head's
+    is the embedding's too (one copy: its lookups dequantise rows from the repacked groups, the same values)."""
+    name = next((n for n in weights if n.endswith("lm_head.weight")), None)
+    name = name or next((n for n in weights if n.endswith("embed_tokens.weight")), None)
+    t = dict.get(weights, name) if name is not None else None
+    if (isinstance(t, BlockQuantized) and len(t.shape) == 2 and t.raw.device.type == "cpu"
+            and can_repack(t.ggml_type, *t.shape, x16=True)):
+        raw = t.raw.contiguous()
+        held = huge_copy(raw)  # (raw itself where small: then a new tensor, the file's blocks left as they are)
+        raw, kind = repack(raw, t.ggml_type, t.shape[0], out=None if held.data_ptr() == raw.data_ptr() else held,
+                           x16=True)
+        weights[name] = BlockQuantized(raw, kind, t.shape)
+
+
+def repack_blocks(weights: dict, int8_head: bool = False, x16_head: bool = False) -> dict:
     """The loader's last step where GGUF blocks are kept resident on the CPU: every 2-D BlockQuantized with a repacked
     form (kernels/ggml_gemv/repacked.py: Q4_1, Q4_K or Q6_K of a multiple of eight rows) but UNREPACKED's (the lm_head's
     too where `int8_head`: the model's head reads x rounded to int8, engine/transformer.py `head_inputs`) is replaced
-    by its repacked copy (the same bytes per eight rows; the file's are no longer referenced). The kernels give the
+    by its repacked copy (the same bytes per eight rows; the file's are no longer referenced); where `x16_head` (the
+    head reads int16-rounded inputs) a Q8_0 head by its Q8_0_R16 copy (`_repack_x16_head`). The kernels give the
     same bits on either layout, so a paged model (whose store keeps the GGUF layout) still equals the resident one.
     The copy lies on 2 MiB pages (kernels/_cpu/pages.py `huge_copy`, as the dense weights do): a decode token streams
     every one of these bytes, and from the file's 4 KiB pages the stream takes a TLB miss and a prefetcher stop every
@@ -160,6 +177,8 @@ def repack_blocks(weights: dict, int8_head: bool = False) -> dict:
     Q5_0 / Q8_0 / Q5_K experts, a head left in the GGUF layout, the embedding where a tied head reads it) are copied
     there as they are; an untied embedding (a row a token) stays."""
     kept = ("embed_tokens.weight",) if int8_head else UNREPACKED
+    if x16_head and not int8_head:
+        _repack_x16_head(weights)
     tied = not any(name.endswith("lm_head.weight") for name in weights)  # the head reads the embedding's blocks
     for name in list(weights):
         t = dict.get(weights, name)

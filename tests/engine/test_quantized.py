@@ -133,9 +133,11 @@ def test_real_model_layers_stay_4_bit_and_answer(smollm2_gguf):
     assert isinstance(loaded.model.layers[0][3].gate_up, BlockLinear)
     from localmoe.engine.sampler import SamplingParams
 
-    head = loaded.model.lm_head  # the tied Q8_0 embedding, on int16-rounded activations (engine/transformer.py _head)
-    assert (head.ggml_type, head.x16) == (Q.Q8_0, True) if ggml_gemv.kernel_available() else type(head) is Linear
-    embed = loaded.model.embed  # the same Q8_0 blocks, rows dequantised per lookup: no float copy of the table
+    head = loaded.model.lm_head  # the tied Q8_0 embedding, on int16-rounded activations (engine/transformer.py _head),
+    # repacked sixteen rows a group at load (Q8_0_R16)
+    assert (head.ggml_type, head.x16) == (ggml_gemv.Q8_0_R16, True) if ggml_gemv.kernel_available() else \
+        type(head) is Linear
+    embed = loaded.model.embed  # the same blocks, rows dequantised per lookup: no float copy of the table
     tokens = torch.tensor([[0, 5, 49151], [7, 7, 2]])
     assert isinstance(embed, BlockEmbedding) and torch.equal(embed(tokens), F.embedding(tokens, embed.weight.float()))
     assert torch.equal(embed[5], embed.weight.float()[5])

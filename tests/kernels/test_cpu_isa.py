@@ -128,6 +128,21 @@ def test_ggml_gemv_repacked(isa, plain, N):
 
 
 @ISA
+@pytest.mark.parametrize("N", [1, 3, 9, 19])
+def test_ggml_gemv_x16_repacked(isa, N):
+    """A Q8_0 x16 head repacked at load (Q8_0_R16: AVX-512 one token through int16 pairs, 2-16 through x's bytes;
+    AVX2 eight rows a vector)."""
+    from localmoe.kernels.ggml_gemv.repacked import repack
+
+    O, K = 48, 512
+    blocks = torch.from_numpy(random_blocks(ggml_gemv.Q.Q8_0, O, K, np.random.default_rng(13)))
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    packed, kind = repack(blocks, ggml_gemv.Q.Q8_0, O, x16=True)
+    run = functools.partial(ggml_gemv.ggml_gemv, x, packed, kind, (O, K), x16=True)
+    _same_bits(*_under_each(isa, run), f"{kind.name} N={N}")
+
+
+@ISA
 def test_gqa_decode_paged(isa):
     """The batched decode attention over paged caches (shuffled tables, two rows sharing a cache, sinks)."""
     q, k, v, caches, positions = _paged_case(6, 8, 2, 64, 16, [5, 70, 130, 0, 33, 34], [(4, 5)], seed=9)

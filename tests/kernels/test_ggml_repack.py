@@ -1,7 +1,7 @@
-"""Q4_1, Q4_K and Q6_K rows repacked at load (Q4_1_R8, Q4_K_R8, Q6_K_R8, kernels/ggml_gemv/repacked.py): the same bytes back, and the
-same bits as the GGUF layout out of every kernel path (one token, tiles of tokens, bias, whole-group slices, the fused
-MoE calls), the reference and the dequantiser reading it through its GGUF layout, and the
-loader's choice of what to repack."""
+"""Q4_1, Q4_K and Q6_K rows repacked at load (Q4_1_R8, Q4_K_R8, Q6_K_R8, kernels/ggml_gemv/repacked.py), and a Q8_0
+x16 head (Q8_0_R16): the same bytes back, and the same bits as the GGUF layout out of every kernel path (one token,
+tiles of tokens, bias, whole-group slices, the fused MoE calls), the reference and the dequantiser reading it through
+its GGUF layout, and the loader's choice of what to repack."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from localmoe.kernels.ggml_gemv import KERNEL_TYPES, TYPES, ggml_gemv, kernel_available, naive_ggml_gemv
+from localmoe.kernels.ggml_gemv import KERNEL_TYPES, TYPES, dequantize_row, dequantize_rows, ggml_gemv, kernel_available, \
+    naive_ggml_gemv
 from localmoe.kernels._cpu.pages import on_huge_pages
-from localmoe.kernels.ggml_gemv.repacked import Q4_1_R8, Q4_K_R8, Q6_K_R8, REPACKED, can_repack, plain_type, repack, unpack
+from localmoe.kernels.ggml_gemv.repacked import Q4_1_R8, Q4_K_R8, Q6_K_R8, Q8_0_R16, REPACKED, can_repack, plain_type, repack, \
+    unpack
 
-from localmoe.engine.quantized import BlockQuantized, repack_blocks
+from localmoe.engine.quantized import BlockEmbedding, BlockQuantized, repack_blocks
 from localmoe.testing.ggml_blocks import random_blocks
 
 needs_cpu_kernel = pytest.mark.skipif(not kernel_available(), reason="CPU kernel unavailable (no AVX2 or compiler)")
@@ -220,3 +222,106 @@ def test_the_loader_puts_repacked_matrices_on_huge_pages(plain):
     assert held["embed_tokens.weight"].raw is raw and on_huge_pages(held["lm_head.weight"].raw)  # a head left plain
     tied = repack_blocks(dict(weights))["embed_tokens.weight"]  # no lm_head: the head reads the embedding
     assert tied.ggml_type == plain and on_huge_pages(tied.raw) and torch.equal(tied.raw, raw)
+
+
+@needs_cpu_kernel
+def test_q8_0_x16_repack_round_trips_and_is_only_for_x16():
+    raw = _blocks(Q.Q8_0, 48, 256, seed=21)
+    packed, kind = repack(raw, Q.Q8_0, 48, x16=True)
+    assert kind == Q8_0_R16 and kind.name == "Q8_0_R16" and int(kind) == 0x100 | int(Q.Q8_0) and plain_type(kind) == Q.Q8_0
+    assert kind not in KERNEL_TYPES  # no int8 / fp32-x rows read it
+    assert packed.shape == raw.shape and not torch.equal(packed, raw) and torch.equal(unpack(packed, kind, 48), raw)
+    assert torch.equal(packed[16:32], repack(raw[16:32].contiguous(), Q.Q8_0, 16, x16=True)[0])  # groups stay put
+    assert can_repack(Q.Q8_0, 48, 256, x16=True) and not can_repack(Q.Q8_0, 40, 256, x16=True)
+    assert not can_repack(Q.Q8_0, 48, 256) and not can_repack(Q.Q4_1, 48, 256, x16=True)
+    x = torch.randn(2, 256)  # int8 x, not a mode Q8_0_R16 has: the reference, through the GGUF layout
+    assert torch.equal(ggml_gemv(x, packed, kind, (48, 256)), naive_ggml_gemv(x, raw, Q.Q8_0, (48, 256)))
+
+
+@needs_cpu_kernel
+def test_q8_0_r16_bytes_hold_the_blocks_where_the_kernel_reads_them():
+    """Q8_0_R16's layout spelled out (ggml_rows.h repack_q80): per group of sixteen rows, block b's codes at 512 b as
+    eight 64-byte vectors whose lane r holds row r's codes 4i .. 4i + 3, then the fp16 steps, block b's at 512 nb + 32 b."""
+    O, K = 32, 96
+    nb = K // 32
+    raw = _blocks(Q.Q8_0, O, K, seed=22)
+    packed = repack(raw, Q.Q8_0, O, x16=True)[0].numpy().reshape(O // 16, -1)  # [group, bytes]
+    plain = raw.numpy().reshape(O // 16, 16, nb, 34)  # [group, row, block, byte]
+    codes = packed[:, :512 * nb].reshape(O // 16, nb, 8, 16, 4)  # [group, block, vector i, row, byte]
+    assert np.array_equal(codes, plain[..., 2:].reshape(O // 16, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4))
+    assert np.array_equal(packed[:, 512 * nb:].reshape(O // 16, nb, 16, 2), plain[..., :2].transpose(0, 2, 1, 3))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("N", [1, 2, 3, 5, 8, 9, 16, 17, 21], ids=lambda n: f"N{n}")
+@pytest.mark.parametrize("O,K", [(16, 256), (48, 576), (144, 1024)], ids=["16x256", "48x576", "144x1024"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_q8_0_r16_same_bits_as_the_gguf_layout(N, O, K, bias):
+    """The x16 rows on Q8_0_R16 (AVX-512: one token through int16 pairs, 2-16 tokens through x's bytes; AVX2: eight
+    rows a vector, both halves a block at a time): bit for bit the GGUF layout's x16 rows (tests/kernels/
+    test_ggml_gemv.py holds those to float64); whole groups of sixteen are the rows' slice; the reference reads it
+    through its GGUF layout."""
+    raw = _blocks(Q.Q8_0, O, K, seed=O + K + 1)
+    packed, kind = repack(raw, Q.Q8_0, O, x16=True)
+    x = torch.randn(N, K, generator=torch.Generator().manual_seed(N))
+    x[:, 3] *= 25
+    b = torch.randn(O) if bias else None
+    want = ggml_gemv(x, raw, Q.Q8_0, (O, K), b, x16=True)
+    assert torch.equal(ggml_gemv(x, packed, kind, (O, K), b, x16=True), want)
+    if O > 16:
+        part = ggml_gemv(x, packed[16:].contiguous(), kind, (O - 16, K), x16=True)
+        assert torch.equal(part, ggml_gemv(x, raw[16:].contiguous(), Q.Q8_0, (O - 16, K), x16=True))
+    assert torch.equal(naive_ggml_gemv(x.double(), packed, kind, (O, K), b, x16=True),
+                       naive_ggml_gemv(x.double(), raw, Q.Q8_0, (O, K), b, x16=True))
+
+
+@needs_cpu_kernel
+def test_q8_0_r16_threads_do_not_change_the_bits():
+    raw = _blocks(Q.Q8_0, 272, 512, seed=23)
+    packed, kind = repack(raw, Q.Q8_0, 272, x16=True)
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(24))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ggml_gemv(x, raw, Q.Q8_0, (272, 512), x16=True)
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(ggml_gemv(x, packed, kind, (272, 512), x16=True), want), f"{n} threads"
+            assert torch.equal(ggml_gemv(x[:1].contiguous(), packed, kind, (272, 512), x16=True), want[:1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_cpu_kernel
+def test_q8_0_r16_rows_dequantise_as_the_gguf_layout():
+    """A tied x16 head's table is the embedding's: its lookups (ggml_cpu.cpp ggml_dequantize_rows on the groups) give
+    the GGUF rows' values, and BlockEmbedding / float() read it so."""
+    O, K = 48, 96
+    raw = _blocks(Q.Q8_0, O, K, seed=25)
+    packed, kind = repack(raw, Q.Q8_0, O, x16=True)
+    ids = torch.tensor([0, 15, 16, 47, 5, 5, 33])
+    want = dequantize_rows(raw, ids, Q.Q8_0, K)
+    assert torch.equal(dequantize_rows(packed, ids, kind, K), want)
+    assert torch.equal(dequantize_row(packed, 33, kind, K), want[-1])
+    table = BlockEmbedding(BlockQuantized(packed, kind, (O, K)))
+    assert torch.equal(table(ids), want) and torch.equal(table[16], want[2])
+    assert torch.equal(BlockQuantized(packed, kind, (O, K)).float(), BlockQuantized(raw, Q.Q8_0, (O, K)).float())
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("head", ["int8", "int16", "fp32"])
+def test_the_loader_repacks_an_x16_head(tied, head):
+    """A Q8_0 head that reads int16 inputs becomes Q8_0_R16 (tied: the embedding's table with it, one copy); read as int8
+    or fp32 it stays Q8_0, and an untied embedding stays as it is."""
+    weights = {"embed_tokens.weight": BlockQuantized(_blocks(Q.Q8_0, 32, 256, 31), Q.Q8_0, (32, 256)),
+               "layers.0.mlp.up_proj.weight": BlockQuantized(_blocks(Q.Q4_1, 24, 96, 32), Q.Q4_1, (24, 96))}
+    if not tied:
+        weights["lm_head.weight"] = BlockQuantized(_blocks(Q.Q8_0, 32, 256, 33), Q.Q8_0, (32, 256))
+    out = repack_blocks(dict(weights), int8_head=head == "int8", x16_head=head == "int16")
+    kinds = {name: t.ggml_type for name, t in out.items()}
+    x16 = Q8_0_R16 if head == "int16" else Q.Q8_0
+    assert kinds == {"embed_tokens.weight": x16 if tied else Q.Q8_0, "layers.0.mlp.up_proj.weight": Q4_1_R8,
+                     **({} if tied else {"lm_head.weight": x16})}
+    source = weights["embed_tokens.weight" if tied else "lm_head.weight"]
+    assert torch.equal(out["embed_tokens.weight" if tied else "lm_head.weight"].float(), source.float())
