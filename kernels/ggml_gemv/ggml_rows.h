@@ -1108,6 +1108,26 @@ inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const B
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
 }
 
+// One block of sixteen rows (`codes`: lane r holds row r's codes 4i .. 4i + 3 in codes[i]; `sw`: 128 x each row's
+// sum of codes; `d`: the rows' steps) against TN tokens' x bytes (BlockX16 l / h, vpdpbusd on the int8 codes), added
+// to acc: the split form's int32 per (row, token, block) and its fp32 step, shared by the file's and the repacked
+// layout (group16_x16_split, group16_x16r).
+template <int TN>
+__attribute__((always_inline)) inline void x16_split_block(const __m512i* codes, __m512i sw, __m512 d,
+                                                           const BlockX16* const* x, int64_t b, __m512* acc) {
+#pragma GCC unroll 16
+  for (int t = 0; t < TN; ++t) {
+    const BlockX16& xb = x[t][b];
+    __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(static_cast<int>(xb.l[i])), codes[i]);
+      sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(static_cast<int>(xb.h[i])), codes[i]);
+    }
+    const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(sh, sw), 8), sl);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+  }
+}
+
 // Rows r .. r + 15 against 9 to 16 tokens: group16_x16's sums from x's bytes (BlockX16 l / h, vpdpbusd on the int8
 // codes), the same int32 per (row, token, block) and the same fp32 chain after it, so the same bits; the codes are
 // joined once per block for all the tile's tokens (benchmarks/ggml_x16_split.cpp: 0.86x the head's time at 16 tokens).
@@ -1132,17 +1152,7 @@ inline void group16_x16_split(const uint8_t* row0, int64_t stride, int64_t nb, c
     }
     sw = _mm512_slli_epi32(sw, 7);  // 128 sum(w): what h + 128 adds
     const __m512 d = join8(halves8(gather8(blk, stride), false), halves8(gather8(blk + 8 * stride, stride), false));
-#pragma GCC unroll 16
-    for (int t = 0; t < TN; ++t) {
-      const BlockX16& xb = x[t][b];
-      __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) {
-        sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(static_cast<int>(xb.l[i])), codes[i]);
-        sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(static_cast<int>(xb.h[i])), codes[i]);
-      }
-      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(sh, sw), 8), sl);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
-    }
+    x16_split_block<TN>(codes, sw, d, x, b, acc);
   }
   for (int t = 0; t < TN; ++t)
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
@@ -1284,17 +1294,7 @@ inline void group16_x16r(const uint8_t* g0, int64_t nb, const BlockX16* const* x
     }
     sw = _mm512_slli_epi32(sw, 7);  // 128 sum(w): what h + 128 adds
     const __m512 d = _mm512_cvtph_ps(load32(steps + 32 * b));
-#pragma GCC unroll 16
-    for (int t = 0; t < TN; ++t) {
-      const BlockX16& xb = x[t][b];
-      __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) {
-        sl = _mm512_dpbusd_epi32(sl, _mm512_set1_epi32(static_cast<int>(xb.l[i])), codes[i]);
-        sh = _mm512_dpbusd_epi32(sh, _mm512_set1_epi32(static_cast<int>(xb.h[i])), codes[i]);
-      }
-      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_sub_epi32(sh, sw), 8), sl);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
-    }
+    x16_split_block<TN>(codes, sw, d, x, b, acc);
   }
   for (int t = 0; t < TN; ++t)
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
