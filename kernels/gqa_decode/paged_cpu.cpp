@@ -41,6 +41,7 @@ struct PagedRows {
   const float *k, *v;
   const int64_t *kt, *vt;
   int64_t block, D;
+  localmoe_gqa::RawRows raw(int64_t, int64_t) const { return {nullptr, nullptr, 0}; }
   // Rows s0 .. s0 + n of pool p through table t, walked block by block.
   void walk(const float* p, const int64_t* t, int64_t s0, int64_t n, const float** r) const {
     int64_t b = s0 / block, at = s0 - b * block;
