@@ -16,6 +16,36 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// hsum of eight vectors v[0..8) at once, with hsum's additions (lo + hi halves, then lanes 0 + 2 and 1 + 3, then
+// those two; a + b == b + a exactly), so the same bits in ~2.6 instead of 6 shuffles and adds a sum.
+// In two steps: r[i] = hsum_halves(v[2i], v[2i + 1]) as pairs come, then hsum_finish(r) = [hsum(v[0]), ..., hsum(v[7])].
+inline __m256 hsum_halves(__m256 a, __m256 b) {  // [lo + hi of a | of b]
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+inline __m256 hsum_finish(const __m256* r) {
+  // per 128-bit lane: [0 + 2, 1 + 3 of one sum, of the next but one]
+  const __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], 0x44), _mm256_shuffle_ps(r[0], r[1], 0xEE));
+  const __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(r[2], r[3], 0x44), _mm256_shuffle_ps(r[2], r[3], 0xEE));
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xDD));  // [0 2 4 6 | 1 3 5 7]
+  return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// out[i] = hsum(v[i]), i < 8.
+inline void hsum8(const __m256* v, float* out) {
+  __m256 r[4];
+  for (int i = 0; i < 4; ++i) r[i] = hsum_halves(v[2 * i], v[2 * i + 1]);
+  _mm256_storeu_ps(out, hsum_finish(r));
+}
+
+// The largest of v's 8 lanes.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // e^x for x in fp32 range (clamped to +-88.376; results below 2^-126 flush to 0).
 inline __m256 exp_ps(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));

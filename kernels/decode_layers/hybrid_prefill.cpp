@@ -169,20 +169,6 @@ void gdn_tokens(const void* ctx, int64_t n0, int64_t n1) {
       localmoe_hybrid::gdn_gates(*c.a, c.y + n * c.stride, c.g + n * Hv, c.beta + n * Hv);
 }
 
-// The 8 sums localmoe::hsum gives of acc[0..8), each with its pairing and order (lo + hi halves, then lanes 0 + 2 and
-// 1 + 3, then those two), 8 at a time: out[u].
-inline void hsum8(const __m256* acc, float* out) {
-  __m256 s[4], x[2];
-  for (int k = 0; k < 4; ++k)  // [lo + hi of acc 2k | of acc 2k + 1]
-    s[k] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x20),
-                         _mm256_permute2f128_ps(acc[2 * k], acc[2 * k + 1], 0x31));
-  for (int k = 0; k < 2; ++k)  // per 128-bit lane: [0 + 2, 1 + 3 of one sum, of the next but one]
-    x[k] = _mm256_add_ps(_mm256_shuffle_ps(s[2 * k], s[2 * k + 1], 0x44), _mm256_shuffle_ps(s[2 * k], s[2 * k + 1], 0xEE));
-  alignas(32) float y[8];  // [sums 0 2 4 6 | 1 3 5 7]
-  _mm256_store_ps(y, _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD)));
-  for (int u = 0; u < 8; ++u) out[u] = y[(u & 1) * 4 + u / 2];
-}
-
 // out[u] = dot(a + u a_step, b + u b_step, n) for u < 8: `dot`'s arithmetic for each (the 8 sums interleaved, so
 // their FMA chains overlap; a step of 0 shares an operand).
 inline void dots8(const float* a, int64_t a_step, const float* b, int64_t b_step, int64_t n, float* out) {
@@ -192,7 +178,7 @@ inline void dots8(const float* a, int64_t a_step, const float* b, int64_t b_step
   for (; i + 8 <= n; i += 8)
     for (int u = 0; u < 8; ++u)
       acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + u * a_step + i), _mm256_loadu_ps(b + u * b_step + i), acc[u]);
-  hsum8(acc, out);
+  localmoe::hsum8(acc, out);
   for (int u = 0; u < 8; ++u)
     for (int64_t j = i; j < n; ++j) out[u] += a[u * a_step + j] * b[u * b_step + j];
 }

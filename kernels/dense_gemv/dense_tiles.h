@@ -24,6 +24,7 @@
 namespace localmoe_dense {
 
 using localmoe::hsum;
+using localmoe::hsum8;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 fp32, exact
@@ -110,28 +111,6 @@ inline __m256 lane_sum(const float* lanes) {
   __m256 s = _mm256_add_ps(_mm256_loadu_ps(lanes), _mm256_loadu_ps(lanes + 8));
   s = _mm256_add_ps(s, _mm256_loadu_ps(lanes + 16));
   return _mm256_add_ps(s, _mm256_loadu_ps(lanes + 24));
-}
-
-// out[i] = hsum(v[i]) for 8 vectors at once: hsum's additions, (t0 + t2) + (t1 + t3) with t = lo + hi, each between
-// the same two values (a + b == b + a exactly), so the same bits as 8 hsum calls in ~2.6 instead of 6 shuffles and
-// adds per sum (the per-pair finish was ~8% of a tile's time).
-inline void hsum8(const __m256* v, float* out) {
-  __m256 t[4];  // t[i] = [t of v[2i] | t of v[2i + 1]]
-  for (int i = 0; i < 4; ++i)
-    t[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-  __m256 u[2];  // u[i] = [t0 + t2, t1 + t3 of v[4i], of v[4i + 2] | of v[4i + 1], of v[4i + 3]]
-  for (int i = 0; i < 2; ++i)
-    u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
-                         _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
-  // [v0, v2, v4, v6 | v1, v3, v5, v7]
-  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
-  alignas(32) float sums[8];
-  _mm256_store_ps(sums, s);
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = sums[i];
-    out[2 * i + 1] = sums[4 + i];
-  }
 }
 
 // y[r * O + c] for tokens x[0..R) and outputs w[0..C) (row o of W at w + c * K, its bias at bias + c).

@@ -90,7 +90,7 @@ struct CachedArgs {
 inline void cached_heads(const void* ctx, int64_t i0, int64_t i1) {
   const CachedArgs& a = *static_cast<const CachedArgs*>(ctx);
   thread_local std::vector<float> buf;
-  buf.resize((kKeys + 1) * a.D);
+  buf.resize(2 * kKeys * a.D);  // a block's widened keys and values
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t h = i * a.group;
     const CachedRows rows{a.k, a.v, i, a.S, buf.data(), buf.data() + kKeys * a.D};

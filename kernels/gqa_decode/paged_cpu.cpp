@@ -41,8 +41,25 @@ struct PagedRows {
   const float *k, *v;
   const int64_t *kt, *vt;
   int64_t block, D;
-  const float* key(int64_t s) const { return k + (kt[s / block] * block + s % block) * D; }
-  const float* value(int64_t s) const { return v + (vt[s / block] * block + s % block) * D; }
+  localmoe_gqa::RawRows raw(int64_t, int64_t) const { return {nullptr, nullptr, 0}; }
+  // Rows s0 .. s0 + n of pool p through table t, walked block by block.
+  void walk(const float* p, const int64_t* t, int64_t s0, int64_t n, const float** r) const {
+    int64_t b = s0 / block, at = s0 - b * block;
+    const float* row = p + (t[b] * block + at) * D;
+    for (int64_t j = 0; j < n; ++j, ++at, row += D) {
+      if (at == block) {
+        at = 0;
+        row = p + t[++b] * block * D;
+      }
+      r[j] = row;
+    }
+  }
+  void keys(int64_t s0, int64_t n, const uint8_t* vis, const float** kr) const {
+    walk(k, kt, s0, n, kr);
+    for (int64_t j = 0; vis && j < n; ++j)
+      if (!vis[j]) kr[j] = nullptr;
+  }
+  void values(int64_t s0, int64_t n, const float* const*, const float** vr) const { walk(v, vt, s0, n, vr); }
 };
 
 struct Batch {
@@ -72,7 +89,7 @@ float* row_at(const int64_t* seq, Field pool, Field table, Field stride, int64_t
 void heads(const void* ctx, int64_t i0, int64_t i1) {
   const Batch& a = *static_cast<const Batch*>(ctx);
   const int64_t Hkv = a.H / a.group;
-  thread_local std::vector<float> buf;  // a cached row's widened keys [kKeys, D] and value [D]
+  thread_local std::vector<float> buf;  // a cached row's widened keys and values [kKeys, D] each
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t n = a.at[i / Hkv], kvh = i % Hkv, h = kvh * a.group;
     const int64_t* seq = a.seqs + n * kSeqFields;
@@ -81,7 +98,7 @@ void heads(const void* ctx, int64_t i0, int64_t i1) {
                   a.sinks ? a.sinks + h : nullptr, a.scale, a.D, a.out + (n * a.H + h) * a.D);
     };
     if (cached(seq)) {
-      buf.resize((kKeys + 1) * a.D);
+      buf.resize(2 * kKeys * a.D);
       attend(CachedRows{&cache_of(seq, kKeyPool), &cache_of(seq, kValuePool), kvh, seq[kPos] + 1, buf.data(),
                         buf.data() + kKeys * a.D});
     } else {
