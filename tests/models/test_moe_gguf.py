@@ -171,7 +171,7 @@ def test_repacked_at_load_gives_the_bits_of_the_gguf_layout(pair, tmp_path, monk
     paged = load_model(tmp_path / "store", paging=PagingConfig(ram_budget=expert_bytes(PackedStore(tmp_path / "store"))
                                                                // 4), **auto)
     assert isinstance(paged.model.moe_blocks()[0].experts, Pager)
-    monkeypatch.setattr(load, "repack_blocks", lambda weights, int8_head=False: weights)
+    monkeypatch.setattr(load, "repack_blocks", lambda weights, **heads: weights)
     plain = load_model(gguf, **auto)
     assert plain.model.moe_blocks()[0].experts.get(0, 1).gate.weight.ggml_type == Q.Q4_K
     assert plain.model.lm_head.ggml_type == Q.Q6_K
