@@ -1073,10 +1073,29 @@ inline void group8_x16(const uint8_t* row0, int64_t stride, int64_t nb, const Bl
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 // Rows r .. r + 15 against TN tokens, group8_x16's operations for two groups of eight in one 512-bit vector per pair.
+// One block of sixteen rows (`pairs`: the codes as int16 pairs, pairs[j] lane r row r's pair j; `d`: the rows'
+// steps) against TN tokens' x as int16 pairs (vpdpwssd, 4 chains for one token, 2 for more), added to acc: the pairs
+// form's int32 per (row, token, block) and its fp32 step, shared by the file's and the repacked layout (group16_x16,
+// group16_x16r_pairs).
+template <int TN>
+__attribute__((always_inline)) inline void x16_pairs_block(const __m512i* pairs, __m512 d, const BlockX16* const* x,
+                                                           int64_t b, __m512* acc) {
+  constexpr int kChains = TN == 1 ? 4 : 2;
+#pragma GCC unroll 8
+  for (int t = 0; t < TN; ++t) {
+    const BlockX16& xb = x[t][b];
+    __m512i s[kChains];
+    for (int c = 0; c < kChains; ++c) s[c] = _mm512_setzero_si512();
+    for (int j = 0; j < 16; ++j)
+      s[j % kChains] = _mm512_dpwssd_epi32(s[j % kChains], pairs[j], _mm512_set1_epi32(pair_x16(xb, j)));
+    for (int c = 1; c < kChains; ++c) s[0] = _mm512_add_epi32(s[0], s[c]);
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
+  }
+}
+
 template <int TN>
 inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const BlockX16* const* x, float* y,
                         int64_t ldy, const float* bias) {
-  constexpr int kChains = TN == 1 ? 4 : 2;
   __m512 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   const NextGroup ahead(row0, 16, stride, nb);
@@ -1093,16 +1112,7 @@ inline void group16_x16(const uint8_t* row0, int64_t stride, int64_t nb, const B
       pairs[2 * i + 1] = _mm512_srai_epi16(codes, 8);
     }
     const __m512 d = join8(halves8(gather8(blk, stride), false), halves8(gather8(blk + 8 * stride, stride), false));
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {
-      const BlockX16& xb = x[t][b];
-      __m512i s[kChains];
-      for (int c = 0; c < kChains; ++c) s[c] = _mm512_setzero_si512();
-      for (int j = 0; j < 16; ++j)
-        s[j % kChains] = _mm512_dpwssd_epi32(s[j % kChains], pairs[j], _mm512_set1_epi32(pair_x16(xb, j)));
-      for (int c = 1; c < kChains; ++c) s[0] = _mm512_add_epi32(s[0], s[c]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
-    }
+    x16_pairs_block<TN>(pairs, d, x, b, acc);
   }
   for (int t = 0; t < TN; ++t)
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
@@ -1307,7 +1317,6 @@ inline void group16_x16r(const uint8_t* g0, int64_t nb, const BlockX16* const* x
 template <int TN>
 inline void group16_x16r_pairs(const uint8_t* g0, int64_t nb, const BlockX16* const* x, float* y, int64_t ldy,
                                const float* bias) {
-  constexpr int kChains = TN == 1 ? 4 : 2;
   __m512 acc[TN];
   for (int t = 0; t < TN; ++t) acc[t] = _mm512_setzero_ps();
   const NextGroup ahead(g0, kQ80R16Rows, 34 * nb, nb);
@@ -1321,16 +1330,7 @@ inline void group16_x16r_pairs(const uint8_t* g0, int64_t nb, const BlockX16* co
       pairs[2 * i + 1] = _mm512_srai_epi16(codes, 8);
     }
     const __m512 d = _mm512_cvtph_ps(load32(steps + 32 * b));
-#pragma GCC unroll 8
-    for (int t = 0; t < TN; ++t) {
-      const BlockX16& xb = x[t][b];
-      __m512i s[kChains];
-      for (int c = 0; c < kChains; ++c) s[c] = _mm512_setzero_si512();
-      for (int j = 0; j < 16; ++j)
-        s[j % kChains] = _mm512_dpwssd_epi32(s[j % kChains], pairs[j], _mm512_set1_epi32(pair_x16(xb, j)));
-      for (int c = 1; c < kChains; ++c) s[0] = _mm512_add_epi32(s[0], s[c]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_mul_ps(d, _mm512_set1_ps(xb.d)), acc[t]);
-    }
+    x16_pairs_block<TN>(pairs, d, x, b, acc);
   }
   for (int t = 0; t < TN; ++t)
     _mm512_storeu_ps(y + t * ldy, bias == nullptr ? acc[t] : _mm512_add_ps(acc[t], _mm512_loadu_ps(bias)));
