@@ -9,16 +9,13 @@ from __future__ import annotations
 import pytest
 
 from localmoe.config import EngineConfig
-from localmoe.engine.generate import Decoder
-from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.draft_model import ROWS, DraftModel
 from localmoe.engine.spec.speculator import Speculator
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
-from localmoe.testing.parity import random_tokens
 
-GREEDY = SamplingParams(temperature=0.0)
-STEPS = 40
+from .test_speculative import GREEDY, prompt_for
+from .test_speculative import run as speculative_run
 
 
 @pytest.fixture(scope="module", params=["kimi_linear", "gpt_oss"])
@@ -30,21 +27,9 @@ def models(request, tmp_path_factory):
                             progress=False).model for seed in (0, 1))
 
 
-def prompt_for(model) -> list[int]:
-    part = random_tokens(12, 3, model.spec.vocab_size)[0].tolist()
-    return part + [1, 2] + part + [5] + part[:10]
-
-
 def run(model, prompt, speculator=None) -> list[int]:
-    dec = Decoder(model, prompt, GREEDY, speculator=speculator)
-    out: list[int] = []
-    while len(out) < STEPS:
-        logits = dec.logits()
-        if logits is None:
-            continue
-        out.append(dec.sample(logits))
-        dec.feed([out[-1]])
-    return out
+    """40 greedy tokens (test_speculative's run: the plain batched step without a speculator)."""
+    return speculative_run(model, prompt, speculator=speculator)[0]
 
 
 @pytest.mark.parametrize("draft", ["itself", "another"])
