@@ -48,7 +48,7 @@ INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # torch's i
 GROUP = 32  # elements per GGML block (and per int4pack scale group)
 PREFILL_COPY_BYTES = 1 << 30  # fp32 copies of 4-bit weights kept for prefill, in all (see the module doc)
 _copied = [0]  # bytes of fp32 copies alive
-_rows = threading.local()  # .decode: inside decode_rows(); .rounded: inside rounded_rows()
+_rows = threading.local()  # .decode: inside decode_rows(); .rounded: inside rounded_rows(); .blocks: block_rows()
 
 
 @contextmanager
@@ -79,6 +79,15 @@ def rounded_rows():
     prefill chunk's x rounded per block, each row on its own) instead of the fp32 GEMM on the dequantised weight,
     which it outruns (ROUNDED_TYPES) and whose fp32 copy it spares."""
     return _flag("rounded")
+
+
+def block_rows():
+    """Calls inside run every BlockLinear's block kernel on any number of rows (a prompt chunk's x rounded per block,
+    each row on its own, as its decode rows are) instead of the fp32 GEMM on the dequantised weight: a draft model's
+    catch-up (engine/spec/draft_model.py), whose drafts the target verifies, so its numerics are its own. No fp32
+    copy is made (the embedded model's: 0.5 GiB, 0.46 s to dequantise at the first prefill), and the Q4_1_R8 kernel
+    outruns the GEMM at a prompt's rows (docs/performance.md, session 17)."""
+    return _flag("blocks")
 
 
 # The block kernel against the fp32 GEMM on the dequantised weight, one Zen 4 core, 72 / 256 / 512 rows: Q4_K
@@ -251,10 +260,10 @@ class BlockLinear:
         K = x.shape[-1]
         rows = x.numel() // K
         kernel_rows = _kernel_rows()
-        if (rows > kernel_rows and getattr(_rows, "rounded", False) and not self.exact_x and not self.x16
-                and self.segments
-                and all(kind in ROUNDED_TYPES for _, kind, _ in self.segments)):
-            kernel_rows = rows  # rounded_rows()
+        if (rows > kernel_rows and not self.exact_x and not self.x16 and self.segments
+                and (getattr(_rows, "blocks", False) or getattr(_rows, "rounded", False)
+                     and all(kind in ROUNDED_TYPES for _, kind, _ in self.segments))):
+            kernel_rows = rows  # block_rows(), rounded_rows()
         if rows <= kernel_rows and self.raw is not None:
             return ggml_gemv.ggml_gemv(x.reshape(rows, K).float().contiguous(), self.raw, self.ggml_type,
                                        (self.out_features, K), self.bias, self.exact_x,

@@ -2,11 +2,13 @@
 target verifies. Greedy output equals the plain run token for token with a draft that is mostly kept (the target
 itself: the thread's drafts are taken) and one that is mostly rejected (another model: the thread is stopped and the
 cache trimmed back), over a delta-rule target and a sliding-window one; the thread's drafts are the ones drafting
-inline makes; the prompt's catch-up runs in the thread on steps without a draft (`follow`)."""
+inline makes; the prompt's catch-up runs in the thread on steps without a draft (`follow`) and as a prefill whose
+block matrices run their kernel (no fp32 copy)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from localmoe.config import EngineConfig
 from localmoe.engine.spec.draft_model import ROWS, DraftModel
@@ -117,3 +119,50 @@ def test_a_history_that_ends_with_the_models_own_last_choice(models, confident):
     got = drafter.propose(taken, 3, GREEDY, None).tokens
     assert drafter.carried == 1 and len(got) == 3
     assert got == DraftModel(other, target.spec.vocab_size).propose(taken, 3, GREEDY, None).tokens
+
+
+def test_the_catch_up_runs_the_block_kernels_as_a_prefill(smollm2_gguf):
+    """The prompt's catch-up is one forward whose GGUF-block matrices run their block kernel on every row (each row's
+    bits as it has alone: engine/quantized.py `block_rows`), not the fp32 GEMM on a dequantised copy: no copy is
+    made, and the logits are the fp32 path's within the int8 rounding of x."""
+    from localmoe.engine.quantized import BlockLinear, block_rows
+    from localmoe.kernels import ggml_gemv
+
+    if not ggml_gemv.kernel_available():
+        pytest.skip("the CPU kernel library is not built here")
+    model = load_model(smollm2_gguf, EngineConfig(threads=1), progress=False).model
+    blocks = _found(model, BlockLinear)
+    assert len(blocks) > 60, "the embedded model's GGUF-block matrices not found"
+    lin = blocks[0]
+    x = torch.randn(40, lin.in_features)
+    with block_rows():
+        rows = lin(x)
+    assert torch.equal(rows, torch.cat([lin(x[i:i + 1]) for i in range(40)]))
+    prompt = list(range(100, 140))
+    drafter = DraftModel(model, model.spec.vocab_size)
+    drafter.follow(prompt)  # (not ahead: no thread)
+    got = drafter._sync(prompt)
+    assert drafter.caught_up == 40 > ROWS
+    assert all(m._dense is None for m in blocks), "the catch-up made the fp32 copies of the prefill GEMM"
+    want = model.forward(torch.tensor([prompt]), model.new_cache(1, 64))[:, -1]  # the fp32 path (copies made)
+    assert any(m._dense is not None for m in blocks)
+    assert int(got.argmax()) == int(want.argmax())
+    assert torch.allclose(got, want[:, :got.shape[-1]], atol=0.05 * float(want.abs().max()))
+
+
+def _found(root, kind, depth: int = 5) -> list:
+    """The objects of `kind` reachable from `root` through attributes, lists and tuples (each once)."""
+    seen, out, todo = set(), [], [(root, 0)]
+    while todo:
+        obj, d = todo.pop()
+        if id(obj) in seen or d > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kind):
+            out.append(obj)
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo += [(o, d + 1) for o in obj]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
+            todo += [(o, d + 1) for o in vars(obj).values()]
+    return out
