@@ -3,7 +3,8 @@ target verifies. Greedy output equals the plain run token for token with a draft
 itself: the thread's drafts are taken) and one that is mostly rejected (another model: the thread is stopped and the
 cache trimmed back), over a delta-rule target and a sliding-window one; the thread's drafts are the ones drafting
 inline makes; the prompt's catch-up runs in the thread on steps without a draft (`follow`) and as a prefill whose
-block matrices run their kernel (no fp32 copy)."""
+block matrices run their kernel (no fp32 copy). The hybrid (engine/spec/hybrid.py: prompt lookup after a long match,
+the draft model elsewhere) likewise, its model's drafts priced as a class of their own."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from localmoe.config import EngineConfig
 from localmoe.engine.spec.draft_model import ROWS, DraftModel
-from localmoe.engine.spec.speculator import Speculator
+from localmoe.engine.spec.drafters import Draft, PromptLookup
+from localmoe.engine.spec.hybrid import LookupThenModel
+from localmoe.engine.spec.speculator import BUCKETS, RETIRE_AFTER, Speculator
 from localmoe.load import load_model
 from localmoe.testing import write_checkpoint
 
@@ -119,6 +122,79 @@ def test_a_history_that_ends_with_the_models_own_last_choice(models, confident):
     got = drafter.propose(taken, 3, GREEDY, None).tokens
     assert drafter.carried == 1 and len(got) == 3
     assert got == DraftModel(other, target.spec.vocab_size).propose(taken, 3, GREEDY, None).tokens
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_hybrid_greedy_equals_plain(models, draft, ahead):
+    """Prompt lookup's drafts where the sequence repeats itself (here after any match: `long` 1), the draft model's
+    elsewhere: the plain run's tokens, and both drafters used. (The prompt holds a prompt and its plain answer, then
+    the prompt again: a tiny random model's answer then repeats some of it.)"""
+    target, other = models
+    prompt = prompt_for(target)
+    prompt = prompt + run(target, prompt)[:16] + prompt
+    want = run(target, prompt)
+    model = DraftModel(target if draft == "itself" else other, target.spec.vocab_size, ahead=ahead)
+    drafter = LookupThenModel(PromptLookup(), model, long=1)
+    spec = Speculator(drafter, k=3, adaptive=False)
+    assert run(target, prompt, spec) == want
+    model._join(None)
+    assert 0 < drafter.lookups < spec.stats.drafted_steps, (drafter.lookups, spec.stats)
+    assert model.cache.offset == len(model.tokens)
+
+
+def test_a_lookup_step_catches_the_draft_model_up_beside_the_verify(models):
+    """Where the lookup drafts, the model's thread runs the sequence and that draft (the branch where the verify
+    keeps it all): a later step the model drafts for catches up on the step's own token alone, and drafts what a
+    fresh model drafts there."""
+    target, other = models
+    prompt = prompt_for(target)  # its last 10 tokens repeat its start: a 10-token match
+    model = DraftModel(other, target.spec.vocab_size, ahead=True)
+    drafter = LookupThenModel(PromptLookup(), model, long=4)
+    draft = drafter.propose(prompt, 3, GREEDY, None)
+    assert draft.match >= 4 and draft.tokens == prompt[draft.source:draft.source + 3] and drafter.lookups == 1
+    assert model._thread is not None  # beside the verify
+    model._join(None)
+    assert model.tokens == prompt + draft.tokens
+    taken = prompt + draft.tokens + [7]  # every draft kept, then the target's own token
+    got = LookupThenModel(PromptLookup(), model, long=64).propose(taken, 2, GREEDY, None)
+    assert model.caught_up == 1 and got.match == 0
+    assert got.tokens == DraftModel(other, target.spec.vocab_size).propose(taken, 2, GREEDY, None).tokens
+
+
+class Mixed:
+    """A drafter like hybrid.py's as the speculator sees it: match classes 1..4 from a lookup, class 0 a model's."""
+
+    name = "mixed"
+    matches = deterministic = mixed = True
+    _mlen: list[int] = []
+
+    def shadow(self, i, k):
+        return None
+
+    def propose(self, history, k, params, generator, least=1):
+        return Draft([])
+
+
+def test_the_models_drafts_are_priced_as_a_class_of_their_own():
+    """The lookup's drafts rejected in every class, the model's (class 0) kept: the model's drafts are verified whole
+    and the lookup's dropped, class 0's acceptance is its own drafts' alone, and the drafter is not retired."""
+    spec = Speculator(Mixed(), k=4)
+    for _ in range(20):
+        spec.choose_k()
+        spec.observe(4, 4, 5, 3.0, 0)  # 5 rows cost 3 plain steps (a paged store's)
+        for b in range(1, BUCKETS):
+            spec.choose_k()
+            spec.observe(4, 0, 5, 3.0, b)
+        spec.choose_k()
+        spec.observe(0, 0, 1, 1.0)
+    assert spec.bucket_acceptance(0)[0] > 0.95
+    assert spec.choose_k() == 4
+    assert spec.fit(Draft([1, 2, 3, 4])).tokens == [1, 2, 3, 4]
+    assert spec.fit(Draft([1, 2, 3, 4], match=12)).tokens == []
+    for _ in range(RETIRE_AFTER):
+        spec.choose_k()
+    assert not spec.retired
 
 
 def test_the_catch_up_runs_the_block_kernels_as_a_prefill(smollm2_gguf):

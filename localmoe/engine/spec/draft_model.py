@@ -88,7 +88,9 @@ class DraftModel:
         self.carried = 0  # proposes whose drafts the thread had made (tests count them)
         self.waited = 0.0  # wall seconds the sequence's steps waited for the thread (`_join`)
         self._thread: threading.Thread | None = None
-        self._stop = self._prompt = False  # the thread is to stop at its next token; it catches up (`follow`)
+        # the thread is to stop at its next token; it catches up (`follow`, `catch_up`); a step's wait for it is not the
+        # sequence's drafting (`follow`'s catch-up: the prompt's, beside the target's prefill, and one far behind)
+        self._stop = self._syncing = self._uncounted = False
         # (CPU seconds of the threads that ended, (the live one's CPU clock, its reading at its start) or None): one
         # tuple, so a reader never sees a thread's end half done (`thread_seconds`)
         self._cpu: tuple[float, tuple[int, float] | None] = (0.0, None)
@@ -164,12 +166,12 @@ class DraftModel:
             self._stop = True
         began = time.perf_counter()
         thread.join()
-        if not self._prompt:  # (a catch-up, the prompt's at the start, is the sequence's, as the target's prefill)
+        if not self._uncounted:  # (`follow`'s catch-up is the sequence's, as the target's prefill)
             self.waited += time.perf_counter() - began
         self._thread, self._stop = None, False
 
-    def _run(self, work, *args) -> None:
-        self._stop, self._prompt = False, work == self._sync
+    def _run(self, work, *args, counted: bool = True) -> None:
+        self._stop, self._syncing, self._uncounted = False, work == self._sync, not counted
         self._thread = threading.Thread(target=self._background, args=(work, *args), daemon=True)
         self._thread.start()
 
@@ -210,6 +212,19 @@ class DraftModel:
         by 20-40%: 12.2 / 13.8 against 13.6 / 16.4 tokens/s.)"""
         if self.ahead and self._thread is None and len(self.tokens) + ROWS < len(history) and \
                 self.cache.offset + len(history) < self.cache.max_len:
+            self._run(self._sync, list(history), counted=False)
+
+    def catch_up(self, history: Sequence[int]) -> None:
+        """A step another drafter drafts for (hybrid.py: prompt lookup): the thread, stopped at its next token where it
+        runs on a branch of its own, catches up on `history` (the sequence and that draft: the branch where every draft
+        is kept) beside the target's verify, so the next step the model drafts for starts near the sequence's end."""
+        if not self.ahead or self.cache.offset + len(history) >= self.cache.max_len:
+            return
+        if self._thread is not None:
+            if self._syncing:  # a catch-up runs already (the prompt's, or the last step's): it is joined at the next
+                return        # step the model drafts for, which catches up on the rest
+            self._join(None)
+        if self.tokens[:len(history)] != list(history):
             self._run(self._sync, list(history))
 
     def propose(self, history: Sequence[int], k: int, params: SamplingParams,

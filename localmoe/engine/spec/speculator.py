@@ -175,6 +175,8 @@ class Speculator:
         self._poor = 0  # consecutive choices whose expected gain was below RETIRE_GAIN
         self.retired = False  # speculation stopped for this sequence (see the module docstring)
         self.matches = getattr(drafter, "matches", False)  # its drafts carry their match length (`least` applies)
+        # its drafts come from a lookup (classes 1..4) or, where it has no long match, a model (class 0: hybrid.py)
+        self.mixed = self.matches and getattr(drafter, "mixed", False)
         # (length of the history, least) -> True where no draft of `least` keys can be there (checked before a call)
         self.hopeless = getattr(drafter, "hopeless", None) if self.matches else None
         self.least = 1  # `least_match()` of this step, set by `choose_k` where the drafter has match lengths
@@ -327,9 +329,10 @@ class Speculator:
     def _chosen(self) -> None:
         """What the memo says (the best k over the classes, whether they gain enough, the least class that pays)."""
         priced, one = self._memo, self._memo_t1
-        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0]
-        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior
-        self._classes = classes = range(1, BUCKETS) if seen or self.matches else [0]
+        seen = [b for b in range(1, BUCKETS) if self._bucket_trials[b] > 0] + [0] * self.mixed
+        # a drafter whose drafts carry their match length: every class, the unseen ones at their prior (class 0 too
+        # where a model drafts beside the lookup)
+        self._classes = classes = range(0 if self.mixed else 1, BUCKETS) if seen or self.matches else [0]
         self._choice = max((priced[b] for b in classes), key=lambda kr: kr[1])[0]
         # whether the classes seen so far gain enough to keep a drafter that costs something at k = 0
         self._worth = max(priced[b][1] for b in (seen or [0])) >= RETIRE_GAIN / one
@@ -514,9 +517,10 @@ class Speculator:
             s.drafted_steps += 1
             s.drafted += drafted
             s.accepted += accepted
-            # each kept draft is a success; the first rejected one (if any) the one failure of the step
-            self._kept = (1 - SMOOTH) * self._kept + accepted
-            self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
+            if confidence == 0:  # class 0's acceptance (a model's drafts; a lookup's are counted by class below)
+                # each kept draft is a success; the first rejected one (if any) the one failure of the step
+                self._kept = (1 - SMOOTH) * self._kept + accepted
+                self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
             self._drafts_timed += 1
             per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
             # sequence's new ones (the prompt, the first time) and the drafts
