@@ -212,13 +212,19 @@ def step_worker(args) -> None:
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
             residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
-    elif kind.startswith(("draft:", "draft-inline:")):  # inline: its drafts on the step's path (before session 16)
+    elif kind.startswith(("draft:", "draft-inline:", "hybrid")):  # inline: its drafts on the step's path (before
+        # session 16); hybrid: prompt lookup where its match is long, else the draft model (`--spec prompt+draft:`;
+        # hybridN: N the shortest match the lookup drafts after, else hybrid.py's LONG)
         from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel
+        from localmoe.engine.spec.hybrid import LONG, LookupThenModel
 
         name, _, path = kind.partition(":")
         draft = load_model(path, EngineConfig(threads=args.threads), progress=False).model
-        speculator = Speculator(DraftModel(draft, loaded.spec.vocab_size, ahead=name == "draft",
-                                           confident=CONFIDENT if name == "draft" else 0.0), args.k)
+        drafter = DraftModel(draft, loaded.spec.vocab_size, ahead=name != "draft-inline",
+                             confident=CONFIDENT if name != "draft-inline" else 0.0)
+        if name.startswith("hybrid"):
+            drafter = LookupThenModel(PromptLookup(tokenizer=loaded.tokenizer), drafter, int(name[6:] or LONG))
+        speculator = Speculator(drafter, args.k)
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
     while len(out) < args.paged_tokens:
@@ -287,7 +293,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
                     "real weights, so it quotes)"),
-                   ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline"), True),
+                   ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline", "hybrid"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
@@ -306,7 +312,9 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
         base = command(args, store, "rows", task, ram, chat=chat) + ["--steps"]
         alternate({"rows": base + ["--record", str(record)]}, 1)
         names = ["fused", "rows", f"oracle:{record}",
-                 *(f"{d}:{draft}" if d.startswith("draft") else d for d in drafters), "noise"]
+                 *(f"{d}:{draft}" if d.startswith(("draft", "hybrid")) else d for d in drafters), "noise"]
+        names += [f"{h}:{draft}" for h in (args.only or "").split(",") if h.startswith("hybrid") and h != "hybrid"
+                  and "hybrid" in drafters]  # hybridN: another shortest lookup match, asked for by --only
         if args.only:
             names = [n for n in names if n.split(":")[0] in args.only.split(",")]
         workers = {name: command(args, store, name, task, ram, chat=chat) + ["--steps"] for name in names}
