@@ -177,11 +177,12 @@ def spec_options(function=None, *, default: str = "auto"):
     if function is None:
         return lambda f: spec_options(f, default=default)
     options = [
-        click.option("--spec", "spec", default=default, show_default=True, metavar="auto|prompt|draft:PATH|mtp|off",
+        click.option("--spec", "spec", default=default, show_default=True, metavar="auto|prompt|draft:PATH|prompt+draft:PATH|mtp|off",
                      help="Speculative decoding: auto = prompt lookup where the model runs from RAM on the CPU, off on a "
                           "paged store or the GPU; prompt = draft from n-grams of the prompt and the answer so far "
                           "(pays on answers that quote the prompt: document Q&A, code edits); draft:PATH = a "
-                          "smaller model with the same tokenizer; mtp = the checkpoint's MTP / next-n layer "
+                          "smaller model with the same tokenizer; prompt+draft:PATH = prompt lookup where the answer "
+                          "quotes (a long match), the draft model elsewhere; mtp = the checkpoint's MTP / next-n layer "
                           "(DeepSeek-V3/V3.2, GLM-4.5: HF checkpoints, their stores, GGUF files; loaded only then; a model "
                           "without one says so and runs off). Lossless: the output is what the model alone would give."),
         click.option("--spec-k", "spec_k", type=int, default=SPEC_K, show_default=True,

@@ -42,7 +42,7 @@ class ServerConfig:
     batching: str = "auto"  # the worker's decode step: auto | on | off (runtime/worker.py)
     preemption: str = "swap"  # a preempted sequence's cache: swap | recompute (runtime/worker.py)
     swap_dir: str | None = None  # where swapped-out caches go (None: a private temporary directory)
-    spec: str = "off"  # speculative decoding: prompt | draft:PATH | mtp | off (runtime/speculation.py)
+    spec: str = "off"  # speculative decoding: prompt | draft:PATH | prompt+draft:PATH | mtp | off (speculation.py)
     spec_k: int = SPEC_K  # the most drafts per step (the speculator chooses fewer where more do not pay)
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
@@ -76,7 +76,8 @@ class ChatRequest:
     session_id: str | None = None
     output_schema: dict | None = None  # the answer is one JSON value valid against it (structured output)
     output_param: str = "response_format"  # the request field that gave `output_schema` (named in errors)
-    spec: str | None = None  # this request's speculation: "off", "prompt", "draft", "mtp" (None: the server's)
+    spec: str | None = None  # this request's speculation: "off", "prompt", "draft", "prompt+draft", "mtp" (None: the
+    # server's)
 
 
 class Stream:

@@ -6,6 +6,8 @@
   same vocabulary and ids, else an error naming both); each sequence gets its own draft cache; on a paged
   target it drafts the next step in a thread while the target's verify waits on reads, and ends a draft
   before its first unsure token (draft_model.py);
+- `prompt+draft:PATH`: prompt lookup where the sequence's last tokens have a long earlier match (a quote in
+  progress), the draft model `draft:PATH` elsewhere (engine/spec/hybrid.py);
 - `mtp`: the checkpoint's next-n prediction layer (DeepSeek-V3 / V3.2, GLM-4.5: `num_nextn_predict_layers`;
   engine/nextn.py, engine/spec/mtp.py), loaded only then; each sequence gets its own small cache of it.
   HF checkpoints, stores converted from them (the layer's routed experts as extents, read through the store's
@@ -34,13 +36,15 @@ import threading
 from localmoe.config import SPEC_K
 from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel, check_vocab
 from localmoe.engine.spec.drafters import PromptLookup
+from localmoe.engine.spec.hybrid import LookupThenModel
 from localmoe.engine.spec.mtp import MTPDrafter
 from localmoe.engine.spec.residency import Residency, RouteBook
 from localmoe.engine.spec.speculator import K_MAX, SpecStats, Speculator
 from localmoe.errors import LocalMoEError
 from localmoe.paging.metrics import pager_of
 
-SPEC_CHOICES = "auto | prompt | draft:PATH | mtp | off"
+SPEC_CHOICES = "auto | prompt | draft:PATH | prompt+draft:PATH | mtp | off"
+DRAFTING = ("draft", "prompt+draft")  # the modes that run a draft model
 
 
 def mtp_layers(loaded) -> int | None:
@@ -72,8 +76,8 @@ def resident_on_cpu(loaded) -> bool:
 
 
 class Speculation:
-    """`mode` is one of "prompt", "draft", "mtp", "off" once built (`mtp` without a layer to load resolves to
-    "off" with a message)."""
+    """`mode` is one of "prompt", "draft", "prompt+draft", "mtp", "off" once built (`mtp` without a layer to load
+    resolves to "off" with a message)."""
 
     def __init__(self, loaded, option: str = "off", k: int = SPEC_K, adaptive: bool = True, warn=None,
                  price_experts: bool = False):
@@ -99,14 +103,14 @@ class Speculation:
             self.mode = "prompt" if resident_on_cpu(loaded) else "off"
         elif option == "mtp":
             self.mode = self._mtp(loaded, warn)
-        elif option.startswith("draft:") and option[6:]:
+        elif option.partition(":")[0] in DRAFTING and option.partition(":")[2]:
             from localmoe.load import load_model
 
-            path = option[6:]
+            mode, _, path = option.partition(":")
             self.draft = load_model(path, loaded.config, progress=False)
             check_vocab(loaded.tokenizer, self.draft.tokenizer, str(loaded.source), path)
             self.vocab = loaded.spec.vocab_size
-            self.mode = "draft"
+            self.mode = mode
         else:
             raise LocalMoEError(f"--spec {option!r}: expected {SPEC_CHOICES}")
 
@@ -142,8 +146,8 @@ class Speculation:
         mode = self.mode if mode is None else mode
         if mode == "off":
             return None
-        if mode == "draft" and self.draft is None or mode == "mtp" and self.head is None or \
-                mode not in ("prompt", "draft", "mtp"):
+        if mode in DRAFTING and self.draft is None or mode == "mtp" and self.head is None or \
+                mode not in ("prompt", "mtp", *DRAFTING):
             raise LocalMoEError(f"spec {mode!r} is not available here (the server runs --spec {self.mode}); "
                                 "ask for 'off', 'prompt' or the server's mode")
         if mode == "mtp":
@@ -152,6 +156,8 @@ class Speculation:
             # a paged target's verify waits on reads: the draft model drafts the next step beside it (draft_model.py)
             drafter = PromptLookup(tokenizer=self.tokenizer) if mode == "prompt" else \
                 DraftModel(self.draft.model, self.vocab, ahead=self.paged, confident=CONFIDENT if self.paged else 0.0)
+            if mode == "prompt+draft":
+                drafter = LookupThenModel(PromptLookup(tokenizer=self.tokenizer), drafter)
         residency = Residency(self.pager, self._routes()) if mode == "prompt" and self.pager is not None else None
         return Speculator(drafter, self.k, self.adaptive, residency)
 

@@ -189,9 +189,10 @@ class Sampling(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
-    # localmoe extension: this request's speculative decoding (None: the server's --spec; "draft" needs
-    # the server to run --spec draft:PATH, "mtp" --spec mtp with a model that has an MTP layer)
-    spec: Literal["off", "prompt", "draft", "mtp"] | None = None
+    # localmoe extension: this request's speculative decoding (None: the server's --spec; "draft" and
+    # "prompt+draft" need the server to run --spec draft:PATH or prompt+draft:PATH, "mtp" --spec mtp with a model
+    # that has an MTP layer)
+    spec: Literal["off", "prompt", "draft", "prompt+draft", "mtp"] | None = None
 
     def stops(self) -> list[str]:
         if self.stop is None:

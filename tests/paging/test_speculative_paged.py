@@ -27,12 +27,12 @@ class NoDraft:
         return Draft([])
 
 
-def greedy(model, speculator=None) -> list[int]:
+def greedy(model, speculator=None, prompt=PROMPT) -> list[int]:
     """Greedy tokens; without a speculator one row of the batched step per token (decode_together, or for
     K3, whose plain `logits()` takes its own decode step, a speculator that never drafts: the same row kernels)."""
     if speculator is None and model.residuals is not None:
         speculator = Speculator(NoDraft(), k=1, adaptive=False)
-    dec = Decoder(model, PROMPT, GREEDY, speculator=speculator)
+    dec = Decoder(model, prompt, GREEDY, speculator=speculator)
     out: list[int] = []
     while len(out) < STEPS:
         logits = decode_together([dec])[0] if dec.decoding and speculator is None else dec.logits()
@@ -119,11 +119,15 @@ def test_spec_auto_speculates_resident_and_not_paged(ckpts):
     assert Speculation(paged_model, "prompt").mode == "prompt"  # asked for: still speculates
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["draft", "prompt+draft"])
 @pytest.mark.parametrize("family", ["gpt_oss", "kimi_k3"])
-def test_paged_greedy_with_a_draft_model_drafting_ahead_equals_plain(ckpts, family):
+def test_paged_greedy_with_a_draft_model_drafting_ahead_equals_plain(ckpts, family, hybrid):
     """A draft model (the target's checkpoint, resident: its drafts are mostly kept) drafting in a thread while the
-    paged target verifies (engine/spec/draft_model.py `ahead`): the same tokens, and the thread's drafts used."""
+    paged target verifies (engine/spec/draft_model.py `ahead`): the same tokens, and the thread's drafts used. With
+    prompt lookup beside it (engine/spec/hybrid.py) likewise (the prompt: PROMPT, its plain answer and PROMPT again;
+    the tiny gpt-oss's answer then repeats some of it, and both drafters draft; the tiny K3's does not)."""
     from localmoe.engine.spec.draft_model import DraftModel
+    from localmoe.engine.spec.hybrid import LookupThenModel
     from localmoe.load import load_model
 
     c = ckpts[family]
@@ -133,14 +137,18 @@ def test_paged_greedy_with_a_draft_model_drafting_ahead_equals_plain(ckpts, fami
     draft = load_model(c.src, dtype="float32", progress=False).model
     try:
         pager = paged(c, budget)
-        want = greedy(c.model)
+        first = greedy(c.model)
+        prompt = PROMPT + first[:16] + PROMPT if hybrid else PROMPT
+        want = greedy(c.model, prompt=prompt)
         pager.close()
         pager = paged(c, budget)
         drafter = DraftModel(draft, c.model.spec.vocab_size, ahead=True)
-        spec = Speculator(drafter, k=3, adaptive=False)
-        got = greedy(c.model, spec)
+        both = LookupThenModel(PromptLookup(), drafter, long=3)
+        spec = Speculator(both if hybrid else drafter, k=3, adaptive=False)
+        got = greedy(c.model, spec, prompt)
         pager.close()
     finally:
         c.restore()
     assert got == want
     assert spec.stats.drafted > 0 and drafter.carried > 0
+    assert (both.lookups > 0) == (hybrid and family == "gpt_oss")

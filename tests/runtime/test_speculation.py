@@ -81,6 +81,20 @@ def test_run_with_prompt_lookup_equals_off(embedded):  # noqa: F811
     assert outputs["prompt"].spec.steps > 0
 
 
+@pytest.mark.parametrize("batching", ["on", "off"])
+def test_prompt_lookup_and_a_draft_model_equal_off(embedded, smollm2_gguf, batching):  # noqa: F811
+    """`--spec prompt+draft:PATH` (engine/spec/hybrid.py: the lookup after a long match, the draft model elsewhere;
+    here the embedded model drafting for itself) gives off's answer token for token, and drafts."""
+    outputs = {}
+    for mode in ("off", f"prompt+draft:{smollm2_gguf}"):
+        service = Service(embedded, ServerConfig(prefix_cache_entries=0, batching=batching, spec=mode))
+        assert service.speculation.mode == mode.partition(":")[0]
+        events = list(service.chat_here(ChatRequest([ChatMessage("user", QUOTE)], 32, GREEDY)))
+        outputs[mode.partition(":")[0]] = events[-1][1]
+    assert outputs["prompt+draft"].content == outputs["off"].content
+    assert outputs["prompt+draft"].spec.accepted > 0
+
+
 def test_a_speculating_turn_yields_max_tokens_when_drafts_are_kept_at_the_end(embedded):  # noqa: F811
     """Kept drafts fill the cache ahead of the tokens handed out: near max_tokens that must not end the turn
     early (the turns checked the cache's room, which those drafts took: a code edit stopped at 127 of 128)."""
@@ -142,9 +156,16 @@ def test_spec_choices(embedded, tmp_path):  # noqa: F811
     other = write_checkpoint("qwen3_next", tmp_path / "qwen", "tiny", seed=1)
     with pytest.raises(LocalMoEError, match="tokenizer|vocabulary"):
         Speculation(k3, f"draft:{other}")
+    with pytest.raises(LocalMoEError, match="tokenizer|vocabulary"):
+        Speculation(k3, f"prompt+draft:{other}")
     same = write_checkpoint("kimi_k3", tmp_path / "k3-draft", "tiny", seed=1)
     spec = Speculation(k3, f"draft:{same}")
     assert spec.mode == "draft" and spec.new().drafter.name == "draft"
+    spec = Speculation(k3, f"prompt+draft:{same}")
+    assert spec.mode == "prompt+draft" and spec.new().drafter.name == "prompt+draft"
+    assert spec.new("draft").drafter.name == "draft"  # a request may ask for the draft model alone
+    with pytest.raises(LocalMoEError, match="expected auto"):
+        Speculation(k3, "prompt+draft:")
 
 
 def test_metrics_show_speculation():
