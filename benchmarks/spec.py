@@ -216,15 +216,17 @@ def step_worker(args) -> None:
         # session 16); hybrid: prompt lookup where its match is long, else the draft model (`--spec prompt+draft:`;
         # hybridN: N the shortest match the lookup drafts after, else hybrid.py's LONG)
         from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel
-        from localmoe.engine.spec.hybrid import LONG, LookupThenModel
 
         name, _, path = kind.partition(":")
         draft = load_model(path, EngineConfig(threads=args.threads), progress=False).model
         drafter = DraftModel(draft, loaded.spec.vocab_size, ahead=name != "draft-inline",
                              confident=CONFIDENT if name != "draft-inline" else 0.0)
         if name.startswith("hybrid"):
+            from localmoe.engine.spec.hybrid import LONG, LookupThenModel
+
             drafter = LookupThenModel(PromptLookup(tokenizer=loaded.tokenizer), drafter, int(name[6:] or LONG))
         speculator = Speculator(drafter, args.k)
+    started = time.perf_counter()  # the prompt's prefill (and a draft model's catch-up beside it) from here
     dec = Decoder(loaded.model, prompt, SamplingParams(temperature=0.0), speculator=speculator)
     out, first, read0 = [], None, 0
     while len(out) < args.paged_tokens:
@@ -247,6 +249,8 @@ def step_worker(args) -> None:
         Path(args.record).write_text(json.dumps(out))
     s = speculator.stats if speculator else None
     emit({"tokens_per_s": (len(out) - 1) / seconds, "cpu_tokens_per_s": (len(out) - 1) / cpu, "tokens": len(out),
+          "first_token_s": first - started, "lookups": getattr(speculator.drafter, "lookups", None) if speculator else None,
+          "drafted_steps": s.drafted_steps if s else None,
           "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
           "bytes_per_token": read / (len(out) - 1), "stall": stall / seconds,
@@ -334,6 +338,9 @@ def steps(args, family: str, store: str, draft: str, ram: int) -> None:
             if name != "fused":
                 line += "" if {r["text"] for r in rs} == plain_tokens else "  (TOKENS DIFFER from rows)"
             line += f"  {statistics.median(r['bytes_per_token'] for r in rs) / 1e6:.1f} MB experts/token"
+            line += f"  first token {statistics.median(r['first_token_s'] for r in rs):.2f} s"
+            if rs[0].get("lookups") is not None:  # the hybrid: verifies of the lookup's drafts / all verifies
+                line += "  lookup " + " / ".join(f"{r['lookups']}/{r['drafted_steps']}" for r in rs)
             print(line, flush=True)
 
 
