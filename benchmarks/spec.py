@@ -24,7 +24,8 @@ read per generated token.
     paged at 25%; its draft model is the dense SmolLM2 it came from (the embedded GGUF, resident): `draft`
     drafts the next step in a thread while the target verifies and ends a draft before its first unsure token
     (as `--spec draft:` on a paged store), `draft-inline` drafts on the step's path up to the speculator's k
-    (before session 16).
+    (before session 16), `hybrid` takes prompt lookup's draft after a long match and the draft model's elsewhere
+    (`--spec prompt+draft:`; `hybridN` with N the shortest match, asked for by --only).
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU

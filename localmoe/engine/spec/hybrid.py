@@ -11,6 +11,13 @@ the lookup's unpaid classes in the shadow (`shadow`) and keeps the draft model's
 (`follow`, `thread_seconds`, `waited`). On a step the lookup drafts, the draft model's thread catches up on the
 sequence and the lookup's draft beside the verify (the branch where every draft is kept), so where the quote ends it
 is near the sequence's end and drafts after a few rows of catch-up at most.
+
+Where it pays (docs/performance.md, session 17: the paged SmolLM2 MoE, its dense parent as the draft model): where the
+draft model drafts little, the lookup's drafts carry it (a code edit: the model's first draft rejected, it priced
+itself out, 1.00 tokens a step; the hybrid 2.04-2.12 at 89% kept, ahead of it in both runs); where the draft model
+predicts the answer well, the lookup's drafts after 4-7 matched tokens are kept about half the time against the
+model's 90%, so it trails the draft model alone (the document question, 5 runs of 5). Hence an option of its own,
+not what `--spec draft:` runs.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from localmoe.engine.sampler import SamplingParams
 from localmoe.engine.spec.draft_model import DraftModel
 from localmoe.engine.spec.drafters import Draft, PromptLookup
 
-LONG = 4  # the shortest match whose lookup draft is taken over the model's (see docs/performance.md, session 17)
+LONG = 4  # the shortest match whose lookup draft is taken over the model's (8 measured no better: session 17)
 
 
 class LookupThenModel:
