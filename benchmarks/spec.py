@@ -25,7 +25,8 @@ read per generated token.
     drafts the next step in a thread while the target verifies and ends a draft before its first unsure token
     (as `--spec draft:` on a paged store), `draft-inline` drafts on the step's path up to the speculator's k
     (before session 16), `hybrid` takes prompt lookup's draft after a long match and the draft model's elsewhere
-    (`--spec prompt+draft:`; `hybridN` with N the shortest match, asked for by --only).
+    (`--spec prompt+draft:`; `hybridN` with N the shortest match, asked for by --only); `draft-fp32` is `draft` with
+    its catch-up through the fp32 GEMM on the dequantised copy (before session 17).
 
 Each configuration runs in a process of its own, the order alternated every pair (alternate.py); the
 ratios are per pair, the median printed, in wall-clock tokens/s from the first token and in process CPU
@@ -213,12 +214,18 @@ def step_worker(args) -> None:
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
             residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
-    elif kind.startswith(("draft:", "draft-inline:", "hybrid")):  # inline: its drafts on the step's path (before
+    elif kind.startswith(("draft:", "draft-inline:", "draft-fp32:", "hybrid")):  # inline: its drafts on the step's path (before
         # session 16); hybrid: prompt lookup where its match is long, else the draft model (`--spec prompt+draft:`;
         # hybridN: N the shortest match the lookup drafts after, else hybrid.py's LONG)
         from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel
 
         name, _, path = kind.partition(":")
+        if name == "draft-fp32":  # the catch-up through the fp32 GEMM on the dequantised copy (before session 17)
+            import contextlib
+
+            from localmoe.engine.spec import draft_model
+
+            draft_model.block_rows = contextlib.nullcontext
         draft = load_model(path, EngineConfig(threads=args.threads), progress=False).model
         drafter = DraftModel(draft, loaded.spec.vocab_size, ahead=name != "draft-inline",
                              confident=CONFIDENT if name != "draft-inline" else 0.0)
@@ -298,7 +305,7 @@ def compare(args, label: str, model, specs: list[str], ram: int = 0, chat: bool 
 STORES = {
     "smollm_moe": (("(b') SmolLM2-135M upcycled to a MoE (30 layers x 8 experts = copies of its MLP, top-2; "
                     "real weights, so it quotes)"),
-                   ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline", "hybrid"), True),
+                   ("prompt", "prompt-nopf", "prompt-blind", "draft", "draft-inline", "draft-fp32", "hybrid"), True),
     "gpt_oss": ("(b) gpt-oss small", ("prompt", "draft"), False),
     "kimi_k3": ("(c) Kimi K3 small (K3-shaped: MLA + KDA, latent MXFP4 MoE, attention residuals)", ("prompt",), False),
     "deepseek_v32": ("DeepSeek-V3.2 small with an MTP layer (MLA + DSA, MoE)", ("prompt", "mtp"), False),
