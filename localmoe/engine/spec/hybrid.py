@@ -16,7 +16,7 @@ Where it pays (docs/performance.md, session 17: the paged SmolLM2 MoE, its dense
 draft model drafts little, the lookup's drafts carry it (a code edit: the model's first draft rejected, it priced
 itself out, 1.00 tokens a step; the hybrid 2.04-2.12 at 89% kept, ahead of it in both runs); where the draft model
 predicts the answer well, the lookup's drafts after 4-7 matched tokens are kept about half the time against the
-model's 90%, so it trails the draft model alone (the document question, 5 runs of 5). Hence an option of its own,
+model's 90%, so it trails the draft model alone (the document question, 8 runs of 9). Hence an option of its own,
 not what `--spec draft:` runs.
 """
 
