@@ -214,9 +214,10 @@ def step_worker(args) -> None:
             attach(loaded.model, pager, trace=book, lookahead=pager.prefetch_enabled)
             residency = Residency(pager, book, prefetch=kind == "prompt")
         speculator = Speculator(PromptLookup(tokenizer=loaded.tokenizer), args.k, residency=residency)
-    elif kind.startswith(("draft:", "draft-inline:", "draft-fp32:", "hybrid")):  # inline: its drafts on the step's path (before
-        # session 16); hybrid: prompt lookup where its match is long, else the draft model (`--spec prompt+draft:`;
-        # hybridN: N the shortest match the lookup drafts after, else hybrid.py's LONG)
+    elif kind.startswith(("draft:", "draft-inline:", "draft-fp32:", "hybrid")):  # inline: its drafts on the step's
+        # path (before session 16); hybrid: prompt lookup where its match is long, else the draft model (`--spec
+        # prompt+draft:`; hybridN: N the shortest match the lookup drafts after, else hybrid.py's LONG); fp32: the
+        # catch-up through the fp32 GEMM (before session 17)
         from localmoe.engine.spec.draft_model import CONFIDENT, DraftModel
 
         name, _, path = kind.partition(":")
@@ -257,7 +258,8 @@ def step_worker(args) -> None:
         Path(args.record).write_text(json.dumps(out))
     s = speculator.stats if speculator else None
     emit({"tokens_per_s": (len(out) - 1) / seconds, "cpu_tokens_per_s": (len(out) - 1) / cpu, "tokens": len(out),
-          "first_token_s": first - started, "lookups": getattr(speculator.drafter, "lookups", None) if speculator else None,
+          "first_token_s": first - started,
+          "lookups": getattr(speculator.drafter, "lookups", None) if speculator else None,
           "drafted_steps": s.drafted_steps if s else None,
           "text": json.dumps(out),
           "acceptance": s.acceptance if s else None, "tokens_per_step": s.tokens_per_step if s else None,
