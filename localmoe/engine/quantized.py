@@ -224,14 +224,21 @@ class BlockLinear:
         if ggml_gemv.kernel_available():
             # the file's blocks, the rows of consecutive parts of one type stacked (a copy only where
             # several parts join); one segment (`raw`) unless the types differ
+            joined = []
             for p in parts:
                 rows = p.raw.reshape(p.shape[0], -1)
                 if self.segments and self.segments[-1][1] == p.ggml_type:
                     raw, kind, n = self.segments[-1]
                     self.segments[-1] = (torch.cat([raw, rows]), kind, n + p.shape[0])
+                    joined[-1] = True
                 else:
                     self.segments.append((rows, p.ggml_type, p.shape[0]))
-            self.segments = [(raw.contiguous(), kind, n) for raw, kind, n in self.segments]
+                    joined.append(False)
+            # a joined copy on 2 MiB pages, as repack_blocks placed its parts: a decode token streams it (the q;k;v
+            # and gate;up of the embedded model on 4 KiB pages took its 3-row step's Q4_1 matrices 4.1 ms against
+            # 2.7, docs/performance.md session 17)
+            self.segments = [(huge_copy(raw) if join else raw.contiguous(), kind, n)
+                             for (raw, kind, n), join in zip(self.segments, joined)]
             if len(self.segments) == 1:
                 self.raw = self.segments[0][0]
             return
