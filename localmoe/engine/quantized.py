@@ -234,9 +234,9 @@ class BlockLinear:
                 else:
                     self.segments.append((rows, p.ggml_type, p.shape[0]))
                     joined.append(False)
-            # a joined copy on 2 MiB pages, as repack_blocks placed its parts: a decode token streams it (the q;k;v
-            # and gate;up of the embedded model on 4 KiB pages took its 3-row step's Q4_1 matrices 4.1 ms against
-            # 2.7, docs/performance.md session 17)
+            # a joined copy on 2 MiB pages, as repack_blocks placed its parts: a decode token streams it (with the
+            # embedded model's q;k;v and gate;up on 4 KiB pages its Q4_1 matrices took 3.5-4.2 ms of a 3-row step
+            # against 2.7-2.9, 3.1 against 2.5-2.8 of a one-row step: docs/performance.md, session 17)
             self.segments = [(huge_copy(raw) if join else raw.contiguous(), kind, n)
                              for (raw, kind, n), join in zip(self.segments, joined)]
             if len(self.segments) == 1:

@@ -96,8 +96,9 @@ def test_linear_and_dense_experts_keep_their_weights_on_huge_pages():
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this system")
 def test_block_linear_keeps_its_joined_parts_on_huge_pages():
     """q; k; v (and gate; up) of one GGUF type join into one segment, a new tensor a decode token streams: it lies on
-    huge pages as the loader's repacked parts do (a 3-row step read it 1.5x slower from 4 KiB pages); a part that
-    joins nothing stays the tensor it was; the rows compute what the parts give."""
+    huge pages as the loader's repacked parts do (the embedded model's 3-row step read its Q4_1 matrices ~1.3x slower
+    with these on 4 KiB pages); a part that joins nothing stays the tensor it was; the rows compute what the parts
+    give."""
     q = gguf.GGMLQuantizationType
     rng = np.random.default_rng(5)
     shapes = ((q.Q4_1, 256), (q.Q4_1, 64), (q.Q8_0, 64))  # q, k in Q4_1 (joined: 200 KB), v in Q8_0
