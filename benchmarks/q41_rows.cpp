@@ -1,7 +1,7 @@
 // The batched step's Q4_1 matrices (the embedded model's 30 layers: q;k;v 960 x 576, o 576 x 576, gate;up 3072 x 576,
 // down 576 x 1536, repacked to Q4_1_R8, 66 MB) through the library's own `gemv` on one thread, in the step's order so
 // the weight rows come from RAM as they do in the step, for 1-16 tokens; against the floors measured in the same run:
-// "read" = one core's streaming read of the same bytes (AVX-512 loads, no arithmetic), "hot" = the same calls over one
+// "read" = one core's streaming read of the same bytes (32-byte loads, no arithmetic), "hot" = the same calls over one
 // layer's matrices (2.2 MB, from L2 / L3: the arithmetic). The matrices lie once on 2 MiB pages (as the loader places
 // them: kernels/_cpu/pages.py) and once on 4 KiB pages. Min and median CPU time of the rounds (the variants
 // alternated inside each round); both copies must give the same outputs. Then x's rounding (`quantize`, run by every `gemv` call: 16 tokens
@@ -176,13 +176,13 @@ int main(int argc, char** argv) {
     for (int64_t l = 0; l < layers; ++l) h = h * 31 + step(mats[0], N, 0);
     return h;
   };
-  auto read = [&](int p) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t i = 0; i + 256 <= total; i += 256)
-      acc = _mm512_xor_si512(acc, _mm512_or_si512(
-          _mm512_or_si512(_mm512_loadu_si512(base[p] + i), _mm512_loadu_si512(base[p] + i + 64)),
-          _mm512_or_si512(_mm512_loadu_si512(base[p] + i + 128), _mm512_loadu_si512(base[p] + i + 192))));
-    return static_cast<uint64_t>(_mm512_reduce_or_epi64(acc));
+  auto read = [&](int p) {  // 32-byte loads, so that the AVX2 build runs it too
+    const auto at = [&](int64_t i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[p] + i)); };
+    __m256i acc = _mm256_setzero_si256();
+    for (int64_t i = 0; i + 128 <= total; i += 128)
+      acc = _mm256_xor_si256(acc, _mm256_or_si256(_mm256_or_si256(at(i), at(i + 32)), _mm256_or_si256(at(i + 64),
+                                                                                                      at(i + 96))));
+    return static_cast<uint64_t>(_mm256_extract_epi64(acc, 0) | _mm256_extract_epi64(acc, 3));
   };
   auto stat = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
