@@ -26,16 +26,49 @@ struct Matrix {
 // model's lm_head) instead of int8.
 constexpr int64_t kX16 = 0x1000;
 
+inline int ggml_type(const Matrix& m) { return static_cast<int>(m.type & ~kX16); }
+inline int x_mode(const Matrix& m) { return m.type & kX16 ? localmoe_ggml::kXInt16 : localmoe_ggml::kXInt8; }
+
 inline void ggml_matrix(const Matrix& m, const float* x, int64_t n, float* y, void* scratch, int threads) {
-  localmoe_ggml::gemv(x, n, m.cols, static_cast<const uint8_t*>(m.data), static_cast<int>(m.type & ~kX16), m.rows,
-                      m.bias, y, scratch, threads, m.type & kX16 ? localmoe_ggml::kXInt16 : localmoe_ggml::kXInt8);
+  localmoe_ggml::gemv(x, n, m.cols, static_cast<const uint8_t*>(m.data), ggml_type(m), m.rows, m.bias, y, scratch,
+                      threads, x_mode(m));
+}
+
+// Whether every part of a stacked matrix is GGUF blocks that read x rounded the same way (localmoe_ggml::rounding: a
+// Q4_K_M file's q, k in Q4_K and v in Q6_K read one per-256 rounding; gate Q5_0 and up Q5_1 one per-32 rounding).
+inline bool one_rounding(const Matrix& m) {
+  const Matrix* part = static_cast<const Matrix*>(m.data);
+  const int first = localmoe_ggml::rounding(ggml_type(*part), x_mode(*part));
+  for (; part->rows > 0; ++part)
+    if (part->type == kF32 || part->type == kBF16 || part->type == kStacked ||
+        localmoe_ggml::rounding(ggml_type(*part), x_mode(*part)) != first)
+      return false;
+  return true;
+}
+
+// A one_rounding stacked matrix over N tokens: each slice of up to `slice` tokens' x rounded once (not once per part,
+// the same values), then every part's rows straight into its columns of y.
+inline void stacked_rows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads,
+                         int64_t slice) {
+  const Matrix* parts = static_cast<const Matrix*>(m.data);
+  for (int64_t t = 0; t < N; t += slice) {
+    const int64_t n = N - t < slice ? N - t : slice;
+    const float* xs = x + t * m.cols;
+    const localmoe_ggml::XQ xq = localmoe_ggml::round_for(xs, n, m.cols, ggml_type(*parts), scratch, x_mode(*parts));
+    int64_t at = 0;
+    for (const Matrix* part = parts; part->rows > 0; at += part->rows, ++part)
+      localmoe_ggml::gemv_rounded(xq, xs, n, m.cols, static_cast<const uint8_t*>(part->data), ggml_type(*part),
+                                  part->rows, part->bias, y + t * m.rows + at, m.rows, threads, x_mode(*part));
+  }
 }
 
 // Bytes of scratch `matvec` needs for inputs of up to K values.
 inline int64_t matvec_scratch(int64_t K) { return localmoe_ggml::scratch_bytes(1, K); }
 
 inline void matvec(const Matrix& m, const float* x, float* y, void* scratch, int threads) {
-  if (m.type == kStacked) {
+  if (m.type == kStacked && one_rounding(m)) {
+    stacked_rows(m, x, 1, y, scratch, threads, 1);
+  } else if (m.type == kStacked) {
     for (const Matrix* part = static_cast<const Matrix*>(m.data); part->rows > 0; y += part->rows, ++part)
       matvec(*part, x, y, scratch, threads);
   } else if (m.type == kF32)
@@ -57,10 +90,15 @@ inline int64_t matrows_scratch(int64_t N, int64_t K) {
 
 // y [N, rows] = x [N, cols] W^T (+ b): every weight block read once for each slice of up to kMatrowsSlice
 // tokens, each token's bits those `matvec` gives it alone (the dense and GGUF-block GEMVs compute every token on
-// its own, whatever the others). A stacked matrix's parts run one at a time into `parts` ([N, rows] floats),
-// each copied into its columns of y; without `parts` they take one token at a time.
+// its own, whatever the others). A stacked matrix's parts: one_rounding ones read x rounded once a slice
+// (stacked_rows); others run one at a time into `parts` ([N, rows] floats), each copied into its columns of y, or
+// without `parts` one token at a time.
 inline void matrows(const Matrix& m, const float* x, int64_t N, float* y, void* scratch, int threads,
                     float* parts = nullptr) {
+  if (m.type == kStacked && one_rounding(m)) {
+    stacked_rows(m, x, N, y, scratch, threads, kMatrowsSlice);
+    return;
+  }
   if (m.type == kStacked && N > 1 && parts != nullptr) {
     int64_t at = 0;
     for (const Matrix* part = static_cast<const Matrix*>(m.data); part->rows > 0; at += part->rows, ++part) {

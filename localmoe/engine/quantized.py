@@ -237,14 +237,21 @@ class BlockLinear:
         if ggml_gemv.kernel_available():
             # the file's blocks, the rows of consecutive parts of one type stacked (a copy only where
             # several parts join); one segment (`raw`) unless the types differ
+            joined = []
             for p in parts:
                 rows = p.raw.reshape(p.shape[0], -1)
                 if self.segments and self.segments[-1][1] == p.ggml_type:
                     raw, kind, n = self.segments[-1]
                     self.segments[-1] = (torch.cat([raw, rows]), kind, n + p.shape[0])
+                    joined[-1] = True
                 else:
                     self.segments.append((rows, p.ggml_type, p.shape[0]))
-            self.segments = [(raw.contiguous(), kind, n) for raw, kind, n in self.segments]
+                    joined.append(False)
+            # a joined copy on 2 MiB pages, as repack_blocks placed its parts: a decode token streams it (with the
+            # embedded model's q;k;v and gate;up on 4 KiB pages its Q4_1 matrices took 3.5-4.2 ms of a 3-row step
+            # against 2.7-2.9, 3.1 against 2.5-2.8 of a one-row step: docs/performance.md, session 17)
+            self.segments = [(huge_copy(raw) if join else raw.contiguous(), kind, n)
+                             for (raw, kind, n), join in zip(self.segments, joined)]
             if len(self.segments) == 1:
                 self.raw = self.segments[0][0]
             return
