@@ -597,6 +597,27 @@ def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
     assert shadow_steps(verifies, 300) > 0 and verifies.shadow_tries == 0
 
 
+def test_a_review_prices_only_the_classes_whose_acceptance_rose(monkeypatch):
+    """The review of shadow tries prices a class again only where its p or c rose: a class's tokens per second rise
+    with both, so one that did not pay and whose tries were rejected still does not (its memo entry, k 0 at a plain
+    step's rate, stands). A free answer's tries, mostly rejected, then price nothing; the choices are those of
+    pricing every class afresh at the memo's costs, and a class whose tries are kept is priced in as before."""
+    wrong = Speculator(Scripted(lambda n: [-n, 1, 2, 3], lambda n: n), k=4)
+    wrong._bucket_trials[2] = 3.0  # three early rejections: the class does not pay (p below its prior)
+    repriced = []
+    reprice = wrong._reprice
+    monkeypatch.setattr(wrong, "_reprice", lambda classes: repriced.append(list(classes)) or reprice(classes))
+    assert shadow_steps(wrong, 100) == 0 and wrong.shadow_tries >= 90 and wrong.shadow_kept == 0
+    assert repriced == []
+    assert wrong._memo == [wrong._best(wrong.bucket_acceptance(b), wrong._memo_costs) for b in range(BUCKETS)]
+    right = Speculator(Scripted(lambda n: [n, n + 1, n + 2, n + 3], lambda n: n), k=4)
+    right._bucket_trials[2] = 3.0
+    repriced.clear()
+    reprice_right = right._reprice
+    monkeypatch.setattr(right, "_reprice", lambda classes: repriced.append(list(classes)) or reprice_right(classes))
+    assert shadow_steps(right, 60) > 20 and [2] in repriced  # kept tries: priced in, then verified
+
+
 def test_a_shadow_try_settles_at_the_first_difference_or_once_its_keys_are_indexed():
     """After the fact, over the index: the draft a key's match had, against the keys that followed it."""
     lookup = PromptLookup()

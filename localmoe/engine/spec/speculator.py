@@ -437,7 +437,7 @@ class Speculator:
             return
         if at == end:
             return
-        k, tried = self.k_max, 0
+        k, before = self.k_max, {}
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
             if b and not memo[b][0]:
@@ -447,12 +447,17 @@ class Speculator:
                 kept, n = fate
                 self.shadow_tries += 1
                 self.shadow_kept += kept > 0
+                if b not in before:
+                    before[b] = self.bucket_acceptance(b)
                 self._tally(b, kept, n)
-                tried |= 1 << b
             at += 1
         self._review_at = at
-        if tried:  # the classes tried: priced again (only they, with the memo's t(r)), once a look
-            self._reprice(b for b in range(1, BUCKETS) if tried >> b & 1)
+        # the classes tried whose p or c rose: priced again (only they, with the memo's t(r)), once a look. A class's
+        # tokens per second rise with p and c, so one that did not pay and whose p and c did not rise still does not,
+        # and its memo entry (k 0, a plain step's rate) stands: a free answer's tries, mostly rejected, price nothing
+        rose = [b for b, (p, c) in before.items() for q, d in (self.bucket_acceptance(b),) if q > p or d > c]
+        if rose:
+            self._reprice(rose)
 
     def _reprice(self, classes) -> None:
         choice, least = self._choice, self._least
