@@ -347,6 +347,7 @@ class Decoder:
         if self.speculator is not None:
             from localmoe.engine.spec.verify import record
 
+            self.speculator.wake()  # its last steps taken without it (`rest`) counted in its statistics
             if self.cache is not None:
                 record(self.cache, False)
                 self.cache.hidden_sink = None

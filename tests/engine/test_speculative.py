@@ -894,3 +894,23 @@ def test_a_sequence_with_nothing_to_copy_takes_no_lookup_per_step(tmp_path, monk
     assert len(calls) >= (steps - 1) / spec.least - 1  # once in `least` steps: a match of `least` keys is possible
     spec.wake()
     assert spec.stats.steps == steps - 1  # every step counted (the first token came from the prompt's forward)
+
+
+def test_a_finished_sequence_counts_the_steps_it_rested(tmp_path):
+    """The statistics of a finished sequence (a turn's, /metrics) count its last steps taken without the speculator
+    (`rest`): `Decoder.release` wakes it."""
+    from .conftest import build_model
+
+    model = build_model("llama", tmp_path)
+    prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
+    spec = Speculator(Unique(), k=4)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    tokens = 0
+    while tokens < 30 or spec.quiet == spec._quiet_set and tokens < 60:  # (until it ends inside a rest)
+        logits = decode_together([dec], fused=True)[0] if dec.decoding and not dec.ready else dec.logits()
+        if logits is not None:
+            tokens += 1
+            dec.feed([dec.sample(logits)])
+    assert spec.quiet < spec._quiet_set  # it rested at the end
+    dec.release()
+    assert spec.stats.steps == spec.stats.emitted == tokens - 1
