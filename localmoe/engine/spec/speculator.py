@@ -528,10 +528,10 @@ class Speculator:
         and line here runs with the caches cold from the forward, and a declining step through speculative_step,
         _propose, choose_k and the review cost ~30 us more than off's (session 16: 0.995x on a free answer)."""
         if look:
+            if self._quiet_set:  # (the steps it rested count towards the settled window)
+                self.wake()
             if self.stats.steps >= self._fast_until or dec._replay:
                 return None
-            if self._quiet_set:
-                self.wake()
             self.least = least = self._fast_least
             k = self._fast_k
             if k > 0:
