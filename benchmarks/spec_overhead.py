@@ -9,7 +9,8 @@ in turn, the order rotated every step, each through the worker's step (`decode_t
 model has a fused single-token step: `--batching off`, as `run`, `chat` and the Python API take; `--rows`: the
 batched row step). Process CPU time per generated token, off over each (>= 1.00x: as fast as off), per round
 and the median over rounds; and the CPU time per step outside the model's forward (engine/batch.py
-`decode_batch` and a verify's `forward_rows` timed apart: sampling, the speculator, the Decoder's bookkeeping). Interleaving steps in one process
+`decode_batch` and a verify's `forward_rows` timed apart: sampling, the speculator, the Decoder's bookkeeping) and in
+it (the same code in the three: what differs there is the load's). Interleaving steps in one process
 puts the three under the same load, caches and frequency: process pairs scatter by 5% on a loaded host.
 """
 
@@ -137,11 +138,13 @@ def main() -> None:
     run_round(loaded, prompt, args, 0)  # warm-up: every kernel's first use
     ratios = {"never": [], "prompt": []}
     outside = {"off": [], "never": [], "prompt": []}
+    forward = {"off": [], "never": [], "prompt": []}
     for r in range(args.rounds):
         stats = run_round(loaded, prompt, args, r)
         per = {name: s["cpu"] / s["tokens"] for name, s in stats.items()}
         for name, s in stats.items():
             outside[name].append((s["cpu"] - s["forward"]) / s["steps"])
+            forward[name].append(s["forward"] / s["steps"])
         same = all(s["text"] == stats["off"]["text"] for s in stats.values())
         line = f"round {r + 1}: off {1e3 * per['off']:.2f} ms/token CPU over {stats['off']['tokens']} tokens"
         for name in ratios:
@@ -157,6 +160,10 @@ def main() -> None:
             for name, v in ratios.items()))
     print("CPU time per step outside the forward, median over rounds: " +
           ", ".join(f"{name} {1e6 * statistics.median(v):.0f} us" for name, v in outside.items()))
+    # the forward is the same code in the three: a difference here is the load's (or the caches'), not the speculator's
+    # Python (session 17: 0-0.75% between them by run at load 4-5, as large as the cost outside the forward)
+    print("CPU time of the forward per step, median over rounds: " +
+          ", ".join(f"{name} {1e3 * statistics.median(v):.3f} ms" for name, v in forward.items()))
 
 
 if __name__ == "__main__":

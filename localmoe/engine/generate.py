@@ -22,6 +22,7 @@ from localmoe.engine.images import PromptImage, PromptImages
 from localmoe.engine.prefix_cache import PrefixCache, is_boundary, next_boundary
 from localmoe.engine.sampler import SamplingParams, sample
 from localmoe.engine.spec.speculator import Speculator
+from localmoe.engine.spec.verify import speculative_step
 from localmoe.engine.swap import Swapped, swap_out
 from localmoe.errors import LocalMoEError
 
@@ -346,6 +347,7 @@ class Decoder:
         if self.speculator is not None:
             from localmoe.engine.spec.verify import record
 
+            self.speculator.wake()  # its last steps taken without it (`rest`) counted in its statistics
             if self.cache is not None:
                 record(self.cache, False)
                 self.cache.hidden_sink = None
@@ -371,10 +373,12 @@ def decode_together(decoders: Sequence[Decoder], fused: bool = False,
         if spec.quiet and not chunks:  # steps it certainly would not draft in (engine/spec/speculator.py `rest`):
             spec.quiet -= 1  # the plain step, as if it were off
             return plain_step(decoders, fused)
+        if spec.alone and not chunks:  # a settled choice without a draft: off's plain step, counted, in one call
+            results = spec.decline(decoders[0], plain_step, fused)
+            if results is not None:
+                return results
     elif not any(d.speculating for d in decoders):
         return plain_step(decoders, fused, chunks)
-    from localmoe.engine.spec.verify import speculative_step
-
     return speculative_step(decoders, fused, chunks, plain_step)
 
 

@@ -597,6 +597,27 @@ def test_a_class_that_does_not_pay_is_tried_in_the_shadow_not_by_a_verify():
     assert shadow_steps(verifies, 300) > 0 and verifies.shadow_tries == 0
 
 
+def test_a_review_prices_only_the_classes_whose_acceptance_rose(monkeypatch):
+    """The review of shadow tries prices a class again only where its p or c rose: a class's tokens per second rise
+    with both, so one that did not pay and whose tries were rejected still does not (its memo entry, k 0 at a plain
+    step's rate, stands). A free answer's tries, mostly rejected, then price nothing; the choices are those of
+    pricing every class afresh at the memo's costs, and a class whose tries are kept is priced in as before."""
+    wrong = Speculator(Scripted(lambda n: [-n, 1, 2, 3], lambda n: n), k=4)
+    wrong._bucket_trials[2] = 3.0  # three early rejections: the class does not pay (p below its prior)
+    repriced = []
+    reprice = wrong._reprice
+    monkeypatch.setattr(wrong, "_reprice", lambda classes: repriced.append(list(classes)) or reprice(classes))
+    assert shadow_steps(wrong, 100) == 0 and wrong.shadow_tries >= 90 and wrong.shadow_kept == 0
+    assert repriced == []
+    assert wrong._memo == [wrong._best(wrong.bucket_acceptance(b), wrong._memo_costs) for b in range(BUCKETS)]
+    right = Speculator(Scripted(lambda n: [n, n + 1, n + 2, n + 3], lambda n: n), k=4)
+    right._bucket_trials[2] = 3.0
+    repriced.clear()
+    reprice_right = right._reprice
+    monkeypatch.setattr(right, "_reprice", lambda classes: repriced.append(list(classes)) or reprice_right(classes))
+    assert shadow_steps(right, 60) > 20 and [2] in repriced  # kept tries: priced in, then verified
+
+
 def test_a_shadow_try_settles_at_the_first_difference_or_once_its_keys_are_indexed():
     """After the fact, over the index: the draft a key's match had, against the keys that followed it."""
     lookup = PromptLookup()
@@ -748,6 +769,89 @@ def test_steps_are_timed_in_cpu_time_unless_a_step_may_wait_for_reads():
         assert step_clock(model([object(), provider.__new__(provider)])) is time.perf_counter
 
 
+class Declines(PromptLookup):
+    """Prompt lookup's traits (free, match lengths, deterministic: its choice settles), a drafter that never has a
+    draft and counts how often it is asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def propose(self, history, k, params=None, generator=None, least: int = 1):
+        self.asked += 1
+        return super().propose([], k)
+
+    def hopeless(self, length: int, least: int) -> bool:
+        return False
+
+    def quiet(self, length: int, least: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_settled_declining_step_is_the_plain_step_in_one_call(tmp_path, monkeypatch, fused):
+    """A lone sequence whose choice is settled and whose drafter has no draft takes off's plain step from
+    decode_together through one call (`Speculator.decline`): no speculative_step, no choose_k, no `_propose` but on
+    the steps whose choice is taken afresh (every SETTLE steps at most); the drafter is asked once a step, every
+    step is counted, one plain step in TIME_EVERY is timed, and the text is the plain run's (counted, not timed)."""
+    from .conftest import build_model
+
+    from localmoe.engine.spec import verify
+    from localmoe.engine.spec.speculator import SETTLE, TIME_EVERY
+
+    model = build_model("llama", tmp_path)
+    prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
+    steps = 64
+    want = _greedy_steps(model, prompt, fused=fused, n=steps)
+    full, timed = [], []
+    propose = verify._propose
+    monkeypatch.setattr(verify, "_propose", lambda dec: full.append(1) or propose(dec))
+    spec = Speculator(Declines(), k=4)
+    chosen = []
+    choose_k = spec.choose_k
+    monkeypatch.setattr(spec, "choose_k", lambda: chosen.append(1) or choose_k())
+    got = _greedy_steps(model, prompt, fused=fused, speculator=spec, n=steps)
+    full_steps = len(full)
+    costs = spec.costs
+    plain = costs.plain
+    monkeypatch.setattr(costs, "plain", lambda seconds: timed.append(seconds) or plain(seconds))
+    more = _greedy_steps(model, prompt, fused=fused, speculator=Speculator(Declines(), k=4), n=steps)
+    assert got == want == more and spec.stats.drafted == 0
+    assert spec.stats.steps == spec.stats.emitted == steps - 1  # every step counted (the first came from the prompt)
+    assert spec.drafter.asked >= steps - 3  # asked at every step once t(1) is known (two plain steps: yardstick)
+    assert full_steps == len(chosen) <= steps / SETTLE + 3  # the full step only where the choice is taken afresh
+    assert 0 < len(timed) <= (steps - 1) / TIME_EVERY + 2  # (another sequence on the model: t(1) known)
+
+
+class Sometimes:
+    """Free, with match lengths, not deterministic: a long match's (wrong) draft at every 8th call, none between;
+    counts the calls."""
+
+    name, free, matches = "sometimes", True, True
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, history, k, params=None, generator=None, least: int = 1):
+        self.asked += 1
+        return Draft([1] * k, match=16) if self.asked % 8 == 0 else Draft([])
+
+
+def test_a_drafter_is_asked_once_a_step_where_the_settled_look_finds_a_draft(tmp_path):
+    """Where `Speculator.decline`'s look finds a draft, the full step verifies that draft: a drafter whose draft is
+    not a function of the history alone is not asked twice in a step; the text is the plain run's."""
+    from .conftest import build_model
+
+    model = build_model("llama", tmp_path)
+    prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
+    steps = 48
+    want = _greedy_steps(model, prompt, fused=True, n=steps)
+    spec = Speculator(Sometimes(), k=4)
+    got = _greedy_steps(model, prompt, fused=True, speculator=spec, n=steps)
+    assert got == want and spec.stats.drafted_steps > 0
+    assert spec.drafter.asked <= spec.stats.steps  # once a step at most (a verify's steps yield one token or more)
+
+
 class Unique(PromptLookup):
     """Prompt lookup over a sequence with nothing to copy: every token's key is new (no match ever)."""
 
@@ -770,10 +874,19 @@ def test_a_sequence_with_nothing_to_copy_takes_no_lookup_per_step(tmp_path, monk
     prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
     steps = 48
     want = _greedy_steps(model, prompt, fused=fused, n=steps)
-    calls = []
+    calls = []  # steps that ran the speculator: the full one (_propose) or the settled one's look (`decline`)
     propose = verify._propose
     monkeypatch.setattr(verify, "_propose", lambda dec: calls.append(1) or propose(dec))
     spec = Speculator(Unique(), k=4)
+    decline = spec.decline
+
+    def looked(dec, step, fused, look=True):
+        results = decline(dec, step, fused, look)
+        if look and results is not None:
+            calls.append(1)
+        return results
+
+    spec.decline = looked
     got = _greedy_steps(model, prompt, fused=fused, speculator=spec, n=steps)
     assert got == want and spec.stats.drafted == 0
     assert spec.least >= 4  # (no verify measured: only long matches' classes pay at the pessimistic first cost)
@@ -781,3 +894,23 @@ def test_a_sequence_with_nothing_to_copy_takes_no_lookup_per_step(tmp_path, monk
     assert len(calls) >= (steps - 1) / spec.least - 1  # once in `least` steps: a match of `least` keys is possible
     spec.wake()
     assert spec.stats.steps == steps - 1  # every step counted (the first token came from the prompt's forward)
+
+
+def test_a_finished_sequence_counts_the_steps_it_rested(tmp_path):
+    """The statistics of a finished sequence (a turn's, /metrics) count its last steps taken without the speculator
+    (`rest`): `Decoder.release` wakes it."""
+    from .conftest import build_model
+
+    model = build_model("llama", tmp_path)
+    prompt = random_tokens(24, 3, model.spec.vocab_size)[0].tolist()
+    spec = Speculator(Unique(), k=4)
+    dec = Decoder(model, prompt, GREEDY, speculator=spec)
+    tokens = 0
+    while tokens < 30 or spec.quiet == spec._quiet_set and tokens < 60:  # (until it ends inside a rest)
+        logits = decode_together([dec], fused=True)[0] if dec.decoding and not dec.ready else dec.logits()
+        if logits is not None:
+            tokens += 1
+            dec.feed([dec.sample(logits)])
+    assert spec.quiet < spec._quiet_set  # it rested at the end
+    dec.release()
+    assert spec.stats.steps == spec.stats.emitted == tokens - 1

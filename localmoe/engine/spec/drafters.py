@@ -39,6 +39,9 @@ class Draft:
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.source, self.match)
 
 
+NO_DRAFT = Draft([])  # what a drafter without a draft returns (never changed: `Draft.first` of it is itself)
+
+
 class Drafter(Protocol):
     name: str
     # optional: `free` (declining to draft costs nothing but the lookup, so the speculator never retires it) and
@@ -189,14 +192,12 @@ class PromptLookup:
     def propose(self, history: Sequence[int], k: int, params: SamplingParams = None,
                 generator: torch.Generator | None = None, least: int = 1) -> Draft:
         """Up to k tokens after the longest match; none where it is shorter than `least` tokens."""
-        if k <= 0 or len(history) < 2:
-            return Draft([])
-        if self.hopeless(len(history), least):
-            return Draft([])
+        if k <= 0 or len(history) < 2 or self.hopeless(len(history), least):
+            return NO_DRAFT
         self._update(history)
         c, length = self._found
         if c < 0 or length < least or length < self.min_ngram:
-            return Draft([])
+            return NO_DRAFT
         length = min(length, LONGEST)
         source = self._at[c] + 1
         if self.tokenizer is None:
@@ -227,7 +228,7 @@ class PromptLookup:
                  for key in range(c + 1, min(c + k + 2, last + 1)) for gap in (self._gap(history, key),)]
         text, done = "".join(parts), "".join(self._text[t] for t in tail)
         if not text.startswith(done):
-            return Draft([])
+            return NO_DRAFT
         return Draft(self.tokenizer.encode(text[len(done):], add_special_tokens=False)[:k], source=source,
                      match=length)
 

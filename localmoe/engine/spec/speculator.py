@@ -52,7 +52,11 @@ on the turn's first steps, session 15).
 Declining costs what the drafter's lookup costs: each class's best k is priced once and kept until a verify
 runs or t(1) moves by more than REPRICE (`_priced_classes`), a drafter with match lengths is told the shortest
 match that pays (`least_match`: it builds no draft after a shorter one), and a step in which no sequence drafts
-is the plain step (engine/generate.py `plain_step`, its time observed). Where that is nothing (prompt lookup: `Drafter.free`) a
+is the plain step (engine/generate.py `plain_step`, its time observed). A lone sequence whose choice is settled
+(`_settle`) takes its declining step from decode_together in one call (`decline`: the drafter asked, off's plain
+step, a counter; one such step in TIME_EVERY timed): the Python of a step runs with the caches cold from the
+forward, ~1-5 us a call, and the path through speculative_step, _propose, choose_k and the review cost ~30 us a
+step more than off's (session 16's free answer: 0.995x). Where that is nothing (prompt lookup: `Drafter.free`) a
 sequence never stops speculating: a free answer that later quotes its prompt (an explanation, then the edited
 file) still drafts for the quote. A drafter with a cost of its own at k = 0 (a draft model catching up, an MTP
 layer or a residency reading every forward's hidden states through the cache's sink, which keeps the model off
@@ -137,6 +141,16 @@ class Speculator:
     """Drafts for one sequence and learns how many pay (see the module docstring). `adaptive=False`
     always drafts up to `k` (tests, benchmarks of a fixed k)."""
 
+    # attributes in fixed slots, the ones a declining step reads first (a plain instance dict of ~50 keys is a hash
+    # table whose entries a step's reads find cold after the forward); `__dict__` keeps others settable (tests)
+    __slots__ = ("stats", "_fast_until", "_fast_k", "_fast_least", "least", "untimed", "quiet", "_quiet_set",
+                 "_quiet_of", "hopeless", "drafter", "clock", "costs", "alone", "retired", "free", "deterministic",
+                 "matches", "follows", "residency", "k_max", "adaptive", "_memo", "_review_at", "_kept", "_trials",
+                 "_bucket_kept", "_bucket_trials", "_more_kept", "_more_trials", "_verified", "draft_seconds",
+                 "_catches_up", "_drafts_timed", "step_misses", "miss_seconds", "_counters", "_tried", "_probing",
+                 "_backoff", "rows_plain", "_memo_costs", "_memo_t1", "_spacing", "_choice", "_worth", "_least",
+                 "_classes", "_poor", "shadow_tries", "shadow_kept", "looked", "__dict__", "__weakref__")
+
     def __init__(self, drafter: Drafter, k: int = 4, adaptive: bool = True, residency=None):
         if not 1 <= k <= K_MAX:
             raise ValueError(f"speculation drafts 1..{K_MAX} tokens per step, not {k}")
@@ -190,6 +204,9 @@ class Speculator:
         self.quiet = self._quiet_set = 0
         self._quiet_of = getattr(drafter, "quiet", None) if self.deterministic and adaptive else None
         self._fast_until, self._fast_k, self._fast_least = 0.0, 0, 1  # `_settle`'s
+        self.untimed = 0  # declined steps still to take before one is timed (`decline`, `times_plain`)
+        self.looked: Draft | None = None  # the draft `decline` got this step, for the full step (verify.py `_propose`)
+        self.alone = False  # set up for a lone sequence's step (verify.py: its clock and costs known, no cache watched)
         # a drafter working beside the steps (a draft model's thread, draft_model.py): it catches up on the prompt and,
         # far behind, on steps without a draft (`follow`); verify.py's clock leaves its thread's CPU out
         self.follows = hasattr(drafter, "follow") and getattr(drafter, "ahead", False)
@@ -440,7 +457,7 @@ class Speculator:
             return
         if at == end:
             return
-        k, tried = self.k_max, 0
+        k, before = self.k_max, {}
         while at < end:
             b = min(lengths[at].bit_length(), BUCKETS - 1)
             if b and not memo[b][0]:
@@ -450,12 +467,17 @@ class Speculator:
                 kept, n = fate
                 self.shadow_tries += 1
                 self.shadow_kept += kept > 0
+                if b not in before:
+                    before[b] = self.bucket_acceptance(b)
                 self._tally(b, kept, n)
-                tried |= 1 << b
             at += 1
         self._review_at = at
-        if tried:  # the classes tried: priced again (only they, with the memo's t(r)), once a look
-            self._reprice(b for b in range(1, BUCKETS) if tried >> b & 1)
+        # the classes tried whose p or c rose: priced again (only they, with the memo's t(r)), once a look. A class's
+        # tokens per second rise with p and c, so one that did not pay and whose p and c did not rise still does not,
+        # and its memo entry (k 0, a plain step's rate) stands: a free answer's tries, mostly rejected, price nothing
+        rose = [b for b, (p, c) in before.items() for q, d in (self.bucket_acceptance(b),) if q > p or d > c]
+        if rose:
+            self._reprice(rose)
 
     def _reprice(self, classes) -> None:
         choice, least = self._choice, self._least
@@ -489,9 +511,61 @@ class Speculator:
 
     @property
     def times_plain(self) -> bool:
-        """Whether this step's time is wanted if it is a plain one: every TIME_EVERY-th once the model's t(1) is known
-        (its median over the last plain steps moves slowly; a clock reading is a system call, ~1 us)."""
-        return self.stats.steps % TIME_EVERY == 0 or self.residency is not None or self.costs.t1() is None
+        """Whether the next declined step is timed (`decline`): one in TIME_EVERY once the model's t(1) is known
+        (its median over the last plain steps moves slowly; the first clock reading after a forward is a system call
+        with cold caches, ~10 us)."""
+        return not self.untimed
+
+    def decline(self, dec, step, fused: bool, look: bool = True) -> list | None:
+        """A lone sequence's step without a draft: `step((dec,), fused)`, off's plain step, counted; one such step in
+        TIME_EVERY timed for the model's t(1) (`times_plain`); then the next steps that certainly find no draft are
+        left to decode_together (`rest`) -> the step's results. `look` (decode_together, before the speculative step):
+        only where the choice is settled (`_settle`: a free drafter with match lengths, its k and `least` fixed for
+        the next steps) and the drafter has no draft (its `hopeless`, else a lookup); None otherwise (not settled, a
+        replay, a draft: the full step, verify.py, proposes again: a free drafter's propose is a lookup). Without
+        `look` (verify.py, after `_propose` found nothing) it only takes the step.
+
+        The settled window skips choose_k and the shadow tries' review (`_review`, run by the next full pass, at
+        most SETTLE steps later: a class a try prices in drafts that much later). What `observe` does for a plain
+        step, less its branches (a lone sequence has no residency: it would watch the cache), in one call: each call
+        and line here runs with the caches cold from the forward, and a declining step through speculative_step,
+        _propose, choose_k and the review cost ~30 us more than off's (session 16: 0.995x on a free answer)."""
+        if look:
+            if self._quiet_set:  # (the steps it rested count towards the settled window)
+                self.wake()
+            if self.stats.steps >= self._fast_until or dec._replay:
+                return None
+            self.least = least = self._fast_least
+            k = self._fast_k
+            if k > 0:
+                history, pending = dec.in_cache, dec.pending
+                hopeless = self.hopeless
+                if hopeless is None or not hopeless(len(history) + len(pending), least):
+                    history.extend(pending)
+                    try:
+                        draft = self.drafter.propose(history, k, dec.params, dec.generator, least=least)
+                    finally:
+                        del history[len(history) - len(pending):]
+                    if draft.tokens:  # the full step's: a drafter whose draft is not a function of the history alone
+                        if not self.deterministic:  # is not asked twice in a step (`looked`, verify.py `_propose`)
+                            self.looked = draft
+                        return None
+        if self.untimed:
+            self.untimed -= 1
+            results = step((dec,), fused)
+        else:
+            clock = self.clock
+            began = clock()
+            results = step((dec,), fused)
+            costs = self.costs
+            costs.plain(clock() - began)
+            self.untimed = TIME_EVERY - 1 if costs.t1() is not None else 0
+        s = self.stats
+        s.steps += 1
+        s.emitted += 1
+        if self._quiet_of is not None and self.least > 1:
+            self.quiet = self._quiet_set = self._quiet_of(len(dec.in_cache), self.least)
+        return results
 
     def observe(self, drafted: int, accepted: int, rows: int, seconds: float | None, confidence: int = 0,
                 drafting: float = 0.0) -> None:

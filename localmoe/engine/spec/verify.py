@@ -42,7 +42,7 @@ from localmoe.engine.prompt_rows import forward_with_prompts
 from localmoe.engine.sampler import probabilities, sample
 from localmoe.engine.spec import costs
 from localmoe.engine.spec.accept import accept_greedy, accept_sampled
-from localmoe.engine.spec.drafters import Draft
+from localmoe.engine.spec.drafters import NO_DRAFT, Draft
 from localmoe.engine.spec.speculator import K_MAX, bucket
 
 
@@ -102,33 +102,38 @@ def _rows_alone(model, tokens: Sequence[int], cache: ModelCache) -> torch.Tensor
     return torch.cat(out)
 
 
-NO_DRAFT = Draft([])  # (never changed: `Draft.first` of it is itself)
-
-
 def _propose(dec) -> Draft:
     """The sequence's draft this step (none where its speculator declines). It runs on every step of a speculating
-    sequence, drafting or not: its cost is what declining costs (a few calls; the lookup itself is the drafter's)."""
+    sequence that decode_together does not leave to the plain step (`Speculator.rest`), drafting or not: its cost is
+    what declining costs (a few calls; the lookup itself is the drafter's)."""
     spec = dec.speculator
     if spec._quiet_set:  # steps decode_together took without it (`Speculator.rest`)
         spec.wake()
-    k = min(spec.choose_k(), dec.room, K_MAX)
-    if k <= 0 or spec.hopeless is not None and spec.hopeless(len(dec.in_cache) + len(dec.pending), spec.least):
-        if spec.follows:  # a draft model far behind catches up beside the step (draft_model.py `follow`)
-            spec.drafter.follow(dec.in_cache + dec.pending)
-        return NO_DRAFT
-    # the history is the cached tokens with the pending ones appended for the call and taken off after it (a copy
-    # per step cost O(context): ~300 tokens here, a long document's prompt thousands)
-    history, pending = dec.in_cache, dec.pending
-    history.extend(pending)
-    try:
-        if spec.matches:  # the drafter is told the shortest match worth a draft (it builds no shorter one's)
-            draft = spec.drafter.propose(history, k, dec.params, dec.generator, least=spec.least)
-        else:
-            draft = spec.drafter.propose(history, k, dec.params, dec.generator)
-        at = len(history)
-    finally:
-        del history[len(history) - len(pending):]
-    return spec.fit(draft.first(k), at) if draft.tokens else draft
+    looked, spec.looked = spec.looked, None  # a draft `Speculator.decline` got this step (a drafter asked once)
+    k = spec.choose_k()
+    if k > 0:
+        history, pending = dec.in_cache, dec.pending
+        hopeless = spec.hopeless  # (the history with the pending token: its length)
+        if hopeless is None or not hopeless(len(history) + len(pending), spec.least):
+            k = min(k, dec.room, K_MAX)
+            if k > 0:
+                # the history is the cached tokens with the pending ones appended for the call and taken off after it
+                # (a copy per step cost O(context): ~300 tokens here, a long document's prompt thousands)
+                if looked is not None:
+                    return spec.fit(looked.first(k), len(history) + len(pending))
+                history.extend(pending)
+                try:
+                    if spec.matches:  # the drafter is told the shortest match worth a draft (none shorter is built)
+                        draft = spec.drafter.propose(history, k, dec.params, dec.generator, least=spec.least)
+                    else:
+                        draft = spec.drafter.propose(history, k, dec.params, dec.generator)
+                    at = len(history)
+                finally:
+                    del history[len(history) - len(pending):]
+                return spec.fit(draft.first(k), at) if draft.tokens else draft
+    if spec.follows:  # a draft model far behind catches up beside the step (draft_model.py `follow`)
+        spec.drafter.follow(dec.in_cache + dec.pending)
+    return NO_DRAFT
 
 
 def _accept(dec, draft: Draft, logits: torch.Tensor) -> tuple[int, int]:
@@ -165,6 +170,7 @@ def _drafts(decoders: Sequence, fused: bool):
                 d.speculator.clock = _beside(d.speculator.clock, d.speculator.drafter)
             # what r rows cost against a plain step is the model's: learned from all its sequences' steps
             d.speculator.costs = costs.shared(model, fused, d.speculator.rows_plain, d.speculator.clock)
+            d.speculator.alone = not d.speculator.watches  # set up: a lone step of it may take `_declined`
     clock = next((d.speculator.clock for d, s in zip(decoders, spec) if s), time.perf_counter)
     began = clock()
     for d, s in zip(decoders, spec):  # each clock reading ends one's drafting and starts the next's
@@ -183,31 +189,20 @@ def speculative_step(decoders: Sequence, fused: bool = False, chunks: Sequence =
     sequences' prompt chunks as more rows of the same forward (`decode_together`; not with `fused`), their
     results after the decoders'. `plain_step` (engine/generate.py's, passed in: generate imports this module)
     runs a step in which no sequence drafts."""
-    model = decoders[0].model
     one = decoders[0].speculator if len(decoders) == 1 else None
-    if one is not None and one.clock is not None and plain_step is not None and not chunks and \
-            not decoders[0].replaying and not one.watches:
+    if one is not None and one.alone and plain_step is not None and not chunks and not decoders[0]._replay:
         # one sequence (`run`, `chat`, a lone request), set up: the steps where it declines are most of a free
         # answer's, and each line of Python here runs with the caches cold from the forward (~1-2 us a line)
         clock = one.clock
         began = 0.0 if one.free else clock()  # a free drafter's lookup is not priced (tens of us against ms)
-        dec = decoders[0]
-        draft = _propose(dec)
-        if not draft.tokens:
-            length = len(dec.in_cache) + 1
-            if not one.times_plain:
-                results = plain_step(decoders, fused, chunks)
-                one.observe(0, 0, 1, None)
-            else:
-                now = clock()
-                results = plain_step(decoders, fused, chunks)
-                one.observe(0, 0, 1, clock() - now)
-            one.rest(length)  # the next steps that cannot draft skip the speculator (decode_together)
-            return results
+        draft = _propose(decoders[0])
+        if not draft.tokens:  # off's plain step, counted (and now and then timed) in one call
+            return one.decline(decoders[0], plain_step, fused, look=False)
         now = clock()
         spec, replay, drafts, drafting, began = [True], [False], [draft], [0.0 if one.free else now - began], now
     else:
         spec, replay, drafts, drafting, clock, began = _drafts(decoders, fused)
+    model = decoders[0].model
     if plain_step is not None and not any(replay) and not any(draft.tokens for draft in drafts if draft is not None) and \
             not any(d.speculator.watches for d, s in zip(decoders, spec) if s):
         # every speculator declined: the plain step (its rows or fused steps, its bits), only the time observed
