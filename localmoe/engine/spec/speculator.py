@@ -57,7 +57,12 @@ sequence never stops speculating: a free answer that later quotes its prompt (an
 file) still drafts for the quote. A drafter with a cost of its own at k = 0 (a draft model catching up, an MTP
 layer or a residency reading every forward's hidden states through the cache's sink, which keeps the model off
 its fused plan) retires after `RETIRE_AFTER` steps in which the best k was expected to gain less than
-`RETIRE_GAIN` over a plain step: the sequence goes back to the engine's own decode step.
+`RETIRE_GAIN` over a plain step: the sequence goes back to the engine's own decode step. Where the drafts priced
+out are a model's (class 0: a draft model, MTP, a hybrid's model), one more is tried first, and it retires once its
+last verify was rejected, unless that was its first (session 17: a draft model's first verify is one draft; one
+rejection priced it out, the 2-row verify still at the prior's cost, and on the paged code edit a draft model right
+at 42 of 48 positions ran 1.00 tokens a step). A drafter never kept then costs two rejected verifies. A model's
+drafts beside a lookup are tried by verifies (the probe share's spacing), not in the shadow: they have none.
 
 The step time is the cost model: on a paged model it includes reading the drafted tokens' experts that are
 not resident, so speculation turns itself down where verifying costs more than it yields. With a `Residency`
@@ -143,6 +148,7 @@ class Speculator:
         self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
+        self._again = True  # class 0 is tried once more before the drafter retires: its last verify kept, or its first
         # per bucket(): decayed counts of its drafts' first token kept, tries; of a further token kept once the one
         # before it was, positions reached (`_tally`)
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
@@ -280,9 +286,15 @@ class Speculator:
         if not self.free:
             self._poor = 0 if self._worth else self._poor + 1
             if self._poor >= RETIRE_AFTER:
-                self.retired = True
-                if self.residency is not None:
-                    self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
+                if self._again and (self.mixed or not self.matches) and not self._memo[0][0]:
+                    # a model's drafts (class 0) priced out by its first verify or a kept one: tried once more first
+                    # (module docstring: one rejected first verify priced it out for the sequence, session 17)
+                    self._tried[0] = self.stats.steps - PROBE_MAX  # (due: `_due`)
+                    best = best or 1
+                else:
+                    self.retired = True
+                    if self.residency is not None:
+                        self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
         if self.matches:
             self.least = self._least_due()
         if best == 0 and not self.deterministic and any(self._due(b) for b in self._classes):
@@ -392,8 +404,8 @@ class Speculator:
         b = bucket(draft)
         a = self.bucket_acceptance(b)
         keep = self._priced_classes()[b][0]
-        if keep == 0 and self.deterministic:  # tried in the shadow after the fact (`_review`), never by a verify
-            return draft.first(0)
+        if keep == 0 and self.deterministic and b:  # tried in the shadow after the fact (`_review`), never by a
+            return draft.first(0)  # verify (a model's draft beside a lookup, class 0, is tried by a verify)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
             keep = int(self._probing)
@@ -521,6 +533,7 @@ class Speculator:
                 # each kept draft is a success; the first rejected one (if any) the one failure of the step
                 self._kept = (1 - SMOOTH) * self._kept + accepted
                 self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
+                self._again = accepted > 0 or not self._bucket_trials[0]  # (tallied below)
             self._drafts_timed += 1
             per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
             # sequence's new ones (the prompt, the first time) and the drafts
