@@ -49,7 +49,8 @@ def steps(spec, kept, n, draft=lambda k: Draft(list(range(k)))) -> list[int]:
 
 def test_one_early_rejection_does_not_retire_a_drafter_whose_later_drafts_are_kept():
     """The first verify (one draft: how likely a draft is kept is unknown until tried) rejected, every later draft
-    kept: the drafter is tried again before it would retire, and drafts for the rest of the sequence."""
+    kept: the drafter measures a second verify, is tried again before it would retire, and drafts for the rest of
+    the sequence."""
     spec = Speculator(Model(), k=4)
     first = []
 
@@ -61,10 +62,11 @@ def test_one_early_rejection_does_not_retire_a_drafter_whose_later_drafts_are_ke
 
     verified = steps(spec, kept, 200)
     assert not spec.retired and len(verified) == 200
-    assert verified[first[0]] == 1
-    again = next(i for i in range(first[0] + 1, 200) if verified[i])
-    assert again <= first[0] + RETIRE_AFTER + 2  # tried again at the latest where it would have retired
-    assert sum(1 for v in verified[again:] if v) >= 0.9 * (200 - again)  # and drafting from then on
+    assert verified[first[0]] == 1 and verified[first[0] + 1] == 1  # measured again at once (one draft)
+    # (kept at 0.59, one draft does not pay for 2 rows priced near the prior's 2 plain steps here: tried again
+    # where it would have retired, kept, and drafting from then on)
+    later = first[0] + RETIRE_AFTER + 3
+    assert sum(1 for v in verified[later:] if v) >= 0.95 * (200 - later)
     assert max(verified) == 4 and spec.acceptance > 0.9
 
 
@@ -78,12 +80,13 @@ def test_a_drafter_never_kept_is_turned_down_within_two_verifies():
     assert [v for v in verified if v] in ([1], [1, 1])  # (the first verify, and one try at most)
 
 
-def test_a_drafter_whose_try_is_kept_but_still_does_not_pay_is_tried_until_a_try_is_rejected():
-    """Drafts kept one time in two: each try before retiring is one draft, and the first rejected one retires it."""
+def test_a_drafter_kept_one_time_in_two_retires_after_a_few_tries():
+    """Drafts kept one time in two (on alternate steps): the tries before retiring end with the first rejected
+    verify after one that was kept, within a few verifies, and the sequence goes back to plain steps."""
     spec = Speculator(Model(), k=4)
     verified = steps(spec, lambda step, drafts: step % 2, 400)
-    assert spec.retired and len(verified) < 400
-    assert all(v <= 1 for v in verified)
+    assert spec.retired and len(verified) <= 2 * RETIRE_AFTER + 8
+    assert 2 <= sum(1 for v in verified if v) <= 5
 
 
 def test_the_models_drafts_beside_a_lookup_are_tried_once_priced_out():
