@@ -102,4 +102,5 @@ def test_the_models_drafts_beside_a_lookup_are_tried_once_priced_out():
     assert not spec.retired
     again = next(i for i, v in enumerate(verified) if v)
     assert verified[again] == 1 and again <= PROBE_MAX
-    assert sum(verified[again + 1:again + 30]) >= 40  # kept: the model's drafts verified (4 a step, mostly) again
+    later = again + RETIRE_AFTER + 3  # (a kept try at 0.59 may not pay yet: one more where it would retire)
+    assert sum(verified[later:later + 30]) >= 0.9 * 4 * 30  # the model's drafts verified again, 4 a step

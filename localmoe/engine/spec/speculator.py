@@ -292,7 +292,7 @@ class Speculator:
                     # a model's drafts (class 0) priced out by its first verify or a kept one: tried once more first
                     # (module docstring: one rejected first verify priced it out for the sequence, session 17)
                     self._tried[0] = self.stats.steps - PROBE_MAX  # (due: `_due`)
-                    best = best or 1
+                    self._poor, best = 0, best or 1  # (the count starts afresh: the try may price it in)
                 else:
                     self.retired = True
                     if self.residency is not None:
