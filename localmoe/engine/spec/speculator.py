@@ -61,7 +61,13 @@ sequence never stops speculating: a free answer that later quotes its prompt (an
 file) still drafts for the quote. A drafter with a cost of its own at k = 0 (a draft model catching up, an MTP
 layer or a residency reading every forward's hidden states through the cache's sink, which keeps the model off
 its fused plan) retires after `RETIRE_AFTER` steps in which the best k was expected to gain less than
-`RETIRE_GAIN` over a plain step: the sequence goes back to the engine's own decode step.
+`RETIRE_GAIN` over a plain step: the sequence goes back to the engine's own decode step. A model's drafts (class 0:
+a draft model, MTP, a hybrid's model) are priced out only by a rejected verify that was not their first, and tried
+once more before the drafter retires where its last verify kept one (session 17: a draft model's first verify is one
+draft, and one rejection priced it out for the sequence, 0.7 -> 0.31, the 2-row verify's cost still the prior's; on
+the paged code edit a draft model right at 24-42 of 28-48 positions ran 1.00 tokens a step). A drafter never kept
+costs two rejected verifies, as many as before the retry. A model's drafts beside a lookup are tried by verifies
+(the probe share's spacing), not in the shadow: they have none.
 
 The step time is the cost model: on a paged model it includes reading the drafted tokens' experts that are
 not resident, so speculation turns itself down where verifying costs more than it yields. With a `Residency`
@@ -157,6 +163,8 @@ class Speculator:
         self.drafter, self.k_max, self.adaptive, self.residency = drafter, k, adaptive, residency
         self.stats = SpecStats()
         self._kept, self._trials = 0.7, 1.0  # decayed counts: drafts kept, positions tried (prior a = 0.7)
+        self._again = True  # class 0 is tried once more (`_measuring`; before the drafter retires, `choose_k`): its
+        # last verify kept one, or it was its first
         # per bucket(): decayed counts of its drafts' first token kept, tries; of a further token kept once the one
         # before it was, positions reached (`_tally`)
         self._bucket_kept, self._bucket_trials = [0.0] * BUCKETS, [0.0] * BUCKETS
@@ -297,9 +305,15 @@ class Speculator:
         if not self.free:
             self._poor = 0 if self._worth else self._poor + 1
             if self._poor >= RETIRE_AFTER:
-                self.retired = True
-                if self.residency is not None:
-                    self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
+                if self._again and (self.mixed or not self.matches) and not self._memo[0][0]:
+                    # a model's drafts (class 0) priced out by its first verify or a kept one: tried once more first
+                    # (module docstring: one rejected first verify priced it out for the sequence, session 17)
+                    self._tried[0] = self.stats.steps - PROBE_MAX  # (due: `_due`)
+                    self._poor, best = 0, best or 1  # (the count starts afresh: the try may price it in)
+                else:
+                    self.retired = True
+                    if self.residency is not None:
+                        self.residency.unwatch()  # the model's own step again (a sink keeps it on the rows)
         if self.matches:
             self.least = self._least_due()
         if best == 0 and not self.deterministic and any(self._due(b) for b in self._classes):
@@ -379,10 +393,11 @@ class Speculator:
         return 1 << (least - 1)  # bucket() b holds matches of 2^(b-1) tokens and more
 
     def _measuring(self) -> bool:
-        """A drafter without match lengths (a draft model, MTP) and no verify measured yet: its first drafts (one
-        a step) measure a verify. Its acceptance is unknown until tried (no class says how likely a draft is
-        kept), and it retires where drafting does not pay."""
-        return not self.matches and not self._verified
+        """A drafter without match lengths (a draft model, MTP) and no verify measured yet, or only its first, whose
+        draft was rejected: its first drafts (one a step) measure a verify. Its acceptance is unknown until tried (no
+        class says how likely a draft is kept; one rejection alone is not a measure of it: session 17), and it
+        retires where drafting does not pay."""
+        return not self.matches and (not self._verified or self._again and not self._bucket_kept[0])
 
     def _due(self, b: int) -> bool:
         """Whether the steps since class b's last verify call for a try of it (see the module docstring)."""
@@ -409,8 +424,8 @@ class Speculator:
         b = bucket(draft)
         a = self.bucket_acceptance(b)
         keep = self._priced_classes()[b][0]
-        if keep == 0 and self.deterministic:  # tried in the shadow after the fact (`_review`), never by a verify
-            return draft.first(0)
+        if keep == 0 and self.deterministic and b:  # tried in the shadow after the fact (`_review`), never by a
+            return draft.first(0)  # verify (a model's draft beside a lookup, class 0, is tried by a verify)
         if keep == 0:  # a draft its class does not pay for: now and then one is tried anyway
             self._probing = self._due(b)
             keep = int(self._probing)
@@ -595,6 +610,7 @@ class Speculator:
                 # each kept draft is a success; the first rejected one (if any) the one failure of the step
                 self._kept = (1 - SMOOTH) * self._kept + accepted
                 self._trials = (1 - SMOOTH) * self._trials + accepted + (accepted < drafted)
+                self._again = accepted > 0 or not self._bucket_trials[0]  # (tallied below)
             self._drafts_timed += 1
             per = drafting / (drafted + getattr(self.drafter, "caught_up", 0))  # a draft model's tokens run: the
             # sequence's new ones (the prompt, the first time) and the drafts
