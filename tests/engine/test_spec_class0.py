@@ -9,6 +9,8 @@ from __future__ import annotations
 from localmoe.engine.spec.drafters import Draft
 from localmoe.engine.spec.speculator import PROBE_MAX, RETIRE_AFTER, Speculator, bucket
 
+from .test_draft_ahead import Mixed  # hybrid.py's drafter as the speculator sees it (lookup classes 1..4, model 0)
+
 ROW = 0.3  # each row past the first costs this share of a plain step
 
 
@@ -16,17 +18,6 @@ class Model:
     """A drafter without match lengths (the speculator's view of a draft model): class 0 only."""
 
     name = "model"
-
-
-class Mixed:
-    """hybrid.py's drafter as the speculator sees it: the lookup's classes 1..4, the model's class 0."""
-
-    name = "mixed"
-    matches = deterministic = mixed = True
-    _mlen: list[int] = []
-
-    def shadow(self, i, k):
-        return None
 
 
 def steps(spec, kept, n, draft=lambda k: Draft(list(range(k)))) -> list[int]:
