@@ -61,7 +61,6 @@ Q6_K_R8 = RepackedType(Q.Q6_K)
 Q8_0_R16 = RepackedType(Q.Q8_0, 16)
 REPACKED = {Q.Q4_1: Q4_1_R8, Q.Q4_K: Q4_K_R8, Q.Q6_K: Q6_K_R8}
 X16_REPACKED = {Q.Q8_0: Q8_0_R16}  # for the x16 rows only
-GROUP_ROWS = 8  # rows repacked together (Q8_0_R16: 16)
 UNITS = {Q.Q4_1: (20, 32), Q.Q4_K: (144, 256), Q.Q6_K: (210, 256), Q.Q8_0: (34, 32)}  # (bytes, values) of a block / super-block
 
 
@@ -85,7 +84,8 @@ def _run(raw: torch.Tensor, ggml_type, rows: int, out: torch.Tensor, pack: bool)
     row_bytes = raw.numel() // rows
     unit_bytes, unit_values = UNITS.get(plain_type(ggml_type), (row_bytes + 1, 0))
     cols = row_bytes // unit_bytes * unit_values
-    tmp = torch.empty((16 if plain_type(ggml_type) == Q.Q8_0 else GROUP_ROWS) * row_bytes, dtype=torch.uint8)
+    form = {**REPACKED, **X16_REPACKED}.get(plain_type(ggml_type), Q4_1_R8)  # (a type without one: the call says so)
+    tmp = torch.empty(form.rows * row_bytes, dtype=torch.uint8)  # one group of rows
     if lib.ggml_repack(raw.data_ptr(), out.data_ptr(), rows, cols, int(plain_type(ggml_type)), int(pack),
                        tmp.data_ptr()):
         raise ValueError(f"{plain_type(ggml_type).name} [{rows}, {cols}] has no repacked form")
@@ -107,5 +107,5 @@ def unpack(raw: torch.Tensor, ggml_type, rows: int) -> torch.Tensor:
     return _run(raw.contiguous(), ggml_type, rows, torch.empty_like(raw, memory_format=torch.contiguous_format), False)
 
 
-__all__ = ["GROUP_ROWS", "Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "Q8_0_R16", "REPACKED", "REPACK_FLAG", "RepackedType",
+__all__ = ["Q4_1_R8", "Q4_K_R8", "Q6_K_R8", "Q8_0_R16", "REPACKED", "REPACK_FLAG", "RepackedType",
            "X16_REPACKED", "can_repack", "plain_type", "repack", "unpack"]
